@@ -1,0 +1,33 @@
+"""One exception type per kind of failure; the CLI turns each into an exit status in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CkptctlError(Exception):
+    """Base of every error ckptctl reports as a one-line message (exit status 2)."""
+
+
+class CheckpointError(CkptctlError):
+    """A checkpoint (or a file inside it) is missing, corrupt, hostile or inconsistent."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"{self.path}: {reason}")
+
+
+class UsageError(CkptctlError):
+    """The command line asks for something that cannot be done."""
+
+
+class IncompleteCheckpointError(CkptctlError):
+    """The source has coverage or consistency problems and the command would lose data."""
+
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        self.path = str(path)
+        self.problems = problems
+        first = problems[0] if problems else "unknown problem"
+        more = f" (+{len(problems) - 1} more; see `ckptctl inspect --check`)" if len(problems) > 1 else ""
+        super().__init__(f"{self.path}: refusing incomplete checkpoint: {first}{more}; pass --allow-incomplete to go on")

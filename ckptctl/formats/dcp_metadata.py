@@ -1,0 +1,180 @@
+"""Read a DCP checkpoint's `.metadata` (or per-rank `__{rank}.metadata`) into a `Checkpoint`.
+
+Reads the metadata pickle with the restricted unpickler and the data files' sizes, and
+validates everything the file claims before anyone allocates or reads on its say-so:
+paths stay inside the directory, byte ranges inside their files, chunk boxes inside their
+global shape. Nothing else is read, so this is fast on any checkpoint size.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.unpickle import UnsafePickleError, load_metadata_pickle
+from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
+
+METADATA_NAME = ".metadata"
+_RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+MAX_NUMEL = 1 << 50
+MAX_METADATA_BYTES = 1 << 31
+
+
+def _metadata_files(root: Path) -> list[Path]:
+    if (root / METADATA_NAME).is_file():
+        return [root / METADATA_NAME]
+    per_rank = sorted((p for p in root.iterdir() if _RANK_METADATA.match(p.name)),
+                      key=lambda p: int(_RANK_METADATA.match(p.name).group(1)))
+    if not per_rank:
+        raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)")
+    return per_rank
+
+
+def _load_one(path: Path) -> dcp_metadata.Metadata:
+    try:
+        size = path.stat().st_size
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(path, f"metadata is implausibly large ({size} bytes)")
+        md = load_metadata_pickle(path.read_bytes())
+    except CheckpointError:
+        raise
+    except UnsafePickleError as exc:
+        raise CheckpointError(path, f"hostile or foreign pickle: {exc}") from exc
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise CheckpointError(path, f"corrupt metadata pickle ({type(exc).__name__}: {exc})") from exc
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
+    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise CheckpointError(path, "metadata pickle does not hold a DCP Metadata object")
+    return md
+
+
+def _merge(paths: list[Path]) -> tuple[dict, dict, dict, Any, str | None]:
+    """Union of per-rank metadata files (DCP without collectives writes one per rank)."""
+    sd_md: dict[str, Any] = {}
+    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
+    planner: dict[str, Any] = {}
+    storage_meta = None
+    version = None
+    for path in paths:
+        md = _load_one(path)
+        storage_meta = storage_meta or md.storage_meta
+        version = getattr(md, "version", None) or version
+        for fqn, item in md.state_dict_metadata.items():
+            if fqn in sd_md and isinstance(item, dcp_metadata.TensorStorageMetadata):
+                known = {tuple(c.offsets) for c in sd_md[fqn].chunks}
+                sd_md[fqn].chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
+            else:
+                sd_md.setdefault(fqn, item)
+        if isinstance(md.planner_data, dict):
+            planner.update(md.planner_data)
+        for index, info in (md.storage_data or {}).items():
+            offset = None if index.offset is None else tuple(index.offset)
+            storage[(index.fqn, offset)] = info
+    return sd_md, storage, planner, storage_meta, version
+
+
+def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path) -> str:
+    if not isinstance(relative, str) or not relative:
+        raise CheckpointError(where, f"storage entry has an invalid file name {relative!r}")
+    if relative in files:
+        return relative
+    candidate = Path(relative)
+    if candidate.is_absolute() or ".." in candidate.parts:
+        raise CheckpointError(where, f"data file {relative!r} points outside the checkpoint directory")
+    full = root / candidate
+    try:
+        real = full.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError):
+        raise CheckpointError(full, "data file referenced by .metadata is missing") from None
+    if root.resolve() not in real.parents:
+        raise CheckpointError(full, "data file is a link that leaves the checkpoint directory")
+    files[relative] = real.stat().st_size
+    return relative
+
+
+def _check_range(root: Path, file: str, offset: Any, length: Any, files: dict[str, int], fqn: str) -> None:
+    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
+        raise CheckpointError(root / file, f"invalid byte range for {fqn}")
+    if offset + length > files[file]:
+        raise CheckpointError(
+            root / file,
+            f"file is {files[file]} bytes but {fqn} needs bytes {offset}..{offset + length} (truncated?)",
+        )
+
+
+def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
+    shape = tuple(md.size)
+    dtype = md.properties.dtype
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(where, f"{fqn}: dtype is not a torch dtype")
+    if any((not isinstance(d, int)) or d < 0 for d in shape) or math.prod(shape) > MAX_NUMEL:
+        raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
+    chunks = []
+    for c in md.chunks:
+        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise CheckpointError(where, f"{fqn}: chunk rank {len(offsets)} does not match shape {list(shape)}")
+        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise CheckpointError(
+                where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
+        info = storage.get((fqn, offsets))
+        if info is None:
+            raise CheckpointError(where, f"{fqn}: chunk at {list(offsets)} has no storage entry")
+        file = _resolve_file(root, info.relative_path, files, where)
+        _check_range(root, file, info.offset, info.length, files, fqn)
+        transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if not transforms and info.length < nbytes:
+            raise CheckpointError(root / file, f"{fqn}: item of {info.length} bytes cannot hold {nbytes} bytes of data")
+        chunks.append(Chunk(file, info.offset, info.length, offsets, sizes, transforms))
+    return TensorEntry(fqn, shape, dtype, tuple(chunks), md.properties)
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Describe the checkpoint at `path` from its metadata; raises CheckpointError on bad input."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(root, "no such file or directory")
+    if not root.is_dir():
+        raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
+    md_paths = _metadata_files(root)
+    where = md_paths[0]
+    sd_md, storage, planner, storage_meta, version = _merge(md_paths)
+    files: dict[str, int] = {}
+    tensors: dict[str, TensorEntry] = {}
+    bytes_entries: dict[str, BytesEntry] = {}
+    for fqn, item in sd_md.items():
+        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+            tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, where)
+        elif isinstance(item, dcp_metadata.BytesStorageMetadata):
+            info = storage.get((fqn, None))
+            if info is None:
+                raise CheckpointError(where, f"{fqn}: bytes entry has no storage entry")
+            file = _resolve_file(root, info.relative_path, files, where)
+            _check_range(root, file, info.offset, info.length, files, fqn)
+            transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+            bytes_entries[fqn] = BytesEntry(fqn, file, info.offset, info.length, transforms)
+        else:
+            raise CheckpointError(where, f"{fqn}: unknown storage type {type(item).__name__}")
+    for name in os.listdir(root):
+        if name.endswith(".distcp") and name not in files and (root / name).is_file():
+            files[name] = (root / name).stat().st_size
+    return Checkpoint(
+        path=root,
+        tensors=tensors,
+        bytes_entries=bytes_entries,
+        files=dict(sorted(files.items())),
+        planner_data=planner or None,
+        version=version,
+        metadata_files=tuple(p.name for p in md_paths),
+        storage_meta=storage_meta,
+    )

@@ -1,0 +1,213 @@
+"""Pure math on chunk geometry: boxes, flat item ranges, row splits and contiguous copy runs.
+
+Every tensor is row-major. A saved piece is either a *box* of the global tensor or a *flat
+range* of its row-major element (item) index, as Megatron-FSDP's flat optimizer buffers
+are. Copying between layouts reduces to finding, for a region present in both, the
+runs of elements that are contiguous on both sides — that is what `copy_runs` computes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+
+@dataclass(frozen=True)
+class Box:
+    """An axis-aligned block of an N-D tensor: `offsets` and `sizes` per dim."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return tuple(o + s for o, s in zip(self.offsets, self.sizes))
+
+    def intersect(self, other: "Box") -> "Box | None":
+        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
+        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
+        if any(h <= l for l, h in zip(lo, hi)):
+            return None
+        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+
+    def shift(self, delta: Sequence[int]) -> "Box":
+        return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)
+
+
+@dataclass(frozen=True)
+class FlatRange:
+    """Elements [start, start+length) of a tensor's row-major item index."""
+
+    start: int
+    length: int
+
+    @property
+    def numel(self) -> int:
+        return self.length
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+Region = Box | FlatRange
+
+
+@dataclass(frozen=True)
+class Run:
+    """`length` contiguous elements: at `src` in the source region, at `dst` in the destination box."""
+
+    src: int
+    dst: int
+    length: int
+
+
+def strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major element strides of `shape`."""
+    out, acc = [], 1
+    for dim in reversed(shape):
+        out.append(acc)
+        acc *= dim
+    return tuple(reversed(out))
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return Box(tuple(0 for _ in shape), tuple(shape))
+
+
+def chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:
+    """`torch.chunk` row ranges: ceil(rows/parts) rows each; parts past the end get (rows, rows)."""
+    step = -(-rows // parts) if rows else 0
+    return [(min(rows, i * step), min(rows, (i + 1) * step)) for i in range(parts)]
+
+
+def even_row_cuts(rows: int, parts: int) -> list[tuple[int, int]]:
+    """Whole-row cuts as even as possible (the first `rows % parts` parts get one more row)."""
+    base, extra = divmod(rows, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + base + (1 if i < extra else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def rows_box(shape: Sequence[int], start: int, stop: int) -> Box:
+    """Rows [start, stop) of a tensor with all of its trailing dims."""
+    return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
+
+
+def region_bounds(region: Region, shape: Sequence[int]) -> Box:
+    """The smallest box holding `region` (a flat range covers whole rows of dim 0)."""
+    if isinstance(region, Box):
+        return region
+    if not shape:
+        return Box((), ())
+    row = math.prod(shape[1:])
+    if row == 0:
+        return Box(tuple(0 for _ in shape), tuple(0 for _ in shape))
+    first, last = region.start // row, -(-region.end // row)
+    return rows_box(shape, first, last)
+
+
+def _split_dim(part: Box, *containers: Sequence[int]) -> int:
+    """First dim k such that every dim after it is whole in `part` and all `containers`."""
+    k = len(part.sizes)
+    while k > 0 and all(part.sizes[k - 1] == c[k - 1] for c in containers):
+        k -= 1
+    return max(k - 1, 0) if k > 0 else 0
+
+
+def _lines(part: Box, k: int) -> Iterator[tuple[int, ...]]:
+    """Start coordinates of each line of `part`: every index over dims [0, k), the offset after."""
+    if k == 0 or not part.sizes:
+        yield part.offsets
+        return
+    ranges = [range(o, o + s) for o, s in zip(part.offsets[:k], part.sizes[:k])]
+    tail = part.offsets[k:]
+    idx = [r.start for r in ranges]
+    total = math.prod(len(r) for r in ranges)
+    for _ in range(total):
+        yield (*idx, *tail)
+        for d in range(k - 1, -1, -1):
+            idx[d] += 1
+            if idx[d] < ranges[d].stop:
+                break
+            idx[d] = ranges[d].start
+
+
+def _local(coords: Sequence[int], box: Box) -> int:
+    return sum((c - o) * s for c, o, s in zip(coords, box.offsets, strides(box.sizes)))
+
+
+def copy_runs(part: Box, src: Region, src_shape: Sequence[int], dst: Box, shift: Sequence[int]) -> list[Run]:
+    """Contiguous runs copying `part` (source coordinates) from `src` into `dst` (destination coordinates).
+
+    `shift` maps source coordinates to destination ones (dst = src + shift). `part` must lie
+    inside `region_bounds(src)` and `part.shift(shift)` inside `dst`; for a flat `src` only
+    the elements of `part` inside the flat range are copied. Adjacent runs are merged.
+    """
+    if part.numel == 0:
+        return []
+    if isinstance(src, FlatRange):
+        rows = region_bounds(src, src_shape)
+        clipped = part.intersect(rows) if part.sizes else part
+        if clipped is None:
+            return []
+        part = clipped
+    src_sizes = src.sizes if isinstance(src, Box) else tuple(src_shape)
+    k = _split_dim(part, src_sizes, dst.sizes)
+    run_len = math.prod(part.sizes[k:])
+    src_strides = strides(src_shape) if isinstance(src, FlatRange) else None
+    runs: list[Run] = []
+    for line in _lines(part, k):
+        d = _local([c + s for c, s in zip(line, shift)], dst)
+        if isinstance(src, Box):
+            _append(runs, Run(_local(line, src), d, run_len))
+            continue
+        g = sum(c * s for c, s in zip(line, src_strides))
+        lo, hi = max(g, src.start), min(g + run_len, src.end)
+        if lo < hi:
+            _append(runs, Run(lo - src.start, d + (lo - g), hi - lo))
+    return runs
+
+
+def _append(runs: list[Run], run: Run) -> None:
+    if runs and runs[-1].src + runs[-1].length == run.src and runs[-1].dst + runs[-1].length == run.dst:
+        last = runs[-1]
+        runs[-1] = Run(last.src, last.dst, last.length + run.length)
+    else:
+        runs.append(run)
+
+
+def union_volume(boxes: Sequence[Box]) -> int:
+    """Number of elements covered by at least one box (exact, by coordinate compression)."""
+    boxes = [b for b in boxes if b.numel > 0]
+    if not boxes:
+        return 0
+    if len(boxes[0].sizes) == 0:
+        return 1
+    if len(boxes) == 1:
+        return boxes[0].numel
+    cuts = sorted({b.offsets[0] for b in boxes} | {b.ends[0] for b in boxes})
+    total = 0
+    for lo, hi in zip(cuts, cuts[1:]):
+        active = [Box(b.offsets[1:], b.sizes[1:]) for b in boxes if b.offsets[0] <= lo and b.ends[0] >= hi]
+        if active:
+            total += (hi - lo) * union_volume(active)
+    return total
+
+
+def flat_union(ranges: Sequence[FlatRange]) -> int:
+    """Number of items covered by at least one flat range."""
+    covered, reach = 0, 0
+    for r in sorted((r for r in ranges if r.length > 0), key=lambda r: r.start):
+        if r.end > reach:
+            covered += r.end - max(r.start, reach)
+            reach = r.end
+    return covered

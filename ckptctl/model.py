@@ -1,0 +1,103 @@
+"""The typed in-memory picture of a checkpoint every command works from.
+
+It holds what `.metadata` says (entries, global shapes, dtypes, chunks and where their
+bytes are), never tensor data: building it reads `.metadata` and file sizes only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch's own short name: `torch.bfloat16` → `bfloat16`."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved piece of a tensor: a box of the global tensor stored as one item of a file."""
+
+    file: str
+    offset: int
+    length: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    transforms: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor of the state dict: global shape, dtype and the chunks that hold it."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[Chunk, ...]
+    properties: Any = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+
+@dataclass(frozen=True)
+class BytesEntry:
+    """A non-tensor state-dict value, stored as raw `torch.save(obj)` bytes."""
+
+    fqn: str
+    file: str
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass
+class Checkpoint:
+    """A DCP checkpoint directory as described by its metadata."""
+
+    path: Path
+    tensors: dict[str, TensorEntry]
+    bytes_entries: dict[str, BytesEntry]
+    files: dict[str, int]
+    planner_data: Any = None
+    version: str | None = None
+    metadata_files: tuple[str, ...] = (".metadata",)
+    storage_meta: Any = field(default=None, repr=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    @property
+    def saved_world_size(self) -> int:
+        """Number of ranks that wrote data files (`__{rank}_{n}.distcp`)."""
+        ranks = set()
+        for name in self.files:
+            stem = Path(name).name
+            if stem.startswith("__") and "_" in stem[2:]:
+                head = stem[2:].split("_", 1)[0]
+                if head.isdigit():
+                    ranks.add(int(head))
+        return max(ranks) + 1 if ranks else 0
