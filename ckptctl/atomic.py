@@ -1,0 +1,83 @@
+"""Atomic output directories: a run that dies leaves DST absent or complete, never partial.
+
+Work happens in a hidden sibling `.{name}.ckptctl-tmp-{pid}`; only a finished, fsynced tree
+is renamed into place. Siblings left by runs that were killed (their pid is gone) are
+removed by the next run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+from ckptctl.errors import UsageError
+
+_TMP_MARK = ".ckptctl-tmp-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(dst: Path) -> None:
+    prefix = f".{dst.name}{_TMP_MARK}"
+    for sibling in dst.parent.glob(f"{prefix}*"):
+        pid = sibling.name[len(prefix):].split("-")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(sibling, ignore_errors=True)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
+    """Refuse an existing DST unless forced, and a DST that is (or contains) the source."""
+    if src is not None:
+        s, d = src.resolve(), dst.resolve()
+        if d == s or s in d.parents or d in s.parents:
+            raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
+    if dst.exists() and not force:
+        raise UsageError(f"{dst}: destination exists (pass --force to replace it)")
+    if dst.exists() and not dst.is_dir():
+        raise UsageError(f"{dst}: destination exists and is not a directory")
+
+
+@contextlib.contextmanager
+def atomic_directory(dst: Path, force: bool, tag: str = "") -> Iterator[Path]:
+    """Yield a temporary sibling to fill; rename it to `dst` when the body finishes without error."""
+    dst = Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(dst)
+    tmp = dst.parent / f".{dst.name}{_TMP_MARK}{os.getpid()}{('-' + tag) if tag else ''}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_dir(tmp)
+        if dst.exists():
+            if not force:
+                raise UsageError(f"{dst}: destination appeared while writing (pass --force to replace it)")
+            old = dst.parent / f".{dst.name}{_TMP_MARK}{os.getpid()}-old"
+            os.rename(dst, old)
+            os.rename(tmp, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

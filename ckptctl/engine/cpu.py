@@ -1,0 +1,237 @@
+"""Execute a copy plan with CPU threads: positioned reads, optional casts, CRC, positioned writes.
+
+Each output record is streamed in bounded blocks in destination order, so a record of
+any size costs one block of memory per worker, and the CRC-32 a torch.save archive needs
+is computed on the way. Runs from one source chunk that lie close together are fetched
+with one read. Reads, CRC and writes release the GIL, so a small thread pool keeps the
+disk busy; records are independent, so workers take them in any order.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_items import ItemReader, RawRecord
+from ckptctl.model import Checkpoint, Chunk
+from ckptctl.plan import CopyItem, SourceRead, StreamItem
+
+BLOCK_BYTES = 16 << 20
+GAP_BYTES = 256 << 10
+DECODED_CACHE_BYTES = 256 << 20
+
+
+class ChunkSource:
+    """Serves element ranges of source chunks: positioned reads, or decoded items for transformed ones."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.reader = ItemReader(ckpt)
+        self._records: dict[tuple[str, int], RawRecord | None] = {}
+        self._decoded: dict[tuple[str, int], bytes] = {}
+        self._decoded_bytes = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.reader.close()
+
+    def record(self, fqn: str, chunk: Chunk) -> RawRecord | None:
+        key = (chunk.file, chunk.offset)
+        if key not in self._records:
+            self._records[key] = self.reader.locate(self.ckpt.tensors[fqn], chunk)
+        return self._records[key]
+
+    def decoded(self, fqn: str, chunk: Chunk) -> memoryview:
+        key = (chunk.file, chunk.offset)
+        with self._lock:
+            data = self._decoded.get(key)
+        if data is None:
+            tensor = self.reader.read_chunk(self.ckpt.tensors[fqn], chunk)
+            data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            with self._lock:
+                if self._decoded_bytes + len(data) > DECODED_CACHE_BYTES:
+                    self._decoded.clear()
+                    self._decoded_bytes = 0
+                self._decoded[key] = data
+                self._decoded_bytes += len(data)
+        return memoryview(data)
+
+    def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
+        """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
+        rec = self.record(fqn, chunk)
+        if rec is None:
+            out[:] = self.decoded(fqn, chunk)[byte_start: byte_start + len(out)]
+            return
+        got = os.preadv(self.reader.fd(chunk.file), [out], rec.byte_offset + byte_start)
+        if got != len(out):
+            raise CheckpointError(rec.path, f"short read at byte {rec.byte_offset + byte_start}")
+
+
+@dataclass
+class _Segment:
+    read: SourceRead
+    src: int
+    dst: int
+    length: int
+
+
+def _segments(item: StreamItem) -> list[_Segment]:
+    segs = [_Segment(read, r.src, r.dst, r.length) for read in item.reads for r in read.runs]
+    segs.sort(key=lambda s: s.dst)
+    return segs
+
+
+def _fill_block(sources: ChunkSource, out: torch.Tensor, out_bytes: memoryview, b0: int, segs: list[_Segment]) -> None:
+    """Assemble destination elements [b0, b0+len(out)) from the segments that overlap them."""
+    by_chunk: dict[tuple[str, int], list[_Segment]] = {}
+    for s in segs:
+        by_chunk.setdefault((s.read.chunk.file, s.read.chunk.offset), []).append(s)
+    out_isz = out.dtype.itemsize
+    for group in by_chunk.values():
+        read = group[0].read
+        isz = read.dtype.itemsize
+        group.sort(key=lambda s: s.src)
+        i = 0
+        while i < len(group):
+            j, span_end = i + 1, group[i].src + group[i].length
+            while j < len(group) and (group[j].src - span_end) * isz <= GAP_BYTES \
+                    and (group[j].src + group[j].length - group[i].src) * isz <= BLOCK_BYTES:
+                span_end = max(span_end, group[j].src + group[j].length)
+                j += 1
+            run = group[i:j]
+            if len(run) == 1 and read.dtype == out.dtype:
+                s = run[0]
+                sources.read_into(read.fqn, read.chunk, s.src * isz,
+                                  out_bytes[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
+            else:
+                base = run[0].src
+                tmp = bytearray((span_end - base) * isz)
+                sources.read_into(read.fqn, read.chunk, base * isz, memoryview(tmp))
+                src_t = torch.frombuffer(tmp, dtype=read.dtype)
+                for s in run:
+                    out[s.dst - b0: s.dst - b0 + s.length].copy_(src_t[s.src - base: s.src - base + s.length])
+            i = j
+
+
+def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Segment], int]:
+    """Segments overlapping [lo, hi), clipped; `start` is the index to resume scanning from."""
+    out = []
+    k = start
+    while k < len(segs) and segs[k].dst + segs[k].length <= lo:
+        k += 1
+    m = k
+    while m < len(segs) and segs[m].dst < hi:
+        s = segs[m]
+        a, b = max(s.dst, lo), min(s.dst + s.length, hi)
+        out.append(_Segment(s.read, s.src + (a - s.dst), a, b - a))
+        m += 1
+    return out, k
+
+
+class OutputFiles:
+    """Output files opened once, pre-sized, shared by all workers (positioned writes)."""
+
+    def __init__(self, directory: Path, sizes: Mapping[str, int]) -> None:
+        self.directory = directory
+        self.fds: dict[str, int] = {}
+        for name, size in sizes.items():
+            path = directory / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.ftruncate(fd, size)
+            self.fds[name] = fd
+
+    def write(self, name: str, data: bytes | memoryview, offset: int) -> None:
+        view = memoryview(data)
+        while len(view):
+            n = os.pwrite(self.fds[name], view, offset)
+            view, offset = view[n:], offset + n
+
+    def close(self, sync: bool = True) -> None:
+        for fd in self.fds.values():
+            if sync:
+                os.fsync(fd)
+            os.close(fd)
+        self.fds.clear()
+
+
+def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
+    """Write one record; returns the CRC-32 of its data."""
+    files.write(item.file, item.head, item.offset)
+    dtype = item.target.dtype
+    numel = item.box.numel
+    block = max(1, BLOCK_BYTES // max(dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1)))
+    buf = bytearray(min(numel, block) * dtype.itemsize)
+    segs = _segments(item)
+    pos = item.offset + len(item.head)
+    crc, resume = 0, 0
+    for b0 in range(0, numel, block):
+        b1 = min(numel, b0 + block)
+        view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
+        out = torch.frombuffer(buf, dtype=dtype, count=b1 - b0) if b1 > b0 else None
+        clipped, resume = _clip(segs, b0, b1, resume)
+        _fill_block(sources, out, view, b0, clipped)
+        crc = zlib.crc32(view, crc)
+        files.write(item.file, view, pos)
+        pos += len(view)
+        progress(len(view))
+    if item.tail is not None:
+        files.write(item.file, item.tail(crc), pos)
+    return crc
+
+
+def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> None:
+    """Copy a byte range verbatim, in the kernel when it can."""
+    src_fd = sources.reader.fd(item.src_file)
+    dst_fd = files.fds[item.file]
+    done = 0
+    while done < item.length:
+        n = os.copy_file_range(src_fd, dst_fd, item.length - done, item.src_offset + done, item.offset + done)
+        if n <= 0:
+            data = os.pread(src_fd, min(BLOCK_BYTES, item.length - done), item.src_offset + done)
+            if not data:
+                raise CheckpointError(sources.ckpt.path / item.src_file, "short read")
+            files.write(item.file, data, item.offset + done)
+            n = len(data)
+        done += n
+        progress(n)
+
+
+def execute(
+    stream_items: Sequence[StreamItem],
+    copy_items: Iterable[CopyItem],
+    sources: ChunkSource,
+    files: OutputFiles,
+    workers: int,
+    progress: Callable[[int], None],
+) -> None:
+    """Run every item on a pool of `workers` threads, largest first; the first failure is raised."""
+    for item in copy_items:
+        copy_item(item, sources, files, progress)
+    order = sorted(stream_items, key=lambda i: i.nbytes, reverse=True)
+    if workers <= 1:
+        for item in order:
+            stream_item(item, sources, files, progress)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptctl") as pool:
+        futures = [pool.submit(stream_item, item, sources, files, progress) for item in order]
+        for fut in futures:
+            fut.result()
+
+
+def assemble(item: StreamItem, sources: ChunkSource) -> torch.Tensor:
+    """The values of `item.box` of its target as a fresh dense tensor (for verification and small outputs)."""
+    numel = item.box.numel
+    out = torch.empty(numel, dtype=item.target.dtype)
+    if numel:
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        _fill_block(sources, out, view, 0, _segments(item))
+    return out.reshape(item.box.sizes)

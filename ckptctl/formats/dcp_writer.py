@@ -1,0 +1,140 @@
+"""Lay out and describe a DCP checkpoint that torch's own `FileSystemReader` loads.
+
+`layout_dcp` decides, before any byte moves, which file and byte range every output item
+gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
+workers can write items in any order and in parallel. `write_metadata` then writes the
+`.metadata` pickle with torch's own metadata classes.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
+from ckptctl.model import BytesEntry
+from ckptctl.placement import Placed
+from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, plan_box
+
+DCP_VERSION = "1.0.0"
+
+
+def rank_file(rank: int) -> str:
+    return f"__{rank}_0.distcp"
+
+
+@dataclass
+class DcpOutput:
+    """Everything needed to write a DCP checkpoint: items with their places, and its metadata."""
+
+    files: dict[str, int]
+    stream_items: list[StreamItem]
+    copy_items: list[CopyItem]
+    targets: dict[str, TargetTensor]
+    bytes_entries: dict[str, CopyItem]
+    bytes_transforms: dict[str, tuple[str, ...]]
+    planner_data: dict[str, Any] | None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(i.nbytes for i in self.stream_items) + sum(i.length for i in self.copy_items)
+
+
+def layout_dcp(
+    targets: Sequence[TargetTensor],
+    placements: Mapping[str, Sequence[Placed]],
+    sources: Mapping[str, SourceTensor],
+    bytes_entries: Sequence[BytesEntry],
+    planner_data: dict[str, Any] | None,
+) -> DcpOutput:
+    """Place every target chunk and bytes entry in its rank file and compute the copy runs."""
+    sizes: dict[str, int] = {}
+    copies: dict[str, CopyItem] = {}
+    transforms: dict[str, tuple[str, ...]] = {}
+    for entry in bytes_entries:
+        file = rank_file(0)
+        at = sizes.get(file, 0)
+        copies[entry.fqn] = CopyItem(entry.file, entry.offset, entry.length, file, at)
+        transforms[entry.fqn] = entry.transforms
+        sizes[file] = at + entry.length
+    items: list[StreamItem] = []
+    for target in targets:
+        for placed in placements[target.fqn]:
+            file = rank_file(placed.rank)
+            at = sizes.get(file, 0)
+            key = f"{target.fqn}@{list(placed.box.offsets)}"
+            layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
+            reads = plan_box(target, placed.box, sources)
+            items.append(StreamItem(file, at, layout.head, target, placed.box, reads, layout.tail))
+            sizes[file] = at + layout.length
+    return DcpOutput(
+        files=dict(sorted(sizes.items())),
+        stream_items=items,
+        copy_items=list(copies.values()),
+        targets={t.fqn: t for t in targets},
+        bytes_entries=copies,
+        bytes_transforms=transforms,
+        planner_data=planner_data,
+    )
+
+
+def _properties(target: TargetTensor) -> TensorProperties:
+    src = target.properties
+    return TensorProperties(
+        dtype=target.dtype,
+        requires_grad=bool(getattr(src, "requires_grad", False)),
+    )
+
+
+def build_metadata(out: DcpOutput) -> Metadata:
+    """The `.metadata` object describing `out`, built from torch's own classes."""
+    sd_md: dict[str, Any] = {}
+    storage: dict[MetadataIndex, _StorageInfo] = {}
+    for fqn, copy in out.bytes_entries.items():
+        sd_md[fqn] = BytesStorageMetadata()
+        storage[MetadataIndex(fqn)] = _StorageInfo(copy.file, copy.offset, copy.length,
+                                                   list(out.bytes_transforms[fqn]) or None)
+    chunks: dict[str, list[ChunkStorageMetadata]] = {fqn: [] for fqn in out.targets}
+    for item in out.stream_items:
+        fqn = item.target.fqn
+        index = len(chunks[fqn])
+        chunks[fqn].append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
+        length = len(item.head) + item.nbytes + len(item.tail(0))
+        storage[MetadataIndex(fqn, item.box.offsets, index)] = _StorageInfo(item.file, item.offset, length)
+    for fqn, target in out.targets.items():
+        sd_md[fqn] = TensorStorageMetadata(_properties(target), torch.Size(target.shape), chunks[fqn])
+    return Metadata(
+        state_dict_metadata=sd_md,
+        planner_data=out.planner_data,
+        storage_data=storage,
+        storage_meta=StorageMeta(checkpoint_id=None, save_id=None, modules=[]),
+        version=DCP_VERSION,
+    )
+
+
+def write_metadata(out: DcpOutput, directory: Path) -> None:
+    """Write `.metadata` into `directory` (fsynced)."""
+    path = directory / ".metadata"
+    with open(path, "wb") as fh:
+        pickle.dump(build_metadata(out), fh)
+        fh.flush()
+        os.fsync(fh.fileno())

@@ -1,0 +1,174 @@
+"""Write a `torch.save(tensor)` archive around tensor bytes that are streamed in, not held.
+
+DCP stores each tensor item as a complete `torch.save` zip archive. To stream bytes from
+source records straight to an output record, ckptctl lays the archive out itself: the
+records before the tensor data (its `data.pkl` and torch's small marker records) form a
+*head*, the tensor bytes follow (64-byte aligned, as torch aligns them), and the rest of
+the archive (data descriptor with the CRC-32, trailing records, central directory) forms a
+*tail* that is built once the data's CRC is known. Sizes are known up front, so every
+item's byte range in its file is known at planning time. The archive is what torch's own
+streaming writer produces: stored entries, data descriptors, zip64 when sizes need it.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import pickle
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ckptctl.geometry import strides
+
+ARCHIVE = "archive"
+ALIGNMENT = 64
+_FLAGS = 0x0808  # data descriptor follows the data; names are UTF-8
+_ZIP64_LIMIT = 0xFFFFFFFF
+_LEGACY_STORAGE = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+
+
+class _StorageStub:
+    def __init__(self, dtype: torch.dtype, numel: int) -> None:
+        self.dtype, self.numel = dtype, numel
+
+
+class _TensorStub:
+    """Pickles the way torch.save pickles a dense CPU tensor of the given shape."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+        numel = 1
+        for d in shape:
+            numel *= d
+        self.storage = _StorageStub(dtype, numel)
+        self.dtype, self.shape = dtype, shape
+
+    def __reduce__(self):  # noqa: D105 - pickle protocol
+        hooks = collections.OrderedDict()
+        if self.dtype in _LEGACY_STORAGE:
+            return (torch._utils._rebuild_tensor_v2,
+                    (self.storage, 0, self.shape, strides(self.shape), False, hooks))
+        return (torch._utils._rebuild_tensor_v3,
+                (self.storage, 0, self.shape, strides(self.shape), False, hooks, self.dtype))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj: object):
+        if isinstance(obj, _StorageStub):
+            if obj.dtype in _LEGACY_STORAGE:
+                return ("storage", getattr(torch, _LEGACY_STORAGE[obj.dtype]), "0", "cpu", obj.numel)
+            return ("storage", torch.UntypedStorage, "0", "cpu", obj.numel * obj.dtype.itemsize)
+        return None
+
+
+def tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """The `data.pkl` torch.save writes for a dense tensor of this dtype and shape."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(_TensorStub(dtype, tuple(shape)))
+    return buf.getvalue()
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    offset: int
+    size: int
+    crc: int | None  # None: the tensor data, whose CRC arrives later
+    zip64: bool
+
+
+def _local_header(name: bytes, pad_to: int | None, at: int, zip64: bool) -> bytes:
+    extra = struct.pack("<HHQQ", 0x0001, 16, 0, 0) if zip64 else b""
+    base = 30 + len(name) + len(extra)
+    if pad_to is not None:
+        pad = (-(at + base + 4)) % pad_to
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad  # torch's "FB" padding record
+    version = 45 if zip64 else 20
+    return struct.pack("<IHHHHHIIIHH", 0x04034B50, version, _FLAGS, 0, 0, 0, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def _descriptor(crc: int, size: int, zip64: bool) -> bytes:
+    if zip64:
+        return struct.pack("<IIQQ", 0x08074B50, crc, size, size)
+    return struct.pack("<IIII", 0x08074B50, crc, size, size)
+
+
+class TorchSaveLayout:
+    """Byte layout of one tensor item: `head` + `nbytes` of tensor data + `tail(crc)`."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], serialization_id: str, force_zip64: bool = False) -> None:
+        self.dtype, self.shape = dtype, tuple(shape)
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        self.nbytes = numel * dtype.itemsize
+        small = [
+            ("data.pkl", tensor_pickle(dtype, self.shape)),
+            (".format_version", b"1"),
+            (".storage_alignment", str(ALIGNMENT).encode()),
+            ("byteorder", b"little"),
+        ]
+        self._entries: list[_Entry] = []
+        head = bytearray()
+        for name, payload in small:
+            self._entries.append(_Entry(name, len(head), len(payload), zlib.crc32(payload), False))
+            head += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, len(head), False) + payload
+        self._data_zip64 = force_zip64 or self.nbytes >= _ZIP64_LIMIT
+        data_offset = len(head)
+        self._entries.append(_Entry("data/0", data_offset, self.nbytes, None, self._data_zip64))
+        head += _local_header(f"{ARCHIVE}/data/0".encode(), ALIGNMENT, len(head), self._data_zip64)
+        self.head = bytes(head)
+        self._trailing = [("version", b"3\n"), (".data/serialization_id", serialization_id.encode())]
+        self._force_zip64 = force_zip64
+        self.tail_len = len(self.tail(0))
+
+    @property
+    def length(self) -> int:
+        """Total item length in bytes."""
+        return len(self.head) + self.nbytes + self.tail_len
+
+    def tail(self, crc: int) -> bytes:
+        """Everything after the tensor data, given the data's CRC-32."""
+        at = len(self.head) + self.nbytes
+        tail = bytearray(_descriptor(crc, self.nbytes, self._data_zip64))
+        entries = [e if e.crc is not None else _Entry(e.name, e.offset, e.size, crc, e.zip64) for e in self._entries]
+        for name, payload in self._trailing:
+            offset = at + len(tail)
+            big = self._force_zip64 or offset >= _ZIP64_LIMIT
+            entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))
+            tail += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, offset, big) + payload
+            tail += _descriptor(zlib.crc32(payload), len(payload), big)
+        cd_start = at + len(tail)
+        directory = bytearray()
+        for e in entries:
+            directory += self._central_record(e)
+        tail += directory
+        cd_end = at + len(tail)
+        count = len(entries)
+        needs64 = self._force_zip64 or cd_start >= _ZIP64_LIMIT or any(e.zip64 for e in entries)
+        if needs64:
+            tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(directory), cd_start)
+            tail += struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1)
+        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
+                            min(cd_start, _ZIP64_LIMIT) if needs64 else cd_start, 0)
+        return bytes(tail)
+
+    @staticmethod
+    def _central_record(e: _Entry) -> bytes:
+        name = f"{ARCHIVE}/{e.name}".encode()
+        if e.zip64:
+            extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
+            size32, offset32, version = _ZIP64_LIMIT, _ZIP64_LIMIT, 45
+        else:
+            extra, size32, offset32, version = b"", e.size, e.offset, 20
+        return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc,
+                           size32, size32, len(name), len(extra), 0, 0, 0, 0, offset32) + name + extra
+
+
+def serialization_id(key: str) -> str:
+    """A deterministic 40-digit id (torch writes a random one) so equal runs give equal bytes."""
+    digest = hashlib.blake2b(key.encode(), digest_size=16).digest()
+    return str(int.from_bytes(digest, "little")).rjust(40, "0")[:40]

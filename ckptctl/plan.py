@@ -1,0 +1,150 @@
+"""Copy plans: which source elements land where in each output piece. Pure data, no I/O.
+
+A *source tensor* is a checkpoint entry seen in its logical shape: its chunks are boxes, or
+flat item ranges when an optimizer buffer was saved 1-D in item coordinates. A *target
+tensor* is an output tensor defined by pieces, each a translated block of one source
+(identity for a reshard; row blocks of a fused tensor for a split; per-group rows for an
+HF export). For any output box, `plan_box` lists the contiguous element runs to copy from
+each source chunk — the engines only execute these lists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import torch
+
+from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, region_bounds
+from ckptctl.model import Chunk, TensorEntry
+
+
+@dataclass(frozen=True)
+class SourceTensor:
+    """A checkpoint tensor in its logical shape, each chunk paired with the region it holds."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    chunks: tuple[tuple[Chunk, Region], ...]
+
+
+def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
+    """View an entry as a source; a 1-D entry given an N-D `logical_shape` is a flat item-coordinate buffer."""
+    shape = tuple(entry.shape if logical_shape is None else logical_shape)
+    flat = shape != entry.shape
+    if flat and (len(entry.shape) != 1 or math.prod(shape) != entry.numel):
+        raise ValueError(f"{entry.fqn}: cannot view {list(entry.shape)} as {list(shape)}")
+    regions = tuple(
+        (c, FlatRange(c.offsets[0], c.sizes[0]) if flat else Box(c.offsets, c.sizes)) for c in entry.chunks
+    )
+    return SourceTensor(entry.fqn, shape, entry.dtype, regions)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`."""
+
+    src: str
+    src_start: tuple[int, ...]
+    dst_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """An output tensor and where each of its blocks comes from."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: tuple[Piece, ...]
+    properties: object = field(default=None, compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def identity_target(src: SourceTensor, fqn: str | None = None, dtype: torch.dtype | None = None) -> TargetTensor:
+    """The whole source, unchanged in shape (a plain reshard, possibly with a cast)."""
+    zero = tuple(0 for _ in src.shape)
+    return TargetTensor(fqn or src.fqn, src.shape, dtype or src.dtype, (Piece(src.fqn, zero, zero, src.shape),))
+
+
+@dataclass(frozen=True)
+class SourceRead:
+    """Runs to copy from one source chunk: `src` offsets count elements of the chunk, `dst` of the output box."""
+
+    fqn: str
+    chunk: Chunk
+    dtype: torch.dtype
+    runs: tuple[Run, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(r.length for r in self.runs)
+
+
+def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:
+    """Every run that fills `box` of `target`, from whichever source chunks intersect it."""
+    reads: list[SourceRead] = []
+    for piece in target.pieces:
+        placed = Box(piece.dst_start, piece.sizes).intersect(box) if box.sizes else box
+        if placed is None or placed.numel == 0:
+            continue
+        delta = tuple(s - d for s, d in zip(piece.src_start, piece.dst_start))
+        wanted = placed.shift(delta)
+        src = sources[piece.src]
+        back = tuple(-d for d in delta)
+        for chunk, region in src.chunks:
+            part = region_bounds(region, src.shape).intersect(wanted) if wanted.sizes else wanted
+            if part is None or part.numel == 0 or region.numel == 0:
+                continue
+            runs = copy_runs(part, region, src.shape, box, back)
+            if runs:
+                reads.append(SourceRead(src.fqn, chunk, src.dtype, tuple(runs)))
+    return tuple(reads)
+
+
+def missing_elements(box: Box, reads: Sequence[SourceRead]) -> int:
+    """Elements of `box` no run writes (0 for a fully covered box; runs never overlap in valid sources)."""
+    covered = sorted((r.dst, r.dst + r.length) for read in reads for r in read.runs)
+    total, reach = 0, 0
+    for lo, hi in covered:
+        if hi > reach:
+            total += hi - max(lo, reach)
+            reach = hi
+    return box.numel - total
+
+
+@dataclass(frozen=True)
+class StreamItem:
+    """One output record: `head`, then `box` of `target` assembled from `reads`, then `tail(crc)`.
+
+    `tail` is None for raw records (safetensors), which need no CRC.
+    """
+
+    file: str
+    offset: int
+    head: bytes
+    target: TargetTensor
+    box: Box
+    reads: tuple[SourceRead, ...]
+    tail: Callable[[int], bytes] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.box.numel * self.target.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class CopyItem:
+    """Bytes copied verbatim from a source file range (bytes entries, unchanged records)."""
+
+    src_file: str
+    src_offset: int
+    length: int
+    file: str
+    offset: int

@@ -1,0 +1,171 @@
+"""`reshard`: rewrite a DCP checkpoint laid out as FSDP2 would save it at another world size.
+
+Builds the targets (filtered, cast, flat optimizer buffers seen in their param's shape),
+places them, plans every run, then streams them into an atomic output directory. Source
+problems that would lose data (coverage gaps, the plain-tensor optimizer bug) are refused
+with the `inspect --check` diagnosis unless the caller allows them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from ckptctl.atomic import atomic_directory, check_destination
+from ckptctl.engine.cpu import ChunkSource, OutputFiles, execute
+from ckptctl.errors import IncompleteCheckpointError, UsageError
+from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
+from ckptctl.layout import analyze
+from ckptctl.model import Checkpoint
+from ckptctl.placement import fsdp2
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
+from ckptctl.resources import peak_rss_bytes
+from ckptctl.verify import verify_dcp
+
+DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class ReshardOptions:
+    world_size: int
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    dtype: torch.dtype | None = None
+    workers: int = 4
+    allow_incomplete: bool = False
+
+
+@dataclass
+class ReshardReport:
+    """What a run did, for `--json` and the summary line."""
+
+    src: str
+    dst: str
+    world_size: int
+    tensors: int
+    bytes_entries: int
+    files: int
+    bytes_read: int
+    bytes_written: int
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    verified: bool = False
+    dry_run: bool = False
+    predicted_peak_bytes: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """FQN filter: kept when it matches an include glob (or none are given) and no exclude glob."""
+    if include and not any(fnmatch.fnmatchcase(fqn, g) for g in include):
+        return False
+    return not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
+
+
+def cast_dtype(src: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+    """`--dtype` casts floating tensors only; integer and bool tensors keep their dtype."""
+    return wanted if wanted is not None and src.is_floating_point else src
+
+
+def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
+    """Every tensor entry as a source; flat 1-D optimizer buffers take their param's shape."""
+    analysis = analyze(ckpt)
+    reports = {r.fqn: r for r in analysis.reports}
+    out = {}
+    for fqn, entry in ckpt.tensors.items():
+        report = reports.get(fqn)
+        if report is not None and report.layout == "flat" and report.param:
+            out[fqn] = source_view(entry, ckpt.tensors[report.param].shape)
+        else:
+            out[fqn] = source_view(entry)
+    return out
+
+
+def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
+    """The source's data-loss problems; raises unless `allow`."""
+    problems = [p.message for p in analyze(ckpt).problems]
+    if problems and not allow:
+        raise IncompleteCheckpointError(ckpt.path, problems)
+    return problems
+
+
+def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
+    """The whole output: targets, their FSDP2 placement and every copy run. No I/O."""
+    if opts.world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+    sources = source_tensors(ckpt)
+    targets: list[TargetTensor] = []
+    for fqn, src in sources.items():
+        if selected(fqn, opts.include, opts.exclude):
+            target = identity_target(src, dtype=cast_dtype(src.dtype, opts.dtype))
+            targets.append(TargetTensor(target.fqn, target.shape, target.dtype, target.pieces,
+                                        ckpt.tensors[fqn].properties))
+    placements = {t.fqn: fsdp2(t.shape, opts.world_size) for t in targets}
+    kept_bytes = [e for f, e in ckpt.bytes_entries.items() if selected(f, opts.include, opts.exclude)]
+    planner = None
+    if isinstance(ckpt.planner_data, dict):
+        keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}
+        planner = {k: v for k, v in ckpt.planner_data.items() if k in keep}
+    return layout_dcp(targets, placements, sources, kept_bytes, planner)
+
+
+def predicted_peak_bytes(workers: int) -> int:
+    """Working memory the engine needs beyond the interpreter: two block buffers per worker."""
+    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES
+
+    return workers * 2 * BLOCK_BYTES + DECODED_CACHE_BYTES
+
+
+def reshard(
+    src: Path,
+    dst: Path,
+    opts: ReshardOptions,
+    *,
+    force: bool = False,
+    verify: bool = False,
+    dry_run: bool = False,
+    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+) -> ReshardReport:
+    """Run a reshard end to end and report what happened."""
+    started = time.perf_counter()
+    ckpt = open_checkpoint(src)
+    refuse_if_incomplete(ckpt, opts.allow_incomplete)
+    out = plan_reshard(ckpt, opts)
+    report = ReshardReport(
+        src=str(src), dst=str(dst), world_size=opts.world_size, tensors=len(out.targets),
+        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
+        bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
+        + sum(c.length for c in out.copy_items),
+        bytes_written=out.total_bytes, dry_run=dry_run, predicted_peak_bytes=predicted_peak_bytes(opts.workers),
+    )
+    if dry_run:
+        return report
+    check_destination(dst, force, src)
+    advance = progress_factory(out.data_bytes) if progress_factory else (lambda n: None)
+    sources = ChunkSource(ckpt)
+    try:
+        with atomic_directory(dst, force) as tmp:
+            files = OutputFiles(tmp, out.files)
+            try:
+                execute(out.stream_items, out.copy_items, sources, files, opts.workers, advance)
+            finally:
+                files.close()
+            write_metadata(out, tmp)
+            if verify:
+                verify_dcp(ckpt, sources, out, tmp)
+                report.verified = True
+    finally:
+        sources.close()
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
