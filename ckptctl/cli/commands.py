@@ -1,0 +1,4 @@
+"""Imports every command module so each registers itself on the typer app."""
+
+from ckptctl.cli import inspect_cmd  # noqa: F401
+from ckptctl.cli import reshard_cmd  # noqa: F401

@@ -1,0 +1,82 @@
+"""What every command shares: one-line errors, JSON output and the progress bar."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from typing import Any, Callable, Iterator, TypeVar
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from ckptctl.errors import CkptctlError
+
+DEBUG = False
+EXIT_BAD_INPUT = 2
+T = TypeVar("T")
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+
+def run_guarded(fn: Callable[[], T]) -> T:
+    """Run a command body; a CkptctlError becomes one line on stderr and exit status 2."""
+    try:
+        return fn()
+    except CkptctlError as exc:
+        if DEBUG:
+            raise
+        print(f"ckptctl: error: {exc}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT) from None
+    except KeyboardInterrupt:
+        print("ckptctl: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def emit_json(doc: Any) -> None:
+    """Print one JSON document on stdout (what `--json` promises scripts)."""
+    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+class ByteProgress:
+    """Progress in bytes with GB/s and ETA on a terminal; silent in pipes and with --json."""
+
+    def __init__(self, total: int, description: str, enabled: bool) -> None:
+        self._progress = None
+        self._task = None
+        if enabled and sys.stderr.isatty():
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                DownloadColumn(binary_units=False),
+                TransferSpeedColumn(),
+                TimeRemainingColumn(),
+                console=stderr,
+                transient=False,
+            )
+            self._task = self._progress.add_task(description, total=total)
+
+    def reset_total(self, total: int) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, total=total)
+
+    def advance(self, nbytes: int) -> None:
+        if self._progress is not None:
+            self._progress.advance(self._task, nbytes)
+
+    @contextlib.contextmanager
+    def shown(self) -> Iterator["ByteProgress"]:
+        if self._progress is None:
+            yield self
+            return
+        with self._progress:
+            yield self

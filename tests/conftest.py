@@ -1,0 +1,36 @@
+"""Shared test fixtures: the committed real checkpoints and the CLI runner."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+FIXTURES = ROOT / "fixtures" / "data"
+
+
+@pytest.fixture(scope="session")
+def fixture_ckpt():
+    """Path of a committed fixture checkpoint by name (see fixtures/README.md)."""
+
+    def get(name: str) -> Path:
+        path = FIXTURES / name
+        if not path.is_dir():
+            pytest.fail(f"fixture {name} missing: run `python fixtures/make_fixtures.py`")
+        return path
+
+    return get
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python -m ckptctl ARGS` as a user would, capturing stdout/stderr as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "ckptctl", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
