@@ -61,6 +61,8 @@ class TargetTensor:
     dtype: torch.dtype
     pieces: tuple[Piece, ...]
     properties: object = field(default=None, compare=False)
+    add: float = 0.0
+    """Added to every element after assembly (HF's GDN norm is Megatron's zero-centred gamma + 1)."""
 
     @property
     def nbytes(self) -> int:

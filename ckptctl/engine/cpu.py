@@ -179,6 +179,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         out = torch.frombuffer(buf, dtype=dtype, count=b1 - b0) if b1 > b0 else None
         clipped, resume = _clip(segs, b0, b1, resume)
         _fill_block(sources, out, view, b0, clipped)
+        if item.target.add:
+            out.add_(item.target.add)
         crc = zlib.crc32(view, crc)
         files.write(item.file, view, pos)
         pos += len(view)
@@ -234,4 +236,6 @@ def assemble(item: StreamItem, sources: ChunkSource) -> torch.Tensor:
     if numel:
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
         _fill_block(sources, out, view, 0, _segments(item))
+        if item.target.add:
+            out.add_(item.target.add)
     return out.reshape(item.box.sizes)
