@@ -1,0 +1,39 @@
+# ckptctl developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: install demo test test-full bench fixtures clean
+
+install: $(STAMP)
+
+# torch first (the local CPU wheel), so resolving the package never pulls a CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: install
+	rm -rf demo && $(PY) fixtures/demo.py make demo
+	$(VENV)/bin/ckptctl inspect demo/ckpt
+	$(VENV)/bin/ckptctl reshard demo/ckpt demo/ckpt-ws3 --world-size 3 --verify
+	$(VENV)/bin/ckptctl inspect demo/ckpt-ws3 --filter 'model.*'
+	$(VENV)/bin/ckptctl export-hf demo/ckpt-ws3 demo/hf --hf-config demo/hf-config --arch raw --verify
+	$(PY) fixtures/demo.py check demo
+
+test: install
+	$(PY) -m pytest -q
+
+test-full: install
+	$(PY) -m pytest -q -m ""
+
+bench: install
+	$(PY) bench/bench.py
+
+fixtures: install
+	$(PY) fixtures/make_fixtures.py
+
+clean:
+	rm -rf demo bench/.cache .pytest_cache

@@ -1,0 +1,181 @@
+"""`make bench`: ckptctl against `cp -r` and torch's own tools on a >= 2 GiB FSDP2 checkpoint.
+
+The checkpoint is written once (cached in bench/.cache) by real FSDP2 on 4 gloo ranks: a
+stack of 4096x4096 fp32 linears with AdamW state after one step. Every contender runs as a
+subprocess, repetitions alternate between contenders (so drift in the page cache or disk
+hits all alike), and the table reports the median wall time, its ratio to `cp -r`, GB/s
+over the bytes the tool writes, and the peak RSS of the contender's processes (wait4).
+All runs read a source that is warm in the page cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CACHE = ROOT / "bench" / ".cache"
+SRC = CACHE / "fsdp2_ws4"
+LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 10, 4096, 4, 3
+PY = sys.executable
+
+
+def _build(rank: int, world_size: int, out: str) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(LAYERS)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, WIDTH)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+
+
+def _torch_roundtrip(rank: int, world_size: int, src: str, dst: str) -> None:
+    """torch's own reshard: FSDP2 model+AdamW at the target world size, dcp.load, dcp.save."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(LAYERS)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.zeros(1, WIDTH)).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=src)
+    dcp.save(state, checkpoint_id=dst)
+
+
+def ensure_checkpoint() -> Path:
+    if (SRC / ".metadata").exists():
+        return SRC
+    from fixtures.gloo import run_ranks
+
+    shutil.rmtree(SRC, ignore_errors=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
+    print(f"bench: generating {SRC} (FSDP2, {SAVE_RANKS} ranks) ...", flush=True)
+    run_ranks(_build, SAVE_RANKS, str(SRC), timeout=1200)
+    return SRC
+
+
+def tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of a command; raises on failure."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+    return seconds, usage.ru_maxrss * 1024
+
+
+def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[str], Path]]:
+    ckptctl = [PY, "-m", "ckptctl"]
+    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptctl"]
+    code_rt = ("import sys; sys.path.insert(0, %r); from bench.bench import _torch_roundtrip; "
+               "from fixtures.gloo import run_ranks; run_ranks(_torch_roundtrip, %d, %r, %r, timeout=1800)")
+    return {
+        "cp -r": (["cp", "-r", str(src), str(out / "cp")], out / "cp"),
+        "cp -r + sync": (["sh", "-c", f"cp -r {src} {out / 'cps'} && sync -f {out / 'cps'}"], out / "cps"),
+        "torch dcp_to_torch_save": ([PY, "-c", "import sys; from torch.distributed.checkpoint.format_utils import "
+                                     f"dcp_to_torch_save as f; f({str(src)!r}, {str(out / 'single.pt')!r})"],
+                                    out / "single.pt"),
+        f"torch DCP load+save at {TARGET_RANKS} ranks": (
+            [PY, "-c", code_rt % (str(ROOT), TARGET_RANKS, str(src), str(out / "torch_rt"))], out / "torch_rt"),
+        f"ckptctl reshard -n {TARGET_RANKS}": (
+            [*ckptctl, "reshard", str(src), str(out / "ck"), "--world-size", str(TARGET_RANKS)], out / "ck"),
+        f"ckptctl reshard -n {TARGET_RANKS} (torchrun, 2 workers)": (
+            [*torchrun, "reshard", str(src), str(out / "ck2"), "--world-size", str(TARGET_RANKS)], out / "ck2"),
+        "ckptctl export-hf --arch raw (weights only)": (
+            [*ckptctl, "export-hf", str(src), str(out / "hf"), "--hf-config", str(hf_config), "--arch", "raw"],
+            out / "hf"),
+    }
+
+
+def write_hf_config(path: Path) -> Path:
+    import json
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "raw", "architectures": ["Sequential"]}))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--only", nargs="*", help="substrings of contender names to run")
+    args = parser.parse_args()
+    src = ensure_checkpoint()
+    src_bytes = tree_bytes(src)
+    out = CACHE / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    hf_config = write_hf_config(CACHE / "hf-config")
+    subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    runs = {name: spec for name, spec in contenders(src, out, hf_config).items()
+            if not args.only or any(s in name for s in args.only)}
+    times: dict[str, list[float]] = {n: [] for n in runs}
+    rss: dict[str, int] = {n: 0 for n in runs}
+    written: dict[str, int] = {}
+    failed: dict[str, str] = {}
+    for rep in range(args.reps):
+        for name, (cmd, target) in runs.items():
+            if name in failed:
+                continue
+            shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+            try:
+                seconds, peak = timed(cmd)
+            except RuntimeError as exc:
+                failed[name] = str(exc).splitlines()[-1]
+                continue
+            times[name].append(seconds)
+            rss[name] = max(rss[name], peak)
+            written[name] = tree_bytes(target)
+            print(f"  rep {rep + 1}: {name}: {seconds:.2f}s", flush=True)
+    base = statistics.median(times["cp -r"]) if times.get("cp -r") else None
+    print(f"\nsource: {src_bytes / 1e9:.2f} GB in {len(list(src.iterdir()))} files; machine: "
+          f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
+    print("| contender | median s | ratio to cp -r | GB/s written | peak RSS MB |")
+    print("|---|---:|---:|---:|---:|")
+    for name in runs:
+        if name in failed:
+            print(f"| {name} | failed: {failed[name][:80]} | | | |")
+            continue
+        med = statistics.median(times[name])
+        ratio = f"{med / base:.2f}" if base else "-"
+        print(f"| {name} | {med:.2f} | {ratio} | {written[name] / med / 1e9:.2f} | {rss[name] / 1e6:.0f} |")
+    shutil.rmtree(out, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""`ckptctl reshard` as a user runs it: options, errors, atomicity and the untouched source."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.conftest import ROOT, run_cli
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def flat_state(ckpt: Path, tmp: Path) -> dict:
+    target = tmp / f"{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt, target)
+    out = {}
+
+    def walk(d, prefix=""):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            else:
+                out[f"{prefix}{k}"] = v
+    walk(torch.load(target, weights_only=False))
+    return out
+
+
+@pytest.fixture(scope="module")
+def src(fixture_ckpt) -> Path:
+    return fixture_ckpt("fsdp2_4ranks")
+
+
+def test_json_summary_reports_the_run(src, tmp_path):
+    result = run_cli("reshard", src, tmp_path / "o", "--world-size", "2", "--json", "--verify")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["world_size"] == 2 and doc["tensors"] == 32 and doc["bytes_entries"] == 13
+    assert doc["verified"] is True and doc["dry_run"] is False
+    assert doc["bytes_written"] == sum(p.stat().st_size for p in (tmp_path / "o").iterdir() if p.name != ".metadata")
+    assert doc["peak_rss_bytes"] > 0 and doc["seconds"] > 0
+    assert result.stderr == ""
+
+
+def test_source_is_never_modified(src, tmp_path):
+    before = tree_digest(src)
+    assert run_cli("reshard", src, tmp_path / "o", "--world-size", "3").returncode == 0
+    assert tree_digest(src) == before
+
+
+def test_dry_run_writes_nothing(src, tmp_path):
+    result = run_cli("reshard", src, tmp_path / "o", "--world-size", "3", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "o").exists()
+    assert result.stdout.startswith("plan: 32 tensors, 13 bytes entries -> 4 files at world size 3;")
+    doc = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", "--json").stdout)
+    assert doc["dry_run"] is True and doc["predicted_peak_bytes"] > 0 and doc["bytes_read"] > 0
+
+
+def test_dtype_casts_floating_tensors_only(src, tmp_path):
+    assert run_cli("reshard", src, tmp_path / "o", "-n", "2", "--dtype", "bf16").returncode == 0
+    before, after = flat_state(src, tmp_path), flat_state(tmp_path / "o", tmp_path)
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert after[key].dtype == torch.bfloat16, key
+            assert torch.equal(after[key], value.to(torch.bfloat16)), key
+        elif isinstance(value, torch.Tensor):
+            assert after[key].dtype == value.dtype and torch.equal(after[key], value), key
+        else:
+            assert after[key] == value, key
+
+
+def test_include_exclude_filter_by_fqn(src, tmp_path):
+    assert run_cli("reshard", src, tmp_path / "w", "-n", "2", "--exclude", "optim.*").returncode == 0
+    keys = flat_state(tmp_path / "w", tmp_path).keys()
+    assert keys and all(not k.startswith("optim.") for k in keys)
+    assert "model.embed.weight" in keys and "extra.iteration" in keys
+    assert run_cli("reshard", src, tmp_path / "i", "-n", "2", "--include", "model.mlp.*").returncode == 0
+    assert sorted(flat_state(tmp_path / "i", tmp_path)) == [
+        "model.mlp.fc1.bias", "model.mlp.fc1.weight", "model.mlp.fc2.bias", "model.mlp.fc2.weight"]
+
+
+def test_existing_destination_needs_force(src, tmp_path):
+    dst = tmp_path / "o"
+    dst.mkdir()
+    (dst / "keep").write_text("x")
+    result = run_cli("reshard", src, dst, "-n", "2")
+    assert result.returncode == 2
+    assert result.stderr == f"ckptctl: error: {dst}: destination exists (pass --force to replace it)\n"
+    assert (dst / "keep").exists()
+    assert run_cli("reshard", src, dst, "-n", "2", "--force").returncode == 0
+    assert not (dst / "keep").exists() and (dst / ".metadata").exists()
+
+
+def test_incomplete_source_is_refused_with_the_diagnosis(fixture_ckpt, tmp_path):
+    broken = fixture_ckpt("broken_plain_optim")
+    result = run_cli("reshard", broken, tmp_path / "o", "-n", "2")
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"ckptctl: error: {broken}: refusing incomplete checkpoint: optim.state.w.exp_avg")
+    assert result.stderr.rstrip().endswith("pass --allow-incomplete to go on")
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "o").exists()
+    assert run_cli("reshard", broken, tmp_path / "o", "-n", "2", "--allow-incomplete").returncode == 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["reshard", "/nonexistent/ckpt", "OUT", "-n", "2"], "ckptctl: error: /nonexistent/ckpt: no such file or directory\n"),
+    (["reshard", "SRC", "OUT", "-n", "0"], "ckptctl: error: --world-size must be at least 1 (got 0)\n"),
+    (["reshard", "SRC", "OUT", "-n", "2", "--dtype", "int8"],
+     "ckptctl: error: --dtype must be one of keep, bf16, fp16, fp32 (got 'int8')\n"),
+])
+def test_bad_invocations_fail_with_one_line(src, tmp_path, argv, message):
+    argv = [str(src) if a == "SRC" else str(tmp_path / "o") if a == "OUT" else a for a in argv]
+    result = run_cli(*argv)
+    assert (result.returncode, result.stderr) == (2, message)
+
+
+def test_destination_inside_source_is_refused(src, tmp_path):
+    copy = tmp_path / "src"
+    subprocess.run(["cp", "-r", str(src), str(copy)], check=True)
+    result = run_cli("reshard", copy, copy / "out", "-n", "2")
+    assert result.returncode == 2
+    assert result.stderr == (f"ckptctl: error: {copy / 'out'}: destination overlaps the source {copy}; "
+                             "the source is never modified\n")
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory) -> Path:
+    """A ~96 MB two-file checkpoint, big enough that a kill lands mid-write."""
+    path = tmp_path_factory.mktemp("big") / "ckpt"
+    gen = torch.Generator().manual_seed(0)
+    state = {f"layer{i}.weight": torch.randn(1024, 1024 * 3, generator=gen) for i in range(8)}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+    return path
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.4, 0.8, 1.5, 3.0])
+def test_sigkill_leaves_destination_absent_or_complete(big_source, tmp_path, delay):
+    dst = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "reshard", str(big_source), str(dst),
+                             "-n", "3", "--workers", "1"], cwd=ROOT, stderr=subprocess.DEVNULL)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if dst.exists():
+        assert flat_state(dst, tmp_path).keys() == flat_state(big_source, tmp_path).keys()
+        result = run_cli("reshard", dst, tmp_path / "again", "-n", "1", "--verify")
+        assert result.returncode == 0, result.stderr
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.ckptctl-tmp-")]
+    if leftovers:  # a later run cleans what a killed run left behind
+        assert run_cli("reshard", big_source, dst, "-n", "3", "--force").returncode == 0
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.ckptctl-tmp-")]
+    assert os.listdir(big_source)
