@@ -69,14 +69,16 @@ def _torch_roundtrip(rank: int, world_size: int, src: str, dst: str) -> None:
 
 
 def ensure_checkpoint() -> Path:
+    """Generate the source once, in a child process: this parent stays free of torch so that
+    the peak RSS its children report (inherited at fork) is their own."""
     if (SRC / ".metadata").exists():
         return SRC
-    from fixtures.gloo import run_ranks
-
     shutil.rmtree(SRC, ignore_errors=True)
     CACHE.mkdir(parents=True, exist_ok=True)
     print(f"bench: generating {SRC} (FSDP2, {SAVE_RANKS} ranks) ...", flush=True)
-    run_ranks(_build, SAVE_RANKS, str(SRC), timeout=1200)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build, SAVE_RANKS; "
+            f"from fixtures.gloo import run_ranks; run_ranks(_build, SAVE_RANKS, {str(SRC)!r}, timeout=1200)")
+    subprocess.run([PY, "-c", code], check=True)
     return SRC
 
 
