@@ -80,7 +80,7 @@ class ItemReader:
         self.ckpt = ckpt
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._safetensors_headers: dict[str, dict | None] = {}
+        self._safetensors_headers: dict[tuple[str, int], dict | None] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -110,7 +110,7 @@ class ItemReader:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
         if chunk.transforms:
             return None
-        header = self._safetensors_header(chunk.file)
+        header = self._safetensors_header(chunk.file, chunk.offset)
         if header is not None:
             return self._locate_safetensors(entry, chunk, header)
         return self._locate_torch_save(entry, chunk)
@@ -152,33 +152,56 @@ class ItemReader:
             raise self._bad(chunk, "tensor record runs past the item")
         return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, numel * itemsize)
 
-    def _safetensors_header(self, file: str) -> dict | None:
-        """The JSON header when `file` is a SAFETENSORS-format DCP file, else None."""
-        if file not in self._safetensors_headers:
+    def _safetensors_header(self, file: str, offset: int) -> dict | None:
+        """The JSON header when a SAFETENSORS-format DCP blob starts at `offset` of `file`, else None.
+
+        Such a writer puts a rank's bytes items first and then one safetensors blob holding
+        all its tensors; every tensor item's (offset, length) is (blob start, numel × itemsize).
+        """
+        key = (file, offset)
+        if key not in self._safetensors_headers:
             fd = self.fd(file)
             header = None
-            prefix = os.pread(fd, 9, 0)
+            prefix = os.pread(fd, 9, offset)
             if len(prefix) == 9 and prefix[8:9] == b"{":
                 (n,) = struct.unpack("<Q", prefix[:8])
-                if n < min(self.ckpt.files.get(file, 0), 1 << 28):
+                if n < min(self.ckpt.files.get(file, 0) - offset, 1 << 28):
                     try:
-                        parsed = json.loads(os.pread(fd, n, 8))
-                        if "DCP_SHARDING_INFO" in parsed.get("__metadata__", {}):
-                            header = {"json": parsed, "data_start": 8 + n}
+                        parsed = json.loads(os.pread(fd, n, offset + 8))
+                        meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
+                        if isinstance(meta, dict) and "DCP_SHARDING_INFO" in meta:
+                            header = {"json": parsed, "data_start": offset + 8 + n}
                     except ValueError:
                         header = None
-            self._safetensors_headers[file] = header
-        return self._safetensors_headers[file]
+            self._safetensors_headers[key] = header
+        return self._safetensors_headers[key]
 
     def _locate_safetensors(self, entry: TensorEntry, chunk: Chunk, header: dict) -> RawRecord:
         info = header["json"].get(entry.fqn)
         if not isinstance(info, dict):
             raise self._bad(chunk, f"{entry.fqn} not in safetensors header")
-        start, end = info["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype != entry.dtype or tuple(info["shape"]) != chunk.sizes or end - start != chunk.numel * dtype.itemsize:
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            dtype, shape = _SAFETENSORS_DTYPES.get(info["dtype"]), tuple(info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._bad(chunk, f"{entry.fqn}: malformed safetensors header entry") from exc
+        if (dtype != entry.dtype or shape != chunk.sizes or not 0 <= start <= end
+                or end - start != chunk.numel * dtype.itemsize):
             raise self._bad(chunk, f"{entry.fqn}: safetensors record does not match metadata")
+        if not self._saved_offsets_match(header, entry.fqn, chunk.offsets):
+            raise self._bad(chunk, f"{entry.fqn}: safetensors record is the chunk at other offsets")
+        if header["data_start"] + end > self.ckpt.files.get(chunk.file, 0):
+            raise self._bad(chunk, f"{entry.fqn}: safetensors record runs past the file")
         return RawRecord(self.ckpt.path / chunk.file, header["data_start"] + start, end - start)
+
+    @staticmethod
+    def _saved_offsets_match(header: dict, fqn: str, offsets: tuple[int, ...]) -> bool:
+        """torch's HF reader takes a record's global offsets from `DCP_SHARDING_INFO`; so do we."""
+        try:
+            info = json.loads(header["json"]["__metadata__"]["DCP_SHARDING_INFO"])
+            return tuple(info[fqn]["saved_offsets"]) == offsets
+        except (ValueError, KeyError, TypeError):
+            return False
 
     def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...]) -> bytes:
         """An item's bytes with any stream transforms undone."""

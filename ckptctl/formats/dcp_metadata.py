@@ -58,7 +58,11 @@ def _load_one(path: Path) -> dcp_metadata.Metadata:
 
 
 def _merge(paths: list[Path]) -> tuple[dict, dict, dict, Any, str | None]:
-    """Union of per-rank metadata files (DCP without collectives writes one per rank)."""
+    """Union of per-rank metadata files (DCP without collectives writes one per rank).
+
+    A key two ranks both saved at the same offsets (a plain tensor) keeps the lowest
+    rank's chunk and storage entry together: one rank's copy, as a coordinated save keeps.
+    """
     sd_md: dict[str, Any] = {}
     storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
     planner: dict[str, Any] = {}
@@ -78,7 +82,7 @@ def _merge(paths: list[Path]) -> tuple[dict, dict, dict, Any, str | None]:
             planner.update(md.planner_data)
         for index, info in (md.storage_data or {}).items():
             offset = None if index.offset is None else tuple(index.offset)
-            storage[(index.fqn, offset)] = info
+            storage.setdefault((index.fqn, offset), info)
     return sd_md, storage, planner, storage_meta, version
 
 

@@ -1,0 +1,206 @@
+"""`ckptctl inspect CKPT`: what a checkpoint holds, how it is sharded, and whether it is whole.
+
+Reads `.metadata` and file sizes only (never item bytes), so it is instant on any size.
+`--check` prints only the problems `ckptctl.layout.analyze` finds (coverage gaps or
+overlaps, lost optimizer state), one per line, and exits 1 if there are any; with `--json`
+it prints the document as usual and exits 1 the same way.
+
+`--json` prints one document (values exact, sizes in bytes):
+
+    {
+      "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
+      "metadata_files": [".metadata"] | ["__0.metadata", ...],
+      "total_bytes": int, "files": {name: bytes},
+      "groups": {"model": n, "optimizer": n, "other": n},     # all entries, tensors and bytes
+      "dtypes": {"float32": n, ...},                          # tensors per dtype
+      "layouts": {"shard0-even": n, ...},                     # tensors per layout label
+      "prefixes": {"model": ["model.module."], "optimizer": ["optimizer.state.module."]},
+      "tensors": {fqn: {
+          "shape": [int], "dtype": "bfloat16", "nbytes": int,
+          "group": "model" | "optimizer" | "other",
+          "layout": "scalar" | "empty" | "flat" | "single" | "shard0-even" | "rows-uneven"
+                    | "tp-dp-grid" | "irregular",
+          "tp_degree": int | null, "param": model fqn | null,
+          "coverage": {"status": "complete" | "gaps" | "overlaps" | "gaps+overlaps",
+                       "covered": int, "gaps": int, "overlaps": int},
+          "chunks": [{"file", "offset", "length", "offsets": [int], "sizes": [int],
+                      "transforms": [str]}]}},
+      "bytes_entries": {fqn: {"file", "offset", "length", "transforms": [str]}},
+      "problems": [{"fqn", "kind": "gaps" | "overlaps" | "data-loss" | "shape-mismatch",
+                    "message"}]
+    }
+
+`--filter GLOB` restricts `tensors`, `bytes_entries`, `problems` (and `--check`) to matching
+FQNs; the summary counts always describe the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptctl.cli import app
+from ckptctl.cli.common import emit_json, run_guarded, stdout
+from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.layout import Analysis, TensorReport, analyze
+from ckptctl.model import Checkpoint, Chunk
+
+EXIT_PROBLEMS = 1
+_PIPE_WIDTH = 100_000
+
+
+def _console() -> Console:
+    """The shared console on a terminal; in a pipe, one that never wraps table rows."""
+    return stdout if stdout.is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
+
+
+def human_size(n: int) -> str:
+    """Decimal units, like the progress bars: 38424 → `38.4 kB`."""
+    if n < 1000:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1000:.1f} PB"
+
+
+def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
+    return {"file": chunk.file, "offset": chunk.offset, "length": chunk.length,
+            "offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "transforms": list(chunk.transforms)}
+
+
+def _tensor_doc(ckpt: Checkpoint, report: TensorReport) -> dict[str, Any]:
+    entry = ckpt.tensors[report.fqn]
+    cov = report.coverage
+    return {
+        "shape": list(entry.shape), "dtype": entry.dtype_name, "nbytes": entry.nbytes,
+        "group": report.group, "layout": report.layout, "tp_degree": report.tp_degree, "param": report.param,
+        "coverage": {"status": cov.status, "covered": cov.covered, "gaps": cov.gaps, "overlaps": cov.overlaps},
+        "chunks": [_chunk_doc(c) for c in entry.chunks],
+    }
+
+
+def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None = None) -> dict[str, Any]:
+    """The `--json` document (schema in the module docstring)."""
+    keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
+    return {
+        "path": str(ckpt.path),
+        "version": ckpt.version,
+        "world_size": analysis.world_size,
+        "metadata_files": list(ckpt.metadata_files),
+        "total_bytes": ckpt.total_bytes,
+        "files": dict(ckpt.files),
+        "groups": analysis.groups,
+        "dtypes": analysis.dtypes,
+        "layouts": analysis.layouts,
+        "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
+        "tensors": {r.fqn: _tensor_doc(ckpt, r) for r in analysis.reports if keep(r.fqn)},
+        "bytes_entries": {fqn: {"file": b.file, "offset": b.offset, "length": b.length,
+                                "transforms": list(b.transforms)}
+                          for fqn, b in ckpt.bytes_entries.items() if keep(fqn)},
+        "problems": [{"fqn": p.fqn, "kind": p.kind, "message": p.message}
+                     for p in analysis.problems if keep(p.fqn)],
+    }
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
+
+
+def _print_summary(doc: dict[str, Any]) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    files = doc["files"]
+    rows = [
+        ("Checkpoint", doc["path"]),
+        ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
+        ("Saved world size", str(doc["world_size"])),
+        ("Files", f"{len(files)} files, {human_size(doc['total_bytes'])}"),
+        *(("", f"{name}  {human_size(size)}") for name, size in files.items()),
+        ("Entries", _counts(doc["groups"])),
+        ("Dtypes", _counts(doc["dtypes"])),
+        ("Layouts", _counts(doc["layouts"])),
+        ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
+         + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
+    ]
+    for key, value in rows:
+        grid.add_row(key, Text(value))
+    _console().print(grid)
+
+
+def _coverage_cell(cov: dict[str, Any]) -> Text:
+    if cov["status"] == "complete":
+        return Text("complete", style="green")
+    parts = [f"{k} {cov[k]}" for k in ("gaps", "overlaps") if cov[k]]
+    return Text(", ".join(parts), style="bold red")
+
+
+def _print_tensors(tensors: dict[str, Any]) -> None:
+    table = Table(title=f"{len(tensors)} tensors", title_justify="left")
+    table.add_column("fqn", overflow="fold")
+    for name in ("shape", "dtype", "size", "layout", "coverage"):
+        table.add_column(name, no_wrap=True, justify="right" if name == "size" else "left")
+    for fqn, t in tensors.items():
+        layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else "")
+        table.add_row(Text(fqn), Text(str(t["shape"])), t["dtype"], human_size(t["nbytes"]), layout,
+                      _coverage_cell(t["coverage"]))
+    _console().print(table)
+
+
+def _print_chunks(tensors: dict[str, Any]) -> None:
+    for fqn, t in tensors.items():
+        stdout.print(fqn, markup=False, highlight=False)
+        for c in t["chunks"]:
+            extra = f"  transforms {','.join(c['transforms'])}" if c["transforms"] else ""
+            stdout.print(f"  {c['file']}  bytes {c['offset']}+{c['length']}  offsets {c['offsets']}  "
+                         f"sizes {c['sizes']}{extra}", markup=False, highlight=False)
+
+
+def _print_problems(problems: list[dict[str, Any]]) -> None:
+    if not problems:
+        stdout.print("[green]No coverage or consistency problems.[/green]")
+        return
+    stdout.print(f"[bold red]{len(problems)} problems:[/bold red]")
+    for p in problems:
+        stdout.print(Text("  " + p["message"], style="red"))
+
+
+@app.command("inspect")
+def inspect_command(
+    ckpt: Path = typer.Argument(..., help="DCP checkpoint directory."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
+    pattern: Optional[str] = typer.Option(None, "--filter", help="Only FQNs matching this glob (fnmatch)."),
+    chunks: bool = typer.Option(False, "--chunks", help="List every chunk: file, byte range, offsets, sizes."),
+    check: bool = typer.Option(False, "--check", help="Print only the problems, one per line; exit 1 if any."),
+) -> None:
+    """Summarise a checkpoint: files, entries, dtypes, layouts, coverage; --check fails on problems."""
+
+    def body() -> dict[str, Any]:
+        opened = open_checkpoint(ckpt)
+        return inspect_document(opened, analyze(opened), pattern)
+
+    doc = run_guarded(body)
+    if json_out:
+        emit_json(doc)
+    elif check:
+        for p in doc["problems"]:
+            stdout.print(p["message"], markup=False, highlight=False)
+        if not doc["problems"]:
+            stdout.print(f"ok: {len(doc['tensors'])} tensors complete and consistent", markup=False, highlight=False)
+    else:
+        _print_summary(doc)
+        _print_tensors(doc["tensors"])
+        if chunks:
+            _print_chunks(doc["tensors"])
+        _print_problems(doc["problems"])
+    if check and doc["problems"]:
+        raise typer.Exit(EXIT_PROBLEMS)

@@ -1,0 +1,303 @@
+"""What a checkpoint's chunks say about how it was sharded, and whether it is whole.
+
+Pure analysis of a `Checkpoint` (metadata only, no I/O): per tensor, how much of it the
+chunks cover and which sharding scheme they follow; across entries, which model param
+each optimizer state belongs to and whether the state is as big as its param. `inspect`
+shows the result, `inspect --check` fails on its problems, and commands that copy data
+call `analyze(ckpt).problems` to refuse a source that would silently lose data.
+
+Layout labels (`TensorReport.layout`):
+
+- `scalar`: a 0-d tensor (Adam `step`).
+- `empty`: a tensor with no elements.
+- `flat`: a 1-D optimizer state whose model param is N-D with the same element count
+  (Megatron-FSDP flat buffers; chunk offsets are item coordinates).
+- `single`: one chunk.
+- `shard0-even`: whole-row chunks exactly as `torch.chunk` cuts dim 0 for some rank count
+  (FSDP2 `Shard(0)`), ceil(rows/N) rows each.
+- `rows-uneven`: whole-row chunks that are not `torch.chunk` cuts (Megatron-FSDP).
+- `tp-dp-grid`: chunks also split on dim 1 (tensor parallel there); `tp_degree` is the
+  number of distinct dim-1 offsets.
+- `irregular`: anything else.
+
+Zero-size chunks (FSDP2 ranks that own no rows write them at offset == rows) are ignored.
+
+Problem kinds (`Problem.kind`): `gaps` and `overlaps` (coverage), `data-loss` (a per-param
+optimizer state with another element count than its param: a plain per-rank tensor of
+which DCP kept one rank's copy), `shape-mismatch` (an N-D state with the param's element
+count in another shape).
+
+Groups: `optimizer` for keys under `optim.` / `optimizer.`; `model` for keys under the
+checkpoint's model prefix (the most common one of `MODEL_PREFIXES`) or named as the param
+of an optimizer state; `other` for the rest (`args`, `iteration`, RNG state, ...).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
+
+from ckptctl.geometry import Box, chunk_rows, union_volume
+from ckptctl.model import Checkpoint, TensorEntry
+
+MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
+"""Where model params live, most specific first (DDP / Megatron wrappers add `module.`)."""
+
+OPTIMIZER_ROOTS = ("optim.state.", "optimizer.state.")
+"""Where per-param optimizer states live (`get_state_dict` / Megatron-FSDP)."""
+
+OPTIMIZER_GROUP_ROOTS = ("optim.", "optimizer.")
+"""Everything under these belongs to the optimizer (states, param groups, group meta)."""
+
+SCALAR_STATES = frozenset({"step"})
+"""Per-param states that are one number whatever the param (0-d, or `[1]` in some optimizers)."""
+
+_WRAPPER = "module."
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How the chunks cover the global tensor, in elements.
+
+    `covered` counts elements held by at least one chunk, `gaps` those held by none, and
+    `overlaps` the extra copies (sum of chunk sizes minus `covered`).
+    """
+
+    status: str
+    covered: int
+    gaps: int
+    overlaps: int
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "complete"
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """The analysis of one tensor entry."""
+
+    fqn: str
+    layout: str
+    tp_degree: int | None
+    coverage: Coverage
+    group: str
+    param: str | None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A coverage hole, an overlap or an inconsistency that would lose or corrupt data."""
+
+    fqn: str
+    kind: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Prefixes:
+    """Key prefixes seen: model wrappers (`model.module.`) and optimizer state roots."""
+
+    model: tuple[str, ...]
+    optimizer: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Everything `inspect` reports about a checkpoint beyond its raw metadata."""
+
+    reports: list[TensorReport]
+    problems: list[Problem]
+    prefixes: Prefixes
+    world_size: int
+    groups: dict[str, int]
+    dtypes: dict[str, int]
+    layouts: dict[str, int]
+
+    _index: dict[str, TensorReport] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {r.fqn: r for r in self.reports})
+
+    def report(self, fqn: str) -> TensorReport:
+        """The report of tensor `fqn` (KeyError if the checkpoint has no such tensor)."""
+        return self._index[fqn]
+
+
+@dataclass(frozen=True)
+class StateName:
+    """An optimizer state key split up: `optimizer.state.module.` + `decoder.x.weight` + `exp_avg`."""
+
+    prefix: str
+    param: str
+    state: str
+
+
+def split_optimizer_fqn(fqn: str) -> StateName | None:
+    """Split a per-param optimizer state key; None for anything else (param groups, model keys).
+
+    The prefix is the state root plus any `module.` wrappers, the state name is the last
+    component: `optim.state.layers.0.weight.exp_avg` → (`optim.state.`, `layers.0.weight`,
+    `exp_avg`).
+    """
+    root = next((r for r in OPTIMIZER_ROOTS if fqn.startswith(r)), None)
+    if root is None:
+        return None
+    prefix = root
+    while fqn.startswith(prefix + _WRAPPER):
+        prefix += _WRAPPER
+    param, dot, state = fqn[len(prefix):].rpartition(".")
+    if not dot or not param or not state:
+        return None
+    return StateName(prefix, param, state)
+
+
+def find_param(ckpt_or_names: Checkpoint | Collection[str], optimizer_fqn: str) -> str | None:
+    """The model tensor an optimizer state belongs to, or None.
+
+    Tries the param path as written after the state root (wrappers included), then with
+    the `module.` wrappers stripped, under each model prefix, most specific first; so
+    `optimizer.state.module.decoder.x.exp_avg` finds `model.module.decoder.x`.
+    """
+    names = ckpt_or_names.tensors if isinstance(ckpt_or_names, Checkpoint) else ckpt_or_names
+    split = split_optimizer_fqn(optimizer_fqn)
+    if split is None:
+        return None
+    root = next(r for r in OPTIMIZER_ROOTS if optimizer_fqn.startswith(r))
+    wrappers = split.prefix[len(root):]
+    for name in dict.fromkeys((wrappers + split.param, split.param)):
+        for model_prefix in MODEL_PREFIXES:
+            candidate = model_prefix + name
+            if candidate in names:
+                return candidate
+    return None
+
+
+def coverage(entry: TensorEntry) -> Coverage:
+    """Exact element coverage of `entry` by its chunks."""
+    boxes = [Box(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0]
+    covered = union_volume(boxes)
+    gaps = entry.numel - covered
+    overlaps = sum(b.numel for b in boxes) - covered
+    status = "+".join(s for s, n in (("gaps", gaps), ("overlaps", overlaps)) if n) or "complete"
+    return Coverage(status, covered, gaps, overlaps)
+
+
+def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tuple[str, int | None]:
+    """The layout label of `entry` and, for `tp-dp-grid`, its TP degree on dim 1.
+
+    `param` is the model param of an optimizer state (needed to recognise `flat`).
+    """
+    if not entry.shape:
+        return "scalar", None
+    if entry.numel == 0:
+        return "empty", None
+    if (param is not None and len(entry.shape) == 1 and len(param.shape) >= 2
+            and param.numel == entry.numel):
+        return "flat", None
+    chunks = sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets)
+    if len(chunks) == 1:
+        return "single", None
+    if not chunks:
+        return "irregular", None
+    shape = entry.shape
+    if all(c.offsets[1:] == (0,) * (len(shape) - 1) and c.sizes[1:] == shape[1:] for c in chunks):
+        return ("shard0-even" if _is_torch_chunk(shape[0], [(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks])
+                else "rows-uneven"), None
+    if len(shape) >= 2 and all(c.offsets[2:] == (0,) * (len(shape) - 2) and c.sizes[2:] == shape[2:] for c in chunks):
+        widths: dict[int, set[int]] = {}
+        for c in chunks:
+            widths.setdefault(c.offsets[1], set()).add(c.sizes[1])
+        if len(widths) > 1 and all(len(w) == 1 for w in widths.values()):
+            return "tp-dp-grid", len(widths)
+    return "irregular", None
+
+
+def _is_torch_chunk(rows: int, ranges: list[tuple[int, int]]) -> bool:
+    """True when the sorted non-empty row ranges are `torch.chunk(rows, N)` for some N."""
+    step = ranges[0][1] - ranges[0][0]
+    parts = -(-rows // step)
+    if -(-rows // parts) != step:
+        return False
+    return ranges == [r for r in chunk_rows(rows, parts) if r[1] > r[0]]
+
+
+def _model_prefix(fqn: str) -> str:
+    return next(p for p in MODEL_PREFIXES if fqn.startswith(p))
+
+
+def _group(fqn: str, model_prefix: str | None, params: set[str]) -> str:
+    """Optimizer keys by root; model keys under the checkpoint's model prefix or named by a state."""
+    if fqn.startswith(OPTIMIZER_GROUP_ROOTS):
+        return "optimizer"
+    if model_prefix is not None and (fqn.startswith(model_prefix) or fqn in params):
+        return "model"
+    return "other"
+
+
+def _fmt_shape(shape: tuple[int, ...]) -> str:
+    return str(list(shape))
+
+
+def _state_problem(state: TensorEntry, param: TensorEntry, state_name: str) -> Problem | None:
+    """A per-param state must hold as many elements as its param (flat or in the param's shape)."""
+    if not state.shape or state_name in SCALAR_STATES:
+        return None
+    if state.numel != param.numel:
+        return Problem(state.fqn, "data-loss", (
+            f"{state.fqn}: saved {_fmt_shape(state.shape)} ({state.numel} elements) but param {param.fqn} is "
+            f"{_fmt_shape(param.shape)} ({param.numel} elements): optimizer state was saved as a plain per-rank "
+            "tensor and DCP kept one rank's copy (data loss)"))
+    if len(state.shape) > 1 and state.shape != param.shape:
+        return Problem(state.fqn, "shape-mismatch", (
+            f"{state.fqn}: saved {_fmt_shape(state.shape)} but param {param.fqn} is {_fmt_shape(param.shape)}"))
+    return None
+
+
+def _coverage_problems(fqn: str, cov: Coverage, numel: int) -> list[Problem]:
+    out = []
+    if cov.gaps:
+        out.append(Problem(fqn, "gaps", f"{fqn}: chunks cover {cov.covered} of {numel} elements ({cov.gaps} missing)"))
+    if cov.overlaps:
+        out.append(Problem(fqn, "overlaps", f"{fqn}: chunks overlap on {cov.overlaps} elements"))
+    return out
+
+
+def analyze(ckpt: Checkpoint) -> Analysis:
+    """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt`."""
+    names = ckpt.tensors.keys()
+    param_of = {fqn: find_param(names, fqn) for fqn in names if split_optimizer_fqn(fqn)}
+    params = {p for p in param_of.values() if p is not None}
+    seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS))
+    model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
+
+    reports: list[TensorReport] = []
+    problems: list[Problem] = []
+    for fqn, entry in ckpt.tensors.items():
+        param_fqn = param_of.get(fqn)
+        param = ckpt.tensors[param_fqn] if param_fqn else None
+        layout, tp = classify_layout(entry, param)
+        cov = coverage(entry)
+        reports.append(TensorReport(fqn, layout, tp, cov, _group(fqn, model_prefix, params), param_fqn))
+        problems.extend(_coverage_problems(fqn, cov, entry.numel))
+        if param is not None and (problem := _state_problem(entry, param, fqn.rpartition(".")[2])):
+            problems.append(problem)
+
+    model_seen = Counter(_model_prefix(r.fqn) for r in reports if r.group == "model")
+    optim_seen = Counter(s.prefix for f in param_of if (s := split_optimizer_fqn(f)))
+    groups = Counter(r.group for r in reports)
+    groups.update(_group(f, model_prefix, params) for f in ckpt.bytes_entries)
+    return Analysis(
+        reports=reports,
+        problems=problems,
+        prefixes=Prefixes(_by_count(model_seen), _by_count(optim_seen)),
+        world_size=ckpt.saved_world_size,
+        groups={g: groups.get(g, 0) for g in ("model", "optimizer", "other")},
+        dtypes=dict(sorted(Counter(e.dtype_name for e in ckpt.tensors.values()).items())),
+        layouts=dict(sorted(Counter(r.layout for r in reports).items())),
+    )
+
+
+def _by_count(counts: Mapping[str, int]) -> tuple[str, ...]:
+    return tuple(sorted(counts, key=lambda p: (-counts[p], p)))

@@ -1,0 +1,166 @@
+"""The restricted unpicklers load real DCP pickles and refuse everything that could run code."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_items import ItemReader
+from ckptctl.formats.unpickle import (
+    UnsafePickleError,
+    load_metadata_pickle,
+    load_tensor_record_spec,
+)
+from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
+
+
+class RunsShell:
+    """Unpickling this calls `os.system(command)` (pickled as the global `posix.system`)."""
+
+    def __init__(self, command: str) -> None:
+        self.command = command
+
+    def __reduce__(self) -> tuple:
+        return os.system, (self.command,)
+
+
+def hostile(marker: Path) -> bytes:
+    return pickle.dumps(RunsShell(f"touch {marker}"), protocol=2)
+
+
+@pytest.fixture(scope="session")
+def real_metadata(tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("real") / "ckpt"
+    sd = {"w": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), "step": torch.tensor(1.0), "epoch": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=path, no_dist=True)
+    return (path / ".metadata").read_bytes()
+
+
+def test_real_metadata_loads_as_torch_would(real_metadata: bytes) -> None:
+    ours = load_metadata_pickle(real_metadata)
+    theirs = pickle.loads(real_metadata)
+    assert isinstance(ours, Metadata)
+    assert ours.state_dict_metadata == theirs.state_dict_metadata
+    assert ours.storage_data == theirs.storage_data
+    assert ours.version == theirs.version
+    w = ours.state_dict_metadata["w"]
+    assert isinstance(w, TensorStorageMetadata) and w.properties.dtype == torch.bfloat16 and list(w.size) == [2, 3]
+
+
+def test_hostile_global_is_refused_and_never_called(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    with pytest.raises(UnsafePickleError, match=r"^refuses to load global posix\.system$"):
+        load_metadata_pickle(hostile(marker))
+    assert not marker.exists()
+
+
+def test_hostile_object_nested_inside_real_metadata_is_refused(real_metadata: bytes, tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    md = pickle.loads(real_metadata)
+    md.planner_data = {"w": RunsShell(f"touch {marker}")}
+    with pytest.raises(UnsafePickleError, match="posix.system"):
+        load_metadata_pickle(pickle.dumps(md))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("module, name", [
+    ("builtins", "eval"), ("builtins", "getattr"), ("torch", "load"), ("subprocess", "Popen"),
+    ("torch.distributed.checkpoint.metadata", "os"),
+])
+def test_globals_outside_the_allow_list_are_refused(module: str, name: str) -> None:
+    data = b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
+    with pytest.raises(UnsafePickleError, match=f"refuses to load global {module}.{name}"):
+        load_metadata_pickle(data)
+
+
+def test_persistent_references_are_refused_in_metadata() -> None:
+    with pytest.raises(UnsafePickleError, match="refuses persistent references"):
+        load_metadata_pickle(b"\x80\x02X\x01\x00\x00\x00aQ.")
+
+
+def test_unknown_layout_name_is_refused() -> None:
+    data = b"\x80\x02ctorch.serialization\n_get_layout\nX\x0b\x00\x00\x00torch.bogus\x85R."
+    with pytest.raises(UnsafePickleError, match="unknown tensor layout 'torch.bogus'"):
+        load_metadata_pickle(data)
+
+
+def _data_pkl(tensor: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+
+
+def test_tensor_record_spec_describes_views_without_building_them() -> None:
+    base = torch.arange(24, dtype=torch.float16).reshape(4, 6)
+    spec = load_tensor_record_spec(_data_pkl(base[1:3]))
+    assert (spec.dtype, spec.storage_numel, spec.storage_offset, spec.size, spec.stride, spec.is_dense) == (
+        torch.float16, 24, 6, (2, 6), (6, 1), True)
+    spec = load_tensor_record_spec(_data_pkl(base.t()))
+    assert (spec.size, spec.stride, spec.is_dense) == ((6, 4), (1, 6), False)
+    assert load_tensor_record_spec(_data_pkl(torch.tensor(5, dtype=torch.int64))).size == ()
+
+
+def test_hostile_data_pkl_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UnsafePickleError, match="posix.system"):
+        load_tensor_record_spec(hostile(tmp_path / "pwned"))
+    with pytest.raises(UnsafePickleError, match="item is not a single tensor"):
+        load_tensor_record_spec(pickle.dumps({"a": 1}, protocol=2))
+    assert not (tmp_path / "pwned").exists()
+
+
+def _archive(data_pkl: bytes, payload: bytes = b"\0" * 16) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", data_pkl)
+        archive.writestr("archive/data/0", payload)
+    return buf.getvalue()
+
+
+def _one_item_checkpoint(root: Path, item: bytes) -> Checkpoint:
+    root.mkdir()
+    (root / "__0_0.distcp").write_bytes(item)
+    chunk = Chunk("__0_0.distcp", 0, len(item), (0,), (4,))
+    return Checkpoint(
+        path=root,
+        tensors={"x": TensorEntry("x", (4,), torch.float32, (chunk,))},
+        bytes_entries={"obj": BytesEntry("obj", "__0_0.distcp", 0, len(item))},
+        files={"__0_0.distcp": len(item)},
+    )
+
+
+def test_item_reader_refuses_a_hostile_tensor_item_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    ckpt = _one_item_checkpoint(tmp_path / "ckpt", _archive(hostile(marker)))
+    with ItemReader(ckpt) as reader, pytest.raises(CheckpointError) as err:
+        reader.read_chunk(ckpt.tensors["x"], ckpt.tensors["x"].chunks[0])
+    assert str(err.value) == (f"{ckpt.path}/__0_0.distcp: item at byte 0: hostile or foreign data.pkl: "
+                              "refuses to load global posix.system")
+    assert not marker.exists()
+
+
+def test_item_reader_refuses_a_hostile_bytes_item_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    ckpt = _one_item_checkpoint(tmp_path / "ckpt", _archive(hostile(marker)))
+    with ItemReader(ckpt) as reader, pytest.raises(CheckpointError, match="obj: cannot decode bytes entry"):
+        reader.load_bytes_value(ckpt.bytes_entries["obj"])
+    assert not marker.exists()
+
+
+def test_item_whose_data_pkl_disagrees_with_metadata_is_refused(tmp_path: Path) -> None:
+    ckpt = _one_item_checkpoint(tmp_path / "ckpt", _archive(_data_pkl(torch.zeros(2, 2, dtype=torch.float32))))
+    with ItemReader(ckpt) as reader, pytest.raises(CheckpointError) as err:
+        reader.read_chunk(ckpt.tensors["x"], ckpt.tensors["x"].chunks[0])
+    assert str(err.value).endswith("item at byte 0: x: item holds float32 [2, 2], metadata says float32 [4]")
