@@ -211,3 +211,45 @@ def flat_union(ranges: Sequence[FlatRange]) -> int:
             covered += r.end - max(r.start, reach)
             reach = r.end
     return covered
+
+
+def box_flat_ranges(box: Box, shape: Sequence[int]) -> list[FlatRange]:
+    """The item ranges (row-major flat indices of a `shape` tensor) that `box` covers, maximal and in order."""
+    if box.numel == 0:
+        return []
+    runs = copy_runs(box, full_box(shape), shape, box, tuple(0 for _ in shape))
+    return [FlatRange(r.src, r.length) for r in runs]
+
+
+def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[int, Box]]:
+    """Boxes of a `shape` tensor tiling items [start, stop), each contiguous in item order, with its first item.
+
+    The inverse of `box_flat_ranges`: a flat range that starts or ends mid-row becomes a
+    partial-row box, whole rows, and a partial-row box (recursively for N-D).
+    """
+    shape = tuple(shape)
+    if not shape:
+        return [(0, Box((), ()))] if start < stop else []
+    out: list[tuple[int, Box]] = []
+
+    def walk(prefix: tuple[int, ...], dims: tuple[int, ...], a: int, b: int, base: int) -> None:
+        if a >= b:
+            return
+        row = math.prod(dims[1:])
+        ones = (1,) * len(prefix)
+        whole_from, whole_to = -(-a // row), b // row
+        if whole_from > whole_to:
+            r = a // row
+            walk(prefix + (r,), dims[1:], a - r * row, b - r * row, base + r * row)
+            return
+        if a < whole_from * row:
+            r = whole_from - 1
+            walk(prefix + (r,), dims[1:], a - r * row, row, base + r * row)
+        if whole_to > whole_from:
+            out.append((base + whole_from * row,
+                        Box(prefix + (whole_from,) + (0,) * (len(dims) - 1), ones + (whole_to - whole_from,) + dims[1:])))
+        if b > whole_to * row:
+            walk(prefix + (whole_to,), dims[1:], 0, b - whole_to * row, base + whole_to * row)
+
+    walk((), shape, start, stop, 0)
+    return out

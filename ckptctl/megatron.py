@@ -69,6 +69,20 @@ def tp_blocked_split(component_rows: Sequence[int], tp: int) -> list[list[RowBlo
     return out
 
 
+def select_rows(blocks: Sequence[RowBlock], start: int, count: int) -> list[RowBlock]:
+    """The part of a row map landing in dst rows [start, start+count), re-based so dst starts at 0.
+
+    With `blocks` from `tp_blocked_split` (src = fused row, dst = component row) this gives
+    the fused rows of any slice of a component, e.g. one attention head or one key group.
+    """
+    out = []
+    for b in blocks:
+        lo, hi = max(b.dst_row, start), min(b.dst_row + b.rows, start + count)
+        if lo < hi:
+            out.append(RowBlock(b.src_row + lo - b.dst_row, lo - start, hi - lo))
+    return sorted(out, key=lambda b: b.dst_row)
+
+
 def tp_reblock(component_rows: Sequence[int], source_tp: int, target_tp: int) -> list[RowBlock]:
     """Row blocks mapping a fused tensor TP-blocked at `source_tp` to the same tensor at `target_tp`."""
     src = tp_blocked_split(component_rows, source_tp)
@@ -104,13 +118,20 @@ def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
     return value if isinstance(value, argparse.Namespace) else None
 
 
-def resolve_tp(ckpt: Checkpoint, given: int | None, what: str = "--tp") -> int:
-    """The training TP size: `given`, else `args.tensor_model_parallel_size`, else RowParallel geometry."""
+def resolve_tp(ckpt: Checkpoint, given: int | None, what: str = "--tp", *, strict: bool = False) -> int:
+    """The training TP size: `given`, else `args.tensor_model_parallel_size`, else RowParallel geometry.
+
+    RowParallel chunks that are not split on dim 1 (TP 1 seen) are weak evidence: every layout
+    that is not TP-split on disk (FSDP2, a reshard to `fsdp2`) shows them. They never
+    contradict `args`, and with `strict` (re-blocking fused tensors) they are not trusted at all.
+    """
+    if given is not None:
+        return given
     args = checkpoint_args(ckpt)
     from_args = getattr(args, "tensor_model_parallel_size", None) if args is not None else None
     from_geometry = tp_from_geometry(ckpt)
-    if given is not None:
-        return given
+    if from_geometry == 1 and (strict or from_args is not None):
+        from_geometry = None
     if from_args is not None and from_geometry is not None and from_args != from_geometry:
         raise UsageError(
             f"{ckpt.path}: args say TP {from_args} but RowParallel chunks show TP {from_geometry}; pass {what}")
@@ -119,3 +140,41 @@ def resolve_tp(ckpt: Checkpoint, given: int | None, what: str = "--tp") -> int:
         raise UsageError(f"{ckpt.path}: cannot tell the training TP size (no args entry, no RowParallel "
                          f"chunks split on dim 1); pass {what}")
     return int(tp)
+
+
+# Fused tensors Megatron keeps TP-blocked, and the names of their saved components.
+SWIGLU_PARTS = ("_w", "_v")
+GDN_IN_PROJ_PARTS = (".query", ".key", ".value", ".z", ".beta", ".alpha")
+GDN_CONV1D_PARTS = (".query", ".key", ".value")
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "swiglu": SWIGLU_PARTS, "gdn_in_proj": GDN_IN_PROJ_PARTS, "gdn_conv1d": GDN_CONV1D_PARTS,
+}
+FUSED_RULES: tuple[tuple[str, str], ...] = (
+    (r"(^|\.)mlp\.(shared_experts\.|experts\.local_experts\.\d+\.)?linear_fc1\.(weight|bias)$", "swiglu"),
+    (r"(^|\.)mlp\.experts\.linear_fc1\.(weight|bias)\d+$", "swiglu"),
+    (r"(^|\.)self_attention\.(.+\.)?in_proj\.(weight|bias)$", "gdn_in_proj"),
+    (r"(^|\.)self_attention\.(.+\.)?conv1d\.(weight|bias)$", "gdn_conv1d"),
+)
+
+
+def fused_kind(name: str) -> str | None:
+    """`swiglu` (an fc1 that is fused `[W; V]` when gated), `gdn_in_proj`, `gdn_conv1d`, or None."""
+    for pattern, kind in FUSED_RULES:
+        if re.search(pattern, name):
+            return kind
+    return None
+
+
+def fused_component(name: str) -> tuple[str, str, int] | None:
+    """(fused name, kind, component index) when `name` is a saved component (`…weight_w`, `…weight.key`)."""
+    for kind, parts in FUSED_PARTS.items():
+        for index, part in enumerate(parts):
+            if name.endswith(part) and fused_kind(name[: -len(part)]) == kind:
+                return name[: -len(part)], kind, index
+    return None
+
+
+def is_expert(name: str) -> bool:
+    """Routed-expert params (expert tensor parallel, not the dense TP)."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+

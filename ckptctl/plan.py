@@ -11,12 +11,12 @@ each source chunk — the engines only execute these lists.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, region_bounds
+from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds
 from ckptctl.model import Chunk, TensorEntry
 
 
@@ -63,6 +63,8 @@ class TargetTensor:
     properties: object = field(default=None, compare=False)
     add: float = 0.0
     """Added to every element after assembly (HF's GDN norm is Megatron's zero-centred gamma + 1)."""
+    logical_shape: tuple[int, ...] | None = None
+    """Set when the target is stored flat (1-D, item coordinates) while its pieces are in this N-D shape."""
 
     @property
     def nbytes(self) -> int:
@@ -91,6 +93,8 @@ class SourceRead:
 
 def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:
     """Every run that fills `box` of `target`, from whichever source chunks intersect it."""
+    if target.logical_shape is not None:
+        return _plan_flat_box(target, box, sources)
     reads: list[SourceRead] = []
     for piece in target.pieces:
         placed = Box(piece.dst_start, piece.sizes).intersect(box) if box.sizes else box
@@ -107,6 +111,18 @@ def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]
             runs = copy_runs(part, region, src.shape, box, back)
             if runs:
                 reads.append(SourceRead(src.fqn, chunk, src.dtype, tuple(runs)))
+    return tuple(reads)
+
+
+def _plan_flat_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:
+    """A flat target's item range, planned as the N-D boxes it tiles (runs shifted to the range)."""
+    logical = replace(target, shape=target.logical_shape, logical_shape=None)
+    start = box.offsets[0]
+    reads: list[SourceRead] = []
+    for first, part in flat_boxes(target.logical_shape, start, start + box.sizes[0]):
+        delta = first - start
+        for read in plan_box(logical, part, sources):
+            reads.append(replace(read, runs=tuple(Run(r.src, r.dst + delta, r.length) for r in read.runs)))
     return tuple(reads)
 
 
@@ -143,10 +159,15 @@ class StreamItem:
 
 @dataclass(frozen=True)
 class CopyItem:
-    """Bytes copied verbatim from a source file range (bytes entries, unchanged records)."""
+    """Bytes copied verbatim from a source file range (bytes entries, unchanged records).
+
+    With `data` set, those bytes are written instead (a rewritten bytes entry such as
+    Megatron's `args`); `src_file`/`src_offset` are then unused.
+    """
 
     src_file: str
     src_offset: int
     length: int
     file: str
     offset: int
+    data: bytes | None = field(default=None, repr=False)

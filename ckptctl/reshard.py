@@ -16,8 +16,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from ckptctl.atomic import atomic_directory, check_destination
-from ckptctl.engine.cpu import ChunkSource, OutputFiles, execute
+from ckptctl.atomic import check_destination
+from ckptctl.engine import executor, resolve_device
+from ckptctl.engine.cpu import ChunkSource, OutputFiles
+from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
@@ -33,12 +35,22 @@ DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": t
 
 @dataclass
 class ReshardOptions:
-    world_size: int
+    world_size: int | None
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
     dtype: torch.dtype | None = None
     workers: int = 4
     allow_incomplete: bool = False
+    layout: str = "fsdp2"
+    tp: int | None = None
+    """Target TP (Megatron-FSDP layout; fused tensors are re-blocked for it)."""
+    dp: int | None = None
+    source_tp: int | None = None
+    split_fused: bool = False
+    fuse: bool = False
+    flat_optimizer: bool = False
+    hf_config: Path | None = None
+    device: str = "auto"
 
 
 @dataclass
@@ -59,6 +71,8 @@ class ReshardReport:
     dry_run: bool = False
     predicted_peak_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
+    processes: int = 1
+    device: str = "cpu"
 
     @property
     def gb_per_s(self) -> float:
@@ -101,6 +115,12 @@ def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
 
 def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     """The whole output: targets, their FSDP2 placement and every copy run. No I/O."""
+    from ckptctl import megatron_reshard
+
+    if megatron_reshard.uses_megatron(opts):
+        return megatron_reshard.plan_megatron(ckpt, opts)
+    if opts.world_size is None:
+        raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
     if opts.world_size < 1:
         raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
     sources = source_tensors(ckpt)
@@ -135,35 +155,55 @@ def reshard(
     verify: bool = False,
     dry_run: bool = False,
     progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+    comm: Comm = LOCAL,
 ) -> ReshardReport:
-    """Run a reshard end to end and report what happened."""
+    """Run a reshard end to end and report what happened.
+
+    Under torchrun pass the run's `comm` (collective: every worker calls this with the same
+    arguments); each worker then writes its share of the rank files and rank 0 the metadata.
+    """
     started = time.perf_counter()
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
     out = plan_reshard(ckpt, opts)
+    from ckptctl import megatron_reshard
+
+    world_size = megatron_reshard.output_world_size(ckpt, opts) if megatron_reshard.uses_megatron(opts) \
+        else opts.world_size
     report = ReshardReport(
-        src=str(src), dst=str(dst), world_size=opts.world_size, tensors=len(out.targets),
+        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
         bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
         + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes, dry_run=dry_run, predicted_peak_bytes=predicted_peak_bytes(opts.workers),
+        processes=comm.world_size, device=resolve_device(opts.device),
     )
     if dry_run:
         return report
     check_destination(dst, force, src)
-    advance = progress_factory(out.data_bytes) if progress_factory else (lambda n: None)
+    execute = executor(opts.device, comm.local_rank)
+    mine = assign_files(out.files, comm.world_size)[comm.rank]
+    stream_items = [i for i in out.stream_items if i.file in mine]
+    copy_items = [c for c in out.copy_items if c.file in mine]
+    share_bytes = sum(i.nbytes for i in stream_items) + sum(c.length for c in copy_items)
+    advance = progress_factory(share_bytes) if progress_factory else (lambda n: None)
     sources = ChunkSource(ckpt)
+
+    def write_share(tmp: Path, names: frozenset[str]) -> None:
+        files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names})
+        try:
+            execute(stream_items, copy_items, sources, files, opts.workers, advance)
+        finally:
+            files.close()
+
+    def finish(tmp: Path) -> None:
+        write_metadata(out, tmp)
+        if verify:
+            verify_dcp(ckpt, sources, out, tmp)
+            report.verified = True
+
     try:
-        with atomic_directory(dst, force) as tmp:
-            files = OutputFiles(tmp, out.files)
-            try:
-                execute(out.stream_items, out.copy_items, sources, files, opts.workers, advance)
-            finally:
-                files.close()
-            write_metadata(out, tmp)
-            if verify:
-                verify_dcp(ckpt, sources, out, tmp)
-                report.verified = True
+        write_atomically(dst, force, out.files, write_share, finish, comm)
     finally:
         sources.close()
     report.seconds = time.perf_counter() - started

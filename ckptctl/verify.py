@@ -62,9 +62,9 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
             entry = dst.bytes_entries.get(fqn)
             if entry is None:
                 raise CheckpointError(written, f"{fqn}: bytes entry missing from the output")
-            original = src.bytes_entries[fqn]
-            if src_chunks.reader.read_item_bytes(original.file, original.offset, original.length, ()) != \
-                    dst_chunks.reader.read_item_bytes(entry.file, entry.offset, entry.length, ()):
+            expected = copy.data if copy.data is not None else \
+                src_chunks.reader.read_item_bytes(copy.src_file, copy.src_offset, copy.length, ())
+            if expected != dst_chunks.reader.read_item_bytes(entry.file, entry.offset, entry.length, ()):
                 raise CheckpointError(written, f"{fqn}: verification failed (bytes entry differs)")
     finally:
         dst_chunks.close()

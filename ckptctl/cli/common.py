@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any, Callable, Iterator, TypeVar
 
+import typer
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -34,7 +35,9 @@ def run_guarded(fn: Callable[[], T]) -> T:
     except CkptctlError as exc:
         if DEBUG:
             raise
-        print(f"ckptctl: error: {exc}", file=sys.stderr)
+        if not getattr(exc, "quiet", False):  # a torchrun worker stopped by another's failure stays silent
+            sys.stderr.write(f"ckptctl: error: {exc}\n")  # one write: torchrun workers share the stream
+            sys.stderr.flush()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except KeyboardInterrupt:
         print("ckptctl: interrupted", file=sys.stderr)
@@ -45,6 +48,16 @@ def emit_json(doc: Any) -> None:
     """Print one JSON document on stdout (what `--json` promises scripts)."""
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+def device_option() -> Any:
+    """`--device`, shared by every command that executes a copy plan."""
+    return typer.Option("auto", "--device", help="auto|cpu|cuda: where blocks are assembled and cast (auto = cuda when available).")
+
+
+def dist_backend_option() -> Any:
+    """`--dist-backend`, for runs under torchrun (a plain run ignores it)."""
+    return typer.Option("gloo", "--dist-backend", help="torchrun process-group backend: gloo|nccl (workers exchange only control messages).")
 
 
 class ByteProgress:

@@ -9,7 +9,16 @@ from typing import Optional
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import ByteProgress, emit_json, run_guarded, stderr, stdout
+from ckptctl.cli.common import (
+    ByteProgress,
+    device_option,
+    dist_backend_option,
+    emit_json,
+    run_guarded,
+    stderr,
+    stdout,
+)
+from ckptctl.engine.dist import Comm, distributed_from_env
 from ckptctl.errors import UsageError
 from ckptctl.reshard import DTYPES, ReshardOptions, ReshardReport, reshard
 
@@ -29,7 +38,7 @@ def report_json(report: ReshardReport) -> dict:
         "files": report.files, "bytes_read": report.bytes_read, "bytes_written": report.bytes_written,
         "seconds": round(report.seconds, 6), "gb_per_s": round(report.gb_per_s, 6),
         "peak_rss_bytes": report.peak_rss_bytes, "predicted_peak_bytes": report.predicted_peak_bytes,
-        "verified": report.verified,
+        "verified": report.verified, "processes": report.processes, "device": report.device,
     }
 
 
@@ -43,7 +52,9 @@ def parse_dtype(value: str) -> object:
 def reshard_command(
     src: Path = typer.Argument(..., help="Source DCP checkpoint directory (opened read-only)."),
     dst: Path = typer.Argument(..., help="Output directory (written atomically)."),
-    world_size: int = typer.Option(..., "--world-size", "-n", help="Number of ranks the output is laid out for."),
+    world_size: Optional[int] = typer.Option(
+        None, "--world-size", "-n",
+        help="Number of ranks the output is laid out for (required for fsdp2; TP×DP or omitted for megatron-fsdp)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Keep only FQNs matching this glob (repeatable)."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable)."),
     dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
@@ -53,20 +64,53 @@ def reshard_command(
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Go on despite coverage gaps or lost optimizer state."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    device: str = device_option(),
+    dist_backend: str = dist_backend_option(),
+    layout: str = typer.Option("fsdp2", "--layout",
+                               help="fsdp2 (dim-0 rows) | megatron-fsdp (TP outer × DP inner boxes, one file per rank)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="TARGET tensor-parallel size: Megatron-FSDP layout, and fused "
+                                     "tensors are re-blocked (or --fuse'd) for it."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="Data-parallel size for --layout megatron-fsdp."),
+    source_tp: Optional[int] = typer.Option(None, "--source-tp", help="TP size the source's fused tensors are blocked "
+                                            "for (default: args, else RowParallel chunk geometry)."),
+    split_fused: bool = typer.Option(False, "--split-fused", help="Write SwiGLU fc1 as weight_w/_v and GDN in_proj/"
+                                     "conv1d as .query/.key/…, params and optimizer states alike."),
+    fuse: bool = typer.Option(False, "--fuse", help="Inverse of --split-fused: fuse components, TP-blocked for --tp."),
+    flat_optimizer: bool = typer.Option(False, "--flat-optimizer", help="Write per-param optimizer states flat "
+                                        "(1-D, item coordinates) as CPU-offloaded Megatron-FSDP saves them."),
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="HF model folder or config.json giving the model "
+                                             "dims a split needs (GDN heads/dims, hidden_act); default: args."),
 ) -> None:
-    """Rewrite a checkpoint as FSDP2 would save it at --world-size ranks, streaming and bit-exact."""
+    """Rewrite a checkpoint as FSDP2 would save it at --world-size ranks, streaming and bit-exact.
+
+    Megatron options split, fuse or re-block fused TP-blocked tensors (fc1, GDN) with their optimizer states, and lay the output out as Megatron-FSDP saves it at --tp × --dp.
+
+    Under torchrun each worker writes a share of the rank files; rank 0 reports.
+    """
 
     def body() -> None:
+        with distributed_from_env(dist_backend) as comm:
+            report = run(comm)
+        if report is not None:
+            show(report)
+
+    def run(comm: Comm) -> ReshardReport | None:
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
-                              dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete)
-        progress = ByteProgress(0, "reshard", enabled=not json_out)
+                              dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
+                              device=device, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
+                              split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config)
+        progress = ByteProgress(0, "reshard", enabled=not json_out and comm.is_lead)
 
         def factory(total: int):
             progress.reset_total(total)
             return progress.advance
 
         with progress.shown():
-            report = reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory)
+            report = reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory,
+                             comm=comm)
+        return report if comm.is_lead else None
+
+    def show(report: ReshardReport) -> None:
         if json_out:
             emit_json(report_json(report))
             return
@@ -79,7 +123,9 @@ def reshard_command(
             return
         stderr.print(
             f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, "
-            f"{report.gb_per_s:.2f} GB/s, peak RSS {human_bytes(report.peak_rss_bytes)}"
+            f"{report.gb_per_s:.2f} GB/s"
+            + (f" on {report.processes} workers" if report.processes > 1 else "")
+            + f", peak RSS {human_bytes(report.peak_rss_bytes)}"
             + ("; verified" if report.verified else ""))
 
     run_guarded(body)

@@ -1,0 +1,41 @@
+"""Executors of copy plans. `cpu` is the default; `cuda` does the arithmetic on a GPU; both write the same bytes.
+
+`executor(device)` picks one for `--device auto|cpu|cuda`; every executor has the signature
+of `ckptctl.engine.cpu.execute`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+DEVICES = ("auto", "cpu", "cuda")
+
+Execute = Callable[..., None]
+
+
+def resolve_device(device: str) -> str:
+    """`auto` → `cuda` when torch sees a CUDA device, else `cpu`; `cuda` without one is a usage error."""
+    from ckptctl.errors import UsageError
+
+    if device not in DEVICES:
+        raise UsageError(f"--device must be one of {', '.join(DEVICES)} (got {device!r})")
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise UsageError("--device cuda: torch sees no CUDA device (use --device cpu or auto)")
+    return "cuda" if available else "cpu"
+
+
+def executor(device: str, local_rank: int = 0) -> Execute:
+    """The `execute` function for `device` (auto|cpu|cuda); a torchrun worker takes GPU LOCAL_RANK mod count."""
+    if resolve_device(device) == "cpu":
+        from ckptctl.engine.cpu import execute
+
+        return execute
+    from ckptctl.engine import cuda
+
+    return functools.partial(cuda.execute, device=cuda.default_device(local_rank))

@@ -9,6 +9,7 @@ disk busy; records are independent, so workers take them in any order.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import zlib
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from ckptctl.engine.cast import add_into, cast_into
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
 from ckptctl.model import Checkpoint, Chunk
@@ -117,7 +119,7 @@ def _fill_block(sources: ChunkSource, out: torch.Tensor, out_bytes: memoryview, 
                 sources.read_into(read.fqn, read.chunk, base * isz, memoryview(tmp))
                 src_t = torch.frombuffer(tmp, dtype=read.dtype)
                 for s in run:
-                    out[s.dst - b0: s.dst - b0 + s.length].copy_(src_t[s.src - base: s.src - base + s.length])
+                    cast_into(out[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
             i = j
 
 
@@ -178,9 +180,11 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
         out = torch.frombuffer(buf, dtype=dtype, count=b1 - b0) if b1 > b0 else None
         clipped, resume = _clip(segs, b0, b1, resume)
+        if sum(c.length for c in clipped) < b1 - b0:
+            out.zero_()  # elements no source covers (--allow-incomplete) are zero, never a previous block's
         _fill_block(sources, out, view, b0, clipped)
         if item.target.add:
-            out.add_(item.target.add)
+            add_into(out, item.target.add)
         crc = zlib.crc32(view, crc)
         files.write(item.file, view, pos)
         pos += len(view)
@@ -191,12 +195,23 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 
 
 def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> None:
-    """Copy a byte range verbatim, in the kernel when it can."""
+    """Copy a byte range verbatim, in the kernel when it can (or write the item's literal `data`)."""
+    if item.data is not None:
+        files.write(item.file, item.data, item.offset)
+        progress(len(item.data))
+        return
     src_fd = sources.reader.fd(item.src_file)
     dst_fd = files.fds[item.file]
-    done = 0
+    done, in_kernel = 0, hasattr(os, "copy_file_range")
     while done < item.length:
-        n = os.copy_file_range(src_fd, dst_fd, item.length - done, item.src_offset + done, item.offset + done)
+        n = 0
+        if in_kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, item.length - done, item.src_offset + done, item.offset + done)
+            except OSError as exc:  # EXDEV (another filesystem), ENOSYS, EOPNOTSUPP, EINVAL: copy by hand
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                in_kernel = False
         if n <= 0:
             data = os.pread(src_fd, min(BLOCK_BYTES, item.length - done), item.src_offset + done)
             if not data:
@@ -237,5 +252,5 @@ def assemble(item: StreamItem, sources: ChunkSource) -> torch.Tensor:
         view = memoryview(out.view(torch.uint8).numpy()).cast("B")
         _fill_block(sources, out, view, 0, _segments(item))
         if item.target.add:
-            out.add_(item.target.add)
+            add_into(out, item.target.add)
     return out.reshape(item.box.sizes)

@@ -1,0 +1,272 @@
+"""Execute a copy plan on a CUDA device: the same plan and outputs as the CPU engine, GPU arithmetic.
+
+Each output record is streamed in blocks, as on the CPU. For a block, the source spans
+it needs are read from disk into a pinned host buffer, copied to the device, assembled
+there (runs placed, dtype casts, the target's `add`), copied back into pinned memory, and
+written from it; the record's CRC-32 is computed on those pinned bytes, exactly the bytes
+written. Every worker thread drives two slots (pinned + device buffers, its own CUDA
+stream), so while block k's copies and kernels run, the thread writes block k-1 and reads
+block k+1: disk reads, host↔device copies and writes overlap.
+
+Blocks that need no arithmetic (no cast, no add) gain nothing from a round trip through
+the device; with `identity_on_gpu=False` they are assembled straight into the pinned
+output buffer by positioned reads instead.
+"""
+
+from __future__ import annotations
+
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from ckptctl.engine.cast import add_into, cast_into
+from ckptctl.engine.cpu import (
+    BLOCK_BYTES,
+    GAP_BYTES,
+    ChunkSource,
+    OutputFiles,
+    _clip,
+    _fill_block,
+    _Segment,
+    _segments,
+    copy_item,
+)
+from ckptctl.plan import CopyItem, StreamItem
+
+ALIGN = 64
+
+
+@dataclass
+class _Span:
+    """Source elements [start, stop) of one chunk, staged at byte `at` of the slot's input buffer."""
+
+    segs: list[_Segment]
+    start: int
+    stop: int
+    at: int
+
+
+def _spans(segs: list[_Segment]) -> tuple[list[_Span], int]:
+    """Group a block's segments into spans read with one positioned read each; returns spans and staged bytes."""
+    by_chunk: dict[tuple[str, int], list[_Segment]] = {}
+    for s in segs:
+        by_chunk.setdefault((s.read.chunk.file, s.read.chunk.offset), []).append(s)
+    spans: list[_Span] = []
+    at = 0
+    for group in by_chunk.values():
+        isz = group[0].read.dtype.itemsize
+        group.sort(key=lambda s: s.src)
+        i = 0
+        while i < len(group):
+            j, stop = i + 1, group[i].src + group[i].length
+            while j < len(group) and (group[j].src - stop) * isz <= GAP_BYTES \
+                    and (group[j].src + group[j].length - group[i].src) * isz <= BLOCK_BYTES:
+                stop = max(stop, group[j].src + group[j].length)
+                j += 1
+            span = _Span(group[i:j], group[i].src, stop, at)
+            spans.append(span)
+            at += -(-(stop - span.start) * isz // ALIGN) * ALIGN
+            i = j
+    return spans, at
+
+
+class _CudaRuntime:
+    """Every CUDA runtime call the pipeline makes, in one place (tests drive the pipeline on a host stand-in)."""
+
+    def stream(self, device: torch.device) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device)
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def use_stream(self, stream: torch.cuda.Stream):
+        return torch.cuda.stream(stream)
+
+    def use_device(self, device: torch.device):
+        return torch.cuda.device(device)
+
+    def pinned(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+RUNTIME = _CudaRuntime()
+
+
+def _pinned(n: int) -> torch.Tensor:
+    return RUNTIME.pinned(max(n, ALIGN))
+
+
+class _Slot:
+    """One in-flight block: pinned and device buffers, a stream, and what is left to write."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = RUNTIME.stream(device)
+        self.done = RUNTIME.event()
+        self.pin_in = _pinned(0)
+        self.pin_out = _pinned(0)
+        self.dev_in = torch.empty(0, dtype=torch.uint8, device=device)
+        self.dev_out = torch.empty(0, dtype=torch.uint8, device=device)
+        self.write: tuple[int, int] | None = None  # (file position, bytes) of pin_out awaiting its write
+
+    def reserve(self, staged: int, out_bytes: int) -> None:
+        """Grow the buffers (only when idle: callers wait on `done` first)."""
+        if self.pin_in.numel() < staged:
+            self.pin_in = _pinned(staged)
+        if self.pin_out.numel() < out_bytes:
+            self.pin_out = _pinned(out_bytes)
+        with RUNTIME.use_stream(self.stream):
+            if self.dev_in.numel() < staged:
+                self.dev_in = torch.empty(staged, dtype=torch.uint8, device=self.device)
+            if self.dev_out.numel() < out_bytes:
+                self.dev_out = torch.empty(out_bytes, dtype=torch.uint8, device=self.device)
+
+
+class _Worker:
+    """A thread's pipeline: two slots used in turn, so one block's device work overlaps the next block's I/O."""
+
+    def __init__(self, device: torch.device, identity_on_gpu: bool) -> None:
+        self.device = device
+        self.identity_on_gpu = identity_on_gpu
+        with RUNTIME.use_device(device):
+            self.slots = (_Slot(device), _Slot(device))
+
+    def stream_item(self, item: StreamItem, sources: ChunkSource, files: OutputFiles,
+                    progress: Callable[[int], None]) -> int:
+        """Write one record; returns the CRC-32 of its data (as the CPU engine's `stream_item`)."""
+        with RUNTIME.use_device(self.device):
+            return self._stream(item, sources, files, progress)
+
+    def _stream(self, item: StreamItem, sources: ChunkSource, files: OutputFiles,
+                progress: Callable[[int], None]) -> int:
+        files.write(item.file, item.head, item.offset)
+        dtype = item.target.dtype
+        numel = item.box.numel
+        block = max(1, BLOCK_BYTES // max(dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1)))
+        segs = _segments(item)
+        pos = item.offset + len(item.head)
+        crc, resume, k = 0, 0, 0
+        pending: _Slot | None = None
+        gpu = self.identity_on_gpu or bool(item.target.add) or any(r.dtype != dtype for r in item.reads)
+        try:
+            for b0 in range(0, numel, block):
+                b1 = min(numel, b0 + block)
+                slot = self.slots[k % 2]
+                k += 1
+                slot.done.synchronize()
+                clipped, resume = _clip(segs, b0, b1, resume)
+                nbytes = (b1 - b0) * dtype.itemsize
+                if gpu:
+                    self._launch(slot, item, sources, clipped, b0, b1)
+                else:
+                    slot.reserve(0, nbytes)
+                    out = slot.pin_out[:nbytes].view(dtype)
+                    if sum(c.length for c in clipped) < b1 - b0:
+                        out.zero_()
+                    _fill_block(sources, out, memoryview(slot.pin_out.numpy())[:nbytes], b0, clipped)
+                    slot.done.record(slot.stream)
+                slot.write = (pos, nbytes)
+                pos += nbytes
+                if pending is not None:
+                    crc = self._flush(pending, item.file, files, crc, progress)
+                pending = slot
+            if pending is not None:
+                crc = self._flush(pending, item.file, files, crc, progress)
+                pending = None
+        finally:
+            for slot in self.slots:
+                slot.done.synchronize()
+                slot.write = None
+        if item.tail is not None:
+            files.write(item.file, item.tail(crc), pos)
+        return crc
+
+    def _launch(self, slot: _Slot, item: StreamItem, sources: ChunkSource, segs: list[_Segment], b0: int, b1: int) -> None:
+        """Stage the block's source spans in pinned memory and queue its device work on the slot's stream."""
+        dtype = item.target.dtype
+        nbytes = (b1 - b0) * dtype.itemsize
+        spans, staged = _spans(segs)
+        slot.reserve(staged, nbytes)
+        host = memoryview(slot.pin_in.numpy())
+        for span in spans:
+            read = span.segs[0].read
+            isz = read.dtype.itemsize
+            sources.read_into(read.fqn, read.chunk, span.start * isz,
+                              host[span.at: span.at + (span.stop - span.start) * isz])
+        with RUNTIME.use_stream(slot.stream):
+            if staged:
+                slot.dev_in[:staged].copy_(slot.pin_in[:staged], non_blocking=True)
+            out = slot.dev_out[:nbytes].view(dtype)
+            if sum(s.length for s in segs) < b1 - b0:
+                out.zero_()  # elements no source covers (--allow-incomplete) are zero, as on the CPU
+            for span in spans:
+                read = span.segs[0].read
+                isz = read.dtype.itemsize
+                src = slot.dev_in[span.at: span.at + (span.stop - span.start) * isz].view(read.dtype)
+                if read.dtype != dtype:  # cast the span once, then place its runs with plain copies
+                    converted = torch.empty(src.numel(), dtype=dtype, device=self.device)
+                    cast_into(converted, src)
+                    src = converted
+                for s in span.segs:
+                    out[s.dst - b0: s.dst - b0 + s.length].copy_(src[s.src - span.start: s.src - span.start + s.length])
+            if item.target.add:
+                add_into(out, item.target.add)
+            slot.pin_out[:nbytes].copy_(slot.dev_out[:nbytes], non_blocking=True)
+            slot.done.record(slot.stream)
+
+    @staticmethod
+    def _flush(slot: _Slot, file: str, files: OutputFiles, crc: int, progress: Callable[[int], None]) -> int:
+        """Wait for the slot's block to land in pinned memory, then CRC and write exactly those bytes."""
+        slot.done.synchronize()
+        pos, nbytes = slot.write
+        view = memoryview(slot.pin_out.numpy())[:nbytes]
+        crc = zlib.crc32(view, crc)
+        files.write(file, view, pos)
+        slot.write = None
+        progress(nbytes)
+        return crc
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """This worker's GPU: LOCAL_RANK modulo the visible devices."""
+    return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
+
+
+def execute(
+    stream_items: Sequence[StreamItem],
+    copy_items: Iterable[CopyItem],
+    sources: ChunkSource,
+    files: OutputFiles,
+    workers: int,
+    progress: Callable[[int], None],
+    *,
+    device: torch.device | str | None = None,
+    identity_on_gpu: bool = True,
+) -> None:
+    """Run every item on `workers` threads, each with its own CUDA streams; the first failure is raised.
+
+    Same contract as `ckptctl.engine.cpu.execute`; output files are byte-identical to it.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    for item in copy_items:
+        copy_item(item, sources, files, progress)
+    order = sorted(stream_items, key=lambda i: i.nbytes, reverse=True)
+    local = threading.local()
+
+    def run(item: StreamItem) -> int:
+        if not hasattr(local, "worker"):
+            local.worker = _Worker(dev, identity_on_gpu)
+        return local.worker.stream_item(item, sources, files, progress)
+
+    if workers <= 1:
+        for item in order:
+            run(item)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptctl-cuda") as pool:
+        futures = [pool.submit(run, item) for item in order]
+        for fut in futures:
+            fut.result()

@@ -1,0 +1,317 @@
+"""`export-hf`: a Megatron-FSDP (or FSDP2 / torchtitan) DCP checkpoint → a Hugging Face model folder.
+
+The steps, each a pure function of metadata until the last: open the checkpoint and the
+target config; pick the family (`--arch`, else config `model_type` and key names); resolve
+the training TP when a fused TP-blocked tensor needs it; let the family express every HF
+tensor as rows of source tensors; shard the tensors with huggingface_hub's planner;
+compute each safetensors header and the copy runs of every record. Then stream the
+records into an atomic output directory, write the index, config and tokenizer files, and
+with `--verify` re-read every tensor before the directory is put in place.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from ckptctl.atomic import check_destination
+from ckptctl.engine import executor, resolve_device
+from ckptctl.engine.cpu import ChunkSource, OutputFiles
+from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
+from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, verify_file, write_index
+from ckptctl.geometry import Box, union_volume
+from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
+from ckptctl.hf.base import ExportContext, HFConfig, MegatronModel, load_hf_config, megatron_prefix
+from ckptctl.hf.raw import RAW, raw_prefix
+from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
+from ckptctl.model import Checkpoint, dtype_name
+from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
+from ckptctl.reshard import cast_dtype
+from ckptctl.resources import peak_rss_bytes
+
+FILENAME_PATTERN = "model{suffix}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SKIPPED_PREFIXES = ("mtp.",)
+"""Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
+
+
+@dataclass
+class ExportOptions:
+    arch: str = "auto"
+    tp: int | None = None
+    dtype: torch.dtype | None = None
+    max_shard_size: int | str = "5GB"
+    workers: int = 4
+    device: str = "auto"
+
+
+@dataclass
+class ExportPlan:
+    """Everything the export writes, decided before any data moves."""
+
+    family: str
+    prefix: str
+    tp: int | None
+    expert_tp: int | None
+    targets: dict[str, TargetTensor]
+    sources: dict[str, SourceTensor]
+    files: list[SafetensorsFile]
+    file_targets: dict[str, list[str]]
+    weight_map: dict[str, str] | None
+    config: dict[str, Any]
+    ref_files: list[Path]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.targets.values())
+
+    def file_items(self, file: SafetensorsFile) -> list[StreamItem]:
+        """The records of one file with their copy runs. Planned a file at a time: a RowParallel
+        tensor needs a run per row and TP chunk, too many to hold for a whole large model."""
+        return stream_items(file, [self.targets[n] for n in self.file_targets[file.name]], self.sources)
+
+
+@dataclass
+class ExportReport:
+    """What a run did, for `--json` and the summary line."""
+
+    src: str
+    dst: str
+    arch: str
+    tp: int | None
+    dtype: str
+    tensors: int
+    files: int
+    bytes_written: int
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    verified: bool = False
+    notes: list[str] = field(default_factory=list)
+    processes: int = 1
+    device: str = "cpu"
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+
+
+def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
+    """The family and model-key prefix for `--arch` (auto: config model_type, then key names)."""
+    if arch not in ARCHES:
+        raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
+    prefix = megatron_prefix(ckpt)
+    if arch == "raw" or (arch == "auto" and prefix is None):
+        return RAW, raw_prefix(ckpt)
+    if prefix is None:
+        shown = ", ".join(repr(p) for p in MODEL_PREFIXES)
+        raise CheckpointError(ckpt.path, f"no Megatron model tensors (decoder.layers.*, embedding.word_embeddings.*) "
+                                         f"under any prefix of {shown}; for HF-named checkpoints use --arch raw")
+    if arch != "auto":
+        return FAMILIES[arch], prefix
+    family = family_for_model_type(cfg.model_type)
+    if family is None and not cfg.model_type:
+        names = [f[len(prefix):] for f in ckpt.tensors if f.startswith(prefix)]
+        if any(".self_attention.in_proj." in n for n in names):
+            family = FAMILIES["qwen3-next"]
+        elif any(n.endswith(".mlp.router.weight") for n in names):
+            family = FAMILIES["qwen3-moe"]
+    if family is None:
+        known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
+        raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} is not one export-hf knows ({known}); "
+                         f"pass --arch")
+    return family, prefix
+
+
+def resolve_tps(ckpt: Checkpoint, model: MegatronModel, given: int | None) -> tuple[int | None, int | None]:
+    """The training TP (and expert TP) when some tensor is stored fused TP-blocked; (given, None) otherwise.
+
+    Strict: RowParallel chunks not split on dim 1 say nothing (a checkpoint resharded to an
+    FSDP2 layout shows them whatever TP it was trained at), so a wrong split is never guessed.
+    """
+    if given is not None and given < 1:
+        raise UsageError(f"--tp must be at least 1 (got {given})")
+    if not any(fused_kind(name) for name in model.entries):
+        return given, None
+    tp = resolve_tp(ckpt, given, strict=True)
+    args = checkpoint_args(ckpt)
+    if given is not None:
+        evidence = {}
+        if args is not None and getattr(args, "tensor_model_parallel_size", None) is not None:
+            evidence["args"] = int(args.tensor_model_parallel_size)
+        geometry = tp_from_geometry(ckpt)
+        if geometry is not None and geometry > 1:  # unsplit RowParallel chunks say nothing (see above)
+            evidence["RowParallel chunks"] = geometry
+        if len(set(evidence.values())) == 1 and given not in evidence.values():
+            raise UsageError(f"{ckpt.path}: --tp {given} but the checkpoint says TP {next(iter(evidence.values()))} "
+                             f"({' and '.join(evidence)}); fused tensors would be split wrongly")
+    etp = getattr(args, "expert_tensor_parallel_size", None) if args is not None else None
+    return tp, int(etp) if etp else None
+
+
+def output_config(cfg: HFConfig, dtype: torch.dtype | None) -> dict[str, Any]:
+    """The REF config with its dtype fields set to the dtype the weights are written in."""
+    data = dict(cfg.data)
+    if dtype is not None:
+        data["dtype"] = dtype_name(dtype)
+        if "torch_dtype" in data:
+            data["torch_dtype"] = dtype_name(dtype)
+    return data
+
+
+def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportPlan:
+    """Targets, shards, headers and the output config. Reads metadata (and `args`) only."""
+    family, prefix = choose_family(ckpt, cfg, opts.arch)
+    model = MegatronModel(ckpt, prefix)
+    if not model.entries:
+        raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
+    tp, etp = (opts.tp, None) if family is RAW else resolve_tps(ckpt, model, opts.tp)
+    ctx = ExportContext(cfg, model, tp, etp)
+    tensors = family.to_hf(ctx)
+    if family is not RAW:
+        unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
+        if unused:
+            more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
+            shown = ", ".join(prefix + n for n in unused[:3]) + more
+            raise CheckpointError(ckpt.path, f"{len(unused)} model tensors have no place in a {family.name} model "
+                                             f"of {cfg.path.name}: {shown} (wrong --hf-config or --arch?)")
+        skipped = [n for n in model.unused() if n.startswith(SKIPPED_PREFIXES)]
+        if skipped:
+            ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
+    if not tensors:
+        raise CheckpointError(ckpt.path, "nothing to export")
+    used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
+    sources = {fqn: source_view(ckpt.tensors[fqn]) for fqn in used_fqns}
+    targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
+    check_coverage(ckpt, targets.values(), sources)
+    split = shard(targets, opts.max_shard_size)
+    files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
+    floating = Counter()
+    for t in targets.values():
+        if t.dtype.is_floating_point:
+            floating[t.dtype] += t.nbytes
+    out_dtype = opts.dtype or (floating.most_common(1)[0][0] if floating else None)
+    return ExportPlan(
+        family=family.name, prefix=prefix, tp=tp, expert_tp=etp, targets=targets, sources=sources, files=files,
+        file_targets=dict(split.filename_to_tensors),
+        weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
+        config=output_config(cfg, out_dtype), ref_files=cfg.ref_files(), notes=ctx.notes,
+    )
+
+
+def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor]) -> None:
+    """Refuse, before anything is written, a target whose source rows are not all in saved chunks."""
+    problems = []
+    for target in targets:
+        for piece in target.pieces:
+            want = Box(piece.src_start, piece.sizes)
+            parts = [part for _, region in sources[piece.src].chunks
+                     if isinstance(region, Box) and (part := region.intersect(want)) is not None]
+            missing = want.numel - union_volume(parts)
+            if missing:
+                problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {piece.src_start[0]}.."
+                                f"{piece.src_start[0] + piece.sizes[0]} are in no saved chunk")
+    if problems:
+        raise IncompleteCheckpointError(ckpt.path, problems)
+
+
+def shard(targets: dict[str, TargetTensor], max_shard_size: int | str):
+    """huggingface_hub's own shard planner over the targets' byte sizes."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    try:
+        return split_state_dict_into_shards_factory(
+            targets, get_storage_size=lambda t: t.nbytes, filename_pattern=FILENAME_PATTERN,
+            max_shard_size=max_shard_size)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(f"--max-shard-size {max_shard_size!r}: {exc} (use e.g. 5GB, 500MB)") from None
+
+
+def parse_shard_size(value: str) -> int | str:
+    text = value.strip()
+    return int(text) if text.isdigit() else text.upper()
+
+
+def export_hf(
+    src: Path,
+    dst: Path,
+    ref: Path,
+    opts: ExportOptions,
+    *,
+    force: bool = False,
+    verify: bool = False,
+    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+    comm: Comm = LOCAL,
+) -> ExportReport:
+    """Run an export end to end and report what happened.
+
+    Under torchrun pass the run's `comm` (collective: every worker calls this with the same
+    arguments); each worker then writes its share of the safetensors files and rank 0 the
+    index, config and side files.
+    """
+    started = time.perf_counter()
+    cfg = load_hf_config(ref)
+    ckpt = open_checkpoint(src)
+    plan = plan_export(ckpt, cfg, opts)
+    check_destination(dst, force, src)
+    execute = executor(opts.device, comm.local_rank)
+    sizes = {f.name: f.size for f in plan.files}
+    mine = assign_files(sizes, comm.world_size)[comm.rank]
+    share_bytes = sum(f.data_bytes for f in plan.files if f.name in mine)
+    advance = progress_factory(share_bytes) if progress_factory else (lambda n: None)
+    report = ExportReport(
+        src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
+        tensors=len(plan.targets), files=len(plan.files), bytes_written=sum(f.size for f in plan.files),
+        notes=list(plan.notes), processes=comm.world_size, device=resolve_device(opts.device),
+    )
+    sources = ChunkSource(ckpt)
+
+    def write_share(tmp: Path, names: frozenset[str]) -> None:
+        files = OutputFiles(tmp, {n: size for n, size in sizes.items() if n in names})
+        try:
+            for f in plan.files:
+                if f.name in names:
+                    files.write(f.name, f.header, 0)
+                    execute(plan.file_items(f), [], sources, files, max(1, opts.workers), advance)
+        finally:
+            files.close()
+
+    def finish(tmp: Path) -> None:
+        write_side_files(plan, tmp)
+        if verify:
+            for f in plan.files:
+                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources)
+            report.verified = True
+
+    try:
+        write_atomically(dst, force, sizes, write_share, finish, comm)
+    finally:
+        sources.close()
+    report.seconds = time.perf_counter() - started
+    report.peak_rss_bytes = peak_rss_bytes()
+    return report
+
+
+def write_side_files(plan: ExportPlan, out: Path) -> None:
+    """Index (when sharded), config.json with the output dtype, tokenizer and generation files of REF."""
+    if plan.weight_map is not None:
+        write_index(out / INDEX_NAME, plan.total_size, plan.weight_map)
+    (out / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    for path in plan.ref_files:
+        try:
+            shutil.copyfile(path, out / path.name)
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot copy ({exc.strerror or exc})") from exc

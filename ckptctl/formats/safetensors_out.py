@@ -1,0 +1,179 @@
+"""Stream tensors into safetensors files: header computed first, then raw bytes at their offsets.
+
+A safetensors file is 8 bytes of header length, a JSON header (names, dtypes, shapes,
+byte ranges; padded to 8 bytes) and the tensors' raw row-major bytes. Everything about a
+file is known before any data moves, so each tensor becomes `StreamItem`s (raw records,
+`tail=None`) at fixed offsets that the CPU engine fills in any order and in parallel,
+without ever holding a whole tensor, let alone a whole shard. `verify_file` re-reads a
+written file in row blocks through safetensors' own lazy reader.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import torch
+
+from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble
+from ckptctl.errors import CheckpointError, IncompleteCheckpointError
+from ckptctl.geometry import Box, full_box, rows_box
+from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
+
+DTYPE_CODES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+ITEM_BYTES = 64 << 20
+"""Tensors larger than this are written as several row-block items, so workers share big tensors."""
+REOPEN_BYTES = 64 << 20
+"""`--verify` reopens a file after reading this much of it through safetensors' memory map."""
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """One output file: its header bytes and where each tensor's data starts (absolute offsets)."""
+
+    name: str
+    header: bytes
+    offsets: dict[str, int]
+    size: int
+
+    @property
+    def data_bytes(self) -> int:
+        return self.size - len(self.header)
+
+
+def dtype_code(dtype: torch.dtype, name: str) -> str:
+    code = DTYPE_CODES.get(dtype)
+    if code is None:
+        raise CheckpointError(name, f"dtype {dtype} has no safetensors encoding")
+    return code
+
+
+def layout_file(name: str, targets: Sequence[TargetTensor],
+                metadata: Mapping[str, str] | None = None) -> SafetensorsFile:
+    """The header of a file holding `targets` in order, and each tensor's absolute data offset."""
+    header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+    at = 0
+    relative: dict[str, int] = {}
+    for target in targets:
+        nbytes = target.nbytes
+        header[target.fqn] = {"dtype": dtype_code(target.dtype, target.fqn), "shape": list(target.shape),
+                              "data_offsets": [at, at + nbytes]}
+        relative[target.fqn] = at
+        at += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return SafetensorsFile(name, head, {k: len(head) + v for k, v in relative.items()}, len(head) + at)
+
+
+def item_boxes(shape: tuple[int, ...], itemsize: int, item_bytes: int = ITEM_BYTES) -> list[Box]:
+    """Whole-row boxes of about `item_bytes` covering a tensor in order (row-major contiguous)."""
+    if not shape or shape[0] == 0 or math.prod(shape) == 0:
+        return [full_box(shape)]
+    row = math.prod(shape[1:]) * itemsize
+    step = max(1, item_bytes // max(row, 1))
+    return [rows_box(shape, r, min(shape[0], r + step)) for r in range(0, shape[0], step)]
+
+
+def stream_items(file: SafetensorsFile, targets: Sequence[TargetTensor], sources: Mapping[str, SourceTensor],
+                 item_bytes: int = ITEM_BYTES) -> list[StreamItem]:
+    """Every raw record of `file`: row blocks of each target with the source runs that fill them."""
+    items = []
+    for target in targets:
+        row = math.prod(target.shape[1:]) * target.dtype.itemsize if target.shape else 0
+        for box in item_boxes(target.shape, target.dtype.itemsize, item_bytes):
+            reads = plan_box(target, box, sources)
+            gap = missing_elements(box, reads)
+            if gap:
+                srcs = ", ".join(sorted({p.src for p in target.pieces}))
+                raise IncompleteCheckpointError(srcs, [f"{target.fqn}: {gap} elements of rows "
+                                                       f"{box.offsets[:1]}+{box.sizes[:1]} are in no saved chunk"])
+            offset = file.offsets[target.fqn] + (box.offsets[0] * row if box.offsets else 0)
+            items.append(StreamItem(file.name, offset, b"", target, box, reads, tail=None))
+    return items
+
+
+def write_index(path: Path, total_size: int, weight_map: Mapping[str, str]) -> None:
+    """`model.safetensors.index.json` as transformers writes it."""
+    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+class _Reader:
+    """safetensors' lazy reader, reopened after every REOPEN_BYTES read (its memory map's touched
+    pages count as resident until the file is closed, so this bounds verification memory)."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._open = lambda: safe_open(str(path), framework="pt")
+        self._handle = None
+        self._mapped = 0
+
+    def get(self, nbytes: int):
+        if self._handle is None or (self._mapped and self._mapped + nbytes > REOPEN_BYTES):
+            self.close()
+            self._handle = self._open().__enter__()
+        self._mapped += nbytes
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle, self._mapped = None, 0
+
+
+def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetTensor],
+                sources: Mapping[str, SourceTensor], chunks: ChunkSource) -> int:
+    """Re-read every tensor of a written file in row blocks and compare bytes with the source assembly.
+
+    Returns the number of tensors checked; raises CheckpointError at the first difference.
+    """
+    names = list(file.offsets)
+    reader = _Reader(path)
+    try:
+        head = reader.get(0)
+        if (head.metadata() or {}).get("format") != "pt":
+            raise CheckpointError(path, "header metadata lacks format=pt")
+        if sorted(head.keys()) != sorted(names):
+            raise CheckpointError(path, "holds other tensors than planned")
+        for name in names:
+            _verify_tensor(path, reader, targets[name], sources, chunks)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for unreadable files
+        raise CheckpointError(path, f"cannot re-read for verification ({type(exc).__name__}: {exc})") from exc
+    finally:
+        reader.close()
+    return len(names)
+
+
+def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: Mapping[str, SourceTensor],
+                   chunks: ChunkSource) -> None:
+    name = target.fqn
+    shape = tuple(reader.get(0).get_slice(name).get_shape())
+    if shape != target.shape:
+        raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
+    for box in item_boxes(target.shape, target.dtype.itemsize, BLOCK_BYTES):
+        want = assemble(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
+        handle = reader.get(want.numel() * want.element_size())
+        got = handle.get_tensor(name) if not target.shape else \
+            handle.get_slice(name)[box.offsets[0]: box.offsets[0] + box.sizes[0]]
+        if got.dtype != target.dtype or not _same_bytes(got, want):
+            raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
+                                        f"differ from the source)")
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))

@@ -1,0 +1,306 @@
+"""What every export-hf family shares: the HF config, Megatron source views, row-concatenated targets.
+
+A family module only says, for each Hugging Face tensor, which rows of which Megatron
+tensors make it up, in order. Rows are always addressed in *global* coordinates of the
+source tensor, never of a saved shard: a `RowView` maps the rows of a logical tensor (a
+whole source tensor, one component of a TP-blocked fused tensor, one head of it) to rows
+of one source tensor. `HFTensor.target()` turns the concatenation of views into a
+`TargetTensor` of `Piece`s; `plan_box` then finds the chunks, however unevenly saved.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
+from ckptctl.model import Checkpoint, TensorEntry
+from ckptctl.plan import Piece, TargetTensor
+
+NON_MODEL_ROOTS = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_state.", "rng_state", "rng.",
+                   "extra.", "args", "iteration", "checkpoint_version")
+"""Top-level state-dict entries that never hold model weights."""
+
+COPIED_REF_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
+                    "spiece.model", "generation_config.json", "chat_template*", "preprocessor_config.json")
+"""Files of an HF model folder copied next to the exported weights (tokenizer, generation config)."""
+
+CONFIG_ALIASES = {"num_experts": ("num_local_experts",)}
+"""Other spellings of a config key (transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`)."""
+
+
+# --------------------------------------------------------------------------------------
+# Hugging Face config
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The target model's `config.json`: it decides every split of the export."""
+
+    path: Path
+    data: dict[str, Any]
+    folder: Path | None = None
+
+    @property
+    def model_type(self) -> str:
+        return str(self.data.get("model_type", ""))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        for name in (key, *CONFIG_ALIASES.get(key, ())):
+            value = self.data.get(name)
+            if value is not None:
+                return value
+        return default
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, default)
+        if value is None:
+            raise UsageError(f"{self.path}: config has no {key!r}, needed to lay out the weights")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise UsageError(f"{self.path}: {key!r} must be a non-negative integer (got {value!r})")
+        return value
+
+    def flag(self, key: str, default: bool = False) -> bool:
+        return bool(self.get(key, default))
+
+    def divides(self, total_key: str, part_key: str) -> int:
+        """`config[total_key] / config[part_key]`, refused unless exact (heads per group etc.)."""
+        total, part = self.int(total_key), self.int(part_key)
+        if part == 0 or total % part:
+            raise UsageError(f"{self.path}: {total_key}={total} is not a multiple of {part_key}={part}")
+        return total // part
+
+    def ref_files(self) -> list[Path]:
+        """Tokenizer / generation-config files to copy from the REF folder (none for a bare config file)."""
+        if self.folder is None:
+            return []
+        found: dict[str, Path] = {}
+        for pattern in COPIED_REF_FILES:
+            for path in sorted(self.folder.glob(pattern)):
+                if path.is_file() and path.name != "config.json":
+                    found.setdefault(path.name, path)
+        return [found[name] for name in sorted(found)]
+
+
+def load_hf_config(ref: str | Path) -> HFConfig:
+    """REF is an HF model folder holding `config.json`, or the config file itself."""
+    ref = Path(ref)
+    hint = "--hf-config wants a Hugging Face model folder or its config.json"
+    if not ref.exists():
+        raise UsageError(f"{ref}: no such file or directory ({hint})")
+    folder = None
+    path = ref
+    if ref.is_dir():
+        folder, path = ref, ref / "config.json"
+        if not path.is_file():
+            raise UsageError(f"{ref}: no config.json in this folder ({hint})")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise UsageError(f"{path}: not a readable JSON config ({exc})") from exc
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a JSON object (is this a config.json?)")
+    return HFConfig(path, data, folder)
+
+
+# --------------------------------------------------------------------------------------
+# Views of source rows
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowView:
+    """`rows` rows of a logical tensor, each taken from a row of source `fqn` (`RowBlock` src → dst)."""
+
+    fqn: str
+    rows: int
+    trailing: tuple[int, ...]
+    blocks: tuple[RowBlock, ...]
+
+    def take(self, start: int, count: int) -> "RowView":
+        if start < 0 or count < 0 or start + count > self.rows:
+            raise ValueError(f"{self.fqn}: rows {start}..{start + count} outside a view of {self.rows} rows")
+        return RowView(self.fqn, count, self.trailing, tuple(select_rows(self.blocks, start, count)))
+
+    def split(self, sizes: Sequence[int]) -> list["RowView"]:
+        """Consecutive parts of `sizes` rows (which must add up to the view)."""
+        if sum(sizes) != self.rows:
+            raise ValueError(f"{self.fqn}: parts {list(sizes)} do not add up to {self.rows} rows")
+        out, at = [], 0
+        for size in sizes:
+            out.append(self.take(at, size))
+            at += size
+        return out
+
+    def chunks(self, n: int) -> list["RowView"]:
+        """`n` equal consecutive parts (heads, query groups, key heads)."""
+        if n <= 0 or self.rows % n:
+            raise ValueError(f"{self.fqn}: {self.rows} rows cannot be cut into {n} equal parts")
+        return self.split([self.rows // n] * n)
+
+
+def whole(entry: TensorEntry) -> RowView:
+    """A source tensor as a view of itself."""
+    if not entry.shape:
+        raise CheckpointError(entry.fqn, "a 0-d tensor has no rows to export")
+    rows = entry.shape[0]
+    return RowView(entry.fqn, rows, tuple(entry.shape[1:]), (RowBlock(0, 0, rows),) if rows else ())
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """An HF tensor as the row concatenation of `views`, plus a constant `add` (GDN norm: + 1)."""
+
+    name: str
+    views: tuple[RowView, ...]
+    add: float = 0.0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (sum(v.rows for v in self.views), *self.views[0].trailing)
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(v.fqn for v in self.views))
+
+    def pieces(self) -> tuple[Piece, ...]:
+        """One `Piece` per row block, adjacent blocks that continue each other merged."""
+        trailing = self.views[0].trailing
+        zeros = tuple(0 for _ in trailing)
+        merged: list[tuple[str, RowBlock]] = []
+        at = 0
+        for view in self.views:
+            for b in view.blocks:
+                block = RowBlock(b.src_row, at + b.dst_row, b.rows)
+                if merged:
+                    fqn, last = merged[-1]
+                    if fqn == view.fqn and last.src_row + last.rows == block.src_row \
+                            and last.dst_row + last.rows == block.dst_row:
+                        merged[-1] = (fqn, RowBlock(last.src_row, last.dst_row, last.rows + block.rows))
+                        continue
+                merged.append((view.fqn, block))
+            at += view.rows
+        return tuple(Piece(fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *trailing)) for fqn, b in merged)
+
+    def target(self, dtype: torch.dtype) -> TargetTensor:
+        return TargetTensor(self.name, self.shape, dtype, self.pieces(), add=self.add)
+
+
+# --------------------------------------------------------------------------------------
+# The Megatron model inside a checkpoint
+# --------------------------------------------------------------------------------------
+
+
+def is_model_key(fqn: str) -> bool:
+    return not fqn.startswith(NON_MODEL_ROOTS) and "_extra_state" not in fqn
+
+
+def megatron_prefix(ckpt: Checkpoint) -> str | None:
+    """The wrapper prefix of Megatron model keys (`model.module.` …), or None when there are none."""
+    for prefix in MODEL_PREFIXES:
+        for fqn in ckpt.tensors:
+            if not is_model_key(fqn) or not fqn.startswith(prefix):
+                continue
+            rest = fqn[len(prefix):]
+            if rest.startswith(("decoder.layers.", "embedding.word_embeddings.")):
+                return prefix
+    return None
+
+
+class MegatronModel:
+    """The model tensors of a Megatron checkpoint by name without prefix; remembers which were used."""
+
+    def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
+        self.ckpt = ckpt
+        self.prefix = prefix
+        self.entries: dict[str, TensorEntry] = {
+            fqn[len(prefix):]: entry for fqn, entry in ckpt.tensors.items()
+            if fqn.startswith(prefix) and is_model_key(fqn)
+        }
+        self.used: set[str] = set()
+
+    def has(self, name: str) -> bool:
+        return name in self.entries
+
+    def first(self, *names: str) -> str | None:
+        return next((n for n in names if n in self.entries), None)
+
+    def missing(self, *names: str) -> CheckpointError:
+        alts = " or ".join(self.prefix + n for n in names)
+        return CheckpointError(self.ckpt.path, f"no tensor {alts} (wrong --hf-config or --arch?)")
+
+    def view(self, *names: str) -> RowView:
+        """The first present of `names`, whole."""
+        name = self.first(*names)
+        if name is None:
+            raise self.missing(*names)
+        self.used.add(name)
+        return whole(self.entries[name])
+
+    def fused(self, name: str, component_rows: Sequence[int], tp: int) -> list[RowView]:
+        """The components of a fused tensor TP-blocked at `tp`, each as a view of its global rows."""
+        entry = self.entries[name]
+        if not entry.shape or entry.shape[0] != sum(component_rows):
+            parts = " + ".join(map(str, component_rows))
+            rows = entry.shape[0] if entry.shape else 0
+            raise CheckpointError(self.ckpt.path, f"{entry.fqn}: has {rows} rows, the config implies "
+                                                  f"{sum(component_rows)} ({parts})")
+        try:
+            maps = tp_blocked_split(component_rows, tp)
+        except UsageError as exc:
+            raise UsageError(f"{entry.fqn}: {exc}") from None
+        self.used.add(name)
+        return [RowView(entry.fqn, rows, tuple(entry.shape[1:]), tuple(blocks))
+                for rows, blocks in zip(component_rows, maps)]
+
+    def components(self, base: str, suffixes: Sequence[str], component_rows: Sequence[int],
+                   tp: Callable[[], int]) -> list[RowView]:
+        """Components saved split (`base + suffix` each, TP-invariant) or fused at `base` (TP-blocked)."""
+        split = [base + s for s in suffixes]
+        if all(self.has(n) for n in split):
+            views = [self.view(n) for n in split]
+            for view, rows in zip(views, component_rows):
+                if view.rows != rows:
+                    raise CheckpointError(self.ckpt.path,
+                                          f"{view.fqn}: has {view.rows} rows, the config implies {rows}")
+            return views
+        if self.has(base):
+            return self.fused(base, component_rows, tp())
+        raise self.missing(base, *split)
+
+    def unused(self) -> list[str]:
+        return sorted(n for n in self.entries if n not in self.used)
+
+
+@dataclass
+class ExportContext:
+    """What a family's `to_hf` reads: the config, the Megatron model and the training TP sizes."""
+
+    config: HFConfig
+    model: MegatronModel
+    tp_value: int | None = None
+    expert_tp_value: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def tp(self) -> int:
+        if self.tp_value is None:
+            raise UsageError(f"{self.model.ckpt.path}: a fused TP-blocked tensor needs the training TP size; pass --tp")
+        return self.tp_value
+
+    def expert_tp(self) -> int:
+        return self.expert_tp_value if self.expert_tp_value is not None else self.tp()
+
+
+def check_shape(hf: HFTensor, expected: Sequence[int], cfg: HFConfig) -> HFTensor:
+    """Refuse a tensor whose assembled shape is not what the config implies."""
+    if tuple(hf.shape) != tuple(expected):
+        srcs = ", ".join(hf.sources)
+        raise CheckpointError(srcs, f"gives {hf.name} shape {list(hf.shape)} but {cfg.path.name} implies "
+                                    f"{list(expected)} (wrong --hf-config?)")
+    return hf

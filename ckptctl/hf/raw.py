@@ -1,0 +1,62 @@
+"""`--arch raw`: checkpoints whose model FQNs already are Hugging Face names (FSDP2, torchtitan).
+
+`get_state_dict` puts the model under `model.`; that one prefix is stripped when every
+model key has it, and each tensor is exported whole, unchanged. Optimizer state and other
+non-model entries are left out; with tied embeddings `lm_head.weight` is not written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ckptctl.hf.base import ExportContext, is_model_key
+from ckptctl.model import Checkpoint
+from ckptctl.plan import Piece, TargetTensor
+
+PREFIX = "model."
+
+
+def raw_prefix(ckpt: Checkpoint) -> str:
+    keys = [fqn for fqn in ckpt.tensors if is_model_key(fqn)]
+    return PREFIX if keys and all(k.startswith(PREFIX) for k in keys) else ""
+
+
+@dataclass(frozen=True)
+class RawTensor:
+    """A source tensor exported whole under its own (stripped) name."""
+
+    name: str
+    fqn: str
+    shape: tuple[int, ...]
+    add: float = 0.0
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+    def target(self, dtype: torch.dtype) -> TargetTensor:
+        zero = tuple(0 for _ in self.shape)
+        return TargetTensor(self.name, self.shape, dtype, (Piece(self.fqn, zero, zero, self.shape),))
+
+
+@dataclass(frozen=True)
+class RawFamily:
+    name: str = "raw"
+    model_types: tuple[str, ...] = ()
+
+    def to_hf(self, ctx: ExportContext) -> dict[str, RawTensor]:
+        m = ctx.model
+        tied = ctx.config.flag("tie_word_embeddings", False)
+        out: dict[str, RawTensor] = {}
+        for name, entry in sorted(m.entries.items()):
+            m.used.add(name)
+            if tied and name == "lm_head.weight" and "model.embed_tokens.weight" in m.entries:
+                ctx.notes.append(f"{entry.fqn} not exported: the config ties lm_head to the embeddings")
+                continue
+            out[name] = RawTensor(name, entry.fqn, entry.shape)
+        return out
+
+
+RAW = RawFamily()
