@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import filecmp
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path

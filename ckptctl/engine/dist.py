@@ -250,9 +250,8 @@ def launch_local(nproc: int, args: Sequence[str], *, timeout: float | None = Non
     output (its `--json` report), stderr every worker's messages.
     """
     full = dict(os.environ)
-    full.setdefault("GLOO_SOCKET_IFNAME", "lo" if os.path.exists("/sys/class/net/lo") else "")
-    if not full["GLOO_SOCKET_IFNAME"]:
-        del full["GLOO_SOCKET_IFNAME"]
+    if "GLOO_SOCKET_IFNAME" not in full and os.path.exists("/sys/class/net/lo"):
+        full["GLOO_SOCKET_IFNAME"] = "lo"
     full.setdefault("OMP_NUM_THREADS", "1")
     full.update(env or {})
     return subprocess.run(torchrun_command(nproc, args), capture_output=True, text=True, timeout=timeout, env=full)
