@@ -246,8 +246,8 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[int, B
             r = whole_from - 1
             walk(prefix + (r,), dims[1:], a - r * row, row, base + r * row)
         if whole_to > whole_from:
-            out.append((base + whole_from * row,
-                        Box(prefix + (whole_from,) + (0,) * (len(dims) - 1), ones + (whole_to - whole_from,) + dims[1:])))
+            offsets = prefix + (whole_from,) + (0,) * (len(dims) - 1)
+            out.append((base + whole_from * row, Box(offsets, ones + (whole_to - whole_from,) + dims[1:])))
         if b > whole_to * row:
             walk(prefix + (whole_to,), dims[1:], 0, b - whole_to * row, base + whole_to * row)
 

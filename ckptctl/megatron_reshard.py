@@ -22,12 +22,13 @@ import io
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
+from ckptctl.hf.base import load_hf_config
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analyze, split_optimizer_fqn
 from ckptctl.megatron import (
     FUSED_PARTS,
@@ -44,6 +45,9 @@ from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
 from ckptctl.plan import CopyItem, Piece, SourceTensor, TargetTensor, identity_target
 
+if TYPE_CHECKING:
+    from ckptctl.reshard import ReshardOptions
+
 LAYOUTS = ("fsdp2", "megatron-fsdp")
 GATED_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
 """HF `hidden_act` values whose MLP is SwiGLU-gated (Megatron `--swiglu`)."""
@@ -51,7 +55,7 @@ GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_h
 GROUP_META_ROOTS = ("optimizer.param_to_group_meta.", "optim.param_to_group_meta.")
 
 
-def uses_megatron(opts: Any) -> bool:
+def uses_megatron(opts: ReshardOptions) -> bool:
     """True when any Megatron-aware reshard option is set (plan_reshard then comes here)."""
     return bool(opts.split_fused or opts.fuse or opts.flat_optimizer or opts.hf_config is not None
                 or opts.layout != "fsdp2" or any(v is not None for v in (opts.tp, opts.dp, opts.source_tp)))
@@ -77,7 +81,7 @@ class Layout:
         return megatron_fsdp(shape, param_name, self.tp, self.dp)
 
 
-def resolve_layout(ckpt: Checkpoint, opts: Any) -> Layout:
+def resolve_layout(ckpt: Checkpoint, opts: ReshardOptions) -> Layout:
     """Check the option combination and work out the output's rank grid."""
     if opts.layout not in LAYOUTS:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {opts.layout!r})")
@@ -177,8 +181,6 @@ def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 
 def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
     """GDN dims and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`."""
-    from ckptctl.hf.base import load_hf_config
-
     swiglu: bool | None = None
     gdn: GdnDims | None = None
     origins = []
@@ -285,7 +287,8 @@ class Planned:
 class MegatronPlanner:
     """Builds the targets of a Megatron-aware reshard from one checkpoint and its options."""
 
-    def __init__(self, ckpt: Checkpoint, opts: Any, layout: Layout, sources: dict[str, SourceTensor]) -> None:
+    def __init__(self, ckpt: Checkpoint, opts: ReshardOptions, layout: Layout,
+                 sources: dict[str, SourceTensor]) -> None:
         self.ckpt, self.opts, self.layout, self.sources = ckpt, opts, layout, sources
         self._source_tp: int | None = None
         self._dims: ModelDims | None = None
@@ -600,7 +603,7 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
 # --------------------------------------------------------------------------------------
 
 
-def plan_megatron(ckpt: Checkpoint, opts: Any) -> DcpOutput:
+def plan_megatron(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     """The whole output of a Megatron-aware reshard: targets, placement, copy runs. No tensor I/O."""
     from ckptctl.reshard import selected, source_tensors
 
@@ -653,7 +656,7 @@ def _append_literal(out: DcpOutput, fqn: str, data: bytes) -> None:
     out.bytes_transforms[fqn] = ()
 
 
-def output_world_size(ckpt: Checkpoint, opts: Any) -> int:
+def output_world_size(ckpt: Checkpoint, opts: ReshardOptions) -> int:
     """How many ranks the output is laid out for."""
     return resolve_layout(ckpt, opts).world_size
 

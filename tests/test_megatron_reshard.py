@@ -81,7 +81,10 @@ def chunks_by_file(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, set]
 
 
 def param_of(fqn: str) -> str:
-    return fqn[len("model.module."):] if fqn.startswith("model.") else fqn[len("optimizer.state.module."):].rsplit(".", 1)[0]
+    """The param name of a model key or of an optimizer state key."""
+    if fqn.startswith("model."):
+        return fqn[len("model.module."):]
+    return fqn[len("optimizer.state.module."):].rsplit(".", 1)[0]
 
 
 def item_ranges(box: tuple, shape: tuple[int, ...]) -> list[tuple[int, int]]:
