@@ -62,7 +62,16 @@ class Saved:
     fsdp2_state: dict[str, torch.Tensor] | None
 
 
+def needs(*what: str):
+    """Mark a test as using special checkpoints (see SPECIAL), so the session fixture writes them."""
+    def mark(fn):
+        fn.needs = what
+        return fn
+    return mark
+
+
 def _needed(session) -> tuple[list[Case], set[str]]:
+    """The cases and special checkpoints of the selected tests of this module."""
     cases, special = {}, set()
     for item in session.items:
         if item.module is None or item.module.__name__ != __name__:
@@ -72,13 +81,6 @@ def _needed(session) -> tuple[list[Case], set[str]]:
             cases[params["case"].id] = params["case"]
         special.update(s for s in getattr(item.function, "needs", ()))
     return list(cases.values()), special
-
-
-def needs(*what: str):
-    def mark(fn):
-        fn.needs = what
-        return fn
-    return mark
 
 
 @pytest.fixture(scope="session")
