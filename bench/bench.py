@@ -28,9 +28,9 @@ LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 10, 4096, 4, 3
 PY = sys.executable
 
 
-def _build(rank: int, world_size: int, out: str) -> None:
+def _fsdp2_state(warmup_input_scale: float) -> dict:
+    """FSDP2 model + AdamW (state initialised by one step) and its DCP state dict, in a gloo rank."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch import nn
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
@@ -41,29 +41,24 @@ def _build(rank: int, world_size: int, out: str) -> None:
         fully_shard(layer)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, WIDTH)).sum().backward()
+    model(torch.randn(2, WIDTH) * warmup_input_scale).sum().backward()
     opt.step()
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+    return {"model": msd, "optim": osd}
+
+
+def _build(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    state = _fsdp2_state(1.0)
+    dcp.save(state, checkpoint_id=out)
 
 
 def _torch_roundtrip(rank: int, world_size: int, src: str, dst: str) -> None:
     """torch's own reshard: FSDP2 model+AdamW at the target world size, dcp.load, dcp.save."""
-    import torch
     import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
 
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(LAYERS)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.zeros(1, WIDTH)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
+    state = _fsdp2_state(0.0)
     dcp.load(state, checkpoint_id=src)
     dcp.save(state, checkpoint_id=dst)
 

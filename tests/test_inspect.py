@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ckptctl.cli.inspect_cmd import human_size
+from ckptctl.cli.common import human_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from tests.conftest import run_cli
@@ -409,5 +409,5 @@ def test_metadata_without_version_is_accepted(tmp_path: Path, fixture_ckpt) -> N
 
 @pytest.mark.parametrize("n, text", [(0, "0 B"), (999, "999 B"), (1000, "1.0 kB"), (38424, "38.4 kB"),
                                      (10**6, "1.0 MB"), (5 * 10**12, "5.0 TB"), (3 * 10**15, "3.0 PB")])
-def test_human_size(n: int, text: str) -> None:
-    assert human_size(n) == text
+def test_human_bytes(n: int, text: str) -> None:
+    assert human_bytes(n) == text

@@ -44,6 +44,18 @@ def run_guarded(fn: Callable[[], T]) -> T:
         raise SystemExit(130) from None
 
 
+def human_bytes(n: int | float) -> str:
+    """Decimal units, like the progress bars: 38424 → `38.4 kB`."""
+    if n < 1000:
+        return f"{int(n)} B"
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000:
+            return f"{value:.1f} {unit}"
+    return f"{value / 1000:.1f} PB"
+
+
 def emit_json(doc: Any) -> None:
     """Print one JSON document on stdout (what `--json` promises scripts)."""
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")

@@ -9,8 +9,10 @@ from typing import Optional
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import ByteProgress, device_option, dist_backend_option, emit_json, run_guarded, stderr
-from ckptctl.cli.reshard_cmd import human_bytes, parse_dtype
+from ckptctl.cli.common import (
+    ByteProgress, device_option, dist_backend_option, emit_json, human_bytes, run_guarded, stderr,
+)
+from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm, distributed_from_env
 from ckptctl.export_hf import ExportOptions, ExportReport, export_hf, parse_shard_size
 

@@ -46,7 +46,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptctl.cli import app
-from ckptctl.cli.common import emit_json, run_guarded, stdout
+from ckptctl.cli.common import emit_json, human_bytes, run_guarded, stdout
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport, analyze
 from ckptctl.model import Checkpoint, Chunk
@@ -58,18 +58,6 @@ _PIPE_WIDTH = 100_000
 def _console() -> Console:
     """The shared console on a terminal; in a pipe, one that never wraps table rows."""
     return stdout if stdout.is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
-
-
-def human_size(n: int) -> str:
-    """Decimal units, like the progress bars: 38424 → `38.4 kB`."""
-    if n < 1000:
-        return f"{n} B"
-    value = float(n)
-    for unit in ("kB", "MB", "GB", "TB"):
-        value /= 1000
-        if value < 1000:
-            return f"{value:.1f} {unit}"
-    return f"{value / 1000:.1f} PB"
 
 
 def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
@@ -124,8 +112,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Checkpoint", doc["path"]),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
-        ("Files", f"{len(files)} files, {human_size(doc['total_bytes'])}"),
-        *(("", f"{name}  {human_size(size)}") for name, size in files.items()),
+        ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),
+        *(("", f"{name}  {human_bytes(size)}") for name, size in files.items()),
         ("Entries", _counts(doc["groups"])),
         ("Dtypes", _counts(doc["dtypes"])),
         ("Layouts", _counts(doc["layouts"])),
@@ -151,7 +139,7 @@ def _print_tensors(tensors: dict[str, Any]) -> None:
         table.add_column(name, no_wrap=True, justify="right" if name == "size" else "left")
     for fqn, t in tensors.items():
         layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else "")
-        table.add_row(Text(fqn), Text(str(t["shape"])), t["dtype"], human_size(t["nbytes"]), layout,
+        table.add_row(Text(fqn), Text(str(t["shape"])), t["dtype"], human_bytes(t["nbytes"]), layout,
                       _coverage_cell(t["coverage"]))
     _console().print(table)
 

@@ -10,6 +10,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
+    human_bytes,
     ByteProgress,
     device_option,
     dist_backend_option,
@@ -21,14 +22,6 @@ from ckptctl.cli.common import (
 from ckptctl.engine.dist import Comm, distributed_from_env
 from ckptctl.errors import UsageError
 from ckptctl.reshard import DTYPES, ReshardOptions, ReshardReport, reshard
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
 
 
 def report_json(report: ReshardReport) -> dict:

@@ -16,7 +16,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -91,36 +91,41 @@ def _segments(item: StreamItem) -> list[_Segment]:
     return segs
 
 
-def _fill_block(sources: ChunkSource, out: torch.Tensor, out_bytes: memoryview, b0: int, segs: list[_Segment]) -> None:
-    """Assemble destination elements [b0, b0+len(out)) from the segments that overlap them."""
+def read_spans(segs: list[_Segment]) -> Iterator[tuple[list[_Segment], int, int]]:
+    """Segments grouped by source chunk into spans close enough to fetch with one read: (segments, start, stop)."""
     by_chunk: dict[tuple[str, int], list[_Segment]] = {}
     for s in segs:
         by_chunk.setdefault((s.read.chunk.file, s.read.chunk.offset), []).append(s)
-    out_isz = out.dtype.itemsize
     for group in by_chunk.values():
-        read = group[0].read
-        isz = read.dtype.itemsize
+        isz = group[0].read.dtype.itemsize
         group.sort(key=lambda s: s.src)
         i = 0
         while i < len(group):
-            j, span_end = i + 1, group[i].src + group[i].length
-            while j < len(group) and (group[j].src - span_end) * isz <= GAP_BYTES \
+            j, stop = i + 1, group[i].src + group[i].length
+            while j < len(group) and (group[j].src - stop) * isz <= GAP_BYTES \
                     and (group[j].src + group[j].length - group[i].src) * isz <= BLOCK_BYTES:
-                span_end = max(span_end, group[j].src + group[j].length)
+                stop = max(stop, group[j].src + group[j].length)
                 j += 1
-            run = group[i:j]
-            if len(run) == 1 and read.dtype == out.dtype:
-                s = run[0]
-                sources.read_into(read.fqn, read.chunk, s.src * isz,
-                                  out_bytes[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
-            else:
-                base = run[0].src
-                tmp = bytearray((span_end - base) * isz)
-                sources.read_into(read.fqn, read.chunk, base * isz, memoryview(tmp))
-                src_t = torch.frombuffer(tmp, dtype=read.dtype)
-                for s in run:
-                    cast_into(out[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
+            yield group[i:j], group[i].src, stop
             i = j
+
+
+def _fill_block(sources: ChunkSource, out: torch.Tensor, out_bytes: memoryview, b0: int, segs: list[_Segment]) -> None:
+    """Assemble destination elements [b0, b0+len(out)) from the segments that overlap them."""
+    out_isz = out.dtype.itemsize
+    for run, base, stop in read_spans(segs):
+        read = run[0].read
+        isz = read.dtype.itemsize
+        if len(run) == 1 and read.dtype == out.dtype:
+            s = run[0]
+            sources.read_into(read.fqn, read.chunk, s.src * isz,
+                              out_bytes[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
+            continue
+        tmp = bytearray((stop - base) * isz)
+        sources.read_into(read.fqn, read.chunk, base * isz, memoryview(tmp))
+        src_t = torch.frombuffer(tmp, dtype=read.dtype)
+        for s in run:
+            cast_into(out[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
 
 
 def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Segment], int]:

@@ -26,7 +26,6 @@ import torch
 from ckptctl.engine.cast import add_into, cast_into
 from ckptctl.engine.cpu import (
     BLOCK_BYTES,
-    GAP_BYTES,
     ChunkSource,
     OutputFiles,
     _clip,
@@ -34,6 +33,7 @@ from ckptctl.engine.cpu import (
     _Segment,
     _segments,
     copy_item,
+    read_spans,
 )
 from ckptctl.plan import CopyItem, StreamItem
 
@@ -52,25 +52,11 @@ class _Span:
 
 def _spans(segs: list[_Segment]) -> tuple[list[_Span], int]:
     """Group a block's segments into spans read with one positioned read each; returns spans and staged bytes."""
-    by_chunk: dict[tuple[str, int], list[_Segment]] = {}
-    for s in segs:
-        by_chunk.setdefault((s.read.chunk.file, s.read.chunk.offset), []).append(s)
     spans: list[_Span] = []
     at = 0
-    for group in by_chunk.values():
-        isz = group[0].read.dtype.itemsize
-        group.sort(key=lambda s: s.src)
-        i = 0
-        while i < len(group):
-            j, stop = i + 1, group[i].src + group[i].length
-            while j < len(group) and (group[j].src - stop) * isz <= GAP_BYTES \
-                    and (group[j].src + group[j].length - group[i].src) * isz <= BLOCK_BYTES:
-                stop = max(stop, group[j].src + group[j].length)
-                j += 1
-            span = _Span(group[i:j], group[i].src, stop, at)
-            spans.append(span)
-            at += -(-(stop - span.start) * isz // ALIGN) * ALIGN
-            i = j
+    for run, start, stop in read_spans(segs):
+        spans.append(_Span(run, start, stop, at))
+        at += -(-(stop - start) * run[0].read.dtype.itemsize // ALIGN) * ALIGN
     return spans, at
 
 
