@@ -15,26 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-LAYERS, WIDTH = int(os.environ.get("LAYERS", 10)), int(os.environ.get("WIDTH", 4096))
-
-
-def build(rank: int, world_size: int, out: str) -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from torch import nn
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=True) for _ in range(LAYERS)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, WIDTH)).sum().backward()
-    opt.step()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+from bench.bench import _build as build  # noqa: E402  (the same FSDP2 checkpoint as `make bench`)
 
 
 def digest(path: Path) -> dict[str, str]:
