@@ -203,16 +203,6 @@ def union_volume(boxes: Sequence[Box]) -> int:
     return total
 
 
-def flat_union(ranges: Sequence[FlatRange]) -> int:
-    """Number of items covered by at least one flat range."""
-    covered, reach = 0, 0
-    for r in sorted((r for r in ranges if r.length > 0), key=lambda r: r.start):
-        if r.end > reach:
-            covered += r.end - max(r.start, reach)
-            reach = r.end
-    return covered
-
-
 def box_flat_ranges(box: Box, shape: Sequence[int]) -> list[FlatRange]:
     """The item ranges (row-major flat indices of a `shape` tensor) that `box` covers, maximal and in order."""
     if box.numel == 0:

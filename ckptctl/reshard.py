@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -70,7 +70,6 @@ class ReshardReport:
     verified: bool = False
     dry_run: bool = False
     predicted_peak_bytes: int = 0
-    skipped: list[str] = field(default_factory=list)
     processes: int = 1
     device: str = "cpu"
 

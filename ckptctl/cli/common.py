@@ -105,3 +105,32 @@ class ByteProgress:
             return
         with self._progress:
             yield self
+
+
+def run_distributed(
+    name: str,
+    quiet: bool,
+    dist_backend: str,
+    work: Callable[[Any, Callable[[int], Callable[[int], None]]], T],
+    show: Callable[[T], None],
+) -> None:
+    """The shape of every writing command: join torchrun's process group (or run alone), run
+    `work(comm, progress_factory)` under a byte progress bar that only the lead rank shows,
+    then let the lead rank `show` its report; errors become one line (`run_guarded`)."""
+    from ckptctl.engine.dist import distributed_from_env
+
+    def body() -> None:
+        with distributed_from_env(dist_backend) as comm:
+            progress = ByteProgress(0, name, enabled=not quiet and comm.is_lead)
+
+            def factory(total: int) -> Callable[[int], None]:
+                progress.reset_total(total)
+                return progress.advance
+
+            with progress.shown():
+                report = work(comm, factory)
+            lead = comm.is_lead
+        if lead:
+            show(report)
+
+    run_guarded(body)

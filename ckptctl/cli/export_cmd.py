@@ -10,10 +10,10 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    ByteProgress, device_option, dist_backend_option, emit_json, human_bytes, run_guarded, stderr,
+    device_option, dist_backend_option, emit_json, human_bytes, run_distributed, stderr,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
-from ckptctl.engine.dist import Comm, distributed_from_env
+from ckptctl.engine.dist import Comm
 from ckptctl.export_hf import ExportOptions, ExportReport, export_hf, parse_shard_size
 
 
@@ -49,25 +49,10 @@ def export_hf_command(
     Under torchrun each worker writes a share of the safetensors files; rank 0 reports.
     """
 
-    def body() -> None:
-        with distributed_from_env(dist_backend) as comm:
-            report = run(comm)
-        if report is not None:
-            show(report)
-
-    def run(comm: Comm) -> ExportReport | None:
+    def run(comm: Comm, factory) -> ExportReport:
         opts = ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype),
                              max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device)
-        progress = ByteProgress(0, "export-hf", enabled=not json_out and comm.is_lead)
-
-        def factory(total: int):
-            progress.reset_total(total)
-            return progress.advance
-
-        with progress.shown():
-            report = export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress_factory=factory,
-                               comm=comm)
-        return report if comm.is_lead else None
+        return export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress_factory=factory, comm=comm)
 
     def show(report: ExportReport) -> None:
         if json_out:
@@ -81,4 +66,4 @@ def export_hf_command(
             + (f" on {report.processes} workers" if report.processes > 1 else "")
             + f", peak RSS {human_bytes(report.peak_rss_bytes)}" + ("; verified" if report.verified else ""))
 
-    run_guarded(body)
+    run_distributed("export-hf", json_out, dist_backend, run, show)

@@ -10,16 +10,15 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    human_bytes,
-    ByteProgress,
     device_option,
     dist_backend_option,
     emit_json,
-    run_guarded,
+    human_bytes,
+    run_distributed,
     stderr,
     stdout,
 )
-from ckptctl.engine.dist import Comm, distributed_from_env
+from ckptctl.engine.dist import Comm
 from ckptctl.errors import UsageError
 from ckptctl.reshard import DTYPES, ReshardOptions, ReshardReport, reshard
 
@@ -81,27 +80,13 @@ def reshard_command(
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
     """
 
-    def body() -> None:
-        with distributed_from_env(dist_backend) as comm:
-            report = run(comm)
-        if report is not None:
-            show(report)
-
-    def run(comm: Comm) -> ReshardReport | None:
+    def run(comm: Comm, factory) -> ReshardReport:
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
                               device=device, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
                               split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config)
-        progress = ByteProgress(0, "reshard", enabled=not json_out and comm.is_lead)
-
-        def factory(total: int):
-            progress.reset_total(total)
-            return progress.advance
-
-        with progress.shown():
-            report = reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory,
-                             comm=comm)
-        return report if comm.is_lead else None
+        return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory,
+                       comm=comm)
 
     def show(report: ReshardReport) -> None:
         if json_out:
@@ -121,4 +106,4 @@ def reshard_command(
             + f", peak RSS {human_bytes(report.peak_rss_bytes)}"
             + ("; verified" if report.verified else ""))
 
-    run_guarded(body)
+    run_distributed("reshard", json_out, dist_backend, run, show)
