@@ -19,12 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-import torch
-
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, verify_file, write_index
@@ -48,7 +47,7 @@ SKIPPED_PREFIXES = ("mtp.",)
 class ExportOptions:
     arch: str = "auto"
     tp: int | None = None
-    dtype: torch.dtype | None = None
+    dtype: DType | None = None
     max_shard_size: int | str = "5GB"
     workers: int = 4
     device: str = "auto"
@@ -162,7 +161,7 @@ def resolve_tps(ckpt: Checkpoint, model: MegatronModel, given: int | None) -> tu
     return tp, int(etp) if etp else None
 
 
-def output_config(cfg: HFConfig, dtype: torch.dtype | None) -> dict[str, Any]:
+def output_config(cfg: HFConfig, dtype: DType | None) -> dict[str, Any]:
     """The REF config with its dtype fields set to the dtype the weights are written in."""
     data = dict(cfg.data)
     if dtype is not None:

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-import torch
-
+from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
@@ -244,7 +243,7 @@ def reblock_regroup(fqn: str, component_rows: Sequence[int], source_tp: int, tar
 
 
 def row_target(fqn: str, sources: Sequence[str], blocks: Sequence[tuple[int, RowBlock]], rows: int,
-               trailing: tuple[int, ...], dtype: torch.dtype, properties: Any) -> TargetTensor:
+               trailing: tuple[int, ...], dtype: DType, properties: Any) -> TargetTensor:
     """A target of `rows` rows assembled from row blocks of `sources` (all with `trailing` dims)."""
     pad = tuple(0 for _ in trailing)
     pieces = tuple(Piece(sources[i], (b.src_row, *pad), (b.dst_row, *pad), (b.rows, *trailing)) for i, b in blocks)
@@ -419,7 +418,7 @@ class MegatronPlanner:
 
     # -- targets ---------------------------------------------------------------------
 
-    def cast(self, dtype: torch.dtype) -> torch.dtype:
+    def cast(self, dtype: DType) -> DType:
         from ckptctl.reshard import cast_dtype
 
         return cast_dtype(dtype, self.opts.dtype)
@@ -593,6 +592,8 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
     args.tensor_model_parallel_size = tp
     if getattr(args, "expert_tensor_parallel_size", None) == old:
         args.expert_tensor_parallel_size = tp
+    import torch  # only to re-save Megatron's `args` entry
+
     buffer = io.BytesIO()
     torch.save(args, buffer)
     return buffer.getvalue()

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from ckptctl.dtypes import DType, as_dtype
 
 
-def dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: DType) -> str:
     """torch's own short name: `torch.bfloat16` → `bfloat16`."""
     return str(dtype).removeprefix("torch.")
 
@@ -41,9 +41,12 @@ class TensorEntry:
 
     fqn: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     chunks: tuple[Chunk, ...]
     properties: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @property
     def numel(self) -> int:

@@ -14,8 +14,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-import torch
-
+from ckptctl.dtypes import DType, as_dtype
 from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds
 from ckptctl.model import Chunk, TensorEntry
 
@@ -26,8 +25,11 @@ class SourceTensor:
 
     fqn: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     chunks: tuple[tuple[Chunk, Region], ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
 
 def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
@@ -58,7 +60,7 @@ class TargetTensor:
 
     fqn: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     pieces: tuple[Piece, ...]
     properties: object = field(default=None, compare=False)
     add: float = 0.0
@@ -66,12 +68,15 @@ class TargetTensor:
     logical_shape: tuple[int, ...] | None = None
     """Set when the target is stored flat (1-D, item coordinates) while its pieces are in this N-D shape."""
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def identity_target(src: SourceTensor, fqn: str | None = None, dtype: torch.dtype | None = None) -> TargetTensor:
+def identity_target(src: SourceTensor, fqn: str | None = None, dtype: DType | None = None) -> TargetTensor:
     """The whole source, unchanged in shape (a plain reshard, possibly with a cast)."""
     zero = tuple(0 for _ in src.shape)
     return TargetTensor(fqn or src.fqn, src.shape, dtype or src.dtype, (Piece(src.fqn, zero, zero, src.shape),))
@@ -83,7 +88,7 @@ class SourceRead:
 
     fqn: str
     chunk: Chunk
-    dtype: torch.dtype
+    dtype: DType
     runs: tuple[Run, ...]
 
     @property

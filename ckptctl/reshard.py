@@ -14,12 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-import torch
-
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
@@ -30,15 +29,12 @@ from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_vie
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.verify import verify_dcp
 
-DTYPES = {"keep": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
 @dataclass
 class ReshardOptions:
     world_size: int | None
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
-    dtype: torch.dtype | None = None
+    dtype: DType | None = None
     workers: int = 4
     allow_incomplete: bool = False
     layout: str = "fsdp2"
@@ -85,9 +81,9 @@ def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     return not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
 
 
-def cast_dtype(src: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
+def cast_dtype(src: DType, wanted: DType | None) -> DType:
     """`--dtype` casts floating tensors only; integer and bool tensors keep their dtype."""
-    return wanted if wanted is not None and src.is_floating_point else src
+    return as_dtype(wanted) if wanted is not None and src.is_floating_point else src
 
 
 def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:

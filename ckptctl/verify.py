@@ -12,9 +12,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
-import torch
-
-from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble
+from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
@@ -36,9 +34,7 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
     """blake2b of the target's global row-major bytes, assembled block by block."""
     digest = hashlib.blake2b(digest_size=32)
     for box in row_blocks(target.shape, target.dtype.itemsize):
-        values = assemble(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
-        if values.numel():
-            digest.update(values.reshape(-1).view(torch.uint8).numpy())
+        digest.update(assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks))
     return digest.hexdigest()
 
 

@@ -42,7 +42,7 @@ def fake_checkpoint(tensors: dict[str, torch.Tensor], prefix: str = "model.modul
 
 def evaluate(target: TargetTensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     """A target's values from full in-memory sources, piece by piece."""
-    out = torch.full(target.shape, float("nan"), dtype=target.dtype)
+    out = torch.full(target.shape, float("nan"), dtype=target.dtype.torch)
     for p in target.pieces:
         src = tensors[p.src][tuple(slice(s, s + n) for s, n in zip(p.src_start, p.sizes))]
         out[tuple(slice(d, d + n) for d, n in zip(p.dst_start, p.sizes))] = src

@@ -27,7 +27,7 @@ FIXTURE_NAMES = ["fsdp2_4ranks", "megatron_tp2_dp2", "flat_optim", "broken_plain
 
 def assemble(reader: ItemReader, entry: TensorEntry) -> torch.Tensor:
     """The global tensor placed together from its chunks (flat 1-D entries stay 1-D)."""
-    out = torch.zeros(entry.shape, dtype=entry.dtype)
+    out = torch.zeros(entry.shape, dtype=entry.dtype.torch)
     for chunk in entry.chunks:
         if chunk.numel:
             out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = reader.read_chunk(entry, chunk)
@@ -141,7 +141,7 @@ def _hf_reader_reference(ckpt: Checkpoint, workdir: Path) -> dict[str, torch.Ten
     workdir.mkdir()
     for file, offset in blobs.items():
         (workdir / f"{file}.safetensors").write_bytes((ckpt.path / file).read_bytes()[offset:])
-    out = {fqn: torch.full(e.shape, 0, dtype=e.dtype) for fqn, e in ckpt.tensors.items()}
+    out = {fqn: torch.full(e.shape, 0, dtype=e.dtype.torch) for fqn, e in ckpt.tensors.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(out, storage_reader=HuggingFaceStorageReader(str(workdir)), no_dist=True)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import metadata as torch_md
 
 from ckptctl.errors import CheckpointError
+from ckptctl.formats import dcp_classes, torch_pickle
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.unpickle import (
     UnsafePickleError,
@@ -48,15 +49,47 @@ def real_metadata(tmp_path_factory) -> bytes:
     return (path / ".metadata").read_bytes()
 
 
+def described(md) -> dict:
+    """A metadata object (torch's classes or ckptctl's stand-ins) as plain values."""
+    def props(p):
+        fmt = p.memory_format  # DCP's enum value in a stand-in, a torch.memory_format in torch's class
+        fmt = ("torch.contiguous_format", "torch.channels_last", "torch.preserve_format")[fmt] \
+            if isinstance(fmt, int) else str(fmt)
+        return str(p.dtype), str(p.layout), p.requires_grad, fmt, p.pin_memory
+
+    entries = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if type(item).__name__ == "TensorStorageMetadata":
+            entries[fqn] = (props(item.properties), tuple(item.size),
+                            [(tuple(c.offsets), tuple(c.sizes)) for c in item.chunks])
+        else:
+            entries[fqn] = type(item).__name__
+    storage = {(i.fqn, None if i.offset is None else tuple(i.offset), i.index):
+               (s.relative_path, s.offset, s.length, s.transform_descriptors) for i, s in md.storage_data.items()}
+    meta = md.storage_meta
+    return {"entries": entries, "storage": storage, "planner": md.planner_data, "version": md.version,
+            "meta": (meta.checkpoint_id, meta.save_id, meta.load_id, meta.modules)}
+
+
 def test_real_metadata_loads_as_torch_would(real_metadata: bytes) -> None:
     ours = load_metadata_pickle(real_metadata)
     theirs = pickle.loads(real_metadata)
-    assert isinstance(ours, Metadata)
-    assert ours.state_dict_metadata == theirs.state_dict_metadata
-    assert ours.storage_data == theirs.storage_data
-    assert ours.version == theirs.version
+    assert isinstance(ours, dcp_classes.Metadata)
+    assert described(ours) == described(theirs)
     w = ours.state_dict_metadata["w"]
-    assert isinstance(w, TensorStorageMetadata) and w.properties.dtype == torch.bfloat16 and list(w.size) == [2, 3]
+    assert isinstance(w, dcp_classes.TensorStorageMetadata) and w.properties.dtype == torch.bfloat16
+    assert list(w.size) == [2, 3]
+
+
+def test_stand_ins_pickle_back_as_torchs_own_classes(real_metadata: bytes) -> None:
+    """Written without importing DCP, read back by plain pickle into DCP's classes, equal to the original."""
+    again = pickle.loads(torch_pickle.dumps(load_metadata_pickle(real_metadata)))
+    theirs = pickle.loads(real_metadata)
+    assert type(again) is torch_md.Metadata
+    assert again.state_dict_metadata == theirs.state_dict_metadata
+    assert again.storage_data == theirs.storage_data
+    assert described(again) == described(theirs)
+    assert type(again.state_dict_metadata["w"].properties.memory_format) is torch.memory_format
 
 
 def test_hostile_global_is_refused_and_never_called(tmp_path: Path) -> None:

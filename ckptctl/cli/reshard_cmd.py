@@ -20,7 +20,8 @@ from ckptctl.cli.common import (
 )
 from ckptctl.engine.dist import Comm
 from ckptctl.errors import UsageError
-from ckptctl.reshard import DTYPES, ReshardOptions, ReshardReport, reshard
+from ckptctl.dtypes import CAST_CHOICES
+from ckptctl.reshard import ReshardOptions, ReshardReport, reshard
 
 
 def report_json(report: ReshardReport) -> dict:
@@ -35,9 +36,9 @@ def report_json(report: ReshardReport) -> dict:
 
 
 def parse_dtype(value: str) -> object:
-    if value not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)} (got {value!r})")
-    return DTYPES[value]
+    if value not in CAST_CHOICES:
+        raise UsageError(f"--dtype must be one of {', '.join(CAST_CHOICES)} (got {value!r})")
+    return CAST_CHOICES[value]
 
 
 @app.command("reshard")

@@ -7,11 +7,17 @@ of `ckptctl.engine.cpu.execute`.
 from __future__ import annotations
 
 import functools
+import glob
+import sys
 from typing import Callable
 
 DEVICES = ("auto", "cpu", "cuda")
 
 Execute = Callable[..., None]
+
+
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+"""Device nodes of NVIDIA, ROCm and WSL GPUs: without any, `auto` is the CPU, decided without importing torch."""
 
 
 def resolve_device(device: str) -> str:
@@ -22,6 +28,8 @@ def resolve_device(device: str) -> str:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)} (got {device!r})")
     if device == "cpu":
         return "cpu"
+    if device == "auto" and "torch" not in sys.modules and not any(glob.glob(p) for p in GPU_DEVICE_FILES):
+        return "cpu"  # no GPU device node: skip the second-long torch import
     import torch
 
     available = torch.cuda.is_available()

@@ -4,7 +4,8 @@ Each output record is streamed in bounded blocks in destination order, so a reco
 any size costs one block of memory per worker, and the CRC-32 a torch.save archive needs
 is computed on the way. Runs from one source chunk that lie close together are fetched
 with one read. Reads, CRC and writes release the GIL, so a small thread pool keeps the
-disk busy; records are independent, so workers take them in any order.
+disk busy; records are independent, so workers take them in any order. Copies without a
+cast are plain byte moves; torch is imported only to cast or add.
 """
 
 from __future__ import annotations
@@ -16,11 +17,10 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import torch
-
-from ckptctl.engine.cast import add_into, cast_into
+from ckptctl.dtypes import DType
+from ckptctl.engine.writeback import start_writeback
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
 from ckptctl.model import Checkpoint, Chunk
@@ -29,6 +29,8 @@ from ckptctl.plan import CopyItem, SourceRead, StreamItem
 BLOCK_BYTES = 16 << 20
 GAP_BYTES = 256 << 10
 DECODED_CACHE_BYTES = 256 << 20
+WRITEBACK_BYTES = 4 << 20
+"""Writes this large start their writeback at once (see `engine.writeback`); small ones wait for the fsync."""
 
 
 class ChunkSource:
@@ -56,6 +58,8 @@ class ChunkSource:
         with self._lock:
             data = self._decoded.get(key)
         if data is None:
+            import torch  # decoding a transformed (zstd) item goes through torch.load
+
             tensor = self.reader.read_chunk(self.ckpt.tensors[fqn], chunk)
             data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
             with self._lock:
@@ -110,22 +114,47 @@ def read_spans(segs: list[_Segment]) -> Iterator[tuple[list[_Segment], int, int]
             i = j
 
 
-def _fill_block(sources: ChunkSource, out: torch.Tensor, out_bytes: memoryview, b0: int, segs: list[_Segment]) -> None:
-    """Assemble destination elements [b0, b0+len(out)) from the segments that overlap them."""
-    out_isz = out.dtype.itemsize
+def _fill_block(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, segs: list[_Segment]) -> None:
+    """Assemble destination elements [b0, b0 + len(out) / itemsize) of `dtype` from the segments that overlap them."""
+    out_isz = dtype.itemsize
     for run, base, stop in read_spans(segs):
         read = run[0].read
         isz = read.dtype.itemsize
-        if len(run) == 1 and read.dtype == out.dtype:
+        if len(run) == 1 and read.dtype == dtype:
             s = run[0]
             sources.read_into(read.fqn, read.chunk, s.src * isz,
-                              out_bytes[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
+                              out[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
             continue
-        tmp = bytearray((stop - base) * isz)
-        sources.read_into(read.fqn, read.chunk, base * isz, memoryview(tmp))
-        src_t = torch.frombuffer(tmp, dtype=read.dtype)
+        tmp = memoryview(bytearray((stop - base) * isz))
+        sources.read_into(read.fqn, read.chunk, base * isz, tmp)
+        if read.dtype != dtype:
+            _cast_run(out, dtype, b0, tmp, read.dtype, base, run)
+            continue
         for s in run:
-            cast_into(out[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
+            out[(s.dst - b0) * isz: (s.dst - b0 + s.length) * isz] = tmp[(s.src - base) * isz: (s.src - base + s.length) * isz]
+
+
+def _as_tensor(data: memoryview, dtype: DType) -> Any:
+    import torch
+
+    return torch.frombuffer(data, dtype=dtype.torch)
+
+
+def _cast_run(out: memoryview, dtype: DType, b0: int, tmp: memoryview, src_dtype: DType, base: int,
+              run: list[_Segment]) -> None:
+    """Cast each segment of a span read into `tmp` to its place in `out` (the only path that needs torch)."""
+    from ckptctl.engine.cast import cast_into
+
+    out_t, src_t = _as_tensor(out, dtype), _as_tensor(tmp, src_dtype)
+    for s in run:
+        cast_into(out_t[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
+
+
+def _add(out: memoryview, dtype: DType, value: float) -> None:
+    from ckptctl.engine.cast import add_into
+
+    if len(out):
+        add_into(_as_tensor(out, dtype), value)
 
 
 def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Segment], int]:
@@ -158,9 +187,12 @@ class OutputFiles:
 
     def write(self, name: str, data: bytes | memoryview, offset: int) -> None:
         view = memoryview(data)
+        start, total = offset, len(view)
         while len(view):
             n = os.pwrite(self.fds[name], view, offset)
             view, offset = view[n:], offset + n
+        if total >= WRITEBACK_BYTES:
+            start_writeback(self.fds[name], start, total)
 
     def close(self, sync: bool = True) -> None:
         for fd in self.fds.values():
@@ -183,13 +215,12 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     for b0 in range(0, numel, block):
         b1 = min(numel, b0 + block)
         view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
-        out = torch.frombuffer(buf, dtype=dtype, count=b1 - b0) if b1 > b0 else None
         clipped, resume = _clip(segs, b0, b1, resume)
         if sum(c.length for c in clipped) < b1 - b0:
-            out.zero_()  # elements no source covers (--allow-incomplete) are zero, never a previous block's
-        _fill_block(sources, out, view, b0, clipped)
+            view[:] = bytes(len(view))  # elements no source covers (--allow-incomplete) are zero, never a previous block's
+        _fill_block(sources, view, dtype, b0, clipped)
         if item.target.add:
-            add_into(out, item.target.add)
+            _add(view, dtype, item.target.add)
         crc = zlib.crc32(view, crc)
         files.write(item.file, view, pos)
         pos += len(view)
@@ -249,13 +280,11 @@ def execute(
             fut.result()
 
 
-def assemble(item: StreamItem, sources: ChunkSource) -> torch.Tensor:
-    """The values of `item.box` of its target as a fresh dense tensor (for verification and small outputs)."""
-    numel = item.box.numel
-    out = torch.empty(numel, dtype=item.target.dtype)
-    if numel:
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
-        _fill_block(sources, out, view, 0, _segments(item))
-        if item.target.add:
-            add_into(out, item.target.add)
-    return out.reshape(item.box.sizes)
+def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
+    """The row-major bytes of `item.box` of its target (for verification): one box in memory."""
+    dtype = item.target.dtype
+    out = bytearray(item.box.numel * dtype.itemsize)  # zeros where no source covers (--allow-incomplete)
+    _fill_block(sources, memoryview(out), dtype, 0, _segments(item))
+    if item.target.add:
+        _add(memoryview(out), dtype, item.target.add)
+    return out

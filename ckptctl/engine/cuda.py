@@ -150,10 +150,9 @@ class _Worker:
                     self._launch(slot, item, sources, clipped, b0, b1)
                 else:
                     slot.reserve(0, nbytes)
-                    out = slot.pin_out[:nbytes].view(dtype)
                     if sum(c.length for c in clipped) < b1 - b0:
-                        out.zero_()
-                    _fill_block(sources, out, memoryview(slot.pin_out.numpy())[:nbytes], b0, clipped)
+                        slot.pin_out[:nbytes].zero_()
+                    _fill_block(sources, memoryview(slot.pin_out.numpy())[:nbytes], dtype, b0, clipped)
                     slot.done.record(slot.stream)
                 slot.write = (pos, nbytes)
                 pos += nbytes
@@ -186,15 +185,15 @@ class _Worker:
         with RUNTIME.use_stream(slot.stream):
             if staged:
                 slot.dev_in[:staged].copy_(slot.pin_in[:staged], non_blocking=True)
-            out = slot.dev_out[:nbytes].view(dtype)
+            out = slot.dev_out[:nbytes].view(dtype.torch)
             if sum(s.length for s in segs) < b1 - b0:
                 out.zero_()  # elements no source covers (--allow-incomplete) are zero, as on the CPU
             for span in spans:
                 read = span.segs[0].read
                 isz = read.dtype.itemsize
-                src = slot.dev_in[span.at: span.at + (span.stop - span.start) * isz].view(read.dtype)
+                src = slot.dev_in[span.at: span.at + (span.stop - span.start) * isz].view(read.dtype.torch)
                 if read.dtype != dtype:  # cast the span once, then place its runs with plain copies
-                    converted = torch.empty(src.numel(), dtype=dtype, device=self.device)
+                    converted = torch.empty(src.numel(), dtype=dtype.torch, device=self.device)
                     cast_into(converted, src)
                     src = converted
                 for s in span.segs:

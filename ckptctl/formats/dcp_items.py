@@ -20,20 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-
+from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.unpickle import UnsafePickleError, load_tensor_record_spec
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
 
 
 @dataclass(frozen=True)
@@ -182,7 +175,7 @@ class ItemReader:
             raise self._bad(chunk, f"{entry.fqn} not in safetensors header")
         try:
             start, end = (int(v) for v in info["data_offsets"])
-            dtype, shape = _SAFETENSORS_DTYPES.get(info["dtype"]), tuple(info["shape"])
+            dtype, shape = BY_SAFETENSORS.get(info["dtype"]), tuple(info["shape"])
         except (KeyError, TypeError, ValueError) as exc:
             raise self._bad(chunk, f"{entry.fqn}: malformed safetensors header entry") from exc
         if (dtype != entry.dtype or shape != chunk.sizes or not 0 <= start <= end
@@ -210,6 +203,8 @@ class ItemReader:
             raise CheckpointError(self.ckpt.path / file, f"short read at byte {offset}")
         if not transforms:
             return data
+        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
         stream: IO[bytes] = io.BytesIO(data)
         try:
             for ext in ExtensionRegistry().from_descriptor_list(list(transforms)):
@@ -219,14 +214,16 @@ class ItemReader:
         except ValueError as exc:
             raise CheckpointError(self.ckpt.path / file, f"cannot undo transforms {list(transforms)}: {exc}") from exc
 
-    def read_chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
-        """The chunk as a dense tensor (one chunk in memory): the fallback and verification path."""
+    def read_chunk(self, entry: TensorEntry, chunk: Chunk) -> Any:
+        """The chunk as a dense torch tensor (one chunk in memory): the fallback and verification path."""
+        import torch
+
         record = self.locate(entry, chunk)
         if record is not None:
             data = bytearray(os.pread(self.fd(chunk.file), record.nbytes, record.byte_offset))
             if len(data) != record.nbytes:
                 raise self._bad(chunk, "short read")
-            flat = torch.frombuffer(data, dtype=entry.dtype) if data else torch.empty(0, dtype=entry.dtype)
+            flat = torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)
             return flat.reshape(chunk.sizes)
         raw = self.read_item_bytes(chunk.file, chunk.offset, chunk.length, chunk.transforms)
         try:
@@ -239,6 +236,8 @@ class ItemReader:
 
     def load_bytes_value(self, entry: BytesEntry, safe_globals: list | None = None) -> Any:
         """A bytes entry's object, via `torch.load(weights_only=True)` (plus any named safe globals)."""
+        import torch
+
         raw = self.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms)
         try:
             with torch.serialization.safe_globals(safe_globals or []):

@@ -15,10 +15,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import metadata as dcp_metadata
-
+from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError
+from ckptctl.formats import dcp_classes
 from ckptctl.formats.unpickle import UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
@@ -38,7 +37,7 @@ def _metadata_files(root: Path) -> list[Path]:
     return per_rank
 
 
-def _load_one(path: Path) -> dcp_metadata.Metadata:
+def _load_one(path: Path) -> dcp_classes.Metadata:
     try:
         size = path.stat().st_size
         if size > MAX_METADATA_BYTES:
@@ -52,7 +51,7 @@ def _load_one(path: Path) -> dcp_metadata.Metadata:
         raise CheckpointError(path, f"corrupt metadata pickle ({type(exc).__name__}: {exc})") from exc
     except OSError as exc:
         raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
-    if not isinstance(md, dcp_metadata.Metadata) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(md, dcp_classes.Metadata) or not isinstance(md.state_dict_metadata, dict):
         raise CheckpointError(path, "metadata pickle does not hold a DCP Metadata object")
     return md
 
@@ -73,7 +72,7 @@ def _merge(paths: list[Path]) -> tuple[dict, dict, dict, Any, str | None]:
         storage_meta = storage_meta or md.storage_meta
         version = getattr(md, "version", None) or version
         for fqn, item in md.state_dict_metadata.items():
-            if fqn in sd_md and isinstance(item, dcp_metadata.TensorStorageMetadata):
+            if fqn in sd_md and isinstance(item, dcp_classes.TensorStorageMetadata):
                 known = {tuple(c.offsets) for c in sd_md[fqn].chunks}
                 sd_md[fqn].chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
             else:
@@ -118,7 +117,7 @@ def _check_range(root: Path, file: str, offset: Any, length: Any, files: dict[st
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
     shape = tuple(md.size)
     dtype = md.properties.dtype
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, DType):
         raise CheckpointError(where, f"{fqn}: dtype is not a torch dtype")
     if any((not isinstance(d, int)) or d < 0 for d in shape) or math.prod(shape) > MAX_NUMEL:
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
@@ -157,9 +156,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     tensors: dict[str, TensorEntry] = {}
     bytes_entries: dict[str, BytesEntry] = {}
     for fqn, item in sd_md.items():
-        if isinstance(item, dcp_metadata.TensorStorageMetadata):
+        if isinstance(item, dcp_classes.TensorStorageMetadata):
             tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, where)
-        elif isinstance(item, dcp_metadata.BytesStorageMetadata):
+        elif isinstance(item, dcp_classes.BytesStorageMetadata):
             info = storage.get((fqn, None))
             if info is None:
                 raise CheckpointError(where, f"{fqn}: bytes entry has no storage entry")

@@ -3,29 +3,28 @@
 `layout_dcp` decides, before any byte moves, which file and byte range every output item
 gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
 workers can write items in any order and in parallel. `write_metadata` then writes the
-`.metadata` pickle with torch's own metadata classes.
+`.metadata` pickle, naming torch's own metadata classes (`dcp_classes`).
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
+from ckptctl.formats import torch_pickle
+from ckptctl.formats.dcp_classes import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageInfo,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
+    size,
 )
-
 from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
 from ckptctl.model import BytesEntry
 from ckptctl.placement import Placed
@@ -106,22 +105,22 @@ def _properties(target: TargetTensor) -> TensorProperties:
 
 
 def build_metadata(out: DcpOutput) -> Metadata:
-    """The `.metadata` object describing `out`, built from torch's own classes."""
+    """The `.metadata` object describing `out` (stand-ins that pickle as torch's own classes)."""
     sd_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, _StorageInfo] = {}
+    storage: dict[MetadataIndex, StorageInfo] = {}
     for fqn, copy in out.bytes_entries.items():
         sd_md[fqn] = BytesStorageMetadata()
-        storage[MetadataIndex(fqn)] = _StorageInfo(copy.file, copy.offset, copy.length,
-                                                   list(out.bytes_transforms[fqn]) or None)
+        storage[MetadataIndex(fqn)] = StorageInfo(copy.file, copy.offset, copy.length,
+                                                  list(out.bytes_transforms[fqn]) or None)
     chunks: dict[str, list[ChunkStorageMetadata]] = {fqn: [] for fqn in out.targets}
     for item in out.stream_items:
         fqn = item.target.fqn
         index = len(chunks[fqn])
-        chunks[fqn].append(ChunkStorageMetadata(torch.Size(item.box.offsets), torch.Size(item.box.sizes)))
+        chunks[fqn].append(ChunkStorageMetadata(size(item.box.offsets), size(item.box.sizes)))
         length = len(item.head) + item.nbytes + len(item.tail(0))
-        storage[MetadataIndex(fqn, item.box.offsets, index)] = _StorageInfo(item.file, item.offset, length)
+        storage[MetadataIndex(fqn, size(item.box.offsets), index)] = StorageInfo(item.file, item.offset, length, None)
     for fqn, target in out.targets.items():
-        sd_md[fqn] = TensorStorageMetadata(_properties(target), torch.Size(target.shape), chunks[fqn])
+        sd_md[fqn] = TensorStorageMetadata(_properties(target), size(target.shape), chunks[fqn])
     return Metadata(
         state_dict_metadata=sd_md,
         planner_data=out.planner_data,
@@ -135,6 +134,6 @@ def write_metadata(out: DcpOutput, directory: Path) -> None:
     """Write `.metadata` into `directory` (fsynced)."""
     path = directory / ".metadata"
     with open(path, "wb") as fh:
-        pickle.dump(build_metadata(out), fh)
+        fh.write(torch_pickle.dumps(build_metadata(out)))
         fh.flush()
         os.fsync(fh.fileno())

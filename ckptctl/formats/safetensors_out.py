@@ -15,21 +15,14 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import torch
-
-from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble
+from ckptctl.dtypes import DType, as_dtype
+from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
 
-DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
 ITEM_BYTES = 64 << 20
 """Tensors larger than this are written as several row-block items, so workers share big tensors."""
 REOPEN_BYTES = 64 << 20
@@ -50,8 +43,8 @@ class SafetensorsFile:
         return self.size - len(self.header)
 
 
-def dtype_code(dtype: torch.dtype, name: str) -> str:
-    code = DTYPE_CODES.get(dtype)
+def dtype_code(dtype: DType, name: str) -> str:
+    code = as_dtype(dtype).safetensors
     if code is None:
         raise CheckpointError(name, f"dtype {dtype} has no safetensors encoding")
     return code
@@ -164,16 +157,16 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
     if shape != target.shape:
         raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
     for box in item_boxes(target.shape, target.dtype.itemsize, BLOCK_BYTES):
-        want = assemble(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
-        handle = reader.get(want.numel() * want.element_size())
+        want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
+        handle = reader.get(len(want))
         got = handle.get_tensor(name) if not target.shape else \
             handle.get_slice(name)[box.offsets[0]: box.offsets[0] + box.sizes[0]]
-        if got.dtype != target.dtype or not _same_bytes(got, want):
+        if got.dtype != target.dtype or tuple(got.shape) != box.sizes or _row_major_bytes(got) != want:
             raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
                                         f"differ from the source)")
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+def _row_major_bytes(t: Any) -> bytes:
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -14,61 +14,34 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import io
-import pickle
 import struct
 import zlib
 from dataclasses import dataclass
 
-import torch
-
+from ckptctl.dtypes import DType, as_dtype
+from ckptctl.formats.torch_pickle import Call, Persistent, dumps, ref
 from ckptctl.geometry import strides
 
 ARCHIVE = "archive"
 ALIGNMENT = 64
 _FLAGS = 0x0808  # data descriptor follows the data; names are UTF-8
 _ZIP64_LIMIT = 0xFFFFFFFF
-_LEGACY_STORAGE = {dtype: name for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
 
 
-class _StorageStub:
-    def __init__(self, dtype: torch.dtype, numel: int) -> None:
-        self.dtype, self.numel = dtype, numel
-
-
-class _TensorStub:
-    """Pickles the way torch.save pickles a dense CPU tensor of the given shape."""
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-        numel = 1
-        for d in shape:
-            numel *= d
-        self.storage = _StorageStub(dtype, numel)
-        self.dtype, self.shape = dtype, shape
-
-    def __reduce__(self):  # noqa: D105 - pickle protocol
-        hooks = collections.OrderedDict()
-        if self.dtype in _LEGACY_STORAGE:
-            return (torch._utils._rebuild_tensor_v2,
-                    (self.storage, 0, self.shape, strides(self.shape), False, hooks))
-        return (torch._utils._rebuild_tensor_v3,
-                (self.storage, 0, self.shape, strides(self.shape), False, hooks, self.dtype))
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj: object):
-        if isinstance(obj, _StorageStub):
-            if obj.dtype in _LEGACY_STORAGE:
-                return ("storage", getattr(torch, _LEGACY_STORAGE[obj.dtype]), "0", "cpu", obj.numel)
-            return ("storage", torch.UntypedStorage, "0", "cpu", obj.numel * obj.dtype.itemsize)
-        return None
-
-
-def tensor_pickle(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    """The `data.pkl` torch.save writes for a dense tensor of this dtype and shape."""
-    buf = io.BytesIO()
-    _Pickler(buf, protocol=2).dump(_TensorStub(dtype, tuple(shape)))
-    return buf.getvalue()
+def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+    """The `data.pkl` torch.save writes for a dense CPU tensor of this dtype and shape (protocol 2)."""
+    dtype = as_dtype(dtype)
+    numel = 1
+    for d in shape:
+        numel *= d
+    hooks = collections.OrderedDict()
+    if dtype.storage:  # dtypes with a legacy typed storage: torch keeps the v2 format
+        storage = Persistent(("storage", ref("torch", dtype.storage), "0", "cpu", numel))
+        args = (storage, 0, tuple(shape), strides(shape), False, hooks)
+        return dumps(Call(ref("torch._utils", "_rebuild_tensor_v2"), args), protocol=2)
+    storage = Persistent(("storage", ref("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize))
+    args = (storage, 0, tuple(shape), strides(shape), False, hooks, dtype)
+    return dumps(Call(ref("torch._utils", "_rebuild_tensor_v3"), args), protocol=2)
 
 
 @dataclass(frozen=True)
@@ -99,12 +72,12 @@ def _descriptor(crc: int, size: int, zip64: bool) -> bytes:
 class TorchSaveLayout:
     """Byte layout of one tensor item: `head` + `nbytes` of tensor data + `tail(crc)`."""
 
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], serialization_id: str, force_zip64: bool = False) -> None:
-        self.dtype, self.shape = dtype, tuple(shape)
+    def __init__(self, dtype: DType, shape: tuple[int, ...], serialization_id: str, force_zip64: bool = False) -> None:
+        self.dtype, self.shape = as_dtype(dtype), tuple(shape)
         numel = 1
         for d in self.shape:
             numel *= d
-        self.nbytes = numel * dtype.itemsize
+        self.nbytes = numel * self.dtype.itemsize
         small = [
             ("data.pkl", tensor_pickle(dtype, self.shape)),
             (".format_version", b"1"),

@@ -2,7 +2,8 @@
 
 `.metadata` and every item's `data.pkl` are pickles. torch reads `.metadata` with a plain
 `pickle.load`; ckptctl only lets through the globals real DCP files reference (an
-allow-list), and reads a tensor record's `data.pkl` into a plain description instead of a
+allow-list) and builds ckptctl's own stand-ins for them (`dcp_classes`, `dtypes`: no torch
+import). A tensor record's `data.pkl` is read into a plain description instead of a
 tensor, so nothing from a checkpoint is ever executed or allocated on its say-so.
 """
 
@@ -15,39 +16,33 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
+from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
+from ckptctl.formats.dcp_classes import METADATA_CLASSES, Layout
 
 
 class UnsafePickleError(pickle.UnpicklingError):
     """A pickle referenced a global outside the allow-list."""
 
 
-def _dtype_globals() -> dict[tuple[str, str], Any]:
-    return {("torch", str(d).removeprefix("torch.")): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+_DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
+_LAYOUTS = frozenset(f"torch.{n}" for n in ("strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr",
+                                             "sparse_bsc", "_mkldnn", "jagged"))
 
 
-def _get_layout(name: str) -> torch.layout:
+def _get_layout(name: str) -> Layout:
     """Stand-in for `torch.serialization._get_layout` that only maps known layout names."""
-    layouts = {f"torch.{n}": v for n, v in vars(torch).items() if isinstance(v, torch.layout)}
-    if name not in layouts:
+    if name not in _LAYOUTS:
         raise UnsafePickleError(f"unknown tensor layout {name!r}")
-    return layouts[name]
+    return Layout(name)
 
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n) for n in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
-    )},
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): dcp_filesystem._StorageInfo,
-    ("torch", "Size"): torch.Size,
+    **METADATA_CLASSES,
     ("torch.serialization", "_get_layout"): _get_layout,
     ("pathlib", "PosixPath"): pathlib.PosixPath,
     ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    **_dtype_globals(),
+    **_DTYPE_GLOBALS,
 }
 
 
@@ -78,7 +73,7 @@ class TensorRecordSpec:
     """What an item's `data.pkl` says about its tensor: where in the storage record it lives."""
 
     storage_key: str
-    dtype: torch.dtype
+    dtype: DType
     storage_numel: int
     storage_offset: int
     size: tuple[int, ...]
@@ -98,19 +93,18 @@ class TensorRecordSpec:
 @dataclass(frozen=True)
 class _StorageRef:
     key: str
-    dtype: torch.dtype | None
+    dtype: DType | None
     numel: int
 
 
-def _storage_type_dtype(name: str) -> torch.dtype:
-    by_name = {v: k for k, v in torch.storage._dtype_to_storage_type_map().items()}
-    if name not in by_name:
+def _storage_type_dtype(name: str) -> DType:
+    if name not in BY_STORAGE:
         raise UnsafePickleError(f"unknown storage type torch.{name}")
-    return by_name[name]
+    return BY_STORAGE[name]
 
 
 class _StorageType:
-    def __init__(self, dtype: torch.dtype | None) -> None:
+    def __init__(self, dtype: DType | None) -> None:
         self.dtype = dtype
 
 
@@ -121,12 +115,12 @@ def _rebuild_v2(storage: _StorageRef, offset: int, size: tuple, stride: tuple, *
 
 
 def _rebuild_v3(storage: _StorageRef, offset: int, size: tuple, stride: tuple, _rg: Any, _hooks: Any,
-                dtype: torch.dtype, *_: Any) -> TensorRecordSpec:
+                dtype: DType, *_: Any) -> TensorRecordSpec:
     itemsize = dtype.itemsize
     return _spec(storage, dtype, storage.numel // itemsize, offset, size, stride)
 
 
-def _spec(storage: _StorageRef, dtype: torch.dtype, numel: int, offset: int, size: tuple, stride: tuple) -> TensorRecordSpec:
+def _spec(storage: _StorageRef, dtype: DType, numel: int, offset: int, size: tuple, stride: tuple) -> TensorRecordSpec:
     if not isinstance(offset, int) or not all(isinstance(v, int) and v >= 0 for v in (*size, *stride)):
         raise UnsafePickleError("malformed tensor geometry")
     return TensorRecordSpec(storage.key, dtype, numel, offset, tuple(size), tuple(stride))
@@ -141,7 +135,7 @@ class TensorRecordUnpickler(_AllowListUnpickler):
         ("torch.storage", "UntypedStorage"): _StorageType(None),
         ("torch", "UntypedStorage"): _StorageType(None),
         ("collections", "OrderedDict"): collections.OrderedDict,
-        **_dtype_globals(),
+        **_DTYPE_GLOBALS,
     }
 
     def find_class(self, module: str, name: str) -> Any:

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
+from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
@@ -188,7 +187,7 @@ class HFTensor:
             at += view.rows
         return tuple(Piece(fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *trailing)) for fqn, b in merged)
 
-    def target(self, dtype: torch.dtype) -> TargetTensor:
+    def target(self, dtype: DType) -> TargetTensor:
         return TargetTensor(self.name, self.shape, dtype, self.pieces(), add=self.add)
 
 

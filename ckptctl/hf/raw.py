@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
+from ckptctl.dtypes import DType
 from ckptctl.hf.base import ExportContext, is_model_key
 from ckptctl.model import Checkpoint
 from ckptctl.plan import Piece, TargetTensor
@@ -36,7 +35,7 @@ class RawTensor:
     def sources(self) -> tuple[str, ...]:
         return (self.fqn,)
 
-    def target(self, dtype: torch.dtype) -> TargetTensor:
+    def target(self, dtype: DType) -> TargetTensor:
         zero = tuple(0 for _ in self.shape)
         return TargetTensor(self.name, self.shape, dtype, (Piece(self.fqn, zero, zero, self.shape),))
 

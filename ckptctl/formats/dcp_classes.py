@@ -1,0 +1,140 @@
+"""Stand-ins for DCP's `.metadata` classes: the same fields, unpickled from and pickled as torch's.
+
+Importing `torch.distributed.checkpoint` costs more than half a second (it pulls in
+DTensor), so `.metadata` is read into these plain classes (the restricted unpickler maps
+DCP's class names to them) and written from them (`torch_pickle` names DCP's classes), and
+torch's own `dcp.load` reads the result as if DCP had written it. Fields and pickled state
+follow torch's classes in `torch.distributed.checkpoint.metadata` and `.filesystem`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ckptctl.formats.torch_pickle import Call, Instance, Size, ref
+
+DCP_METADATA = "torch.distributed.checkpoint.metadata"
+DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+
+
+class _DcpRecord:
+    """Fields in `__dict__`, pickled as DCP pickles its dataclasses: NEWOBJ, then the field dict."""
+
+    MODULE: ClassVar[str] = DCP_METADATA
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        values = dict(zip(self.FIELDS, args))
+        values.update(kwargs)
+        for name in self.FIELDS:
+            setattr(self, name, values.get(name))
+
+    def __getattr__(self, name: str) -> Any:  # a field an older torch did not pickle
+        if name in type(self).FIELDS:
+            return None
+        raise AttributeError(name)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def __torch_pickle__(self) -> Instance:
+        return Instance(ref(self.MODULE, type(self).__name__), dict(vars(self)))
+
+
+class Metadata(_DcpRecord):
+    FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+
+
+class StorageMeta(_DcpRecord):
+    FIELDS = ("checkpoint_id", "save_id", "load_id", "modules")
+
+
+class ChunkStorageMetadata(_DcpRecord):
+    FIELDS = ("offsets", "sizes")
+
+
+class TensorStorageMetadata(_DcpRecord):
+    FIELDS = ("properties", "size", "chunks")
+
+
+class BytesStorageMetadata(_DcpRecord):
+    FIELDS = ()
+
+
+class MetadataIndex(_DcpRecord):
+    """Keys `storage_data`; hashable, like DCP's frozen dataclass."""
+
+    FIELDS = ("fqn", "offset", "index")
+
+    def __hash__(self) -> int:
+        return hash((self.fqn, self.offset))
+
+
+class StorageInfo(_DcpRecord):
+    """DCP's `filesystem._StorageInfo`: where an item's bytes are."""
+
+    MODULE = DCP_FILESYSTEM
+    FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
+
+    def __torch_pickle__(self) -> Instance:
+        return Instance(ref(DCP_FILESYSTEM, "_StorageInfo"), dict(vars(self)))
+
+
+class Layout(str):
+    """`torch.strided` and friends: DCP pickles a layout as `torch.serialization._get_layout(name)`."""
+
+    __slots__ = ()
+
+    def __torch_pickle__(self) -> Call:
+        return Call(ref("torch.serialization", "_get_layout"), (str(self),))
+
+
+class MemoryFormat(int):
+    """DCP's `_MEM_FORMAT_ENCODING` enum value (0 is torch.contiguous_format)."""
+
+    __slots__ = ()
+
+    def __torch_pickle__(self) -> Call:
+        return Call(ref(DCP_METADATA, "_MEM_FORMAT_ENCODING"), (int(self),))
+
+
+STRIDED = Layout("torch.strided")
+CONTIGUOUS = MemoryFormat(0)
+
+
+class TensorProperties(_DcpRecord):
+    """Pickled, like DCP's, with a tuple state (dtype, layout, requires_grad, memory format, pin_memory)."""
+
+    FIELDS = ("dtype", "layout", "requires_grad", "memory_format", "pin_memory")
+
+    def __init__(self, dtype: Any = None, layout: Layout = STRIDED, requires_grad: bool = False,
+                 memory_format: MemoryFormat = CONTIGUOUS, pin_memory: bool = False) -> None:
+        super().__init__(dtype, layout, requires_grad, memory_format, pin_memory)
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple):
+            state = dict(zip(self.FIELDS, state))
+        for name in self.FIELDS:
+            setattr(self, name, state.get(name))
+
+    def __torch_pickle__(self) -> Instance:
+        return Instance(ref(DCP_METADATA, "TensorProperties"), tuple(getattr(self, f) for f in self.FIELDS))
+
+
+def size(values: Any) -> Size:
+    """A shape or offset as DCP stores it (torch.Size)."""
+    return Size(int(v) for v in values)
+
+
+METADATA_CLASSES: dict[tuple[str, str], Any] = {
+    **{(DCP_METADATA, c.__name__): c for c in (
+        Metadata, StorageMeta, ChunkStorageMetadata, TensorStorageMetadata, BytesStorageMetadata,
+        MetadataIndex, TensorProperties)},
+    (DCP_METADATA, "_MEM_FORMAT_ENCODING"): MemoryFormat,
+    (DCP_FILESYSTEM, "_StorageInfo"): StorageInfo,
+    ("torch", "Size"): Size,
+}
+"""DCP's global names in `.metadata` → the stand-ins the restricted unpickler builds."""
