@@ -28,7 +28,7 @@ from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
-from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analyze, split_optimizer_fqn
+from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, split_optimizer_fqn
 from ckptctl.megatron import (
     FUSED_PARTS,
     RowBlock,
@@ -291,7 +291,7 @@ class MegatronPlanner:
         self.ckpt, self.opts, self.layout, self.sources = ckpt, opts, layout, sources
         self._source_tp: int | None = None
         self._dims: ModelDims | None = None
-        analysis = analyze(ckpt)
+        analysis = ckpt.analysis
         self.states: dict[str, dict[str, str]] = {}
         self.param_of_state: dict[str, str] = {}
         self.orphans: list[str] = []

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptctl.dtypes import DType, as_dtype
+
+if TYPE_CHECKING:
+    from ckptctl.layout import Analysis
 
 
 def dtype_name(dtype: DType) -> str:
@@ -92,6 +96,14 @@ class Checkpoint:
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
+
+    @cached_property
+    def analysis(self) -> Analysis:
+        """Layouts, coverage and problems (`layout.analyze`), computed once per opened checkpoint:
+        refusal checks, source views, Megatron planning and verification all need them."""
+        from ckptctl.layout import analyze
+
+        return analyze(self)
 
     @property
     def saved_world_size(self) -> int:

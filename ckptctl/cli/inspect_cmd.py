@@ -48,7 +48,7 @@ from rich.text import Text
 from ckptctl.cli import app
 from ckptctl.cli.common import emit_json, human_bytes, run_guarded, stdout
 from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.layout import Analysis, TensorReport, analyze
+from ckptctl.layout import Analysis, TensorReport
 from ckptctl.model import Checkpoint, Chunk
 
 EXIT_PROBLEMS = 1
@@ -174,7 +174,7 @@ def inspect_command(
 
     def body() -> dict[str, Any]:
         opened = open_checkpoint(ckpt)
-        return inspect_document(opened, analyze(opened), pattern)
+        return inspect_document(opened, opened.analysis, pattern)
 
     doc = run_guarded(body)
     if json_out:
