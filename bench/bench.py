@@ -114,11 +114,17 @@ def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[st
             [PY, "-c", code_rt % (str(ROOT), TARGET_RANKS, str(src), str(out / "torch_rt"))], out / "torch_rt"),
         f"ckptctl reshard -n {TARGET_RANKS}": (
             [*ckptctl, "reshard", str(src), str(out / "ck"), "--world-size", str(TARGET_RANKS)], out / "ck"),
+        f"ckptctl reshard -n {TARGET_RANKS} --no-sync": (
+            [*ckptctl, "reshard", str(src), str(out / "ckn"), "--world-size", str(TARGET_RANKS), "--no-sync"],
+            out / "ckn"),
         f"ckptctl reshard -n {TARGET_RANKS} (torchrun, 2 workers)": (
             [*torchrun, "reshard", str(src), str(out / "ck2"), "--world-size", str(TARGET_RANKS)], out / "ck2"),
         "ckptctl export-hf --arch raw (weights only)": (
             [*ckptctl, "export-hf", str(src), str(out / "hf"), "--hf-config", str(hf_config), "--arch", "raw"],
             out / "hf"),
+        "ckptctl export-hf --arch raw --no-sync": (
+            [*ckptctl, "export-hf", str(src), str(out / "hfn"), "--hf-config", str(hf_config), "--arch", "raw",
+             "--no-sync"], out / "hfn"),
     }
 
 

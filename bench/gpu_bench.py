@@ -26,6 +26,7 @@ def main() -> None:
     import torch
 
     from ckptctl import reshard as reshard_mod
+    from ckptctl.dtypes import CAST_CHOICES
     from ckptctl.engine import cuda
     from ckptctl.engine.dist import launch_local
     from fixtures.gloo import run_ranks
@@ -62,7 +63,7 @@ def main() -> None:
         if device == "cuda-hostid":
             reshard_mod.executor = lambda d, r=0: functools.partial(cuda.execute, device=gpu, identity_on_gpu=False)
         try:
-            opts = reshard_mod.ReshardOptions(world_size=3, dtype=reshard_mod.DTYPES[dtype],
+            opts = reshard_mod.ReshardOptions(world_size=3, dtype=CAST_CHOICES[dtype],
                                               device="cuda" if device.startswith("cuda") else "cpu", workers=workers)
             start = time.perf_counter()
             report = reshard_mod.reshard(src, dst, opts)

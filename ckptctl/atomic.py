@@ -2,7 +2,8 @@
 
 Work happens in a hidden sibling `.{name}.ckptctl-tmp-{pid}`; only a finished, fsynced tree
 is renamed into place. Siblings left by runs that were killed (their pid is gone) are
-removed by the next run.
+removed by the next run. `sync=False` (`--no-sync`) skips the fsyncs: a killed process
+still leaves DST absent or complete, but a crash of the machine may not.
 """
 
 from __future__ import annotations
@@ -36,12 +37,21 @@ def _clean_stale(dst: Path) -> None:
             shutil.rmtree(sibling, ignore_errors=True)
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or directory by path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under `root`, itself last (quick for files already synced)."""
+    for folder, dirs, files in os.walk(root, topdown=False):
+        for name in (*files, *dirs):
+            fsync_path(Path(folder) / name)
+    fsync_path(root)
 
 
 def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
@@ -57,7 +67,7 @@ def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(dst: Path, force: bool, tag: str = "") -> Iterator[Path]:
+def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling to fill; rename it to `dst` when the body finishes without error."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -67,7 +77,8 @@ def atomic_directory(dst: Path, force: bool, tag: str = "") -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        fsync_dir(tmp)
+        if sync:
+            fsync_tree(tmp)
         if dst.exists():
             if not force:
                 raise UsageError(f"{dst}: destination appeared while writing (pass --force to replace it)")
@@ -77,7 +88,8 @@ def atomic_directory(dst: Path, force: bool, tag: str = "") -> Iterator[Path]:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, dst)
-        fsync_dir(dst.parent)
+        if sync:
+            fsync_path(dst.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -51,6 +51,8 @@ class ExportOptions:
     max_shard_size: int | str = "5GB"
     workers: int = 4
     device: str = "auto"
+    sync: bool = True
+    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
 
 
 @dataclass
@@ -279,7 +281,7 @@ def export_hf(
     sources = ChunkSource(ckpt)
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
-        files = OutputFiles(tmp, {n: size for n, size in sizes.items() if n in names})
+        files = OutputFiles(tmp, {n: size for n, size in sizes.items() if n in names}, opts.sync)
         try:
             for f in plan.files:
                 if f.name in names:
@@ -296,7 +298,7 @@ def export_hf(
             report.verified = True
 
     try:
-        write_atomically(dst, force, sizes, write_share, finish, comm)
+        write_atomically(dst, force, sizes, write_share, finish, comm, opts.sync)
     finally:
         sources.close()
     report.seconds = time.perf_counter() - started

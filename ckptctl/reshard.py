@@ -22,7 +22,6 @@ from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
-from ckptctl.layout import analyze
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
@@ -47,6 +46,8 @@ class ReshardOptions:
     flat_optimizer: bool = False
     hf_config: Path | None = None
     device: str = "auto"
+    sync: bool = True
+    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
 
 
 @dataclass
@@ -88,8 +89,7 @@ def cast_dtype(src: DType, wanted: DType | None) -> DType:
 
 def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
     """Every tensor entry as a source; flat 1-D optimizer buffers take their param's shape."""
-    analysis = analyze(ckpt)
-    reports = {r.fqn: r for r in analysis.reports}
+    reports = {r.fqn: r for r in ckpt.analysis.reports}
     out = {}
     for fqn, entry in ckpt.tensors.items():
         report = reports.get(fqn)
@@ -102,7 +102,7 @@ def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
     """The source's data-loss problems; raises unless `allow`."""
-    problems = [p.message for p in analyze(ckpt).problems]
+    problems = [p.message for p in ckpt.analysis.problems]
     if problems and not allow:
         raise IncompleteCheckpointError(ckpt.path, problems)
     return problems
@@ -185,7 +185,7 @@ def reshard(
     sources = ChunkSource(ckpt)
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
-        files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names})
+        files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
         try:
             execute(stream_items, copy_items, sources, files, opts.workers, advance)
         finally:
@@ -198,7 +198,7 @@ def reshard(
             report.verified = True
 
     try:
-        write_atomically(dst, force, out.files, write_share, finish, comm)
+        write_atomically(dst, force, out.files, write_share, finish, comm, opts.sync)
     finally:
         sources.close()
     report.seconds = time.perf_counter() - started

@@ -61,6 +61,19 @@ def test_source_is_never_modified(src, tmp_path):
     assert tree_digest(src) == before
 
 
+def test_no_sync_writes_the_same_bytes(src, tmp_path):
+    """--no-sync only skips fsync: reshard and export output are byte-identical to a synced run."""
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "raw"}')
+    for name, extra in (("sync", []), ("nosync", ["--no-sync"])):
+        assert run_cli("reshard", src, tmp_path / name, "-n", "3", *extra).returncode == 0
+        assert run_cli("export-hf", src, tmp_path / f"hf-{name}", "--hf-config", config, "--arch", "raw",
+                       *extra).returncode == 0
+    assert tree_digest(tmp_path / "nosync") == tree_digest(tmp_path / "sync")
+    assert tree_digest(tmp_path / "hf-nosync") == tree_digest(tmp_path / "hf-sync")
+    assert not [p for p in tmp_path.iterdir() if ".ckptctl-tmp-" in p.name]
+
+
 def test_dry_run_writes_nothing(src, tmp_path):
     result = run_cli("reshard", src, tmp_path / "o", "--world-size", "3", "--dry-run")
     assert result.returncode == 0, result.stderr

@@ -67,6 +67,12 @@ def device_option() -> Any:
     return typer.Option("auto", "--device", help="auto|cpu|cuda: where blocks are assembled and cast (auto = cuda when available).")
 
 
+def no_sync_option() -> Any:
+    """`--no-sync`, shared by every command that writes an output directory."""
+    return typer.Option(False, "--no-sync", help="Skip fsync before the atomic rename (as cp does): faster, and a killed "
+                        "run still leaves DST absent or complete, but a machine crash may not.")
+
+
 def dist_backend_option() -> Any:
     """`--dist-backend`, for runs under torchrun (a plain run ignores it)."""
     return typer.Option("gloo", "--dist-backend", help="torchrun process-group backend: gloo|nccl (workers exchange only control messages).")

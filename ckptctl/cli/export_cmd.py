@@ -10,7 +10,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, run_distributed, stderr,
+    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, stderr,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
@@ -42,6 +42,7 @@ def export_hf_command(
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     device: str = device_option(),
+    no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
 ) -> None:
     """Write a Hugging Face safetensors model folder from a Megatron-FSDP or FSDP2 checkpoint, streaming.
@@ -51,7 +52,8 @@ def export_hf_command(
 
     def run(comm: Comm, factory) -> ExportReport:
         opts = ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype),
-                             max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device)
+                             max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device,
+                             sync=not no_sync)
         return export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress_factory=factory, comm=comm)
 
     def show(report: ExportReport) -> None:

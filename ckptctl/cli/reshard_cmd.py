@@ -14,6 +14,7 @@ from ckptctl.cli.common import (
     dist_backend_option,
     emit_json,
     human_bytes,
+    no_sync_option,
     run_distributed,
     stderr,
     stdout,
@@ -58,6 +59,7 @@ def reshard_command(
     allow_incomplete: bool = typer.Option(False, "--allow-incomplete", help="Go on despite coverage gaps or lost optimizer state."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     device: str = device_option(),
+    no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
     layout: str = typer.Option("fsdp2", "--layout",
                                help="fsdp2 (dim-0 rows) | megatron-fsdp (TP outer × DP inner boxes, one file per rank)."),
@@ -84,7 +86,7 @@ def reshard_command(
     def run(comm: Comm, factory) -> ReshardReport:
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
-                              device=device, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
+                              device=device, sync=not no_sync, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
                               split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config)
         return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory,
                        comm=comm)

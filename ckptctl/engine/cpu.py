@@ -173,10 +173,14 @@ def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Seg
 
 
 class OutputFiles:
-    """Output files opened once, pre-sized, shared by all workers (positioned writes)."""
+    """Output files opened once, pre-sized, shared by all workers (positioned writes).
 
-    def __init__(self, directory: Path, sizes: Mapping[str, int]) -> None:
+    With `sync` (the default) large writes start their writeback at once and `close` fsyncs.
+    """
+
+    def __init__(self, directory: Path, sizes: Mapping[str, int], sync: bool = True) -> None:
         self.directory = directory
+        self.sync = sync
         self.fds: dict[str, int] = {}
         for name, size in sizes.items():
             path = directory / name
@@ -191,12 +195,12 @@ class OutputFiles:
         while len(view):
             n = os.pwrite(self.fds[name], view, offset)
             view, offset = view[n:], offset + n
-        if total >= WRITEBACK_BYTES:
+        if self.sync and total >= WRITEBACK_BYTES:
             start_writeback(self.fds[name], start, total)
 
-    def close(self, sync: bool = True) -> None:
+    def close(self) -> None:
         for fd in self.fds.values():
-            if sync:
+            if self.sync:
                 os.fsync(fd)
             os.close(fd)
         self.fds.clear()

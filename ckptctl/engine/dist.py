@@ -178,33 +178,35 @@ def write_atomically(
     write_share: Callable[[Path, frozenset[str]], None],
     finish: Callable[[Path], None],
     comm: Comm = LOCAL,
+    sync: bool = True,
 ) -> frozenset[str]:
     """Fill DST atomically: each worker writes its share of `sizes`' files, then rank 0 runs `finish`.
 
     `write_share(tmp, names)` writes (and fsyncs) the named files into the shared temporary
     directory; `finish(tmp)` runs on rank 0 once every worker succeeded, to write what must
-    come last (`.metadata`, `index.json`) or verify. Returns this worker's share.
+    come last (`.metadata`, `index.json`) or verify; with `sync` rank 0 fsyncs the whole tree
+    before the rename. Returns this worker's share.
     Collective: every worker calls it with the same `sizes`.
     """
     shares = assign_files(sizes, comm.world_size)
     mine = shares[comm.rank]
     if comm.world_size == 1:
-        with atomic_directory(dst, force) as tmp:
+        with atomic_directory(dst, force, sync=sync) as tmp:
             write_share(tmp, mine)
             finish(tmp)
         return mine
     if comm.is_lead:
-        _lead(dst, force, mine, write_share, finish, comm)
+        _lead(dst, force, mine, write_share, finish, comm, sync)
     else:
         _follow(mine, write_share, comm)
     return mine
 
 
 def _lead(dst: Path, force: bool, mine: frozenset[str], write_share: Callable[[Path, frozenset[str]], None],
-          finish: Callable[[Path], None], comm: Comm) -> None:
+          finish: Callable[[Path], None], comm: Comm, sync: bool) -> None:
     phase = "create"
     try:
-        with atomic_directory(dst, force, tag="dist") as tmp:
+        with atomic_directory(dst, force, tag="dist", sync=sync) as tmp:
             comm.broadcast(("ok", str(tmp)))
             phase = "write"
             _gather_failures(comm, _attempt(lambda: write_share(tmp, mine)))

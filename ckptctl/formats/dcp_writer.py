@@ -8,7 +8,6 @@ workers can write items in any order and in parallel. `write_metadata` then writ
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -131,9 +130,5 @@ def build_metadata(out: DcpOutput) -> Metadata:
 
 
 def write_metadata(out: DcpOutput, directory: Path) -> None:
-    """Write `.metadata` into `directory` (fsynced)."""
-    path = directory / ".metadata"
-    with open(path, "wb") as fh:
-        fh.write(torch_pickle.dumps(build_metadata(out)))
-        fh.flush()
-        os.fsync(fh.fileno())
+    """Write `.metadata` into `directory` (the atomic directory fsyncs it before the rename)."""
+    (directory / ".metadata").write_bytes(torch_pickle.dumps(build_metadata(out)))
