@@ -13,13 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType
+from ckptctl.engine.crc import crc32
 from ckptctl.engine.writeback import start_writeback
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
@@ -225,7 +225,7 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         _fill_block(sources, view, dtype, b0, clipped)
         if item.target.add:
             _add(view, dtype, item.target.add)
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         files.write(item.file, view, pos)
         pos += len(view)
         progress(len(view))
@@ -262,6 +262,21 @@ def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress
         progress(n)
 
 
+def interleaved_by_file(items: Sequence[StreamItem]) -> list[StreamItem]:
+    """Items round-robin across output files, each file's front to back.
+
+    Buffered writes to one file serialize on its inode lock (ext4, xfs), so workers that
+    write different files at once do not wait on each other, and each file is written
+    sequentially. Measured on the 2 GB bench with 2 workers: 0.70 s instead of 0.75–1.2 s
+    for largest-first order.
+    """
+    by_file: dict[str, list[StreamItem]] = {}
+    for item in sorted(items, key=lambda i: (i.file, i.offset)):
+        by_file.setdefault(item.file, []).append(item)
+    queues = list(by_file.values())
+    return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
+
+
 def execute(
     stream_items: Sequence[StreamItem],
     copy_items: Iterable[CopyItem],
@@ -270,10 +285,10 @@ def execute(
     workers: int,
     progress: Callable[[int], None],
 ) -> None:
-    """Run every item on a pool of `workers` threads, largest first; the first failure is raised."""
+    """Run every item on a pool of `workers` threads (in `interleaved_by_file` order); the first failure is raised."""
     for item in copy_items:
         copy_item(item, sources, files, progress)
-    order = sorted(stream_items, key=lambda i: i.nbytes, reverse=True)
+    order = interleaved_by_file(stream_items)
     if workers <= 1:
         for item in order:
             stream_item(item, sources, files, progress)

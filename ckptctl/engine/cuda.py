@@ -16,7 +16,6 @@ output buffer by positioned reads instead.
 from __future__ import annotations
 
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -24,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ckptctl.engine.cast import add_into, cast_into
+from ckptctl.engine.crc import crc32
 from ckptctl.engine.cpu import (
     BLOCK_BYTES,
     ChunkSource,
@@ -33,6 +33,7 @@ from ckptctl.engine.cpu import (
     _Segment,
     _segments,
     copy_item,
+    interleaved_by_file,
     read_spans,
 )
 from ckptctl.plan import CopyItem, StreamItem
@@ -209,7 +210,7 @@ class _Worker:
         slot.done.synchronize()
         pos, nbytes = slot.write
         view = memoryview(slot.pin_out.numpy())[:nbytes]
-        crc = zlib.crc32(view, crc)
+        crc = crc32(view, crc)
         files.write(file, view, pos)
         slot.write = None
         progress(nbytes)
@@ -239,7 +240,7 @@ def execute(
     dev = torch.device(device) if device is not None else default_device()
     for item in copy_items:
         copy_item(item, sources, files, progress)
-    order = sorted(stream_items, key=lambda i: i.nbytes, reverse=True)
+    order = interleaved_by_file(stream_items)
     local = threading.local()
 
     def run(item: StreamItem) -> int:
