@@ -1,15 +1,22 @@
-"""Pure parts of the CPU engine: the order workers take records in, the records' CRC-32."""
+"""CPU engine details: the order workers take records in, the records' CRC-32, a target's add."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 import zlib
 
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
 from ckptctl.dtypes import float32
-from ckptctl.engine.cpu import interleaved_by_file
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes, interleaved_by_file
 from ckptctl.engine.crc import crc32
-from ckptctl.geometry import Box
-from ckptctl.plan import StreamItem, TargetTensor
+from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.geometry import Box, full_box
+from ckptctl.plan import StreamItem, TargetTensor, identity_target, plan_box, source_view
 
 
 def item(file: str, offset: int) -> StreamItem:
@@ -32,3 +39,30 @@ def test_record_crc_is_zlibs_whichever_implementation_runs():
     assert crc32(data) == zlib.crc32(data)
     assert crc32(data[1000:], crc32(data[:1000])) == zlib.crc32(data)
     assert crc32(memoryview(bytearray(data))[5:]) == zlib.crc32(data[5:])
+
+
+@pytest.mark.parametrize("src_dtype,dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                             (torch.float32, torch.float32)])
+def test_add_is_computed_in_the_wider_dtype(tmp_path, src_dtype, dtype):
+    """HF's GDN norm = gamma + 1: fp32 gamma exported as bf16 is bf16(gamma + 1), never bf16(gamma) + 1.
+
+    2^-8 + 2^-20 rounds to 2^-8 in bf16, and 1 + 2^-8 is a tie that rounds to 1; the true sum rounds up.
+    """
+    x = torch.tensor([2.0**-8 + 2.0**-20, -3.5, 0.25, float("nan")]).to(src_dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"g": x}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    ckpt = open_checkpoint(tmp_path / "ckpt")
+    src = source_view(ckpt.tensors["g"])
+    target = dataclasses.replace(identity_target(src, dtype=dtype), add=1.0)
+    item = StreamItem("", 0, b"", target, full_box(target.shape), plan_box(target, full_box(target.shape), {"g": src}))
+    sources = ChunkSource(ckpt)
+    try:
+        got = torch.frombuffer(assemble_bytes(item, sources), dtype=dtype)
+    finally:
+        sources.close()
+    wide = src_dtype if src_dtype.itemsize >= dtype.itemsize else dtype
+    want = (x.to(wide) + 1.0).to(dtype)
+    assert torch.equal(got[:3], want[:3]) and torch.isnan(got[3])
+    if (src_dtype, dtype) == (torch.float32, torch.bfloat16):
+        assert got[0].item() == 1.0078125  # not 1.0

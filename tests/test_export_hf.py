@@ -192,8 +192,10 @@ def test_export_round_trips_every_tp_and_layout(saved, case):
     run_case(saved, case)
 
 
-@pytest.mark.parametrize("case", [Case("qwen3-moe", 2, "fused", prefix="module.module.")], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", [Case("qwen3-moe", 2, "fused", prefix="module.module."),
+                                  Case("qwen3-next", 2, "fused", "fused")], ids=lambda c: c.id)
 def test_sharded_bf16_output_has_an_index_transformers_loads(saved, case):
+    """Every tensor is the reference cast once to bf16 (GDN norm included), sharded, indexed, loadable."""
     ref = saved.refs[case.family]
     dst, summary = export(saved, case.id, ref.folder, "--max-shard-size", "10KB", "--dtype", "bf16")
     files = sorted(p.name for p in dst.glob("*.safetensors"))

@@ -114,24 +114,41 @@ def read_spans(segs: list[_Segment]) -> Iterator[tuple[list[_Segment], int, int]
             i = j
 
 
-def _fill_block(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, segs: list[_Segment]) -> None:
-    """Assemble destination elements [b0, b0 + len(out) / itemsize) of `dtype` from the segments that overlap them."""
+def adds_before_cast(src: DType, dtype: DType) -> bool:
+    """A target's `add` is computed in the wider dtype: before a narrowing cast, after a widening one.
+
+    So an export of fp32 gamma to bf16 writes bf16(gamma + 1), not bf16(gamma) + 1 (an ulp off).
+    """
+    return src.itemsize >= dtype.itemsize
+
+
+def _fill_block(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, segs: list[_Segment],
+                add: float = 0.0) -> None:
+    """Assemble destination elements [b0, b0 + len(out) / itemsize) of `dtype` from the segments that overlap them.
+
+    `add` (a target's) goes to every placed element; elements no segment covers stay as they are.
+    """
     out_isz = dtype.itemsize
     for run, base, stop in read_spans(segs):
         read = run[0].read
         isz = read.dtype.itemsize
         if len(run) == 1 and read.dtype == dtype:
             s = run[0]
-            sources.read_into(read.fqn, read.chunk, s.src * isz,
-                              out[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz])
+            placed = out[(s.dst - b0) * out_isz: (s.dst - b0 + s.length) * out_isz]
+            sources.read_into(read.fqn, read.chunk, s.src * isz, placed)
+            if add:
+                _add(placed, dtype, add)
             continue
         tmp = memoryview(bytearray((stop - base) * isz))
         sources.read_into(read.fqn, read.chunk, base * isz, tmp)
         if read.dtype != dtype:
-            _cast_run(out, dtype, b0, tmp, read.dtype, base, run)
+            _cast_run(out, dtype, b0, tmp, read.dtype, base, run, add)
             continue
         for s in run:
-            out[(s.dst - b0) * isz: (s.dst - b0 + s.length) * isz] = tmp[(s.src - base) * isz: (s.src - base + s.length) * isz]
+            placed = out[(s.dst - b0) * isz: (s.dst - b0 + s.length) * isz]
+            placed[:] = tmp[(s.src - base) * isz: (s.src - base + s.length) * isz]
+            if add:
+                _add(placed, dtype, add)
 
 
 def _as_tensor(data: memoryview, dtype: DType) -> Any:
@@ -141,13 +158,17 @@ def _as_tensor(data: memoryview, dtype: DType) -> Any:
 
 
 def _cast_run(out: memoryview, dtype: DType, b0: int, tmp: memoryview, src_dtype: DType, base: int,
-              run: list[_Segment]) -> None:
-    """Cast each segment of a span read into `tmp` to its place in `out` (the only path that needs torch)."""
-    from ckptctl.engine.cast import cast_into
+              run: list[_Segment], add: float) -> None:
+    """Cast each segment of a span read into `tmp` to its place in `out`, with `add` (the only path that needs torch)."""
+    from ckptctl.engine.cast import add_into, cast_into
 
     out_t, src_t = _as_tensor(out, dtype), _as_tensor(tmp, src_dtype)
+    before = add and adds_before_cast(src_dtype, dtype)
     for s in run:
-        cast_into(out_t[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length])
+        placed, src = out_t[s.dst - b0: s.dst - b0 + s.length], src_t[s.src - base: s.src - base + s.length]
+        cast_into(placed, src + add if before else src)
+        if add and not before:
+            add_into(placed, add)
 
 
 def _add(out: memoryview, dtype: DType, value: float) -> None:
@@ -222,9 +243,7 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         clipped, resume = _clip(segs, b0, b1, resume)
         if sum(c.length for c in clipped) < b1 - b0:
             view[:] = bytes(len(view))  # elements no source covers (--allow-incomplete) are zero, never a previous block's
-        _fill_block(sources, view, dtype, b0, clipped)
-        if item.target.add:
-            _add(view, dtype, item.target.add)
+        _fill_block(sources, view, dtype, b0, clipped, item.target.add)
         crc = crc32(view, crc)
         files.write(item.file, view, pos)
         pos += len(view)
@@ -303,7 +322,5 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The row-major bytes of `item.box` of its target (for verification): one box in memory."""
     dtype = item.target.dtype
     out = bytearray(item.box.numel * dtype.itemsize)  # zeros where no source covers (--allow-incomplete)
-    _fill_block(sources, memoryview(out), dtype, 0, _segments(item))
-    if item.target.add:
-        _add(memoryview(out), dtype, item.target.add)
+    _fill_block(sources, memoryview(out), dtype, 0, _segments(item), item.target.add)
     return out

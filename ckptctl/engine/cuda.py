@@ -32,6 +32,7 @@ from ckptctl.engine.cpu import (
     _fill_block,
     _Segment,
     _segments,
+    adds_before_cast,
     copy_item,
     interleaved_by_file,
     read_spans,
@@ -193,14 +194,18 @@ class _Worker:
                 read = span.segs[0].read
                 isz = read.dtype.itemsize
                 src = slot.dev_in[span.at: span.at + (span.stop - span.start) * isz].view(read.dtype.torch)
-                if read.dtype != dtype:  # cast the span once, then place its runs with plain copies
+                add = item.target.add
+                if read.dtype != dtype:  # cast the span once (with any add), then place its runs with plain copies
+                    before = add and adds_before_cast(read.dtype, dtype)
                     converted = torch.empty(src.numel(), dtype=dtype.torch, device=self.device)
-                    cast_into(converted, src)
+                    cast_into(converted, src + add if before else src)
+                    if add and not before:
+                        add_into(converted, add)
                     src = converted
+                elif add:
+                    add_into(src, add)  # the span's own staging slice
                 for s in span.segs:
                     out[s.dst - b0: s.dst - b0 + s.length].copy_(src[s.src - span.start: s.src - span.start + s.length])
-            if item.target.add:
-                add_into(out, item.target.add)
             slot.pin_out[:nbytes].copy_(slot.dev_out[:nbytes], non_blocking=True)
             slot.done.record(slot.stream)
 
