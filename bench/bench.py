@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "bench" / ".cache"
-SRC = CACHE / "fsdp2_ws4"
-LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 10, 4096, 4, 3
+LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 11, 4096, 4, 3  # 2.21 GB (2.06 GiB) with AdamW state
+SRC = CACHE / f"fsdp2_ws{SAVE_RANKS}_{LAYERS}x{WIDTH}"
 PY = sys.executable
 
 
@@ -170,7 +170,7 @@ def main() -> None:
             written[name] = tree_bytes(target)
             print(f"  rep {rep + 1}: {name}: {seconds:.2f}s", flush=True)
     base = statistics.median(times["cp -r"]) if times.get("cp -r") else None
-    print(f"\nsource: {src_bytes / 1e9:.2f} GB in {len(list(src.iterdir()))} files; machine: "
+    print(f"\nsource: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
     print("| contender | median s | fastest s | ratio to cp -r | GB/s written | peak RSS MB |")
     print("|---|---:|---:|---:|---:|---:|")
