@@ -21,7 +21,12 @@ class _DcpRecord:
     """Fields in `__dict__`, pickled as DCP pickles its dataclasses: NEWOBJ, then the field dict."""
 
     MODULE: ClassVar[str] = DCP_METADATA
+    TORCH_NAME: ClassVar[str | None] = None  # the class's name in torch, when it differs from ours
     FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def torch_global(cls) -> tuple[str, str]:
+        return cls.MODULE, cls.TORCH_NAME or cls.__name__
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         values = dict(zip(self.FIELDS, args))
@@ -41,7 +46,7 @@ class _DcpRecord:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     def __torch_pickle__(self) -> Instance:
-        return Instance(ref(self.MODULE, type(self).__name__), dict(vars(self)))
+        return Instance(ref(*self.torch_global()), dict(vars(self)))
 
 
 class Metadata(_DcpRecord):
@@ -77,10 +82,8 @@ class StorageInfo(_DcpRecord):
     """DCP's `filesystem._StorageInfo`: where an item's bytes are."""
 
     MODULE = DCP_FILESYSTEM
+    TORCH_NAME = "_StorageInfo"
     FIELDS = ("relative_path", "offset", "length", "transform_descriptors")
-
-    def __torch_pickle__(self) -> Instance:
-        return Instance(ref(DCP_FILESYSTEM, "_StorageInfo"), dict(vars(self)))
 
 
 class Layout(str):
@@ -121,7 +124,7 @@ class TensorProperties(_DcpRecord):
             setattr(self, name, state.get(name))
 
     def __torch_pickle__(self) -> Instance:
-        return Instance(ref(DCP_METADATA, "TensorProperties"), tuple(getattr(self, f) for f in self.FIELDS))
+        return Instance(ref(*self.torch_global()), tuple(getattr(self, f) for f in self.FIELDS))
 
 
 def size(values: Any) -> Size:
@@ -130,11 +133,10 @@ def size(values: Any) -> Size:
 
 
 METADATA_CLASSES: dict[tuple[str, str], Any] = {
-    **{(DCP_METADATA, c.__name__): c for c in (
+    **{c.torch_global(): c for c in (
         Metadata, StorageMeta, ChunkStorageMetadata, TensorStorageMetadata, BytesStorageMetadata,
-        MetadataIndex, TensorProperties)},
+        MetadataIndex, TensorProperties, StorageInfo)},
     (DCP_METADATA, "_MEM_FORMAT_ENCODING"): MemoryFormat,
-    (DCP_FILESYSTEM, "_StorageInfo"): StorageInfo,
     ("torch", "Size"): Size,
 }
 """DCP's global names in `.metadata` → the stand-ins the restricted unpickler builds."""
