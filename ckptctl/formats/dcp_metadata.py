@@ -114,6 +114,13 @@ def _check_range(root: Path, file: str, offset: Any, length: Any, files: dict[st
         )
 
 
+def _located(root: Path, fqn: str, info: Any, files: dict[str, int], where: Path) -> tuple[str, tuple[str, ...]]:
+    """The validated file of a storage entry (its byte range inside it) and its stream transforms."""
+    file = _resolve_file(root, info.relative_path, files, where)
+    _check_range(root, file, info.offset, info.length, files, fqn)
+    return file, tuple(getattr(info, "transform_descriptors", None) or ())
+
+
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
     shape = tuple(md.size)
     dtype = md.properties.dtype
@@ -132,9 +139,7 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
         info = storage.get((fqn, offsets))
         if info is None:
             raise CheckpointError(where, f"{fqn}: chunk at {list(offsets)} has no storage entry")
-        file = _resolve_file(root, info.relative_path, files, where)
-        _check_range(root, file, info.offset, info.length, files, fqn)
-        transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+        file, transforms = _located(root, fqn, info, files, where)
         nbytes = math.prod(sizes) * dtype.itemsize
         if not transforms and info.length < nbytes:
             raise CheckpointError(root / file, f"{fqn}: item of {info.length} bytes cannot hold {nbytes} bytes of data")
@@ -162,9 +167,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             info = storage.get((fqn, None))
             if info is None:
                 raise CheckpointError(where, f"{fqn}: bytes entry has no storage entry")
-            file = _resolve_file(root, info.relative_path, files, where)
-            _check_range(root, file, info.offset, info.length, files, fqn)
-            transforms = tuple(getattr(info, "transform_descriptors", None) or ())
+            file, transforms = _located(root, fqn, info, files, where)
             bytes_entries[fqn] = BytesEntry(fqn, file, info.offset, info.length, transforms)
         else:
             raise CheckpointError(where, f"{fqn}: unknown storage type {type(item).__name__}")
