@@ -161,19 +161,38 @@ def big_source(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.4, 0.8, 1.5, 3.0])
-def test_sigkill_leaves_destination_absent_or_complete(big_source, tmp_path, delay):
+def wait_for_temporary(parent: Path, proc: subprocess.Popen, timeout: float = 60) -> bool:
+    """Poll until the run's temporary sibling exists (True), or the process ended first (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(p.name.startswith(".out.ckptctl-tmp-") for p in parent.iterdir()):
+            return True
+        time.sleep(0.001)
+    return False
+
+
+@pytest.mark.parametrize("moment", ["at-start", "temporary-created", "mid-copy", "late"])
+def test_sigkill_leaves_destination_absent_or_complete(big_source, tmp_path, moment):
+    """Killed at any moment, a run leaves DST absent or complete; kills while the temporary
+    directory is being filled must find DST absent (the cast and --verify make that window long)."""
     dst = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "reshard", str(big_source), str(dst),
-                             "-n", "3", "--workers", "1"], cwd=ROOT, stderr=subprocess.DEVNULL)
-    time.sleep(delay)
+                             "-n", "3", "--workers", "1", "--dtype", "bf16", "--verify"],
+                            cwd=ROOT, stderr=subprocess.DEVNULL)
+    if moment in ("temporary-created", "mid-copy"):
+        assert wait_for_temporary(tmp_path, proc), "the run ended before its temporary directory was seen"
+        time.sleep(0.1 if moment == "mid-copy" else 0)
+    elif moment == "late":
+        time.sleep(3.0)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.ckptctl-tmp-")]
+    if moment in ("temporary-created", "mid-copy"):
+        assert proc.returncode == -signal.SIGKILL and not dst.exists() and leftovers  # killed mid-write
     if dst.exists():
         assert flat_state(dst, tmp_path).keys() == flat_state(big_source, tmp_path).keys()
         result = run_cli("reshard", dst, tmp_path / "again", "-n", "1", "--verify")
         assert result.returncode == 0, result.stderr
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.ckptctl-tmp-")]
     if leftovers:  # a later run cleans what a killed run left behind
         assert run_cli("reshard", big_source, dst, "-n", "3", "--force").returncode == 0
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.ckptctl-tmp-")]
