@@ -214,10 +214,13 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
 
 
 def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor]) -> None:
-    """Refuse, before anything is written, a target whose source rows are not all in saved chunks."""
+    """Refuse, before anything is written, a target whose source rows are not all in saved chunks,
+    or whose source the per-rank metadata files disagree about."""
     problems = []
     for target in targets:
         for piece in target.pieces:
+            if piece.src in ckpt.rank_conflicts and ckpt.rank_conflicts[piece.src] not in problems:
+                problems.append(ckpt.rank_conflicts[piece.src])
             want = Box(piece.src_start, piece.sizes)
             parts = [part for _, region in sources[piece.src].chunks
                      if isinstance(region, Box) and (part := region.intersect(want)) is not None]

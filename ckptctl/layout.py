@@ -25,7 +25,9 @@ Zero-size chunks (FSDP2 ranks that own no rows write them at offset == rows) are
 Problem kinds (`Problem.kind`): `gaps` and `overlaps` (coverage), `data-loss` (a per-param
 optimizer state with another element count than its param: a plain per-rank tensor of
 which DCP kept one rank's copy), `shape-mismatch` (an N-D state with the param's element
-count in another shape).
+count in another shape), `rank-conflict` (per-rank `__{rank}.metadata` files that
+disagree about an entry's shape, dtype or kind: ranks saved different data under one
+name, and only one rank's can be read).
 
 Groups: `optimizer` for keys under `optim.` / `optimizer.`; `model` for keys under the
 checkpoint's model prefix (the most common one of `MODEL_PREFIXES`) or named as the param
@@ -283,6 +285,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
         problems.extend(_coverage_problems(fqn, cov, entry.numel))
         if param is not None and (problem := _state_problem(entry, param, fqn.rpartition(".")[2])):
             problems.append(problem)
+    problems.extend(Problem(fqn, "rank-conflict", message) for fqn, message in ckpt.rank_conflicts.items())
 
     model_seen = Counter(_model_prefix(r.fqn) for r in reports if r.group == "model")
     optim_seen = Counter(s.prefix for f in param_of if (s := split_optimizer_fqn(f)))

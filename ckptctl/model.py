@@ -92,6 +92,8 @@ class Checkpoint:
     version: str | None = None
     metadata_files: tuple[str, ...] = (".metadata",)
     storage_meta: Any = field(default=None, repr=False)
+    rank_conflicts: dict[str, str] = field(default_factory=dict)
+    """Per-rank metadata files that disagree about an entry: FQN → what they say (first file's kept)."""
 
     @property
     def total_bytes(self) -> int:

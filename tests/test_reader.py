@@ -21,6 +21,7 @@ from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.model import Checkpoint, TensorEntry
+from tests.conftest import run_cli
 
 FIXTURE_NAMES = ["fsdp2_4ranks", "megatron_tp2_dp2", "flat_optim", "broken_plain_optim", "zstd"]
 
@@ -200,3 +201,20 @@ def test_per_rank_metadata_files_are_merged(per_rank_ckpt: Path) -> None:
         # Both ranks saved `plain` at offset 0 (sizes [1, 3] and [2, 3]): rank 0's chunk and item are kept together.
         assert torch.equal(assemble(reader, ckpt.tensors["plain"]), torch.zeros(1, 3))
         assert reader.load_bytes_value(ckpt.bytes_entries["epoch"]) == 0
+
+
+
+def test_ranks_that_disagree_about_an_entry_are_a_problem(per_rank_ckpt: Path, tmp_path: Path) -> None:
+    """`plain` is [1, 3] on rank 0 and [2, 3] on rank 1: inspect --check names it, reshard refuses it."""
+    message = ("plain: ranks saved different tensors under this name ([1, 3] float32 in __0.metadata, "
+               "[2, 3] float32 in __1.metadata); only __0.metadata's is read")
+    ckpt = open_checkpoint(per_rank_ckpt)
+    assert [(p.fqn, p.kind, p.message) for p in ckpt.analysis.problems] == [("plain", "rank-conflict", message)]
+    check = run_cli("inspect", per_rank_ckpt, "--check")
+    assert check.returncode == 1 and message in check.stdout
+    refused = run_cli("reshard", per_rank_ckpt, tmp_path / "o", "-n", "2")
+    assert refused.returncode == 2 and message in refused.stderr and not (tmp_path / "o").exists()
+    assert run_cli("reshard", per_rank_ckpt, tmp_path / "o", "-n", "2", "--allow-incomplete").returncode == 0
+    (tmp_path / "config.json").write_text('{"model_type": "raw"}')
+    exported = run_cli("export-hf", per_rank_ckpt, tmp_path / "hf", "--hf-config", tmp_path, "--arch", "raw")
+    assert exported.returncode == 2 and message in exported.stderr and not (tmp_path / "hf").exists()

@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,33 +57,63 @@ def _load_one(path: Path) -> dcp_classes.Metadata:
     return md
 
 
-def _merge(paths: list[Path]) -> tuple[dict, dict, dict, Any, str | None]:
+@dataclass
+class _Merged:
+    """The union of one or more metadata files."""
+
+    sd_md: dict[str, Any] = field(default_factory=dict)
+    storage: dict[tuple[str, tuple[int, ...] | None], Any] = field(default_factory=dict)
+    planner: dict[str, Any] = field(default_factory=dict)
+    storage_meta: Any = None
+    version: str | None = None
+    conflicts: dict[str, str] = field(default_factory=dict)
+
+
+def _describe(item: Any) -> str:
+    return f"{list(item.size)} {getattr(item.properties, 'dtype', '?')}".replace("torch.", "")
+
+
+def _kind(item: Any) -> str:
+    return "a tensor" if isinstance(item, dcp_classes.TensorStorageMetadata) else "bytes"
+
+
+def _merge(paths: list[Path]) -> _Merged:
     """Union of per-rank metadata files (DCP without collectives writes one per rank).
 
     A key two ranks both saved at the same offsets (a plain tensor) keeps the lowest
     rank's chunk and storage entry together: one rank's copy, as a coordinated save keeps.
+    Ranks that disagree on a tensor's shape or dtype saved different tensors under one
+    name; the first file's is kept and the disagreement recorded (`inspect --check` reports
+    it, commands that copy data refuse it unless allowed).
     """
-    sd_md: dict[str, Any] = {}
-    storage: dict[tuple[str, tuple[int, ...] | None], Any] = {}
-    planner: dict[str, Any] = {}
-    storage_meta = None
-    version = None
+    out = _Merged()
+    origin: dict[str, str] = {}
     for path in paths:
         md = _load_one(path)
-        storage_meta = storage_meta or md.storage_meta
-        version = getattr(md, "version", None) or version
+        out.storage_meta = out.storage_meta or md.storage_meta
+        out.version = getattr(md, "version", None) or out.version
         for fqn, item in md.state_dict_metadata.items():
-            if fqn in sd_md and isinstance(item, dcp_classes.TensorStorageMetadata):
-                known = {tuple(c.offsets) for c in sd_md[fqn].chunks}
-                sd_md[fqn].chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
-            else:
-                sd_md.setdefault(fqn, item)
+            first = out.sd_md.get(fqn)
+            if first is None:
+                out.sd_md[fqn], origin[fqn] = item, path.name
+            elif type(item) is not type(first):
+                out.conflicts.setdefault(fqn, (
+                    f"{fqn}: ranks saved different kinds of entry under this name ({_kind(first)} in "
+                    f"{origin[fqn]}, {_kind(item)} in {path.name}); only {origin[fqn]}'s is read"))
+            elif isinstance(item, dcp_classes.TensorStorageMetadata):
+                if _describe(item) != _describe(first):
+                    out.conflicts.setdefault(fqn, (
+                        f"{fqn}: ranks saved different tensors under this name ({_describe(first)} in "
+                        f"{origin[fqn]}, {_describe(item)} in {path.name}); only {origin[fqn]}'s is read"))
+                    continue
+                known = {tuple(c.offsets) for c in first.chunks}
+                first.chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
         if isinstance(md.planner_data, dict):
-            planner.update(md.planner_data)
+            out.planner.update(md.planner_data)
         for index, info in (md.storage_data or {}).items():
             offset = None if index.offset is None else tuple(index.offset)
-            storage.setdefault((index.fqn, offset), info)
-    return sd_md, storage, planner, storage_meta, version
+            out.storage.setdefault((index.fqn, offset), info)
+    return out
 
 
 def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path) -> str:
@@ -156,7 +187,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     md_paths = _metadata_files(root)
     where = md_paths[0]
-    sd_md, storage, planner, storage_meta, version = _merge(md_paths)
+    merged = _merge(md_paths)
+    sd_md, storage = merged.sd_md, merged.storage
     files: dict[str, int] = {}
     tensors: dict[str, TensorEntry] = {}
     bytes_entries: dict[str, BytesEntry] = {}
@@ -179,8 +211,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         tensors=tensors,
         bytes_entries=bytes_entries,
         files=dict(sorted(files.items())),
-        planner_data=planner or None,
-        version=version,
+        planner_data=merged.planner or None,
+        version=merged.version,
         metadata_files=tuple(p.name for p in md_paths),
-        storage_meta=storage_meta,
+        storage_meta=merged.storage_meta,
+        rank_conflicts=merged.conflicts,
     )
