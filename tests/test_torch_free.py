@@ -76,3 +76,20 @@ def test_sizes_and_dtypes_pickle_as_torchs_own():
     assert again[1] is torch.bfloat16
     assert type(again[2]).__module__ == "torch.distributed.checkpoint.metadata"
     assert (again[2].offsets, again[2].sizes) == (torch.Size([0, 2]), torch.Size([3, 2]))
+
+
+def test_big_metadata_is_pickled_through_torchs_classes_with_the_same_content(fixture_ckpt, monkeypatch):
+    """Above TORCH_PICKLER_ENTRIES the C pickler writes torch's own objects: same content as the Python writer."""
+    from ckptctl.formats import dcp_writer
+    from ckptctl.formats.dcp_classes import to_torch
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.reshard import ReshardOptions, plan_reshard
+
+    md = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt("fsdp2_4ranks")),
+                                                ReshardOptions(world_size=3)))
+    ours, theirs = pickle.loads(torch_pickle.dumps(md)), pickle.loads(pickle.dumps(to_torch(md)))
+    for field in ("state_dict_metadata", "storage_data", "planner_data", "storage_meta", "version"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert len(md.storage_data) < dcp_writer.TORCH_PICKLER_ENTRIES
+    monkeypatch.setattr(dcp_writer, "TORCH_PICKLER_ENTRIES", 0)
+    assert dcp_writer.metadata_pickle(md) == pickle.dumps(to_torch(md))

@@ -8,6 +8,8 @@ workers can write items in any order and in parallel. `write_metadata` then writ
 
 from __future__ import annotations
 
+import pickle
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -23,13 +25,17 @@ from ckptctl.formats.dcp_classes import (
     TensorProperties,
     TensorStorageMetadata,
     size,
+    to_torch,
 )
+from ckptctl.formats.gc_pause import gc_paused
 from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
 from ckptctl.model import BytesEntry
 from ckptctl.placement import Placed
 from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, plan_box
 
 DCP_VERSION = "1.0.0"
+TORCH_PICKLER_ENTRIES = 25_000
+"""Above this many storage entries, `.metadata` is pickled through torch's own classes (see `to_torch`)."""
 
 
 def rank_file(rank: int) -> str:
@@ -129,6 +135,14 @@ def build_metadata(out: DcpOutput) -> Metadata:
     )
 
 
+def metadata_pickle(md: Metadata) -> bytes:
+    """The `.metadata` bytes: without importing torch for small metadata, with torch's C pickler for big."""
+    with gc_paused():
+        if len(md.storage_data) > TORCH_PICKLER_ENTRIES or "torch.distributed.checkpoint" in sys.modules:
+            return pickle.dumps(to_torch(md))
+        return torch_pickle.dumps(md)
+
+
 def write_metadata(out: DcpOutput, directory: Path) -> None:
     """Write `.metadata` into `directory` (the atomic directory fsyncs it before the rename)."""
-    (directory / ".metadata").write_bytes(torch_pickle.dumps(build_metadata(out)))
+    (directory / ".metadata").write_bytes(metadata_pickle(build_metadata(out)))

@@ -18,6 +18,7 @@ from typing import Any
 
 from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.formats.dcp_classes import METADATA_CLASSES, Layout
+from ckptctl.formats.gc_pause import gc_paused
 
 
 class UnsafePickleError(pickle.UnpicklingError):
@@ -65,7 +66,8 @@ class MetadataUnpickler(_AllowListUnpickler):
 
 def load_metadata_pickle(data: bytes) -> Any:
     """Unpickle `.metadata` bytes allowing only DCP's own metadata classes."""
-    return MetadataUnpickler(io.BytesIO(data)).load()
+    with gc_paused():
+        return MetadataUnpickler(io.BytesIO(data)).load()
 
 
 @dataclass(frozen=True)
