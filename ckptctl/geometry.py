@@ -29,11 +29,15 @@ class Box:
         return tuple(o + s for o, s in zip(self.offsets, self.sizes))
 
     def intersect(self, other: "Box") -> "Box | None":
-        lo = tuple(max(a, b) for a, b in zip(self.offsets, other.offsets))
-        hi = tuple(min(a, b) for a, b in zip(self.ends, other.ends))
-        if any(h <= l for l, h in zip(lo, hi)):
-            return None
-        return Box(lo, tuple(h - l for l, h in zip(lo, hi)))
+        """The common block, or None when they share no element (one pass: planning calls it per chunk pair)."""
+        offsets, sizes = [], []
+        for a, s, b, t in zip(self.offsets, self.sizes, other.offsets, other.sizes):
+            lo, hi = max(a, b), min(a + s, b + t)
+            if hi <= lo:
+                return None
+            offsets.append(lo)
+            sizes.append(hi - lo)
+        return Box(tuple(offsets), tuple(sizes))
 
     def shift(self, delta: Sequence[int]) -> "Box":
         return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)
@@ -194,12 +198,20 @@ def union_volume(boxes: Sequence[Box]) -> int:
         return 1
     if len(boxes) == 1:
         return boxes[0].numel
-    cuts = sorted({b.offsets[0] for b in boxes} | {b.ends[0] for b in boxes})
-    total = 0
+    # Sweep dim 0: between consecutive cuts the same boxes are active; add slab height × their
+    # union on the remaining dims. Boxes enter in start order and leave once passed, so a
+    # tensor saved by R ranks costs R log R, not R².
+    spans = sorted(((b.offsets[0], b.offsets[0] + b.sizes[0], Box(b.offsets[1:], b.sizes[1:])) for b in boxes),
+                   key=lambda s: s[0])
+    cuts = sorted({s[0] for s in spans} | {s[1] for s in spans})
+    total, entered, active = 0, 0, []
     for lo, hi in zip(cuts, cuts[1:]):
-        active = [Box(b.offsets[1:], b.sizes[1:]) for b in boxes if b.offsets[0] <= lo and b.ends[0] >= hi]
+        while entered < len(spans) and spans[entered][0] <= lo:
+            active.append(spans[entered])
+            entered += 1
+        active = [s for s in active if s[1] > lo]
         if active:
-            total += (hi - lo) * union_volume(active)
+            total += (hi - lo) * union_volume([s[2] for s in active])
     return total
 
 

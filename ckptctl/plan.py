@@ -10,8 +10,11 @@ each source chunk — the engines only execute these lists.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
@@ -30,6 +33,26 @@ class SourceTensor:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+
+    @cached_property
+    def _by_rows(self) -> tuple[list[int], list[int], list[tuple[int, Chunk, Region, Box]]]:
+        """Chunks with their bounds, sorted by first row; with each prefix's furthest row end."""
+        bounded = sorted(((i, c, r, region_bounds(r, self.shape)) for i, (c, r) in enumerate(self.chunks)),
+                         key=lambda e: e[3].offsets[0])
+        starts = [b.offsets[0] for _, _, _, b in bounded]
+        furthest = list(itertools.accumulate((b.offsets[0] + b.sizes[0] for _, _, _, b in bounded), max))
+        return starts, furthest, bounded
+
+    def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
+        """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds.
+
+        A bisection instead of a scan: with R ranks, planning a tensor costs R log R, not R².
+        """
+        if not self.shape:
+            return [(c, r, region_bounds(r, self.shape)) for c, r in self.chunks]
+        starts, furthest, bounded = self._by_rows
+        near = bounded[bisect.bisect_right(furthest, lo): bisect.bisect_left(starts, hi)]
+        return [(c, r, b) for _, c, r, b in sorted(near, key=lambda e: e[0])]
 
 
 def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
@@ -109,8 +132,9 @@ def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]
         wanted = placed.shift(delta)
         src = sources[piece.src]
         back = tuple(-d for d in delta)
-        for chunk, region in src.chunks:
-            part = region_bounds(region, src.shape).intersect(wanted) if wanted.sizes else wanted
+        rows = (wanted.offsets[0], wanted.offsets[0] + wanted.sizes[0]) if wanted.sizes else (0, 0)
+        for chunk, region, bounds in src.chunks_in_rows(*rows):
+            part = bounds.intersect(wanted) if wanted.sizes else wanted
             if part is None or part.numel == 0 or region.numel == 0:
                 continue
             runs = copy_runs(part, region, src.shape, box, back)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptctl.geometry import Box, FlatRange, chunk_rows, copy_runs, region_bounds
+from ckptctl.geometry import Box, FlatRange, chunk_rows, copy_runs, region_bounds, union_volume
 from ckptctl.model import Chunk, TensorEntry
 from ckptctl.placement import Placed, fsdp2
 from ckptctl.plan import Piece, TargetTensor, identity_target, plan_box, source_view
@@ -109,3 +110,18 @@ def test_flat_source_takes_param_shape():
     assert [region for _, region in src.chunks] == [FlatRange(0, 7), FlatRange(7, 13), FlatRange(20, 10)]
     reads = plan_box(identity_target(src), Box((1, 0), (2, 6)), {"s": src})
     assert [[(x.src, x.dst, x.length) for x in r.runs] for r in reads] == [[(6, 0, 1)], [(0, 1, 11)]]
+
+
+@st.composite
+def boxes_in(draw, shape: tuple[int, ...]) -> Box:
+    offsets = tuple(draw(st.integers(0, d)) for d in shape)
+    return Box(offsets, tuple(draw(st.integers(0, d - o)) for d, o in zip(shape, offsets)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(boxes_in((7, 5, 3)), max_size=7))
+def test_union_volume_counts_every_covered_element_once(boxes):
+    covered = set()
+    for b in boxes:
+        covered.update(itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.sizes))))
+    assert union_volume(boxes) == len(covered)

@@ -13,6 +13,7 @@ streaming writer produces: stored entries, data descriptors, zip64 when sizes ne
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import struct
 import zlib
@@ -28,9 +29,8 @@ _FLAGS = 0x0808  # data descriptor follows the data; names are UTF-8
 _ZIP64_LIMIT = 0xFFFFFFFF
 
 
-def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
-    """The `data.pkl` torch.save writes for a dense CPU tensor of this dtype and shape (protocol 2)."""
-    dtype = as_dtype(dtype)
+@functools.lru_cache(maxsize=4096)  # records of a sharded tensor share a few shapes; pickling is Python code
+def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     numel = 1
     for d in shape:
         numel *= d
@@ -42,6 +42,11 @@ def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     storage = Persistent(("storage", ref("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize))
     args = (storage, 0, tuple(shape), strides(shape), False, hooks, dtype)
     return dumps(Call(ref("torch._utils", "_rebuild_tensor_v3"), args), protocol=2)
+
+
+def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+    """The `data.pkl` torch.save writes for a dense CPU tensor of this dtype and shape (protocol 2)."""
+    return _tensor_pickle(as_dtype(dtype), tuple(shape))
 
 
 @dataclass(frozen=True)
