@@ -54,12 +54,6 @@ GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_h
 GROUP_META_ROOTS = ("optimizer.param_to_group_meta.", "optim.param_to_group_meta.")
 
 
-def uses_megatron(opts: ReshardOptions) -> bool:
-    """True when any Megatron-aware reshard option is set (plan_reshard then comes here)."""
-    return bool(opts.split_fused or opts.fuse or opts.flat_optimizer or opts.hf_config is not None
-                or opts.layout != "fsdp2" or any(v is not None for v in (opts.tp, opts.dp, opts.source_tp)))
-
-
 # --------------------------------------------------------------------------------------
 # Options: the output layout and the model dimensions
 # --------------------------------------------------------------------------------------

@@ -49,6 +49,12 @@ class ReshardOptions:
     sync: bool = True
     """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
 
+    @property
+    def megatron(self) -> bool:
+        """True when any Megatron-aware option is set: planning goes to `megatron_reshard` (imported only then)."""
+        return bool(self.split_fused or self.fuse or self.flat_optimizer or self.hf_config is not None
+                    or self.layout != "fsdp2" or any(v is not None for v in (self.tp, self.dp, self.source_tp)))
+
 
 @dataclass
 class ReshardReport:
@@ -110,9 +116,9 @@ def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
 
 def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     """The whole output: targets, their FSDP2 placement and every copy run. No I/O."""
-    from ckptctl import megatron_reshard
+    if opts.megatron:
+        from ckptctl import megatron_reshard
 
-    if megatron_reshard.uses_megatron(opts):
         return megatron_reshard.plan_megatron(ckpt, opts)
     if opts.world_size is None:
         raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
@@ -161,10 +167,11 @@ def reshard(
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
     out = plan_reshard(ckpt, opts)
-    from ckptctl import megatron_reshard
+    world_size = opts.world_size
+    if opts.megatron:
+        from ckptctl import megatron_reshard
 
-    world_size = megatron_reshard.output_world_size(ckpt, opts) if megatron_reshard.uses_megatron(opts) \
-        else opts.world_size
+        world_size = megatron_reshard.output_world_size(ckpt, opts)
     report = ReshardReport(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,

@@ -23,7 +23,6 @@ from ckptctl.megatron_reshard import (
     renamed_path,
     resolve_layout,
     split_regroup,
-    uses_megatron,
 )
 from ckptctl.model import Chunk
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, plan_box
@@ -192,7 +191,7 @@ def test_megatron_fsdp_layout_defaults_to_the_source_tp_and_world_size_over_tp()
     ckpt = open_checkpoint(FIXTURES / "megatron_tp2_dp2")
     layout = resolve_layout(ckpt, opts(layout="megatron-fsdp", world_size=8))
     assert (layout.tp, layout.dp, layout.world_size) == (2, 4, 8)
-    assert not uses_megatron(opts(world_size=2)) and uses_megatron(opts(world_size=2, flat_optimizer=True))
+    assert not opts(world_size=2).megatron and opts(world_size=2, flat_optimizer=True).megatron
 
 
 def test_fuse_refuses_a_missing_component(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
@@ -14,7 +14,9 @@ from ckptctl.cli.common import (
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
-from ckptctl.export_hf import ExportOptions, ExportReport, export_hf, parse_shard_size
+
+if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
+    from ckptctl.export_hf import ExportReport
 
 
 def report_json(report: ExportReport) -> dict:
@@ -51,6 +53,8 @@ def export_hf_command(
     """
 
     def run(comm: Comm, factory) -> ExportReport:
+        from ckptctl.export_hf import ExportOptions, export_hf, parse_shard_size
+
         opts = ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype),
                              max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device,
                              sync=not no_sync)
