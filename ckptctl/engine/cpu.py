@@ -227,13 +227,30 @@ class OutputFiles:
         self.fds.clear()
 
 
+def block_elements(item: StreamItem, block_bytes: int | None = None) -> int:
+    """Elements per block of `item`: `block_bytes` (default BLOCK_BYTES) of its widest dtype, source or target."""
+    widest = max(item.target.dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1))
+    return max(1, (BLOCK_BYTES if block_bytes is None else block_bytes) // widest)
+
+
+_SCRATCH = threading.local()
+
+
+def _block_buffer(nbytes: int) -> bytearray:
+    """This thread's block buffer, at least `nbytes` long: allocated (and zero-filled) once, not per record."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = bytearray(nbytes)
+    return buf
+
+
 def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
     """Write one record; returns the CRC-32 of its data."""
     files.write(item.file, item.head, item.offset)
     dtype = item.target.dtype
     numel = item.box.numel
-    block = max(1, BLOCK_BYTES // max(dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1)))
-    buf = bytearray(min(numel, block) * dtype.itemsize)
+    block = block_elements(item)
+    buf = _block_buffer(min(numel, block) * dtype.itemsize)
     segs = _segments(item)
     pos = item.offset + len(item.head)
     crc, resume = 0, 0
@@ -307,14 +324,18 @@ def execute(
     """Run every item on a pool of `workers` threads (in `interleaved_by_file` order); the first failure is raised."""
     for item in copy_items:
         copy_item(item, sources, files, progress)
-    order = interleaved_by_file(stream_items)
+    run_on_threads(interleaved_by_file(stream_items), lambda item: stream_item(item, sources, files, progress),
+                   workers, "ckptctl")
+
+
+def run_on_threads(items: Sequence[StreamItem], run: Callable[[StreamItem], object], workers: int, name: str) -> None:
+    """`run` every item in order, on `workers` threads (inline for one); the first failure is raised."""
     if workers <= 1:
-        for item in order:
-            stream_item(item, sources, files, progress)
+        for item in items:
+            run(item)
         return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptctl") as pool:
-        futures = [pool.submit(stream_item, item, sources, files, progress) for item in order]
-        for fut in futures:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
+        for fut in [pool.submit(run, item) for item in items]:
             fut.result()
 
 

@@ -16,7 +16,6 @@ output buffer by positioned reads instead.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -33,9 +32,11 @@ from ckptctl.engine.cpu import (
     _Segment,
     _segments,
     adds_before_cast,
+    block_elements,
     copy_item,
     interleaved_by_file,
     read_spans,
+    run_on_threads,
 )
 from ckptctl.plan import CopyItem, StreamItem
 
@@ -134,7 +135,7 @@ class _Worker:
         files.write(item.file, item.head, item.offset)
         dtype = item.target.dtype
         numel = item.box.numel
-        block = max(1, BLOCK_BYTES // max(dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1)))
+        block = block_elements(item, BLOCK_BYTES)
         segs = _segments(item)
         pos = item.offset + len(item.head)
         crc, resume, k = 0, 0, 0
@@ -253,11 +254,4 @@ def execute(
             local.worker = _Worker(dev, identity_on_gpu)
         return local.worker.stream_item(item, sources, files, progress)
 
-    if workers <= 1:
-        for item in order:
-            run(item)
-        return
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptctl-cuda") as pool:
-        futures = [pool.submit(run, item) for item in order]
-        for fut in futures:
-            fut.result()
+    run_on_threads(order, run, workers, "ckptctl-cuda")
