@@ -170,7 +170,8 @@ def missing_elements(box: Box, reads: Sequence[SourceRead]) -> int:
 class StreamItem:
     """One output record: `head`, then `box` of `target` assembled from `reads`, then `tail(crc)`.
 
-    `tail` is None for raw records (safetensors), which need no CRC.
+    `tail` is None for raw records (safetensors), which need no CRC; `tail_len` is the length
+    of any `tail(crc)`, known at planning so the record's size needs no tail built.
     """
 
     file: str
@@ -180,10 +181,16 @@ class StreamItem:
     box: Box
     reads: tuple[SourceRead, ...]
     tail: Callable[[int], bytes] | None = None
+    tail_len: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.box.numel * self.target.dtype.itemsize
+
+    @property
+    def length(self) -> int:
+        """The whole record's bytes: head, data and tail."""
+        return len(self.head) + self.nbytes + self.tail_len
 
 
 @dataclass(frozen=True)

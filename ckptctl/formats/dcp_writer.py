@@ -88,7 +88,7 @@ def layout_dcp(
             key = f"{target.fqn}@{list(placed.box.offsets)}"
             layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
             reads = plan_box(target, placed.box, sources)
-            items.append(StreamItem(file, at, layout.head, target, placed.box, reads, layout.tail))
+            items.append(StreamItem(file, at, layout.head, target, placed.box, reads, layout.tail, layout.tail_len))
             sizes[file] = at + layout.length
     return DcpOutput(
         files=dict(sorted(sizes.items())),
@@ -122,8 +122,8 @@ def build_metadata(out: DcpOutput) -> Metadata:
         fqn = item.target.fqn
         index = len(chunks[fqn])
         chunks[fqn].append(ChunkStorageMetadata(size(item.box.offsets), size(item.box.sizes)))
-        length = len(item.head) + item.nbytes + len(item.tail(0))
-        storage[MetadataIndex(fqn, size(item.box.offsets), index)] = StorageInfo(item.file, item.offset, length, None)
+        storage[MetadataIndex(fqn, size(item.box.offsets), index)] = StorageInfo(item.file, item.offset, item.length,
+                                                                                  None)
     for fqn, target in out.targets.items():
         sd_md[fqn] = TensorStorageMetadata(_properties(target), size(target.shape), chunks[fqn])
     return Metadata(
