@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
-from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble_bytes
+from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
@@ -22,11 +22,11 @@ from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target
 
 
 def row_blocks(shape: tuple[int, ...], itemsize: int) -> list[Box]:
-    """Boxes of whole rows covering `shape` in order, each about BLOCK_BYTES."""
+    """Boxes of whole rows covering `shape` in order, each about ASSEMBLE_BYTES."""
     if not shape or shape[0] == 0:
         return [full_box(shape)]
     row = math.prod(shape[1:]) * itemsize
-    step = max(1, BLOCK_BYTES // max(row, 1))
+    step = max(1, ASSEMBLE_BYTES // max(row, 1))
     return [rows_box(shape, r, min(shape[0], r + step)) for r in range(0, shape[0], step)]
 
 

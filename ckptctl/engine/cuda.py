@@ -24,7 +24,6 @@ import torch
 from ckptctl.engine.cast import add_into, cast_into
 from ckptctl.engine.crc import crc32
 from ckptctl.engine.cpu import (
-    BLOCK_BYTES,
     ChunkSource,
     OutputFiles,
     _clip,
@@ -41,6 +40,8 @@ from ckptctl.engine.cpu import (
 from ckptctl.plan import CopyItem, StreamItem
 
 ALIGN = 64
+BLOCK_BYTES = 16 << 20
+"""Bytes per pinned staging block: a GPU copy has a fixed launch cost, so blocks are big (the CPU engine's are small)."""
 
 
 @dataclass
@@ -57,7 +58,7 @@ def _spans(segs: list[_Segment]) -> tuple[list[_Span], int]:
     """Group a block's segments into spans read with one positioned read each; returns spans and staged bytes."""
     spans: list[_Span] = []
     at = 0
-    for run, start, stop in read_spans(segs):
+    for run, start, stop in read_spans(segs, BLOCK_BYTES):
         spans.append(_Span(run, start, stop, at))
         at += -(-(stop - start) * run[0].read.dtype.itemsize // ALIGN) * ALIGN
     return spans, at

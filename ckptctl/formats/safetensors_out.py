@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.engine.cpu import BLOCK_BYTES, ChunkSource, assemble_bytes
+from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
@@ -156,7 +156,7 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
     shape = tuple(reader.get(0).get_slice(name).get_shape())
     if shape != target.shape:
         raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
-    for box in item_boxes(target.shape, target.dtype.itemsize, BLOCK_BYTES):
+    for box in item_boxes(target.shape, target.dtype.itemsize, ASSEMBLE_BYTES):
         want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
         handle = reader.get(len(want))
         got = handle.get_tensor(name) if not target.shape else \
