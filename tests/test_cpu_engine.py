@@ -1,4 +1,4 @@
-"""CPU engine details: the order workers take records in, the records' CRC-32, a target's add."""
+"""CPU engine details: the order workers take records in, early writeback, the records' CRC-32, a target's add."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ckptctl.dtypes import float32
-from ckptctl.engine.cpu import ChunkSource, assemble_bytes, interleaved_by_file
+from ckptctl.engine import cpu
+from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes, interleaved_by_file
 from ckptctl.engine.crc import crc32
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.geometry import Box, full_box
@@ -32,6 +33,30 @@ def test_workers_take_files_in_turn_each_front_to_back():
 
 def test_no_items_no_order():
     assert interleaved_by_file([]) == []
+
+
+def test_each_threads_sequential_run_is_handed_to_the_disk_every_writeback_bytes(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
+    files = OutputFiles(tmp_path, {"a": 100}, sync=True)
+    monkeypatch.setattr(cpu, "WRITEBACK_BYTES", 10)
+    for offset in (0, 4, 8, 12):  # one run: handed over at 12 bytes, 4 left
+        files.write("a", b"x" * 4, offset)
+    files.write("a", b"y" * 9, 50)  # another record: a new run, the old one's rest waits for fsync
+    files.write("a", b"y" * 1, 59)
+    files.wrote("a", 60, 30)  # an in-kernel copy continues the run
+    files.close()
+    assert calls == [(0, 12), (50, 10), (60, 30)]
+    assert (tmp_path / "a").read_bytes()[:16] == b"x" * 16
+
+
+def test_without_sync_nothing_is_handed_over(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(cpu, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
+    files = OutputFiles(tmp_path, {"a": 8 << 20}, sync=False)
+    files.write("a", bytes(8 << 20), 0)
+    files.close()
+    assert calls == []
 
 
 def test_record_crc_is_zlibs_whichever_implementation_runs():

@@ -40,7 +40,7 @@ ASSEMBLE_BYTES = 16 << 20
 GAP_BYTES = 256 << 10
 DECODED_CACHE_BYTES = 256 << 20
 WRITEBACK_BYTES = 4 << 20
-"""Writes this large start their writeback at once (see `engine.writeback`); small ones wait for the fsync."""
+"""A thread's run of writes to a file is handed to the disk in pieces this large (see `engine.writeback`)."""
 
 
 class ChunkSource:
@@ -210,13 +210,16 @@ def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Seg
 class OutputFiles:
     """Output files opened once, pre-sized, shared by all workers (positioned writes).
 
-    With `sync` (the default) large writes start their writeback at once and `close` fsyncs.
+    With `sync` (the default) `close` fsyncs, and writeback starts early: each thread's
+    sequential run of writes to a file is handed to the disk every WRITEBACK_BYTES, while
+    the run goes on (a record is written front to back by one thread, in small blocks).
     """
 
     def __init__(self, directory: Path, sizes: Mapping[str, int], sync: bool = True) -> None:
         self.directory = directory
         self.sync = sync
         self.fds: dict[str, int] = {}
+        self._runs = threading.local()  # per thread: file -> [start, end) written but not yet handed over
         for name, size in sizes.items():
             path = directory / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -226,12 +229,25 @@ class OutputFiles:
 
     def write(self, name: str, data: bytes | memoryview, offset: int) -> None:
         view = memoryview(data)
-        start, total = offset, len(view)
+        start = offset
         while len(view):
             n = os.pwrite(self.fds[name], view, offset)
             view, offset = view[n:], offset + n
-        if self.sync and total >= WRITEBACK_BYTES:
-            start_writeback(self.fds[name], start, total)
+        self.wrote(name, start, offset - start)
+
+    def wrote(self, name: str, offset: int, nbytes: int) -> None:
+        """Note `nbytes` at `offset` just written to `name` (by `write`, or by an in-kernel copy)."""
+        if not self.sync:
+            return
+        runs = self._runs.__dict__
+        start, end = runs.get(name, (offset, offset))
+        if end != offset:  # not a continuation: a new run
+            start = offset
+        end = offset + nbytes
+        if end - start >= WRITEBACK_BYTES:
+            start_writeback(self.fds[name], start, end - start)
+            start = end
+        runs[name] = (start, end)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -309,6 +325,8 @@ def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress
                 raise CheckpointError(sources.ckpt.path / item.src_file, "short read")
             files.write(item.file, data, item.offset + done)
             n = len(data)
+        else:
+            files.wrote(item.file, item.offset + done, n)
         done += n
         progress(n)
 
