@@ -3,29 +3,46 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import sys
-from typing import Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import typer
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 
 from ckptctl.errors import CkptctlError
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 DEBUG = False
 EXIT_BAD_INPUT = 2
 T = TypeVar("T")
 
-stdout = Console(soft_wrap=True)
-stderr = Console(stderr=True, soft_wrap=True)
+
+@functools.cache
+def stdout() -> Console:
+    """The rich console on stdout, made (and rich imported) on first use: start-up stays short."""
+    from rich.console import Console
+
+    return Console(soft_wrap=True)
+
+
+@functools.cache
+def stderr() -> Console:
+    """The rich console on stderr (progress bars, summaries, notes), made on first use."""
+    from rich.console import Console
+
+    return Console(stderr=True, soft_wrap=True)
+
+
+def say(text: str) -> None:
+    """One status line on stderr: through rich on a terminal, plain (and without importing rich) in a pipe."""
+    if sys.stderr.isatty():
+        stderr().print(text)
+    else:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def run_guarded(fn: Callable[[], T]) -> T:
@@ -85,13 +102,22 @@ class ByteProgress:
         self._progress = None
         self._task = None
         if enabled and sys.stderr.isatty():
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
             self._progress = Progress(
                 TextColumn("[bold]{task.description}"),
                 BarColumn(),
                 DownloadColumn(binary_units=False),
                 TransferSpeedColumn(),
                 TimeRemainingColumn(),
-                console=stderr,
+                console=stderr(),
                 transient=False,
             )
             self._task = self._progress.add_task(description, total=total)

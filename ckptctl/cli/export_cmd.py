@@ -10,7 +10,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, stderr,
+    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
@@ -65,8 +65,8 @@ def export_hf_command(
             emit_json(report_json(report))
             return
         for note in report.notes:
-            stderr.print(f"note: {note}")
-        stderr.print(
+            say(f"note: {note}")
+        say(
             f"wrote {dst} ({report.arch}, {report.tensors} tensors in {report.files} safetensors files, "
             f"{human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, {report.gb_per_s:.2f} GB/s"
             + (f" on {report.processes} workers" if report.processes > 1 else "")

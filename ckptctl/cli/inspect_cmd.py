@@ -38,12 +38,9 @@ from __future__ import annotations
 
 import fnmatch
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
 from ckptctl.cli import app
 from ckptctl.cli.common import emit_json, human_bytes, run_guarded, stdout
@@ -51,13 +48,19 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport
 from ckptctl.model import Checkpoint, Chunk
 
+if TYPE_CHECKING:  # rich is imported when a table is rendered, not at start-up
+    from rich.console import Console
+    from rich.text import Text
+
 EXIT_PROBLEMS = 1
 _PIPE_WIDTH = 100_000
 
 
 def _console() -> Console:
     """The shared console on a terminal; in a pipe, one that never wraps table rows."""
-    return stdout if stdout.is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
+    from rich.console import Console
+
+    return stdout if stdout().is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
 
 
 def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
@@ -104,6 +107,9 @@ def _counts(counts: dict[str, int]) -> str:
 
 
 def _print_summary(doc: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column()
@@ -126,6 +132,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
 
 
 def _coverage_cell(cov: dict[str, Any]) -> Text:
+    from rich.text import Text
+
     if cov["status"] == "complete":
         return Text("complete", style="green")
     parts = [f"{k} {cov[k]}" for k in ("gaps", "overlaps") if cov[k]]
@@ -133,6 +141,9 @@ def _coverage_cell(cov: dict[str, Any]) -> Text:
 
 
 def _print_tensors(tensors: dict[str, Any]) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title=f"{len(tensors)} tensors", title_justify="left")
     table.add_column("fqn", overflow="fold")
     for name in ("shape", "dtype", "size", "layout", "coverage"):
@@ -146,20 +157,22 @@ def _print_tensors(tensors: dict[str, Any]) -> None:
 
 def _print_chunks(tensors: dict[str, Any]) -> None:
     for fqn, t in tensors.items():
-        stdout.print(fqn, markup=False, highlight=False)
+        stdout().print(fqn, markup=False, highlight=False)
         for c in t["chunks"]:
             extra = f"  transforms {','.join(c['transforms'])}" if c["transforms"] else ""
-            stdout.print(f"  {c['file']}  bytes {c['offset']}+{c['length']}  offsets {c['offsets']}  "
-                         f"sizes {c['sizes']}{extra}", markup=False, highlight=False)
+            stdout().print(f"  {c['file']}  bytes {c['offset']}+{c['length']}  offsets {c['offsets']}  "
+                           f"sizes {c['sizes']}{extra}", markup=False, highlight=False)
 
 
 def _print_problems(problems: list[dict[str, Any]]) -> None:
     if not problems:
-        stdout.print("[green]No coverage or consistency problems.[/green]")
+        stdout().print("[green]No coverage or consistency problems.[/green]")
         return
-    stdout.print(f"[bold red]{len(problems)} problems:[/bold red]")
+    stdout().print(f"[bold red]{len(problems)} problems:[/bold red]")
+    from rich.text import Text
+
     for p in problems:
-        stdout.print(Text("  " + p["message"], style="red"))
+        stdout().print(Text("  " + p["message"], style="red"))
 
 
 @app.command("inspect")
@@ -181,9 +194,9 @@ def inspect_command(
         emit_json(doc)
     elif check:
         for p in doc["problems"]:
-            stdout.print(p["message"], markup=False, highlight=False)
+            stdout().print(p["message"], markup=False, highlight=False)
         if not doc["problems"]:
-            stdout.print(f"ok: {len(doc['tensors'])} tensors complete and consistent", markup=False, highlight=False)
+            stdout().print(f"ok: {len(doc['tensors'])} tensors complete and consistent", markup=False, highlight=False)
     else:
         _print_summary(doc)
         _print_tensors(doc["tensors"])

@@ -16,7 +16,7 @@ from ckptctl.cli.common import (
     human_bytes,
     no_sync_option,
     run_distributed,
-    stderr,
+    say,
     stdout,
 )
 from ckptctl.engine.dist import Comm
@@ -96,13 +96,13 @@ def reshard_command(
             emit_json(report_json(report))
             return
         if dry_run:
-            stdout.print(
+            stdout().print(
                 f"plan: {report.tensors} tensors, {report.bytes_entries} bytes entries -> {report.files} files "
                 f"at world size {report.world_size}; read {human_bytes(report.bytes_read)}, "
                 f"write {human_bytes(report.bytes_written)}; predicted peak memory "
                 f"{human_bytes(report.predicted_peak_bytes)} + interpreter")
             return
-        stderr.print(
+        say(
             f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, "
             f"{report.gb_per_s:.2f} GB/s"
             + (f" on {report.processes} workers" if report.processes > 1 else "")
