@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from ckptctl.errors import UsageError
+from ckptctl.errors import OutputError, UsageError
 
 _TMP_MARK = ".ckptctl-tmp-"
 
@@ -70,11 +70,14 @@ def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
 def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -> Iterator[Path]:
     """Yield a temporary sibling to fill; rename it to `dst` when the body finishes without error."""
     dst = Path(dst)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    _clean_stale(dst)
     tmp = dst.parent / f".{dst.name}{_TMP_MARK}{os.getpid()}{('-' + tag) if tag else ''}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        _clean_stale(dst)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise OutputError(exc.filename or dst, f"cannot create: {exc.strerror or exc}") from None
     try:
         yield tmp
         if sync:
@@ -90,6 +93,24 @@ def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -
             os.rename(tmp, dst)
         if sync:
             fsync_path(dst.parent)
+    except OutputError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(_as_seen(exc.path, tmp, dst), exc.reason) from None
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not exc.filename or not any(_within(exc.filename, d) for d in (tmp, dst)):
+            raise
+        raise OutputError(_as_seen(exc.filename, tmp, dst), f"cannot write: {exc.strerror or exc}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _within(path: str | os.PathLike, folder: Path) -> bool:
+    path = Path(path)
+    return path == folder or folder in path.parents
+
+
+def _as_seen(path: str | os.PathLike, tmp: Path, dst: Path) -> Path:
+    """A path inside the temporary directory, named as the user will look for it: inside DST."""
+    return dst / Path(path).relative_to(tmp) if _within(path, tmp) else Path(path)

@@ -9,13 +9,21 @@ class CkptctlError(Exception):
     """Base of every error ckptctl reports as a one-line message (exit status 2)."""
 
 
-class CheckpointError(CkptctlError):
-    """A checkpoint (or a file inside it) is missing, corrupt, hostile or inconsistent."""
+class PathError(CkptctlError):
+    """An error about one file or directory: `PATH: reason`."""
 
     def __init__(self, path: str | Path, reason: str) -> None:
         self.path = str(path)
         self.reason = reason
         super().__init__(f"{self.path}: {reason}")
+
+
+class CheckpointError(PathError):
+    """A checkpoint (or a file inside it) is missing, corrupt, hostile or inconsistent."""
+
+
+class OutputError(PathError):
+    """The output cannot be written: permissions, a full disk or quota, an I/O error."""
 
 
 class UsageError(CkptctlError):

@@ -59,6 +59,15 @@ def test_without_sync_nothing_is_handed_over(tmp_path, monkeypatch):
     assert calls == []
 
 
+def test_output_files_are_sized_up_front_and_read_as_zeros(tmp_path):
+    files = OutputFiles(tmp_path, {"a": 3 << 20, "sub/b": 0}, sync=False)
+    files.write("a", b"xy", 5)
+    files.close()
+    data = (tmp_path / "a").read_bytes()
+    assert len(data) == 3 << 20 and data[:7] == b"\0" * 5 + b"xy" and data[7:] == bytes((3 << 20) - 7)
+    assert (tmp_path / "sub" / "b").read_bytes() == b""
+
+
 def test_record_crc_is_zlibs_whichever_implementation_runs():
     data = os.urandom((1 << 20) + 7)
     assert crc32(data) == zlib.crc32(data)

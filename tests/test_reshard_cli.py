@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -149,6 +150,30 @@ def test_destination_inside_source_is_refused(src, tmp_path):
     assert result.returncode == 2
     assert result.stderr == (f"ckptctl: error: {copy / 'out'}: destination overlaps the source {copy}; "
                              "the source is never modified\n")
+
+
+def _small_file_limit() -> None:
+    """In the child: files may not grow past 4 kB (a full disk, as seen by write calls), and no SIGXFSZ."""
+    import resource
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+def test_a_full_disk_fails_with_one_line_naming_the_file_and_leaves_nothing(src, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ckptctl", "reshard", str(src), str(tmp_path / "o"), "-n", "2"],
+                            capture_output=True, text=True, cwd=ROOT, preexec_fn=_small_file_limit)
+    assert result.returncode == 2
+    assert re.fullmatch(rf"ckptctl: error: {re.escape(str(tmp_path / 'o'))}/__[01]_0\.distcp: cannot write: "
+                        r"File too large\n", result.stderr), result.stderr
+    assert list(tmp_path.iterdir()) == []  # neither DST nor its temporary sibling
+
+
+def test_a_destination_that_cannot_be_created_fails_with_one_line(src, tmp_path):
+    (tmp_path / "plain-file").write_text("x")
+    result = run_cli("reshard", src, tmp_path / "plain-file" / "o", "-n", "2")
+    assert (result.returncode, result.stderr) == (
+        2, f"ckptctl: error: {tmp_path / 'plain-file'}: cannot create: File exists\n")
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType
 from ckptctl.engine.crc import crc32
-from ckptctl.engine.writeback import start_writeback
-from ckptctl.errors import CheckpointError
+from ckptctl.engine.disk import reserve, start_writeback
+from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
 from ckptctl.model import Checkpoint, Chunk
 from ckptctl.plan import CopyItem, SourceRead, StreamItem
@@ -40,7 +40,7 @@ ASSEMBLE_BYTES = 16 << 20
 GAP_BYTES = 256 << 10
 DECODED_CACHE_BYTES = 256 << 20
 WRITEBACK_BYTES = 4 << 20
-"""A thread's run of writes to a file is handed to the disk in pieces this large (see `engine.writeback`)."""
+"""A thread's run of writes to a file is handed to the disk in pieces this large (see `engine.disk`)."""
 
 
 class ChunkSource:
@@ -86,7 +86,11 @@ class ChunkSource:
         if rec is None:
             out[:] = self.decoded(fqn, chunk)[byte_start: byte_start + len(out)]
             return
-        got = os.preadv(self.reader.fd(chunk.file), [out], rec.byte_offset + byte_start)
+        try:
+            got = os.preadv(self.reader.fd(chunk.file), [out], rec.byte_offset + byte_start)
+        except OSError as exc:
+            raise CheckpointError(rec.path, f"cannot read at byte {rec.byte_offset + byte_start}: "
+                                            f"{exc.strerror or exc}") from None
         if got != len(out):
             raise CheckpointError(rec.path, f"short read at byte {rec.byte_offset + byte_start}")
 
@@ -222,17 +226,26 @@ class OutputFiles:
         self._runs = threading.local()  # per thread: file -> [start, end) written but not yet handed over
         for name, size in sizes.items():
             path = directory / name
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.ftruncate(fd, size)
-            self.fds[name] = fd
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.fds[name] = fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                reserve(fd, size)
+            except OSError as exc:
+                raise self.error(name, exc) from None
+
+    def error(self, name: str, exc: OSError) -> OutputError:
+        """An OS error on an output file as the one-line error that names it (a full disk, say)."""
+        return OutputError(self.directory / name, f"cannot write: {exc.strerror or exc}")
 
     def write(self, name: str, data: bytes | memoryview, offset: int) -> None:
         view = memoryview(data)
         start = offset
-        while len(view):
-            n = os.pwrite(self.fds[name], view, offset)
-            view, offset = view[n:], offset + n
+        try:
+            while len(view):
+                n = os.pwrite(self.fds[name], view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            raise self.error(name, exc) from None
         self.wrote(name, start, offset - start)
 
     def wrote(self, name: str, offset: int, nbytes: int) -> None:
@@ -250,11 +263,18 @@ class OutputFiles:
         runs[name] = (start, end)
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            if self.sync:
-                os.fsync(fd)
-            os.close(fd)
-        self.fds.clear()
+        """fsync (with `sync`) and close every file; all are closed even when one fails."""
+        fds, self.fds = self.fds, {}
+        try:
+            for name, fd in fds.items():
+                if self.sync:
+                    try:
+                        os.fsync(fd)
+                    except OSError as exc:
+                        raise self.error(name, exc) from None
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
 
 def block_elements(item: StreamItem, block_bytes: int | None = None) -> int:
@@ -317,7 +337,7 @@ def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress
                 n = os.copy_file_range(src_fd, dst_fd, item.length - done, item.src_offset + done, item.offset + done)
             except OSError as exc:  # EXDEV (another filesystem), ENOSYS, EOPNOTSUPP, EINVAL: copy by hand
                 if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
+                    raise files.error(item.file, exc) from None
                 in_kernel = False
         if n <= 0:
             data = os.pread(src_fd, min(BLOCK_BYTES, item.length - done), item.src_offset + done)
