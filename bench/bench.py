@@ -3,9 +3,11 @@
 The checkpoint is written once (cached in bench/.cache) by real FSDP2 on 4 gloo ranks: a
 stack of 4096x4096 fp32 linears with AdamW state after one step. Every contender runs as a
 subprocess, repetitions alternate between contenders (so drift in the page cache or disk
-hits all alike), and the table reports the median and fastest wall time, the median's
-ratio to `cp -r`, GB/s over the bytes the tool writes, and the peak RSS of the
-contender's processes (wait4). All runs read a source that is warm in the page cache, and
+hits all alike) in a shuffled order that changes each repetition (seeded), so no contender
+always runs right after the same one: the torch contenders free gigabytes, and on some VMs
+the next run pays for getting that memory back. The table reports the median and fastest
+wall time, the median's ratio to `cp -r`, GB/s over the bytes the tool writes, and the
+peak RSS of the contender's processes (wait4). All runs read a source that is warm in the page cache, and
 each starts after an (untimed) `sync`, so no run pays for writing back the one before it.
 ckptctl's modules are byte-compiled first, as an installed package's are (pip compiles at
 install; an editable checkout under PYTHONDONTWRITEBYTECODE would recompile on every run).
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -158,7 +161,10 @@ def main() -> None:
     written: dict[str, int] = {}
     failed: dict[str, str] = {}
     for rep in range(args.reps):
-        for name, (cmd, target) in runs.items():
+        order = list(runs)
+        random.Random(rep).shuffle(order)  # a new order each repetition, the same in every bench run
+        for name in order:
+            cmd, target = runs[name]
             if name in failed:
                 continue
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
