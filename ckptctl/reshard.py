@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ckptctl.atomic import check_destination
-from ckptctl.engine import executor, resolve_device
+from ckptctl.engine import executor, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType, as_dtype
@@ -140,13 +140,6 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     return layout_dcp(targets, placements, sources, kept_bytes, planner)
 
 
-def predicted_peak_bytes(workers: int) -> int:
-    """Working memory the engine needs beyond the interpreter: two block buffers per worker."""
-    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES
-
-    return workers * 2 * BLOCK_BYTES + DECODED_CACHE_BYTES
-
-
 def reshard(
     src: Path,
     dst: Path,
@@ -172,13 +165,15 @@ def reshard(
         from ckptctl import megatron_reshard
 
         world_size = megatron_reshard.output_world_size(ckpt, opts)
+    device = resolve_device(opts.device)
     report = ReshardReport(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
         bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
         + sum(c.length for c in out.copy_items),
-        bytes_written=out.total_bytes, dry_run=dry_run, predicted_peak_bytes=predicted_peak_bytes(opts.workers),
-        processes=comm.world_size, device=resolve_device(opts.device),
+        bytes_written=out.total_bytes, dry_run=dry_run, processes=comm.world_size, device=device,
+        # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
+        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.stream_items, opts.workers, device),
     )
     if dry_run:
         return report

@@ -56,6 +56,12 @@ def test_json_summary_reports_the_run(src, tmp_path):
     assert result.stderr == ""
 
 
+def test_reported_peak_memory_is_the_commands_own_not_its_parents(src, tmp_path):
+    assert "torch" in sys.modules  # this pytest process is a few hundred MB; its children start as copies of it
+    doc = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "2", "--json").stdout)
+    assert 10 << 20 < doc["peak_rss_bytes"] < 100 << 20  # a plain copy never imports torch
+
+
 def test_source_is_never_modified(src, tmp_path):
     before = tree_digest(src)
     assert run_cli("reshard", src, tmp_path / "o", "--world-size", "3").returncode == 0
@@ -82,6 +88,14 @@ def test_dry_run_writes_nothing(src, tmp_path):
     assert result.stdout.startswith("plan: 32 tensors, 13 bytes entries -> 4 files at world size 3;")
     doc = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", "--json").stdout)
     assert doc["dry_run"] is True and doc["predicted_peak_bytes"] > 0 and doc["bytes_read"] > 0
+
+
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16"]], ids=["copy", "cast"])
+def test_dry_run_predicts_the_runs_peak_memory(src, tmp_path, extra):
+    """Measured planning state plus the copy's buffers, plus torch when the run casts: a bound, and a close one."""
+    plan = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", "--json", *extra).stdout)
+    run = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--json", *extra).stdout)
+    assert run["peak_rss_bytes"] <= plan["predicted_peak_bytes"] <= 1.15 * run["peak_rss_bytes"] + (2 << 20)
 
 
 def test_dtype_casts_floating_tensors_only(src, tmp_path):

@@ -100,7 +100,7 @@ def reshard_command(
                 f"plan: {report.tensors} tensors, {report.bytes_entries} bytes entries -> {report.files} files "
                 f"at world size {report.world_size}; read {human_bytes(report.bytes_read)}, "
                 f"write {human_bytes(report.bytes_written)}; predicted peak memory "
-                f"{human_bytes(report.predicted_peak_bytes)} + interpreter")
+                f"{human_bytes(report.predicted_peak_bytes)}")
             return
         say(
             f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, "

@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import glob
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from ckptctl.plan import StreamItem
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -47,3 +50,26 @@ def executor(device: str, local_rank: int = 0) -> Execute:
     from ckptctl.engine import cuda
 
     return functools.partial(cuda.execute, device=cuda.default_device(local_rank))
+
+
+TORCH_RSS_BYTES = 220 << 20
+"""What torch adds to a process's resident memory once imported and casting (2.13 CPU build, x86-64: 207–211 MiB)."""
+
+
+def working_bytes(items: Sequence[StreamItem], workers: int, device: str) -> int:
+    """Memory a run of `items` adds to a process that already holds its plan.
+
+    Each worker's block buffers (two: its block and, on cast or gathered paths, a span
+    scratch), the cache of decoded items when some must be decoded, and torch itself when
+    the run imports it: to cast, add, decode zstd items or drive a GPU (whose driver's own
+    host memory is not counted).
+    """
+    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES
+
+    block = BLOCK_BYTES
+    if device == "cuda":
+        from ckptctl.engine.cuda import BLOCK_BYTES as block  # two pinned slots, input and output
+    decodes = any(r.chunk.transforms for i in items for r in i.reads)
+    computes = any(i.target.add or any(r.dtype != i.target.dtype for r in i.reads) for i in items)
+    return (workers * 2 * block + (DECODED_CACHE_BYTES if decodes else 0)
+            + (TORCH_RSS_BYTES if decodes or computes or device == "cuda" else 0))
