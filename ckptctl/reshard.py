@@ -196,7 +196,7 @@ def reshard(
     def finish(tmp: Path) -> None:
         write_metadata(out, tmp)
         if verify:
-            verify_dcp(ckpt, sources, out, tmp)
+            verify_dcp(ckpt, sources, out, tmp, opts.workers)
             report.verified = True
 
     try:

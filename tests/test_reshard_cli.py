@@ -62,6 +62,34 @@ def test_reported_peak_memory_is_the_commands_own_not_its_parents(src, tmp_path)
     assert 10 << 20 < doc["peak_rss_bytes"] < 100 << 20  # a plain copy never imports torch
 
 
+def test_verify_catches_one_flipped_bit_in_any_tensor(src, tmp_path):
+    from ckptctl.engine.cpu import ChunkSource
+    from ckptctl.errors import CheckpointError
+    from ckptctl.formats.dcp_items import ItemReader
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.reshard import ReshardOptions, plan_reshard
+    from ckptctl.verify import verify_dcp
+
+    out_dir = tmp_path / "o"
+    assert run_cli("reshard", src, out_dir, "-n", "3").returncode == 0
+    ckpt, written = open_checkpoint(src), open_checkpoint(out_dir)
+    plan = plan_reshard(ckpt, ReshardOptions(world_size=3))
+    fqn = "optim.state.mlp.fc1.weight.exp_avg"
+    entry = written.tensors[fqn]
+    with ItemReader(written) as reader:
+        record = reader.locate(entry, entry.chunks[-1])
+    with open(record.path, "r+b") as fh:  # the last element's lowest mantissa bit
+        fh.seek(record.byte_offset + record.nbytes - 4)
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 1]))
+    sources = ChunkSource(ckpt)
+    with pytest.raises(CheckpointError) as err:
+        verify_dcp(ckpt, sources, plan, out_dir, workers=2)
+    assert str(err.value) == f"{out_dir}: {fqn}: verification failed (output differs from the source)"
+    sources.close()
+
+
 def test_source_is_never_modified(src, tmp_path):
     before = tree_digest(src)
     assert run_cli("reshard", src, tmp_path / "o", "--world-size", "3").returncode == 0

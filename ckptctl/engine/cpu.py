@@ -16,7 +16,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckptctl.dtypes import DType
 from ckptctl.engine.crc import crc32
@@ -25,6 +25,8 @@ from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
 from ckptctl.model import Checkpoint, Chunk
 from ckptctl.plan import CopyItem, SourceRead, StreamItem
+
+T = TypeVar("T")
 
 BLOCK_BYTES = 256 << 10
 """A record is streamed through a block this small so the block stays in the core's L2 cache.
@@ -381,7 +383,7 @@ def execute(
                    workers, "ckptctl")
 
 
-def run_on_threads(items: Sequence[StreamItem], run: Callable[[StreamItem], object], workers: int, name: str) -> None:
+def run_on_threads(items: Sequence[T], run: Callable[[T], object], workers: int, name: str) -> None:
     """`run` every item in order, on `workers` threads (inline for one); the first failure is raised."""
     if workers <= 1:
         for item in items:
