@@ -297,7 +297,7 @@ def export_hf(
         write_side_files(plan, tmp)
         if verify:
             for f in plan.files:
-                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources)
+                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers))
             report.verified = True
 
     try:

@@ -281,3 +281,34 @@ def test_tp_flag_against_agreeing_args_and_geometry_is_refused(saved, case):
         plan_export(ckpt, cfg, ExportOptions(tp=4))
     assert str(err.value) == (f"{ckpt.path}: --tp 4 but the checkpoint says TP 2 (args and RowParallel chunks); "
                               f"fused tensors would be split wrongly")
+
+
+def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_path):
+    from ckptctl.engine.cpu import ChunkSource
+    from ckptctl.errors import CheckpointError
+    from ckptctl.export_hf import ExportOptions, plan_export
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.safetensors_out import verify_file
+    from ckptctl.hf.base import load_hf_config
+
+    src = fixture_ckpt("fsdp2_4ranks")
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps({"model_type": "raw", "architectures": ["Sequential"]}))
+    dst = tmp_path / "hf"
+    assert run_cli("export-hf", src, dst, "--hf-config", ref, "--arch", "raw").returncode == 0
+    ckpt = open_checkpoint(src)
+    plan = plan_export(ckpt, load_hf_config(ref), ExportOptions(arch="raw"))
+    (file,) = plan.files
+    name = "mlp.fc1.weight"  # [12, 8] fp32: flip the lowest bit of row 11's last element
+    path = dst / file.name
+    data = bytearray(path.read_bytes())
+    data[file.offsets[name] + 12 * 8 * 4 - 4] ^= 1
+    path.write_bytes(bytes(data))
+    sources = ChunkSource(ckpt)
+    try:
+        with pytest.raises(CheckpointError) as err:
+            verify_file(path, file, plan.targets, plan.sources, sources, workers=2)
+    finally:
+        sources.close()
+    assert str(err.value) == f"{path}: {name}: verification failed (rows from (0,) differ from the source)"

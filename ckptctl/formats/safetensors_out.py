@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes
+from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
@@ -126,12 +126,22 @@ class _Reader:
 
 
 def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetTensor],
-                sources: Mapping[str, SourceTensor], chunks: ChunkSource) -> int:
+                sources: Mapping[str, SourceTensor], chunks: ChunkSource, workers: int = 1) -> int:
     """Re-read every tensor of a written file in row blocks and compare bytes with the source assembly.
 
-    Returns the number of tensors checked; raises CheckpointError at the first difference.
+    Tensors are dealt round-robin to `workers` threads, each with its own reader. Returns
+    the number of tensors checked; raises CheckpointError at the first difference.
     """
     names = list(file.offsets)
+
+    def check(group: list[str]) -> None:
+        reader = _Reader(path)
+        try:
+            for name in group:
+                _verify_tensor(path, reader, targets[name], sources, chunks)
+        finally:
+            reader.close()
+
     reader = _Reader(path)
     try:
         head = reader.get(0)
@@ -139,8 +149,9 @@ def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetT
             raise CheckpointError(path, "header metadata lacks format=pt")
         if sorted(head.keys()) != sorted(names):
             raise CheckpointError(path, "holds other tensors than planned")
-        for name in names:
-            _verify_tensor(path, reader, targets[name], sources, chunks)
+        reader.close()
+        groups = [names[k::workers] for k in range(max(1, workers))]
+        run_on_threads([g for g in groups if g], check, workers, "ckptctl-verify")
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises its own error types for unreadable files
