@@ -122,9 +122,13 @@ def region_bounds(region: Region, shape: Sequence[int]) -> Box:
 def _split_dim(part: Box, *containers: Sequence[int]) -> int:
     """First dim k such that every dim after it is whole in `part` and all `containers`."""
     k = len(part.sizes)
-    while k > 0 and all(part.sizes[k - 1] == c[k - 1] for c in containers):
+    while k > 0:
+        size = part.sizes[k - 1]
+        for c in containers:
+            if c[k - 1] != size:
+                return k - 1
         k -= 1
-    return max(k - 1, 0) if k > 0 else 0
+    return 0
 
 
 def _lines(part: Box, k: int) -> Iterator[tuple[int, ...]]:
@@ -145,8 +149,12 @@ def _lines(part: Box, k: int) -> Iterator[tuple[int, ...]]:
             idx[d] = ranges[d].start
 
 
-def _local(coords: Sequence[int], box: Box) -> int:
-    return sum((c - o) * s for c, o, s in zip(coords, box.offsets, strides(box.sizes)))
+def _offset(coords: Sequence[int], origin: Sequence[int], steps: Sequence[int]) -> int:
+    """Row-major element offset of `coords` from `origin` (a loop: planning calls this per run)."""
+    total = 0
+    for c, o, s in zip(coords, origin, steps):
+        total += (c - o) * s
+    return total
 
 
 def copy_runs(part: Box, src: Region, src_shape: Sequence[int], dst: Box, shift: Sequence[int]) -> list[Run]:
@@ -167,14 +175,18 @@ def copy_runs(part: Box, src: Region, src_shape: Sequence[int], dst: Box, shift:
     src_sizes = src.sizes if isinstance(src, Box) else tuple(src_shape)
     k = _split_dim(part, src_sizes, dst.sizes)
     run_len = math.prod(part.sizes[k:])
-    src_strides = strides(src_shape) if isinstance(src, FlatRange) else None
+    dst_origin, dst_steps = [o - s for o, s in zip(dst.offsets, shift)], strides(dst.sizes)
+    if isinstance(src, Box):
+        src_origin, src_steps = src.offsets, strides(src.sizes)
+    else:
+        src_origin, src_steps = [0] * len(src_shape), strides(src_shape)
     runs: list[Run] = []
     for line in _lines(part, k):
-        d = _local([c + s for c, s in zip(line, shift)], dst)
+        d = _offset(line, dst_origin, dst_steps)
         if isinstance(src, Box):
-            _append(runs, Run(_local(line, src), d, run_len))
+            _append(runs, Run(_offset(line, src_origin, src_steps), d, run_len))
             continue
-        g = sum(c * s for c, s in zip(line, src_strides))
+        g = _offset(line, src_origin, src_steps)
         lo, hi = max(g, src.start), min(g + run_len, src.end)
         if lo < hi:
             _append(runs, Run(lo - src.start, d + (lo - g), hi - lo))
