@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Box:
     """An axis-aligned block of an N-D tensor: `offsets` and `sizes` per dim."""
 
@@ -43,7 +43,7 @@ class Box:
         return Box(tuple(o + d for o, d in zip(self.offsets, delta)), self.sizes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FlatRange:
     """Elements [start, start+length) of a tensor's row-major item index."""
 
@@ -62,7 +62,7 @@ class FlatRange:
 Region = Box | FlatRange
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Run:
     """`length` contiguous elements: at `src` in the source region, at `dst` in the destination box."""
 

@@ -23,7 +23,7 @@ def dtype_name(dtype: DType) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """One saved piece of a tensor: a box of the global tensor stored as one item of a file."""
 

@@ -67,7 +67,7 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     return SourceTensor(entry.fqn, shape, entry.dtype, regions)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`."""
 
@@ -105,7 +105,7 @@ def identity_target(src: SourceTensor, fqn: str | None = None, dtype: DType | No
     return TargetTensor(fqn or src.fqn, src.shape, dtype or src.dtype, (Piece(src.fqn, zero, zero, src.shape),))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceRead:
     """Runs to copy from one source chunk: `src` offsets count elements of the chunk, `dst` of the output box."""
 
@@ -166,7 +166,7 @@ def missing_elements(box: Box, reads: Sequence[SourceRead]) -> int:
     return box.numel - total
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StreamItem:
     """One output record: `head`, then `box` of `target` assembled from `reads`, then `tail(crc)`.
 
@@ -193,7 +193,7 @@ class StreamItem:
         return len(self.head) + self.nbytes + self.tail_len
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CopyItem:
     """Bytes copied verbatim from a source file range (bytes entries, unchanged records).
 

@@ -49,7 +49,7 @@ def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
     return _tensor_pickle(as_dtype(dtype), tuple(shape))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Entry:
     name: str
     offset: int
@@ -109,28 +109,63 @@ def _skeleton(dtype: DType, shape: tuple[int, ...], force_zip64: bool) -> _Skele
 
 @functools.lru_cache(maxsize=4096)
 def _tail_len(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip64: bool) -> int:
-    return len(TorchSaveLayout(dtype, shape, "0" * id_len, force_zip64).tail(0))
+    return len(_tail(_skeleton(dtype, shape, force_zip64), b"0" * id_len, force_zip64, 0))
+
+
+def _tail(skeleton: _Skeleton, serialization_id: bytes, force_zip64: bool, crc: int) -> bytes:
+    """Everything after the tensor data of an item: descriptor, trailing records, central directory."""
+    at = len(skeleton.head) + skeleton.nbytes
+    tail = bytearray(_descriptor(crc, skeleton.nbytes, skeleton.data_zip64))
+    entries = [e if e.crc is not None else _Entry(e.name, e.offset, e.size, crc, e.zip64) for e in skeleton.entries]
+    for name, payload in (("version", b"3\n"), (".data/serialization_id", serialization_id)):
+        offset = at + len(tail)
+        big = force_zip64 or offset >= _ZIP64_LIMIT
+        entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))
+        tail += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, offset, big) + payload
+        tail += _descriptor(zlib.crc32(payload), len(payload), big)
+    cd_start = at + len(tail)
+    directory = bytearray()
+    for e in entries:
+        directory += _central_record(e)
+    tail += directory
+    cd_end = at + len(tail)
+    count = len(entries)
+    needs64 = force_zip64 or cd_start >= _ZIP64_LIMIT or any(e.zip64 for e in entries)
+    if needs64:
+        tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(directory), cd_start)
+        tail += struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1)
+    tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
+                        min(cd_start, _ZIP64_LIMIT) if needs64 else cd_start, 0)
+    return bytes(tail)
+
+
+def _central_record(e: _Entry) -> bytes:
+    name = f"{ARCHIVE}/{e.name}".encode()
+    if e.zip64:
+        extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
+        size32, offset32, version = _ZIP64_LIMIT, _ZIP64_LIMIT, 45
+    else:
+        extra, size32, offset32, version = b"", e.size, e.offset, 20
+    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc,
+                       size32, size32, len(name), len(extra), 0, 0, 0, 0, offset32) + name + extra
 
 
 class TorchSaveLayout:
     """Byte layout of one tensor item: `head` + `nbytes` of tensor data + `tail(crc)`.
 
     Items of one dtype and shape share their head and the length of their tail (cached):
-    only the serialization id and the data's CRC differ, and both live in the tail.
+    only the serialization id and the data's CRC differ, and both live in the tail. Slotted:
+    a plan holds one per output record.
     """
+
+    __slots__ = ("dtype", "shape", "nbytes", "head", "tail_len", "_skeleton", "_id", "_force_zip64")
 
     def __init__(self, dtype: DType, shape: tuple[int, ...], serialization_id: str, force_zip64: bool = False) -> None:
         self.dtype, self.shape = as_dtype(dtype), tuple(shape)
-        skeleton = _skeleton(self.dtype, self.shape, force_zip64)
-        self.nbytes, self.head = skeleton.nbytes, skeleton.head
-        self._entries, self._data_zip64 = skeleton.entries, skeleton.data_zip64
-        self._trailing = [("version", b"3\n"), (".data/serialization_id", serialization_id.encode())]
-        self._force_zip64 = force_zip64
-
-    @functools.cached_property
-    def tail_len(self) -> int:
-        """Length of `tail(crc)` for any CRC."""
-        return _tail_len(self.dtype, self.shape, len(self._trailing[1][1]), self._force_zip64)
+        self._skeleton = _skeleton(self.dtype, self.shape, force_zip64)
+        self.nbytes, self.head = self._skeleton.nbytes, self._skeleton.head
+        self._id, self._force_zip64 = serialization_id.encode(), force_zip64
+        self.tail_len = _tail_len(self.dtype, self.shape, len(self._id), force_zip64)  # of any tail(crc)
 
     @property
     def length(self) -> int:
@@ -139,40 +174,7 @@ class TorchSaveLayout:
 
     def tail(self, crc: int) -> bytes:
         """Everything after the tensor data, given the data's CRC-32."""
-        at = len(self.head) + self.nbytes
-        tail = bytearray(_descriptor(crc, self.nbytes, self._data_zip64))
-        entries = [e if e.crc is not None else _Entry(e.name, e.offset, e.size, crc, e.zip64) for e in self._entries]
-        for name, payload in self._trailing:
-            offset = at + len(tail)
-            big = self._force_zip64 or offset >= _ZIP64_LIMIT
-            entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))
-            tail += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, offset, big) + payload
-            tail += _descriptor(zlib.crc32(payload), len(payload), big)
-        cd_start = at + len(tail)
-        directory = bytearray()
-        for e in entries:
-            directory += self._central_record(e)
-        tail += directory
-        cd_end = at + len(tail)
-        count = len(entries)
-        needs64 = self._force_zip64 or cd_start >= _ZIP64_LIMIT or any(e.zip64 for e in entries)
-        if needs64:
-            tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(directory), cd_start)
-            tail += struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1)
-        tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
-                            min(cd_start, _ZIP64_LIMIT) if needs64 else cd_start, 0)
-        return bytes(tail)
-
-    @staticmethod
-    def _central_record(e: _Entry) -> bytes:
-        name = f"{ARCHIVE}/{e.name}".encode()
-        if e.zip64:
-            extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
-            size32, offset32, version = _ZIP64_LIMIT, _ZIP64_LIMIT, 45
-        else:
-            extra, size32, offset32, version = b"", e.size, e.offset, 20
-        return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc,
-                           size32, size32, len(name), len(extra), 0, 0, 0, 0, offset32) + name + extra
+        return _tail(self._skeleton, self._id, self._force_zip64, crc)
 
 
 def serialization_id(key: str) -> str:
