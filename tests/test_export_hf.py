@@ -312,3 +312,30 @@ def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_
     finally:
         sources.close()
     assert str(err.value) == f"{path}: {name}: verification failed (rows from (0,) differ from the source)"
+
+
+def test_raw_export_of_multi_block_tensors_is_bit_exact(tmp_path):
+    """Tensors of 12 MB are written in many 256 KB blocks, each file by its own worker."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(1)
+    weights = {f"layers.{i}.weight": torch.randn(1024, 3 * 1024, generator=gen) for i in range(2)}
+    weights["layers.0.weight"][7, 11] = float("nan")  # copies keep every bit, NaN payloads included
+    dcp.save({"model": dict(weights)}, checkpoint_id=tmp_path / "src", no_dist=True)
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps({"model_type": "raw"}))
+    dst = tmp_path / "hf"
+    result = run_cli("export-hf", tmp_path / "src", dst, "--hf-config", ref, "--arch", "raw",
+                     "--max-shard-size", "13MB", "--verify")
+    assert result.returncode == 0, result.stderr
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
+                                                         "model-00002-of-00002.safetensors"]
+    loaded = {}
+    for name in set(index["weight_map"].values()):
+        loaded.update(load_file(dst / name))
+    assert loaded.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(loaded[name].view(torch.int32), tensor.view(torch.int32))
