@@ -233,6 +233,8 @@ class OutputFiles:
                 self.fds[name] = fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
                 reserve(fd, size)
             except OSError as exc:
+                for fd in self.fds.values():
+                    os.close(fd)
                 raise self.error(name, exc) from None
 
     def error(self, name: str, exc: OSError) -> OutputError:
@@ -254,7 +256,9 @@ class OutputFiles:
         """Note `nbytes` at `offset` just written to `name` (by `write`, or by an in-kernel copy)."""
         if not self.sync:
             return
-        runs = self._runs.__dict__
+        runs = getattr(self._runs, "by_file", None)
+        if runs is None:
+            runs = self._runs.by_file = {}
         start, end = runs.get(name, (offset, offset))
         if end != offset:  # not a continuation: a new run
             start = offset
