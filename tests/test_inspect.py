@@ -411,3 +411,17 @@ def test_metadata_without_version_is_accepted(tmp_path: Path, fixture_ckpt) -> N
                                      (10**6, "1.0 MB"), (5 * 10**12, "5.0 TB"), (3 * 10**15, "3.0 PB")])
 def test_human_bytes(n: int, text: str) -> None:
     assert human_bytes(n) == text
+
+
+def test_one_file_per_rank_at_scale_is_listed_by_rank_and_summarised(fixture_ckpt, tmp_path):
+    ten = tmp_path / "twelve"
+    assert run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), ten, "-n", "12").returncode == 0
+    names = [f"__{rank}_0.distcp" for rank in range(12)]
+    sizes = {name: (ten / name).stat().st_size for name in names}
+    doc = json.loads(run_cli("inspect", ten, "--json").stdout)
+    assert list(doc["files"]) == names  # rank order: __2 before __10, which name order would not give
+    small, large = min(names, key=sizes.__getitem__), max(names, key=sizes.__getitem__)
+    text = run_cli("inspect", ten).stdout
+    assert (f"__0_0.distcp … __11_0.distcp  {human_bytes(sizes[small])} ({small}) to "
+            f"{human_bytes(sizes[large])} ({large})") in text
+    assert "__3_0.distcp  " not in text  # not one line per file

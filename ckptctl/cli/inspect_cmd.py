@@ -106,6 +106,22 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
 
 
+FILES_LISTED = 8
+"""More data files than this are summarised in the text output (`--json` lists them all)."""
+
+
+def _file_lines(files: dict[str, int]) -> list[str]:
+    """Each file and its size; for many (one per rank at scale), the range of names and sizes."""
+    if len(files) <= FILES_LISTED:
+        return [f"{name}  {human_bytes(size)}" for name, size in files.items()]
+    names = list(files)
+    span = f"{names[0]} … {names[-1]}"
+    small, large = min(files, key=files.__getitem__), max(files, key=files.__getitem__)
+    if files[small] == files[large]:
+        return [f"{span}  {human_bytes(files[small])} each"]
+    return [f"{span}  {human_bytes(files[small])} ({small}) to {human_bytes(files[large])} ({large})"]
+
+
 def _print_summary(doc: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -119,7 +135,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),
-        *(("", f"{name}  {human_bytes(size)}") for name, size in files.items()),
+        *(("", line) for line in _file_lines(files)),
         ("Entries", _counts(doc["groups"])),
         ("Dtypes", _counts(doc["dtypes"])),
         ("Layouts", _counts(doc["layouts"])),

@@ -210,10 +210,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         path=root,
         tensors=tensors,
         bytes_entries=bytes_entries,
-        files=dict(sorted(files.items())),
+        files=dict(sorted(files.items(), key=lambda kv: _natural(kv[0]))),
         planner_data=merged.planner or None,
         version=merged.version,
         metadata_files=tuple(p.name for p in md_paths),
         storage_meta=merged.storage_meta,
         rank_conflicts=merged.conflicts,
     )
+
+
+def _natural(name: str) -> list:
+    """Sort key that puts `__2_0.distcp` before `__10_0.distcp`: digit runs compare as numbers."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name)]
