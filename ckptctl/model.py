@@ -94,6 +94,8 @@ class Checkpoint:
     storage_meta: Any = field(default=None, repr=False)
     rank_conflicts: dict[str, str] = field(default_factory=dict)
     """Per-rank metadata files that disagree about an entry: FQN → what they say (first file's kept)."""
+    unreferenced_files: tuple[str, ...] = ()
+    """Data files in the directory (also in `files`) that no entry points to: another save's leftovers."""
 
     @property
     def total_bytes(self) -> int:
@@ -109,9 +111,9 @@ class Checkpoint:
 
     @property
     def saved_world_size(self) -> int:
-        """Number of ranks that wrote data files (`__{rank}_{n}.distcp`)."""
+        """Number of ranks that wrote data files (`__{rank}_{n}.distcp`) the metadata points to."""
         ranks = set()
-        for name in self.files:
+        for name in self.files.keys() - set(self.unreferenced_files):
             stem = Path(name).name
             if stem.startswith("__") and "_" in stem[2:]:
                 head = stem[2:].split("_", 1)[0]

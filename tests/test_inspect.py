@@ -425,3 +425,25 @@ def test_one_file_per_rank_at_scale_is_listed_by_rank_and_summarised(fixture_ckp
     assert (f"__0_0.distcp … __11_0.distcp  {human_bytes(sizes[small])} ({small}) to "
             f"{human_bytes(sizes[large])} ({large})") in text
     assert "__3_0.distcp  " not in text  # not one line per file
+
+
+def test_data_files_left_by_another_save_are_a_warning_not_a_problem(fixture_ckpt, tmp_path):
+    """Saving at 4 ranks into a directory that held an 8-rank save leaves __4_0 … __7_0 behind."""
+    eight = tmp_path / "eight"
+    assert run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), eight, "-n", "8").returncode == 0
+    mixed = tmp_path / "mixed"
+    shutil.copytree(fixture_ckpt("fsdp2_4ranks"), mixed)
+    for rank in (7, 5):
+        shutil.copy(eight / f"__{rank}_0.distcp", mixed)
+    doc = json.loads(run_cli("inspect", mixed, "--json").stdout)
+    assert doc["unreferenced_files"] == ["__5_0.distcp", "__7_0.distcp"]
+    assert doc["world_size"] == 4 and doc["problems"] == []
+    assert len(doc["files"]) == 6
+    check = run_cli("inspect", mixed, "--check")
+    assert check.returncode == 0
+    assert check.stdout.splitlines() == [
+        "ok: 32 tensors complete and consistent",
+        "warning: 2 data files that no entry points to (__5_0.distcp, __7_0.distcp): left by another save? "
+        "Loading ignores them"]
+    assert run_cli("reshard", mixed, tmp_path / "out", "-n", "2").returncode == 0
+    assert json.loads(run_cli("inspect", fixture_ckpt("fsdp2_4ranks"), "--json").stdout)["unreferenced_files"] == []

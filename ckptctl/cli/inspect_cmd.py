@@ -3,14 +3,17 @@
 Reads `.metadata` and file sizes only (never item bytes), so it is instant on any size.
 `--check` prints only the problems `ckptctl.layout.analyze` finds (coverage gaps or
 overlaps, lost optimizer state), one per line, and exits 1 if there are any; with `--json`
-it prints the document as usual and exits 1 the same way.
+it prints the document as usual and exits 1 the same way. Data files that no entry points
+to (another save's leftovers in the same directory) are a warning, not a problem: loading
+ignores them.
 
 `--json` prints one document (values exact, sizes in bytes):
 
     {
       "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
-      "total_bytes": int, "files": {name: bytes},
+      "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
+      "unreferenced_files": [name],                           # data files no entry points to
       "groups": {"model": n, "optimizer": n, "other": n},     # all entries, tensors and bytes
       "dtypes": {"float32": n, ...},                          # tensors per dtype
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
@@ -89,6 +92,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "metadata_files": list(ckpt.metadata_files),
         "total_bytes": ckpt.total_bytes,
         "files": dict(ckpt.files),
+        "unreferenced_files": list(ckpt.unreferenced_files),
         "groups": analysis.groups,
         "dtypes": analysis.dtypes,
         "layouts": analysis.layouts,
@@ -122,6 +126,13 @@ def _file_lines(files: dict[str, int]) -> list[str]:
     return [f"{span}  {human_bytes(files[small])} ({small}) to {human_bytes(files[large])} ({large})"]
 
 
+def _unreferenced_warning(doc: dict[str, Any]) -> str:
+    names = doc["unreferenced_files"]
+    shown = ", ".join(names) if len(names) <= FILES_LISTED else f"{names[0]} … {names[-1]}"
+    files = "data file" if len(names) == 1 else "data files"
+    return f"{len(names)} {files} that no entry points to ({shown}): left by another save? Loading ignores them"
+
+
 def _print_summary(doc: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -136,6 +147,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),
         *(("", line) for line in _file_lines(files)),
+        *((("Unreferenced", _unreferenced_warning(doc)),) if doc["unreferenced_files"] else ()),
         ("Entries", _counts(doc["groups"])),
         ("Dtypes", _counts(doc["dtypes"])),
         ("Layouts", _counts(doc["layouts"])),
@@ -213,6 +225,8 @@ def inspect_command(
             stdout().print(p["message"], markup=False, highlight=False)
         if not doc["problems"]:
             stdout().print(f"ok: {len(doc['tensors'])} tensors complete and consistent", markup=False, highlight=False)
+        if doc["unreferenced_files"]:
+            stdout().print(f"warning: {_unreferenced_warning(doc)}", markup=False, highlight=False)
     else:
         _print_summary(doc)
         _print_tensors(doc["tensors"])

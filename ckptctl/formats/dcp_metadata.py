@@ -203,9 +203,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             bytes_entries[fqn] = BytesEntry(fqn, file, info.offset, info.length, transforms)
         else:
             raise CheckpointError(where, f"{fqn}: unknown storage type {type(item).__name__}")
+    unreferenced = []
     for name in os.listdir(root):
         if name.endswith(".distcp") and name not in files and (root / name).is_file():
             files[name] = (root / name).stat().st_size
+            unreferenced.append(name)
     return Checkpoint(
         path=root,
         tensors=tensors,
@@ -214,6 +216,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         planner_data=merged.planner or None,
         version=merged.version,
         metadata_files=tuple(p.name for p in md_paths),
+        unreferenced_files=tuple(sorted(unreferenced, key=_natural)),
         storage_meta=merged.storage_meta,
         rank_conflicts=merged.conflicts,
     )
