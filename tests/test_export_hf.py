@@ -314,6 +314,7 @@ def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_
     assert str(err.value) == f"{path}: {name}: verification failed (rows from (0,) differ from the source)"
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_raw_export_of_multi_block_tensors_is_bit_exact(tmp_path):
     """Tensors of 12 MB are written in many 256 KB blocks, each file by its own worker."""
     import torch.distributed.checkpoint as dcp
