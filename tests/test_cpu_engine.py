@@ -68,6 +68,25 @@ def test_output_files_are_sized_up_front_and_read_as_zeros(tmp_path):
     assert (tmp_path / "sub" / "b").read_bytes() == b""
 
 
+def test_a_failure_cancels_the_items_not_yet_started():
+    import time
+
+    from ckptctl.engine.cpu import run_on_threads
+
+    started = []
+
+    def run(item: int) -> None:
+        if item == 0:
+            raise ValueError("disk full")
+        started.append(item)
+        time.sleep(0.05)  # 99 such items on 2 threads would take 2.5 s
+
+    begin = time.monotonic()
+    with pytest.raises(ValueError, match="disk full"):
+        run_on_threads(list(range(100)), run, 2, "test")
+    assert len(started) < 10 and time.monotonic() - begin < 1.0
+
+
 def test_record_crc_is_zlibs_whichever_implementation_runs():
     data = os.urandom((1 << 20) + 7)
     assert crc32(data) == zlib.crc32(data)

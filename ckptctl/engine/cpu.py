@@ -388,14 +388,23 @@ def execute(
 
 
 def run_on_threads(items: Sequence[T], run: Callable[[T], object], workers: int, name: str) -> None:
-    """`run` every item in order, on `workers` threads (inline for one); the first failure is raised."""
+    """`run` every item in order, on `workers` threads (inline for one); the first failure is raised.
+
+    A failure or an interrupt (Ctrl-C) cancels the items not yet started: the run stops once
+    the items in progress end, instead of working through the whole queue first.
+    """
     if workers <= 1:
         for item in items:
             run(item)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name) as pool:
-        for fut in [pool.submit(run, item) for item in items]:
-            fut.result()
+        futures = [pool.submit(run, item) for item in items]
+        try:
+            for fut in futures:
+                fut.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
