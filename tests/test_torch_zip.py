@@ -56,3 +56,19 @@ def test_layout_is_deterministic():
     b = TorchSaveLayout(torch.bfloat16, (4, 4), serialization_id("x@[0, 0]"))
     assert a.head == b.head and a.tail(123) == b.tail(123)
     assert serialization_id("x") != serialization_id("y") and len(serialization_id("x")) == 40
+
+
+@pytest.mark.parametrize("zip64", [False, True], ids=["zip32", "zip64"])
+def test_each_item_carries_its_own_id_and_crc_in_a_shared_shape(zip64):
+    """Items of one shape share a tail template; the id and the CRCs patched into it are each item's own."""
+    blobs = {}
+    for key, value in (("a@[0]", 1.0), ("b@[4]", 2.0)):
+        tensor = torch.full((4, 4), value)
+        layout = TorchSaveLayout(tensor.dtype, (4, 4), serialization_id(key), force_zip64=zip64)
+        data = tensor.numpy().tobytes()
+        blobs[key] = zipfile.ZipFile(io.BytesIO(layout.head + data + layout.tail(zlib.crc32(data))))
+    for key, archive in blobs.items():
+        assert archive.testzip() is None
+        assert archive.read("archive/.data/serialization_id") == serialization_id(key).encode()
+        assert archive.getinfo("archive/data/0").CRC == zlib.crc32(torch.full((4, 4), 1.0 if key[0] == "a" else 2.0)
+                                                                    .numpy().tobytes())

@@ -107,25 +107,44 @@ def _skeleton(dtype: DType, shape: tuple[int, ...], force_zip64: bool) -> _Skele
     return _Skeleton(bytes(head), tuple(entries), nbytes, data_zip64)
 
 
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class _TailTemplate:
+    """A tail with a zero CRC and a blank id, and where to patch both in: items of one
+    shape share it, so each item's tail is a copy and four small writes, not a rebuild."""
+
+    data: bytes
+    crc_at: tuple[int, ...]  # the data's CRC-32: data descriptor and central directory
+    id_at: int  # the serialization id's payload
+    id_crc_at: tuple[int, ...]  # the id's CRC-32: its data descriptor and central directory
+
+
 @functools.lru_cache(maxsize=4096)
-def _tail_len(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip64: bool) -> int:
-    return len(_tail(_skeleton(dtype, shape, force_zip64), b"0" * id_len, force_zip64, 0))
-
-
-def _tail(skeleton: _Skeleton, serialization_id: bytes, force_zip64: bool, crc: int) -> bytes:
+def _tail_template(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip64: bool) -> _TailTemplate:
     """Everything after the tensor data of an item: descriptor, trailing records, central directory."""
+    skeleton = _skeleton(dtype, shape, force_zip64)
     at = len(skeleton.head) + skeleton.nbytes
-    tail = bytearray(_descriptor(crc, skeleton.nbytes, skeleton.data_zip64))
-    entries = [e if e.crc is not None else _Entry(e.name, e.offset, e.size, crc, e.zip64) for e in skeleton.entries]
-    for name, payload in (("version", b"3\n"), (".data/serialization_id", serialization_id)):
+    tail = bytearray(_descriptor(0, skeleton.nbytes, skeleton.data_zip64))
+    crc_at, id_crc_at, id_at = [4], [], 0
+    entries = list(skeleton.entries)
+    for name, payload in (("version", b"3\n"), (".data/serialization_id", bytes(id_len))):
         offset = at + len(tail)
         big = force_zip64 or offset >= _ZIP64_LIMIT
         entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))
-        tail += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, offset, big) + payload
-        tail += _descriptor(zlib.crc32(payload), len(payload), big)
+        tail += _local_header(f"{ARCHIVE}/{name}".encode(), ALIGNMENT, offset, big)
+        if name == ".data/serialization_id":
+            id_at = len(tail)
+            id_crc_at.append(len(tail) + len(payload) + 4)
+        tail += payload + _descriptor(zlib.crc32(payload), len(payload), big)
     cd_start = at + len(tail)
     directory = bytearray()
     for e in entries:
+        if e.crc is None:
+            crc_at.append(len(tail) + len(directory) + 16)
+        elif e.name == ".data/serialization_id":
+            id_crc_at.append(len(tail) + len(directory) + 16)
         directory += _central_record(e)
     tail += directory
     cd_end = at + len(tail)
@@ -136,7 +155,7 @@ def _tail(skeleton: _Skeleton, serialization_id: bytes, force_zip64: bool, crc: 
         tail += struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1)
     tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
                         min(cd_start, _ZIP64_LIMIT) if needs64 else cd_start, 0)
-    return bytes(tail)
+    return _TailTemplate(bytes(tail), tuple(crc_at), id_at, tuple(id_crc_at))
 
 
 def _central_record(e: _Entry) -> bytes:
@@ -146,26 +165,31 @@ def _central_record(e: _Entry) -> bytes:
         size32, offset32, version = _ZIP64_LIMIT, _ZIP64_LIMIT, 45
     else:
         extra, size32, offset32, version = b"", e.size, e.offset, 20
-    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc,
+    return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc or 0,
                        size32, size32, len(name), len(extra), 0, 0, 0, 0, offset32) + name + extra
 
 
 class TorchSaveLayout:
     """Byte layout of one tensor item: `head` + `nbytes` of tensor data + `tail(crc)`.
 
-    Items of one dtype and shape share their head and the length of their tail (cached):
-    only the serialization id and the data's CRC differ, and both live in the tail. Slotted:
-    a plan holds one per output record.
+    Items of one dtype and shape share their head and a tail template (cached): only the
+    serialization id and the data's CRC differ, and both are patched into a copy of the
+    template. Slotted: a plan holds one per output record.
     """
 
-    __slots__ = ("dtype", "shape", "nbytes", "head", "tail_len", "_skeleton", "_id", "_force_zip64")
+    __slots__ = ("dtype", "shape", "nbytes", "head", "_template", "_id")
 
     def __init__(self, dtype: DType, shape: tuple[int, ...], serialization_id: str, force_zip64: bool = False) -> None:
         self.dtype, self.shape = as_dtype(dtype), tuple(shape)
-        self._skeleton = _skeleton(self.dtype, self.shape, force_zip64)
-        self.nbytes, self.head = self._skeleton.nbytes, self._skeleton.head
-        self._id, self._force_zip64 = serialization_id.encode(), force_zip64
-        self.tail_len = _tail_len(self.dtype, self.shape, len(self._id), force_zip64)  # of any tail(crc)
+        skeleton = _skeleton(self.dtype, self.shape, force_zip64)
+        self.nbytes, self.head = skeleton.nbytes, skeleton.head
+        self._id = serialization_id.encode()
+        self._template = _tail_template(self.dtype, self.shape, len(self._id), force_zip64)
+
+    @property
+    def tail_len(self) -> int:
+        """Length of `tail(crc)`, whatever the CRC."""
+        return len(self._template.data)
 
     @property
     def length(self) -> int:
@@ -174,7 +198,15 @@ class TorchSaveLayout:
 
     def tail(self, crc: int) -> bytes:
         """Everything after the tensor data, given the data's CRC-32."""
-        return _tail(self._skeleton, self._id, self._force_zip64, crc)
+        t = self._template
+        out = bytearray(t.data)
+        out[t.id_at: t.id_at + len(self._id)] = self._id
+        for at in t.crc_at:
+            _U32.pack_into(out, at, crc)
+        id_crc = zlib.crc32(self._id)
+        for at in t.id_crc_at:
+            _U32.pack_into(out, at, id_crc)
+        return bytes(out)
 
 
 def serialization_id(key: str) -> str:
