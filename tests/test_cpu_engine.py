@@ -87,6 +87,22 @@ def test_a_failure_cancels_the_items_not_yet_started():
     assert len(started) < 10 and time.monotonic() - begin < 1.0
 
 
+def test_inline_items_run_on_the_calling_thread_while_the_pool_runs_the_rest():
+    import threading
+
+    from ckptctl.engine.cpu import run_on_threads
+
+    where: dict[str, str] = {}
+
+    def run(item: str) -> None:
+        where[item] = threading.current_thread().name
+
+    run_on_threads(["big1", "big2"], run, 2, "pool", inline=["small1", "small2"])
+    me = threading.current_thread().name
+    assert where["small1"] == where["small2"] == me
+    assert where["big1"].startswith("pool") and where["big2"].startswith("pool")
+
+
 def test_record_crc_is_zlibs_whichever_implementation_runs():
     data = os.urandom((1 << 20) + 7)
     assert crc32(data) == zlib.crc32(data)
