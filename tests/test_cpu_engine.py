@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import warnings
 import zlib
@@ -101,6 +102,37 @@ def test_inline_items_run_on_the_calling_thread_while_the_pool_runs_the_rest():
     me = threading.current_thread().name
     assert where["small1"] == where["small2"] == me
     assert where["big1"].startswith("pool") and where["big2"].startswith("pool")
+
+
+@pytest.mark.parametrize("err", [errno.EOPNOTSUPP, errno.ENOSYS])
+def test_without_fallocate_files_are_only_sized(tmp_path, monkeypatch, err):
+    import ctypes
+
+    from ckptctl.engine import disk
+
+    def unsupported(fd, mode, offset, length):
+        ctypes.set_errno(err)
+        return -1
+
+    monkeypatch.setattr(disk, "_FALLOCATE", unsupported)
+    with open(tmp_path / "f", "wb") as fh:
+        disk.reserve(fh.fileno(), 5000)
+    assert (tmp_path / "f").read_bytes() == bytes(5000)
+
+
+def test_no_space_to_reserve_is_an_error_not_a_sparse_file(tmp_path, monkeypatch):
+    import ctypes
+
+    from ckptctl.engine import disk
+
+    def full(fd, mode, offset, length):
+        ctypes.set_errno(errno.ENOSPC)
+        return -1
+
+    monkeypatch.setattr(disk, "_FALLOCATE", full)
+    with open(tmp_path / "f", "wb") as fh, pytest.raises(OSError) as exc:
+        disk.reserve(fh.fileno(), 5000)
+    assert exc.value.errno == errno.ENOSPC and (tmp_path / "f").stat().st_size == 0
 
 
 def test_record_crc_is_zlibs_whichever_implementation_runs():
