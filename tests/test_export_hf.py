@@ -340,3 +340,28 @@ def test_raw_export_of_multi_block_tensors_is_bit_exact(tmp_path):
     assert loaded.keys() == weights.keys()
     for name, tensor in weights.items():
         assert torch.equal(loaded[name].view(torch.int32), tensor.view(torch.int32))
+
+
+def test_a_full_disk_fails_with_one_line_naming_the_file_and_leaves_nothing(fixture_ckpt, tmp_path):
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def small_file_limit() -> None:  # files may not grow past 1 kB: a full disk, as write calls see it
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps({"model_type": "raw"}))
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run([sys.executable, "-m", "ckptctl", "export-hf", str(fixture_ckpt("fsdp2_4ranks")),
+                             str(out / "hf"), "--hf-config", str(ref), "--arch", "raw"],
+                            capture_output=True, text=True, cwd=ROOT, preexec_fn=small_file_limit)
+    assert (result.returncode, result.stderr) == (
+        2, f"ckptctl: error: {out / 'hf' / 'model.safetensors'}: cannot write: File too large\n")
+    assert list(out.iterdir()) == []
