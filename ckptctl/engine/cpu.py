@@ -159,7 +159,7 @@ def _fill_block(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, se
             if add:
                 _add(placed, dtype, add)
             continue
-        tmp = memoryview(bytearray((stop - base) * isz))
+        tmp = memoryview(_thread_buffer("span", (stop - base) * isz))[: (stop - base) * isz]
         sources.read_into(read.fqn, read.chunk, base * isz, tmp)
         if read.dtype != dtype:
             _cast_run(out, dtype, b0, tmp, read.dtype, base, run, add)
@@ -292,11 +292,13 @@ def block_elements(item: StreamItem, block_bytes: int | None = None) -> int:
 _SCRATCH = threading.local()
 
 
-def _block_buffer(nbytes: int) -> bytearray:
-    """This thread's block buffer, at least `nbytes` long: allocated (and zero-filled) once, not per record."""
-    buf = getattr(_SCRATCH, "buf", None)
+def _thread_buffer(use: str, nbytes: int) -> bytearray:
+    """This thread's buffer for `use` ("block": a record's block; "span": a gathered or cast
+    span's source bytes), at least `nbytes` long: allocated (and zero-filled) once, not per block."""
+    buf = getattr(_SCRATCH, use, None)
     if buf is None or len(buf) < nbytes:
-        buf = _SCRATCH.buf = bytearray(nbytes)
+        buf = bytearray(nbytes)
+        setattr(_SCRATCH, use, buf)
     return buf
 
 
@@ -306,7 +308,7 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     dtype = item.target.dtype
     numel = item.box.numel
     block = block_elements(item)
-    buf = _block_buffer(min(numel, block) * dtype.itemsize)
+    buf = _thread_buffer("block", min(numel, block) * dtype.itemsize)
     segs = _segments(item)
     pos = item.offset + len(item.head)
     crc, resume = 0, 0
