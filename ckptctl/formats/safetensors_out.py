@@ -172,12 +172,13 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
         handle = reader.get(len(want))
         got = handle.get_tensor(name) if not target.shape else \
             handle.get_slice(name)[box.offsets[0]: box.offsets[0] + box.sizes[0]]
-        if got.dtype != target.dtype or tuple(got.shape) != box.sizes or _row_major_bytes(got) != want:
+        if got.dtype != target.dtype or tuple(got.shape) != box.sizes or want != _row_major_view(got):
             raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
                                         f"differ from the source)")
 
 
-def _row_major_bytes(t: Any) -> bytes:
+def _row_major_view(t: Any) -> memoryview:
+    """The tensor's row-major bytes as a view (compared in place with the assembled box, not copied)."""
     import torch
 
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
