@@ -69,6 +69,10 @@ class _Merged:
     conflicts: dict[str, str] = field(default_factory=dict)
 
 
+def _signature(item: Any) -> tuple:
+    return tuple(item.size), getattr(item.properties, "dtype", None)
+
+
 def _describe(item: Any) -> str:
     return f"{list(item.size)} {getattr(item.properties, 'dtype', '?')}".replace("torch.", "")
 
@@ -88,6 +92,7 @@ def _merge(paths: list[Path]) -> _Merged:
     """
     out = _Merged()
     origin: dict[str, str] = {}
+    known: dict[str, set[tuple]] = {}  # chunk offsets per tensor so far: each file adds only its own
     for path in paths:
         md = _load_one(path)
         out.storage_meta = out.storage_meta or md.storage_meta
@@ -101,13 +106,17 @@ def _merge(paths: list[Path]) -> _Merged:
                     f"{fqn}: ranks saved different kinds of entry under this name ({_kind(first)} in "
                     f"{origin[fqn]}, {_kind(item)} in {path.name}); only {origin[fqn]}'s is read"))
             elif isinstance(item, dcp_classes.TensorStorageMetadata):
-                if _describe(item) != _describe(first):
+                if _signature(item) != _signature(first):
                     out.conflicts.setdefault(fqn, (
                         f"{fqn}: ranks saved different tensors under this name ({_describe(first)} in "
                         f"{origin[fqn]}, {_describe(item)} in {path.name}); only {origin[fqn]}'s is read"))
                     continue
-                known = {tuple(c.offsets) for c in first.chunks}
-                first.chunks.extend(c for c in item.chunks if tuple(c.offsets) not in known)
+                seen = known.get(fqn)
+                if seen is None:
+                    seen = known[fqn] = {tuple(c.offsets) for c in first.chunks}
+                added = [c for c in item.chunks if tuple(c.offsets) not in seen]
+                first.chunks.extend(added)
+                seen.update(tuple(c.offsets) for c in added)
         if isinstance(md.planner_data, dict):
             out.planner.update(md.planner_data)
         for index, info in (md.storage_data or {}).items():
