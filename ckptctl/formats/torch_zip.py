@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import hashlib
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -31,9 +32,7 @@ _ZIP64_LIMIT = 0xFFFFFFFF
 
 @functools.lru_cache(maxsize=4096)  # records of a sharded tensor share a few shapes; pickling is Python code
 def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     hooks = collections.OrderedDict()
     if dtype.storage:  # dtypes with a legacy typed storage: torch keeps the v2 format
         storage = Persistent(("storage", ref("torch", dtype.storage), "0", "cpu", numel))
@@ -86,10 +85,7 @@ class _Skeleton:
 
 @functools.lru_cache(maxsize=4096)  # a sharded tensor's items share a few shapes; 40k items planned 1.3 s faster
 def _skeleton(dtype: DType, shape: tuple[int, ...], force_zip64: bool) -> _Skeleton:
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     small = [
         ("data.pkl", tensor_pickle(dtype, shape)),
         (".format_version", b"1"),
