@@ -63,7 +63,7 @@ def _console() -> Console:
     """The shared console on a terminal; in a pipe, one that never wraps table rows."""
     from rich.console import Console
 
-    return stdout if stdout().is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
+    return stdout() if stdout().is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
 
 
 def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
