@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
@@ -33,6 +33,7 @@ from ckptctl.hf.base import ExportContext, HFConfig, MegatronModel, load_hf_conf
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
+from ckptctl.progress import Phases, ProgressObserver
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
 from ckptctl.reshard import cast_dtype
 from ckptctl.resources import peak_rss_bytes
@@ -105,9 +106,15 @@ class ExportReport:
     processes: int = 1
     device: str = "cpu"
 
+    write_bytes: int = 0
+    """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
+    write_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
     @property
-    def gb_per_s(self) -> float:
-        return self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+    def bytes_per_s(self) -> float:
+        """The writing phase's rate: the figure its progress bar shows."""
+        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
 
 
 def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
@@ -257,7 +264,7 @@ def export_hf(
     *,
     force: bool = False,
     verify: bool = False,
-    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+    progress: ProgressObserver | None = None,
     comm: Comm = LOCAL,
 ) -> ExportReport:
     """Run an export end to end and report what happened.
@@ -274,8 +281,8 @@ def export_hf(
     execute = executor(opts.device, comm.local_rank)
     sizes = {f.name: f.size for f in plan.files}
     mine = assign_files(sizes, comm.world_size)[comm.rank]
-    share_bytes = sum(f.data_bytes for f in plan.files if f.name in mine)
-    advance = progress_factory(share_bytes) if progress_factory else (lambda n: None)
+    share_bytes = sum(f.size for f in plan.files if f.name in mine)
+    phases = Phases(progress)
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
         tensors=len(plan.targets), files=len(plan.files), bytes_written=sum(f.size for f in plan.files),
@@ -284,6 +291,7 @@ def export_hf(
     sources = ChunkSource(ckpt)
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
+        advance = phases.start("writing", share_bytes)
         files = OutputFiles(tmp, {n: size for n, size in sizes.items() if n in names}, opts.sync)
         try:
             for f in plan.files:
@@ -292,12 +300,16 @@ def export_hf(
                     execute(plan.file_items(f), [], sources, files, max(1, opts.workers), advance)
         finally:
             files.close()
+        phases.stop()
+        report.write_bytes = share_bytes
 
     def finish(tmp: Path) -> None:
         write_side_files(plan, tmp)
         if verify:
+            advance = phases.start("verifying", plan.data_bytes)
             for f in plan.files:
-                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers))
+                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+            phases.stop()
             report.verified = True
 
     try:
@@ -305,6 +317,7 @@ def export_hf(
     finally:
         sources.close()
     report.seconds = time.perf_counter() - started
+    report.write_seconds, report.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
     report.peak_rss_bytes = peak_rss_bytes()
     return report
 

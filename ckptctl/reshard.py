@@ -12,7 +12,7 @@ import fnmatch
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device, working_bytes
@@ -24,6 +24,7 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
+from ckptctl.progress import Phases, ProgressObserver
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.verify import verify_dcp
@@ -76,9 +77,15 @@ class ReshardReport:
     processes: int = 1
     device: str = "cpu"
 
+    write_bytes: int = 0
+    """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
+    write_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
     @property
-    def gb_per_s(self) -> float:
-        return self.bytes_written / self.seconds / 1e9 if self.seconds else 0.0
+    def bytes_per_s(self) -> float:
+        """The writing phase's rate: the figure its progress bar shows."""
+        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
 
 
 def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
@@ -148,7 +155,7 @@ def reshard(
     force: bool = False,
     verify: bool = False,
     dry_run: bool = False,
-    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+    progress: ProgressObserver | None = None,
     comm: Comm = LOCAL,
 ) -> ReshardReport:
     """Run a reshard end to end and report what happened.
@@ -182,21 +189,26 @@ def reshard(
     mine = assign_files(out.files, comm.world_size)[comm.rank]
     stream_items = [i for i in out.stream_items if i.file in mine]
     copy_items = [c for c in out.copy_items if c.file in mine]
-    share_bytes = sum(i.nbytes for i in stream_items) + sum(c.length for c in copy_items)
-    advance = progress_factory(share_bytes) if progress_factory else (lambda n: None)
+    share_bytes = sum(size for name, size in out.files.items() if name in mine)
+    phases = Phases(progress)
     sources = ChunkSource(ckpt)
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
+        advance = phases.start("writing", share_bytes)
         files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
         try:
             execute(stream_items, copy_items, sources, files, opts.workers, advance)
         finally:
             files.close()
+        phases.stop()
+        report.write_bytes = share_bytes
 
     def finish(tmp: Path) -> None:
         write_metadata(out, tmp)
         if verify:
-            verify_dcp(ckpt, sources, out, tmp, opts.workers)
+            verify_dcp(ckpt, sources, out, tmp, opts.workers,
+                       phases.start("verifying", sum(t.nbytes for t in out.targets.values())))
+            phases.stop()
             report.verified = True
 
     try:
@@ -204,5 +216,6 @@ def reshard(
     finally:
         sources.close()
     report.seconds = time.perf_counter() - started
+    report.write_seconds, report.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
     report.peak_rss_bytes = peak_rss_bytes()
     return report

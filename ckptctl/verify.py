@@ -18,6 +18,7 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.geometry import Box, full_box, rows_box
 from ckptctl.model import Checkpoint
+from ckptctl.progress import Advance
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 
 
@@ -42,10 +43,12 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
     return digest.hexdigest()
 
 
-def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written: Path, workers: int = 1) -> None:
+def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written: Path, workers: int = 1,
+               advance: Advance | None = None) -> None:
     """Raise CheckpointError unless every tensor and bytes entry at `written` equals its source.
 
-    Tensors are checked on `workers` threads (reads and hashing release the GIL).
+    Tensors are checked on `workers` threads (reads and hashing release the GIL); `advance`
+    counts each checked tensor's output bytes.
     """
     from ckptctl.reshard import source_tensors
 
@@ -63,6 +66,8 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
             got = tensor_digest(identity_target(dst_sources[fqn]), dst_sources, dst_chunks)
             if want != got:
                 raise CheckpointError(written, f"{fqn}: verification failed (output differs from the source)")
+            if advance is not None:
+                advance(out.targets[fqn].nbytes)
 
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
         for fqn, copy in out.bytes_entries.items():

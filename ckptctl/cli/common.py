@@ -5,17 +5,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import typer
 
 from ckptctl.errors import CkptctlError
+from ckptctl.progress import Phase
 
 if TYPE_CHECKING:
     from rich.console import Console
 
 DEBUG = False
+QUIET = False
 EXIT_BAD_INPUT = 2
 T = TypeVar("T")
 
@@ -95,43 +98,90 @@ def dist_backend_option() -> Any:
     return typer.Option("gloo", "--dist-backend", help="torchrun process-group backend: gloo|nccl (workers exchange only control messages).")
 
 
-class ByteProgress:
-    """Progress in bytes with GB/s and ETA on a terminal; silent in pipes and with --json."""
+def timing_summary(report: Any) -> str:
+    """The tail of a writing command's final line: total time, then the writing phase's own rate
+    (what its bar showed), the verification time, workers and peak memory."""
+    return (f" in {report.seconds:.2f}s (writing {human_rate(report.bytes_per_s)}"
+            + (f", verifying {report.verify_seconds:.2f}s" if report.verified else "")
+            + (f", {report.processes} workers" if report.processes > 1 else "")
+            + f"), peak RSS {human_bytes(report.peak_rss_bytes)}" + (", verified" if report.verified else ""))
 
-    def __init__(self, total: int, description: str, enabled: bool) -> None:
+
+def timing_json(report: Any) -> dict[str, Any]:
+    """The timing fields every writing command's `--json` shares."""
+    return {"seconds": round(report.seconds, 6), "write_seconds": round(report.write_seconds, 6),
+            "verify_seconds": round(report.verify_seconds, 6), "bytes_per_s": round(report.bytes_per_s, 3),
+            "gb_per_s": round(report.bytes_per_s / 1e9, 6), "peak_rss_bytes": report.peak_rss_bytes}
+
+
+PROGRESS_ENV = "CKPTCTL_NO_PROGRESS"
+"""Set (to anything but empty or 0) to turn progress bars off, as `-q/--quiet` does."""
+
+
+def progress_wanted(json_out: bool) -> bool:
+    """Bars only for a person: a terminal on stderr, not --json, not -q, not the env switch, not TERM=dumb."""
+    env = os.environ.get(PROGRESS_ENV, "")
+    return (not json_out and not QUIET and env in ("", "0") and sys.stderr.isatty()
+            and os.environ.get("TERM", "") != "dumb")
+
+
+def human_rate(bytes_per_s: float) -> str:
+    """A throughput in the unit that fits: `2.07 GB/s`, `45.3 MB/s`, `812 B/s`."""
+    if bytes_per_s >= 1e9:
+        return f"{bytes_per_s / 1e9:.2f} GB/s"
+    return human_bytes(bytes_per_s) + "/s"
+
+
+class ProgressDisplay:
+    """A progress bar per phase (bytes, average speed, ETA) on a terminal; nothing otherwise.
+
+    It is the library's `ProgressObserver`. The speed shown is the phase's bytes over its
+    elapsed time (not a moving window); once a phase ends its bar shows the library's own
+    figure for it, the one the final line and `--json` report.
+    """
+
+    def __init__(self, enabled: bool) -> None:
         self._progress = None
         self._task = None
-        if enabled and sys.stderr.isatty():
+        self._final: dict[Any, float] = {}
+        if enabled:
             from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
+                BarColumn, DownloadColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn,
             )
+            from rich.text import Text
+
+            final = self._final
+
+            class AverageSpeedColumn(ProgressColumn):
+                def render(self, task):  # type: ignore[no-untyped-def]
+                    rate = final.get(task.id)
+                    if rate is None:
+                        rate = task.completed / task.elapsed if task.elapsed else 0.0
+                    return Text(human_rate(rate), style="progress.data.speed")
 
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                DownloadColumn(binary_units=False),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=stderr(),
-                transient=False,
+                TextColumn("[bold]{task.description:<10}"), BarColumn(), DownloadColumn(binary_units=False),
+                AverageSpeedColumn(), TimeRemainingColumn(), console=stderr(), transient=False,
             )
-            self._task = self._progress.add_task(description, total=total)
 
-    def reset_total(self, total: int) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, total=total)
+    def phase(self, name: str, total: int) -> Callable[[int], None]:
+        """Start a bar for `name` (`writing`, `verifying`, …)."""
+        if self._progress is None:
+            return _ignore
+        progress = self._progress
+        task = self._task = progress.add_task(name, total=total)
+        return lambda nbytes: progress.advance(task, nbytes)
 
-    def advance(self, nbytes: int) -> None:
-        if self._progress is not None:
-            self._progress.advance(self._task, nbytes)
+    def end(self, phase: Phase) -> None:
+        """Freeze the running bar at the phase's own rate."""
+        if self._progress is not None and self._task is not None:
+            self._final[self._task] = phase.bytes_per_s
+            self._progress.stop_task(self._task)
+            self._progress.refresh()
+            self._task = None
 
     @contextlib.contextmanager
-    def shown(self) -> Iterator["ByteProgress"]:
+    def shown(self) -> Iterator["ProgressDisplay"]:
         if self._progress is None:
             yield self
             return
@@ -139,28 +189,26 @@ class ByteProgress:
             yield self
 
 
+def _ignore(nbytes: int) -> None:
+    """The counter of a bar nobody sees."""
+
+
 def run_distributed(
-    name: str,
-    quiet: bool,
+    json_out: bool,
     dist_backend: str,
     work: Callable[[Any, Callable[[int], Callable[[int], None]]], T],
     show: Callable[[T], None],
 ) -> None:
     """The shape of every writing command: join torchrun's process group (or run alone), run
-    `work(comm, progress_factory)` under a byte progress bar that only the lead rank shows,
+    `work(comm, progress)` under progress bars that only the lead rank shows,
     then let the lead rank `show` its report; errors become one line (`run_guarded`)."""
     from ckptctl.engine.dist import distributed_from_env
 
     def body() -> None:
         with distributed_from_env(dist_backend) as comm:
-            progress = ByteProgress(0, name, enabled=not quiet and comm.is_lead)
-
-            def factory(total: int) -> Callable[[int], None]:
-                progress.reset_total(total)
-                return progress.advance
-
+            progress = ProgressDisplay(progress_wanted(json_out) and comm.is_lead)
             with progress.shown():
-                report = work(comm, factory)
+                report = work(comm, progress)
             lead = comm.is_lead
         if lead:
             show(report)

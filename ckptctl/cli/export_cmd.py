@@ -11,9 +11,11 @@ import typer
 from ckptctl.cli import app
 from ckptctl.cli.common import (
     device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say,
+    timing_json, timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
+from ckptctl.progress import ProgressObserver
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
     from ckptctl.export_hf import ExportReport
@@ -23,8 +25,7 @@ def report_json(report: ExportReport) -> dict:
     return {
         "src": report.src, "dst": report.dst, "arch": report.arch, "tp": report.tp, "dtype": report.dtype,
         "tensors": report.tensors, "files": report.files, "bytes": report.bytes_written,
-        "seconds": round(report.seconds, 6), "gb_per_s": round(report.gb_per_s, 6),
-        "peak_rss_bytes": report.peak_rss_bytes, "verified": report.verified, "notes": report.notes,
+        **timing_json(report), "verified": report.verified, "notes": report.notes,
         "processes": report.processes, "device": report.device,
     }
 
@@ -52,13 +53,13 @@ def export_hf_command(
     Under torchrun each worker writes a share of the safetensors files; rank 0 reports.
     """
 
-    def run(comm: Comm, factory) -> ExportReport:
+    def run(comm: Comm, progress: ProgressObserver) -> ExportReport:
         from ckptctl.export_hf import ExportOptions, export_hf, parse_shard_size
 
         opts = ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype),
                              max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device,
                              sync=not no_sync)
-        return export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress_factory=factory, comm=comm)
+        return export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress=progress, comm=comm)
 
     def show(report: ExportReport) -> None:
         if json_out:
@@ -66,10 +67,7 @@ def export_hf_command(
             return
         for note in report.notes:
             say(f"note: {note}")
-        say(
-            f"wrote {dst} ({report.arch}, {report.tensors} tensors in {report.files} safetensors files, "
-            f"{human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, {report.gb_per_s:.2f} GB/s"
-            + (f" on {report.processes} workers" if report.processes > 1 else "")
-            + f", peak RSS {human_bytes(report.peak_rss_bytes)}" + ("; verified" if report.verified else ""))
+        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {report.files} safetensors files, "
+            f"{human_bytes(report.bytes_written)})" + timing_summary(report))
 
-    run_distributed("export-hf", json_out, dist_backend, run, show)
+    run_distributed(json_out, dist_backend, run, show)

@@ -18,8 +18,11 @@ from ckptctl.cli.common import (
     run_distributed,
     say,
     stdout,
+    timing_json,
+    timing_summary,
 )
 from ckptctl.engine.dist import Comm
+from ckptctl.progress import ProgressObserver
 from ckptctl.errors import UsageError
 from ckptctl.dtypes import CAST_CHOICES
 from ckptctl.reshard import ReshardOptions, ReshardReport, reshard
@@ -30,8 +33,7 @@ def report_json(report: ReshardReport) -> dict:
         "src": report.src, "dst": report.dst, "world_size": report.world_size,
         "dry_run": report.dry_run, "tensors": report.tensors, "bytes_entries": report.bytes_entries,
         "files": report.files, "bytes_read": report.bytes_read, "bytes_written": report.bytes_written,
-        "seconds": round(report.seconds, 6), "gb_per_s": round(report.gb_per_s, 6),
-        "peak_rss_bytes": report.peak_rss_bytes, "predicted_peak_bytes": report.predicted_peak_bytes,
+        **timing_json(report), "predicted_peak_bytes": report.predicted_peak_bytes,
         "verified": report.verified, "processes": report.processes, "device": report.device,
     }
 
@@ -83,12 +85,12 @@ def reshard_command(
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
     """
 
-    def run(comm: Comm, factory) -> ReshardReport:
+    def run(comm: Comm, progress: ProgressObserver) -> ReshardReport:
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
                               device=device, sync=not no_sync, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
                               split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config)
-        return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress_factory=factory,
+        return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                        comm=comm)
 
     def show(report: ReshardReport) -> None:
@@ -102,11 +104,7 @@ def reshard_command(
                 f"write {human_bytes(report.bytes_written)}; predicted peak memory "
                 f"{human_bytes(report.predicted_peak_bytes)}")
             return
-        say(
-            f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)}) in {report.seconds:.2f}s, "
-            f"{report.gb_per_s:.2f} GB/s"
-            + (f" on {report.processes} workers" if report.processes > 1 else "")
-            + f", peak RSS {human_bytes(report.peak_rss_bytes)}"
-            + ("; verified" if report.verified else ""))
+        say(f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)} in {report.files} files)"
+            + timing_summary(report))
 
-    run_distributed("reshard", json_out, dist_backend, run, show)
+    run_distributed(json_out, dist_backend, run, show)

@@ -21,6 +21,7 @@ from ckptctl.dtypes import DType, as_dtype
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
+from ckptctl.progress import Advance
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
 
 ITEM_BYTES = 64 << 20
@@ -126,11 +127,13 @@ class _Reader:
 
 
 def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetTensor],
-                sources: Mapping[str, SourceTensor], chunks: ChunkSource, workers: int = 1) -> int:
+                sources: Mapping[str, SourceTensor], chunks: ChunkSource, workers: int = 1,
+                advance: Advance | None = None) -> int:
     """Re-read every tensor of a written file in row blocks and compare bytes with the source assembly.
 
-    Tensors are dealt round-robin to `workers` threads, each with its own reader. Returns
-    the number of tensors checked; raises CheckpointError at the first difference.
+    Tensors are dealt round-robin to `workers` threads, each with its own reader; `advance`
+    counts each checked tensor's bytes. Returns the number of tensors checked; raises
+    CheckpointError at the first difference.
     """
     names = list(file.offsets)
 
@@ -139,6 +142,8 @@ def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetT
         try:
             for name in group:
                 _verify_tensor(path, reader, targets[name], sources, chunks)
+                if advance is not None:
+                    advance(targets[name].nbytes)
         finally:
             reader.close()
 
