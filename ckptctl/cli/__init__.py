@@ -2,7 +2,8 @@
 
 Errors are turned into exit statuses here and only here: a `CkptctlError` prints one line
 naming the file and the problem and exits 2; `--debug` (anywhere on the line) shows the
-traceback instead.
+traceback instead. `-q/--quiet` (anywhere on the line, or `CKPTCTL_NO_PROGRESS=1`) turns
+progress bars off.
 """
 
 from __future__ import annotations
@@ -17,16 +18,36 @@ app = typer.Typer(
     name="ckptctl",
     help="Inspect, reshard and export PyTorch Distributed Checkpoints offline.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
 )
 
 
+GLOBAL_FLAGS = {"--debug": "DEBUG", "-q": "QUIET", "--quiet": "QUIET"}
+"""Flags accepted anywhere on the line (before or after the command): taken out before typer parses."""
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from ckptctl import __version__
+
+        sys.stdout.write(f"ckptctl {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (accepted anywhere on the line)."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bars (accepted anywhere on the line; "
+                               "also CKPTCTL_NO_PROGRESS=1)."),
 ) -> None:
-    """Inspect, reshard and export PyTorch Distributed Checkpoints offline."""
+    """Inspect, reshard and export PyTorch Distributed Checkpoints offline.
+
+    Exit status: 0 done (diff: equal), 1 problems found (inspect --check) or differences
+    (diff), 2 bad input or unwritable output (one line names the file), 130 interrupted.
+    """
 
 
 def _register() -> None:
@@ -35,8 +56,14 @@ def _register() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    common.DEBUG = "--debug" in args
-    args = [a for a in args if a != "--debug"]
+    if "--" in args:  # after `--` every word is an argument, never a flag
+        head, tail = args[:args.index("--")], args[args.index("--"):]
+    else:
+        head, tail = args, []
+    for flag, name in GLOBAL_FLAGS.items():
+        if flag in head:
+            setattr(common, name, True)
+    args = [a for a in head if a not in GLOBAL_FLAGS] + tail
     _register()
     try:
         app(args=args, prog_name="ckptctl", standalone_mode=True)
