@@ -95,6 +95,14 @@ def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     return not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
 
 
+def refuse_empty_selection(kept: int, total: int, include: Sequence[str], exclude: Sequence[str],
+                           what: str = "entries") -> None:
+    """`--include`/`--exclude` that keep nothing are a mistake, never an empty output with exit 0."""
+    if kept == 0 and (include or exclude):
+        shown = " ".join([f"--include {g!r}" for g in include] + [f"--exclude {g!r}" for g in exclude])
+        raise UsageError(f"{shown} selects none of the {total} {what}")
+
+
 def cast_dtype(src: DType, wanted: DType | None) -> DType:
     """`--dtype` casts floating tensors only; integer and bool tensors keep their dtype."""
     return as_dtype(wanted) if wanted is not None and src.is_floating_point else src
@@ -126,7 +134,15 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     if opts.megatron:
         from ckptctl import megatron_reshard
 
-        return megatron_reshard.plan_megatron(ckpt, opts)
+        out = megatron_reshard.plan_megatron(ckpt, opts)
+    else:
+        out = _plan_fsdp2(ckpt, opts)
+    refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
+                           opts.include, opts.exclude)
+    return out
+
+
+def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     if opts.world_size is None:
         raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
     if opts.world_size < 1:

@@ -16,7 +16,6 @@ from ckptctl.cli import common
 
 app = typer.Typer(
     name="ckptctl",
-    help="Inspect, reshard and export PyTorch Distributed Checkpoints offline.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
