@@ -1,3 +1,53 @@
-"""ckptctl: inspect, reshard and export PyTorch Distributed Checkpoints offline."""
+"""ckptctl: inspect, reshard and export PyTorch Distributed Checkpoints offline.
+
+The library behind the command line, for scripts::
+
+    import ckptctl
+
+    ckpt = ckptctl.open_checkpoint("step-1000")            # metadata only: tensors, chunks, files
+    for problem in ckpt.analysis.problems:                  # what `ckptctl inspect --check` prints
+        print(problem.message)
+    report = ckptctl.reshard("step-1000", "step-1000-ws8", ckptctl.ReshardOptions(world_size=8), verify=True)
+    ckptctl.export_hf("step-1000", "hf", "hf-config", ckptctl.ExportOptions(dtype=None))
+
+Every function takes paths as `str` or `os.PathLike`, returns a report dataclass, and
+raises a `CkptctlError` (the CLI's one-line errors) on bad input. Names are imported on
+first use, so `import ckptctl` stays as cheap as the command line's start-up.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
+
+_API = {
+    "open_checkpoint": "ckptctl.formats.dcp_metadata",
+    "Checkpoint": "ckptctl.model",
+    "reshard": "ckptctl.reshard",
+    "ReshardOptions": "ckptctl.reshard",
+    "ReshardReport": "ckptctl.reshard",
+    "export_hf": "ckptctl.export_hf",
+    "ExportOptions": "ckptctl.export_hf",
+    "ExportReport": "ckptctl.export_hf",
+    "CkptctlError": "ckptctl.errors",
+    "CheckpointError": "ckptctl.errors",
+    "OutputError": "ckptctl.errors",
+    "UsageError": "ckptctl.errors",
+    "IncompleteCheckpointError": "ckptctl.errors",
+}
+__all__ = ["__version__", *_API]
+
+
+def __getattr__(name: str) -> Any:
+    module = _API.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptctl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -9,6 +9,7 @@ with the `inspect --check` diagnosis unless the caller allows them.
 from __future__ import annotations
 
 import fnmatch
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,8 +165,8 @@ def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
 
 
 def reshard(
-    src: Path,
-    dst: Path,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
     opts: ReshardOptions,
     *,
     force: bool = False,
@@ -180,6 +181,7 @@ def reshard(
     arguments); each worker then writes its share of the rank files and rank 0 the metadata.
     """
     started = time.perf_counter()
+    src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
     out = plan_reshard(ckpt, opts)
