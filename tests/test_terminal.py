@@ -126,6 +126,8 @@ def test_a_dumb_terminal_gets_no_escape_sequences_and_no_bar(src, tmp_path):
     (["inspect", "/nonexistent/ckpt"], "ckptctl: error: /nonexistent/ckpt: no such file or directory"),
     (["reshard", "{src}", "{tmp}/o", "-n", "2", "--include", "nothing*"],
      "ckptctl: error: --include 'nothing*' selects none of the 45 entries"),
+    (["inspect", "{src}", "--filter", "decoder.*"],
+     "ckptctl: error: --filter 'decoder.*' matches none of the 45 entries"),
     (["reshard", "{src}", "{tmp}/o", "-n", "0"], "ckptctl: error: --world-size must be at least 1 (got 0)"),
 ])
 def test_errors_at_a_terminal_are_one_line_with_status_2(src, tmp_path, args, line):

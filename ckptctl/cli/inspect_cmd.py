@@ -47,6 +47,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import emit_json, human_bytes, run_guarded, stdout
+from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport
 from ckptctl.model import Checkpoint, Chunk
@@ -215,7 +216,11 @@ def inspect_command(
 
     def body() -> dict[str, Any]:
         opened = open_checkpoint(ckpt)
-        return inspect_document(opened, opened.analysis, pattern)
+        doc = inspect_document(opened, opened.analysis, pattern)
+        if pattern is not None and not doc["tensors"] and not doc["bytes_entries"]:
+            total = len(opened.tensors) + len(opened.bytes_entries)
+            raise UsageError(f"--filter {pattern!r} matches none of the {total} entries")
+        return doc
 
     doc = run_guarded(body)
     if json_out:
