@@ -19,8 +19,10 @@ demo: install
 	rm -rf demo && $(PY) fixtures/demo.py make demo
 	$(VENV)/bin/ckptctl inspect demo/ckpt
 	$(VENV)/bin/ckptctl reshard demo/ckpt demo/ckpt-ws3 --world-size 3 --verify
+	$(VENV)/bin/ckptctl diff demo/ckpt demo/ckpt-ws3
 	$(VENV)/bin/ckptctl inspect demo/ckpt-ws3 --filter 'model.*'
 	$(VENV)/bin/ckptctl export-hf demo/ckpt-ws3 demo/hf --hf-config demo/hf-config --arch raw --verify
+	$(VENV)/bin/ckptctl diff demo/ckpt-ws3 demo/hf
 	$(PY) fixtures/demo.py check demo
 
 test: install
