@@ -9,6 +9,7 @@ The library behind the command line, for scripts::
         print(problem.message)
     report = ckptctl.reshard("step-1000", "step-1000-ws8", ckptctl.ReshardOptions(world_size=8), verify=True)
     ckptctl.export_hf("step-1000", "hf", "hf-config", ckptctl.ExportOptions(dtype=None))
+    assert ckptctl.diff("step-1000", "step-1000-ws8").equal
 
 Every function takes paths as `str` or `os.PathLike`, returns a report dataclass, and
 raises a `CkptctlError` (the CLI's one-line errors) on bad input. Names are imported on
@@ -31,6 +32,8 @@ _API = {
     "export_hf": "ckptctl.export_hf",
     "ExportOptions": "ckptctl.export_hf",
     "ExportReport": "ckptctl.export_hf",
+    "diff": "ckptctl.diff",
+    "DiffReport": "ckptctl.diff",
     "CkptctlError": "ckptctl.errors",
     "CheckpointError": "ckptctl.errors",
     "OutputError": "ckptctl.errors",

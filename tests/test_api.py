@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     lazy = sorted(m for m in ("torch", "rich", "typer") if m in sys.modules)
     ckpt = ckptctl.open_checkpoint(src)
     report = ckptctl.reshard(src, dst, ckptctl.ReshardOptions(world_size=3, include=["model.*"]), verify=True)
+    compared = ckptctl.diff(src, dst)
     try:
         ckptctl.open_checkpoint(dst + "-missing")
     except ckptctl.CkptctlError as exc:
@@ -30,6 +31,7 @@ SCRIPT = textwrap.dedent('''
         "problems": [p.message for p in ckpt.analysis.problems],
         "fc1": [list(ckpt.tensors["model.mlp.fc1.weight"].shape), ckpt.tensors["model.mlp.fc1.weight"].dtype_name],
         "report": [report.world_size, report.tensors, report.verified, report.write_bytes == report.bytes_written],
+        "diff": [compared.equal, compared.counts["equal"], compared.counts["missing in B"]],
         "error": error,
     }))
 ''')
@@ -49,6 +51,7 @@ def test_a_script_opens_checks_and_reshards_through_the_api(fixture_ckpt, tmp_pa
         "tensors": 32, "bytes_entries": 13, "problems": [],
         "fc1": [[12, 8], "float32"],
         "report": [3, 8, True, True],
+        "diff": [False, 8, 24],  # the reshard kept model.* only
         "error": f"{dst}-missing: no such file or directory",
     }
     want, got = flat_state(src, tmp_path), flat_state(dst, tmp_path)
