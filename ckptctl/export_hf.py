@@ -3,21 +3,27 @@
 The steps, each a pure function of metadata until the last: open the checkpoint and the
 target config; pick the family (`--arch`, else config `model_type` and key names); resolve
 the training TP when a fused TP-blocked tensor needs it; let the family express every HF
-tensor as rows of source tensors; shard the tensors with huggingface_hub's planner;
-compute each safetensors header and the copy runs of every record. Then stream the
-records into an atomic output directory, write the index, config and tokenizer files, and
-with `--verify` re-read every tensor before the directory is put in place.
+tensor as rows of source tensors; keep the tensors `--include`/`--exclude` select; shard
+them with huggingface_hub's planner; compute each safetensors header and the copy runs of
+every record. `--dry-run` stops there and reports the plan (`preview_export`). Otherwise
+the records are streamed into an atomic output directory, the index, config, generation
+config and tokenizer files are written as `save_pretrained` writes them, and with
+`--verify` every tensor is re-read before the directory is put in place.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
@@ -29,7 +35,10 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, verify_file, write_index
 from ckptctl.geometry import Box, union_volume
 from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
-from ckptctl.hf.base import ExportContext, HFConfig, MegatronModel, load_hf_config, megatron_prefix
+from ckptctl.hf.base import (
+    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, load_hf_config,
+    megatron_prefix,
+)
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
@@ -40,6 +49,8 @@ from ckptctl.resources import peak_rss_bytes
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 SKIPPED_PREFIXES = ("mtp.",)
 """Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
 
@@ -50,6 +61,11 @@ class ExportOptions:
     tp: int | None = None
     dtype: DType | None = None
     max_shard_size: int | str = "5GB"
+    """Bytes, or a size as transformers writes it (`5GB`, `500MiB`; see `parse_size`)."""
+    include: tuple[str, ...] = ()
+    """Glob patterns over HF tensor names: when given, only tensors matching one are written."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns over HF tensor names: tensors matching one are not written."""
     workers: int = 4
     device: str = "auto"
     sync: bool = True
@@ -72,6 +88,8 @@ class ExportPlan:
     config: dict[str, Any]
     ref_files: list[Path]
     notes: list[str] = field(default_factory=list)
+    generation: dict[str, Any] | None = None
+    """`generation_config.json` derived from the config; None when REF has one (copied) or the model cannot generate."""
 
     @property
     def data_bytes(self) -> int:
@@ -80,6 +98,20 @@ class ExportPlan:
     @property
     def total_size(self) -> int:
         return sum(t.nbytes for t in self.targets.values())
+
+    @property
+    def parameters(self) -> int:
+        """Elements of the written tensors (the index's `total_parameters`)."""
+        return sum(math.prod(t.shape) for t in self.targets.values())
+
+    def side_files(self) -> list[str]:
+        """Names of everything written besides the safetensors files, sorted."""
+        names = {CONFIG_NAME, *(p.name for p in self.ref_files)}
+        if self.weight_map is not None:
+            names.add(INDEX_NAME)
+        if self.generation is not None:
+            names.add(GENERATION_CONFIG_NAME)
+        return sorted(names)
 
     def file_items(self, file: SafetensorsFile) -> list[StreamItem]:
         """The records of one file with their copy runs. Planned a file at a time: a RowParallel
@@ -99,6 +131,7 @@ class ExportReport:
     tensors: int
     files: int
     bytes_written: int
+    parameters: int = 0
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     verified: bool = False
@@ -171,13 +204,33 @@ def resolve_tps(ckpt: Checkpoint, model: MegatronModel, given: int | None) -> tu
 
 
 def output_config(cfg: HFConfig, dtype: DType | None) -> dict[str, Any]:
-    """The REF config with its dtype fields set to the dtype the weights are written in."""
+    """The REF config with its dtype fields set to the dtype the weights are written in, and
+    `architectures` as save_pretrained writes it: REF's, else the transformers class of its
+    model_type (left out for a model_type export-hf has no class for)."""
     data = dict(cfg.data)
     if dtype is not None:
         data["dtype"] = dtype_name(dtype)
         if "torch_dtype" in data:
             data["torch_dtype"] = dtype_name(dtype)
+    if not data.get("architectures") and cfg.model_type in ARCHITECTURES:
+        data["architectures"] = [ARCHITECTURES[cfg.model_type]]
     return data
+
+
+def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The names `--include`/`--exclude` keep (all unless an include matches; minus any exclude
+    match), and a note for each pattern that matches no name at all (a typo, most likely)."""
+    names = list(names)
+    kept = [n for n in names if (not include or any(fnmatchcase(n, p) for p in include))
+            and not any(fnmatchcase(n, p) for p in exclude)]
+    notes = [f"{flag} {pattern!r} matches no tensor" for flag, patterns in (("--include", include),
+                                                                           ("--exclude", exclude))
+             for pattern in patterns if not any(fnmatchcase(n, pattern) for n in names)]
+    if not kept:
+        shown = " ".join(f"{flag} {p!r}" for flag, patterns in (("--include", include), ("--exclude", exclude))
+                         for p in patterns)
+        raise UsageError(f"{shown} selects none of the {len(names)} tensors")
+    return kept, notes
 
 
 def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportPlan:
@@ -201,22 +254,33 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
             ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
     if not tensors:
         raise CheckpointError(ckpt.path, "nothing to export")
+    if opts.include or opts.exclude:
+        kept, notes = select(sorted(tensors), opts.include, opts.exclude)
+        ctx.notes.extend(notes)
+        if len(kept) < len(tensors):
+            ctx.notes.append(f"{len(kept)} of {len(tensors)} tensors selected by --include/--exclude")
+        tensors = {name: tensors[name] for name in kept}
     used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
     sources = {fqn: source_view(ckpt.tensors[fqn]) for fqn in used_fqns}
     targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
     check_coverage(ckpt, targets.values(), sources)
-    split = shard(targets, opts.max_shard_size)
+    split = shard(targets, parse_size(opts.max_shard_size))
     files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
     floating = Counter()
     for t in targets.values():
         if t.dtype.is_floating_point:
             floating[t.dtype] += t.nbytes
     out_dtype = opts.dtype or (floating.most_common(1)[0][0] if floating else None)
+    config = output_config(cfg, out_dtype)
+    ref_files = cfg.ref_files()
+    copied = {p.name for p in ref_files}
+    derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
     return ExportPlan(
         family=family.name, prefix=prefix, tp=tp, expert_tp=etp, targets=targets, sources=sources, files=files,
-        file_targets=dict(split.filename_to_tensors),
+        file_targets={f.name: list(f.offsets) for f in files},
         weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
-        config=output_config(cfg, out_dtype), ref_files=cfg.ref_files(), notes=ctx.notes,
+        config=config, ref_files=ref_files, notes=ctx.notes,
+        generation=generation_config(config) if derive else None,
     )
 
 
@@ -239,27 +303,140 @@ def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: M
         raise IncompleteCheckpointError(ckpt.path, problems)
 
 
-def shard(targets: dict[str, TargetTensor], max_shard_size: int | str):
+def shard(targets: dict[str, TargetTensor], max_shard_size: int):
     """huggingface_hub's own shard planner over the targets' byte sizes."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
-    try:
-        return split_state_dict_into_shards_factory(
-            targets, get_storage_size=lambda t: t.nbytes, filename_pattern=FILENAME_PATTERN,
-            max_shard_size=max_shard_size)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(f"--max-shard-size {max_shard_size!r}: {exc} (use e.g. 5GB, 500MB)") from None
+    return split_state_dict_into_shards_factory(
+        targets, get_storage_size=lambda t: t.nbytes, filename_pattern=FILENAME_PATTERN,
+        max_shard_size=max_shard_size)
 
 
-def parse_shard_size(value: str) -> int | str:
-    text = value.strip()
-    return int(text) if text.isdigit() else text.upper()
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kKmMgGtT])(?:([iI][bB])|([bB])))?\s*")
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+SIZE_EXAMPLES = "5GB, 500MB, 5GiB, 500MiB, 1.5GB or bytes; Gb, Mb, Kb are bits"
+
+
+def parse_size(value: int | str, option: str = "--max-shard-size") -> int:
+    """Bytes from a size as transformers' `convert_file_size_to_int` reads it: `5GB` = 5·10^9,
+    `5GiB` = 5·2^30 (KiB, MiB, GiB, TiB in any case), a lower-case final `b` counts bits
+    (`5Gb` = 5·10^9 / 8), a plain integer is bytes. Fractions (`1.5GB`) are accepted, as
+    huggingface_hub does; the result is rounded down."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = Fraction(value)
+    else:
+        match = _SIZE.fullmatch(str(value))
+        if match is None:
+            raise UsageError(f"{option} {value!r}: not a size (use {SIZE_EXAMPLES})")
+        number, prefix, binary, unit = match.groups()
+        size = Fraction(number)
+        if prefix is not None:
+            size *= (1024 if binary else 1000) ** _POWERS[prefix.lower()]
+            if unit == "b":
+                size /= 8
+    if size < 1:
+        raise UsageError(f"{option} {value!r}: must be at least 1 byte (use {SIZE_EXAMPLES})")
+    return math.floor(size)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One safetensors file of the plan: its name, size in bytes (header included) and tensor count."""
+
+    name: str
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """The rows of one source tensor an HF tensor takes, in order (`[start, stop)` ranges)."""
+
+    fqn: str
+    rows: tuple[tuple[int, int], ...]
+    source_rows: int
+    """Rows of the whole source tensor (0 for a 0-d one)."""
+
+    @property
+    def whole(self) -> bool:
+        return self.rows in ((), ((0, self.source_rows),))
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One HF tensor of the plan: shape, dtype, file, the source rows it is made of, a constant added."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+    sources: tuple[SourceRows, ...]
+    add: float = 0.0
+
+
+@dataclass
+class ExportPreview:
+    """What `export-hf --dry-run` reports: the whole plan, nothing written."""
+
+    src: str
+    dst: str
+    arch: str
+    tp: int | None
+    dtype: str
+    parameters: int
+    files: list[PlannedFile]
+    side_files: list[str]
+    tensors: list[PlannedTensor]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {t.name: t.file for t in self.tensors}
+
+    @property
+    def mapping(self) -> dict[str, list[str]]:
+        """Each HF tensor's source FQNs, in the order their rows come."""
+        return {t.name: [s.fqn for s in t.sources] for t in self.tensors}
+
+
+def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> tuple[SourceRows, ...]:
+    """The source rows of a target, grouped by source in order of first use; adjacent ranges merged."""
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for piece in target.pieces:
+        start = piece.src_start[0] if piece.src_start else 0
+        stop = start + (piece.sizes[0] if piece.sizes else 0)
+        ranges = rows.setdefault(piece.src, [])
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], stop)
+        elif piece.sizes:
+            ranges.append((start, stop))
+    return tuple(SourceRows(fqn, tuple(r), sources[fqn].shape[0] if sources[fqn].shape else 0)
+                 for fqn, r in rows.items())
+
+
+def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
+    """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
+    (DST may exist; it is not looked at)."""
+    plan = plan_export(open_checkpoint(src), load_hf_config(ref), opts)
+    where = {name: f.name for f in plan.files for name in plan.file_targets[f.name]}
+    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
+               for name, t in sorted(plan.targets.items())]
+    return ExportPreview(
+        src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
+        parameters=plan.parameters,
+        files=[PlannedFile(f.name, f.size, len(plan.file_targets[f.name])) for f in plan.files],
+        side_files=plan.side_files(), tensors=tensors, notes=list(plan.notes),
+    )
 
 
 def export_hf(
     src: Path,
     dst: Path,
-    ref: Path,
+    ref: str | Path,
     opts: ExportOptions,
     *,
     force: bool = False,
@@ -286,7 +463,8 @@ def export_hf(
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
         tensors=len(plan.targets), files=len(plan.files), bytes_written=sum(f.size for f in plan.files),
-        notes=list(plan.notes), processes=comm.world_size, device=resolve_device(opts.device),
+        parameters=plan.parameters, notes=list(plan.notes), processes=comm.world_size,
+        device=resolve_device(opts.device),
     )
     sources = ChunkSource(ckpt)
 
@@ -323,10 +501,13 @@ def export_hf(
 
 
 def write_side_files(plan: ExportPlan, out: Path) -> None:
-    """Index (when sharded), config.json with the output dtype, tokenizer and generation files of REF."""
+    """Index (when sharded), config.json with the output dtype, the generation config (REF's,
+    else derived from the config), tokenizer files of REF; JSON as transformers writes it."""
     if plan.weight_map is not None:
-        write_index(out / INDEX_NAME, plan.total_size, plan.weight_map)
-    (out / "config.json").write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+        write_index(out / INDEX_NAME, plan.parameters, plan.total_size, plan.weight_map)
+    (out / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    if plan.generation is not None:
+        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")
     for path in plan.ref_files:
         try:
             shutil.copyfile(path, out / path.name)

@@ -242,7 +242,7 @@ def test_missing_config_is_refused_in_one_line(tmp_path):
     res = run_cli("export-hf", tmp_path / "nowhere", tmp_path / "dst", "--hf-config", tmp_path / "ref")
     assert res.returncode == 2
     assert res.stderr == (f"ckptctl: error: {tmp_path / 'ref'}: no config.json in this folder "
-                          f"(--hf-config wants a Hugging Face model folder or its config.json)\n")
+                          f"(--hf-config wants a Hugging Face model folder, its config.json, or a Hub model id)\n")
     assert not (tmp_path / "dst").exists()
 
 

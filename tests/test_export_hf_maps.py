@@ -178,21 +178,37 @@ def test_shards_follow_huggingface_hub_and_tied_embeddings_are_written_once(refe
     assert [f.name for f in plan.files] == [f"model-{i:05d}-of-{len(plan.files):05d}.safetensors"
                                             for i in range(1, len(plan.files) + 1)]
     assert "lm_head.weight" not in plan.targets and sorted(plan.weight_map) == sorted(plan.targets)
+    assert plan.parameters == sum(t.numel() for t in ref.state.values())
     assert all(f.size - len(f.header) <= 20_000 or len(plan.file_targets[f.name]) == 1 for f in plan.files)
     assert [p.name for p in plan.ref_files] == ["generation_config.json", "special_tokens_map.json",
                                                 "tokenizer_config.json"]
 
 
-def test_safetensors_header_is_aligned_and_contiguous():
-    targets = [TargetTensor("b", (3, 2), torch.bfloat16, ()), TargetTensor("a", (5,), torch.float32, ()),
-               TargetTensor("e", (0, 4), torch.float32, ())]
+def test_safetensors_header_is_aligned_contiguous_and_in_the_writers_order():
+    targets = [TargetTensor("b", (3, 1), torch.bfloat16, ()), TargetTensor("a", (5,), torch.float32, ()),
+               TargetTensor("e", (0, 4), torch.float32, ()), TargetTensor("c", (2,), torch.int64, ())]
     f = layout_file("model.safetensors", targets)
     (n,) = struct.unpack("<Q", f.header[:8])
     assert len(f.header) == 8 + n and n % 8 == 0
     header = json.loads(f.header[8:])
+    assert list(header) == ["__metadata__", "c", "a", "e", "b"]  # widest dtype first, then by name
     assert header["__metadata__"] == {"format": "pt"}
-    assert [header[k]["data_offsets"] for k in "bae"] == [[0, 12], [12, 32], [32, 32]]
-    assert (header["b"]["dtype"], f.offsets["a"], f.size) == ("BF16", len(f.header) + 12, len(f.header) + 32)
+    assert [header[k]["data_offsets"] for k in "caeb"] == [[0, 16], [16, 36], [36, 36], [36, 42]]
+    assert (header["b"]["dtype"], f.offsets["b"], f.size) == ("BF16", len(f.header) + 36, len(f.header) + 42)
+    assert list(f.offsets) == ["c", "a", "e", "b"]
+
+
+def test_header_is_byte_for_byte_the_one_safetensors_writes(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"z.bf16": torch.ones(3, dtype=torch.bfloat16), "a.bool": torch.ones(1, dtype=torch.bool),
+               "m.fp32": torch.ones(2, 2), "b.fp16": torch.ones(5, dtype=torch.float16),
+               "q.i64": torch.ones(1, dtype=torch.int64), "c.u8": torch.ones(7, dtype=torch.uint8),
+               "d.fp32": torch.ones(0, 3), "k.i32": torch.ones(3, dtype=torch.int32)}
+    save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
+    data = (tmp_path / "ref.safetensors").read_bytes()
+    f = layout_file("x.safetensors", [TargetTensor(k, tuple(t.shape), t.dtype, ()) for k, t in tensors.items()])
+    assert f.header == data[:len(f.header)] and f.size == len(data)
 
 
 def test_rows_missing_from_every_chunk_are_refused_before_writing(references):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -10,7 +11,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say,
+    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say, stdout,
     timing_json, timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
@@ -18,32 +19,131 @@ from ckptctl.engine.dist import Comm
 from ckptctl.progress import ProgressObserver
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
-    from ckptctl.export_hf import ExportReport
+    from ckptctl.export_hf import ExportPreview, ExportReport, SourceRows
+
+ROW_RANGES_SHOWN = 3
+"""Row ranges of one source listed per mapping line before `(+N more)`."""
 
 
 def report_json(report: ExportReport) -> dict:
     return {
         "src": report.src, "dst": report.dst, "arch": report.arch, "tp": report.tp, "dtype": report.dtype,
-        "tensors": report.tensors, "files": report.files, "bytes": report.bytes_written,
-        **timing_json(report), "verified": report.verified, "notes": report.notes,
+        "tensors": report.tensors, "parameters": report.parameters, "files": report.files,
+        "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "notes": report.notes,
         "processes": report.processes, "device": report.device,
     }
+
+
+def preview_json(preview: ExportPreview) -> dict:
+    """`--dry-run --json`: the run's summary fields, with `files` listed and the name mapping."""
+    return {
+        "dry_run": True, "src": preview.src, "dst": preview.dst, "arch": preview.arch, "tp": preview.tp,
+        "dtype": preview.dtype, "tensors": len(preview.tensors), "parameters": preview.parameters,
+        "bytes": preview.bytes,
+        "files": [{"name": f.name, "bytes": f.bytes, "tensors": f.tensors} for f in preview.files],
+        "side_files": preview.side_files, "weight_map": preview.weight_map, "mapping": preview.mapping,
+        "notes": preview.notes,
+    }
+
+
+def counted(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def source_text(rows: SourceRows) -> str:
+    """`FQN` for a whole source tensor, else `FQN rows 0:4, 8:12 (+2 more)`."""
+    if rows.whole:
+        return rows.fqn
+    shown = ", ".join(f"{a}:{b}" for a, b in rows.rows[:ROW_RANGES_SHOWN])
+    more = f" (+{len(rows.rows) - ROW_RANGES_SHOWN} more)" if len(rows.rows) > ROW_RANGES_SHOWN else ""
+    return f"{rows.fqn} rows {shown}{more}"
+
+
+def summary_line(preview: ExportPreview) -> str:
+    tp = f", TP {preview.tp}" if preview.tp is not None else ""
+    return (f"{preview.arch}{tp}, {preview.dtype or 'dtype kept'}: {counted(len(preview.tensors), 'tensor')} "
+            f"({counted(preview.parameters, 'parameter')}), {preview.bytes} bytes in "
+            f"{counted(len(preview.files), 'safetensors file')}")
+
+
+def print_preview_plain(preview: ExportPreview) -> None:
+    """Plain lines for a pipe: summary, one line per file, side files, one line per HF tensor."""
+    out = [f"dry run: nothing written to {preview.dst}", summary_line(preview)]
+    out += [f"{f.name}  {f.bytes} bytes  {counted(f.tensors, 'tensor')}" for f in preview.files]
+    out.append("also " + ", ".join(preview.side_files))
+    for t in preview.tensors:
+        add = f" + {t.add:g}" if t.add else ""
+        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add)
+    sys.stdout.write("\n".join(out) + "\n")
+    sys.stdout.flush()
+
+
+def print_preview_table(preview: ExportPreview) -> None:
+    """rich tables for a terminal: summary, files, then each HF tensor with its sources."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    console = stdout()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for key, value in (("Dry run", f"nothing written to {preview.dst}"), ("Source", preview.src),
+                       ("Arch", preview.arch + (f" (TP {preview.tp})" if preview.tp is not None else "")),
+                       ("Dtype", preview.dtype or "kept"),
+                       ("Tensors", f"{len(preview.tensors)} ({preview.parameters:,} parameters), "
+                                   f"{human_bytes(preview.bytes)} in {counted(len(preview.files), 'file')}"),
+                       ("Also", ", ".join(preview.side_files))):
+        grid.add_row(key, Text(value))
+    console.print(grid)
+    files = Table(title=counted(len(preview.files), "safetensors file"), title_justify="left")
+    files.add_column("#", justify="right", no_wrap=True)
+    files.add_column("file", no_wrap=True)
+    files.add_column("size", justify="right", no_wrap=True)
+    files.add_column("tensors", justify="right", no_wrap=True)
+    number = {}
+    for i, f in enumerate(preview.files, 1):
+        number[f.name] = str(i)
+        files.add_row(number[f.name], Text(f.name), human_bytes(f.bytes), str(f.tensors))
+    console.print(files)
+    tensors = Table(title=counted(len(preview.tensors), "tensor"), title_justify="left", box=box.SIMPLE_HEAD)
+    tensors.add_column("HF tensor", overflow="fold", ratio=2)
+    tensors.add_column("shape", no_wrap=True)
+    tensors.add_column("#", justify="right", no_wrap=True)
+    tensors.add_column("← source rows", overflow="fold", ratio=3)
+    for t in preview.tensors:
+        sources = "\n".join(source_text(s) for s in t.sources) + (f"\n+ {t.add:g}" if t.add else "")
+        tensors.add_row(Text(t.name), str(list(t.shape)), number[t.file], Text(sources))
+    console.print(tensors)
 
 
 @app.command("export-hf")
 def export_hf_command(
     src: Path = typer.Argument(..., help="Source DCP checkpoint directory (opened read-only)."),
     dst: Path = typer.Argument(..., help="Output Hugging Face model folder (written atomically)."),
-    hf_config: Path = typer.Option(..., "--hf-config", help="HF model folder with config.json, or the config file."),
+    hf_config: str = typer.Option(..., "--hf-config", metavar="<ref>",
+                                  help="HF model folder with config.json, the config file, or a Hub model id "
+                                       "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
+                                       "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
     arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|raw."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size, for fused TP-blocked tensors "
                                                          "(default: the checkpoint's args, else its geometry)."),
     dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="Largest safetensors file, e.g. 5GB, 500MB."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size",
+                                       help="Largest safetensors file, as transformers reads it: 5GB (10^9 bytes), "
+                                            "5GiB (2^30), 500MB, 500MiB, 1.5GB, or plain bytes; Gb/Mb/Kb are bits."),
+    include: Optional[list[str]] = typer.Option(None, "--include", metavar="<glob>",
+                                                help="Write only HF tensors whose name matches this glob "
+                                                     "(repeatable; fnmatch, e.g. 'model.layers.0.*')."),
+    exclude: Optional[list[str]] = typer.Option(None, "--exclude", metavar="<glob>",
+                                                help="Leave out HF tensors whose name matches this glob "
+                                                     "(repeatable; applied after --include)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing (DST may exist): show tensors, bytes, "
+                                                          "shard files and the source tensors of each HF tensor."),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read every output tensor and compare it with the source."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
-    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     device: str = device_option(),
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
@@ -51,17 +151,29 @@ def export_hf_command(
     """Write a Hugging Face safetensors model folder from a Megatron-FSDP or FSDP2 checkpoint, streaming.
 
     Under torchrun each worker writes a share of the safetensors files; rank 0 reports.
+
+    Examples: `ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16` ·
+    `ckptctl export-hf ckpt/step-1000 hf/ --hf-config ref/ --dry-run --include 'model.layers.0.*'`
     """
 
-    def run(comm: Comm, progress: ProgressObserver) -> ExportReport:
-        from ckptctl.export_hf import ExportOptions, export_hf, parse_shard_size
+    def options():
+        from ckptctl.export_hf import ExportOptions, parse_size
 
-        opts = ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype),
-                             max_shard_size=parse_shard_size(max_shard_size), workers=max(1, workers), device=device,
-                             sync=not no_sync)
-        return export_hf(src, dst, hf_config, opts, force=force, verify=verify, progress=progress, comm=comm)
+        return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
+                             include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
+                             device=device, sync=not no_sync)
 
-    def show(report: ExportReport) -> None:
+    def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
+        from ckptctl.export_hf import export_hf, preview_export
+
+        if dry_run:
+            return preview_export(src, dst, hf_config, options())
+        return export_hf(src, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm)
+
+    def show(report: ExportReport | ExportPreview) -> None:
+        if dry_run:
+            show_preview(report)
+            return
         if json_out:
             emit_json(report_json(report))
             return
@@ -69,5 +181,16 @@ def export_hf_command(
             say(f"note: {note}")
         say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {report.files} safetensors files, "
             f"{human_bytes(report.bytes_written)})" + timing_summary(report))
+
+    def show_preview(preview: ExportPreview) -> None:
+        if json_out:
+            emit_json(preview_json(preview))
+            return
+        for note in preview.notes:
+            say(f"note: {note}")
+        if sys.stdout.isatty():
+            print_preview_table(preview)
+        else:
+            print_preview_plain(preview)
 
     run_distributed(json_out, dist_backend, run, show)

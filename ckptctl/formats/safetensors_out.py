@@ -1,8 +1,10 @@
 """Stream tensors into safetensors files: header computed first, then raw bytes at their offsets.
 
 A safetensors file is 8 bytes of header length, a JSON header (names, dtypes, shapes,
-byte ranges; padded to 8 bytes) and the tensors' raw row-major bytes. Everything about a
-file is known before any data moves, so each tensor becomes `StreamItem`s (raw records,
+byte ranges; padded to 8 bytes) and the tensors' raw row-major bytes. Tensors are laid out
+in the order safetensors' own writer uses (dtype, widest first, then name), so every
+tensor's data starts at a multiple of its item size. Everything about a file is known
+before any data moves, so each tensor becomes `StreamItem`s (raw records,
 `tail=None`) at fixed offsets that the CPU engine fills in any order and in parallel,
 without ever holding a whole tensor, let alone a whole shard. `verify_file` re-reads a
 written file in row blocks through safetensors' own lazy reader.
@@ -24,6 +26,11 @@ from ckptctl.geometry import Box, full_box, rows_box
 from ckptctl.progress import Advance
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
 
+WRITE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+               "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+"""safetensors' dtype order (its `Dtype` enum), narrowest first: its writer lays tensors out in
+descending order of this, then by name. A code it does not list sorts before all of them."""
+_WRITE_RANK = {code: rank for rank, code in enumerate(WRITE_ORDER)}
 ITEM_BYTES = 64 << 20
 """Tensors larger than this are written as several row-block items, so workers share big tensors."""
 REOPEN_BYTES = 64 << 20
@@ -51,13 +58,22 @@ def dtype_code(dtype: DType, name: str) -> str:
     return code
 
 
+def write_order(targets: Sequence[TargetTensor]) -> list[TargetTensor]:
+    """`targets` in the order safetensors' writer lays them out: dtype (widest first), then name.
+    Widest first keeps every data offset a multiple of its tensor's item size."""
+    def key(target: TargetTensor) -> tuple[int, str]:
+        return -_WRITE_RANK.get(dtype_code(target.dtype, target.fqn), len(WRITE_ORDER)), target.fqn
+
+    return sorted(targets, key=key)
+
+
 def layout_file(name: str, targets: Sequence[TargetTensor],
                 metadata: Mapping[str, str] | None = None) -> SafetensorsFile:
-    """The header of a file holding `targets` in order, and each tensor's absolute data offset."""
+    """The header of a file holding `targets` (in `write_order`), and each tensor's absolute data offset."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
     at = 0
     relative: dict[str, int] = {}
-    for target in targets:
+    for target in write_order(targets):
         nbytes = target.nbytes
         header[target.fqn] = {"dtype": dtype_code(target.dtype, target.fqn), "shape": list(target.shape),
                               "data_offsets": [at, at + nbytes]}
@@ -96,10 +112,11 @@ def stream_items(file: SafetensorsFile, targets: Sequence[TargetTensor], sources
     return items
 
 
-def write_index(path: Path, total_size: int, weight_map: Mapping[str, str]) -> None:
-    """`model.safetensors.index.json` as transformers writes it."""
-    doc = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+def write_index(path: Path, total_parameters: int, total_size: int, weight_map: Mapping[str, str]) -> None:
+    """`model.safetensors.index.json` as transformers' `save_pretrained` writes it (keys sorted)."""
+    doc = {"metadata": {"total_parameters": total_parameters, "total_size": total_size},
+           "weight_map": dict(weight_map)}
+    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
 
 class _Reader:

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import Piece, TargetTensor
@@ -88,11 +89,14 @@ class HFConfig:
 
 
 def load_hf_config(ref: str | Path) -> HFConfig:
-    """REF is an HF model folder holding `config.json`, or the config file itself."""
+    """REF is an HF model folder holding `config.json`, the config file itself, or a Hub model id
+    (`Qwen/Qwen3-8B`, when no such path exists: taken from the Hugging Face cache, else downloaded)."""
     ref = Path(ref)
-    hint = "--hf-config wants a Hugging Face model folder or its config.json"
+    hint = "--hf-config wants a Hugging Face model folder, its config.json, or a Hub model id"
     if not ref.exists():
-        raise UsageError(f"{ref}: no such file or directory ({hint})")
+        if not looks_like_repo_id(str(ref)):
+            raise UsageError(f"{ref}: no such file or directory ({hint})")
+        ref = resolve_repo(str(ref), ("config.json", *COPIED_REF_FILES))
     folder = None
     path = ref
     if ref.is_dir():
@@ -106,6 +110,82 @@ def load_hf_config(ref: str | Path) -> HFConfig:
     if not isinstance(data, dict):
         raise UsageError(f"{path}: not a JSON object (is this a config.json?)")
     return HFConfig(path, data, folder)
+
+
+# --------------------------------------------------------------------------------------
+# What save_pretrained writes next to the weights
+# --------------------------------------------------------------------------------------
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+"""The transformers model class of each `model_type` export-hf writes, for a REF without `architectures`."""
+
+GENERATION_KEYS = (
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "early_stopping", "max_time", "stop_strings",
+    "do_sample", "num_beams", "use_mtp", "use_cache", "cache_implementation", "cache_config", "max_cache_len",
+    "temperature", "top_k", "top_p", "min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff",
+    "repetition_penalty", "encoder_repetition_penalty", "length_penalty", "no_repeat_ngram_size", "bad_words_ids",
+    "renormalize_logits", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens", "sequence_bias",
+    "token_healing", "guidance_scale", "watermarking_config", "num_return_sequences", "output_attentions",
+    "output_hidden_states", "output_scores", "output_logits", "return_dict_in_generate", "pad_token_id",
+    "bos_token_id", "eos_token_id", "encoder_no_repeat_ngram_size", "decoder_start_token_id", "is_assistant",
+    "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+    "prompt_lookup_num_tokens", "max_matching_ngram_size", "assistant_early_exit", "assistant_lookbehind",
+    "target_lookbehind", "assistant_ensemble_weight", "speculation_type", "compile_config", "disable_compile",
+    "continuous_batching_config", "low_memory", "penalty_alpha", "dola_layers", "diversity_penalty",
+    "num_beam_groups", "constraints", "force_words_ids", "prefill_chunk_size",
+)
+"""The attributes of transformers' `GenerationConfig` (5.x): a model config's values for these
+(when not null) become its generation config."""
+DROPPED_FROM_MODEL_CONFIG = frozenset({
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "temperature", "top_k", "top_p",
+    "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size",
+    "bad_words_ids", "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+    "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "epsilon_cutoff", "eta_cutoff", "encoder_repetition_penalty", "num_assistant_tokens",
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "num_beam_groups", "diversity_penalty",
+})
+"""Generation parameters transformers 5 ignores in a model config.json (they belong in
+generation_config.json); `use_cache`, a field of every family's config, is kept."""
+CONFIG_DEFAULTS = {"output_attentions": False, "output_hidden_states": False}
+"""Generation attributes every transformers model config has even when config.json omits them
+(`PreTrainedConfig` defaults), so `from_model_config` carries them."""
+TEXT_CONFIG_KEYS = ("decoder", "generator", "text_config")
+"""Where a composite config keeps its text decoder, whose generation attributes fill the unset ones."""
+OUTPUT_FLAGS = ("output_attentions", "output_hidden_states", "output_scores", "output_logits")
+
+
+def generative(architectures: Sequence[str]) -> bool:
+    """Whether transformers would save a generation config for a model of these classes."""
+    return any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures)
+
+
+def generation_config(config: dict[str, Any]) -> dict[str, Any]:
+    """`generation_config.json` as transformers 5's `save_pretrained` derives it from a model config
+    that has none (`GenerationConfig.from_model_config`): the config's non-null generation
+    attributes but those a model config may no longer carry (a composite config's text decoder
+    filling the unset ones), `return_dict_in_generate` when an output flag is on,
+    `_from_model_config`, and the config's `transformers_version`."""
+    def taken(values: dict[str, Any]) -> dict[str, Any]:
+        return {k: values[k] for k in GENERATION_KEYS
+                if k not in DROPPED_FROM_MODEL_CONFIG and values.get(k) is not None}
+
+    data = {**CONFIG_DEFAULTS, **config}
+    out = taken(data)
+    if data.get("force_bos_token_to_be_generated"):  # a legacy spelling transformers still honours
+        out["forced_bos_token_id"] = out.get("bos_token_id")
+    text = next((data[k] for k in TEXT_CONFIG_KEYS if isinstance(data.get(k), dict) and data[k]), None)
+    if text is not None:
+        out.update({k: v for k, v in taken({**CONFIG_DEFAULTS, **text}).items() if out.get(k) is None})
+    out = {k: v for k, v in out.items() if v is not None}
+    if not out.get("return_dict_in_generate") and any(out.get(k) for k in OUTPUT_FLAGS):
+        out["return_dict_in_generate"] = True
+    out["_from_model_config"] = True
+    if config.get("transformers_version"):
+        out["transformers_version"] = config["transformers_version"]
+    return dict(sorted(out.items()))
 
 
 # --------------------------------------------------------------------------------------
