@@ -526,7 +526,7 @@ def test_export_with_verify_on_a_terminal_shows_both_bars_and_the_final_line(lla
         in lines[0]
     assert lines[1].startswith("verifying  ━") and " kB " in lines[1]
     final = " ".join(lines[2:])
-    assert final.startswith(f"wrote {dst} (llama, 21 tensors in 1 safetensors files, {size / 1000:.1f} kB) in ")
+    assert final.startswith(f"wrote {dst} (llama, 21 tensors in 1 safetensors file, {size / 1000:.1f} kB) in ")
     assert ", verifying " in final and final.endswith(" verified")
     assert any(f.startswith("writing") for f in run.frames) and any(f.startswith("verifying") for f in run.frames)
     assert_same_model(dst, llama.ref)

@@ -179,7 +179,8 @@ def export_hf_command(
             return
         for note in report.notes:
             say(f"note: {note}")
-        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {report.files} safetensors files, "
+        files = "1 safetensors file" if report.files == 1 else f"{report.files} safetensors files"
+        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {files}, "
             f"{human_bytes(report.bytes_written)})" + timing_summary(report))
 
     def show_preview(preview: ExportPreview) -> None:

@@ -75,7 +75,7 @@ def reshard_command(
     fuse: bool = typer.Option(False, "--fuse", help="Inverse of --split-fused: fuse components, TP-blocked for --tp."),
     flat_optimizer: bool = typer.Option(False, "--flat-optimizer", help="Write per-param optimizer states flat "
                                         "(1-D, item coordinates) as CPU-offloaded Megatron-FSDP saves them."),
-    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="HF model folder or config.json giving the model "
+    hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="HF model folder, its config.json, or a Hub model id, giving the model "
                                              "dims a split needs (GDN heads/dims, hidden_act); default: args."),
 ) -> None:
     """Rewrite a checkpoint as FSDP2 would save it at --world-size ranks, streaming and bit-exact.
