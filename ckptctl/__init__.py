@@ -32,6 +32,8 @@ _API = {
     "export_hf": "ckptctl.export_hf",
     "ExportOptions": "ckptctl.export_hf",
     "ExportReport": "ckptctl.export_hf",
+    "preview_export": "ckptctl.export_hf",
+    "ExportPreview": "ckptctl.export_hf",
     "diff": "ckptctl.diff",
     "DiffReport": "ckptctl.diff",
     "CkptctlError": "ckptctl.errors",
