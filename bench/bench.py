@@ -115,6 +115,7 @@ def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[st
         "torch dcp_to_torch_save": ([PY, "-c", "import sys; from torch.distributed.checkpoint.format_utils import "
                                      f"dcp_to_torch_save as f; f({str(src)!r}, {str(out / 'single.pt')!r})"],
                                     out / "single.pt"),
+        "ckptctl export-torch": ([*ckptctl, "export-torch", str(src), str(out / "export.pt")], out / "export.pt"),
         f"torch DCP load+save at {TARGET_RANKS} ranks": (
             [PY, "-c", code_rt % (str(ROOT), TARGET_RANKS, str(src), str(out / "torch_rt"))], out / "torch_rt"),
         f"ckptctl reshard -n {TARGET_RANKS}": (

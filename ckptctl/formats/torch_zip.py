@@ -30,17 +30,22 @@ _FLAGS = 0x0808  # data descriptor follows the data; names are UTF-8
 _ZIP64_LIMIT = 0xFFFFFFFF
 
 
-@functools.lru_cache(maxsize=4096)  # records of a sharded tensor share a few shapes; pickling is Python code
-def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+def tensor_reduce(dtype: DType, shape: tuple[int, ...], key: str, stride: tuple[int, ...] | None = None) -> Call:
+    """How torch.save pickles a dense CPU tensor whose storage is record `data/{key}`: a
+    typed storage and `_rebuild_tensor_v2` for dtypes that have one, else v3 with the dtype."""
     numel = math.prod(shape)
+    stride = strides(shape) if stride is None else stride
     hooks = collections.OrderedDict()
     if dtype.storage:  # dtypes with a legacy typed storage: torch keeps the v2 format
-        storage = Persistent(("storage", ref("torch", dtype.storage), "0", "cpu", numel))
-        args = (storage, 0, tuple(shape), strides(shape), False, hooks)
-        return dumps(Call(ref("torch._utils", "_rebuild_tensor_v2"), args), protocol=2)
-    storage = Persistent(("storage", ref("torch.storage", "UntypedStorage"), "0", "cpu", numel * dtype.itemsize))
-    args = (storage, 0, tuple(shape), strides(shape), False, hooks, dtype)
-    return dumps(Call(ref("torch._utils", "_rebuild_tensor_v3"), args), protocol=2)
+        storage = Persistent(("storage", ref("torch", dtype.storage), key, "cpu", numel))
+        return Call(ref("torch._utils", "_rebuild_tensor_v2"), (storage, 0, tuple(shape), stride, False, hooks))
+    storage = Persistent(("storage", ref("torch.storage", "UntypedStorage"), key, "cpu", numel * dtype.itemsize))
+    return Call(ref("torch._utils", "_rebuild_tensor_v3"), (storage, 0, tuple(shape), stride, False, hooks, dtype))
+
+
+@functools.lru_cache(maxsize=4096)  # records of a sharded tensor share a few shapes; pickling is Python code
+def _tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
+    return dumps(tensor_reduce(dtype, shape, "0"), protocol=2)
 
 
 def tensor_pickle(dtype: DType, shape: tuple[int, ...]) -> bytes:
@@ -154,8 +159,8 @@ def _tail_template(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip6
     return _TailTemplate(bytes(tail), tuple(crc_at), id_at, tuple(id_crc_at))
 
 
-def _central_record(e: _Entry) -> bytes:
-    name = f"{ARCHIVE}/{e.name}".encode()
+def _central_record(e: _Entry, archive: str = ARCHIVE) -> bytes:
+    name = f"{archive}/{e.name}".encode()
     if e.zip64:
         extra = struct.pack("<HHQQQ", 0x0001, 24, e.size, e.size, e.offset)
         size32, offset32, version = _ZIP64_LIMIT, _ZIP64_LIMIT, 45

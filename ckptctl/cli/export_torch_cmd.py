@@ -1,0 +1,74 @@
+"""`ckptctl export-torch SRC OUT.pt`: thin layer over `ckptctl.export_torch`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from ckptctl.cli import app
+from ckptctl.cli.common import (
+    device_option, emit_json, human_bytes, no_sync_option, run_distributed, say, timing_json, timing_summary,
+)
+from ckptctl.cli.reshard_cmd import parse_dtype
+from ckptctl.engine.dist import Comm
+from ckptctl.errors import UsageError
+from ckptctl.progress import ProgressObserver
+
+if TYPE_CHECKING:
+    from ckptctl.export_torch import ExportTorchReport
+
+
+def report_json(report: ExportTorchReport) -> dict:
+    return {
+        "src": report.src, "out": report.out, "tensors": report.tensors, "values": report.values,
+        "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "device": report.device,
+    }
+
+
+@app.command("export-torch")
+def export_torch_command(
+    src: Path = typer.Argument(..., help="Source DCP checkpoint directory (opened read-only)."),
+    out: Path = typer.Argument(..., help="Output torch.save file, e.g. model.pt (written atomically)."),
+    include: Optional[list[str]] = typer.Option(None, "--include", help="Keep only FQNs matching this glob (repeatable)."),
+    exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable)."),
+    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
+    verify: bool = typer.Option(False, "--verify", help="Re-read OUT with torch.load and compare every entry with "
+                                "the source."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    device: str = device_option(),
+    no_sync: bool = no_sync_option(),
+) -> None:
+    """Write the checkpoint as one torch.save file, as torch's dcp_to_torch_save does, streaming.
+
+    The nested state dict of full tensors; torch.load(OUT) reads it. Non-tensor entries are
+    decoded without running code from the checkpoint; one that cannot be is refused by name
+    (leave it out with --exclude). Megatron's args (an argparse.Namespace) is kept, as torch
+    keeps it: torch.load with weights_only needs argparse.Namespace allowed through
+    torch.serialization.safe_globals for such a file, or pass --exclude args.
+
+    Example: ckptctl export-torch /ckpt/step-1000 model.pt --include 'model.*' --dtype bf16
+    """
+
+    def run(comm: Comm, progress: ProgressObserver) -> ExportTorchReport:
+        from ckptctl.export_torch import ExportTorchOptions, export_torch
+
+        if comm.world_size > 1:
+            raise UsageError("export-torch writes one file from one process: run it without torchrun")
+        opts = ExportTorchOptions(include=include or (), exclude=exclude or (), dtype=parse_dtype(dtype),
+                                  workers=max(1, workers), device=device, sync=not no_sync)
+        return export_torch(src, out, opts, force=force, verify=verify, progress=progress)
+
+    def show(report: ExportTorchReport) -> None:
+        if json_out:
+            emit_json(report_json(report))
+            return
+        tensors = f"{report.tensors} tensor{'' if report.tensors == 1 else 's'}"
+        others = f"{report.values} other entr{'y' if report.values == 1 else 'ies'}"
+        say(f"wrote {out} ({tensors}, {others}, {human_bytes(report.bytes_written)})" + timing_summary(report))
+
+    run_distributed(json_out, "gloo", run, show)

@@ -1,0 +1,356 @@
+"""Lay out a whole state dict as one `torch.save` file, the one `dcp_to_torch_save` writes, for streaming.
+
+torch's converter loads every tensor into memory and pickles the nested state dict. The
+archive can instead be laid out from metadata alone: `data.pkl` (the nested dict, one
+persistent storage per tensor, pickled as torch.save pickles it) and torch's marker records
+first, then one stored, 64-byte aligned record `data/<i>` per tensor at a known offset — a
+`StreamItem` the engine fills from the source chunks, CRC-32 on the way —, then `version`,
+the serialization id and the central directory, built once the records' CRCs are known.
+
+Non-tensor entries are `torch.save(obj)` archives; torch unpickles them with
+`weights_only=False`, running whatever code they name. Here an allow-list unpickler builds
+plain values only (containers, numbers, strings, bytes, torch dtypes and sizes, argparse
+namespaces), which are pickled again, as torch would pickle them, into `data.pkl`.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import argparse
+import collections
+import hashlib
+import io
+import pickle
+import struct
+import zipfile
+import zlib
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ckptctl.dtypes import DTYPES
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.torch_pickle import Size, dumps
+from ckptctl.formats.torch_zip import (
+    ALIGNMENT, _ZIP64_LIMIT, _Entry, _central_record, _descriptor, _local_header, serialization_id, tensor_reduce,
+)
+from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.geometry import full_box
+from ckptctl.plan import StreamItem, TargetTensor
+
+PICKLE_PROTOCOL = 2
+"""torch.save's default protocol, so `data.pkl` reads as torch's own."""
+MARKER_RECORDS = ((".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little"))
+TRAILING_VERSION = b"3\n"
+
+
+# The nested state dict ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a tensor goes in the nested state dict: its storage is written by the engine."""
+
+    target: TargetTensor
+
+
+@dataclass(frozen=True)
+class Value:
+    """A decoded non-tensor entry's value, in place in the nested state dict."""
+
+    fqn: str
+    value: Any
+
+
+def nest(entries: Sequence[tuple[str, TensorSlot | Value]], planner_data: Mapping[str, Any] | None,
+         max_index: int, where: str) -> dict:
+    """The state dict torch's converter rebuilds: each entry placed along its `planner_data` path
+    (torch's `set_element`: a str key opens a dict, an int key a list padded with None), in the
+    order given; an entry without a path stays at the top under its flat name.
+
+    Paths come from the checkpoint, so they are checked: str or int keys, list indices below
+    `max_index` (the entry count: no real list is longer), no entry inside another.
+    """
+    root: dict = {}
+    for fqn, leaf in entries:
+        path = _path(fqn, planner_data, max_index, where)
+        node: Any = root
+        for key, after in zip(path, path[1:]):
+            fresh: dict | list = {} if type(after) is str else []
+            if type(node) is dict:
+                node = node.setdefault(key, fresh)
+            else:
+                _pad(node, key, fqn, where)
+                if node[key] is None:
+                    node[key] = fresh
+                node = node[key]
+            if type(node) not in (dict, list):
+                raise CheckpointError(where, f"planner_data puts {fqn} inside another entry")
+        last = path[-1]
+        if type(node) is list:
+            _pad(node, last, fqn, where)
+        if (node.get(last) if type(node) is dict else node[last]) is not None:
+            raise CheckpointError(where, f"planner_data puts {fqn} where another entry is")
+        node[last] = leaf
+    return root
+
+
+def _path(fqn: str, planner_data: Mapping[str, Any] | None, max_index: int, where: str) -> tuple:
+    path = planner_data.get(fqn) if isinstance(planner_data, dict) else None
+    if path is None:
+        return (fqn,)
+    if (not isinstance(path, (list, tuple)) or not path
+            or any(type(k) not in (str, int) or (type(k) is int and not 0 <= k < max_index) for k in path)):
+        raise CheckpointError(where, f"planner_data path of {fqn} is malformed: {str(path)[:200]}")
+    return tuple(path)
+
+
+def _pad(node: list, key: Any, fqn: str, where: str) -> None:
+    if type(key) is not int:
+        raise CheckpointError(where, f"planner_data indexes a list with {key!r} on the way to {fqn}")
+    node.extend([None] * (key + 1 - len(node)))
+
+
+def torch_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """A contiguous tensor's strides as torch computes them (a zero-size dim counts as 1)."""
+    out, acc = [], 1
+    for dim in reversed(shape):
+        out.append(acc)
+        acc *= max(dim, 1)
+    return tuple(reversed(out))
+
+
+def state_pickle(tree: dict, where: str) -> tuple[bytes, list[TargetTensor]]:
+    """`data.pkl` of the nested state dict and its tensors in pickling order: tensor i's storage
+    is record `data/i`, as torch.save numbers storages as it meets them."""
+    order: list[TargetTensor] = []
+
+    def build(node: Any) -> Any:
+        if type(node) is dict:
+            return {k: build(v) for k, v in node.items()}
+        if type(node) is list:
+            return [build(v) for v in node]
+        if isinstance(node, TensorSlot):
+            t = node.target
+            order.append(t)
+            return tensor_reduce(t.dtype, t.shape, str(len(order) - 1), torch_strides(t.shape))
+        return node.value if isinstance(node, Value) else node
+
+    try:
+        return dumps(build(tree), protocol=PICKLE_PROTOCOL), order
+    except RecursionError:
+        raise CheckpointError(where, "a non-tensor value is nested too deeply to pickle") from None
+
+
+# Non-tensor values -------------------------------------------------------------------------------
+
+
+def _encode(text: Any, encoding: Any = None) -> bytes:
+    """`_codecs.encode(str, 'latin1')`: how protocol-2 pickles spell a bytes object."""
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise UnsafePickleError("refuses _codecs.encode other than str to latin1")
+    return text.encode("latin1")
+
+
+def _bytes(*args: Any) -> bytes:
+    if args:  # `bytes(n)` would allocate n bytes on the pickle's say-so
+        raise UnsafePickleError("refuses builtins.bytes with arguments")
+    return b""
+
+
+def _bytearray(*args: Any) -> bytearray:
+    if args and not isinstance(args[0], (bytes, bytearray)):
+        raise UnsafePickleError("refuses builtins.bytearray of a non-bytes argument")
+    return bytearray(*args[:1])
+
+
+VALUE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "bytes"): _bytes,
+    ("builtins", "bytearray"): _bytearray,
+    ("_codecs", "encode"): _encode,
+    ("argparse", "Namespace"): argparse.Namespace,  # Megatron's `args`
+    ("torch", "Size"): Size,
+    **{("torch", name): dtype for name, dtype in DTYPES.items()},
+}
+"""Globals a non-tensor value may name: the plain types torch's `weights_only` loader accepts,
+and argparse.Namespace. Each builds a value and runs nothing else; dtypes and sizes are
+ckptctl's stand-ins, which pickle again as torch's."""
+LOAD_SAFE_GLOBALS = (argparse.Namespace, bytes, frozenset)
+"""Of those, what `torch.load(weights_only=True)` must be told to allow (`safe_globals`): its
+default list lacks them (`bytes` is how an empty bytes object pickles)."""
+
+
+class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be restricted
+    """Builds a value from allow-listed globals only; refuses tensors (persistent storages) and
+    setting the state of anything but an argparse.Namespace (so no shared stand-in is altered)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and self.fix_imports:  # protocol 2 spells `builtins` as `__builtin__`
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        if module == "torch._utils" and name.startswith("_rebuild"):
+            raise UnsafePickleError("holds a tensor")
+        try:
+            return VALUE_GLOBALS[(module, name)]
+        except KeyError:
+            raise UnsafePickleError(f"refuses global {module}.{name}") from None
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise UnsafePickleError("holds a tensor")
+
+    def _load_build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if type(inst) is not argparse.Namespace or type(state) is not dict or not all(type(k) is str for k in state):
+            raise UnsafePickleError(f"refuses to set the state of a {type(inst).__name__}")
+        vars(inst).update(state)
+
+    dispatch[pickle.BUILD[0]] = _load_build
+
+
+def decode_value(raw: bytes) -> Any:
+    """The object in a non-tensor entry's `torch.save` archive, built by the allow-list unpickler.
+
+    Raises UnsafePickleError saying why when the value cannot be built that way.
+    """
+    try:
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            pkl = [i for i in archive.infolist() if i.filename == "data.pkl" or i.filename.endswith("/data.pkl")]
+            if len(pkl) != 1 or pkl[0].compress_type != zipfile.ZIP_STORED:  # torch stores; no inflating bombs
+                raise UnsafePickleError("not a torch.save archive")
+            data = archive.read(pkl[0])
+        return _ValueUnpickler(io.BytesIO(data)).load()
+    except UnsafePickleError:
+        raise
+    except zipfile.BadZipFile as exc:
+        raise UnsafePickleError(f"not a torch.save archive ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - hostile bytes raise anything; they cost one message
+        raise UnsafePickleError(f"unreadable ({type(exc).__name__}{f': {exc}' if str(exc) else ''})") from None
+
+
+# The archive -------------------------------------------------------------------------------------
+
+
+class _DataTail:
+    """A tensor record's data descriptor; the engine calls it with the CRC-32 of the bytes it
+    streamed, which is kept for the central directory."""
+
+    __slots__ = ("size", "zip64", "crc")
+
+    def __init__(self, size: int, zip64: bool) -> None:
+        self.size, self.zip64 = size, zip64
+        self.crc: int | None = None
+
+    @property
+    def length(self) -> int:
+        return 24 if self.zip64 else 16
+
+    def __call__(self, crc: int) -> bytes:
+        self.crc = crc
+        return _descriptor(crc, self.size, self.zip64)
+
+
+def _stored(archive: str, name: str, at: int, payload: bytes, zip64: bool) -> bytes:
+    """A whole small record: local header (padded so the payload is aligned), payload, descriptor."""
+    header = _local_header(f"{archive}/{name}".encode(), ALIGNMENT, at, zip64)
+    return header + payload + _descriptor(zlib.crc32(payload), len(payload), zip64)
+
+
+def _needs_zip64(offset: int, size: int, force: bool) -> bool:
+    return force or offset >= _ZIP64_LIMIT or size >= _ZIP64_LIMIT
+
+
+@dataclass
+class TorchSaveFile:
+    """One torch.save archive laid out before any data moves: `head` at 0, the tensor records
+    (`items`), then `trailer()` at `trailer_at`, once the engine has written every record."""
+
+    name: str
+    archive: str
+    head: bytes
+    items: list[StreamItem]
+    trailer_at: int
+    size: int
+    entries: list[_Entry]
+    tails: list[_DataTail]
+    trailing: bytes
+    """The records after the tensors (`version`, `.data/serialization_id`): known up front."""
+    zip64: bool
+
+    def data_offset(self, index: int) -> int:
+        """Where record `data/index`'s tensor bytes start in the file."""
+        item = self.items[index]
+        return item.offset + len(item.head)
+
+    def trailer(self) -> bytes:
+        """The trailing records and the central directory, with every record's CRC."""
+        crcs = iter(self.tails)
+        entries = []
+        for e in self.entries:
+            if e.crc is None:
+                crc = next(crcs).crc
+                if crc is None:
+                    raise RuntimeError(f"{self.archive}/{e.name} was not written")
+                e = _Entry(e.name, e.offset, e.size, crc, e.zip64)
+            entries.append(e)
+        directory = b"".join(_central_record(e, self.archive) for e in entries)
+        start = self.trailer_at + len(self.trailing)
+        return self.trailing + directory + _end_of_directory(len(entries), start, len(directory), self.zip64)
+
+
+def _end_of_directory(count: int, start: int, size: int, zip64: bool) -> bytes:
+    """End of central directory; with the zip64 record and locator when anything needs 64 bits."""
+    out = b""
+    if zip64 or count >= 0xFFFF or start >= _ZIP64_LIMIT or size >= _ZIP64_LIMIT:
+        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, size, start)
+        out += struct.pack("<IIQI", 0x07064B50, 0, start + size, 1)
+    return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                             min(size, _ZIP64_LIMIT), min(start, _ZIP64_LIMIT), 0)
+
+
+def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence[TargetTensor],
+                      force_zip64: bool = False) -> TorchSaveFile:
+    """Place `data.pkl`, torch's marker records, one record per target (`data/i` holds
+    `targets[i]`, whole) and the trailing records in file `name`.
+
+    The records' `reads` are left empty: planned a batch at a time just before they are
+    written, since a TP-split tensor needs a copy run per row and chunk, too many to hold for a
+    whole model. `archive` is the records' folder inside the zip (torch names it after the
+    file); `force_zip64` writes zip64 structures for small files too (tests).
+    """
+    entries: list[_Entry] = []
+    head = bytearray()
+    for record, payload in (("data.pkl", pickled), *MARKER_RECORDS):
+        big = _needs_zip64(len(head), len(payload), force_zip64)
+        entries.append(_Entry(record, len(head), len(payload), zlib.crc32(payload), big))
+        head += _stored(archive, record, len(head), payload, big)
+    at = len(head)
+    items, tails = [], []
+    for index, target in enumerate(targets):
+        record = f"data/{index}"
+        big = _needs_zip64(at, target.nbytes, force_zip64)
+        header = _local_header(f"{archive}/{record}".encode(), ALIGNMENT, at, big)
+        tail = _DataTail(target.nbytes, big)
+        entries.append(_Entry(record, at, target.nbytes, None, big))
+        items.append(StreamItem(name, at, header, target, full_box(target.shape), (), tail, tail.length))
+        tails.append(tail)
+        at += len(header) + target.nbytes + tail.length
+    trailer_at = at
+    trailing = bytearray()
+    ident = serialization_id(archive + hashlib.sha256(head).hexdigest()).encode()  # deterministic, as torch_zip's
+    for record, payload in (("version", TRAILING_VERSION), (".data/serialization_id", ident)):
+        big = _needs_zip64(at, len(payload), force_zip64)
+        entries.append(_Entry(record, at, len(payload), zlib.crc32(payload), big))
+        trailing += _stored(archive, record, at, payload, big)
+        at = trailer_at + len(trailing)
+    directory = sum(len(_central_record(e, archive)) for e in entries)
+    zip64 = force_zip64 or any(e.zip64 for e in entries)
+    size = at + directory + len(_end_of_directory(len(entries), at, directory, zip64))
+    return TorchSaveFile(name, archive, bytes(head), items, trailer_at, size, entries, tails, bytes(trailing), zip64)
