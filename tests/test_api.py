@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent('''
     ckpt = ckptctl.open_checkpoint(src)
     report = ckptctl.reshard(src, dst, ckptctl.ReshardOptions(world_size=3, include=["model.*"]), verify=True)
     compared = ckptctl.diff(src, dst)
+    saved = ckptctl.export_torch(src, dst + ".pt", ckptctl.ExportTorchOptions(include=["model.*"]))
     try:
         ckptctl.open_checkpoint(dst + "-missing")
     except ckptctl.CkptctlError as exc:
@@ -31,6 +32,7 @@ SCRIPT = textwrap.dedent('''
         "problems": [p.message for p in ckpt.analysis.problems],
         "fc1": [list(ckpt.tensors["model.mlp.fc1.weight"].shape), ckpt.tensors["model.mlp.fc1.weight"].dtype_name],
         "report": [report.world_size, report.tensors, report.verified, report.write_bytes == report.bytes_written],
+        "export_torch": saved.tensors,
         "diff": [compared.equal, compared.counts["equal"], compared.counts["missing in B"]],
         "error": error,
     }))
@@ -51,6 +53,7 @@ def test_a_script_opens_checks_and_reshards_through_the_api(fixture_ckpt, tmp_pa
         "tensors": 32, "bytes_entries": 13, "problems": [],
         "fc1": [[12, 8], "float32"],
         "report": [3, 8, True, True],
+        "export_torch": 8,
         "diff": [False, 8, 24],  # the reshard kept model.* only
         "error": f"{dst}-missing: no such file or directory",
     }
@@ -58,6 +61,10 @@ def test_a_script_opens_checks_and_reshards_through_the_api(fixture_ckpt, tmp_pa
     assert sorted(got) == sorted(k for k in want if k.startswith("model."))
     for key, value in got.items():
         assert torch.equal(value, want[key]), key
+    saved = torch.load(f"{dst}.pt", weights_only=True)["model"]
+    assert sorted(saved) == sorted(k.removeprefix("model.") for k in got)
+    for key, value in saved.items():
+        assert torch.equal(value, want[f"model.{key}"]), key
 
 
 def test_the_api_names_are_listed_and_documented():
