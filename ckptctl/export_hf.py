@@ -42,10 +42,9 @@ from ckptctl.hf.base import (
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
-from ckptctl.progress import Phases, ProgressObserver
+from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
 from ckptctl.reshard import cast_dtype
-from ckptctl.resources import peak_rss_bytes
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -120,7 +119,7 @@ class ExportPlan:
 
 
 @dataclass
-class ExportReport:
+class ExportReport(RunTiming):
     """What a run did, for `--json` and the summary line."""
 
     src: str
@@ -132,22 +131,7 @@ class ExportReport:
     files: int
     bytes_written: int
     parameters: int = 0
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    verified: bool = False
     notes: list[str] = field(default_factory=list)
-    processes: int = 1
-    device: str = "cpu"
-
-    write_bytes: int = 0
-    """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
-    write_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The writing phase's rate: the figure its progress bar shows."""
-        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
 
 
 def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
@@ -494,9 +478,7 @@ def export_hf(
         write_atomically(dst, force, sizes, write_share, finish, comm, opts.sync)
     finally:
         sources.close()
-    report.seconds = time.perf_counter() - started
-    report.write_seconds, report.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
-    report.peak_rss_bytes = peak_rss_bytes()
+    report.finish(phases, started)
     return report
 
 

@@ -37,9 +37,8 @@ from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import union_volume
 from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
-from ckptctl.progress import Advance, Phases, ProgressObserver
+from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
 from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
-from ckptctl.resources import peak_rss_bytes
 from ckptctl.verify import row_blocks
 
 _LOCAL_HEADER_BYTES = 30
@@ -77,7 +76,7 @@ class ExportTorchPlan:
 
 
 @dataclass
-class ExportTorchReport:
+class ExportTorchReport(RunTiming):
     """What a run did, for `--json` and the summary line."""
 
     src: str
@@ -85,20 +84,6 @@ class ExportTorchReport:
     tensors: int
     values: int
     bytes_written: int
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    verified: bool = False
-    processes: int = 1
-    device: str = "cpu"
-
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The writing phase's rate: the figure its progress bar shows."""
-        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
 
 
 def archive_name(out: Path) -> str:
@@ -270,9 +255,7 @@ def export_torch(
                 report.verified = True
     finally:
         chunks.close()
-    report.seconds = time.perf_counter() - started
-    report.write_seconds, report.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
-    report.peak_rss_bytes = peak_rss_bytes()
+    report.finish(phases, started)
     return report
 
 

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from ckptctl.resources import peak_rss_bytes
+
 Advance = Callable[[int], None]
 
 
@@ -81,6 +83,32 @@ class Phases:
     def seconds(self, name: str) -> float:
         phase = self.done.get(name)
         return phase.seconds if phase is not None else 0.0
+
+
+@dataclass(kw_only=True)
+class RunTiming:
+    """The time and memory figures every writing command reports (`--json` and its final line)."""
+
+    seconds: float = 0.0
+    write_bytes: int = 0
+    """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
+    write_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    verified: bool = False
+    peak_rss_bytes: int = 0
+    processes: int = 1
+    device: str = "cpu"
+
+    @property
+    def bytes_per_s(self) -> float:
+        """The writing phase's rate: the figure its progress bar shows."""
+        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
+
+    def finish(self, phases: Phases, started: float) -> None:
+        """Record the run's wall time since `started` (perf_counter), its phases and peak memory."""
+        self.seconds = time.perf_counter() - started
+        self.write_seconds, self.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
+        self.peak_rss_bytes = peak_rss_bytes()
 
 
 def _ignore(nbytes: int) -> None:

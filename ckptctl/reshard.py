@@ -25,7 +25,7 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
-from ckptctl.progress import Phases, ProgressObserver
+from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.verify import verify_dcp
@@ -59,7 +59,7 @@ class ReshardOptions:
 
 
 @dataclass
-class ReshardReport:
+class ReshardReport(RunTiming):
     """What a run did, for `--json` and the summary line."""
 
     src: str
@@ -70,23 +70,8 @@ class ReshardReport:
     files: int
     bytes_read: int
     bytes_written: int
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    verified: bool = False
     dry_run: bool = False
     predicted_peak_bytes: int = 0
-    processes: int = 1
-    device: str = "cpu"
-
-    write_bytes: int = 0
-    """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
-    write_seconds: float = 0.0
-    verify_seconds: float = 0.0
-
-    @property
-    def bytes_per_s(self) -> float:
-        """The writing phase's rate: the figure its progress bar shows."""
-        return self.write_bytes / self.write_seconds if self.write_seconds else 0.0
 
 
 def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
@@ -233,7 +218,5 @@ def reshard(
         write_atomically(dst, force, out.files, write_share, finish, comm, opts.sync)
     finally:
         sources.close()
-    report.seconds = time.perf_counter() - started
-    report.write_seconds, report.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
-    report.peak_rss_bytes = peak_rss_bytes()
+    report.finish(phases, started)
     return report

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import typer
 
 from ckptctl.errors import CkptctlError
-from ckptctl.progress import Phase
+from ckptctl.progress import Phase, RunTiming
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -98,7 +98,7 @@ def dist_backend_option() -> Any:
     return typer.Option("gloo", "--dist-backend", help="torchrun process-group backend: gloo|nccl (workers exchange only control messages).")
 
 
-def timing_summary(report: Any) -> str:
+def timing_summary(report: RunTiming) -> str:
     """The tail of a writing command's final line: total time, then the writing phase's own rate
     (what its bar showed), the verification time, workers and peak memory."""
     return (f" in {report.seconds:.2f}s (writing {human_rate(report.bytes_per_s)}"
@@ -107,7 +107,7 @@ def timing_summary(report: Any) -> str:
             + f"), peak RSS {human_bytes(report.peak_rss_bytes)}" + (", verified" if report.verified else ""))
 
 
-def timing_json(report: Any) -> dict[str, Any]:
+def timing_json(report: RunTiming) -> dict[str, Any]:
     """The timing fields every writing command's `--json` shares."""
     return {"seconds": round(report.seconds, 6), "write_seconds": round(report.write_seconds, 6),
             "verify_seconds": round(report.verify_seconds, 6), "bytes_per_s": round(report.bytes_per_s, 3),
