@@ -318,7 +318,7 @@ def test_hostile_metadata_is_refused_and_not_executed(bad) -> None:
 def test_corrupt_metadata(bad) -> None:
     path, _ = bad["corrupt"]
     assert_refused(bad["corrupt"],
-                   f"{path}/.metadata: corrupt metadata pickle (UnpicklingError: invalid load key, '\\x00'.)")
+                   f"{path}/.metadata: corrupt metadata pickle: invalid pickle opcode b'\\x00' at byte 0")
 
 
 def test_missing_data_file(bad) -> None:
@@ -366,13 +366,13 @@ def _refusal(path: Path) -> str:
 def test_truncated_metadata(tmp_path: Path, fixture_ckpt) -> None:
     root = _copy(fixture_ckpt("broken_plain_optim"), tmp_path / "ckpt")
     (root / ".metadata").write_bytes((root / ".metadata").read_bytes()[:100])
-    assert _refusal(root).startswith(f"{root}/.metadata: corrupt metadata pickle (")
+    assert _refusal(root).startswith(f"{root}/.metadata: corrupt metadata pickle: ")
 
 
 def test_pickle_that_is_not_dcp_metadata(tmp_path: Path, fixture_ckpt) -> None:
     root = _copy(fixture_ckpt("broken_plain_optim"), tmp_path / "ckpt")
     (root / ".metadata").write_bytes(pickle.dumps({"state_dict_metadata": {}}))
-    assert _refusal(root) == f"{root}/.metadata: metadata pickle does not hold a DCP Metadata object"
+    assert _refusal(root) == f"{root}/.metadata: corrupt metadata pickle: pickle holds a dict, not a DCP Metadata"
 
 
 def test_data_file_path_leaving_the_checkpoint(tmp_path: Path, fixture_ckpt) -> None:

@@ -22,11 +22,18 @@ from typing import IO, Any
 
 from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.unpickle import UnsafePickleError, load_tensor_record_spec
+from ckptctl.formats.dcp_metadata import open_regular
+from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
+MAX_ZIP_READ = 16 << 20
+"""Largest zip structure (central directory, data.pkl) read from an item; torch's are a few kB."""
+MAX_SAFETENSORS_HEADER = 16 << 20
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, NotImplementedError,
+               RuntimeError, UnicodeDecodeError, ValueError, OverflowError, OSError)
+"""What `zipfile` raises for a damaged or foreign archive (unknown methods, encryption, bad names)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,17 @@ class _Window(io.RawIOBase):
         base = {0: 0, 1: self._pos, 2: self._length}[whence]
         self._pos = max(0, base + pos)
         return self._pos
+
+    def read(self, size: int = -1) -> bytes:
+        """At most what is left of the window, and never more than MAX_ZIP_READ at once: a zip
+        directory that declares a huge size cannot make the reader allocate it."""
+        left = max(0, self._length - self._pos)
+        n = left if size is None or size < 0 else min(size, left)
+        if n > MAX_ZIP_READ:
+            raise zipfile.BadZipFile(f"zip structure of {n} bytes is implausibly large")
+        data = os.pread(self._fd, n, self._start + self._pos)
+        self._pos += len(data)
+        return data
 
     def readinto(self, buffer: Any) -> int:
         n = max(0, min(len(buffer), self._length - self._pos))
@@ -90,10 +108,7 @@ class ItemReader:
     def fd(self, file: str) -> int:
         with self._lock:
             if file not in self._fds:
-                try:
-                    self._fds[file] = os.open(self.ckpt.path / file, os.O_RDONLY)
-                except OSError as exc:
-                    raise CheckpointError(self.ckpt.path / file, f"cannot open: {exc.strerror}") from exc
+                self._fds[file] = open_regular(self.ckpt.path / file)
             return self._fds[file]
 
     def _bad(self, chunk: Chunk, reason: str) -> CheckpointError:
@@ -116,34 +131,69 @@ class ItemReader:
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:
                 raise self._bad(chunk, "torch.save archive without data.pkl")
+            self._check_entry(chunk, archive, names[pkl], max_size=MAX_ZIP_READ)
             spec = load_tensor_record_spec(archive.read(pkl))
-        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error) as exc:
-            raise self._bad(chunk, f"not a torch.save archive ({exc})") from exc
+        except CheckpointError:
+            raise
         except UnsafePickleError as exc:
-            raise self._bad(chunk, f"hostile or foreign data.pkl: {exc}") from exc
+            raise self._bad(chunk, f"hostile or foreign data.pkl: {exc}") from None
+        except MalformedPickleError as exc:
+            raise self._bad(chunk, f"corrupt data.pkl: {exc}") from None
+        except _ZIP_ERRORS as exc:
+            raise self._bad(chunk, f"not a torch.save archive ({type(exc).__name__}: {exc})") from None
         if spec.dtype != entry.dtype or spec.size != chunk.sizes:
             raise self._bad(chunk, f"{entry.fqn}: item holds {dtype_name(spec.dtype)} {list(spec.size)}, "
                                    f"metadata says {entry.dtype_name} {list(chunk.sizes)}")
         record = names.get(pkl[: -len("data.pkl")] + f"data/{spec.storage_key}")
-        if record is None or record.compress_type != zipfile.ZIP_STORED:
-            raise self._bad(chunk, "tensor record missing or compressed")
+        if record is None:
+            raise self._bad(chunk, "tensor record missing")
         itemsize = spec.dtype.itemsize
-        if record.file_size < spec.storage_numel * itemsize:
-            raise self._bad(chunk, "tensor record shorter than its storage")
+        if record.file_size != spec.storage_numel * itemsize:
+            raise self._bad(chunk, f"tensor record is {record.file_size} bytes but its storage is "
+                                   f"{spec.storage_numel} × {itemsize} bytes")
+        if chunk.numel and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
+                >= spec.storage_numel:
+            raise self._bad(chunk, "tensor view runs past its storage")
+        data_start = self._check_entry(chunk, archive, record)
         if not spec.is_dense:
             return None
-        numel = chunk.numel
-        if numel and (spec.storage_offset + numel) > spec.storage_numel:
-            raise self._bad(chunk, "tensor view runs past its storage")
-        head = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + record.header_offset)
-        if len(head) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(head)[0] != _LOCAL_SIGNATURE:
-            raise self._bad(chunk, "corrupt zip local header")
-        name_len, extra_len = _LOCAL_HEADER.unpack(head)[-2:]
-        data_start = record.header_offset + _LOCAL_HEADER.size + name_len + extra_len
         start = data_start + spec.storage_offset * itemsize
-        if data_start + record.file_size > chunk.length:
-            raise self._bad(chunk, "tensor record runs past the item")
-        return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, numel * itemsize)
+        return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, chunk.numel * itemsize)
+
+    def _check_entry(self, chunk: Chunk, archive: zipfile.ZipFile, info: zipfile.ZipInfo,
+                     max_size: int | None = None) -> int:
+        """Where `info`'s bytes start in the item, after checking what torch's reader relies on:
+        stored, not encrypted, its local header where the directory says and naming the same
+        entry, its bytes inside the item, before the central directory, overlapping no other entry."""
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise self._bad(chunk, f"zip entry {info.filename} is compressed (method {info.compress_type}); "
+                                   "torch.save stores entries")
+        if info.flag_bits & 0x1:
+            raise self._bad(chunk, f"zip entry {info.filename} is encrypted")
+        if max_size is not None and info.file_size > max_size:
+            raise self._bad(chunk, f"zip entry {info.filename} is implausibly large ({info.file_size} bytes)")
+        at = info.header_offset
+        if not 0 <= at <= chunk.length - _LOCAL_HEADER.size:
+            raise self._bad(chunk, f"zip entry {info.filename} has its header outside the item")
+        head = os.pread(self.fd(chunk.file), _LOCAL_HEADER.size, chunk.offset + at)
+        fields = _LOCAL_HEADER.unpack(head) if len(head) == _LOCAL_HEADER.size else (0,)
+        if fields[0] != _LOCAL_SIGNATURE:
+            raise self._bad(chunk, f"zip entry {info.filename}: corrupt local header")
+        name_len, extra_len = fields[-2:]
+        name = os.pread(self.fd(chunk.file), name_len, chunk.offset + at + _LOCAL_HEADER.size)
+        if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
+            raise self._bad(chunk, f"zip entry {info.filename}: local header names another entry")
+        start = at + _LOCAL_HEADER.size + name_len + extra_len
+        end = start + info.file_size
+        if end > min(chunk.length, archive.start_dir):
+            raise self._bad(chunk, f"zip entry {info.filename} runs past the item or into its directory")
+        for other in archive.infolist():
+            if other is not info and at <= other.header_offset < end:
+                raise self._bad(chunk, f"zip entry {info.filename} overlaps entry {other.filename}")
+            if other is not info and other.header_offset < at < other.header_offset + _LOCAL_HEADER.size + \
+                    len(other.orig_filename) + other.compress_size:
+                raise self._bad(chunk, f"zip entry {info.filename} starts inside entry {other.filename}")
+        return start
 
     def _safetensors_header(self, file: str, offset: int) -> dict | None:
         """The JSON header when a SAFETENSORS-format DCP blob starts at `offset` of `file`, else None.
@@ -158,13 +208,13 @@ class ItemReader:
             prefix = os.pread(fd, 9, offset)
             if len(prefix) == 9 and prefix[8:9] == b"{":
                 (n,) = struct.unpack("<Q", prefix[:8])
-                if n < min(self.ckpt.files.get(file, 0) - offset, 1 << 28):
+                if n < min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
                     try:
                         parsed = json.loads(os.pread(fd, n, offset + 8))
                         meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
                         if isinstance(meta, dict) and "DCP_SHARDING_INFO" in meta:
                             header = {"json": parsed, "data_start": offset + 8 + n}
-                    except ValueError:
+                    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                         header = None
             self._safetensors_headers[key] = header
         return self._safetensors_headers[key]
@@ -193,7 +243,7 @@ class ItemReader:
         try:
             info = json.loads(header["json"]["__metadata__"]["DCP_SHARDING_INFO"])
             return tuple(info[fqn]["saved_offsets"]) == offsets
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return False
 
     def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...]) -> bytes:

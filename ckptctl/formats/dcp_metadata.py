@@ -9,9 +9,10 @@ global shape. Nothing else is read, so this is fast on any checkpoint size.
 from __future__ import annotations
 
 import math
+import mmap
 import os
-import pickle
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from typing import Any
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
-from ckptctl.formats.unpickle import UnsafePickleError, load_metadata_pickle
+from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
 METADATA_NAME = ".metadata"
@@ -29,7 +30,7 @@ MAX_METADATA_BYTES = 1 << 31
 
 
 def _metadata_files(root: Path) -> list[Path]:
-    if (root / METADATA_NAME).is_file():
+    if os.path.lexists(root / METADATA_NAME):  # whatever it is: a device or FIFO is refused when opened
         return [root / METADATA_NAME]
     per_rank = sorted((p for p in root.iterdir() if _RANK_METADATA.match(p.name)),
                       key=lambda p: int(_RANK_METADATA.match(p.name).group(1)))
@@ -38,23 +39,40 @@ def _metadata_files(root: Path) -> list[Path]:
     return per_rank
 
 
-def _load_one(path: Path) -> dcp_classes.Metadata:
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of `path`, which must be a regular file (a link to one is followed).
+
+    O_NONBLOCK keeps a FIFO from blocking the open; a device, FIFO or socket is refused
+    before anything is read from it (`/dev/zero` would be read forever).
+    """
     try:
-        size = path.stat().st_size
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointError(path, f"cannot open: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(path, "not a regular file")
+    return fd
+
+
+def _load_one(path: Path) -> dcp_classes.Metadata:
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
         if size > MAX_METADATA_BYTES:
             raise CheckpointError(path, f"metadata is implausibly large ({size} bytes)")
-        md = load_metadata_pickle(path.read_bytes())
-    except CheckpointError:
-        raise
+        if size == 0:
+            raise CheckpointError(path, "corrupt metadata pickle: the file is empty")
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:  # pages are read as the pickle needs them
+            return load_metadata_pickle(data)
     except UnsafePickleError as exc:
-        raise CheckpointError(path, f"hostile or foreign pickle: {exc}") from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
-        raise CheckpointError(path, f"corrupt metadata pickle ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointError(path, f"hostile or foreign pickle: {exc}") from None
+    except MalformedPickleError as exc:
+        raise CheckpointError(path, f"corrupt metadata pickle: {exc}") from None
     except OSError as exc:
-        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from exc
-    if not isinstance(md, dcp_classes.Metadata) or not isinstance(md.state_dict_metadata, dict):
-        raise CheckpointError(path, "metadata pickle does not hold a DCP Metadata object")
-    return md
+        raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -138,9 +156,14 @@ def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path)
         real = full.resolve(strict=True)
     except (FileNotFoundError, RuntimeError):
         raise CheckpointError(full, "data file referenced by .metadata is missing") from None
+    except OSError as exc:
+        raise CheckpointError(full, f"cannot open: {exc.strerror or exc}") from None
     if root.resolve() not in real.parents:
         raise CheckpointError(full, "data file is a link that leaves the checkpoint directory")
-    files[relative] = real.stat().st_size
+    info = real.stat()
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(full, "not a regular file")
+    files[relative] = info.st_size
     return relative
 
 
@@ -169,8 +192,12 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
     if any((not isinstance(d, int)) or d < 0 for d in shape) or math.prod(shape) > MAX_NUMEL:
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
     chunks = []
+    seen: set[tuple[int, ...]] = set()
     for c in md.chunks:
         offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+        if offsets in seen and 0 not in sizes:  # empty chunks of trailing ranks may share their place
+            raise CheckpointError(where, f"{fqn}: two chunks at {list(offsets)}")
+        seen.add(offsets)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointError(where, f"{fqn}: chunk rank {len(offsets)} does not match shape {list(shape)}")
         if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):

@@ -1,0 +1,160 @@
+"""Structured fuzzer: opcode-level mutations of the real fixtures' pickles and item zips.
+
+Each example copies a committed fixture, mutates its `.metadata` pickle at the opcode level
+(swapped globals, wrong types, huge lengths, deep nesting, BUILD after any value) or one
+item's zip headers, and runs it through `open_checkpoint`, the analysis, locating every
+chunk and a small reshard. Only ckptctl's own errors may escape, each example stays within
+a time bound, and a canary global that would create a file is never called.
+
+`python -m tests.fuzz_inputs [EXAMPLES]` runs a long campaign (what `make fuzz` calls);
+tests/test_fuzz_inputs.py runs a short one in the default suite.
+"""
+
+from __future__ import annotations
+
+import pickletools
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ckptctl.errors import CkptctlError
+from ckptctl.formats.dcp_items import ItemReader
+from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.reshard import ReshardOptions, reshard
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures" / "data"
+NAMES = ("fsdp2_4ranks", "broken_plain_optim", "flat_optim")
+CANARY = Path(tempfile.gettempdir()) / "ckptctl-fuzz-canary"
+MAX_EXAMPLE_SECONDS = 10.0
+
+_GLOBALS = [
+    b"cposix\nsystem\n", b"cbuiltins\nexec\n", b"ctorch\nfloat32\n", b"ctorch\nSize\n",
+    b"cpathlib\nPosixPath\n", b"ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\n",
+    b"ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n", b"ccollections\nOrderedDict\n",
+]
+_VALUES = [
+    b"N", b"\x88", b"K\x07", b"J\xff\xff\xff\xff", b"G" + struct.pack(">d", 1.5), b"]", b"}", b")",
+    b"X\x03\x00\x00\x00../", b"X\x05\x00\x00\x00a\x00b.c", b"\x8d" + struct.pack("<Q", 1 << 40),
+    b"\x8e" + struct.pack("<Q", (1 << 64) - 1), b"]" * 3000 + b"a" * 2999, b"h\x00", b"j\x00\x00\x01\x00",
+    b"X\x0e\x00\x00\x00touch " + b"/tmp/c" + b"\x85R",
+]
+_CANARY_CALL = b"cposix\nsystem\nX" + struct.pack("<I", len(f"touch {CANARY}")) + f"touch {CANARY}".encode() + b"\x85R"
+
+
+def _ops(data: bytes) -> list[int]:
+    """Byte positions where the pickle's opcodes start."""
+    return [pos for _, _, pos in pickletools.genops(data)]
+
+
+@st.composite
+def metadata_mutation(draw: st.DrawFn, data: bytes) -> bytes:
+    """The fixture's metadata with one to three opcode-level edits."""
+    positions = _ops(data)
+    out = data
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.sampled_from(positions))
+        at = min(at, len(out) - 1)
+        kind = draw(st.sampled_from(["insert", "build", "replace", "truncate", "byte", "canary"]))
+        if kind == "insert":
+            out = out[:at] + draw(st.sampled_from(_VALUES + _GLOBALS)) + out[at:]
+        elif kind == "build":  # a state-setting BUILD after whatever value is on the stack
+            out = out[:at] + b"}X\x08\x00\x00\x00itemsizeK\x01sb" + out[at:]
+        elif kind == "replace":
+            out = out[:at] + draw(st.sampled_from(_VALUES + _GLOBALS)) + out[at + 1:]
+        elif kind == "truncate":
+            out = out[:at]
+        elif kind == "byte":
+            out = out[:at] + bytes([draw(st.integers(0, 255))]) + out[at + 1:]
+        else:
+            out = out[:at] + _CANARY_CALL + out[at:]
+    return out
+
+
+@st.composite
+def item_mutation(draw: st.DrawFn, blob: bytes) -> bytes:
+    """A `.distcp` file with zip header fields (signatures, methods, flags, sizes, offsets) changed."""
+    out = bytearray(blob)
+    marks = [i for i in range(len(blob) - 4) if blob[i:i + 2] == b"PK" and blob[i + 2] in (1, 3, 5, 6, 7)]
+    for _ in range(draw(st.integers(1, 3))):
+        at = draw(st.sampled_from(marks)) + draw(st.integers(0, 46))
+        if at + 4 > len(out):
+            continue
+        value = draw(st.sampled_from([0, 1, 8, 12, 14, 99, 0x809, 0xFFFF, 0x7FFFFFFF, 0xFFFFFFF0, 0xFFFFFFFF]))
+        width = draw(st.sampled_from([1, 2, 4]))
+        out[at:at + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
+    return bytes(out)
+
+
+def exercise(src: Path, work: Path) -> None:
+    """Everything a command does with a source: only CkptctlError may come out."""
+    try:
+        ckpt = open_checkpoint(src)
+        ckpt.analysis
+        with ItemReader(ckpt) as reader:
+            for entry in list(ckpt.tensors.values())[:8]:
+                for chunk in entry.chunks:
+                    reader.locate(entry, chunk)
+        reshard(src, work / "dst", ReshardOptions(world_size=2, workers=1, allow_incomplete=True, device="cpu"),
+                force=True)
+    except CkptctlError:
+        pass
+
+
+def _one(name: str, metadata: bytes | None, item: bytes | None) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        src = work / "src"
+        shutil.copytree(FIXTURES / name, src)
+        if metadata is not None:
+            (src / ".metadata").write_bytes(metadata)
+        if item is not None:
+            (src / "__0_0.distcp").write_bytes(item)
+        started = time.monotonic()
+        exercise(src, work)
+        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
+    assert not CANARY.exists(), "a pickle ran code"
+
+
+def fuzz_metadata(examples: int) -> None:
+    """Mutated `.metadata` pickles of every fixture."""
+    data = {name: (FIXTURES / name / ".metadata").read_bytes() for name in NAMES}
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(NAMES).flatmap(lambda n: st.tuples(st.just(n), metadata_mutation(data[n]))))
+    def run(case: tuple[str, bytes]) -> None:
+        _one(case[0], case[1], None)
+
+    run()
+
+
+def fuzz_items(examples: int) -> None:
+    """Mutated item zips of every fixture's first data file."""
+    blobs = {name: (FIXTURES / name / "__0_0.distcp").read_bytes() for name in NAMES}
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(NAMES).flatmap(lambda n: st.tuples(st.just(n), item_mutation(blobs[n]))))
+    def run(case: tuple[str, bytes]) -> None:
+        _one(case[0], None, case[1])
+
+    run()
+
+
+def main(argv: list[str]) -> None:
+    examples = int(argv[0]) if argv else 2000
+    CANARY.unlink(missing_ok=True)
+    fuzz_metadata(examples)
+    fuzz_items(examples)
+    print(f"fuzz: {2 * examples} examples, only ckptctl errors, canary untouched")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

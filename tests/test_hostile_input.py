@@ -1,0 +1,307 @@
+"""Hostile or broken checkpoints, made by mutating the committed real fixtures, end in one line.
+
+Each case runs the real CLI on the mutated copy and checks the exact error line, exit status
+2, no traceback, the child's peak RSS and wall time, and that the source is unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+import subprocess
+import sys
+import time
+import zipfile
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from ckptctl import dtypes
+from ckptctl.formats.dcp_classes import BytesStorageMetadata
+from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle, load_tensor_record_spec
+from tests.conftest import FIXTURES, ROOT
+
+MAX_RSS_MB = 256
+MAX_SECONDS = 10.0
+SENTINEL = "@@SENTINEL@@"
+
+_MEASURE = (
+    "import resource, subprocess, sys, json; "
+    "r = subprocess.run([sys.executable, '-m', 'ckptctl', *sys.argv[2:]]); "
+    "open(sys.argv[1], 'w').write(json.dumps([r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))"
+)
+
+
+def run_measured(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run `python -m ckptctl ARGS` in a fresh wrapper: (result, child's peak RSS in MB, seconds)."""
+    report = tmp_path / "rusage.json"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", _MEASURE, str(report), *map(str, args)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    seconds = time.monotonic() - start
+    code, rss_kb = json.loads(report.read_text())
+    proc.returncode = code
+    return proc, rss_kb / 1024, seconds
+
+
+def snapshot(root: Path) -> dict[str, tuple[bytes | str, int]]:
+    """Every entry's bytes (or link target) and mtime: what 'the source is unchanged' compares."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        st = path.lstat()
+        if path.is_symlink():
+            out[path.name] = (os.readlink(path), st.st_mtime_ns)
+        elif path.is_file():
+            out[path.name] = (path.read_bytes(), st.st_mtime_ns)
+    return out
+
+
+def copy_fixture(tmp_path: Path, name: str = "fsdp2_4ranks") -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(FIXTURES / name, dst)
+    return dst
+
+
+def real_metadata(src: Path):
+    """The fixture's metadata as torch's own objects (test side only: the fixture is trusted)."""
+    return pickle.loads((src / ".metadata").read_bytes())
+
+
+def with_sentinel(src: Path, place: Callable[[object], None], replacement: bytes) -> None:
+    """Write `.metadata` with one value replaced, at the opcode level, by `replacement` (pickle bytes
+    that leave exactly one value on the stack): real metadata around a hand-made hostile part."""
+    md = real_metadata(src)
+    place(md)
+    data = pickle.dumps(md, protocol=2)
+    needle = b"X" + struct.pack("<I", len(SENTINEL)) + SENTINEL.encode()
+    assert data.count(needle) == 1
+    (src / ".metadata").write_bytes(data.replace(needle, replacement))
+
+
+def first_tensor(md):
+    return next(v for v in md.state_dict_metadata.values() if type(v).__name__ == "TensorStorageMetadata")
+
+
+def first_storage(md):
+    return next(iter(md.storage_data.values()))
+
+
+def set_planner(md, value=SENTINEL) -> None:
+    md.planner_data = value
+
+
+def item_of(src: Path) -> tuple[Path, int, int]:
+    """(file, offset, length) of the first tensor item of rank 0."""
+    md = real_metadata(src)
+    info = min((v for v in md.storage_data.values() if v.relative_path == "__0_0.distcp"), key=lambda v: v.offset)
+    return src / "__0_0.distcp", info.offset, info.length
+
+
+def central_record(blob: bytearray, offset: int, length: int, name: str) -> int:
+    """Position in `blob` of the item's central-directory record for `name`."""
+    item = bytes(blob[offset:offset + length])
+    start = zipfile.ZipFile(io.BytesIO(item)).start_dir
+    at = start
+    while item[at:at + 4] == b"PK\x01\x02":
+        name_len, extra_len, comment_len = struct.unpack_from("<HHH", item, at + 28)
+        if item[at + 46:at + 46 + name_len].decode() == name:
+            return offset + at
+        at += 46 + name_len + extra_len + comment_len
+    raise AssertionError(f"{name} not in the item")
+
+
+def mutate_item(src: Path, change: Callable[[bytearray, int, int], None]) -> None:
+    path, offset, length = item_of(src)
+    blob = bytearray(path.read_bytes())
+    change(blob, offset, length)
+    path.write_bytes(bytes(blob))
+
+
+def _pkl_payload(blob: bytearray, offset: int) -> int:
+    name_len, extra_len = struct.unpack_from("<HH", blob, offset + 26)
+    return offset + 30 + name_len + extra_len
+
+
+def _fix_crc(blob: bytearray, offset: int, length: int) -> None:
+    """Recompute data.pkl's CRC-32 in the central directory, so only the pickle is wrong."""
+    size = struct.unpack_from("<I", blob, central_record(blob, offset, length, "archive/data.pkl") + 24)[0]
+    at = _pkl_payload(blob, offset)
+    struct.pack_into("<I", blob, central_record(blob, offset, length, "archive/data.pkl") + 16,
+                     zlib.crc32(blob[at:at + size]))
+
+
+def garbage_data_pkl(blob: bytearray, offset: int, length: int) -> None:
+    at = _pkl_payload(blob, offset)
+    blob[at:at + 8] = b"\x00" * 8
+    _fix_crc(blob, offset, length)
+
+
+def truncated_data_pkl(blob: bytearray, offset: int, length: int) -> None:
+    at = _pkl_payload(blob, offset)
+    blob[at + 2] = pickle.STOP[0]  # after PROTO: STOP on an empty stack
+    _fix_crc(blob, offset, length)
+
+
+def cd_field(name: str, fmt: str, at: int, value: int) -> Callable[[bytearray, int, int], None]:
+    def change(blob: bytearray, offset: int, length: int) -> None:
+        struct.pack_into(fmt, blob, central_record(blob, offset, length, name) + at, value)
+    return change
+
+
+def record_points_at_data_pkl(blob: bytearray, offset: int, length: int) -> None:
+    struct.pack_into("<I", blob, central_record(blob, offset, length, "archive/data/0") + 42, 0)
+
+
+def bad_local_signature(blob: bytearray, offset: int, length: int) -> None:
+    item = zipfile.ZipFile(io.BytesIO(bytes(blob[offset:offset + length])))
+    blob[offset + item.getinfo("archive/data/0").header_offset] ^= 0xFF
+
+
+def nested_lists(depth: int) -> bytes:
+    return b"]" * depth + b"a" * (depth - 1)
+
+
+M = "corrupt metadata pickle: "
+H = "hostile or foreign pickle: "
+I0 = "item at byte 0: "
+
+METADATA_CASES = {
+    "build-on-dtype": (lambda md: set_planner(md), b"ctorch\nfloat32\n}X\x08\x00\x00\x00itemsizeK\x01sb",
+                       H + "refuses to set the state of a DType (only of a new object)"),
+    "slot-build-on-class": (lambda md: set_planner(md),
+                            b"cpathlib\nPosixPath\nN}X\x05\x00\x00\x00_rootX\x01\x00\x00\x00/s\x86b",
+                            H + "refuses to set the state of pathlib.PosixPath (only of a new object)"),
+    "planner-nested-10000": (lambda md: set_planner(md), nested_lists(10_000),
+                             M + "Metadata.planner_data should be a dict but is a list"),
+    "string-length-2**40": (lambda md: set_planner(md), b"\x8d" + struct.pack("<Q", 1 << 40),
+                            M + "string of 1099511627776 bytes is over the 1048576-byte limit"),
+    "bytes-length-2**64-1": (lambda md: set_planner(md), b"\x8e" + struct.pack("<Q", (1 << 64) - 1),
+                             M + "bytes value of 18446744073709551615 bytes is over the 1048576-byte limit"),
+    "list-length-2**40": (lambda md: set_planner(md), b"\x8a\x06" + (1 << 40).to_bytes(6, "little"),
+                          M + "Metadata.planner_data should be a dict but is a int"),
+    "relative-path-5000": (lambda md: setattr(first_storage(md), "relative_path", SENTINEL),
+                           b"X" + struct.pack("<I", 5000) + b"a" * 5000,
+                           M + "_StorageInfo.relative_path is not a usable name (5000 characters)"),
+    "relative-path-nul": (lambda md: setattr(first_storage(md), "relative_path", SENTINEL),
+                          b"X\x05\x00\x00\x00a\x00b.c", M + "_StorageInfo.relative_path is not a usable name (5 characters)"),
+    "sizes-none": (lambda md: setattr(first_tensor(md).chunks[0], "sizes", SENTINEL), b"N",
+                   M + "ChunkStorageMetadata.sizes should be a torch.Size but is a NoneType"),
+    "sizes-float": (lambda md: setattr(first_tensor(md), "size", SENTINEL), b"G" + struct.pack(">d", 2.0),
+                    M + "TensorStorageMetadata.size should be a torch.Size but is a float"),
+    "chunks-int": (lambda md: setattr(first_tensor(md), "chunks", SENTINEL), b"K\x07",
+                   M + "TensorStorageMetadata.chunks should be a list but is a int"),
+    "properties-none": (lambda md: setattr(first_tensor(md), "properties", SENTINEL), b"N",
+                        M + "TensorStorageMetadata.properties should be a TensorProperties but is a NoneType"),
+    "storage-data-list": (lambda md: setattr(md, "storage_data", SENTINEL), b"]",
+                          M + "Metadata.storage_data should be a dict but is a list"),
+    "transforms-int": (lambda md: setattr(first_storage(md), "transform_descriptors", SENTINEL), b"K\x01",
+                       M + "_StorageInfo.transform_descriptors should be a list but is a int"),
+    "offset-none": (lambda md: setattr(first_storage(md), "offset", SENTINEL), b"N",
+                    M + "_StorageInfo.offset should be an integer but is a NoneType"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(METADATA_CASES))
+def test_hostile_metadata_is_one_line(case: str, tmp_path: Path) -> None:
+    place, replacement, expected = METADATA_CASES[case]
+    src = copy_fixture(tmp_path)
+    with_sentinel(src, place, replacement)
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: {expected}")
+
+
+def assert_one_line(tmp_path: Path, src: Path, args: list, line: str) -> None:
+    before = snapshot(src)
+    proc, rss, seconds = run_measured(tmp_path, *args)
+    assert proc.stderr == f"ckptctl: error: {line}\n"
+    assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
+    assert rss <= MAX_RSS_MB and seconds <= MAX_SECONDS, (rss, seconds)
+    assert snapshot(src) == before
+
+
+def test_memo_references_cost_what_distinct_chunks_cost(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    md = real_metadata(src)
+    tensor = first_tensor(md)
+    tensor.chunks = tensor.chunks[:1] * 2_000_000
+    (src / ".metadata").write_bytes(pickle.dumps(md, protocol=4))
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: " + M +
+                    "pickle builds more values than its size allows (memo amplification?)")
+
+
+def test_metadata_that_is_a_link_to_a_device_is_refused_before_reading(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    (src / ".metadata").unlink()
+    (src / ".metadata").symlink_to("/dev/zero")
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: not a regular file")
+
+
+def test_rank_metadata_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    (src / ".metadata").rename(src / "__0.metadata")
+    (src / "__1.metadata").unlink(missing_ok=True)
+    os.mkfifo(src / "__1.metadata")
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '__1.metadata'}: not a regular file")
+
+
+def test_sparse_two_gigabyte_metadata_costs_no_memory(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    with open(src / ".metadata", "wb") as f:
+        f.truncate(2_000_000_000)
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: " + M + "invalid pickle opcode b'\\x00' at byte 0")
+
+
+ITEM_CASES = {
+    "data-pkl-garbage": (garbage_data_pkl, "corrupt data.pkl: invalid pickle opcode b'\\x00' at byte 0"),
+    "data-pkl-stack-underflow": (truncated_data_pkl, "corrupt data.pkl: pickle stack underflow"),
+    "unknown-compression": (cd_field("archive/data.pkl", "<H", 10, 99),
+                            "zip entry archive/data.pkl is compressed (method 99); torch.save stores entries"),
+    "deflated-data-pkl": (cd_field("archive/data.pkl", "<H", 10, 8),
+                          "zip entry archive/data.pkl is compressed (method 8); torch.save stores entries"),
+    "encrypted": (cd_field("archive/data.pkl", "<H", 8, 0x809), "zip entry archive/data.pkl is encrypted"),
+    "record-offset-at-data-pkl": (record_points_at_data_pkl,
+                                  "zip entry archive/data.pkl overlaps entry archive/data/0"),
+    "record-offset-negative": (cd_field("archive/data/0", "<I", 42, 0xFFFFFFF0),
+                               "zip entry archive/data/0 has its header outside the item"),
+    "local-signature": (bad_local_signature, "zip entry archive/data/0: corrupt local header"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ITEM_CASES))
+def test_hostile_item_is_one_line(case: str, tmp_path: Path) -> None:
+    change, reason = ITEM_CASES[case]
+    src = copy_fixture(tmp_path)
+    mutate_item(src, change)
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
+                    f"{src / '__0_0.distcp'}: {I0}{reason}")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_unpickling_never_changes_a_shared_object() -> None:
+    """The BUILD attacks of the issue, in process: the shared dtype and the classes stay as they were."""
+    before = (dtypes.float32.itemsize, vars(BytesStorageMetadata).copy())
+    for data in (b"\x80\x02ctorch\nfloat32\n}X\x08\x00\x00\x00itemsizeK\x01sb.",
+                 b"\x80\x02ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\nN}X\x01\x00\x00\x00xK\x01s\x86b.",
+                 b"\x80\x02ctorch.serialization\n_get_layout\nN}X\x08\x00\x00\x00__code__K\x01s\x86b."):
+        with pytest.raises(UnsafePickleError, match="refuses to set the state"):
+            load_metadata_pickle(data)
+    assert (dtypes.float32.itemsize, vars(BytesStorageMetadata)) == before
+
+
+def test_negative_storage_offset_is_refused() -> None:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.zeros(4), buf)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as archive:
+        pkl = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    at = pkl.index(b"Q") + 1  # the persistent storage reference, then the storage offset
+    assert pkl[at:at + 2] == b"K\x00"
+    hostile = pkl[:at] + b"J" + struct.pack("<i", -4) + pkl[at + 2:]
+    with pytest.raises(MalformedPickleError, match=r"^storage offset is out of range \(-4\)$"):
+        load_tensor_record_spec(hostile)
