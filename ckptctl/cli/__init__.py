@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         if flag in head:
             setattr(common, name, True)
     args = [a for a in head if a not in GLOBAL_FLAGS] + tail
-    _register()
     try:
+        _register()
         app(args=args, prog_name="ckptctl", standalone_mode=True)
     except SystemExit as exc:
         raise SystemExit(exc.code) from None
+    except KeyboardInterrupt:  # Ctrl-C while commands are imported, before run_guarded is in place
+        sys.stderr.write("ckptctl: interrupted\n")
+        raise SystemExit(130) from None
