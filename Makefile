@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-full bench fixtures clean
+.PHONY: install demo test test-full fuzz bench fixtures clean
 
 install: $(STAMP)
 
@@ -30,6 +30,10 @@ test: install
 
 test-full: install
 	$(PY) -m pytest -q -m ""
+
+# A long run of the structured fuzzer over mutated real fixtures (a short one is in `make test`).
+fuzz: install
+	$(PY) -m tests.fuzz_inputs 5000
 
 bench: install
 	$(PY) bench/bench.py
