@@ -1,14 +1,18 @@
 """`export-hf`: a Megatron-FSDP (or FSDP2 / torchtitan) DCP checkpoint → a Hugging Face model folder.
 
 The steps, each a pure function of metadata until the last: open the checkpoint and the
-target config; pick the family (`--arch`, else config `model_type` and key names); resolve
-the training TP when a fused TP-blocked tensor needs it; let the family express every HF
-tensor as rows of source tensors; keep the tensors `--include`/`--exclude` select; shard
+target config; pick the family (`--arch`, else config `model_type` and key names; naming
+schemes not converted yet, such as torchtitan's, are refused); resolve the training TP when
+a fused TP-blocked tensor needs it; let the family express every HF tensor as rows of source
+tensors; check the names against those transformers' model class for the config expects
+(closed world: a name with no place, or a missing weight, is refused — `hf.expected`); keep
+the tensors `--include`/`--exclude` select; shard
 them with huggingface_hub's planner; compute each safetensors header and the copy runs of
 every record. `--dry-run` stops there and reports the plan (`preview_export`). Otherwise
 the records are streamed into an atomic output directory, the index, config, generation
 config and tokenizer files are written as `save_pretrained` writes them, and with
-`--verify` every tensor is re-read before the directory is put in place.
+`--verify` every tensor is re-read, and the written names checked against the model's,
+before the directory is put in place.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import json
 import math
 import re
 import shutil
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,12 +41,15 @@ from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream
 from ckptctl.geometry import Box, union_volume
 from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
 from ckptctl.hf.base import (
-    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, load_hf_config,
-    megatron_prefix,
+    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
+    load_hf_config, megatron_prefix,
 )
+from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
+from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
+from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
 from ckptctl.reshard import cast_dtype
@@ -69,6 +77,8 @@ class ExportOptions:
     device: str = "auto"
     sync: bool = True
     """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
+    name_check: bool = True
+    """Check the output names against transformers' model for the config (`--no-name-check`: don't)."""
 
 
 @dataclass
@@ -89,6 +99,10 @@ class ExportPlan:
     notes: list[str] = field(default_factory=list)
     generation: dict[str, Any] | None = None
     """`generation_config.json` derived from the config; None when REF has one (copied) or the model cannot generate."""
+    expected: ExpectedNames | None = None
+    """The names transformers' model expects; None when not checked."""
+    selected: bool = False
+    """Whether `--include`/`--exclude` left tensors out (then the output is not the whole model)."""
 
     @property
     def data_bytes(self) -> int:
@@ -140,7 +154,11 @@ def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
         raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
     prefix = megatron_prefix(ckpt)
     if arch == "raw" or (arch == "auto" and prefix is None):
-        return RAW, raw_prefix(ckpt)
+        stripped = raw_prefix(ckpt)
+        reason = foreign_reason(fqn[len(stripped):] for fqn in ckpt.tensors if is_model_key(fqn))
+        if reason is not None:
+            raise CheckpointError(ckpt.path, reason)
+        return RAW, stripped
     if prefix is None:
         shown = ", ".join(repr(p) for p in MODEL_PREFIXES)
         raise CheckpointError(ckpt.path, f"no Megatron model tensors (decoder.layers.*, embedding.word_embeddings.*) "
@@ -238,11 +256,20 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
             ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
     if not tensors:
         raise CheckpointError(ckpt.path, "nothing to export")
+    expected = None
+    if opts.name_check:
+        expected = expected_for(cfg, family is RAW, ctx.notes)
+    else:
+        ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
+    if expected is not None:
+        tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None, ctx.notes)
+    selected = False
     if opts.include or opts.exclude:
         kept, notes = select(sorted(tensors), opts.include, opts.exclude)
         ctx.notes.extend(notes)
         if len(kept) < len(tensors):
             ctx.notes.append(f"{len(kept)} of {len(tensors)} tensors selected by --include/--exclude")
+            selected = True
         tensors = {name: tensors[name] for name in kept}
     used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
     sources = {fqn: source_view(ckpt.tensors[fqn]) for fqn in used_fqns}
@@ -264,8 +291,77 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         file_targets={f.name: list(f.offsets) for f in files},
         weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
         config=config, ref_files=ref_files, notes=ctx.notes,
-        generation=generation_config(config) if derive else None,
+        generation=generation_config(config) if derive else None, expected=expected, selected=selected,
     )
+
+
+def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | None:
+    """The names transformers' model for the output config expects. Without transformers, None and
+    a note for a family (its names come from ckptctl's own tables); `--arch raw` is refused
+    (nothing else vouches for its names)."""
+    if not transformers_available():
+        if raw:
+            raise UsageError("--arch raw checks the tensor names against transformers' model for the config, and "
+                             "transformers is not installed (pip install transformers; or --no-name-check to write "
+                             "them unchecked)")
+        notes.append("tensor names not checked against transformers' model (transformers is not installed)")
+        return None
+    return expected_names(output_config(cfg, None))
+
+
+def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNames, megatron: bool,
+                notes: list[str]) -> dict[str, Any]:
+    """Refuse an output with a name the model has no place for or without a weight it needs; drop
+    (with a note) tied parameters whose source is written: transformers restores them from it."""
+    out = dict(tensors)
+    expected = expected.for_output(out)
+    for name, source in sorted(expected.tied.items()):
+        if name in out and source in out:
+            del out[name]
+            notes.append(f"{name} not exported: {expected.model_class} ties it to {source}")
+    cls = expected.model_class
+    unclaimed = expected.unclaimed(out)
+    if unclaimed:
+        hint = ("Megatron names: export with --arch auto or the model's family" if megatron
+                else "wrong --hf-config or --arch?")
+        verb = "has" if len(unclaimed) == 1 else "have"
+        raise CheckpointError(ckpt.path, f"{counted(len(unclaimed), 'tensor')} {verb} no place in a {cls}: "
+                                         f"{shown(unclaimed)} ({hint})")
+    missing = expected.missing(out)
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise CheckpointError(ckpt.path, f"{counted(len(missing), 'weight')} a {cls} expects {verb} missing: "
+                                         f"{shown(missing)} (an incomplete checkpoint, or the wrong --hf-config?)")
+    return out
+
+
+def check_written_names(plan: ExportPlan, out: Path) -> None:
+    """`--verify`: the tensor names in the written files, read back from their headers, are the
+    planned ones and, against transformers' model for the written config.json, leave nothing
+    out and have nothing extra (only what --include/--exclude left out may be missing)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in plan.files:
+        with safe_open(str(out / f.name), framework="pt") as handle:
+            names.extend(handle.keys())
+    if sorted(names) != sorted(plan.targets):
+        raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
+    if plan.expected is None:
+        return
+    expected = expected_names(json.loads((out / CONFIG_NAME).read_text())).for_output(names)
+    unclaimed = expected.unclaimed(names)
+    if unclaimed:
+        raise CheckpointError(out, f"verification failed: a {expected.model_class} has no place for "
+                                   f"{shown(unclaimed)}")
+    missing = [] if plan.selected else expected.missing(names)
+    if missing:
+        raise CheckpointError(out, f"verification failed: a {expected.model_class} expects {shown(missing)}, "
+                                   f"not written")
+
+
+def counted(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor]) -> None:
@@ -471,6 +567,8 @@ def export_hf(
             advance = phases.start("verifying", plan.data_bytes)
             for f in plan.files:
                 verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+            check_written_names(plan, tmp)
+            check_decoded_source(ckpt, plan.targets, safetensors_read_back(tmp, plan), dst, max(1, opts.workers))
             phases.stop()
             report.verified = True
 
@@ -480,6 +578,23 @@ def export_hf(
         sources.close()
     report.finish(phases, started)
     return report
+
+
+def safetensors_read_back(folder: Path, plan: ExportPlan) -> ReadBack:
+    """Boxes of the written tensors, read through safetensors' own reader (one handle per file)."""
+    from safetensors import safe_open
+
+    handles: dict[str, Any] = {}
+    file_of = {name: f.name for f in plan.files for name in plan.file_targets[f.name]}
+    lock = threading.Lock()
+
+    def tensor(name: str) -> Any:
+        with lock:
+            if file_of[name] not in handles:
+                handles[file_of[name]] = safe_open(folder / file_of[name], "pt")
+            return handles[file_of[name]].get_slice(name)
+
+    return tensor_read_back(tensor)
 
 
 def write_side_files(plan: ExportPlan, out: Path) -> None:

@@ -29,9 +29,11 @@ count in another shape), `rank-conflict` (per-rank `__{rank}.metadata` files tha
 disagree about an entry's shape, dtype or kind: ranks saved different data under one
 name, and only one rank's can be read).
 
-Groups: `optimizer` for keys under `optim.` / `optimizer.`; `model` for keys under the
-checkpoint's model prefix (the most common one of `MODEL_PREFIXES`) or named as the param
-of an optimizer state; `other` for the rest (`args`, `iteration`, RNG state, ...).
+Groups: `optimizer` for keys under `optim.` / `optimizer.`; `other` for training
+bookkeeping roots (`TRAINING_STATE_ROOTS`: `args`, `iteration`, RNG state, torchtitan's
+`lr_scheduler`, `train_state`, `dataloader`, ...), whatever the model prefix; `model` for
+keys under the checkpoint's model prefix (the most common one of `MODEL_PREFIXES`) or named
+as the param of an optimizer state; `other` for the rest.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ OPTIMIZER_ROOTS = ("optim.state.", "optimizer.state.")
 
 OPTIMIZER_GROUP_ROOTS = ("optim.", "optimizer.")
 """Everything under these belongs to the optimizer (states, param groups, group meta)."""
+
+TRAINING_STATE_ROOTS = frozenset({"args", "iteration", "checkpoint_version", "extra", "rng", "rng_state",
+                                  "lr_scheduler", "dataloader", "train_state"})
+"""Top-level entries that hold training bookkeeping, never model weights (Megatron's `args`,
+torchtitan's `lr_scheduler` / `train_state` / `dataloader`, ...): torchtitan saves its model
+with no prefix, so these roots cannot be told from model keys by prefix."""
 
 SCALAR_STATES = frozenset({"step"})
 """Per-param states that are one number whatever the param (0-d, or `[1]` in some optimizers)."""
@@ -233,9 +241,16 @@ def _group(fqn: str, model_prefix: str | None, params: set[str]) -> str:
     """Optimizer keys by root; model keys under the checkpoint's model prefix or named by a state."""
     if fqn.startswith(OPTIMIZER_GROUP_ROOTS):
         return "optimizer"
+    if _bookkeeping(fqn):
+        return "other"
     if model_prefix is not None and (fqn.startswith(model_prefix) or fqn in params):
         return "model"
     return "other"
+
+
+def _bookkeeping(fqn: str) -> bool:
+    root = fqn.partition(".")[0]
+    return root in TRAINING_STATE_ROOTS or root.startswith("rng_state")
 
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:
@@ -271,7 +286,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     names = ckpt.tensors.keys()
     param_of = {fqn: find_param(names, fqn) for fqn in names if split_optimizer_fqn(fqn)}
     params = {p for p in param_of.values() if p is not None}
-    seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS))
+    seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS) and not _bookkeeping(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
 
     reports: list[TensorReport] = []

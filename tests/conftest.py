@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 FIXTURES = ROOT / "fixtures" / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """ckptctl's cache of expected HF names lives in the test session, not in the user's home;
+    CLI children inherit it through the environment."""
+    os.environ["CKPTCTL_CACHE_DIR"] = str(tmp_path_factory.mktemp("ckptctl-cache"))
 
 
 @pytest.fixture(scope="session")

@@ -296,9 +296,9 @@ def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_
     ref.mkdir()
     (ref / "config.json").write_text(json.dumps({"model_type": "raw", "architectures": ["Sequential"]}))
     dst = tmp_path / "hf"
-    assert run_cli("export-hf", src, dst, "--hf-config", ref, "--arch", "raw").returncode == 0
+    assert run_cli("export-hf", src, dst, "--hf-config", ref, "--arch", "raw", "--no-name-check").returncode == 0
     ckpt = open_checkpoint(src)
-    plan = plan_export(ckpt, load_hf_config(ref), ExportOptions(arch="raw"))
+    plan = plan_export(ckpt, load_hf_config(ref), ExportOptions(arch="raw", name_check=False))
     (file,) = plan.files
     name = "mlp.fc1.weight"  # [12, 8] fp32: flip the lowest bit of row 11's last element
     path = dst / file.name
@@ -328,7 +328,7 @@ def test_raw_export_of_multi_block_tensors_is_bit_exact(tmp_path):
     ref.mkdir()
     (ref / "config.json").write_text(json.dumps({"model_type": "raw"}))
     dst = tmp_path / "hf"
-    result = run_cli("export-hf", tmp_path / "src", dst, "--hf-config", ref, "--arch", "raw",
+    result = run_cli("export-hf", tmp_path / "src", dst, "--hf-config", ref, "--arch", "raw", "--no-name-check",
                      "--max-shard-size", "13MB", "--verify")
     assert result.returncode == 0, result.stderr
     index = json.loads((dst / "model.safetensors.index.json").read_text())
@@ -360,7 +360,7 @@ def test_a_full_disk_fails_with_one_line_naming_the_file_and_leaves_nothing(fixt
     out = tmp_path / "out"
     out.mkdir()
     result = subprocess.run([sys.executable, "-m", "ckptctl", "export-hf", str(fixture_ckpt("fsdp2_4ranks")),
-                             str(out / "hf"), "--hf-config", str(ref), "--arch", "raw"],
+                             str(out / "hf"), "--hf-config", str(ref), "--arch", "raw", "--no-name-check"],
                             capture_output=True, text=True, cwd=ROOT, preexec_fn=small_file_limit)
     assert (result.returncode, result.stderr) == (
         2, f"ckptctl: error: {out / 'hf' / 'model.safetensors'}: cannot write: File too large\n")

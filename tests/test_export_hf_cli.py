@@ -122,7 +122,7 @@ def test_a_bad_max_shard_size_is_one_line_and_exit_2(fixture_ckpt, tmp_path, tex
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw"}')
     res = run_cli("export-hf", fixture_ckpt("fsdp2_4ranks"), tmp_path / "dst", "--hf-config", ref, "--arch", "raw",
-                  "--max-shard-size", text)
+                  "--no-name-check", "--max-shard-size", text)
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr == (f"ckptctl: error: --max-shard-size {text!r}: {reason} (use 5GB, 500MB, 5GiB, 500MiB, "
                           f"1.5GB or bytes; Gb, Mb, Kb are bits)\n")
@@ -194,8 +194,9 @@ def test_dry_run_prints_plain_lines_in_a_pipe(fixture_ckpt, tmp_path):
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw"}')
     res = run_cli("export-hf", fixture_ckpt("fsdp2_4ranks"), tmp_path / "dst", "--hf-config", ref, "--arch", "raw",
-                  "--max-shard-size", "200", "--dry-run")
-    assert (res.returncode, res.stderr) == (0, "")
+                  "--no-name-check", "--max-shard-size", "200", "--dry-run")
+    assert (res.returncode, res.stderr) == (
+        0, "note: tensor names not checked (--no-name-check): the output may not load\n")
     assert res.stdout == f"""\
 dry run: nothing written to {tmp_path / 'dst'}
 raw, float32: 8 tensors (318 parameters), 1984 bytes in 4 safetensors files
@@ -297,8 +298,9 @@ def test_exclude_on_the_raw_path(fixture_ckpt, tmp_path):
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw"}')
     done = export_json(fixture_ckpt("fsdp2_4ranks"), tmp_path / "out", "--hf-config", ref, "--arch", "raw",
-                       "--exclude", "head.*", "--exclude", "lm_head.*", "--verify")
-    assert done["notes"] == ["--exclude 'lm_head.*' matches no tensor",
+                       "--no-name-check", "--exclude", "head.*", "--exclude", "lm_head.*", "--verify")
+    assert done["notes"] == ["tensor names not checked (--no-name-check): the output may not load",
+                             "--exclude 'lm_head.*' matches no tensor",
                              "6 of 8 tensors selected by --include/--exclude"]
     got = read_safetensors(tmp_path / "out")
     assert sorted(got) == ["embed.weight", "mlp.fc1.bias", "mlp.fc1.weight", "mlp.fc2.bias", "mlp.fc2.weight",
@@ -324,7 +326,7 @@ def test_selecting_no_tensor_on_the_raw_path_is_one_line_and_exit_2(fixture_ckpt
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw"}')
     res = run_cli("export-hf", fixture_ckpt("fsdp2_4ranks"), tmp_path / "dst", "--hf-config", ref, "--arch", "raw",
-                  "--include", "lm_head.*", "--dry-run")
+                  "--no-name-check", "--include", "lm_head.*", "--dry-run")
     assert (res.returncode, res.stdout, res.stderr) == (
         2, "", "ckptctl: error: --include 'lm_head.*' selects none of the 8 tensors\n")
 
@@ -391,7 +393,7 @@ def test_raw_export_keeps_ref_config_and_writes_no_generation_config_for_unknown
     ref = tmp_path / "ref"
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw", "architectures": ["Sequential"]}')
-    export_json(fixture_ckpt("fsdp2_4ranks"), tmp_path / "out", "--hf-config", ref, "--arch", "raw")
+    export_json(fixture_ckpt("fsdp2_4ranks"), tmp_path / "out", "--hf-config", ref, "--arch", "raw", "--no-name-check")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == {
         "model_type": "raw", "architectures": ["Sequential"], "dtype": "float32"}
@@ -421,7 +423,7 @@ def test_mixed_dtype_export_is_aligned_and_laid_out_as_safetensors_writes_it(tmp
     ref.mkdir()
     (ref / "config.json").write_text('{"model_type": "raw"}')
     out = tmp_path / "out"
-    export_json(tmp_path / "src", out, "--hf-config", ref, "--arch", "raw", "--verify")
+    export_json(tmp_path / "src", out, "--hf-config", ref, "--arch", "raw", "--no-name-check", "--verify")
 
     path = out / "model.safetensors"
     n, head = header(path)

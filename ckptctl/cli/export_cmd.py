@@ -141,7 +141,12 @@ def export_hf_command(
     dry_run: bool = typer.Option(False, "--dry-run", help="Write nothing (DST may exist): show tensors, bytes, "
                                                           "shard files and the source tensors of each HF tensor."),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
-    verify: bool = typer.Option(False, "--verify", help="Re-read every output tensor and compare it with the source."),
+    verify: bool = typer.Option(False, "--verify", help="Re-read every output tensor and compare it with the source, "
+                                                        "and the written names with those the model expects."),
+    no_name_check: bool = typer.Option(False, "--no-name-check",
+                                       help="Skip checking the output names against transformers' model for the "
+                                            "config (for models transformers does not know; the output may not "
+                                            "load)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     device: str = device_option(),
@@ -161,7 +166,7 @@ def export_hf_command(
 
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
-                             device=device, sync=not no_sync)
+                             device=device, sync=not no_sync, name_check=not no_name_check)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.export_hf import export_hf, preview_export

@@ -1,0 +1,46 @@
+"""Source naming schemes export-hf recognises but does not convert yet, refused by name.
+
+A torchtitan checkpoint (`tok_embeddings.weight`, `layers.N.attention.qkv_linear.wq.weight`,
+`layers.N.feed_forward.w1.weight`, `moe.routed_experts…`) is not an HF-named one: besides
+the names, torchtitan's llama keeps q/k rows in another order for RoPE, so writing it as it
+is gives a model that loads and computes nonsense. NeMo Automodel's native grouped experts
+(`mlp.experts.gate_and_up_projs` [E, H, 2I], `mlp.experts.down_projs` [E, I, H]) are
+transposed and fused relative to Hugging Face's per-expert tensors. Both are refused
+before anything else is looked at, with the names that gave them away.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+from ckptctl.hf.expected import shown
+
+_TORCHTITAN = re.compile(r"^(tok_embeddings\.|layers\.\d+\.(attention\.(qkv_linear\.)?w[qkvo]|attention\.wqkv"
+                         r"|feed_forward\.w[123]|moe\.)|moe\.routed_experts)|\.moe\.routed_experts\.")
+_AUTOMODEL_NATIVE = re.compile(r"(^|\.)mlp\.experts\.(gate_and_up_projs|down_projs)(\.weight)?$")
+
+
+def torchtitan_names(names: Iterable[str]) -> list[str]:
+    """The names, sorted, that only torchtitan's model definitions use."""
+    return sorted(n for n in names if _TORCHTITAN.search(n))
+
+
+def automodel_native_names(names: Iterable[str]) -> list[str]:
+    """The names, sorted, of NeMo Automodel's native grouped-expert tensors."""
+    return sorted(n for n in names if _AUTOMODEL_NATIVE.search(n))
+
+
+def foreign_reason(names: Iterable[str]) -> str | None:
+    """Why these model names cannot be exported as they are, or None."""
+    names = list(names)
+    titan = torchtitan_names(names)
+    if titan:
+        return (f"a torchtitan checkpoint ({len(titan)} tensors named as torchtitan names them: {shown(titan)}); "
+                f"export-hf does not export torchtitan checkpoints yet: their names and llama's RoPE row order "
+                f"differ from Hugging Face's")
+    native = automodel_native_names(names)
+    if native:
+        return (f"{len(native)} tensors in NeMo Automodel's native expert layout, not Hugging Face's: {shown(native)} "
+                f"(grouped, transposed experts; export-hf does not convert them yet)")
+    return None
