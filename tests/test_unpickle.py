@@ -197,3 +197,108 @@ def test_item_whose_data_pkl_disagrees_with_metadata_is_refused(tmp_path: Path) 
     with ItemReader(ckpt) as reader, pytest.raises(CheckpointError) as err:
         reader.read_chunk(ckpt.tensors["x"], ckpt.tensors["x"].chunks[0])
     assert str(err.value).endswith("item at byte 0: x: item holds float32 [2, 2], metadata says float32 [4]")
+
+
+# -- C's unpickler only ever sees inert stand-ins: BUILD, NEWOBJ and REDUCE cannot reach a real object --
+
+from ckptctl import dtypes as _dtypes  # noqa: E402
+from ckptctl.formats import unpickle as _unpickle  # noqa: E402
+from ckptctl.formats.pickle_vm import Constructor, MalformedPickleError  # noqa: E402
+
+
+def _shared_state() -> tuple:
+    """What a BUILD that reached a real object would change: dtypes, the stand-in classes, path classes."""
+    import pathlib
+
+    classes = (*{c for c in dcp_classes.METADATA_CLASSES.values()}, pathlib.PurePosixPath, pathlib.PosixPath,
+               _unpickle.TensorRecordSpec)
+    return (tuple((d.name, d.itemsize, d.kind) for d in _dtypes.DTYPES.values()),
+            tuple((c, dict(vars(c))) for c in classes))
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + f"{module}\n{name}\n".encode()
+
+
+def _label(value) -> str:
+    return value.name if type(value) is Constructor else f"a {type(value).__name__}"
+
+
+_STATES = {"dict": b"}X\x08\x00\x00\x00itemsizeK\x01s",
+           "slots": b"N}X\t\x00\x00\x00__class__K\x01s\x86"}
+_ALL_GLOBALS = sorted({**_unpickle.METADATA_GLOBALS, **_unpickle.TENSOR_RECORD_GLOBALS}.items())
+
+
+@pytest.mark.parametrize("state", sorted(_STATES))
+@pytest.mark.parametrize("key, value", _ALL_GLOBALS, ids=[".".join(k) for k, _ in _ALL_GLOBALS])
+def test_build_on_any_allowed_global_even_from_the_memo_is_refused(key, value, state: str, tmp_path: Path) -> None:
+    before = _shared_state()
+    load = load_metadata_pickle if key in _unpickle.METADATA_GLOBALS else load_tensor_record_spec
+    for data in (_global(*key) + _STATES[state] + b"b.",  # on the global itself
+                 _global(*key) + b"q\x000h\x00" + _STATES[state] + b"b."):  # on the global fetched from the memo
+        with pytest.raises(UnsafePickleError) as err:
+            load(b"\x80\x02" + data)
+        assert str(err.value) == f"refuses to set the state of {_label(value)} (only of a new object)"
+    assert _shared_state() == before
+
+
+def test_slot_state_build_on_a_record_shell_never_sets_attributes() -> None:
+    before = _shared_state()
+    chunk = _global(dcp_classes.DCP_METADATA, "ChunkStorageMetadata") + b")\x81"
+    with pytest.raises(MalformedPickleError) as err:
+        load_metadata_pickle(b"\x80\x02" + _global(dcp_classes.DCP_METADATA, "Metadata") + b")\x81}"
+                             b"X\x13\x00\x00\x00state_dict_metadata}X\x01\x00\x00\x00w" +
+                             _global(dcp_classes.DCP_METADATA, "TensorStorageMetadata") + b")\x81}"
+                             b"X\x06\x00\x00\x00chunks]" + chunk + _STATES["slots"] + b"basbssb.")
+    assert str(err.value).startswith("TensorStorageMetadata.properties should be a TensorProperties")
+    assert _shared_state() == before
+
+
+@pytest.mark.parametrize("key, label", [(("pathlib", "PosixPath"), "pathlib.PosixPath"),
+                                        (("torch", "Size"), "torch.Size"), (("torch", "float32"), "a DType")])
+def test_newobj_of_anything_but_a_record_is_refused(key, label: str) -> None:
+    with pytest.raises(MalformedPickleError, match=rf"^pickle creates an instance of {label}, which is not allowed$"):
+        load_metadata_pickle(b"\x80\x02" + _global(*key) + b")\x81.")
+
+
+def test_a_record_class_cannot_be_called() -> None:
+    with pytest.raises(MalformedPickleError, match=r"^pickle calls torch\.distributed\.checkpoint\.metadata\."
+                                                   r"ChunkStorageMetadata, which cannot be called$"):
+        load_metadata_pickle(b"\x80\x02" + _global(dcp_classes.DCP_METADATA, "ChunkStorageMetadata") + b")R.")
+
+
+def test_build_on_a_constructed_path_is_refused() -> None:
+    with pytest.raises(UnsafePickleError, match=r"^refuses to set the state of a PurePosixPath \(only of a new object\)$"):
+        load_metadata_pickle(b"\x80\x02" + _global("pathlib", "PurePosixPath") + b"X\x01\x00\x00\x00a\x85R" +
+                             b"N}X\x05\x00\x00\x00_rootX\x01\x00\x00\x00/s\x86b.")
+
+
+def test_build_on_a_tensor_spec_is_refused() -> None:
+    pkl = _data_pkl(torch.zeros(4))
+    assert pkl.endswith(b".")
+    with pytest.raises(UnsafePickleError, match=r"^refuses to set the state of a TensorRecordSpec"):
+        load_tensor_record_spec(pkl[:-1] + b"}X\x0e\x00\x00\x00storage_offsetJ\xfc\xff\xff\xffsb.")
+
+
+@pytest.mark.parametrize("opcode, width, what", [(b"\x8d", 8, "string"), (b"\x8e", 8, "bytes value"),
+                                                 (b"X", 4, "string")])
+def test_a_declared_length_beyond_the_data_is_never_allocated(opcode: bytes, width: int, what: str) -> None:
+    import tracemalloc
+
+    n = (1 << 40) if width == 8 else (1 << 31)
+    tracemalloc.start()
+    try:
+        with pytest.raises(MalformedPickleError, match=rf"^{what} of {n} bytes is over the 1048576-byte limit$"):
+            load_metadata_pickle(b"\x80\x02" + opcode + n.to_bytes(width, "little") + b"x" * 100 + b".")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak
+
+
+def test_memo_references_to_one_chunk_are_charged(real_metadata: bytes) -> None:
+    md = pickle.loads(real_metadata)
+    w = md.state_dict_metadata["w"]
+    w.chunks = w.chunks[:1] * 200_000
+    with pytest.raises(MalformedPickleError, match=r"memo amplification"):
+        load_metadata_pickle(pickle.dumps(md, protocol=4))

@@ -1,4 +1,9 @@
-"""A small pickle interpreter that can only build fresh, validated values.
+"""A small pickle interpreter that can only build fresh, validated values: the slow path that names a fault.
+
+`unpickle` runs pickles through C's `pickle.Unpickler` with inert stand-ins for every
+global; when C gives up on a pickle by itself (a bad opcode, a truncation, a length
+beyond the data), its message has no position or declared length, so the same pickle is
+run again here, against the same `Constructor` tables, for the one-line reason to report.
 
 `pickle.Unpickler` (C or Python) hands the objects `find_class` returns to BUILD, which
 writes into whatever is on the stack: a class, a function, a shared dtype. An allow-list

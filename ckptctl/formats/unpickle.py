@@ -5,11 +5,37 @@
 allow-list) and builds ckptctl's own stand-ins for them (`dcp_classes`, `dtypes`: no torch
 import). A tensor record's `data.pkl` is read into a plain description instead of a
 tensor, so nothing from a checkpoint is ever executed or allocated on its say-so.
+
+The tables below (`METADATA_GLOBALS`, `TENSOR_RECORD_GLOBALS`: `Constructor`s and
+constants) are the one statement of what is allowed. C's `pickle.Unpickler` runs the
+pickle, but `find_class` never hands it a real class, function or shared object, because
+BUILD writes into whatever the pickle puts on the stack (a global fetched again from the
+memo included), NEWOBJ calls `cls.__new__`, and REDUCE calls anything callable:
+
+* a REDUCE-style global is a `_Call`: immutable, its `__call__` runs the validating
+  constructor; a result BUILD could write into (a path, a tensor spec) comes back sealed;
+* a NEWOBJ-style global is a per-load shell type (`_ShellType`): it refuses attribute
+  writes, calls and BUILD on itself; its instances (`_Shell`) only record the state BUILD
+  gives them, and are turned into validated records after `load()`;
+* a constant (a dtype, a storage type) is a `_Sealed` token.
+
+Every one of these refuses `__setstate__` and `__setattr__`, so nothing a pickle does can
+change a class, a singleton or a validated value. After `load()` one pass builds the
+records from their shells, top down, through the same validators; the schema, not the
+data, bounds its depth, and a record a pickle references again through the memo costs
+what it would cost written out again, against a budget of the pickle's size.
+
+C's unpickler says little about a broken pickle (no positions, no declared lengths), so
+when it fails on its own (not on one of ckptctl's checks) the pickle is run again through
+`pickle_vm.PickleMachine`, the pure-Python interpreter, which names the fault. Its reads are
+capped (`_Source`), so a declared length never makes C read or copy more than a frame.
 """
 
 from __future__ import annotations
 
+import contextvars
 import pathlib
+import pickle
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,7 +43,14 @@ from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.formats import dcp_classes as dc
 from ckptctl.formats.dcp_classes import Layout, MemoryFormat
 from ckptctl.formats.gc_pause import gc_paused
-from ckptctl.formats.pickle_vm import Constructor, MalformedPickleError, PickleMachine, UnsafePickleError
+from ckptctl.formats.pickle_vm import (
+    GET_WEIGHT,
+    MAX_STRING,
+    Constructor,
+    MalformedPickleError,
+    PickleMachine,
+    UnsafePickleError,
+)
 from ckptctl.formats.torch_pickle import Size
 
 __all__ = ["MalformedPickleError", "UnsafePickleError", "load_metadata_pickle", "load_tensor_record_spec",
@@ -35,7 +68,19 @@ _LAYOUTS = frozenset(f"torch.{n}" for n in ("strided", "sparse_coo", "sparse_csr
 
 
 def _bad(what: str, value: Any) -> MalformedPickleError:
-    return MalformedPickleError(f"{what} is a {type(value).__name__}")
+    return MalformedPickleError(f"{what} is a {_kind(value)}")
+
+
+def _kind(value: Any) -> str:
+    """A value's type as a pickle would name it: a sealed constant or result by its value's type."""
+    if type(value) is _Sealed:
+        value = value.value
+    return type(value).__name__
+
+
+def _open(value: Any) -> Any:
+    """A sealed constant or constructor result as the value itself (other values as they are)."""
+    return value.value if type(value) is _Sealed else value
 
 
 def _int(value: Any, what: str, low: int = 0) -> int:
@@ -51,11 +96,23 @@ def _str(value: Any, what: str, limit: int = MAX_NAME) -> str:
         raise _bad(f"{what} should be a string but", value)
     if len(value) > limit or "\0" in value:
         raise MalformedPickleError(f"{what} is not a usable name ({len(value)} characters)")
+    if not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise MalformedPickleError(f"{what} is not UTF-8") from None
     return value
 
 
+_TRIVIAL: dict[Callable[[Any, str], Any], frozenset[type]] = {}
+"""A validator → the types it passes through unchanged without looking (a record skips calling it for them)."""
+
+
 def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    return lambda value, what: None if value is None else check(value, what)
+    def optional(value: Any, what: str) -> Any:
+        return None if value is None else check(value, what)
+    _TRIVIAL[optional] = _TRIVIAL.get(check, frozenset()) | {type(None)}
+    return optional
 
 
 def _bool(value: Any, what: str) -> bool:
@@ -65,30 +122,52 @@ def _bool(value: Any, what: str) -> bool:
 
 
 def _size(value: Any, what: str) -> Size:
-    if type(value) is Size:
+    if type(value) is Size:  # made by the torch.Size constructor: already checked
         return value
     if type(value) is not tuple or len(value) > MAX_DIMS:
         raise _bad(f"{what} should be a torch.Size but", value)
     return Size(_int(v, what) for v in value)
 
 
+_TRIVIAL[_size] = frozenset({Size})
+
+
 def _of(kind: type, label: str) -> Callable[[Any, str], Any]:
+    kinds = (kind,)
+
     def check(value: Any, what: str) -> Any:
         if type(value) is not kind:
-            raise _bad(f"{what} should be a {label} but", value)
+            value = _finished(value, kinds)
+            if type(value) is not kind:
+                raise _bad(f"{what} should be a {label} but", value)
         return value
+    _TRIVIAL[check] = frozenset(kinds)
     return check
+
+
+def _dtype(value: Any, what: str) -> DType:
+    value = _open(value)
+    if type(value) is not DType:
+        raise _bad(f"{what} should be a torch dtype but", value)
+    return value
 
 
 def _list_of(check: Callable[[Any, str], Any]) -> Callable[[Any, str], list]:
     def each(value: Any, what: str) -> list:
         if type(value) not in (list, tuple):
             raise _bad(f"{what} should be a list but", value)
+        _spend(len(value))
         return [check(v, what) for v in value]
     return each
 
 
 def _torch_size(args: tuple) -> Size:
+    if len(args) == 1 and type(args[0]) is tuple and len(args[0]) <= MAX_DIMS:
+        for v in args[0]:
+            if type(v) is not int or not 0 <= v < MAX_INT:
+                break
+        else:
+            return Size(args[0])
     if len(args) != 1 or type(args[0]) not in (tuple, list) or len(args[0]) > MAX_DIMS:
         raise MalformedPickleError("torch.Size needs one tuple of at most 64 integers")
     return Size(_int(v, "a torch.Size dimension") for v in args[0])
@@ -112,7 +191,10 @@ def _memory_format(args: tuple) -> MemoryFormat:
 def _posix_path(args: tuple) -> pathlib.PurePosixPath:
     if len(args) > MAX_DIMS:
         raise MalformedPickleError("path has too many parts")
-    return pathlib.PurePosixPath(*(_str(a, "a path part", MAX_PATH) for a in args))
+    parts = [_str(a, "a path part", MAX_PATH) for a in args]
+    if sum(map(len, parts)) > MAX_PATH:
+        raise MalformedPickleError("path is longer than 4096 characters")
+    return pathlib.PurePosixPath(*parts)
 
 
 def _empty_dict(args: tuple) -> dict:
@@ -121,12 +203,18 @@ def _empty_dict(args: tuple) -> dict:
     return {}
 
 
+_RECORD_KINDS: dict[Constructor, type] = {}
+"""Each DCP record's Constructor → the stand-in class it builds (what a shell of it turns into)."""
+
+
 def _record(cls: type, fields: dict[str, Callable[[Any, str], Any]], tuple_state: bool = False) -> Constructor:
     """A DCP record built fresh from its pickled state, each field checked by its validator.
 
     Fields torch's class has and ours does not (a newer torch) are ignored; missing ones are None.
     """
     label = cls.torch_global()[1]
+    checks = [(name, check, f"{label}.{name}", _TRIVIAL.get(check, frozenset())) for name, check in fields.items()]
+    new = object.__new__
 
     def from_state(state: Any) -> Any:
         if state is None:
@@ -135,12 +223,17 @@ def _record(cls: type, fields: dict[str, Callable[[Any, str], Any]], tuple_state
             state = dict(zip(fields, state))
         if type(state) is not dict:
             raise _bad(f"{label} state should be a dict but", state)
-        values = {}
-        for name, check in fields.items():
-            values[name] = check(state.get(name), f"{label}.{name}")
-        return cls(**values)
+        record = new(cls)
+        values = record.__dict__
+        get = state.get
+        for name, check, what, trivial in checks:
+            value = get(name)
+            values[name] = value if type(value) in trivial else check(value, what)
+        return record
 
-    return Constructor(".".join(cls.torch_global()), from_state=from_state)
+    ctor = Constructor(".".join(cls.torch_global()), from_state=from_state)
+    _RECORD_KINDS[ctor] = cls
+    return ctor
 
 
 def _planner_data(value: Any, what: str) -> dict | None:
@@ -149,11 +242,13 @@ def _planner_data(value: Any, what: str) -> dict | None:
         return None
     if type(value) is not dict:
         raise _bad(f"{what} should be a dict but", value)
+    _spend(len(value))
     out = {}
     for fqn, path in value.items():
         _str(fqn, f"{what} key")
         if type(path) not in (tuple, list) or len(path) > MAX_DIMS:
             raise _bad(f"{what}[{fqn[:200]}] should be a key path but", path)
+        _spend(len(path))
         for part in path:
             if type(part) is not int:
                 _str(part, f"{what}[{fqn[:200]}] part")
@@ -165,7 +260,9 @@ def _mapping(key: Callable[[Any, str], Any], value: Callable[[Any, str], Any]) -
     def check(v: Any, what: str) -> dict:
         if type(v) is not dict:
             raise _bad(f"{what} should be a dict but", v)
-        return {key(k, f"{what} key"): value(x, f"{what} value") for k, x in v.items()}
+        _spend(len(v))
+        what_key, what_value = f"{what} key", f"{what} value"
+        return {key(k, what_key): value(x, what_value) for k, x in v.items()}
     return check
 
 
@@ -174,19 +271,22 @@ def _either(*kinds: type) -> Callable[[Any, str], Any]:
 
     def check(value: Any, what: str) -> Any:
         if type(value) not in kinds:
-            raise _bad(f"{what} should be a {names} but", value)
+            value = _finished(value, kinds)
+            if type(value) not in kinds:
+                raise _bad(f"{what} should be a {names} but", value)
         return value
     return check
 
 
 def _checkpoint_id(value: Any, what: str) -> Any:
+    value = _open(value)
     if value is None or type(value) is pathlib.PurePosixPath:
         return value
     return _str(value, what, MAX_PATH)
 
 
 _TENSOR_PROPERTIES = _record(dc.TensorProperties, {
-    "dtype": _of(DType, "torch dtype"), "layout": _optional(_of(Layout, "tensor layout")),
+    "dtype": _dtype, "layout": _optional(_of(Layout, "tensor layout")),
     "requires_grad": _optional(_bool), "memory_format": _optional(_of(MemoryFormat, "memory format")),
     "pin_memory": _optional(_bool)}, tuple_state=True)
 
@@ -236,12 +336,252 @@ def _budget(size: int) -> int:
     return size + BUDGET_SLACK
 
 
+def _refuse_state(label: str) -> UnsafePickleError:
+    return UnsafePickleError(f"refuses to set the state of {label} (only of a new object)")
+
+
+class _Inert:
+    """What `find_class` and the constructors hand the C unpickler: BUILD and attribute writes are refused."""
+
+    __slots__ = ()
+
+    def _label(self) -> str:
+        raise NotImplementedError
+
+    def __setstate__(self, state: Any) -> None:
+        raise _refuse_state(self._label())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _refuse_state(self._label())
+
+    def __delattr__(self, name: str) -> None:
+        raise _refuse_state(self._label())
+
+
+class _Sealed(_Inert):
+    """A constant (a dtype, a storage type) or a constructor's result that BUILD could otherwise
+    write into (a path, a tensor spec, a storage reference); validators open it (`_open`)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        _SEAL(self, value)
+
+    def _label(self) -> str:
+        return f"a {type(self.value).__name__}"
+
+
+_SEAL = _Sealed.value.__set__  # type: ignore[attr-defined]
+_UNSEALED = frozenset({Size, Layout, MemoryFormat, dict, str, int, bool, type(None)})
+"""Results BUILD cannot write into (no `__dict__`, no slots, no `__setstate__`): handed over as they are."""
+
+
+def _sealed(value: Any) -> Any:
+    return value if type(value) in _UNSEALED else _Sealed(value)
+
+
+class _Call(_Inert):
+    """A REDUCE-style global: calling it runs the Constructor's validating `call`."""
+
+    __slots__ = ("ctor",)
+
+    def __init__(self, ctor: Constructor) -> None:
+        _CALL_CTOR(self, ctor)
+
+    def _label(self) -> str:
+        return self.ctor.name
+
+    def __call__(self, *args: Any) -> Any:
+        value = self.ctor.call(args)
+        return value if type(value) in _UNSEALED else _Sealed(value)
+
+
+_CALL_CTOR = _Call.ctor.__set__  # type: ignore[attr-defined]
+
+
+class _ShellType(type):
+    """The type of a record's shell class: NEWOBJ may instantiate it (`object.__new__`, no
+    arguments); nothing may call it, write to it, or BUILD on it."""
+
+    ctor: Constructor
+    kind: type
+
+    @property
+    def __setstate__(cls) -> Any:  # BUILD on the class itself looks this up and is refused
+        raise _refuse_state(cls.ctor.name)
+
+    def __setattr__(cls, name: str, value: Any) -> None:
+        raise _refuse_state(cls.ctor.name)
+
+    def __delattr__(cls, name: str) -> None:
+        raise _refuse_state(cls.ctor.name)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        raise MalformedPickleError(f"pickle calls {cls.ctor.name}, which cannot be called")
+
+
+class _Shell:
+    """An object NEWOBJ created: it keeps the state BUILD gives it (the last one) and nothing else;
+    `_finished` turns it into a validated record after `load()`, and keeps the record in its place."""
+
+    __slots__ = ("state",)
+
+    def __setstate__(self, state: Any) -> None:
+        _SHELL_STATE(self, state)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise _refuse_state(f"a {type(self).ctor.name}")
+
+    def __delattr__(self, name: str) -> None:
+        raise _refuse_state(f"a {type(self).ctor.name}")
+
+
+_SHELL_STATE = _Shell.state.__set__  # type: ignore[attr-defined]
+_SHELLS: dict[Constructor, _ShellType] = {
+    ctor: _ShellType(kind.__name__, (_Shell,), {"__slots__": (), "__module__": __name__, "ctor": ctor, "kind": kind})
+    for ctor, kind in _RECORD_KINDS.items()}
+"""One shell class per record kind, shared by all loads: they hold nothing a load could change."""
+_SIZED = (tuple, list, dict)
+
+
+class _Budget:
+    """Values one load may stand for, beyond one per NEWOBJ: containers validated, records referenced again."""
+
+    def __init__(self, size: int) -> None:
+        self.left = _budget(size)
+
+
+_CURRENT: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("ckptctl_unpickle_budget", default=None)
+
+
+def _spend(n: int) -> None:
+    budget = _CURRENT.get()
+    if budget is not None:  # the interpreter (`PickleMachine`) keeps its own account
+        budget.left -= n
+        if budget.left < 0:
+            raise MalformedPickleError("pickle builds more values than its size allows (memo amplification?)")
+
+
+def _finished(value: Any, kinds: tuple[type, ...]) -> Any:
+    """`value` as a record when it is a shell of one of `kinds` (other values as they are).
+
+    The record replaces the shell's state, so a shell the memo put in several places is built
+    once and each further use costs what writing the record out again would. Only a field's
+    own kinds are built, so the schema (Metadata → tensor → chunk), not the pickle, bounds
+    how deep records are built inside records.
+    """
+    shell_type = type(value)
+    if shell_type.__class__ is not _ShellType:
+        return value
+    kind = shell_type.kind
+    if kind not in kinds:
+        return value
+    try:
+        state = value.state
+    except AttributeError:  # NEWOBJ without BUILD
+        state = None
+    if type(state) is kind:
+        _spend(GET_WEIGHT * (1 + sum(1 + len(v) for v in vars(state).values() if isinstance(v, _SIZED))))
+        return state
+    record = shell_type.ctor.from_state(state)
+    _SHELL_STATE(value, record)
+    return record
+
+
+MAX_READ = MAX_STRING + (1 << 16)
+"""Most bytes the C unpickler may ask for at once: a string at the limit, or a frame (64 KiB by pickle's framing)."""
+
+
+class _OverRead(Exception):
+    """The C unpickler asked for more than `MAX_READ` bytes (a declared length beyond any real value)."""
+
+
+class _Source:
+    """`data` (bytes, or an mmap of a regular file) as the file C's unpickler reads: slices of at
+    most `MAX_READ` bytes, so a declared length never makes it copy a huge or sparse file."""
+
+    __slots__ = ("data", "pos", "end")
+
+    def __init__(self, data: Any) -> None:
+        self.data, self.pos, self.end = data, 0, len(data)
+
+    def read(self, n: int = -1) -> bytes:
+        if not 0 <= n <= MAX_READ:
+            raise _OverRead
+        pos = self.pos
+        self.pos = min(pos + n, self.end)
+        return self.data[pos:self.pos]
+
+    def peek(self, n: int = 1) -> bytes:
+        return self.data[self.pos:self.pos + min(max(n, 1), MAX_READ)]
+
+    def readline(self) -> bytes:
+        stop = self.data.find(b"\n", self.pos, min(self.end, self.pos + MAX_READ))
+        if stop < 0:
+            if self.end - self.pos > MAX_READ:
+                raise _OverRead
+            stop = self.end - 1
+        return self.read(stop + 1 - self.pos)
+
+
+_CALLS: dict[Constructor, _Call] = {}
+_CONSTANTS: dict[int, _Sealed] = {}
+"""`_Call`s and sealed constants, made on first use and shared by all loads (nothing can change them)."""
+
+
+class _Unpickler(pickle.Unpickler):
+    """C's unpickler, seeing only inert stand-ins for the allowed globals (see the module docstring)."""
+
+    def __init__(self, data: Any, globals_: dict[tuple[str, str], Any],
+                 persistent: Callable[[Any], Any] | None) -> None:
+        super().__init__(_Source(data), fix_imports=False)
+        self._globals, self._persistent = globals_, persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._globals.get((module, name))
+        if found is None:
+            raise UnsafePickleError(f"refuses to load global {module}.{name}")
+        if type(found) is not Constructor:
+            return _CONSTANTS.get(id(found)) or _CONSTANTS.setdefault(id(found), _Sealed(found))
+        if found.from_state is not None:
+            return _SHELLS[found]
+        return _CALLS.get(found) or _CALLS.setdefault(found, _Call(found))
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnsafePickleError("refuses persistent references")
+        return _sealed(self._persistent(pid))
+
+
+def _run(data: Any, globals_: dict[tuple[str, str], Any],
+         persistent: Callable[[Any], Any] | None = None) -> Any:
+    """The value the pickle leaves, from C's unpickler; a pickle it cannot run is diagnosed by the interpreter."""
+    unpickler = _Unpickler(data, globals_, persistent)
+    try:
+        return unpickler.load()
+    except (UnsafePickleError, MalformedPickleError):
+        raise
+    except Exception as exc:  # C's own complaint (UnpicklingError, EOFError, OverflowError, ...) or _OverRead
+        fault = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    finally:
+        del unpickler  # lets go of the input (an mmap cannot close while C holds a slice of it)
+    try:
+        PickleMachine(data, globals_, _budget(len(data)), persistent=persistent, record_types=_RECORD_TYPES).load()
+    except (UnsafePickleError, MalformedPickleError) as exc:
+        raise exc from None
+    raise MalformedPickleError(f"pickle rejected ({fault})")
+
+
 def load_metadata_pickle(data: Any) -> dc.Metadata:
     """Unpickle `.metadata` (bytes, or an mmap of the file) allowing only DCP's own metadata classes."""
-    with gc_paused():
-        md = PickleMachine(data, METADATA_GLOBALS, _budget(len(data)), record_types=_RECORD_TYPES).load()
+    token = _CURRENT.set(_Budget(len(data)))
+    try:
+        with gc_paused():
+            md = _finished(_run(data, METADATA_GLOBALS), (dc.Metadata,))
+    finally:
+        _CURRENT.reset(token)
     if type(md) is not dc.Metadata:
-        raise MalformedPickleError(f"pickle holds a {type(md).__name__}, not a DCP Metadata")
+        raise MalformedPickleError(f"pickle holds a {_kind(md)}, not a DCP Metadata")
     return md
 
 
@@ -285,16 +625,16 @@ MAX_STORAGE_NUMEL = 1 << 50
 
 
 def _storage_ref(pid: Any) -> _StorageRef:
-    if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(pid[1]) is _StorageType):
+    if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage" and type(_open(pid[1])) is _StorageType):
         raise MalformedPickleError("malformed storage reference")
     _, storage_type, key, _location, numel = pid
-    return _StorageRef(_str(key, "storage key", 256), storage_type.dtype, _int(numel, "storage size"))
+    return _StorageRef(_str(key, "storage key", 256), _open(storage_type).dtype, _int(numel, "storage size"))
 
 
 def _tensor_args(args: tuple, least: int) -> tuple[_StorageRef, int, tuple[int, ...], tuple[int, ...]]:
-    if not least <= len(args) <= least + 1 or type(args[0]) is not _StorageRef:
+    if not least <= len(args) <= least + 1 or type(_open(args[0])) is not _StorageRef:
         raise MalformedPickleError("tensor rebuild called with the wrong arguments")
-    storage, offset, size, stride = args[:4]
+    storage, offset, size, stride = _open(args[0]), *args[1:4]
     if type(size) is not tuple or type(stride) is not tuple or len(size) != len(stride) or len(size) > MAX_DIMS:
         raise MalformedPickleError("tensor rebuild called with a malformed size or stride")
     _bool(args[4], "requires_grad")
@@ -313,7 +653,7 @@ def _rebuild_v2(args: tuple) -> TensorRecordSpec:
 
 def _rebuild_v3(args: tuple) -> TensorRecordSpec:
     storage, offset, size, stride = _tensor_args(args, 7)
-    dtype = args[6]
+    dtype = _open(args[6])
     if type(dtype) is not DType:
         raise _bad("tensor dtype should be a torch dtype but", dtype)
     if storage.dtype is not None:
@@ -348,8 +688,7 @@ TENSOR_RECORD_GLOBALS: dict[tuple[str, str], Any] = {
 
 def load_tensor_record_spec(data: bytes) -> TensorRecordSpec:
     """Describe the tensor inside a torch.save archive's data.pkl without building it."""
-    machine = PickleMachine(data, TENSOR_RECORD_GLOBALS, _budget(len(data)), persistent=_storage_ref)
-    spec = machine.load()
+    spec = _open(_run(data, TENSOR_RECORD_GLOBALS, _storage_ref))
     if type(spec) is not TensorRecordSpec:
         raise UnsafePickleError("item is not a single tensor")
     return spec
