@@ -6,14 +6,13 @@ from metadata first (`formats.torch_save_out`): the nested dict's `data.pkl`, on
 tensor at a known offset, the zip directory. The engine that reshards then assembles each
 record from the DCP chunks a block at a time, so memory does not grow with the model.
 Non-tensor entries are decoded by an allow-list unpickler; one it cannot decode is refused
-by name. The file is written as a temporary sibling, fsynced and renamed into place, so a
-run that dies leaves no OUT.
+by name. The file is written inside a marked temporary sibling directory (`atomic.atomic_file`),
+fsynced and renamed into place, so a run that dies leaves no OUT.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-from ckptctl.atomic import _TMP_MARK, _alive, fsync_path
+from ckptctl.atomic import atomic_file, lands_in
 from ckptctl.dtypes import DType
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes, run_on_threads
@@ -39,7 +38,7 @@ from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
 from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
-from ckptctl.verify import row_blocks
+from ckptctl.verify import check_decoded_source, row_blocks, tensor_read_back
 
 _LOCAL_HEADER_BYTES = 30
 PLAN_RUNS = 1 << 18
@@ -90,10 +89,6 @@ def archive_name(out: Path) -> str:
     """The folder the records sit in inside the zip: torch names it after the file, without its suffix."""
     name = out.name
     return name[: name.rindex(".")] if name.rfind(".") > 0 else name
-
-
-def temporary_sibling(out: Path) -> Path:
-    return out.parent / f".{out.name}{_TMP_MARK}{os.getpid()}"
 
 
 def read_values(ckpt: Checkpoint, chunks: ChunkSource, fqns: Sequence[str]) -> dict[str, Any]:
@@ -158,57 +153,14 @@ def planned_batches(items: Sequence[StreamItem], sources: dict[str, SourceTensor
 
 
 def check_output(out: Path, force: bool, src: Path) -> None:
-    """Refuse OUT inside the source, OUT that is a directory, and an existing OUT unless forced."""
-    s, o = src.resolve(), out.resolve()
-    if o == s or s in o.parents:
+    """Refuse OUT inside the source (by device and inode, so also through a link or bind mount),
+    OUT that is a directory, and an existing OUT unless forced."""
+    if lands_in(out, src):
         raise UsageError(f"{out}: output is inside the source {src}; the source is never modified")
     if out.is_dir():
         raise UsageError(f"{out}: is a directory (export-torch writes one file)")
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:
         raise UsageError(f"{out}: output exists (pass --force to replace it)")
-
-
-def _remove_stale(out: Path) -> None:
-    """Temporary siblings left by killed runs (their pid is gone)."""
-    prefix = f".{out.name}{_TMP_MARK}"
-    for name in os.listdir(out.parent):
-        pid = name[len(prefix):]
-        if name.startswith(prefix) and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            (out.parent / name).unlink(missing_ok=True)
-
-
-@contextlib.contextmanager
-def atomic_file(out: Path, force: bool, sync: bool = True) -> Iterator[Path]:
-    """Yield the temporary sibling to fill (and fsync); rename it to `out` once the body succeeds.
-
-    The single-file counterpart of `atomic.atomic_directory`: errors name `out`, never the
-    temporary file, which is removed on any failure.
-    """
-    tmp = temporary_sibling(out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale(out)
-        tmp.unlink(missing_ok=True)
-    except OSError as exc:
-        raise OutputError(exc.filename or out, f"cannot create: {exc.strerror or exc}") from None
-    try:
-        yield tmp
-        if out.exists() and not force:
-            raise UsageError(f"{out}: output appeared while writing (pass --force to replace it)")
-        os.replace(tmp, out)
-        if sync:
-            fsync_path(out.parent)
-    except OutputError as exc:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(out if Path(exc.path) == tmp else exc.path, exc.reason) from None
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        if exc.filename is None or Path(exc.filename) not in (tmp, out):
-            raise
-        raise OutputError(out, f"cannot write: {exc.strerror or exc}") from None
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def export_torch(
@@ -231,7 +183,7 @@ def export_torch(
     chunks = ChunkSource(ckpt)
     try:
         values = read_values(ckpt, chunks, kept_values)
-        plan = plan_export_torch(ckpt, opts, values, temporary_sibling(out).name, archive_name(out))
+        plan = plan_export_torch(ckpt, opts, values, out.name, archive_name(out))
         execute = executor(opts.device)
         report = ExportTorchReport(src=str(src), out=str(out), tensors=len(plan.targets), values=len(values),
                                    bytes_written=plan.file.size, device=resolve_device(opts.device))
@@ -267,7 +219,8 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
     shapes, non-tensor values and where each tensor's storage lies; zipfile gives every
     record's place and CRC-32. Tensor bytes are then read back in row blocks (positioned
     reads, so memory stays one block per worker) and compared with the source assembled
-    block by block.
+    block by block, and with every source item decoded by torch itself (not by the reader
+    the copy used).
     """
     import torch
 
@@ -297,6 +250,9 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
         run_on_threads(range(len(tensors)), check, workers, "ckptctl-verify")
     finally:
         os.close(fd)
+    loaded_by_fqn = {target.fqn: tensor for target, tensor in zip(plan.targets, tensors)}
+    check_decoded_source(chunks.ckpt, {t.fqn: t for t in plan.targets}, tensor_read_back(loaded_by_fqn.__getitem__),
+                         shown, workers)
 
 
 def _record_place(fd: int, infos: dict[str, zipfile.ZipInfo], name: str, shown: Path) -> tuple[int, int]:

@@ -202,7 +202,14 @@ def _append(runs: list[Run], run: Run) -> None:
 
 
 def union_volume(boxes: Sequence[Box]) -> int:
-    """Number of elements covered by at least one box (exact, by coordinate compression)."""
+    """Number of elements covered by at least one box (exact), in O(n log n) for boxes that
+    differ on at most two dims, whatever they overlap.
+
+    Dims on which every box spans the same range only multiply the result. What is left is
+    a union of intervals (sorted and merged), of rectangles (a sweep over one dim with a
+    segment tree over the other), or, for boxes that differ on three or more dims (no DCP
+    layout does), a sweep over the first such dim with the rectangle union of each slab.
+    """
     boxes = [b for b in boxes if b.numel > 0]
     if not boxes:
         return 0
@@ -210,20 +217,84 @@ def union_volume(boxes: Sequence[Box]) -> int:
         return 1
     if len(boxes) == 1:
         return boxes[0].numel
-    # Sweep dim 0: between consecutive cuts the same boxes are active; add slab height × their
-    # union on the remaining dims. Boxes enter in start order and leave once passed, so a
-    # tensor saved by R ranks costs R log R, not R².
-    spans = sorted(((b.offsets[0], b.offsets[0] + b.sizes[0], Box(b.offsets[1:], b.sizes[1:])) for b in boxes),
-                   key=lambda s: s[0])
-    cuts = sorted({s[0] for s in spans} | {s[1] for s in spans})
-    total, entered, active = 0, 0, []
+    ndim = len(boxes[0].sizes)
+    first = boxes[0]
+    varying = [d for d in range(ndim)
+               if any(b.offsets[d] != first.offsets[d] or b.sizes[d] != first.sizes[d] for b in boxes)]
+    factor = math.prod(first.sizes[d] for d in range(ndim) if d not in varying)
+    if not varying:
+        return factor
+    spans = [tuple((b.offsets[d], b.offsets[d] + b.sizes[d]) for d in varying) for b in boxes]
+    if len(varying) == 1:
+        return factor * _interval_union([s[0] for s in spans])
+    if len(varying) == 2:
+        return factor * _area_union([(*s[0], *s[1]) for s in spans])
+    cuts = sorted({s[0][0] for s in spans} | {s[0][1] for s in spans})
+    total = 0
     for lo, hi in zip(cuts, cuts[1:]):
-        while entered < len(spans) and spans[entered][0] <= lo:
-            active.append(spans[entered])
-            entered += 1
-        active = [s for s in active if s[1] > lo]
-        if active:
-            total += (hi - lo) * union_volume([s[2] for s in active])
+        inner = [Box(tuple(a for a, _ in s[1:]), tuple(b - a for a, b in s[1:])) for s in spans
+                 if s[0][0] <= lo and s[0][1] >= hi]
+        total += (hi - lo) * union_volume(inner)
+    return factor * total
+
+
+def _interval_union(spans: Sequence[tuple[int, int]]) -> int:
+    """Length covered by half-open intervals."""
+    total, end = 0, None
+    for lo, hi in sorted(spans):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
+
+
+def _area_union(rects: Sequence[tuple[int, int, int, int]]) -> int:
+    """Area covered by rectangles (x0, x1, y0, y1): a sweep over x; a segment tree over the
+    distinct y cuts keeps the covered length (each node: how many rectangles cover it whole,
+    and how much of it is covered), so each rectangle costs O(log n) twice."""
+    ys = sorted({r[2] for r in rects} | {r[3] for r in rects})
+    index = {y: i for i, y in enumerate(ys)}
+    k = len(ys) - 1
+    size = 1
+    while size < k:
+        size *= 2
+    count = [0] * (2 * size)
+    covered = [0] * (2 * size)
+    lo_of = [ys[min(i, k)] for i in range(size)]
+    hi_of = [ys[min(i + 1, k)] for i in range(size)]
+    length = [0] * size + [hi - lo for lo, hi in zip(lo_of, hi_of)]  # leaves past the last cut are empty
+    for n in range(size - 1, 0, -1):
+        length[n] = length[2 * n] + length[2 * n + 1]
+    events = []
+    for x0, x1, y0, y1 in rects:
+        events.append((x0, 1, index[y0], index[y1]))
+        events.append((x1, -1, index[y0], index[y1]))
+    events.sort()
+
+    def update(node: int, nlo: int, nhi: int, a: int, b: int, d: int) -> None:
+        if a <= nlo and nhi <= b:
+            count[node] += d
+        else:
+            mid = (nlo + nhi) // 2
+            if a < mid:
+                update(2 * node, nlo, mid, a, b, d)
+            if b > mid:
+                update(2 * node + 1, mid, nhi, a, b, d)
+        if count[node]:
+            covered[node] = length[node]
+        elif node >= size:
+            covered[node] = 0
+        else:
+            covered[node] = covered[2 * node] + covered[2 * node + 1]
+
+    total, last = 0, events[0][0]
+    for x, d, a, b in events:
+        total += covered[1] * (x - last)
+        last = x
+        update(1, 0, size, a, b, d)
     return total
 
 

@@ -3,21 +3,35 @@
 Both sides are assembled in bounded blocks of global rows and hashed in row-major order,
 so verification of any size costs a block of memory per worker, and compares values
 (after the requested cast), not layouts.
+
+That comparison reads the source through the same `ChunkSource` the copy used: a mistake
+in locating a source item's bytes would be made twice and agree with itself. So
+`check_decoded_source` also reads every source item's bytes and decodes them with the
+formats' own loaders (`torch.load(weights_only=True)` for torch.save items, after torch's
+stream transforms; `safetensors.torch.load` for SAFETENSORS-format checkpoints), never
+with ckptctl's item reader, and compares each decoded chunk (cast as asked) with the
+same box read back from the output. Every item is checked, one item per worker at a
+time: memory is a few times the largest source item, never the model.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import math
+import os
+import struct
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
-from ckptctl.geometry import Box, full_box, rows_box
-from ckptctl.model import Checkpoint
+from ckptctl.formats.dcp_metadata import open_regular
+from ckptctl.geometry import Box, box_flat_ranges, flat_boxes, full_box, rows_box
+from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 
@@ -70,6 +84,7 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                 advance(out.targets[fqn].nbytes)
 
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
+        check_decoded_source(src, out.targets, dcp_read_back(dst, dst_chunks), written, workers)
         for fqn, copy in out.bytes_entries.items():
             entry = dst.bytes_entries.get(fqn)
             if entry is None:
@@ -80,3 +95,182 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                 raise CheckpointError(written, f"{fqn}: verification failed (bytes entry differs)")
     finally:
         dst_chunks.close()
+
+
+ITEM_OVERHEAD_BYTES = 1 << 20
+"""A torch.save item holds its tensor's bytes plus a few kB of zip records and alignment:
+an item's transforms may undo to at most numel × itemsize + this, or it is refused."""
+
+ReadBack = Callable[[TargetTensor, Box], bytes]
+"""The output's row-major bytes of `box` of a target, in its stored shape (1-D when `logical_shape` is set)."""
+
+
+def dcp_read_back(dst: Checkpoint, dst_chunks: ChunkSource) -> ReadBack:
+    """Read boxes of a written DCP checkpoint's tensors back (the output side: ckptctl's reader)."""
+    views = {fqn: source_view(e) for fqn, e in dst.tensors.items()}
+
+    def read(target: TargetTensor, box: Box) -> bytes:
+        view = views.get(target.fqn)
+        if view is None:
+            raise CheckpointError(dst.path, f"{target.fqn}: missing from the output")
+        whole = identity_target(view)
+        return bytes(assemble_bytes(StreamItem("", 0, b"", whole, box, plan_box(whole, box, views)), dst_chunks))
+
+    return read
+
+
+def tensor_read_back(tensor_of: Callable[[str], Any]) -> ReadBack:
+    """Read boxes back from outputs torch or safetensors opened: `tensor_of(fqn)` is the stored
+    tensor, or anything sliceable like one (`safe_open(...).get_slice(name)`)."""
+    import torch
+
+    def read(target: TargetTensor, box: Box) -> bytes:
+        got = tensor_of(target.fqn)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+        return _raw_bytes(torch.as_tensor(got))
+
+    return read
+
+
+def _identity_source(target: TargetTensor, src: Checkpoint) -> TensorEntry | None:
+    """The source entry a target copies whole and unchanged (but for a cast), or None for a
+    target built from blocks (a fused split, a re-blocked TP shard, an added constant)."""
+    if len(target.pieces) != 1 or target.add:
+        return None
+    piece = target.pieces[0]
+    entry = src.tensors.get(piece.src)
+    logical = target.logical_shape or target.shape
+    if (entry is None or any(piece.src_start) or any(piece.dst_start) or tuple(piece.sizes) != tuple(logical)
+            or math.prod(logical) != entry.numel):
+        return None
+    return entry
+
+
+def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], read_back: ReadBack, shown: Path,
+                         workers: int = 1) -> int:
+    """Compare every saved chunk of every target copied whole from `src`, decoded by torch (or
+    safetensors) from the item's bytes, with the same elements read back from the output.
+
+    Raises CheckpointError naming `shown` on the first difference or undecodable item;
+    returns the number of items checked. Targets built from blocks of several sources are
+    left to `tensor_digest`'s comparison.
+    """
+    work: list[tuple[TargetTensor, TensorEntry, Chunk]] = []
+    for target in targets.values():
+        entry = _identity_source(target, src)
+        if entry is not None:
+            work.extend((target, entry, c) for c in entry.chunks if c.numel)
+
+    def check(job: tuple[TargetTensor, TensorEntry, Chunk]) -> None:
+        target, entry, chunk = job
+        want = _raw_bytes(_cast(decode_source_item(src, entry, chunk), target.dtype))
+        stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
+        got = b"".join(read_back(target, box) for box in _boxes_in(Box(chunk.offsets, chunk.sizes), entry.shape,
+                                                                    stored))
+        if got != want:
+            raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at {list(chunk.offsets)} "
+                                         f"of {entry.fqn}, decoded by torch from {chunk.file}, differs from the output)")
+
+    run_on_threads(work, check, workers, "ckptctl-verify-decoded")
+    return len(work)
+
+
+def _boxes_in(box: Box, shape: tuple[int, ...], stored: tuple[int, ...]) -> list[Box]:
+    """`box` of a `shape` tensor as boxes of the same elements of a `stored` tensor (same item
+    order), in order: itself when the shapes agree."""
+    if tuple(shape) == tuple(stored):
+        return [box]
+    return [b for r in box_flat_ranges(box, shape) for _, b in flat_boxes(stored, r.start, r.end)]
+
+
+def _cast(tensor: Any, dtype: Any) -> Any:
+    if tensor.dtype == dtype.torch:
+        return tensor
+    import torch
+
+    from ckptctl.engine.cast import cast_into
+
+    out = torch.empty(tensor.shape, dtype=dtype.torch)
+    cast_into(out, tensor)
+    return out
+
+
+def _raw_bytes(tensor: Any) -> bytes:
+    import torch
+
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk) -> Any:
+    """A source chunk as torch or safetensors decode its item's bytes (not ckptctl's item reader)."""
+    import torch
+
+    path = src.path / chunk.file
+    fd = open_regular(path)
+    try:
+        raw = os.pread(fd, chunk.length, chunk.offset)
+        if len(raw) != chunk.length:
+            raise CheckpointError(path, f"item at byte {chunk.offset}: short read")
+        if chunk.transforms:
+            raw = _undo_transforms(raw, chunk, entry, path)
+        if raw[:4] == b"PK\x03\x04":
+            try:
+                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
+                raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
+                                            f"({type(exc).__name__})") from None
+        else:
+            tensor = _load_safetensors_record(fd, chunk, entry.fqn, path, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype.torch:
+        raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch decodes it as another tensor "
+                                    "than the metadata names")
+    return tensor
+
+
+def _undo_transforms(raw: bytes, chunk: Chunk, entry: TensorEntry, path: Path) -> bytes:
+    from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+    limit = chunk.numel * entry.dtype.itemsize + ITEM_OVERHEAD_BYTES
+    stream: Any = io.BytesIO(raw)
+    try:
+        for ext in ExtensionRegistry().from_descriptor_list(list(chunk.transforms)):
+            if isinstance(ext, StreamTransformExtension):
+                stream = ext.transform_from(stream)
+        data = stream.read(limit + 1)
+    except Exception as exc:  # noqa: BLE001 - unknown descriptors and corrupt streams alike
+        raise CheckpointError(path, f"item at byte {chunk.offset}: cannot undo transforms "
+                                    f"{list(chunk.transforms)} for verification ({type(exc).__name__})") from None
+    if len(data) > limit:
+        raise CheckpointError(path, f"item at byte {chunk.offset}: transforms undo to more than {limit} bytes")
+    return data
+
+
+def _load_safetensors_record(fd: int, chunk: Chunk, fqn: str, path: Path, file_size: int) -> Any:
+    """A SAFETENSORS-format item (its offset is its blob's start): the record named `fqn`, handed to
+    safetensors as a one-tensor file made of the blob's own header entry and bytes."""
+    from safetensors.torch import load
+
+    bad = CheckpointError(path, f"item at byte {chunk.offset}: neither a torch.save archive nor a safetensors record "
+                                f"of {fqn}")
+    head = os.pread(fd, 8, chunk.offset)
+    if len(head) != 8:
+        raise bad
+    (n,) = struct.unpack("<Q", head)
+    if n > min(file_size - chunk.offset - 8, 16 << 20):
+        raise bad
+    try:
+        info = json.loads(os.pread(fd, n, chunk.offset + 8))[fqn]
+        start, end = (int(v) for v in info["data_offsets"])
+        one = json.dumps({fqn: {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [0, end - start]}})
+    except (ValueError, KeyError, TypeError, RecursionError):
+        raise bad from None
+    data_at = chunk.offset + 8 + n + start
+    if not 0 <= start <= end or data_at + (end - start) > file_size:
+        raise bad
+    blob = struct.pack("<Q", len(one)) + one.encode() + os.pread(fd, end - start, data_at)
+    try:
+        return load(blob)[fqn]
+    except Exception as exc:  # noqa: BLE001 - safetensors refuses with its own error types
+        raise CheckpointError(path, f"item at byte {chunk.offset}: safetensors cannot load {fqn} for verification "
+                                    f"({type(exc).__name__})") from None

@@ -269,6 +269,10 @@ ITEM_CASES = {
     "record-offset-negative": (cd_field("archive/data/0", "<I", 42, 0xFFFFFFF0),
                                "zip entry archive/data/0 has its header outside the item"),
     "local-signature": (bad_local_signature, "zip entry archive/data/0: corrupt local header"),
+    "odd-version-needed": (cd_field("archive/data.pkl", "<H", 6, 63),
+                           "zip entry archive/data.pkl needs zip version 63, not one torch.save archives use"),
+    "unknown-flag-bit": (cd_field("archive/data.pkl", "<H", 8, 0x80A),
+                         "zip entry archive/data.pkl has unknown flag bits 0x0002"),
 }
 
 
@@ -305,3 +309,95 @@ def test_negative_storage_offset_is_refused() -> None:
     hostile = pkl[:at] + b"J" + struct.pack("<i", -4) + pkl[at + 2:]
     with pytest.raises(MalformedPickleError, match=r"^storage offset is out of range \(-4\)$"):
         load_tensor_record_spec(hostile)
+
+
+def replace_first_item(src: Path, item: bytes) -> None:
+    """Append `item` to rank 0's file and point rank 0's first tensor item at it (test side: real metadata)."""
+    md = real_metadata(src)
+    info = min((v for v in md.storage_data.values() if v.relative_path == "__0_0.distcp"), key=lambda v: v.offset)
+    path = src / "__0_0.distcp"
+    info.offset, info.length = path.stat().st_size, len(item)
+    with open(path, "ab") as fh:
+        fh.write(item)
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+
+
+def deflate_bomb(inflated: int) -> tuple[bytes, int]:
+    """Raw deflate data inflating to `inflated` zero bytes (~1/1000 of it), and its CRC-32: one
+    block of 1 MiB zeros, repeated (a full flush makes every copy the same), then an end block."""
+    block = 1 << 20
+    one = zlib.compressobj(9, zlib.DEFLATED, -15)
+    piece = one.compress(bytes(block)) + one.flush(zlib.Z_FULL_FLUSH)
+    crc, zeros = 0, bytes(block)
+    for _ in range(inflated // block):
+        crc = zlib.crc32(zeros, crc)
+    return piece * (inflated // block) + one.flush(zlib.Z_FINISH), crc
+
+
+def one_entry_zip(name: str, method: int, data: bytes, size: int, crc: int) -> bytes:
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0, crc, len(data), size, len(name), 0)
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 20, 20, 0, method, 0, 0, crc, len(data), size,
+                          len(name), 0, 0, 0, 0, 0, 0)
+    body = local + name.encode() + data
+    end = struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central) + len(name), len(body), 0)
+    return body + central + name.encode() + end
+
+
+def test_deflate_bomb_data_pkl_is_refused_without_inflating(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    data, crc = deflate_bomb(1500 << 20)
+    assert len(data) < 2 << 20
+    replace_first_item(src, one_entry_zip("archive/data.pkl", zipfile.ZIP_DEFLATED, data, 1500 << 20, crc))
+    at = (src / "__0_0.distcp").stat().st_size - len(data) - 2 * len("archive/data.pkl") - 30 - 46 - 22
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
+                    f"{src / '__0_0.distcp'}: item at byte {at}: zip entry archive/data.pkl is compressed (method 8); "
+                    "torch.save stores entries")
+
+
+def test_item_faking_a_256_mb_safetensors_header_is_refused_before_reading_it(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    path, offset, _ = item_of(src)
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(struct.pack("<Q", 256 << 20) + b"{")
+        fh.truncate(300 << 20)  # sparse: the claimed header fits in the file
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
+                    f"{path}: item at byte {offset}: safetensors header of {256 << 20} bytes is over the "
+                    f"{16 << 20}-byte limit")
+
+
+def test_bytes_entry_claiming_2_gib_is_refused_before_allocating(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path, "flat_optim")
+    md = real_metadata(src)
+    info = next(v for k, v in md.storage_data.items() if k.offset is None)
+    path = src / info.relative_path
+    with open(path, "r+b") as fh:
+        fh.truncate(info.offset + (2 << 30))  # sparse
+    info.length = 2 << 30
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    assert_one_line(tmp_path, src, ["export-torch", src, tmp_path / "o.pt"],
+                    f"{path}: item at byte {info.offset}: {2 << 30} bytes, over the {1 << 30}-byte limit for an "
+                    "item read whole")
+
+
+def test_sigint_during_start_up_is_one_line_and_130(tmp_path: Path) -> None:
+    """SIGINT once `python -m ckptctl` runs, at a few moments of its start-up: exit 130 and one line.
+    (A signal that lands while the interpreter itself starts, before ckptctl's code runs, is
+    Python's to report; the delays start after that.)"""
+    import signal
+
+    hits = 0
+    for delay in (0.15, 0.2, 0.3, 0.4):
+        proc = subprocess.Popen([sys.executable, "-m", "ckptctl", "inspect", FIXTURES / "fsdp2_4ranks"], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        if proc.poll() is not None:
+            proc.communicate()
+            continue
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        if proc.returncode == 0 or out.endswith("No coverage or consistency problems.\n"):
+            continue  # finished before the signal landed (or while the interpreter was exiting)
+        assert (proc.returncode, err) == (130, "ckptctl: interrupted\n"), delay
+        hits += 1
+    assert hits, "every run ended before it could be interrupted"

@@ -295,3 +295,22 @@ def test_params_outside_the_model_prefix_still_count_as_model_when_the_optimizer
     groups = {r.fqn: r.group for r in analyze(ckpt).reports}
     assert groups == {"model.layers.0.w": "model", "model.layers.1.w": "model", "lm_head.weight": "model",
                       "extra": "other", "optim.state.lm_head.weight.exp_avg": "optimizer"}
+
+
+@pytest.mark.parametrize("shape", ["1d", "2d"])
+def test_300k_overlapping_one_element_wide_chunks_are_analysed_in_bounded_time(shape: str) -> None:
+    """Chunk i starts at element i and runs to the end (on one dim, one element wide on the
+    other): every slab of a sweep meets all earlier chunks, which cost minutes when each
+    slab re-scanned them; the interval merge and the segment-tree sweep are n log n."""
+    import time
+
+    n = 300_000
+    if shape == "1d":
+        e = entry("t", (n,), [((i,), (n - i,)) for i in range(n)])
+        want = Coverage("overlaps", n, 0, n * (n + 1) // 2 - n)
+    else:
+        e = entry("t", (n, n), [((i, i), (n - i, 1)) for i in range(n)] + [((0, 0), (n, n))])
+        want = Coverage("overlaps", n * n, 0, n * (n + 1) // 2)
+    start = time.monotonic()
+    assert coverage(e) == want
+    assert time.monotonic() - start <= 10.0

@@ -31,6 +31,17 @@ _LOCAL_SIGNATURE = 0x04034B50
 MAX_ZIP_READ = 16 << 20
 """Largest zip structure (central directory, data.pkl) read from an item; torch's are a few kB."""
 MAX_SAFETENSORS_HEADER = 16 << 20
+MAX_WHOLE_READ = 1 << 30
+"""Largest item read whole into memory when the caller names no bound: a bytes entry (a
+pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
+are read through `locate` in blocks, or whole with their own bound (`read_chunk`)."""
+ITEM_OVERHEAD = 1 << 20
+"""What a torch.save item may hold beyond its tensor's bytes (zip records, data.pkl, alignment)."""
+ZIP_VERSIONS = frozenset({0, 10, 20, 45})
+"""Versions needed to extract that torch.save's writer (0) and ordinary zip writers declare
+(1.0, 2.0, 4.5 for zip64); anything else asks for features torch's reader does not have."""
+ZIP_FLAGS = 0x8 | 0x800
+"""General-purpose flag bits torch.save sets: sizes in a data descriptor, UTF-8 names."""
 _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, NotImplementedError,
                RuntimeError, UnicodeDecodeError, ValueError, OverflowError, OSError)
 """What `zipfile` raises for a damaged or foreign archive (unknown methods, encryption, bad names)."""
@@ -155,10 +166,23 @@ class ItemReader:
                 >= spec.storage_numel:
             raise self._bad(chunk, "tensor view runs past its storage")
         data_start = self._check_entry(chunk, archive, record)
-        if not spec.is_dense:
-            return None
+        if not spec.is_dense or self._big_endian(chunk, archive, names, pkl[: -len("data.pkl")]):
+            return None  # decoded by torch (`read_chunk`), which swaps bytes and gathers strides
         start = data_start + spec.storage_offset * itemsize
         return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, chunk.numel * itemsize)
+
+    def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
+                    folder: str) -> bool:
+        """Whether torch saved the item on a big-endian machine (`byteorder` record): its raw
+        bytes are not the little-endian values a copy writes. No record means native order."""
+        info = names.get(folder + "byteorder")
+        if info is None:
+            return False
+        self._check_entry(chunk, archive, info, max_size=16)
+        order = archive.read(info)
+        if order not in (b"little", b"big"):
+            raise self._bad(chunk, f"byteorder record says {order[:16]!r}")
+        return order == b"big"
 
     def _check_entry(self, chunk: Chunk, archive: zipfile.ZipFile, info: zipfile.ZipInfo,
                      max_size: int | None = None) -> int:
@@ -168,15 +192,24 @@ class ItemReader:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise self._bad(chunk, f"zip entry {info.filename} is compressed (method {info.compress_type}); "
                                    "torch.save stores entries")
-        if info.flag_bits & 0x1:
+        head = os.pread(self.fd(chunk.file), _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+            if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
+        fields = _LOCAL_HEADER.unpack(head) if len(head) == _LOCAL_HEADER.size else (0, 0, 0)
+        local_flags, local_version = (fields[2], fields[1]) if fields[0] == _LOCAL_SIGNATURE else (0, 0)
+        if (info.flag_bits | local_flags) & 0x1:
             raise self._bad(chunk, f"zip entry {info.filename} is encrypted")
+        if (info.flag_bits | local_flags) & ~ZIP_FLAGS:
+            raise self._bad(chunk, f"zip entry {info.filename} has unknown flag bits "
+                                   f"0x{(info.flag_bits | local_flags) & ~ZIP_FLAGS & 0xFFFF:04x}")
+        for version in (info.extract_version, local_version):
+            if version not in ZIP_VERSIONS:
+                raise self._bad(chunk, f"zip entry {info.filename} needs zip version {version}, "
+                                       "not one torch.save archives use")
         if max_size is not None and info.file_size > max_size:
             raise self._bad(chunk, f"zip entry {info.filename} is implausibly large ({info.file_size} bytes)")
         at = info.header_offset
         if not 0 <= at <= chunk.length - _LOCAL_HEADER.size:
             raise self._bad(chunk, f"zip entry {info.filename} has its header outside the item")
-        head = os.pread(self.fd(chunk.file), _LOCAL_HEADER.size, chunk.offset + at)
-        fields = _LOCAL_HEADER.unpack(head) if len(head) == _LOCAL_HEADER.size else (0,)
         if fields[0] != _LOCAL_SIGNATURE:
             raise self._bad(chunk, f"zip entry {info.filename}: corrupt local header")
         name_len, extra_len = fields[-2:]
@@ -206,8 +239,11 @@ class ItemReader:
             fd = self.fd(file)
             header = None
             prefix = os.pread(fd, 9, offset)
-            if len(prefix) == 9 and prefix[8:9] == b"{":
+            if len(prefix) == 9 and prefix[8:9] == b"{":  # a torch.save item has its method's 0 there
                 (n,) = struct.unpack("<Q", prefix[:8])
+                if n >= MAX_SAFETENSORS_HEADER:
+                    raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: safetensors header of {n} "
+                                                                 f"bytes is over the {MAX_SAFETENSORS_HEADER}-byte limit")
                 if n < min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
                     try:
                         parsed = json.loads(os.pread(fd, n, offset + 8))
@@ -246,8 +282,13 @@ class ItemReader:
         except (ValueError, KeyError, TypeError, RecursionError):
             return False
 
-    def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...]) -> bytes:
-        """An item's bytes with any stream transforms undone."""
+    def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...],
+                        limit: int = MAX_WHOLE_READ) -> bytes:
+        """An item's bytes with any stream transforms undone, read whole: refused before
+        allocating when the item (or what its transforms undo to) is over `limit` bytes."""
+        if length > limit:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: {length} bytes, over the {limit}-byte "
+                                                         "limit for an item read whole")
         data = os.pread(self.fd(file), length, offset)
         if len(data) != length:
             raise CheckpointError(self.ckpt.path / file, f"short read at byte {offset}")
@@ -260,9 +301,16 @@ class ItemReader:
             for ext in ExtensionRegistry().from_descriptor_list(list(transforms)):
                 if isinstance(ext, StreamTransformExtension):
                     stream = ext.transform_from(stream)
-            return stream.read()
+            data = stream.read(limit + 1)  # decompression stops one byte past the limit
         except ValueError as exc:
             raise CheckpointError(self.ckpt.path / file, f"cannot undo transforms {list(transforms)}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a corrupt stream raises the decompressor's own error types
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: cannot undo transforms "
+                                                         f"{list(transforms)} ({type(exc).__name__})") from None
+        if len(data) > limit:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: transforms undo to more than "
+                                                         f"{limit} bytes")
+        return data
 
     def read_chunk(self, entry: TensorEntry, chunk: Chunk) -> Any:
         """The chunk as a dense torch tensor (one chunk in memory): the fallback and verification path."""
@@ -275,7 +323,9 @@ class ItemReader:
                 raise self._bad(chunk, "short read")
             flat = torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)
             return flat.reshape(chunk.sizes)
-        raw = self.read_item_bytes(chunk.file, chunk.offset, chunk.length, chunk.transforms)
+        raw = self.read_item_bytes(chunk.file, chunk.offset, chunk.length, chunk.transforms,
+                                   max(chunk.length if not chunk.transforms else 0,
+                                       chunk.numel * entry.dtype.itemsize + ITEM_OVERHEAD))
         try:
             tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises many types for a corrupt archive
