@@ -1,11 +1,9 @@
 """`python -m ckptctl` (also what `torchrun -m ckptctl` runs)."""
 
-import sys
+from ckptctl.interrupt import exit_on_interrupt
 
-try:
-    from ckptctl.cli import main
+exit_on_interrupt()  # before the command line's imports: Ctrl-C during start-up is one line too
 
-    main()
-except KeyboardInterrupt:  # Ctrl-C before a command's own handler is in place (start-up, imports)
-    sys.stderr.write("ckptctl: interrupted\n")
-    raise SystemExit(130) from None
+from ckptctl.cli import main  # noqa: E402
+
+main()

@@ -13,6 +13,7 @@ import sys
 import typer
 
 from ckptctl.cli import common
+from ckptctl.interrupt import exit_on_interrupt
 
 app = typer.Typer(
     name="ckptctl",
@@ -54,6 +55,7 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    exit_on_interrupt()
     args = list(sys.argv[1:] if argv is None else argv)
     if "--" in args:  # after `--` every word is an argument, never a flag
         head, tail = args[:args.index("--")], args[args.index("--"):]
@@ -68,6 +70,3 @@ def main(argv: list[str] | None = None) -> None:
         app(args=args, prog_name="ckptctl", standalone_mode=True)
     except SystemExit as exc:
         raise SystemExit(exc.code) from None
-    except KeyboardInterrupt:  # Ctrl-C while commands are imported, before run_guarded is in place
-        sys.stderr.write("ckptctl: interrupted\n")
-        raise SystemExit(130) from None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import typer
 
 from ckptctl.errors import CkptctlError
+from ckptctl.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
 from ckptctl.progress import Phase, RunTiming
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def say(text: str) -> None:
 def run_guarded(fn: Callable[[], T]) -> T:
     """Run a command body; a CkptctlError becomes one line on stderr and exit status 2."""
     try:
-        return fn()
+        with during_body():
+            return fn()
     except CkptctlError as exc:
         if DEBUG:
             raise
@@ -60,8 +62,9 @@ def run_guarded(fn: Callable[[], T]) -> T:
             sys.stderr.flush()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except KeyboardInterrupt:
-        print("ckptctl: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None
+        sys.stderr.write(MESSAGE.decode())
+        sys.stderr.flush()
+        raise SystemExit(EXIT_INTERRUPTED) from None
 
 
 def human_bytes(n: int | float) -> str:
