@@ -133,15 +133,8 @@ _TRIVIAL[_size] = frozenset({Size})
 
 
 def _of(kind: type, label: str) -> Callable[[Any, str], Any]:
-    kinds = (kind,)
-
-    def check(value: Any, what: str) -> Any:
-        if type(value) is not kind:
-            value = _finished(value, kinds)
-            if type(value) is not kind:
-                raise _bad(f"{what} should be a {label} but", value)
-        return value
-    _TRIVIAL[check] = frozenset(kinds)
+    check = _either(kind, label=label)
+    _TRIVIAL[check] = frozenset((kind,))
     return check
 
 
@@ -266,8 +259,8 @@ def _mapping(key: Callable[[Any, str], Any], value: Callable[[Any, str], Any]) -
     return check
 
 
-def _either(*kinds: type) -> Callable[[Any, str], Any]:
-    names = " or ".join(k.__name__ for k in kinds)
+def _either(*kinds: type, label: str | None = None) -> Callable[[Any, str], Any]:
+    names = label or " or ".join(k.__name__ for k in kinds)
 
     def check(value: Any, what: str) -> Any:
         if type(value) not in kinds:
