@@ -116,6 +116,8 @@ def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[st
                                      f"dcp_to_torch_save as f; f({str(src)!r}, {str(out / 'single.pt')!r})"],
                                     out / "single.pt"),
         "ckptctl export-torch": ([*ckptctl, "export-torch", str(src), str(out / "export.pt")], out / "export.pt"),
+        "ckptctl export-torch --no-sync": ([*ckptctl, "export-torch", str(src), str(out / "exportn.pt"), "--no-sync"],
+                                           out / "exportn.pt"),
         f"torch DCP load+save at {TARGET_RANKS} ranks": (
             [PY, "-c", code_rt % (str(ROOT), TARGET_RANKS, str(src), str(out / "torch_rt"))], out / "torch_rt"),
         f"ckptctl reshard -n {TARGET_RANKS}": (
@@ -126,11 +128,12 @@ def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[st
         f"ckptctl reshard -n {TARGET_RANKS} (torchrun, 2 workers)": (
             [*torchrun, "reshard", str(src), str(out / "ck2"), "--world-size", str(TARGET_RANKS)], out / "ck2"),
         "ckptctl export-hf --arch raw (weights only)": (
-            [*ckptctl, "export-hf", str(src), str(out / "hf"), "--hf-config", str(hf_config), "--arch", "raw"],
+            [*ckptctl, "export-hf", str(src), str(out / "hf"), "--hf-config", str(hf_config), "--arch", "raw",
+             "--no-name-check"],  # a stack of nn.Linear: no transformers model to check names against
             out / "hf"),
         "ckptctl export-hf --arch raw --no-sync": (
             [*ckptctl, "export-hf", str(src), str(out / "hfn"), "--hf-config", str(hf_config), "--arch", "raw",
-             "--no-sync"], out / "hfn"),
+             "--no-name-check", "--no-sync"], out / "hfn"),
     }
 
 
