@@ -195,70 +195,23 @@ class PickleMachine:
     # -- the loop --------------------------------------------------------------------------
 
     def load(self) -> Any:
-        """Run the pickle to its STOP and return the (finished) value it leaves.
-
-        The commonest opcodes of DCP and torch.save pickles are handled inline (a method call
-        per opcode would make a 160,000-chunk `.metadata` several times slower); the rest go
-        through `_DISPATCH`.
-        """
+        """Run the pickle to its STOP and return the (finished) value it leaves."""
         data, end, dispatch = self._data, self._end, _DISPATCH
-        memo, sealed, finished = self._memo, self._sealed, self._finished
         while True:
             pos = self._pos
             if pos >= end:
                 raise MalformedPickleError("pickle data truncated (no STOP)")
             op = data[pos]
             self._pos = pos + 1
-            stack = self._stack
-            if op == 0x94:  # MEMOIZE
-                if not stack:
-                    raise MalformedPickleError("pickle stack underflow")
-                if len(memo) >= MAX_MEMO:
-                    raise MalformedPickleError("pickle memo too large")
-                memo[len(memo)] = stack[-1]
-            elif op == 0x68:  # BINGET
-                if pos + 1 >= end:
-                    raise MalformedPickleError("pickle data truncated")
-                self._pos = pos + 2
-                self._get(data[pos + 1])
-            elif op == 0x6A:  # LONG_BINGET
-                self._get(struct.unpack("<I", self._read(4))[0])
-            elif op == 0x4B:  # BININT1
-                if pos + 1 >= end:
-                    raise MalformedPickleError("pickle data truncated")
-                stack.append(data[pos + 1])
-                self._pos = pos + 2
-            elif op == 0x28:  # MARK
-                self._marks.append(stack)
-                self._stack = []
-            elif op == 0x29:  # EMPTY_TUPLE
-                stack.append(())
-            elif op == 0x85:  # TUPLE1
-                if not stack:
-                    raise MalformedPickleError("pickle stack underflow")
-                stack[-1] = (finished(stack[-1]),)
-            elif op == 0x86:  # TUPLE2
-                if len(stack) < 2:
-                    raise MalformedPickleError("pickle stack underflow")
-                second = finished(stack.pop())
-                stack[-1] = (finished(stack[-1]), second)
-            elif op == 0x7D:  # EMPTY_DICT
-                stack.append({})
-            elif op == 0x8C:  # SHORT_BINUNICODE
-                if pos + 1 >= end:
-                    raise MalformedPickleError("pickle data truncated")
-                self._pos = pos + 2
-                stack.append(self._read_text(data[pos + 1]))
-            else:
-                handler = dispatch.get(op)
-                if handler is None:
-                    if op in _KNOWN_OPCODES:
-                        raise UnsafePickleError(f"refuses pickle opcode {bytes([op])!r}")
-                    raise MalformedPickleError(f"invalid pickle opcode {bytes([op])!r} at byte {pos}")
-                if handler(self):
-                    if self._marks:
-                        raise MalformedPickleError("pickle stops inside a mark")
-                    return self._finished(self._pop())
+            handler = dispatch.get(op)
+            if handler is None:
+                if op in _KNOWN_OPCODES:
+                    raise UnsafePickleError(f"refuses pickle opcode {bytes([op])!r}")
+                raise MalformedPickleError(f"invalid pickle opcode {bytes([op])!r} at byte {pos}")
+            if handler(self):
+                if self._marks:
+                    raise MalformedPickleError("pickle stops inside a mark")
+                return self._finished(self._pop())
 
     # -- opcodes ---------------------------------------------------------------------------
 
