@@ -73,9 +73,7 @@ def _bad(what: str, value: Any) -> MalformedPickleError:
 
 def _kind(value: Any) -> str:
     """A value's type as a pickle would name it: a sealed constant or result by its value's type."""
-    if type(value) is _Sealed:
-        value = value.value
-    return type(value).__name__
+    return type(_open(value)).__name__
 
 
 def _open(value: Any) -> Any:
@@ -385,8 +383,7 @@ class _Call(_Inert):
         return self.ctor.name
 
     def __call__(self, *args: Any) -> Any:
-        value = self.ctor.call(args)
-        return value if type(value) in _UNSEALED else _Sealed(value)
+        return _sealed(self.ctor.call(args))
 
 
 _CALL_CTOR = _Call.ctor.__set__  # type: ignore[attr-defined]
