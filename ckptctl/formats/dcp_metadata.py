@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
@@ -144,7 +143,7 @@ def _merge(paths: list[Path]) -> _Merged:
 
 
 def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path) -> str:
-    if not isinstance(relative, str) or not relative:
+    if not relative:  # a str: `unpickle` checked every field's type and range
         raise CheckpointError(where, f"storage entry has an invalid file name {relative!r}")
     if relative in files:
         return relative
@@ -167,9 +166,7 @@ def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path)
     return relative
 
 
-def _check_range(root: Path, file: str, offset: Any, length: Any, files: dict[str, int], fqn: str) -> None:
-    if not (isinstance(offset, int) and isinstance(length, int)) or offset < 0 or length < 0:
-        raise CheckpointError(root / file, f"invalid byte range for {fqn}")
+def _check_range(root: Path, file: str, offset: int, length: int, files: dict[str, int], fqn: str) -> None:
     if offset + length > files[file]:
         raise CheckpointError(
             root / file,
@@ -186,10 +183,8 @@ def _located(root: Path, fqn: str, info: Any, files: dict[str, int], where: Path
 
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
     shape = tuple(md.size)
-    dtype = md.properties.dtype
-    if not isinstance(dtype, DType):
-        raise CheckpointError(where, f"{fqn}: dtype is not a torch dtype")
-    if any((not isinstance(d, int)) or d < 0 for d in shape) or math.prod(shape) > MAX_NUMEL:
+    dtype = md.properties.dtype  # a DType, sizes and offsets integers >= 0: `unpickle` checked them
+    if math.prod(shape) > MAX_NUMEL:
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
     chunks = []
     seen: set[tuple[int, ...]] = set()
@@ -200,7 +195,7 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
         seen.add(offsets)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointError(where, f"{fqn}: chunk rank {len(offsets)} does not match shape {list(shape)}")
-        if any(o < 0 or s < 0 or o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
             raise CheckpointError(
                 where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
         info = storage.get((fqn, offsets))
