@@ -57,12 +57,16 @@ class Phases:
         """End the running phase and begin `name`; returns the byte counter to advance (thread-safe)."""
         self.stop()
         phase = self._current = Phase(name, total, time.monotonic())
-        self._forward = self._observer.phase(name, total) if self._observer is not None else _ignore
+        if self._observer is None:  # nobody to forward bytes to: nothing to count
+            self._forward = _ignore
+            return _ignore
+        forward = self._forward = self._observer.phase(name, total)
+        lock = self._lock
 
-        def advance(nbytes: int) -> None:
-            with self._lock:
+        def advance(nbytes: int) -> None:  # per block from worker threads: one uncontended lock
+            with lock:
                 phase.counted += nbytes
-            self._forward(nbytes)
+            forward(nbytes)
 
         return advance
 
