@@ -57,10 +57,8 @@ def _register() -> None:
 def main(argv: list[str] | None = None) -> None:
     exit_on_interrupt()
     args = list(sys.argv[1:] if argv is None else argv)
-    if "--" in args:  # after `--` every word is an argument, never a flag
-        head, tail = args[:args.index("--")], args[args.index("--"):]
-    else:
-        head, tail = args, []
+    cut = args.index("--") if "--" in args else len(args)  # after `--` every word is an argument, never a flag
+    head, tail = args[:cut], args[cut:]
     for flag, name in GLOBAL_FLAGS.items():
         if flag in head:
             setattr(common, name, True)
