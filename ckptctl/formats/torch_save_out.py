@@ -31,7 +31,8 @@ from ckptctl.dtypes import DTYPES
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.torch_pickle import Size, dumps
 from ckptctl.formats.torch_zip import (
-    ALIGNMENT, _ZIP64_LIMIT, _Entry, _central_record, _descriptor, _local_header, serialization_id, tensor_reduce,
+    ALIGNMENT, MARKER_RECORDS, TRAILING_VERSION, _ZIP64_LIMIT, _Entry, _central_record, _descriptor, _local_header,
+    end_of_directory, serialization_id, tensor_reduce,
 )
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import full_box
@@ -39,8 +40,6 @@ from ckptctl.plan import StreamItem, TargetTensor
 
 PICKLE_PROTOCOL = 2
 """torch.save's default protocol, so `data.pkl` reads as torch's own."""
-MARKER_RECORDS = ((".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little"))
-TRAILING_VERSION = b"3\n"
 
 
 # The nested state dict ---------------------------------------------------------------------------
@@ -279,10 +278,8 @@ class TorchSaveFile:
     trailer_at: int
     size: int
     entries: list[_Entry]
-    tails: list[_DataTail]
     trailing: bytes
     """The records after the tensors (`version`, `.data/serialization_id`): known up front."""
-    zip64: bool
 
     def data_offset(self, index: int) -> int:
         """Where record `data/index`'s tensor bytes start in the file."""
@@ -291,7 +288,7 @@ class TorchSaveFile:
 
     def trailer(self) -> bytes:
         """The trailing records and the central directory, with every record's CRC."""
-        crcs = iter(self.tails)
+        crcs = (item.tail for item in self.items)  # each a `_DataTail`, called by the engine
         entries = []
         for e in self.entries:
             if e.crc is None:
@@ -302,17 +299,8 @@ class TorchSaveFile:
             entries.append(e)
         directory = b"".join(_central_record(e, self.archive) for e in entries)
         start = self.trailer_at + len(self.trailing)
-        return self.trailing + directory + _end_of_directory(len(entries), start, len(directory), self.zip64)
-
-
-def _end_of_directory(count: int, start: int, size: int, zip64: bool) -> bytes:
-    """End of central directory; with the zip64 record and locator when anything needs 64 bits."""
-    out = b""
-    if zip64 or count >= 0xFFFF or start >= _ZIP64_LIMIT or size >= _ZIP64_LIMIT:
-        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, size, start)
-        out += struct.pack("<IIQI", 0x07064B50, 0, start + size, 1)
-    return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
-                             min(size, _ZIP64_LIMIT), min(start, _ZIP64_LIMIT), 0)
+        zip64 = any(e.zip64 for e in entries)  # every entry is, when zip64 was forced
+        return self.trailing + directory + end_of_directory(len(entries), start, len(directory), zip64)
 
 
 def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence[TargetTensor],
@@ -332,7 +320,7 @@ def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence
         entries.append(_Entry(record, len(head), len(payload), zlib.crc32(payload), big))
         head += _stored(archive, record, len(head), payload, big)
     at = len(head)
-    items, tails = [], []
+    items = []
     for index, target in enumerate(targets):
         record = f"data/{index}"
         big = _needs_zip64(at, target.nbytes, force_zip64)
@@ -340,7 +328,6 @@ def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence
         tail = _DataTail(target.nbytes, big)
         entries.append(_Entry(record, at, target.nbytes, None, big))
         items.append(StreamItem(name, at, header, target, full_box(target.shape), (), tail, tail.length))
-        tails.append(tail)
         at += len(header) + target.nbytes + tail.length
     trailer_at = at
     trailing = bytearray()
@@ -351,6 +338,6 @@ def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence
         trailing += _stored(archive, record, at, payload, big)
         at = trailer_at + len(trailing)
     directory = sum(len(_central_record(e, archive)) for e in entries)
-    zip64 = force_zip64 or any(e.zip64 for e in entries)
-    size = at + directory + len(_end_of_directory(len(entries), at, directory, zip64))
-    return TorchSaveFile(name, archive, bytes(head), items, trailer_at, size, entries, tails, bytes(trailing), zip64)
+    zip64 = any(e.zip64 for e in entries)
+    size = at + directory + len(end_of_directory(len(entries), at, directory, zip64))
+    return TorchSaveFile(name, archive, bytes(head), items, trailer_at, size, entries, bytes(trailing))

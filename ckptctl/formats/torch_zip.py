@@ -28,6 +28,10 @@ ARCHIVE = "archive"
 ALIGNMENT = 64
 _FLAGS = 0x0808  # data descriptor follows the data; names are UTF-8
 _ZIP64_LIMIT = 0xFFFFFFFF
+MARKER_RECORDS = ((".format_version", b"1"), (".storage_alignment", str(ALIGNMENT).encode()), ("byteorder", b"little"))
+"""The small records torch.save writes after `data.pkl`, before the storages."""
+TRAILING_VERSION = b"3\n"
+"""The `version` record torch.save writes after the storages."""
 
 
 def tensor_reduce(dtype: DType, shape: tuple[int, ...], key: str, stride: tuple[int, ...] | None = None) -> Call:
@@ -91,12 +95,7 @@ class _Skeleton:
 @functools.lru_cache(maxsize=4096)  # a sharded tensor's items share a few shapes; 40k items planned 1.3 s faster
 def _skeleton(dtype: DType, shape: tuple[int, ...], force_zip64: bool) -> _Skeleton:
     nbytes = math.prod(shape) * dtype.itemsize
-    small = [
-        ("data.pkl", tensor_pickle(dtype, shape)),
-        (".format_version", b"1"),
-        (".storage_alignment", str(ALIGNMENT).encode()),
-        ("byteorder", b"little"),
-    ]
+    small = [("data.pkl", tensor_pickle(dtype, shape)), *MARKER_RECORDS]
     entries: list[_Entry] = []
     head = bytearray()
     for name, payload in small:
@@ -130,7 +129,7 @@ def _tail_template(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip6
     tail = bytearray(_descriptor(0, skeleton.nbytes, skeleton.data_zip64))
     crc_at, id_crc_at, id_at = [4], [], 0
     entries = list(skeleton.entries)
-    for name, payload in (("version", b"3\n"), (".data/serialization_id", bytes(id_len))):
+    for name, payload in (("version", TRAILING_VERSION), (".data/serialization_id", bytes(id_len))):
         offset = at + len(tail)
         big = force_zip64 or offset >= _ZIP64_LIMIT
         entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))
@@ -148,14 +147,7 @@ def _tail_template(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip6
             id_crc_at.append(len(tail) + len(directory) + 16)
         directory += _central_record(e)
     tail += directory
-    cd_end = at + len(tail)
-    count = len(entries)
-    needs64 = force_zip64 or cd_start >= _ZIP64_LIMIT or any(e.zip64 for e in entries)
-    if needs64:
-        tail += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, len(directory), cd_start)
-        tail += struct.pack("<IIQI", 0x07064B50, 0, cd_end, 1)
-    tail += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, len(directory),
-                        min(cd_start, _ZIP64_LIMIT) if needs64 else cd_start, 0)
+    tail += end_of_directory(len(entries), cd_start, len(directory), force_zip64 or any(e.zip64 for e in entries))
     return _TailTemplate(bytes(tail), tuple(crc_at), id_at, tuple(id_crc_at))
 
 
@@ -168,6 +160,16 @@ def _central_record(e: _Entry, archive: str = ARCHIVE) -> bytes:
         extra, size32, offset32, version = b"", e.size, e.offset, 20
     return struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, _FLAGS, 0, 0, 0, e.crc or 0,
                        size32, size32, len(name), len(extra), 0, 0, 0, 0, offset32) + name + extra
+
+
+def end_of_directory(count: int, start: int, size: int, zip64: bool) -> bytes:
+    """End of central directory; with the zip64 record and locator when anything needs 64 bits."""
+    out = b""
+    if zip64 or count >= 0xFFFF or start >= _ZIP64_LIMIT or size >= _ZIP64_LIMIT:
+        out += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, size, start)
+        out += struct.pack("<IIQI", 0x07064B50, 0, start + size, 1)
+    return out + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, min(count, 0xFFFF), min(count, 0xFFFF),
+                             min(size, _ZIP64_LIMIT), min(start, _ZIP64_LIMIT), 0)
 
 
 class TorchSaveLayout:
