@@ -27,9 +27,8 @@ from typing import Any, Callable, Mapping
 
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
-from ckptctl.formats.dcp_metadata import open_regular
 from ckptctl.geometry import Box, box_flat_ranges, flat_boxes, full_box, rows_box
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
@@ -84,7 +83,7 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                 advance(out.targets[fqn].nbytes)
 
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
-        check_decoded_source(src, out.targets, dcp_read_back(dst, dst_chunks), written, workers)
+        check_decoded_source(src, out.targets, dcp_read_back(dst, dst_chunks, dst_sources), written, workers)
         for fqn, copy in out.bytes_entries.items():
             entry = dst.bytes_entries.get(fqn)
             if entry is None:
@@ -101,20 +100,23 @@ ITEM_OVERHEAD_BYTES = 1 << 20
 """A torch.save item holds its tensor's bytes plus a few kB of zip records and alignment:
 an item's transforms may undo to at most numel × itemsize + this, or it is refused."""
 
-ReadBack = Callable[[TargetTensor, Box], bytes]
+ReadBack = Callable[[TargetTensor, Box], bytes | bytearray]
 """The output's row-major bytes of `box` of a target, in its stored shape (1-D when `logical_shape` is set)."""
 
 
-def dcp_read_back(dst: Checkpoint, dst_chunks: ChunkSource) -> ReadBack:
-    """Read boxes of a written DCP checkpoint's tensors back (the output side: ckptctl's reader)."""
-    views = {fqn: source_view(e) for fqn, e in dst.tensors.items()}
+def dcp_read_back(dst: Checkpoint, dst_chunks: ChunkSource,
+                  views: Mapping[str, SourceTensor] | None = None) -> ReadBack:
+    """Read boxes of a written DCP checkpoint's tensors back (the output side: ckptctl's reader);
+    `views` are `dst`'s source views when the caller already has them."""
+    if views is None:
+        views = {fqn: source_view(e) for fqn, e in dst.tensors.items()}
 
-    def read(target: TargetTensor, box: Box) -> bytes:
+    def read(target: TargetTensor, box: Box) -> bytearray:
         view = views.get(target.fqn)
         if view is None:
             raise CheckpointError(dst.path, f"{target.fqn}: missing from the output")
         whole = identity_target(view)
-        return bytes(assemble_bytes(StreamItem("", 0, b"", whole, box, plan_box(whole, box, views)), dst_chunks))
+        return assemble_bytes(StreamItem("", 0, b"", whole, box, plan_box(whole, box, views)), dst_chunks)
 
     return read
 
@@ -164,8 +166,8 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], r
         target, entry, chunk = job
         want = _raw_bytes(_cast(decode_source_item(src, entry, chunk), target.dtype))
         stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
-        got = b"".join(read_back(target, box) for box in _boxes_in(Box(chunk.offsets, chunk.sizes), entry.shape,
-                                                                    stored))
+        parts = [read_back(target, box) for box in _boxes_in(Box(chunk.offsets, chunk.sizes), entry.shape, stored)]
+        got = parts[0] if len(parts) == 1 else b"".join(parts)  # one box when the shapes agree: no copy
         if got != want:
             raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at {list(chunk.offsets)} "
                                          f"of {entry.fqn}, decoded by torch from {chunk.file}, differs from the output)")
