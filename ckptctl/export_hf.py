@@ -52,7 +52,7 @@ from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
-from ckptctl.reshard import cast_dtype
+from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -116,6 +116,11 @@ class ExportPlan:
     def parameters(self) -> int:
         """Elements of the written tensors (the index's `total_parameters`)."""
         return sum(math.prod(t.shape) for t in self.targets.values())
+
+    @property
+    def file_of(self) -> dict[str, str]:
+        """Each target's safetensors file name."""
+        return {name: f.name for f in self.files for name in f.offsets}
 
     def side_files(self) -> list[str]:
         """Names of everything written besides the safetensors files, sorted."""
@@ -223,15 +228,11 @@ def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str])
     """The names `--include`/`--exclude` keep (all unless an include matches; minus any exclude
     match), and a note for each pattern that matches no name at all (a typo, most likely)."""
     names = list(names)
-    kept = [n for n in names if (not include or any(fnmatchcase(n, p) for p in include))
-            and not any(fnmatchcase(n, p) for p in exclude)]
+    kept = [n for n in names if selected(n, include, exclude)]
     notes = [f"{flag} {pattern!r} matches no tensor" for flag, patterns in (("--include", include),
                                                                            ("--exclude", exclude))
              for pattern in patterns if not any(fnmatchcase(n, pattern) for n in names)]
-    if not kept:
-        shown = " ".join(f"{flag} {p!r}" for flag, patterns in (("--include", include), ("--exclude", exclude))
-                         for p in patterns)
-        raise UsageError(f"{shown} selects none of the {len(names)} tensors")
+    refuse_empty_selection(len(kept), len(names), include, exclude, "tensors")
     return kept, notes
 
 
@@ -502,7 +503,7 @@ def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at)."""
     plan = plan_export(open_checkpoint(src), load_hf_config(ref), opts)
-    where = {name: f.name for f in plan.files for name in plan.file_targets[f.name]}
+    where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
                for name, t in sorted(plan.targets.items())]
     return ExportPreview(
@@ -585,7 +586,7 @@ def safetensors_read_back(folder: Path, plan: ExportPlan) -> ReadBack:
     from safetensors import safe_open
 
     handles: dict[str, Any] = {}
-    file_of = {name: f.name for f in plan.files for name in plan.file_targets[f.name]}
+    file_of = plan.file_of
     lock = threading.Lock()
 
     def tensor(name: str) -> Any:
