@@ -471,8 +471,8 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
             pairs.append(_Pair(name, ta, tb))
     both_bytes = [n for n in bytes_names if n in side_a.bytes_entries and n in side_b.bytes_entries]
     for name in bytes_names:
-        if name not in both_bytes:
-            ba, bb = side_a.bytes_entries.get(name), side_b.bytes_entries.get(name)
+        ba, bb = side_a.bytes_entries.get(name), side_b.bytes_entries.get(name)
+        if ba is None or bb is None:
             bytes_results[name] = EntryDiff(name, MISSING_IN_A if ba is None else MISSING_IN_B, ba, bb)
     side_a.check_complete([p.name for p in pairs])
     side_b.check_complete([p.name for p in pairs])
