@@ -49,6 +49,7 @@ from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
+from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
@@ -359,10 +360,6 @@ def check_written_names(plan: ExportPlan, out: Path) -> None:
     if missing:
         raise CheckpointError(out, f"verification failed: a {expected.model_class} expects {shown(missing)}, "
                                    f"not written")
-
-
-def counted(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor]) -> None:

@@ -55,6 +55,7 @@ import typer
 from ckptctl.cli import app
 from ckptctl.cli.common import ProgressDisplay, emit_json, progress_wanted, run_guarded, say, stdout
 from ckptctl.model import dtype_name
+from ckptctl.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs
     from ckptctl.diff import BytesInfo, DiffReport, EntryDiff, TensorInfo
@@ -110,20 +111,16 @@ def report_json(report: DiffReport) -> dict[str, Any]:
     }
 
 
-def _plural(n: int, word: str, plural: str) -> str:
-    return f"{n} {word if n == 1 else plural}"
-
-
 def summary_line(report: DiffReport) -> str:
     """`12 tensors: 10 equal, 1 close, 1 differs; 1 only in A` (format in the module docstring)."""
     counts, bcounts = report.counts, report.bytes_counts
     both = sum(counts[s] for s in ("equal", "close", "differs", "shape differs", "dtype differs"))
     parts = [f"{counts['equal']} equal", f"{counts['close']} close", f"{counts['differs']} differs"]
     parts += [f"{counts[s]} {s}" for s in ("shape differs", "dtype differs") if counts[s]]
-    line = f"{_plural(both, 'tensor', 'tensors')}: {', '.join(parts)}"
+    line = f"{counted(both, 'tensor')}: {', '.join(parts)}"
     bytes_both = bcounts["equal"] + bcounts["differs"]
     if bytes_both:
-        line += f"; {_plural(bytes_both, 'bytes entry', 'bytes entries')}: {bcounts['equal']} equal, " \
+        line += f"; {counted(bytes_both, 'bytes entry', 'bytes entries')}: {bcounts['equal']} equal, " \
                 f"{bcounts['differs']} differs"
     only_a = counts["missing in B"] + bcounts["missing in B"]
     only_b = counts["missing in A"] + bcounts["missing in A"]

@@ -16,6 +16,7 @@ from ckptctl.cli.common import (
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
+from ckptctl.wording import counted
 from ckptctl.progress import ProgressObserver
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
@@ -44,10 +45,6 @@ def preview_json(preview: ExportPreview) -> dict:
         "side_files": preview.side_files, "weight_map": preview.weight_map, "mapping": preview.mapping,
         "notes": preview.notes,
     }
-
-
-def counted(n: int, word: str) -> str:
-    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def source_text(rows: SourceRows) -> str:
@@ -184,8 +181,7 @@ def export_hf_command(
             return
         for note in report.notes:
             say(f"note: {note}")
-        files = "1 safetensors file" if report.files == 1 else f"{report.files} safetensors files"
-        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {files}, "
+        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {counted(report.files, 'safetensors file')}, "
             f"{human_bytes(report.bytes_written)})" + timing_summary(report))
 
     def show_preview(preview: ExportPreview) -> None:

@@ -16,6 +16,7 @@ from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
 from ckptctl.errors import UsageError
 from ckptctl.progress import ProgressObserver
+from ckptctl.wording import counted
 
 if TYPE_CHECKING:
     from ckptctl.export_torch import ExportTorchReport
@@ -67,8 +68,8 @@ def export_torch_command(
         if json_out:
             emit_json(report_json(report))
             return
-        tensors = f"{report.tensors} tensor{'' if report.tensors == 1 else 's'}"
-        others = f"{report.values} other entr{'y' if report.values == 1 else 'ies'}"
+        tensors = counted(report.tensors, "tensor")
+        others = counted(report.values, "other entry", "other entries")
         say(f"wrote {out} ({tensors}, {others}, {human_bytes(report.bytes_written)})" + timing_summary(report))
 
     run_distributed(json_out, "gloo", run, show)

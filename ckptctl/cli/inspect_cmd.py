@@ -51,6 +51,7 @@ from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport
 from ckptctl.model import Checkpoint, Chunk
+from ckptctl.wording import counted
 
 if TYPE_CHECKING:  # rich is imported when a table is rendered, not at start-up
     from rich.console import Console
@@ -130,8 +131,7 @@ def _file_lines(files: dict[str, int]) -> list[str]:
 def _unreferenced_warning(doc: dict[str, Any]) -> str:
     names = doc["unreferenced_files"]
     shown = ", ".join(names) if len(names) <= FILES_LISTED else f"{names[0]} … {names[-1]}"
-    files = "data file" if len(names) == 1 else "data files"
-    return f"{len(names)} {files} that no entry points to ({shown}): left by another save? Loading ignores them"
+    return f"{counted(len(names), 'data file')} that no entry points to ({shown}): left by another save? Loading ignores them"
 
 
 def _print_summary(doc: dict[str, Any]) -> None:
