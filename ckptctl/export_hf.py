@@ -566,7 +566,8 @@ def export_hf(
             for f in plan.files:
                 verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
             check_written_names(plan, tmp)
-            check_decoded_source(ckpt, plan.targets, safetensors_read_back(tmp, plan), dst, max(1, opts.workers))
+            check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
+                                 max(1, opts.workers))
             phases.stop()
             report.verified = True
 

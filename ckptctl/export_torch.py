@@ -251,8 +251,8 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
     finally:
         os.close(fd)
     loaded_by_fqn = {target.fqn: tensor for target, tensor in zip(plan.targets, tensors)}
-    check_decoded_source(chunks.ckpt, {t.fqn: t for t in plan.targets}, tensor_read_back(loaded_by_fqn.__getitem__),
-                         shown, workers)
+    check_decoded_source(chunks.ckpt, {t.fqn: t for t in plan.targets}, plan.sources,
+                         tensor_read_back(loaded_by_fqn.__getitem__), shown, workers)
 
 
 def _record_place(fd: int, infos: dict[str, zipfile.ZipInfo], name: str, shown: Path) -> tuple[int, int]:

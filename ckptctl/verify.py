@@ -29,10 +29,10 @@ from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
-from ckptctl.geometry import Box, box_flat_ranges, flat_boxes, full_box, rows_box
+from ckptctl.geometry import Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 
 
 def row_blocks(shape: tuple[int, ...], itemsize: int) -> list[Box]:
@@ -83,7 +83,8 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                 advance(out.targets[fqn].nbytes)
 
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
-        check_decoded_source(src, out.targets, dcp_read_back(dst, dst_chunks, dst_sources), written, workers)
+        check_decoded_source(src, out.targets, src_sources, dcp_read_back(dst, dst_chunks, dst_sources), written,
+                             workers)
         for fqn, copy in out.bytes_entries.items():
             entry = dst.bytes_entries.get(fqn)
             if entry is None:
@@ -133,47 +134,73 @@ def tensor_read_back(tensor_of: Callable[[str], Any]) -> ReadBack:
     return read
 
 
-def _identity_source(target: TargetTensor, src: Checkpoint) -> TensorEntry | None:
-    """The source entry a target copies whole and unchanged (but for a cast), or None for a
-    target built from blocks (a fused split, a re-blocked TP shard, an added constant)."""
-    if len(target.pieces) != 1 or target.add:
-        return None
-    piece = target.pieces[0]
-    entry = src.tensors.get(piece.src)
-    logical = target.logical_shape or target.shape
-    if (entry is None or any(piece.src_start) or any(piece.dst_start) or tuple(piece.sizes) != tuple(logical)
-            or math.prod(logical) != entry.numel):
-        return None
-    return entry
+def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], sources: Mapping[str, SourceTensor],
+                         read_back: ReadBack, shown: Path, workers: int = 1) -> int:
+    """Compare every block every target takes from every saved source chunk, decoded by torch
+    (or safetensors) from the item's bytes and cast (and shifted) as the target asks, with
+    the same elements read back from the output: whole copies, fused splits, re-blocked TP
+    shards and flat optimizer buffers alike. `sources` are the views the targets' pieces use.
 
-
-def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], read_back: ReadBack, shown: Path,
-                         workers: int = 1) -> int:
-    """Compare every saved chunk of every target copied whole from `src`, decoded by torch (or
-    safetensors) from the item's bytes, with the same elements read back from the output.
-
-    Raises CheckpointError naming `shown` on the first difference or undecodable item;
-    returns the number of items checked. Targets built from blocks of several sources are
-    left to `tensor_digest`'s comparison.
+    Each source chunk is decoded once, on one of `workers` threads. Raises CheckpointError
+    naming `shown` on the first difference or undecodable item; returns the number of source
+    chunks checked.
     """
-    work: list[tuple[TargetTensor, TensorEntry, Chunk]] = []
+    blocks: dict[tuple[str, int], list[tuple[TargetTensor, Piece]]] = {}
     for target in targets.values():
-        entry = _identity_source(target, src)
-        if entry is not None:
-            work.extend((target, entry, c) for c in entry.chunks if c.numel)
+        for piece in target.pieces:
+            view = sources[piece.src]
+            wanted = Box(piece.src_start, piece.sizes)
+            for index, (chunk, region) in enumerate(view.chunks):
+                if chunk.numel and region_bounds(region, view.shape).intersect(wanted) is not None:
+                    blocks.setdefault((piece.src, index), []).append((target, piece))
 
-    def check(job: tuple[TargetTensor, TensorEntry, Chunk]) -> None:
-        target, entry, chunk = job
-        want = _raw_bytes(_cast(decode_source_item(src, entry, chunk), target.dtype))
-        stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
-        parts = [read_back(target, box) for box in _boxes_in(Box(chunk.offsets, chunk.sizes), entry.shape, stored)]
-        got = parts[0] if len(parts) == 1 else b"".join(parts)  # one box when the shapes agree: no copy
-        if got != want:
-            raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at {list(chunk.offsets)} "
-                                         f"of {entry.fqn}, decoded by torch from {chunk.file}, differs from the output)")
+    def check(job: tuple[tuple[str, int], list[tuple[TargetTensor, Piece]]]) -> None:
+        (fqn, index), uses = job
+        view = sources[fqn]
+        chunk, region = view.chunks[index]
+        decoded = decode_source_item(src, src.tensors[fqn], chunk)
+        for part, values in _decoded_parts(decoded, region, view.shape):
+            for target, piece in uses:
+                both = part.intersect(Box(piece.src_start, piece.sizes))
+                if both is None:
+                    continue
+                want = _raw_bytes(_as_target(values[_slices(both, part.offsets)], target))
+                dst = Box(tuple(o - s + d for o, s, d in zip(both.offsets, piece.src_start, piece.dst_start)),
+                          both.sizes)
+                stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
+                pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape, stored)]
+                got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
+                if got != want:
+                    raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at "
+                                                 f"{list(chunk.offsets)} of {fqn}, decoded by torch from {chunk.file}, "
+                                                 "differs from the output)")
 
-    run_on_threads(work, check, workers, "ckptctl-verify-decoded")
-    return len(work)
+    run_on_threads(list(blocks.items()), check, workers, "ckptctl-verify-decoded")
+    return len(blocks)
+
+
+def _decoded_parts(decoded: Any, region: Region, shape: tuple[int, ...]) -> list[tuple[Box, Any]]:
+    """A decoded chunk as boxes of the source view with their values: the chunk itself, or a
+    flat (1-D item-coordinate) chunk cut into row-contiguous boxes of the view's shape."""
+    if isinstance(region, Box):
+        return [(region, decoded)]
+    return [(box, decoded[first - region.start:first - region.start + box.numel].reshape(box.sizes))
+            for first, box in flat_boxes(shape, region.start, region.start + region.length)]
+
+
+def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o - a, o - a + n) for o, a, n in zip(box.offsets, origin, box.sizes))
+
+
+def _as_target(values: Any, target: TargetTensor) -> Any:
+    """Source values as the target holds them: cast, then shifted by the target's `add`."""
+    out = _cast(values, target.dtype)
+    if target.add:
+        from ckptctl.engine.cast import add_into
+
+        out = out.clone() if out is values else out
+        add_into(out, target.add)
+    return out
 
 
 def _boxes_in(box: Box, shape: tuple[int, ...], stored: tuple[int, ...]) -> list[Box]:

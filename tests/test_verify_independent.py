@@ -21,7 +21,10 @@ from ckptctl.engine.cpu import ChunkSource
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.dtypes import as_dtype
+from ckptctl.geometry import region_bounds
 from ckptctl.plan import identity_target, source_view
+from ckptctl.reshard import ReshardOptions, plan_reshard, source_tensors
 from ckptctl.verify import check_decoded_source, dcp_read_back, decode_source_item
 from tests.conftest import run_cli
 from tests.test_hostile_input import assert_one_line, copy_fixture, real_metadata, snapshot
@@ -83,9 +86,10 @@ def test_the_decoded_source_check_catches_an_output_element_the_copy_got_wrong(f
     ckpt, out = open_checkpoint(src), open_checkpoint(dst)
     out_chunks = ChunkSource(out)
     try:
-        targets = {f: identity_target(source_view(e)) for f, e in out.tensors.items()}
+        sources = {f: source_view(e) for f, e in ckpt.tensors.items()}
+        targets = {f: identity_target(sources[f]) for f in out.tensors}
         with pytest.raises(CheckpointError) as caught:
-            check_decoded_source(ckpt, targets, dcp_read_back(out, out_chunks), dst)
+            check_decoded_source(ckpt, targets, sources, dcp_read_back(out, out_chunks), dst)
     finally:
         out_chunks.close()
     chunk = next(c for c in ckpt.tensors[fqn].chunks if c.offsets[0] <= entry.chunks[1].offsets[0] < c.offsets[0] + c.sizes[0])
@@ -93,20 +97,66 @@ def test_the_decoded_source_check_catches_an_output_element_the_copy_got_wrong(f
                                  f"decoded by torch from {chunk.file}, differs from the output)")
 
 
-def test_decoded_source_check_passes_on_a_sound_copy_of_every_fixture(fixture_ckpt, tmp_path: Path) -> None:
-    for name in ("fsdp2_4ranks", "flat_optim", "zstd"):
-        src = fixture_ckpt(name)
-        before = snapshot(src)
-        dst = tmp_path / name
-        assert run_cli("reshard", src, dst, "-n", "3", "--dtype", "bf16").returncode == 0
-        ckpt, out = open_checkpoint(src), open_checkpoint(dst)
-        out_chunks = ChunkSource(out)
-        try:
-            targets = {f: identity_target(source_view(e)) for f, e in out.tensors.items()}
-            checked = check_decoded_source(ckpt, targets, dcp_read_back(out, out_chunks), dst)
-        finally:
-            out_chunks.close()
-        assert checked == sum(1 for e in ckpt.tensors.values() for c in e.chunks if c.numel)
-        for entry in ckpt.tensors.values():
-            assert decode_source_item(ckpt, entry, entry.chunks[0]).shape == entry.chunks[0].sizes
-        assert snapshot(src) == before
+def planned_check(src: Path, dst: Path, opts: ReshardOptions) -> int:
+    """check_decoded_source on `dst` against the plan reshard made of `src` with `opts`."""
+    ckpt, out = open_checkpoint(src), open_checkpoint(dst)
+    out_chunks = ChunkSource(out)
+    try:
+        return check_decoded_source(ckpt, plan_reshard(ckpt, opts).targets, source_tensors(ckpt),
+                                    dcp_read_back(out, out_chunks), dst)
+    finally:
+        out_chunks.close()
+
+
+def flip_first_byte(dst: Path, fqn: str, index: int) -> tuple[int, ...]:
+    """Flip one bit of the first element of output chunk `index` of `fqn`; its offsets."""
+    out = open_checkpoint(dst)
+    entry = out.tensors[fqn]
+    with ItemReader(out) as reader:
+        record = reader.locate(entry, entry.chunks[index])
+    with open(record.path, "r+b") as f:
+        f.seek(record.byte_offset)
+        first = f.read(1)
+        f.seek(record.byte_offset)
+        f.write(bytes([first[0] ^ 1]))
+    return entry.chunks[index].offsets
+
+
+@pytest.mark.parametrize("name, args, opts", [
+    ("fsdp2_4ranks", ("-n", "3", "--dtype", "bf16"), ReshardOptions(world_size=3, dtype=as_dtype("bfloat16"))),
+    ("flat_optim", ("-n", "3", "--dtype", "bf16"), ReshardOptions(world_size=3, dtype=as_dtype("bfloat16"))),
+    ("zstd", ("-n", "3"), ReshardOptions(world_size=3)),
+    ("megatron_tp2_dp2", ("-n", "2", "--split-fused"), ReshardOptions(world_size=2, split_fused=True)),
+])
+def test_decoded_source_check_passes_on_a_sound_copy_of_every_fixture(fixture_ckpt, tmp_path: Path, name: str,
+                                                                        args: tuple[str, ...],
+                                                                        opts: ReshardOptions) -> None:
+    src, dst = fixture_ckpt(name), tmp_path / name
+    before = snapshot(src)
+    assert run_cli("reshard", src, dst, *args).returncode == 0
+    ckpt = open_checkpoint(src)
+    assert planned_check(src, dst, opts) == sum(1 for e in ckpt.tensors.values() for c in e.chunks if c.numel)
+    for entry in ckpt.tensors.values():
+        assert decode_source_item(ckpt, entry, entry.chunks[0]).shape == entry.chunks[0].sizes
+    assert snapshot(src) == before
+
+
+def test_the_decoded_source_check_catches_a_wrong_element_of_a_split_fused_tensor(fixture_ckpt,
+                                                                                   tmp_path: Path) -> None:
+    """A fused SwiGLU fc1 split into gate and up: the check follows each piece back to the
+    fused source chunk it came from, so the flipped element is caught there too."""
+    src, dst = fixture_ckpt("megatron_tp2_dp2"), tmp_path / "dst"
+    assert run_cli("reshard", src, dst, "-n", "2", "--split-fused").returncode == 0
+    opts = ReshardOptions(world_size=2, split_fused=True)
+    targets = plan_reshard(open_checkpoint(src), opts).targets
+    fqn = next(f for f, t in targets.items() if f.endswith("linear_fc1.weight_v.exp_avg") and len(t.pieces) > 1)
+    offsets = flip_first_byte(dst, fqn, 1)
+    with pytest.raises(CheckpointError) as caught:
+        planned_check(src, dst, opts)
+    piece = next(p for p in targets[fqn].pieces if p.dst_start[0] <= offsets[0] < p.dst_start[0] + p.sizes[0])
+    row = piece.src_start[0] + offsets[0] - piece.dst_start[0]
+    source = source_tensors(open_checkpoint(src))[piece.src]
+    chunk = next(c for c, r in source.chunks if region_bounds(r, source.shape).offsets[0] <= row
+                 < region_bounds(r, source.shape).offsets[0] + region_bounds(r, source.shape).sizes[0])
+    assert str(caught.value) == (f"{dst}: {fqn}: verification failed (the chunk at {list(chunk.offsets)} of "
+                                 f"{piece.src}, decoded by torch from {chunk.file}, differs from the output)")
