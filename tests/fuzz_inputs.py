@@ -6,13 +6,16 @@ item's zip headers, and runs it through `open_checkpoint`, the analysis, locatin
 chunk and a small reshard. Only ckptctl's own errors may escape, each example stays within
 a time bound, and a canary global that would create a file is never called.
 
-`python -m tests.fuzz_inputs [EXAMPLES]` runs a long campaign (what `make fuzz` calls);
-tests/test_fuzz_inputs.py runs a short one in the default suite.
+`python -m tests.fuzz_inputs [EXAMPLES]` runs a campaign in a fresh process (what
+`make fuzz` calls with many examples, and tests/test_fuzz_inputs.py with a few): after a
+warm-up on the unmutated fixtures its peak RSS is the baseline, and no example may raise
+the process's peak by more than `MAX_EXTRA_RSS_MB`.
 """
 
 from __future__ import annotations
 
 import pickletools
+import resource
 import shutil
 import struct
 import sys
@@ -33,6 +36,9 @@ FIXTURES = ROOT / "fixtures" / "data"
 NAMES = ("fsdp2_4ranks", "broken_plain_optim", "flat_optim")
 CANARY = Path(tempfile.gettempdir()) / "ckptctl-fuzz-canary"
 MAX_EXAMPLE_SECONDS = 10.0
+MAX_EXTRA_RSS_MB = 256
+_baseline_rss_mb: list[float] = []
+"""The peak RSS after the warm-up (set by `main`): the high-water mark examples are held to."""
 
 _GLOBALS = [
     b"cposix\nsystem\n", b"cbuiltins\nexec\n", b"ctorch\nfloat32\n", b"ctorch\nSize\n",
@@ -120,6 +126,13 @@ def _one(name: str, metadata: bytes | None, item: bytes | None) -> None:
         exercise(src, work)
         assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
     assert not CANARY.exists(), "a pickle ran code"
+    if _baseline_rss_mb:
+        grew = peak_rss_mb() - _baseline_rss_mb[0]
+        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def fuzz_metadata(examples: int) -> None:
@@ -151,9 +164,13 @@ def fuzz_items(examples: int) -> None:
 def main(argv: list[str]) -> None:
     examples = int(argv[0]) if argv else 2000
     CANARY.unlink(missing_ok=True)
+    for name in NAMES:  # imports, caches and allocator pools settle before the baseline
+        _one(name, None, None)
+    _baseline_rss_mb.append(peak_rss_mb())
     fuzz_metadata(examples)
     fuzz_items(examples)
-    print(f"fuzz: {2 * examples} examples, only ckptctl errors, canary untouched")
+    print(f"fuzz: {2 * examples} examples, only ckptctl errors, canary untouched, "
+          f"peak RSS {peak_rss_mb():.0f} MB (baseline {_baseline_rss_mb[0]:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""The structured fuzzer (tests/fuzz_inputs.py): a short campaign by default, a long one under `full`."""
+"""The structured fuzzer (tests/fuzz_inputs.py) in a fresh process, so its peak RSS means something:
+a short campaign by default, a long one under `full`."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 
@@ -11,22 +15,20 @@ from tests import fuzz_inputs
 SHORT = int(os.environ.get("CKPTCTL_FUZZ_EXAMPLES", "15"))
 
 
-@pytest.fixture(autouse=True)
-def no_canary():
+def campaign(examples: int) -> None:
     fuzz_inputs.CANARY.unlink(missing_ok=True)
-    yield
+    proc = subprocess.run([sys.executable, "-m", "tests.fuzz_inputs", str(examples)], capture_output=True, text=True,
+                          cwd=fuzz_inputs.ROOT, timeout=3600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.fullmatch(rf"fuzz: {2 * examples} examples, only ckptctl errors, canary untouched, "
+                        r"peak RSS \d+ MB \(baseline \d+ MB\)\n", proc.stdout), proc.stdout
     assert not fuzz_inputs.CANARY.exists()
 
 
-def test_mutated_metadata_pickles_end_in_ckptctl_errors_only() -> None:
-    fuzz_inputs.fuzz_metadata(SHORT)
-
-
-def test_mutated_item_zips_end_in_ckptctl_errors_only() -> None:
-    fuzz_inputs.fuzz_items(SHORT)
+def test_mutated_pickles_and_item_zips_end_in_ckptctl_errors_only() -> None:
+    campaign(SHORT)
 
 
 @pytest.mark.full
 def test_long_fuzz_campaign() -> None:
-    fuzz_inputs.fuzz_metadata(2000)
-    fuzz_inputs.fuzz_items(2000)
+    campaign(2000)
