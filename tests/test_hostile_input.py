@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import pickle
 import shutil
@@ -24,6 +25,7 @@ import pytest
 
 from ckptctl import dtypes
 from ckptctl.formats.dcp_classes import BytesStorageMetadata
+from ckptctl.formats.dcp_items import ITEM_OVERHEAD
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle, load_tensor_record_spec
 from tests.conftest import FIXTURES, ROOT
 
@@ -215,12 +217,12 @@ def test_hostile_metadata_is_one_line(case: str, tmp_path: Path) -> None:
     assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: {expected}")
 
 
-def assert_one_line(tmp_path: Path, src: Path, args: list, line: str) -> None:
+def assert_one_line(tmp_path: Path, src: Path, args: list, line: str, max_rss_mb: float = MAX_RSS_MB) -> None:
     before = snapshot(src)
     proc, rss, seconds = run_measured(tmp_path, *args)
     assert proc.stderr == f"ckptctl: error: {line}\n"
     assert proc.returncode == 2 and "Traceback" not in proc.stdout + proc.stderr
-    assert rss <= MAX_RSS_MB and seconds <= MAX_SECONDS, (rss, seconds)
+    assert rss <= max_rss_mb and seconds <= MAX_SECONDS, (rss, seconds)
     assert snapshot(src) == before
 
 
@@ -401,3 +403,29 @@ def test_sigint_during_start_up_is_one_line_and_130(tmp_path: Path) -> None:
         assert (proc.returncode, err) == (130, "ckptctl: interrupted\n"), delay
         hits += 1
     assert hits, "every run ended before it could be interrupted"
+
+
+def test_zstd_bomb_item_is_refused_after_decompressing_past_its_tensor_size(tmp_path: Path) -> None:
+    """A `stream.zstd` item that undoes to 1.5 GB: decompression stops one byte past what the
+    chunk's tensor can need (its bytes plus a torch.save archive's overhead), then refuses.
+    Undoing transforms imports torch.distributed (about 250 MB by itself), so the bound here
+    is a sound reshard of the same fixture plus 32 MB."""
+    zstandard = pytest.importorskip("zstandard")
+    src = copy_fixture(tmp_path, "zstd")
+    sound, sound_rss, _ = run_measured(tmp_path, "reshard", src, tmp_path / "sound", "--world-size", "2")
+    assert sound.returncode == 0
+    compressor = zstandard.ZstdCompressor(level=19).compressobj()
+    zeros = bytes(1 << 20)
+    bomb = b"".join(compressor.compress(zeros) for _ in range(1500)) + compressor.flush()
+    assert len(bomb) < 1 << 20
+    md = real_metadata(src)
+    index, info = min(((k, v) for k, v in md.storage_data.items() if v.relative_path == "__0_0.distcp"),
+                      key=lambda kv: kv[1].offset)
+    tensor = md.state_dict_metadata[index.fqn]
+    chunk = next(c for c in tensor.chunks if tuple(c.offsets) == tuple(index.offset))
+    limit = math.prod(chunk.sizes) * tensor.properties.dtype.itemsize + ITEM_OVERHEAD
+    path = src / "__0_0.distcp"
+    at = path.stat().st_size
+    replace_first_item(src, bomb)
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
+                    f"{path}: item at byte {at}: transforms undo to more than {limit} bytes", sound_rss + 32)
