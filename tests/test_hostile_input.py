@@ -25,7 +25,9 @@ import pytest
 
 from ckptctl import dtypes
 from ckptctl.formats.dcp_classes import BytesStorageMetadata
-from ckptctl.formats.dcp_items import ITEM_OVERHEAD
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_items import ITEM_OVERHEAD, ItemReader
+from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle, load_tensor_record_spec
 from tests.conftest import FIXTURES, ROOT
 
@@ -429,3 +431,39 @@ def test_zstd_bomb_item_is_refused_after_decompressing_past_its_tensor_size(tmp_
     replace_first_item(src, bomb)
     assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
                     f"{path}: item at byte {at}: transforms undo to more than {limit} bytes", sound_rss + 32)
+
+
+@pytest.mark.parametrize("case", sorted(ITEM_CASES))
+def test_hostile_item_after_a_sound_one_of_its_shape_is_refused_alike(case: str, tmp_path: Path) -> None:
+    """The reader locates an item like one it validated by comparing their bytes (CRCs and the
+    serialization id aside): a hostile item located after a sound one of the same shape and
+    length is refused with the same message as when it comes first."""
+    change, reason = ITEM_CASES[case]
+    src = copy_fixture(tmp_path)
+    mutate_item(src, change)
+    path, offset, _ = item_of(src)
+    ckpt = open_checkpoint(src)
+    entry, chunk = next((e, c) for e in ckpt.tensors.values() for c in e.chunks
+                        if c.file == "__0_0.distcp" and c.offset == offset)
+    twin = next(c for c in entry.chunks if c.file != chunk.file and c.sizes == chunk.sizes and c.length == chunk.length)
+    with ItemReader(ckpt) as reader:
+        sound = reader.locate(entry, twin)
+        assert sound is not None and len(reader._templates) == 1
+        with pytest.raises(CheckpointError) as caught:
+            reader.locate(entry, chunk)
+    assert str(caught.value) == f"{path}: {I0}{reason}"
+
+
+def test_items_like_a_validated_one_are_located_by_compare_at_the_same_place(fixture_ckpt) -> None:
+    """Sound items differing from the template only in serialization id and CRCs are located by
+    the compare, at the places a fresh parse finds."""
+    ckpt = open_checkpoint(fixture_ckpt("fsdp2_4ranks"))
+    chunks = [(e, c) for e in ckpt.tensors.values() for c in e.chunks if c.numel]
+    with ItemReader(ckpt) as reader:
+        shared = [reader.locate(e, c) for e, c in chunks]
+        assert 0 < len(reader._templates) < len(chunks)
+    fresh = []
+    for e, c in chunks:
+        with ItemReader(ckpt) as alone:
+            fresh.append(alone.locate(e, c))
+    assert shared == fresh

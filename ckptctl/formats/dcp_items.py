@@ -47,6 +47,25 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error,
 """What `zipfile` raises for a damaged or foreign archive (unknown methods, encryption, bad names)."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A fully validated item and the byte ranges that may differ in another item of the same
+    structure: the tensor bytes, CRC-32 fields, the serialization id. An item whose other bytes
+    are equal has the same zip directory, headers and `data.pkl`, so its tensor bytes are at
+    the same place: located by one or two reads and a compare, without parsing it again."""
+
+    data_start: int
+    nbytes: int
+    masked: bytes  # the item's bytes outside the tensor data, variable fields zeroed
+    holes: tuple[tuple[int, int], ...]  # (start, stop) of each variable field, in `masked` coordinates
+
+
+MAX_TEMPLATE_ITEM = 1 << 16
+"""Items up to this size are read whole in one `pread` to be compared with their template."""
+MAX_TEMPLATES = 4096
+"""Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
+
+
 @dataclass(frozen=True)
 class RawRecord:
     """A chunk's tensor bytes, row-major and dense: `nbytes` bytes at `byte_offset` of `path`."""
@@ -103,6 +122,7 @@ class ItemReader:
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._safetensors_headers: dict[tuple[str, int], dict | None] = {}
+        self._templates: dict[tuple[Any, tuple[int, ...], int], _Template] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -135,6 +155,10 @@ class ItemReader:
         return self._locate_torch_save(entry, chunk)
 
     def _locate_torch_save(self, entry: TensorEntry, chunk: Chunk) -> RawRecord | None:
+        key = (entry.dtype, chunk.sizes, chunk.length)
+        template = self._templates.get(key)
+        if template is not None and self._matches(template, chunk):
+            return RawRecord(self.ckpt.path / chunk.file, chunk.offset + template.data_start, template.nbytes)
         fd = self.fd(chunk.file)
         try:
             archive = zipfile.ZipFile(_Window(fd, chunk.offset, chunk.length))
@@ -169,7 +193,68 @@ class ItemReader:
         if not spec.is_dense or self._big_endian(chunk, archive, names, pkl[: -len("data.pkl")]):
             return None  # decoded by torch (`read_chunk`), which swaps bytes and gathers strides
         start = data_start + spec.storage_offset * itemsize
+        if template is None:
+            made = self._template(chunk, archive, start, chunk.numel * itemsize)
+            if made is not None:
+                self._templates[key] = made
         return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, chunk.numel * itemsize)
+
+    def _item_bytes(self, chunk: Chunk, data_start: int, nbytes: int) -> bytearray:
+        """The item's bytes but for its tensor data: one read when small, head and tail otherwise."""
+        fd = self.fd(chunk.file)
+        if chunk.length <= MAX_TEMPLATE_ITEM:
+            whole = bytearray(os.pread(fd, chunk.length, chunk.offset))
+            del whole[data_start:data_start + nbytes]
+            return whole
+        tail = chunk.length - data_start - nbytes
+        if data_start > MAX_ZIP_READ or tail > MAX_ZIP_READ:
+            return bytearray()  # never equal to a template: the item takes the parsing path
+        return bytearray(os.pread(fd, data_start, chunk.offset)) + \
+            os.pread(fd, tail, chunk.offset + data_start + nbytes)
+
+    def _template(self, chunk: Chunk, archive: zipfile.ZipFile, data_start: int, nbytes: int) -> _Template | None:
+        """`chunk`'s validated item as a template: the CRC fields of its tensor record and of its
+        serialization id, and the id itself, are what another item may hold differently (every
+        other record, `data.pkl` included, must be byte-identical, its CRC with it)."""
+        if chunk.length - archive.start_dir > MAX_ZIP_READ or len(self._templates) >= MAX_TEMPLATES:
+            return None
+        holes: list[tuple[int, int]] = []
+
+        def hole(start: int, length: int) -> None:  # in coordinates without the tensor data
+            at = start if start < data_start else start - nbytes
+            holes.append((at, at + length))
+
+        fd = self.fd(chunk.file)
+        central = os.pread(fd, chunk.length - archive.start_dir, chunk.offset + archive.start_dir)
+        pos = 0
+        for info in archive.infolist():  # the directory's records, in order
+            record_at = pos
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, pos + 28)
+            pos += 46 + name_len + extra_len + comment_len
+            local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset)
+            start = info.header_offset + _LOCAL_HEADER.size + sum(struct.unpack_from("<HH", local, 26))
+            is_id = info.filename.endswith("/.data/serialization_id")
+            if start != data_start and not is_id:
+                continue
+            hole(archive.start_dir + record_at + 16, 4)
+            hole(info.header_offset + 14, 4)
+            end = start + info.compress_size
+            if info.flag_bits & 0x8:  # data descriptor: optional signature, then the CRC
+                hole(end + 4 * (os.pread(fd, 4, chunk.offset + end) == b"PK\x07\x08"), 4)
+            if is_id:
+                hole(start, info.compress_size)
+        masked = self._item_bytes(chunk, data_start, nbytes)
+        for a, b in holes:
+            masked[a:b] = bytes(b - a)
+        return _Template(data_start, nbytes, bytes(masked), tuple(holes))
+
+    def _matches(self, template: _Template, chunk: Chunk) -> bool:
+        item = self._item_bytes(chunk, template.data_start, template.nbytes)
+        if len(item) != len(template.masked):
+            return False
+        for a, b in template.holes:
+            item[a:b] = bytes(b - a)
+        return item == template.masked
 
     def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
                     folder: str) -> bool:
