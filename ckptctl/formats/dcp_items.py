@@ -121,8 +121,9 @@ class ItemReader:
         self.ckpt = ckpt
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._safetensors_headers: dict[tuple[str, int], dict | None] = {}
+        self._safetensors_headers: dict[tuple[str, int], dict] = {}
         self._templates: dict[tuple[Any, tuple[int, ...], int], _Template] = {}
+        self._paths: dict[str, Path] = {}
 
     def close(self) -> None:
         with self._lock:
@@ -137,6 +138,9 @@ class ItemReader:
         self.close()
 
     def fd(self, file: str) -> int:
+        fd = self._fds.get(file)  # an open file's descriptor without the lock (a dict read is atomic)
+        if fd is not None:
+            return fd
         with self._lock:
             if file not in self._fds:
                 self._fds[file] = open_regular(self.ckpt.path / file)
@@ -149,16 +153,23 @@ class ItemReader:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
         if chunk.transforms:
             return None
+        key = (entry.dtype, chunk.sizes, chunk.length)
+        template = self._templates.get(key)
+        if template is not None and self._matches(template, chunk):  # a torch.save item like one validated
+            return RawRecord(self._path(chunk.file), chunk.offset + template.data_start, template.nbytes)
         header = self._safetensors_header(chunk.file, chunk.offset)
         if header is not None:
             return self._locate_safetensors(entry, chunk, header)
-        return self._locate_torch_save(entry, chunk)
+        return self._locate_torch_save(entry, chunk, key, template)
 
-    def _locate_torch_save(self, entry: TensorEntry, chunk: Chunk) -> RawRecord | None:
-        key = (entry.dtype, chunk.sizes, chunk.length)
-        template = self._templates.get(key)
-        if template is not None and self._matches(template, chunk):
-            return RawRecord(self.ckpt.path / chunk.file, chunk.offset + template.data_start, template.nbytes)
+    def _path(self, file: str) -> Path:
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = self.ckpt.path / file
+        return path
+
+    def _locate_torch_save(self, entry: TensorEntry, chunk: Chunk, key: tuple, template: _Template | None
+                           ) -> RawRecord | None:
         fd = self.fd(chunk.file)
         try:
             archive = zipfile.ZipFile(_Window(fd, chunk.offset, chunk.length))
@@ -197,7 +208,7 @@ class ItemReader:
             made = self._template(chunk, archive, start, chunk.numel * itemsize)
             if made is not None:
                 self._templates[key] = made
-        return RawRecord(self.ckpt.path / chunk.file, chunk.offset + start, chunk.numel * itemsize)
+        return RawRecord(self._path(chunk.file), chunk.offset + start, chunk.numel * itemsize)
 
     def _item_bytes(self, chunk: Chunk, data_start: int, nbytes: int) -> bytearray:
         """The item's bytes but for its tensor data: one read when small, head and tail otherwise."""
@@ -318,27 +329,32 @@ class ItemReader:
 
         Such a writer puts a rank's bytes items first and then one safetensors blob holding
         all its tensors; every tensor item's (offset, length) is (blob start, numel × itemsize).
+        Only blobs are remembered: a torch.save item is asked about once, and millions of
+        remembered "no" answers would cost more memory than the metadata.
         """
         key = (file, offset)
-        if key not in self._safetensors_headers:
-            fd = self.fd(file)
-            header = None
-            prefix = os.pread(fd, 9, offset)
-            if len(prefix) == 9 and prefix[8:9] == b"{":  # a torch.save item has its method's 0 there
-                (n,) = struct.unpack("<Q", prefix[:8])
-                if n >= MAX_SAFETENSORS_HEADER:
-                    raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: safetensors header of {n} "
-                                                                 f"bytes is over the {MAX_SAFETENSORS_HEADER}-byte limit")
-                if n < min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
-                    try:
-                        parsed = json.loads(os.pread(fd, n, offset + 8))
-                        meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
-                        if isinstance(meta, dict) and "DCP_SHARDING_INFO" in meta:
-                            header = {"json": parsed, "data_start": offset + 8 + n}
-                    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-                        header = None
-            self._safetensors_headers[key] = header
-        return self._safetensors_headers[key]
+        header = self._safetensors_headers.get(key)
+        if header is not None:
+            return header
+        fd = self.fd(file)
+        prefix = os.pread(fd, 9, offset)
+        if len(prefix) != 9 or prefix[8:9] != b"{":  # a torch.save item has its method's 0 there
+            return None
+        (n,) = struct.unpack("<Q", prefix[:8])
+        if n >= MAX_SAFETENSORS_HEADER:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: safetensors header of {n} "
+                                                         f"bytes is over the {MAX_SAFETENSORS_HEADER}-byte limit")
+        if n >= min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
+            return None
+        try:
+            parsed = json.loads(os.pread(fd, n, offset + 8))
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+            return None
+        meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
+        if not isinstance(meta, dict) or "DCP_SHARDING_INFO" not in meta:
+            return None
+        header = self._safetensors_headers[key] = {"json": parsed, "data_start": offset + 8 + n}
+        return header
 
     def _locate_safetensors(self, entry: TensorEntry, chunk: Chunk, header: dict) -> RawRecord:
         info = header["json"].get(entry.fqn)
