@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install demo test test-full fuzz bench fixtures clean
+.PHONY: install demo test test-full fuzz bench bench-scale fixtures clean
 
 install: $(STAMP)
 
@@ -37,6 +37,11 @@ fuzz: install
 
 bench: install
 	$(PY) bench/bench.py
+
+# Structure at scale: checkpoints of many tiny chunks (SIZES=2.5M for 1,024 ranks x 2,500 tensors).
+SIZES ?= 256x300,1024x160
+bench-scale: install
+	$(PY) bench/scale.py --sizes $(SIZES)
 
 fixtures: install
 	$(PY) fixtures/make_fixtures.py
