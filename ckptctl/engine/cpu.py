@@ -302,12 +302,36 @@ def _thread_buffer(use: str, nbytes: int) -> bytearray:
     return buf
 
 
+def _stream_small_item(item: StreamItem, sources: ChunkSource, files: OutputFiles,
+                       progress: Callable[[int], None]) -> int:
+    """A record that fits one block, assembled whole (head, data, tail) and written at once:
+    at millions of tiny chunks, one write per record instead of three."""
+    head, nbytes = len(item.head), item.box.numel * item.target.dtype.itemsize
+    size = head + nbytes + item.tail_len
+    record = memoryview(_thread_buffer("record", size))[:size]
+    record[:head] = item.head
+    data = record[head:head + nbytes]
+    segs = _segments(item)
+    if sum(s.length for s in segs) < item.box.numel:
+        data[:] = bytes(nbytes)  # elements no source covers (--allow-incomplete) are zero
+    _fill_block(sources, data, item.target.dtype, 0, segs, item.target.add)
+    crc = 0
+    if item.tail is not None:
+        crc = crc32(data)
+        record[head + nbytes:] = item.tail(crc)
+    files.write(item.file, record, item.offset)
+    progress(nbytes)
+    return crc
+
+
 def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
     """Write one record; returns the CRC-32 of its data (0 for raw records, which have no tail)."""
-    files.write(item.file, item.head, item.offset)
     dtype = item.target.dtype
     numel = item.box.numel
     block = block_elements(item)
+    if numel <= block:
+        return _stream_small_item(item, sources, files, progress)
+    files.write(item.file, item.head, item.offset)
     buf = _thread_buffer("block", min(numel, block) * dtype.itemsize)
     segs = _segments(item)
     pos = item.offset + len(item.head)
