@@ -19,6 +19,7 @@ from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
+from ckptctl.formats.gc_pause import gc_paused
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
@@ -217,6 +218,12 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not root.is_dir():
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     md_paths = _metadata_files(root)
+    with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
+        return _checkpoint(root, md_paths)
+
+
+def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
+    """The checkpoint `md_paths` (its metadata files) describe, their entries checked."""
     where = md_paths[0]
     merged = _merge(md_paths)
     sd_md, storage = merged.sd_md, merged.storage
