@@ -447,3 +447,25 @@ def test_data_files_left_by_another_save_are_a_warning_not_a_problem(fixture_ckp
         "Loading ignores them"]
     assert run_cli("reshard", mixed, tmp_path / "out", "-n", "2").returncode == 0
     assert json.loads(run_cli("inspect", fixture_ckpt("fsdp2_4ranks"), "--json").stdout)["unreferenced_files"] == []
+
+
+def test_streamed_json_is_json_dumps_text_made_entry_by_entry(capsys) -> None:
+    """`--json` writes `Streamed` parts as they are made: the same text as json.dumps(indent=2),
+    and each entry is produced only while it is written (none are made beforehand)."""
+    import json
+
+    from ckptctl.cli.common import Streamed, emit_json
+
+    made: list[str] = []
+
+    def entries():
+        for name in ("a.weight", "b.bias"):
+            made.append(name)
+            yield name, {"shape": [2, 3], "chunks": [{"file": "__0_0.distcp", "offsets": [0, 0]}]}
+
+    doc = {"path": "/ckpt", "tensors": Streamed(2, entries), "empty": Streamed(0, lambda: iter(())), "n": 1.5}
+    plain = {"path": "/ckpt", "tensors": dict(entries()), "empty": {}, "n": 1.5}
+    made.clear()
+    emit_json(doc)
+    assert capsys.readouterr().out == json.dumps(plain, indent=2) + "\n"
+    assert made == ["a.weight", "b.bias"]

@@ -79,9 +79,40 @@ def human_bytes(n: int | float) -> str:
     return f"{value / 1000:.1f} PB"
 
 
+class Streamed(dict):
+    """A JSON object whose entries are made as `emit_json` writes them, never all held at once
+    (a checkpoint's tensors with their millions of chunks): its length, and `items()` anew."""
+
+    def __init__(self, count: int, items: Callable[[], Iterator[tuple[str, Any]]]) -> None:
+        super().__init__()
+        self._count, self._items = count, items
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in self._items())
+
+    def items(self) -> Iterator[tuple[str, Any]]:  # type: ignore[override]
+        return self._items()
+
+    def values(self) -> Iterator[Any]:  # type: ignore[override]
+        return (value for _, value in self._items())
+
+
+_JSON_WRITE_PIECES = 4096
+
+
 def emit_json(doc: Any) -> None:
-    """Print one JSON document on stdout (what `--json` promises scripts)."""
-    sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
+    """Print one JSON document on stdout (what `--json` promises scripts), written as it is
+    encoded: `Streamed` parts are never held whole. The text is `json.dumps(doc, indent=2)`'s."""
+    pieces: list[str] = []
+    for piece in json.JSONEncoder(indent=2).iterencode(doc):
+        pieces.append(piece)
+        if len(pieces) >= _JSON_WRITE_PIECES:
+            sys.stdout.write("".join(pieces))
+            pieces.clear()
+    sys.stdout.write("".join(pieces) + "\n")
     sys.stdout.flush()
 
 

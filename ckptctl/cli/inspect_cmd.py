@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import emit_json, human_bytes, run_guarded, stdout
+from ckptctl.cli.common import Streamed, emit_json, human_bytes, run_guarded, stdout
 from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport
@@ -85,8 +85,10 @@ def _tensor_doc(ckpt: Checkpoint, report: TensorReport) -> dict[str, Any]:
 
 
 def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None = None) -> dict[str, Any]:
-    """The `--json` document (schema in the module docstring)."""
+    """The `--json` document (schema in the module docstring); its tensors, chunks and all,
+    are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
+    reports = analysis.reports
     return {
         "path": str(ckpt.path),
         "version": ckpt.version,
@@ -99,7 +101,8 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "dtypes": analysis.dtypes,
         "layouts": analysis.layouts,
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
-        "tensors": {r.fqn: _tensor_doc(ckpt, r) for r in analysis.reports if keep(r.fqn)},
+        "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
+                            lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
         "bytes_entries": {fqn: {"file": b.file, "offset": b.offset, "length": b.length,
                                 "transforms": list(b.transforms)}
                           for fqn, b in ckpt.bytes_entries.items() if keep(fqn)},
