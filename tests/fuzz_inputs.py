@@ -1,7 +1,8 @@
 """Structured fuzzer: opcode-level mutations of the real fixtures' pickles and item zips.
 
 Each example copies a committed fixture, mutates its `.metadata` pickle at the opcode level
-(swapped globals, wrong types, huge lengths, deep nesting, BUILD after any value) or one
+(swapped globals, wrong types, huge lengths, deep nesting, BUILD after any value, dict
+keys CPython's tuple hashing cannot survive) or one
 item's zip headers, and runs it through `open_checkpoint`, the analysis, locating every
 chunk and a small reshard. Only ckptctl's own errors may escape, each example stays within
 a time bound, and a canary global that would create a file is never called.
@@ -51,6 +52,10 @@ _VALUES = [
     b"\x8e" + struct.pack("<Q", (1 << 64) - 1), b"]" * 3000 + b"a" * 2999, b"h\x00", b"j\x00\x00\x01\x00",
     b"X\x0e\x00\x00\x00touch " + b"/tmp/c" + b"\x85R",
 ]
+_HASH_BOMBS = [  # dict keys CPython cannot hash: 2^60 tuples through the memo; 200,000 nested tuples
+    b"})q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(60)) + b"h<K\x01s0",
+    b"})" + b"\x85" * 200_000 + b"K\x01s0",
+]
 _CANARY_CALL = b"cposix\nsystem\nX" + struct.pack("<I", len(f"touch {CANARY}")) + f"touch {CANARY}".encode() + b"\x85R"
 
 
@@ -67,7 +72,7 @@ def metadata_mutation(draw: st.DrawFn, data: bytes) -> bytes:
     for _ in range(draw(st.integers(1, 3))):
         at = draw(st.sampled_from(positions))
         at = min(at, len(out) - 1)
-        kind = draw(st.sampled_from(["insert", "build", "replace", "truncate", "byte", "canary"]))
+        kind = draw(st.sampled_from(["insert", "build", "replace", "truncate", "byte", "canary", "hash"]))
         if kind == "insert":
             out = out[:at] + draw(st.sampled_from(_VALUES + _GLOBALS)) + out[at:]
         elif kind == "build":  # a state-setting BUILD after whatever value is on the stack
@@ -76,6 +81,8 @@ def metadata_mutation(draw: st.DrawFn, data: bytes) -> bytes:
             out = out[:at] + draw(st.sampled_from(_VALUES + _GLOBALS)) + out[at + 1:]
         elif kind == "truncate":
             out = out[:at]
+        elif kind == "hash":  # a dict keyed by a tuple CPython's own hashing cannot survive
+            out = out[:at] + draw(st.sampled_from(_HASH_BOMBS)) + out[at:]
         elif kind == "byte":
             out = out[:at] + bytes([draw(st.integers(0, 255))]) + out[at + 1:]
         else:

@@ -467,3 +467,59 @@ def test_items_like_a_validated_one_are_located_by_compare_at_the_same_place(fix
         with ItemReader(ckpt) as alone:
             fresh.append(alone.locate(e, c))
     assert shared == fresh
+
+
+def shared_tuple_key(depth: int) -> bytes:
+    """A dict whose one key is t_depth, where t_0 = () and t_(i+1) = (t_i, t_i) through the memo:
+    a few bytes per level, 2^depth tuples for CPython to hash."""
+    levels = b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(depth))
+    return b"}" + b")q\x000" + levels + b"h%cK\x01s" % depth
+
+
+def test_memo_shared_tuple_key_is_refused_before_unpickling(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x02" + shared_tuple_key(60) + b".")
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: {M}a dict key or set member made of "
+                    f"{2 ** 61 - 1} tuples: tuples nested or shared so that hashing a dict key would crash or hang")
+
+
+def test_deeply_nested_tuple_key_in_a_big_pickle_is_refused_by_the_probe(tmp_path: Path) -> None:
+    """200,000 nested tuples as a key: CPython's recursive tuple hash overflows the C stack. The
+    pickle is over the scan limit, so a forked child unpickles it first and dies instead."""
+    src = copy_fixture(tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x02}" + b")" + b"\x85" * 200_000 + b"K\x01s.")
+    assert_one_line(tmp_path, src, ["inspect", src], f"{src / '.metadata'}: {M}unpickling kills the interpreter "
+                    "(signal 11): tuples nested or shared so that hashing a dict key would crash or hang")
+
+
+def test_probe_refuses_a_big_pickle_that_hashes_past_its_deadline(monkeypatch) -> None:
+    from ckptctl.formats import hash_guard
+
+    monkeypatch.setattr(hash_guard, "PROBE_SECONDS", 0.5)
+    monkeypatch.setattr(hash_guard, "PROBE_SECONDS_PER_MB", 0.0)
+    padding = b"X" + struct.pack("<I", 100_000) + b"p" * 100_000 + b"0"  # a long string, popped
+    started = time.monotonic()
+    with pytest.raises(MalformedPickleError, match=r"^unpickling does not finish in 0.5 s: tuples nested or shared"):
+        load_metadata_pickle(b"\x80\x02" + padding + shared_tuple_key(60) + b".")
+    assert time.monotonic() - started < 5
+
+
+def test_the_scan_and_the_probe_pass_real_metadata() -> None:
+    from ckptctl.formats import hash_guard
+    from ckptctl.formats.unpickle import METADATA_GLOBALS
+
+    for name in ("fsdp2_4ranks", "flat_optim", "megatron_tp2_dp2", "zstd"):
+        data = (FIXTURES / name / ".metadata").read_bytes()
+        assert len(data) <= hash_guard.SCAN_LIMIT
+        hash_guard._scan(data)
+        hash_guard._probe(data, METADATA_GLOBALS)
+
+
+def test_byteorder_record_with_a_bad_crc_is_one_line(tmp_path: Path) -> None:
+    """Found by the fuzzer: the byteorder record is read after the zip checks, and a bad CRC
+    there escaped as zipfile's own BadZipFile."""
+    src = copy_fixture(tmp_path)
+    mutate_item(src, cd_field("archive/byteorder", "<I", 16, 0))
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
+                    f"{src / '__0_0.distcp'}: {I0}not a torch.save archive (BadZipFile: Bad CRC-32 for file "
+                    "'archive/byteorder')")

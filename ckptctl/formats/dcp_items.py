@@ -275,7 +275,10 @@ class ItemReader:
         if info is None:
             return False
         self._check_entry(chunk, archive, info, max_size=16)
-        order = archive.read(info)
+        try:
+            order = archive.read(info)
+        except _ZIP_ERRORS as exc:
+            raise self._bad(chunk, f"not a torch.save archive ({type(exc).__name__}: {exc})") from None
         if order not in (b"little", b"big"):
             raise self._bad(chunk, f"byteorder record says {order[:16]!r}")
         return order == b"big"

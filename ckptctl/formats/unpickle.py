@@ -43,6 +43,7 @@ from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.formats import dcp_classes as dc
 from ckptctl.formats.dcp_classes import Layout, MemoryFormat
 from ckptctl.formats.gc_pause import gc_paused
+from ckptctl.formats.hash_guard import check_key_hashing
 from ckptctl.formats.pickle_vm import (
     GET_WEIGHT,
     MAX_STRING,
@@ -545,7 +546,10 @@ class _Unpickler(pickle.Unpickler):
 
 def _run(data: Any, globals_: dict[tuple[str, str], Any],
          persistent: Callable[[Any], Any] | None = None) -> Any:
-    """The value the pickle leaves, from C's unpickler; a pickle it cannot run is diagnosed by the interpreter."""
+    """The value the pickle leaves, from C's unpickler; a pickle it cannot run is diagnosed by the interpreter.
+
+    `hash_guard` first refuses a pickle whose dict keys C's own hashing could not survive."""
+    check_key_hashing(data, globals_)
     unpickler = _Unpickler(data, globals_, persistent)
     try:
         return unpickler.load()

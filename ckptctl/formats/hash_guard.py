@@ -1,0 +1,200 @@
+"""Refuse a pickle whose dict keys or set members would make CPython's own hashing crash or hang.
+
+CPython hashes a tuple by hashing its items, recursively, in C. A key nested 200,000 tuples
+deep overflows the C stack (the interpreter dies with a segfault), and a key built from
+memo references to one tuple (t1 = (t0, t0), t2 = (t1, t1), ...) costs 2^depth to hash
+from a few hundred bytes of pickle. C's unpickler hashes every key it inserts inside one C
+call that nothing can interrupt, so the restricted unpicklers run this guard first:
+
+* a small pickle (every item's `data.pkl`, a small `.metadata`) is scanned opcode by
+  opcode: the stack is simulated with each value's size as a tree of tuples (memo
+  references included), and a key or set member over `MAX_KEY_NODES`, or keys together
+  over a budget proportional to the pickle, is refused;
+* a larger one (a big `.metadata`, where a scan in Python would cost more than the load) is
+  first unpickled by C's unpickler in a forked child with inert stand-ins for the globals
+  (it hashes the same keys the real load would): a child that dies by a signal or misses
+  a deadline proportional to the pickle's size means the pickle is refused. A pickle the
+  child cannot finish for other reasons is left to the real load to diagnose.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import pickletools
+import select
+import signal
+from typing import Any
+
+from ckptctl.formats.pickle_vm import Constructor, MalformedPickleError
+
+SCAN_LIMIT = 1 << 16
+"""Pickles up to this size are scanned in process; larger ones are probed in a child."""
+MAX_KEY_NODES = 4096
+"""Tuples (and their items) one dict key or set member may consist of: DCP's are a name or a
+handful of integers, and a C stack holds this many nested tuples with room to spare."""
+PROBE_SECONDS = 2.0
+PROBE_SECONDS_PER_MB = 0.5
+"""The child's deadline: C's unpickler reads a real `.metadata` at more than 20 MB/s (ten
+times the deadline's rate), a small one in milliseconds."""
+
+_TUPLE_OPS = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _refuse(why: str) -> MalformedPickleError:
+    return MalformedPickleError(f"{why}: tuples nested or shared so that hashing a dict key would crash or hang")
+
+
+class _Unscanned(Exception):
+    """The scan stopped at something pickletools cannot parse; C's unpickler may read further."""
+
+
+def check_key_hashing(data: Any, globals_: dict[tuple[str, str], Any]) -> None:
+    """Raise MalformedPickleError when unpickling `data` would hash a hazardous key."""
+    if len(data) <= SCAN_LIMIT:
+        try:
+            _scan(bytes(data))
+            return
+        except _Unscanned:
+            pass
+    _probe(data, globals_)
+
+
+def _scan(data: bytes) -> None:
+    stack: list[int] = []  # each value's node count as a tuple tree (1 for anything else)
+    marks: list[int] = []
+    memo: dict[Any, int] = {}
+    budget = 4 * len(data) + MAX_KEY_NODES
+
+    def keys(nodes: list[int]) -> None:
+        nonlocal budget
+        for n in nodes:
+            if n > MAX_KEY_NODES:
+                raise _refuse(f"a dict key or set member made of {n} tuples")
+            budget -= n
+        if budget < 0:
+            raise _refuse("dict keys that together hash more tuples than the pickle's size allows")
+
+    def to_mark() -> list[int]:
+        at = marks.pop() if marks else 0
+        items = stack[at:]
+        del stack[at:]
+        return items
+
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            name = op.name
+            if name == "MARK":
+                marks.append(len(stack))
+            elif name in _TUPLE_OPS:
+                n = _TUPLE_OPS[name]
+                items = stack[len(stack) - n:] if n else []
+                del stack[len(stack) - n:]
+                stack.append(1 + sum(items))
+            elif name == "TUPLE":
+                stack.append(1 + sum(to_mark()))
+            elif name in _GET_OPS:
+                stack.append(memo.get(arg, 1))
+            elif name in _PUT_OPS:
+                memo[arg] = stack[-1] if stack else 1
+            elif name == "DUP":
+                stack.append(stack[-1] if stack else 1)
+            elif name == "MEMOIZE":
+                memo[len(memo)] = stack[-1] if stack else 1
+            elif name == "SETITEM":
+                keys(stack[-2:-1])
+                del stack[-2:]
+            elif name in ("SETITEMS", "DICT"):
+                items = to_mark()
+                keys(items[0::2])
+                if name == "DICT":
+                    stack.append(1)
+            elif name in ("ADDITEMS", "FROZENSET"):
+                keys(to_mark())
+                if name == "FROZENSET":
+                    stack.append(1)
+            else:
+                before, after = op.stack_before, op.stack_after
+                if pickletools.markobject in before:
+                    to_mark()
+                    before = before[:before.index(pickletools.markobject)]
+                if before:
+                    del stack[len(stack) - len(before):]
+                stack.extend([1] * len(after))
+    except MalformedPickleError:
+        raise
+    except Exception:  # noqa: BLE001 - genops's complaint about a malformed pickle: the rest goes unscanned,
+        raise _Unscanned from None  # so the child probes it whole
+
+
+class _Record:
+    """Stands in for a record class in the probe: NEWOBJ makes one, BUILD fills its __dict__ in C."""
+
+
+class _TupleStateRecord:
+    """A record whose pickled state is a tuple (TensorProperties): BUILD needs a __setstate__."""
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+
+def _call(*args: Any) -> tuple:
+    return args
+
+
+_CONSTANT = object()
+
+
+class _Probe(pickle.Unpickler):
+    """C's unpickler with inert stand-ins: the same keys reach the same dicts as in the real load."""
+
+    def __init__(self, data: Any, globals_: dict[tuple[str, str], Any]) -> None:
+        from ckptctl.formats.unpickle import _Source
+
+        super().__init__(_Source(data), fix_imports=False)
+        self._globals = globals_
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._globals.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        if type(found) is not Constructor:
+            return _CONSTANT
+        if found.call is not None:
+            return tuple if found.name == "torch.Size" else _call
+        return _TupleStateRecord if found.name.endswith(".TensorProperties") else _Record
+
+    def persistent_load(self, pid: Any) -> Any:
+        return pid
+
+
+def _probe(data: Any, globals_: dict[tuple[str, str], Any]) -> None:
+    deadline = PROBE_SECONDS + PROBE_SECONDS_PER_MB * len(data) / (1 << 20)
+    done_r, done_w = os.pipe()  # closes when the child exits, however it exits
+    pid = os.fork()
+    if pid == 0:  # the child: never returns, never writes, never flushes the parent's buffers
+        os.close(done_r)
+        code = 0
+        try:
+            gc.disable()
+            _Probe(data, globals_).load()
+        except BaseException:  # noqa: BLE001 - any other failure is the real load's to report
+            code = 1
+        os._exit(code)
+    os.close(done_w)
+    status = None
+    try:
+        if select.select([done_r], [], [], deadline)[0]:
+            status = os.waitpid(pid, 0)[1]
+        else:
+            raise _refuse(f"unpickling does not finish in {deadline:g} s")
+    finally:
+        os.close(done_r)
+        if status is None:  # a deadline missed, or Ctrl-C: the child goes too
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        raise _refuse(f"unpickling kills the interpreter (signal {os.WTERMSIG(status)})")
