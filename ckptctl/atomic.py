@@ -1,13 +1,15 @@
 """Atomic outputs: a run that dies leaves DST absent or complete, never partial, and never touches the source.
 
-Work happens in a hidden sibling `.{name}.ckptctl-tmp-{pid}-{token}` that carries an owner
-marker (`.ckptctl-owner`: host, boot id, pid and the process's start time); only a
-finished, fsynced tree is renamed into place (a single file is written inside such a
-directory and renamed out of it). A later run removes a sibling only when it carries the
-marker and the marker names a process of this host that is gone (its pid absent, or
-reused by a process that started at another time, or the host rebooted since). A
-directory without the marker (a user's, whatever its name) and another host's run on a
-shared filesystem are never removed. `sync=False` (`--no-sync`) skips the fsyncs: a
+Work happens in a hidden sibling `.{name}.ckptctl-tmp-{token}` whose owner marker lies
+beside it, `.{name}.ckptctl-owner-{token}` (host, boot id, pid and the process's start
+time), written before the directory is made and removed after it is renamed: so what is
+renamed into place is exactly what the body wrote, and a run killed at any moment leaves
+its temporary directory marked. Only a finished, fsynced tree is renamed into place (a
+single file is written inside such a directory and renamed out of it). A later run
+removes a sibling only when its marker names a process of this host that is gone (its
+pid absent, or reused by a process that started at another time, or the host rebooted
+since), and then the marker too. A directory without a marker (a user's, whatever its
+name) and another host's run on a shared filesystem are never removed. `sync=False` (`--no-sync`) skips the fsyncs: a
 killed process still leaves DST absent or complete, but a crash of the machine may not.
 
 `--force` over a DST that is a symbolic link replaces the link itself; its target is
@@ -29,10 +31,7 @@ from typing import Iterator
 from ckptctl.errors import OutputError, PathError, UsageError
 
 _TMP_MARK = ".ckptctl-tmp-"
-_NEW_MARK = ".ckptctl-new-"
-"""A temporary directory is made under this name, marked, then renamed to its `_TMP_MARK` name:
-a directory that has the temporary name always has a whole marker."""
-MARKER = ".ckptctl-owner"
+_OWNER_MARK = ".ckptctl-owner-"
 _MARKER_LIMIT = 4096
 
 
@@ -77,20 +76,30 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _read_marker(folder: Path) -> dict | None:
-    """The owner marker of `folder` (a real directory, not a link), or None when it has none."""
+def _read_marker(marker: Path) -> dict | None:
+    """The owner record in `marker` (a regular file, not a link), or None when it holds none."""
     try:
-        if not stat.S_ISDIR(os.lstat(folder).st_mode) or not stat.S_ISREG(os.lstat(folder / MARKER).st_mode):
+        if not stat.S_ISREG(os.lstat(marker).st_mode):
             return None
-    except OSError:
-        return None
-    try:
-        record = json.loads(_read_small(str(folder / MARKER)) or "")
-    except ValueError:
+        record = json.loads(_read_small(str(marker)) or "")
+    except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("ckptctl") != 1 or type(record.get("pid")) is not int:
         return None
     return record
+
+
+def _marker_of(folder: Path) -> Path:
+    """The owner marker beside temporary directory `folder` (`….ckptctl-tmp-T` → `….ckptctl-owner-T`)."""
+    at = folder.name.rindex(_TMP_MARK)
+    return folder.with_name(folder.name[:at] + _OWNER_MARK + folder.name[at + len(_TMP_MARK):])
+
+
+def _remove_marked(folder: Path) -> None:
+    """Remove a temporary directory of this process, then its marker."""
+    shutil.rmtree(folder, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_marker_of(folder))
 
 
 def owner_gone(record: dict) -> bool:
@@ -109,29 +118,41 @@ def owner_gone(record: dict) -> bool:
 
 
 def _clean_stale(dst: Path) -> None:
-    """Remove temporary siblings of `dst` that killed runs of this host left (marked ones only)."""
-    prefix = f".{dst.name}{_TMP_MARK}"
+    """Remove temporary siblings of `dst` (real directories, never links) that killed runs of this
+    host left, and their markers: only those a marker names."""
+    marks = f".{dst.name}{_OWNER_MARK}"
     try:
         names = os.listdir(dst.parent)
     except OSError:
         return
     for name in names:
-        if not name.startswith(prefix):
+        if not name.startswith(marks):
             continue
         record = _read_marker(dst.parent / name)
-        if record is not None and owner_gone(record):
-            shutil.rmtree(dst.parent / name, ignore_errors=True)
+        if record is None or not owner_gone(record):
+            continue
+        folder = dst.parent / f".{dst.name}{_TMP_MARK}{name[len(marks):]}"
+        try:
+            is_dir = stat.S_ISDIR(os.lstat(folder).st_mode)
+        except FileNotFoundError:
+            is_dir = None  # its run got as far as removing it: only the marker is left
+        except OSError:
+            continue
+        if is_dir is False:  # a link or a file under a temporary name: not ours to remove
+            continue
+        if is_dir:
+            shutil.rmtree(folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(dst.parent / name)
 
 
 def _make_marked_dir(parent: Path, name: str, tag: str = "") -> Path:
-    """A new, empty but for its marker, temporary directory for output `name` in `parent`."""
+    """A new, empty temporary directory for output `name` in `parent`, its marker written first."""
     token = f"{os.getpid()}{('-' + tag) if tag else ''}-{secrets.token_hex(4)}"
-    staging = parent / f".{name}{_NEW_MARK}{token}"
-    staging.mkdir()
-    with open(staging / MARKER, "x") as fh:
+    with open(parent / f".{name}{_OWNER_MARK}{token}", "x") as fh:
         fh.write(json.dumps(owner_record()))
     tmp = parent / f".{name}{_TMP_MARK}{token}"
-    os.rename(staging, tmp)
+    tmp.mkdir()
     return tmp
 
 
@@ -224,7 +245,6 @@ def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -
         raise OutputError(exc.filename or dst, f"cannot create: {exc.strerror or exc}") from None
     try:
         yield tmp
-        os.unlink(tmp / MARKER)  # what is renamed into place is exactly what the body wrote
         if sync:
             fsync_tree(tmp)
         if os.path.lexists(dst):
@@ -232,21 +252,22 @@ def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -
                 raise UsageError(f"{dst}: destination appeared while writing (pass --force to replace it)")
             trash = _discard(dst)
             os.rename(tmp, dst)
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove_marked(trash)
         else:
             os.rename(tmp, dst)
+        os.unlink(_marker_of(tmp))
         if sync:
             fsync_path(dst.parent)
     except PathError as exc:  # a write or verification error inside the temporary directory names DST
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_marked(tmp)
         raise type(exc)(_as_seen(exc.path, tmp, dst), exc.reason) from None
     except OSError as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_marked(tmp)
         if not exc.filename or not any(_within(exc.filename, d) for d in (tmp, dst)):
             raise
         raise OutputError(_as_seen(exc.filename, tmp, dst), f"cannot write: {exc.strerror or exc}") from None
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_marked(tmp)
         raise
 
 
@@ -274,17 +295,17 @@ def atomic_file(out: Path, force: bool, sync: bool = True) -> Iterator[Path]:
         os.replace(tmp, out)
         if sync:
             fsync_path(out.parent)
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_marked(folder)
     except PathError as exc:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_marked(folder)
         raise type(exc)(out if _within(exc.path, folder) else exc.path, exc.reason) from None
     except OSError as exc:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_marked(folder)
         if exc.filename is None or not (_within(exc.filename, folder) or Path(exc.filename) == out):
             raise
         raise OutputError(out, f"cannot write: {exc.strerror or exc}") from None
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_marked(folder)
         raise
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.atomic import MARKER, _clean_stale, atomic_directory, atomic_file, owner_record, process_start
+from ckptctl.atomic import _clean_stale, atomic_directory, atomic_file, owner_record, process_start
 from tests.conftest import run_cli
 from tests.test_hostile_input import copy_fixture, snapshot
 
@@ -26,11 +26,16 @@ def dead_pid() -> int:
 
 
 def marked(parent: Path, name: str, **record: object) -> Path:
+    """A temporary directory `name` (`.out.ckptctl-tmp-TOKEN`) with its owner marker beside it."""
     folder = parent / name
     folder.mkdir()
     (folder / "payload").write_bytes(b"x" * 10)
-    (folder / MARKER).write_text(json.dumps({**owner_record(), **record}))
+    marker(folder).write_text(json.dumps({**owner_record(), **record}))
     return folder
+
+
+def marker(folder: Path) -> Path:
+    return folder.with_name(folder.name.replace(".ckptctl-tmp-", ".ckptctl-owner-"))
 
 
 def test_a_source_named_like_a_stale_temporary_is_never_removed(tmp_path: Path) -> None:
@@ -58,9 +63,14 @@ def test_only_marked_temporaries_of_gone_processes_of_this_host_are_removed(tmp_
         unmarked.mkdir()
         linked = tmp_path / f".out.ckptctl-tmp-{dead_pid()}-f"
         linked.symlink_to(gone.name)
+        marker(linked).write_text(json.dumps({**owner_record(), "pid": dead_pid(), "start": 1}))
+        orphan = marker(tmp_path / f".out.ckptctl-tmp-{dead_pid()}-g")  # its run died after removing the folder
+        orphan.write_text(json.dumps({**owner_record(), "pid": dead_pid(), "start": 1}))
         _clean_stale(tmp_path / "out")
         assert not gone.exists() and not reused.exists()
+        assert not marker(gone).exists() and not marker(reused).exists() and not orphan.exists()
         assert live.exists() and other_host.exists() and unmarked.exists() and linked.is_symlink()
+        assert marker(live).exists() and marker(other_host).exists() and marker(linked).exists()
     finally:
         sleeper.kill()
         sleeper.wait()
@@ -68,7 +78,7 @@ def test_only_marked_temporaries_of_gone_processes_of_this_host_are_removed(tmp_
 
 def test_no_marker_reaches_the_output_and_nothing_is_left(tmp_path: Path) -> None:
     with atomic_directory(tmp_path / "d", force=False) as tmp:
-        assert (tmp / MARKER).is_file()
+        assert list(tmp.iterdir()) == [] and marker(tmp).is_file()  # the marker lies beside, not inside
         (tmp / "f").write_text("1")
     with atomic_file(tmp_path / "f.pt", force=False) as tmp:
         tmp.write_text("2")

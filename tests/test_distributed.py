@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptctl.atomic import MARKER
 from ckptctl.engine.dist import (
     WorkerFailedError,
     assign_files,
@@ -109,7 +108,7 @@ def _atomic_rank(rank: int, world_size: int, root: str) -> dict[str, str]:
     outcome: dict[str, str] = {}
 
     def finish_ok(tmp: Path) -> None:
-        (tmp / "index.json").write_text(json.dumps(sorted(p.name for p in tmp.iterdir() if p.name != MARKER)))
+        (tmp / "index.json").write_text(json.dumps(sorted(p.name for p in tmp.iterdir())))
 
     def write_fails_on_1(tmp: Path, names: frozenset[str]) -> None:
         if rank == 1:
