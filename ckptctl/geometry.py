@@ -102,8 +102,8 @@ def even_row_cuts(rows: int, parts: int) -> list[tuple[int, int]]:
 
 
 def rows_box(shape: Sequence[int], start: int, stop: int) -> Box:
-    """Rows [start, stop) of a tensor with all of its trailing dims."""
-    return Box((start, *(0 for _ in shape[1:])), (stop - start, *shape[1:]))
+    """Rows [start, stop) of a tensor with all of its trailing dims (no generators: placement calls it per rank)."""
+    return Box((start,) + (0,) * (len(shape) - 1), (stop - start, *shape[1:]))
 
 
 def region_bounds(region: Region, shape: Sequence[int]) -> Box:

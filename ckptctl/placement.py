@@ -9,6 +9,7 @@ buffers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -17,7 +18,7 @@ from ckptctl.geometry import Box, box_flat_ranges, chunk_rows, even_row_cuts, fu
 from ckptctl.megatron import parallel_dim
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Placed:
     """One output chunk: `box` of the tensor, written by `rank`."""
 
@@ -27,13 +28,16 @@ class Placed:
 
 def fsdp2(shape: tuple[int, ...], world_size: int) -> list[Placed]:
     """FSDP2 `Shard(0)` chunks at `world_size` ranks; empty shards are left out."""
+    return list(_fsdp2(tuple(shape), world_size))
+
+
+@functools.lru_cache(maxsize=1024)
+def _fsdp2(shape: tuple[int, ...], world_size: int) -> tuple[Placed, ...]:
+    """`fsdp2`, built once per shape: a model's layers repeat a few shapes, and the chunks are immutable."""
     if not shape or shape[0] == 0 or 0 in shape:
-        return [Placed(0, full_box(shape))]
-    placed = []
-    for rank, (start, stop) in enumerate(chunk_rows(shape[0], world_size)):
-        if stop > start:
-            placed.append(Placed(rank, rows_box(shape, start, stop)))
-    return placed
+        return (Placed(0, full_box(shape)),)
+    return tuple(Placed(rank, rows_box(shape, start, stop))
+                 for rank, (start, stop) in enumerate(chunk_rows(shape[0], world_size)) if stop > start)
 
 
 def megatron_fsdp(shape: tuple[int, ...], name: str, tp: int, dp: int) -> list[Placed]:

@@ -11,6 +11,7 @@ each source chunk — the engines only execute these lists.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -35,24 +36,45 @@ class SourceTensor:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @cached_property
-    def _by_rows(self) -> tuple[list[int], list[int], list[tuple[int, Chunk, Region, Box]]]:
-        """Chunks with their bounds, sorted by first row; with each prefix's furthest row end."""
-        bounded = sorted(((i, c, r, region_bounds(r, self.shape)) for i, (c, r) in enumerate(self.chunks)),
-                         key=lambda e: e[3].offsets[0])
-        starts = [b.offsets[0] for _, _, _, b in bounded]
-        furthest = list(itertools.accumulate((b.offsets[0] + b.sizes[0] for _, _, _, b in bounded), max))
+    def _by_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, Chunk, Region, Box]]]:
+        """Chunks as (saved index, first row, row end, chunk, region, bounds) sorted by first row;
+        with each prefix's furthest row end."""
+        bounded = []
+        for i, (chunk, region) in enumerate(self.chunks):
+            bounds = region_bounds(region, self.shape)
+            bounded.append((i, bounds.offsets[0], bounds.offsets[0] + bounds.sizes[0], chunk, region, bounds))
+        bounded.sort(key=lambda e: e[1])
+        starts = [e[1] for e in bounded]
+        furthest = list(itertools.accumulate((e[2] for e in bounded), max))
         return starts, furthest, bounded
 
-    def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
-        """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds.
+    def _near_rows(self, lo: int, hi: int) -> list[tuple[int, int, int, Chunk, Region, Box]]:
+        """`_by_rows` entries whose bounds may meet rows [lo, hi), in saved order (the index leads each entry).
 
         A bisection instead of a scan: with R ranks, planning a tensor costs R log R, not R².
         """
-        if not self.shape:
-            return [(c, r, region_bounds(r, self.shape)) for c, r in self.chunks]
         starts, furthest, bounded = self._by_rows
         near = bounded[bisect.bisect_right(furthest, lo): bisect.bisect_left(starts, hi)]
-        return [(c, r, b) for _, c, r, b in sorted(near, key=lambda e: e[0])]
+        near.sort()
+        return near
+
+    def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
+        """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds."""
+        if not self.shape:
+            return [(c, r, region_bounds(r, self.shape)) for c, r in self.chunks]
+        return [(c, r, b) for _, _, _, c, r, b in self._near_rows(lo, hi)]
+
+    @cached_property
+    def whole_rows(self) -> tuple[tuple[int, ...], int] | None:
+        """(trailing dims, elements per row) when every chunk is a box of whole rows, as FSDP2's
+        Shard(0) saves; else None. Such chunks are planned with integer arithmetic on rows."""
+        if not self.shape:
+            return None
+        trailing, zeros = self.shape[1:], (0,) * (len(self.shape) - 1)
+        for _, region in self.chunks:
+            if not isinstance(region, Box) or region.sizes[1:] != trailing or region.offsets[1:] != zeros:
+                return None
+        return trailing, math.prod(trailing)
 
 
 def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
@@ -125,6 +147,11 @@ def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]
         return _plan_flat_box(target, box, sources)
     reads: list[SourceRead] = []
     for piece in target.pieces:
+        src = sources.get(piece.src)
+        whole = src.whole_rows if src is not None else None
+        if whole is not None and _spans_rows(box, piece, whole[0]):
+            _plan_rows(box, piece, src, whole[1], reads)
+            continue
         placed = Box(piece.dst_start, piece.sizes).intersect(box) if box.sizes else box
         if placed is None or placed.numel == 0:
             continue
@@ -141,6 +168,35 @@ def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]
             if runs:
                 reads.append(SourceRead(src.fqn, chunk, src.dtype, tuple(runs)))
     return tuple(reads)
+
+
+def _spans_rows(box: Box, piece: Piece, trailing: tuple[int, ...]) -> bool:
+    """Whether `box` and `piece` both take whole rows of a source whose trailing dims are `trailing`."""
+    return bool(box.sizes and piece.sizes) and box.sizes[1:] == trailing and piece.sizes[1:] == trailing \
+        and not any(box.offsets[1:]) and not any(piece.dst_start[1:]) and not any(piece.src_start[1:])
+
+
+def _plan_rows(box: Box, piece: Piece, src: SourceTensor, row: int, reads: list[SourceRead]) -> None:
+    """`plan_box` for whole rows of box, piece and source chunks: each chunk's share is one run,
+    found by bisection and computed on row numbers, with no boxes built (the same runs, in the same order)."""
+    shift = piece.src_start[0] - piece.dst_start[0]
+    lo = max(piece.dst_start[0], box.offsets[0]) + shift
+    hi = min(piece.dst_start[0] + piece.sizes[0], box.offsets[0] + box.sizes[0]) + shift
+    if hi <= lo or not row:
+        return
+    first = box.offsets[0] + shift  # the source row that lands on the box's first row
+    for _, start, stop, chunk, _, _ in src._near_rows(lo, hi):
+        a = start if start > lo else lo
+        b = stop if stop < hi else hi
+        if a < b:
+            runs = _one_run((a - start) * row, (a - first) * row, (b - a) * row)
+            reads.append(SourceRead(src.fqn, chunk, src.dtype, runs))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _one_run(src: int, dst: int, length: int) -> tuple[Run]:
+    """A read's runs when it is one run: tensors of one shape and layout repeat them, so they are shared."""
+    return (Run(src, dst, length),)
 
 
 def _plan_flat_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:

@@ -37,6 +37,12 @@ def test_fsdp2_placement_is_unchanged_torch_chunk_rows():
     assert fsdp2((), 8) == [Placed(0, Box((), ()))]
 
 
+def test_fsdp2_placements_are_built_once_per_shape_but_each_caller_gets_its_own_list():
+    first = fsdp2((5, 3), 2)
+    first.clear()
+    assert fsdp2([5, 3], 2) == [Placed(0, Box((0, 0), (3, 3))), Placed(1, Box((3, 0), (2, 3)))]
+
+
 @pytest.mark.parametrize("name,kind", [(COLUMN, "column"), (ROW, "row"), (DUP, "dup")])
 @pytest.mark.parametrize("tp,dp", [(1, 1), (2, 1), (1, 3), (2, 2), (4, 2), (2, 5)])
 def test_megatron_fsdp_boxes_follow_tp_outer_dp_inner_with_even_whole_row_cuts(name, kind, tp, dp):

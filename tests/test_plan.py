@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import itertools
 import math
+from unittest import mock
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptctl.geometry import Box, FlatRange, chunk_rows, copy_runs, region_bounds, union_volume
+from ckptctl.geometry import Box, FlatRange, chunk_rows, copy_runs, region_bounds, rows_box, union_volume
 from ckptctl.model import Chunk, TensorEntry
 from ckptctl.placement import Placed, fsdp2
-from ckptctl.plan import Piece, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, plan_box, source_view
 
 
 @st.composite
@@ -96,6 +97,13 @@ def test_plan_box_reads_only_intersecting_chunks():
         ("__0_0.distcp", [(4, 0, 4)]), ("__1_0.distcp", [(0, 4, 8)])]
 
 
+def test_plan_box_reads_chunks_in_saved_order():
+    src = source_view(entry("w", (6, 4), [((3, 0), (3, 4)), ((0, 0), (3, 4))]))
+    reads = plan_box(identity_target(src), Box((1, 0), (4, 4)), {"w": src})
+    assert [(r.chunk.file, [(x.src, x.dst, x.length) for x in r.runs]) for r in reads] == [
+        ("__0_0.distcp", [(0, 8, 8)]), ("__1_0.distcp", [(4, 0, 8)])]
+
+
 def test_plan_box_translates_pieces():
     # component rows 2..3 of a fused [6, 2] source become rows 0..1 of a [2, 2] target
     src = source_view(entry("fused", (6, 2), [((0, 0), (6, 2))]))
@@ -110,6 +118,49 @@ def test_flat_source_takes_param_shape():
     assert [region for _, region in src.chunks] == [FlatRange(0, 7), FlatRange(7, 13), FlatRange(20, 10)]
     reads = plan_box(identity_target(src), Box((1, 0), (2, 6)), {"s": src})
     assert [[(x.src, x.dst, x.length) for x in r.runs] for r in reads] == [[(6, 0, 1)], [(0, 1, 11)]]
+
+
+@st.composite
+def row_plan_case(draw):
+    """A source saved in whole-row chunks (any order, gaps, overlaps, empty ones), a target made of
+    row blocks of it (or one N-D block), and an output box of whole rows or any N-D box."""
+    trailing = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))
+    rows = draw(st.integers(1, 12))
+    cuts = draw(st.lists(st.tuples(st.integers(0, rows), st.integers(0, rows)), max_size=6))
+    zeros = (0,) * len(trailing)
+    src = source_view(entry("s", (rows, *trailing), [((min(a, b), *zeros), (abs(a - b), *trailing)) for a, b in cuts]))
+    width = draw(st.integers(1, rows))
+    target_rows = draw(st.integers(width, 2 * rows))
+    shape = (target_rows, *trailing)
+    src_row, dst_row = draw(st.integers(0, rows - width)), draw(st.integers(0, target_rows - width))
+    pieces = [Piece("s", (src_row, *zeros), (dst_row, *zeros), (width, *trailing))]
+    if trailing and all(trailing) and draw(st.booleans()):
+        block = draw(box_in(shape))
+        pieces.append(Piece("s", block.offsets, block.offsets, block.sizes))
+    target = TargetTensor("t", shape, torch.float32, tuple(pieces))
+    if 0 not in shape and draw(st.booleans()):
+        box = draw(box_in(shape))
+    else:
+        lo = draw(st.integers(0, target_rows))
+        box = rows_box(shape, lo, draw(st.integers(lo, target_rows)))
+    return target, box, src
+
+
+@settings(max_examples=500, deadline=None)
+@given(row_plan_case())
+def test_whole_row_fast_path_plans_the_general_paths_runs(case):
+    target, box, src = case
+    assert src.whole_rows is not None
+    fast = plan_box(target, box, {"s": src})
+    with mock.patch.object(SourceTensor, "whole_rows", property(lambda self: None)):  # the general path only
+        general = plan_box(target, box, {"s": src})
+    assert fast == general
+
+
+def test_sources_with_any_partial_row_chunk_take_the_general_path():
+    assert source_view(entry("w", (6, 4), [((0, 0), (6, 2)), ((0, 2), (6, 2))])).whole_rows is None
+    assert source_view(entry("s", (24,), [((0,), (7,)), ((7,), (17,))]), (6, 4)).whole_rows is None
+    assert source_view(entry("w", (6, 4), [((0, 0), (2, 4)), ((2, 0), (4, 4))])).whole_rows == ((4,), 4)
 
 
 @st.composite
