@@ -105,9 +105,11 @@ class Checkpoint:
     def analysis(self) -> Analysis:
         """Layouts, coverage and problems (`layout.analyze`), computed once per opened checkpoint:
         refusal checks, source views, Megatron planning and verification all need them."""
+        from ckptctl.gc_pause import gc_paused
         from ckptctl.layout import analyze
 
-        return analyze(self)
+        with gc_paused():
+            return analyze(self)
 
     @property
     def saved_world_size(self) -> int:

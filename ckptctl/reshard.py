@@ -27,6 +27,7 @@ from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
+from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.verify import verify_dcp
 
@@ -116,13 +117,16 @@ def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
 
 
 def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
-    """The whole output: targets, their FSDP2 placement and every copy run. No I/O."""
-    if opts.megatron:
-        from ckptctl import megatron_reshard
+    """The whole output: targets, their FSDP2 placement and every copy run. No I/O.
 
-        out = megatron_reshard.plan_megatron(ckpt, opts)
-    else:
-        out = _plan_fsdp2(ckpt, opts)
+    Planned with the collector paused (`gc_pause`): a few acyclic objects per output chunk."""
+    with gc_paused():
+        if opts.megatron:
+            from ckptctl import megatron_reshard
+
+            out = megatron_reshard.plan_megatron(ckpt, opts)
+        else:
+            out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
                            opts.include, opts.exclude)
     return out

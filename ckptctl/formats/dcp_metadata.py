@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
-from ckptctl.formats.gc_pause import gc_paused
+from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 

@@ -42,7 +42,7 @@ from typing import Any, Callable
 from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.formats import dcp_classes as dc
 from ckptctl.formats.dcp_classes import Layout, MemoryFormat
-from ckptctl.formats.gc_pause import gc_paused
+from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.hash_guard import check_key_hashing
 from ckptctl.formats.pickle_vm import (
     GET_WEIGHT,
