@@ -56,14 +56,26 @@ class _Template:
 
     data_start: int
     nbytes: int
-    masked: bytes  # the item's bytes outside the tensor data, variable fields zeroed
-    holes: tuple[tuple[int, int], ...]  # (start, stop) of each variable field, in `masked` coordinates
+    head: tuple[tuple[int, bytes], ...]  # (offset in the item, the bytes there) before the tensor data...
+    tail: tuple[tuple[int, bytes], ...]  # ...and after it (offsets from the data's end), variable fields left out
 
 
 MAX_TEMPLATE_ITEM = 1 << 16
 """Items up to this size are read whole in one `pread` to be compared with their template."""
 MAX_TEMPLATES = 4096
 """Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
+
+
+def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> tuple[tuple[int, bytes], ...]:
+    """`data` (the item's bytes from offset `base`) as (offset in `data`, bytes) runs around `holes`."""
+    runs, at = [], 0
+    for start, stop in sorted((a - base, b - base) for a, b in holes if base <= a and b - base <= len(data)):
+        if start > at:
+            runs.append((at, data[at:start]))
+        at = max(at, stop)
+    if at < len(data):
+        runs.append((at, data[at:]))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -210,36 +222,20 @@ class ItemReader:
                 self._templates[key] = made
         return RawRecord(self._path(chunk.file), chunk.offset + start, chunk.numel * itemsize)
 
-    def _item_bytes(self, chunk: Chunk, data_start: int, nbytes: int) -> bytearray:
-        """The item's bytes but for its tensor data: one read when small, head and tail otherwise."""
-        fd = self.fd(chunk.file)
-        if chunk.length <= MAX_TEMPLATE_ITEM:
-            whole = bytearray(os.pread(fd, chunk.length, chunk.offset))
-            del whole[data_start:data_start + nbytes]
-            return whole
-        tail = chunk.length - data_start - nbytes
-        if data_start > MAX_ZIP_READ or tail > MAX_ZIP_READ:
-            return bytearray()  # never equal to a template: the item takes the parsing path
-        return bytearray(os.pread(fd, data_start, chunk.offset)) + \
-            os.pread(fd, tail, chunk.offset + data_start + nbytes)
-
     def _template(self, chunk: Chunk, archive: zipfile.ZipFile, data_start: int, nbytes: int) -> _Template | None:
         """`chunk`'s validated item as a template: the CRC fields of its tensor record and of its
         serialization id, and the id itself, are what another item may hold differently (every
         other record, `data.pkl` included, must be byte-identical, its CRC with it)."""
-        if chunk.length - archive.start_dir > MAX_ZIP_READ or len(self._templates) >= MAX_TEMPLATES:
+        tail_len = chunk.length - data_start - nbytes
+        if chunk.length - archive.start_dir > MAX_ZIP_READ or data_start > MAX_ZIP_READ \
+                or len(self._templates) >= MAX_TEMPLATES:
             return None
-        holes: list[tuple[int, int]] = []
-
-        def hole(start: int, length: int) -> None:  # in coordinates without the tensor data
-            at = start if start < data_start else start - nbytes
-            holes.append((at, at + length))
-
+        holes: list[tuple[int, int]] = []  # (start, stop) in the item
         fd = self.fd(chunk.file)
         central = os.pread(fd, chunk.length - archive.start_dir, chunk.offset + archive.start_dir)
         pos = 0
         for info in archive.infolist():  # the directory's records, in order
-            record_at = pos
+            record_at = archive.start_dir + pos
             name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, pos + 28)
             pos += 46 + name_len + extra_len + comment_len
             local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset)
@@ -247,25 +243,35 @@ class ItemReader:
             is_id = info.filename.endswith("/.data/serialization_id")
             if start != data_start and not is_id:
                 continue
-            hole(archive.start_dir + record_at + 16, 4)
-            hole(info.header_offset + 14, 4)
+            holes += [(record_at + 16, record_at + 20), (info.header_offset + 14, info.header_offset + 18)]
             end = start + info.compress_size
             if info.flag_bits & 0x8:  # data descriptor: optional signature, then the CRC
-                hole(end + 4 * (os.pread(fd, 4, chunk.offset + end) == b"PK\x07\x08"), 4)
+                at = end + 4 * (os.pread(fd, 4, chunk.offset + end) == b"PK\x07\x08")
+                holes.append((at, at + 4))
             if is_id:
-                hole(start, info.compress_size)
-        masked = self._item_bytes(chunk, data_start, nbytes)
-        for a, b in holes:
-            masked[a:b] = bytes(b - a)
-        return _Template(data_start, nbytes, bytes(masked), tuple(holes))
+                holes.append((start, end))
+        data_end = data_start + nbytes
+        head = os.pread(fd, data_start, chunk.offset)
+        tail = os.pread(fd, tail_len, chunk.offset + data_end)
+        return _Template(data_start, nbytes, _kept(head, 0, holes), _kept(tail, data_end, holes))
 
     def _matches(self, template: _Template, chunk: Chunk) -> bool:
-        item = self._item_bytes(chunk, template.data_start, template.nbytes)
-        if len(item) != len(template.masked):
-            return False
-        for a, b in template.holes:
-            item[a:b] = bytes(b - a)
-        return item == template.masked
+        """Whether the item holds the template's bytes everywhere but its variable fields and data."""
+        fd = self.fd(chunk.file)
+        data_end = template.data_start + template.nbytes
+        if chunk.length <= MAX_TEMPLATE_ITEM:
+            whole = memoryview(os.pread(fd, chunk.length, chunk.offset))
+            head, tail = whole, whole[data_end:]
+        else:
+            head = memoryview(os.pread(fd, template.data_start, chunk.offset))
+            tail = memoryview(os.pread(fd, chunk.length - data_end, chunk.offset + data_end))
+        for at, want in template.head:
+            if head[at:at + len(want)] != want:
+                return False
+        for at, want in template.tail:
+            if tail[at:at + len(want)] != want:
+                return False
+        return len(tail) == chunk.length - data_end
 
     def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
                     folder: str) -> bool:
