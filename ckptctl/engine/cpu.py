@@ -41,6 +41,7 @@ ASSEMBLE_BYTES = 16 << 20
 """Verification assembles and compares boxes of about this size: fewer boxes, less planning per byte."""
 GAP_BYTES = 256 << 10
 DECODED_CACHE_BYTES = 256 << 20
+RECORDS_REMEMBERED = 1 << 16
 WRITEBACK_BYTES = 4 << 20
 """A thread's run of writes to a file is handed to the disk in pieces this large (see `engine.disk`)."""
 
@@ -60,10 +61,18 @@ class ChunkSource:
         self.reader.close()
 
     def record(self, fqn: str, chunk: Chunk) -> RawRecord | None:
+        """Where the chunk's bytes are; remembered for the chunks read lately (a record's blocks,
+        neighbouring records), not for all: a checkpoint may have millions."""
         key = (chunk.file, chunk.offset)
-        if key not in self._records:
-            self._records[key] = self.reader.locate(self.ckpt.tensors[fqn], chunk)
-        return self._records[key]
+        try:
+            return self._records[key]
+        except KeyError:
+            pass
+        record = self.reader.locate(self.ckpt.tensors[fqn], chunk)
+        if len(self._records) >= RECORDS_REMEMBERED:
+            self._records.clear()
+        self._records[key] = record
+        return record
 
     def decoded(self, fqn: str, chunk: Chunk) -> memoryview:
         key = (chunk.file, chunk.offset)
