@@ -157,6 +157,12 @@ FUSED_RULES: tuple[tuple[str, str], ...] = (
 )
 
 
+TP_BLOCKED_UNKNOWN = re.compile(r"(^|\.)(in_proj|conv1d)\.(weight|bias)$")
+"""Names Megatron fuses per TP rank in layouts ckptctl has no rule for (Mamba's `mixer.in_proj`
+`[z; x; B; C; dt]` and `mixer.conv1d` `[x; B; C]`, per rank) unless `fused_kind` knows them:
+their global layout depends on the TP size, so a TP change must not treat them as plain rows."""
+
+
 def fused_kind(name: str) -> str | None:
     """`swiglu` (an fc1 that is fused `[W; V]` when gated), `gdn_in_proj`, `gdn_conv1d`, or None."""
     for pattern, kind in FUSED_RULES:

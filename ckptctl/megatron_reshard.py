@@ -31,6 +31,7 @@ from ckptctl.hf.base import load_hf_config
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, split_optimizer_fqn
 from ckptctl.megatron import (
     FUSED_PARTS,
+    TP_BLOCKED_UNKNOWN,
     RowBlock,
     checkpoint_args,
     fused_component,
@@ -360,6 +361,7 @@ class MegatronPlanner:
         """What to split, fuse or re-block, from the options and the fused tensors present."""
         out: list[Regroup] = []
         target_tp = self.layout.tp
+        self.refuse_unknown_tp_blocked(target_tp)
         for fqn in self.params:
             kind = fused_kind(fqn)
             if kind is None or not (self.opts.split_fused or target_tp is not None):
@@ -385,6 +387,16 @@ class MegatronPlanner:
                 raise UsageError(f"{odd[0]}: its model param is not in the checkpoint, so it cannot be "
                                  "split or re-blocked with it")
         return out
+
+    def refuse_unknown_tp_blocked(self, target_tp: int | None) -> None:
+        """A TP change re-blocks the fused tensors ckptctl has rules for; one fused per TP rank in a
+        layout it has none for would come out scrambled, so the change is refused, naming it."""
+        unknown = next((f for f in self.params if fused_kind(f) is None and TP_BLOCKED_UNKNOWN.search(f)), None)
+        if unknown is None or target_tp is None or self.source_tp() == target_tp:
+            return
+        raise UsageError(f"{unknown}: fused per TP rank in a layout ckptctl has no rule for (Mamba in_proj or "
+                         f"conv1d?), so changing TP {self.source_tp()} to {target_tp} would scramble it; "
+                         f"reshard at --tp {self.source_tp()}")
 
     def fuse_regroups(self) -> list[Regroup]:
         groups: dict[str, dict[int, str]] = {}
