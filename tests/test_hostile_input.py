@@ -523,3 +523,17 @@ def test_byteorder_record_with_a_bad_crc_is_one_line(tmp_path: Path) -> None:
     assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "--world-size", "2"],
                     f"{src / '__0_0.distcp'}: {I0}not a torch.save archive (BadZipFile: Bad CRC-32 for file "
                     "'archive/byteorder')")
+
+
+def test_megatron_torch_dist_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    """Megatron-Core's default format lays tensors out unlike fsdp_dtensor ([W_all; V_all] fc1,
+    layer-stacked keys): refused by its `metadata.json` before its pickle is read."""
+    src = copy_fixture(tmp_path)
+    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    for args in (["inspect", src], ["reshard", src, tmp_path / "dst", "-n", "2"], ["export-torch", src,
+                                                                                 tmp_path / "o.pt"]):
+        assert_one_line(tmp_path, src, args, f"{src}: a Megatron-Core dist_checkpointing checkpoint (metadata.json: "
+                        "sharded_backend 'torch_dist'); ckptctl reads DCP checkpoints of torch (FSDP2, torchtitan, "
+                        "Automodel) and Megatron-FSDP's fsdp_dtensor, not this format yet")
+    (src / "metadata.json").write_text("{not json")  # not a Megatron marker: not ours to judge
+    assert run_measured(tmp_path, "inspect", "--check", src)[0].returncode == 0

@@ -8,6 +8,7 @@ global shape. Nothing else is read, so this is fast on any checkpoint size.
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
@@ -25,6 +26,9 @@ from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+MEGATRON_MARKER = "metadata.json"
+"""Megatron-Core's dist_checkpointing writes it beside the DCP files: `{"sharded_backend": …}`."""
+_MARKER_LIMIT = 1 << 16
 MAX_NUMEL = 1 << 50
 MAX_METADATA_BYTES = 1 << 31
 
@@ -37,6 +41,31 @@ def _metadata_files(root: Path) -> list[Path]:
     if not per_rank:
         raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)")
     return per_rank
+
+
+def refuse_megatron_dist(root: Path) -> None:
+    """Refuse a Megatron-Core `dist_checkpointing` checkpoint (`torch_dist`, the default
+    `ckpt_format`) by name: its layouts (layer-stacked keys, `[W_all; V_all]` fc1, bucketed
+    optimizer buffers) are not fsdp_dtensor's, and reading it as plain DCP would be wrong.
+    A `metadata.json` that says nothing of the kind is not ours to judge."""
+    path = root / MEGATRON_MARKER
+    if not os.path.lexists(path):
+        return
+    fd = open_regular(path)
+    try:
+        text = os.read(fd, _MARKER_LIMIT + 1)
+    finally:
+        os.close(fd)
+    try:
+        marker = json.loads(text) if len(text) <= _MARKER_LIMIT else None
+    except (ValueError, RecursionError):
+        return
+    backend = marker.get("sharded_backend") if isinstance(marker, dict) else None
+    if isinstance(backend, str):
+        raise CheckpointError(root, f"a Megatron-Core dist_checkpointing checkpoint ({MEGATRON_MARKER}: "
+                                    f"sharded_backend {backend[:64]!r}); ckptctl reads DCP checkpoints of torch "
+                                    "(FSDP2, torchtitan, Automodel) and Megatron-FSDP's fsdp_dtensor, not this "
+                                    "format yet")
 
 
 def open_regular(path: Path) -> int:
@@ -224,6 +253,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(root, "no such file or directory")
     if not root.is_dir():
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
+    refuse_megatron_dist(root)
     md_paths = _metadata_files(root)
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
         return _checkpoint(root, md_paths)
