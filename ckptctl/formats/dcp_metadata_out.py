@@ -251,28 +251,25 @@ class _Emitter:
     def save_dtype(self, dtype: DType) -> None:
         self.save(ref("torch", dtype.name))
 
-    def save_size(self, size: Size) -> None:
-        """`torch.Size(tuple(size))`: the call and its args are `torch_pickle` temporaries."""
-        self.save(SIZE)
-        self.check()  # the args tuple; its first element, the tuple of dims, starts at the same byte
-        self.save_tuple(tuple(size), keep=False)
+    def save_call(self, func: Global, save_arg: Callable[[], None]) -> None:
+        """A one-argument call as `torch_pickle` writes it: the function, the argument, then the
+        args tuple and REDUCE, both memoized (temporaries nothing fetches again)."""
+        self.save(func)
+        self.check()  # the args tuple; its one element starts at the same byte
+        save_arg()
         self.frame += _CALL_END
         self.count += 2
+
+    def save_size(self, size: Size) -> None:
+        """`torch.Size(tuple(size))`: the tuple of dims is a temporary too."""
+        self.save_call(SIZE, lambda: self.save_tuple(tuple(size), keep=False))
 
     def save_layout(self, layout: Layout) -> None:
         """`_get_layout(str(layout))`: that str is a fresh copy, memoized but never fetched."""
-        self.save(LAYOUT)
-        self.check()
-        self.save_str(str(layout), keep=False)
-        self.frame += _CALL_END
-        self.count += 2
+        self.save_call(LAYOUT, lambda: self.save_str(str(layout), keep=False))
 
     def save_memory_format(self, memory_format: MemoryFormat) -> None:
-        self.save(MEMORY_FORMAT)
-        self.check()
-        self.save_int(int(memory_format))
-        self.frame += _CALL_END
-        self.count += 2
+        self.save_call(MEMORY_FORMAT, lambda: self.save_int(int(memory_format)))
 
     def save_record(self, record: Any) -> None:
         """A DCP record: its class, NEWOBJ, then a copy of its `__dict__` and BUILD."""
