@@ -506,13 +506,13 @@ def test_probe_refuses_a_big_pickle_that_hashes_past_its_deadline(monkeypatch) -
 
 def test_the_scan_and_the_probe_pass_real_metadata() -> None:
     from ckptctl.formats import hash_guard
-    from ckptctl.formats.unpickle import METADATA_GLOBALS
+    from ckptctl.formats.unpickle import METADATA_GLOBALS, _Source
 
     for name in ("fsdp2_4ranks", "flat_optim", "megatron_tp2_dp2", "zstd"):
         data = (FIXTURES / name / ".metadata").read_bytes()
         assert len(data) <= hash_guard.SCAN_LIMIT
         hash_guard._scan(data)
-        hash_guard._probe(data, METADATA_GLOBALS)
+        hash_guard._probe(data, METADATA_GLOBALS, _Source)
 
 
 def test_byteorder_record_with_a_bad_crc_is_one_line(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ import pickle
 import pickletools
 import select
 import signal
-from typing import Any
+from typing import Any, Callable
 
 from ckptctl.formats.pickle_vm import Constructor, MalformedPickleError
 
@@ -52,15 +52,16 @@ class _Unscanned(Exception):
     """The scan stopped at something pickletools cannot parse; C's unpickler may read further."""
 
 
-def check_key_hashing(data: Any, globals_: dict[tuple[str, str], Any]) -> None:
-    """Raise MalformedPickleError when unpickling `data` would hash a hazardous key."""
+def check_key_hashing(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[Any], Any]) -> None:
+    """Raise MalformedPickleError when unpickling `data` would hash a hazardous key; `source`
+    makes the file C's unpickler reads `data` through (the restricted unpickler's own)."""
     if len(data) <= SCAN_LIMIT:
         try:
             _scan(bytes(data))
             return
         except _Unscanned:
             pass
-    _probe(data, globals_)
+    _probe(data, globals_, source)
 
 
 def _scan(data: bytes) -> None:
@@ -151,10 +152,8 @@ _CONSTANT = object()
 class _Probe(pickle.Unpickler):
     """C's unpickler with inert stand-ins: the same keys reach the same dicts as in the real load."""
 
-    def __init__(self, data: Any, globals_: dict[tuple[str, str], Any]) -> None:
-        from ckptctl.formats.unpickle import _Source
-
-        super().__init__(_Source(data), fix_imports=False)
+    def __init__(self, file: Any, globals_: dict[tuple[str, str], Any]) -> None:
+        super().__init__(file, fix_imports=False)
         self._globals = globals_
 
     def find_class(self, module: str, name: str) -> Any:
@@ -171,8 +170,9 @@ class _Probe(pickle.Unpickler):
         return pid
 
 
-def _probe(data: Any, globals_: dict[tuple[str, str], Any]) -> None:
+def _probe(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[Any], Any]) -> None:
     deadline = PROBE_SECONDS + PROBE_SECONDS_PER_MB * len(data) / (1 << 20)
+    probe = _Probe(source(data), globals_)  # made before the fork: the child imports and allocates nothing new
     done_r, done_w = os.pipe()  # closes when the child exits, however it exits
     pid = os.fork()
     if pid == 0:  # the child: never returns, never writes, never flushes the parent's buffers
@@ -180,7 +180,7 @@ def _probe(data: Any, globals_: dict[tuple[str, str], Any]) -> None:
         code = 0
         try:
             gc.disable()
-            _Probe(data, globals_).load()
+            probe.load()
         except BaseException:  # noqa: BLE001 - any other failure is the real load's to report
             code = 1
         os._exit(code)

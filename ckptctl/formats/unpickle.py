@@ -549,7 +549,7 @@ def _run(data: Any, globals_: dict[tuple[str, str], Any],
     """The value the pickle leaves, from C's unpickler; a pickle it cannot run is diagnosed by the interpreter.
 
     `hash_guard` first refuses a pickle whose dict keys C's own hashing could not survive."""
-    check_key_hashing(data, globals_)
+    check_key_hashing(data, globals_, _Source)
     unpickler = _Unpickler(data, globals_, persistent)
     try:
         return unpickler.load()
