@@ -55,12 +55,13 @@ class _Unscanned(Exception):
 def check_key_hashing(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[Any], Any]) -> None:
     """Raise MalformedPickleError when unpickling `data` would hash a hazardous key; `source`
     makes the file C's unpickler reads `data` through (the restricted unpickler's own)."""
-    if len(data) <= SCAN_LIMIT:
+    if len(data) <= SCAN_LIMIT or not hasattr(os, "fork"):  # no fork (Windows): every pickle is scanned
         try:
             _scan(bytes(data))
             return
         except _Unscanned:
-            pass
+            if not hasattr(os, "fork"):
+                raise MalformedPickleError("pickle cannot be read opcode by opcode") from None
     _probe(data, globals_, source)
 
 
