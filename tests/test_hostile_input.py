@@ -537,3 +537,10 @@ def test_megatron_torch_dist_checkpoint_is_refused_by_name(tmp_path: Path) -> No
                         "Automodel) and Megatron-FSDP's fsdp_dtensor, not this format yet")
     (src / "metadata.json").write_text("{not json")  # not a Megatron marker: not ours to judge
     assert run_measured(tmp_path, "inspect", "--check", src)[0].returncode == 0
+
+
+def test_without_fork_a_big_pickle_is_scanned(monkeypatch) -> None:
+    monkeypatch.delattr(os, "fork")
+    padding = b"X" + struct.pack("<I", 100_000) + b"p" * 100_000 + b"0"  # over the scan limit
+    with pytest.raises(MalformedPickleError, match=r"^a dict key or set member made of 2305843009213693951 tuples"):
+        load_metadata_pickle(b"\x80\x02" + padding + shared_tuple_key(60) + b".")
