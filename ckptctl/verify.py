@@ -243,7 +243,7 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk) -> Any
             raw = _undo_transforms(raw, chunk, entry, path)
         if raw[:4] == b"PK\x03\x04":
             try:
-                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                tensor = _torch_load(raw)
             except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
                 raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
                                             f"({type(exc).__name__})") from None
@@ -255,6 +255,37 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk) -> Any
         raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch decodes it as another tensor "
                                     "than the metadata names")
     return tensor
+
+
+_TORCH_LAYOUTS: dict[bytes, tuple[str, Any, tuple[int, ...], tuple[int, ...], int]] = {}
+"""`data.pkl` bytes → (storage record, dtype, size, stride, storage offset) as torch's own
+`torch.load` decoded them once: an item with the same pickle is the same view of its record."""
+MAX_TORCH_LAYOUTS = 4096
+
+
+def _torch_load(raw: bytes) -> Any:
+    """The tensor of a torch.save archive, decoded by torch: its zip by torch's C++ reader, its
+    `data.pkl` by `torch.load(weights_only=True)` — once per distinct pickle (a sharded
+    tensor's items repeat a few), later items of that pickle as the same view of their record
+    (a full load costs ~15 times more). Big-endian archives are always loaded whole."""
+    import torch
+
+    reader = torch._C.PyTorchFileReader(io.BytesIO(raw))
+    pickled = reader.get_record("data.pkl")
+    little = not reader.has_record("byteorder") or reader.get_record("byteorder") == b"little"
+    layout = _TORCH_LAYOUTS.get(pickled) if little else None
+    if layout is None:
+        tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        records = [n for n in reader.get_all_records() if n.startswith("data/")]
+        if little and isinstance(tensor, torch.Tensor) and len(records) == 1 \
+                and len(_TORCH_LAYOUTS) < MAX_TORCH_LAYOUTS:
+            _TORCH_LAYOUTS[pickled] = (records[0], tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()),
+                                       tensor.storage_offset())
+        return tensor
+    record, dtype, size, stride, offset = layout
+    data = bytearray(reader.get_record(record))
+    flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    return flat.as_strided(size, stride, offset)
 
 
 def _undo_transforms(raw: bytes, chunk: Chunk, entry: TensorEntry, path: Path) -> bytes:

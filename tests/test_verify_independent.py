@@ -160,3 +160,17 @@ def test_the_decoded_source_check_catches_a_wrong_element_of_a_split_fused_tenso
                  < region_bounds(r, source.shape).offsets[0] + region_bounds(r, source.shape).sizes[0])
     assert str(caught.value) == (f"{dst}: {fqn}: verification failed (the chunk at {list(chunk.offsets)} of "
                                  f"{piece.src}, decoded by torch from {chunk.file}, differs from the output)")
+
+
+def test_torch_decode_of_items_sharing_a_pickle_equals_torch_load() -> None:
+    """Items whose data.pkl is byte-identical are decoded as the view torch.load found for the
+    first: each must still give its own values, exactly what torch.load gives."""
+    from ckptctl.verify import _torch_load
+
+    items = []
+    for seed in range(3):
+        buf = io.BytesIO()
+        torch.save(torch.randn(6, 4, generator=torch.Generator().manual_seed(seed))[1:5, ::2], buf)
+        items.append(buf.getvalue())
+    for raw in items + items:
+        assert torch.equal(_torch_load(raw), torch.load(io.BytesIO(raw), weights_only=True))
