@@ -544,3 +544,17 @@ def test_without_fork_a_big_pickle_is_scanned(monkeypatch) -> None:
     padding = b"X" + struct.pack("<I", 100_000) + b"p" * 100_000 + b"0"  # over the scan limit
     with pytest.raises(MalformedPickleError, match=r"^a dict key or set member made of 2305843009213693951 tuples"):
         load_metadata_pickle(b"\x80\x02" + padding + shared_tuple_key(60) + b".")
+
+
+def test_a_damaged_record_no_check_reads_is_located_without_a_template(tmp_path: Path) -> None:
+    """Found by the fuzzer: a central-directory offset of 2^32-16 for `version`, a record the
+    item checks never read, broke building the item's template (a struct.error). Such an item
+    is still located (its tensor record is sound), just not used as a template."""
+    src = copy_fixture(tmp_path)
+    mutate_item(src, cd_field("archive/version", "<I", 42, 0xFFFFFFF0))
+    ckpt = open_checkpoint(src)
+    path, offset, _ = item_of(src)
+    entry, chunk = next((e, c) for e in ckpt.tensors.values() for c in e.chunks
+                        if c.file == "__0_0.distcp" and c.offset == offset)
+    with ItemReader(ckpt) as reader:
+        assert reader.locate(entry, chunk) is not None and not reader._templates

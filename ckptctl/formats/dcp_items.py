@@ -236,9 +236,14 @@ class ItemReader:
         pos = 0
         for info in archive.infolist():  # the directory's records, in order
             record_at = archive.start_dir + pos
+            if central[pos:pos + 4] != b"PK\x01\x02" or len(central) < pos + 46:
+                return None  # a directory zipfile reads otherwise than record after record: no template
             name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, pos + 28)
             pos += 46 + name_len + extra_len + comment_len
-            local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset)
+            local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+                if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
+            if len(local) != _LOCAL_HEADER.size:  # a record no check looked at is damaged: no template
+                return None
             start = info.header_offset + _LOCAL_HEADER.size + sum(struct.unpack_from("<HH", local, 26))
             is_id = info.filename.endswith("/.data/serialization_id")
             if start != data_start and not is_id:
