@@ -558,3 +558,11 @@ def test_a_damaged_record_no_check_reads_is_located_without_a_template(tmp_path:
                         if c.file == "__0_0.distcp" and c.offset == offset)
     with ItemReader(ckpt) as reader:
         assert reader.locate(entry, chunk) is not None and not reader._templates
+
+
+def test_the_probe_child_crashing_prints_nothing_even_with_faulthandler_on(tmp_path: Path) -> None:
+    src = copy_fixture(tmp_path)
+    (src / ".metadata").write_bytes(b"\x80\x02}" + b")" + b"\x85" * 200_000 + b"K\x01s.")
+    proc = subprocess.run([sys.executable, "-m", "ckptctl", "inspect", str(src)], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONFAULTHANDLER": "1"}, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "kills the interpreter" in proc.stderr

@@ -19,6 +19,7 @@ call that nothing can interrupt, so the restricted unpicklers run this guard fir
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import os
 import pickle
@@ -180,6 +181,9 @@ def _probe(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[An
         os.close(done_r)
         code = 0
         try:
+            faulthandler.disable()  # a crash is the answer here, not something to report on stderr
+            quiet = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(quiet, 2)
             gc.disable()
             probe.load()
         except BaseException:  # noqa: BLE001 - any other failure is the real load's to report
