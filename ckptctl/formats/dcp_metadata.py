@@ -218,31 +218,24 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
     chunks = []
     seen: set[tuple[int, ...]] = set()
-    rank, itemsize = len(shape), dtype.itemsize
-    for c in md.chunks:  # millions at scale: the checks are spelled out, files looked up once each
+    for c in md.chunks:
         offsets, sizes = tuple(c.offsets), tuple(c.sizes)
         if offsets in seen and 0 not in sizes:  # empty chunks of trailing ranks may share their place
             raise CheckpointError(where, f"{fqn}: two chunks at {list(offsets)}")
         seen.add(offsets)
-        if len(offsets) != rank or len(sizes) != rank:
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointError(where, f"{fqn}: chunk rank {len(offsets)} does not match shape {list(shape)}")
-        for o, s, d in zip(offsets, sizes, shape):
-            if o + s > d:
-                raise CheckpointError(
-                    where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+            raise CheckpointError(
+                where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
         info = storage.get((fqn, offsets))
         if info is None:
             raise CheckpointError(where, f"{fqn}: chunk at {list(offsets)} has no storage entry")
-        file, offset, length = info.relative_path, info.offset, info.length
-        if file not in files:
-            file = _resolve_file(root, file, files, where)
-        if offset + length > files[file]:
-            _check_range(root, file, offset, length, files, fqn)
-        transforms = tuple(info.transform_descriptors) if info.transform_descriptors else ()
-        nbytes = math.prod(sizes) * itemsize
-        if not transforms and length < nbytes:
-            raise CheckpointError(root / file, f"{fqn}: item of {length} bytes cannot hold {nbytes} bytes of data")
-        chunks.append(Chunk(file, offset, length, offsets, sizes, transforms))
+        file, transforms = _located(root, fqn, info, files, where)
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if not transforms and info.length < nbytes:
+            raise CheckpointError(root / file, f"{fqn}: item of {info.length} bytes cannot hold {nbytes} bytes of data")
+        chunks.append(Chunk(file, info.offset, info.length, offsets, sizes, transforms))
     return TensorEntry(fqn, shape, dtype, tuple(chunks), md.properties)
 
 
