@@ -311,6 +311,15 @@ def _thread_buffer(use: str, nbytes: int) -> bytearray:
     return buf
 
 
+def _fill_or_zero(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, segs: list[_Segment],
+                  add: float) -> None:
+    """`_fill_block` into a reused buffer: elements no segment covers (--allow-incomplete) are
+    zero, never what a previous record or block left there."""
+    if sum(s.length for s in segs) < len(out) // dtype.itemsize:
+        out[:] = bytes(len(out))
+    _fill_block(sources, out, dtype, b0, segs, add)
+
+
 def _read_direct(item: StreamItem, sources: ChunkSource, data: memoryview) -> bool:
     """Fill a small record's `data` straight from its sources when each read is one run of the
     target's dtype, with no `add`, and the runs cover the record exactly once (FSDP2 row blocks):
@@ -347,10 +356,7 @@ def _stream_small_item(item: StreamItem, sources: ChunkSource, files: OutputFile
     record[:head] = item.head
     data = record[head:head + nbytes]
     if not _read_direct(item, sources, data):
-        segs = _segments(item)
-        if sum(s.length for s in segs) < item.box.numel:
-            data[:] = bytes(nbytes)  # elements no source covers (--allow-incomplete) are zero
-        _fill_block(sources, data, item.target.dtype, 0, segs, item.target.add)
+        _fill_or_zero(sources, data, item.target.dtype, 0, _segments(item), item.target.add)
     crc = 0
     if item.tail is not None:
         crc = crc32(data)
@@ -376,9 +382,7 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         b1 = min(numel, b0 + block)
         view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
         clipped, resume = _clip(segs, b0, b1, resume)
-        if sum(c.length for c in clipped) < b1 - b0:
-            view[:] = bytes(len(view))  # elements no source covers (--allow-incomplete) are zero, never a previous block's
-        _fill_block(sources, view, dtype, b0, clipped, item.target.add)
+        _fill_or_zero(sources, view, dtype, b0, clipped, item.target.add)
         if item.tail is not None:  # a torch.save record's zip tail carries the CRC; raw records need none
             crc = crc32(view, crc)
         files.write(item.file, view, pos)
