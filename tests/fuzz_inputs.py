@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -120,15 +121,14 @@ def exercise(src: Path, work: Path) -> None:
         pass
 
 
-def _one(name: str, metadata: bytes | None, item: bytes | None) -> None:
+def _one(name: str, file: str | None = None, data: bytes = b"") -> None:
+    """Fixture `name` with `file` replaced by `data` (none replaced without a file) through `exercise`."""
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         src = work / "src"
         shutil.copytree(FIXTURES / name, src)
-        if metadata is not None:
-            (src / ".metadata").write_bytes(metadata)
-        if item is not None:
-            (src / "__0_0.distcp").write_bytes(item)
+        if file is not None:
+            (src / file).write_bytes(data)
         started = time.monotonic()
         exercise(src, work)
         assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
@@ -142,37 +142,34 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def fuzz_metadata(examples: int) -> None:
-    """Mutated `.metadata` pickles of every fixture."""
-    data = {name: (FIXTURES / name / ".metadata").read_bytes() for name in NAMES}
+def _campaign(examples: int, file: str, mutation: Callable[[bytes], st.SearchStrategy[bytes]]) -> None:
+    """`examples` fixtures, each with `file` replaced by a `mutation` of its own bytes."""
+    originals = {name: (FIXTURES / name / file).read_bytes() for name in NAMES}
 
     @settings(max_examples=examples, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from(NAMES).flatmap(lambda n: st.tuples(st.just(n), metadata_mutation(data[n]))))
+    @given(st.sampled_from(NAMES).flatmap(lambda n: st.tuples(st.just(n), mutation(originals[n]))))
     def run(case: tuple[str, bytes]) -> None:
-        _one(case[0], case[1], None)
+        _one(case[0], file, case[1])
 
     run()
+
+
+def fuzz_metadata(examples: int) -> None:
+    """Mutated `.metadata` pickles of every fixture."""
+    _campaign(examples, ".metadata", metadata_mutation)
 
 
 def fuzz_items(examples: int) -> None:
     """Mutated item zips of every fixture's first data file."""
-    blobs = {name: (FIXTURES / name / "__0_0.distcp").read_bytes() for name in NAMES}
-
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from(NAMES).flatmap(lambda n: st.tuples(st.just(n), item_mutation(blobs[n]))))
-    def run(case: tuple[str, bytes]) -> None:
-        _one(case[0], None, case[1])
-
-    run()
+    _campaign(examples, "__0_0.distcp", item_mutation)
 
 
 def main(argv: list[str]) -> None:
     examples = int(argv[0]) if argv else 2000
     CANARY.unlink(missing_ok=True)
     for name in NAMES:  # imports, caches and allocator pools settle before the baseline
-        _one(name, None, None)
+        _one(name)
     _baseline_rss_mb.append(peak_rss_mb())
     fuzz_metadata(examples)
     fuzz_items(examples)
