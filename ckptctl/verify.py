@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.geometry import Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box
@@ -158,7 +159,7 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
         (fqn, index), uses = job
         view = sources[fqn]
         chunk, region = view.chunks[index]
-        decoded = decode_source_item(src, src.tensors[fqn], chunk)
+        decoded = decode_source_item(src, src.tensors[fqn], chunk, files)
         for part, values in _decoded_parts(decoded, region, view.shape):
             for target, piece in uses:
                 both = part.intersect(Box(piece.src_start, piece.sizes))
@@ -175,7 +176,8 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
                                                  f"{list(chunk.offsets)} of {fqn}, decoded by torch from {chunk.file}, "
                                                  "differs from the output)")
 
-    run_on_threads(list(blocks.items()), check, workers, "ckptctl-verify-decoded")
+    with ItemReader(src) as files:
+        run_on_threads(list(blocks.items()), check, workers, "ckptctl-verify-decoded")
     return len(blocks)
 
 
@@ -229,12 +231,13 @@ def _raw_bytes(tensor: Any) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk) -> Any:
-    """A source chunk as torch or safetensors decode its item's bytes (not ckptctl's item reader)."""
+def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files: ItemReader | None = None) -> Any:
+    """A source chunk as torch or safetensors decode its item's bytes (not ckptctl's item reader:
+    `files`, when given, only lends its open descriptors, one per file instead of one per item)."""
     import torch
 
     path = src.path / chunk.file
-    fd = open_regular(path)
+    fd = files.fd(chunk.file) if files is not None else open_regular(path)
     try:
         raw = os.pread(fd, chunk.length, chunk.offset)
         if len(raw) != chunk.length:
@@ -250,7 +253,8 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk) -> Any
         else:
             tensor = _load_safetensors_record(fd, chunk, entry.fqn, path, os.fstat(fd).st_size)
     finally:
-        os.close(fd)
+        if files is None:
+            os.close(fd)
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype.torch:
         raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch decodes it as another tensor "
                                     "than the metadata names")
