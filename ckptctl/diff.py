@@ -31,24 +31,23 @@ missing). The run is *equal* when every entry is `equal` or `close`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ckptctl.dtypes import BY_SAFETENSORS, DType
+from ckptctl.dtypes import DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.safetensors_in import StoredTensor, stored_tensors
 from ckptctl.geometry import Box, full_box
 from ckptctl.hf.base import is_model_key
-from ckptctl.model import Checkpoint, dtype_name
+from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box
 from ckptctl.progress import Advance, Phases, ProgressObserver
 from ckptctl.reshard import selected, source_tensors
@@ -65,8 +64,6 @@ PASSING = frozenset({EQUAL, CLOSE})
 DCP, SAFETENSORS = "dcp", "safetensors"
 SLICE_ITEMS = 1 << 20
 """A differing block is compared numerically this many elements at a time (8 MB per float64 copy)."""
-MAX_HEADER_BYTES = 100 << 20
-"""A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
 BYTES_ONLY = frozenset({"float4_e2m1fn_x2"})
 """Dtypes torch cannot convert to float64: differing elements are found by their bytes, no |a - b|."""
 _RANK_METADATA = re.compile(r"^__\d+\.metadata$")
@@ -247,18 +244,10 @@ class DcpSide:
         self._chunks.close()
 
 
-@dataclass(frozen=True)
-class _Stored:
-    """Where a safetensors tensor's bytes are: its file and the absolute offset of element 0."""
-
-    file: Path
-    start: int
-
-
 class SafetensorsSide:
     """A safetensors model folder (with or without an index) or one `.safetensors` file.
 
-    Headers are parsed here (8-byte length, JSON) and data read with positioned reads: a
+    Headers are parsed by `formats.safetensors_in` and data read with positioned reads: a
     lazy reader that needs no torch, so equal tensors are compared without importing it.
     """
 
@@ -269,18 +258,10 @@ class SafetensorsSide:
         self.path = path
         self.notes: list[str] = []
         self.bytes_entries: dict[str, BytesInfo] = {}
-        self.tensors: dict[str, TensorInfo] = {}
-        self._stored: dict[str, _Stored] = {}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
-        for file, names in _safetensors_files(path).items():
-            header = read_safetensors_header(file)
-            for name in names if names is not None else header:
-                if name in self._stored:
-                    raise CheckpointError(file, f"{name}: also in {self._stored[name].file.name}")
-                if name not in header:
-                    raise CheckpointError(file, f"{name}: listed by the index but not in this file")
-                self.tensors[name], self._stored[name] = header[name]
+        self._stored: dict[str, StoredTensor] = stored_tensors(path)
+        self.tensors: dict[str, TensorInfo] = {name: TensorInfo(name, st.shape, st.dtype) for name, st in self._stored.items()}
 
     def check_complete(self, names: Sequence[str]) -> None:
         """A safetensors tensor is always whole (its header was checked against the file size)."""
@@ -314,72 +295,6 @@ class SafetensorsSide:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
-
-
-def _safetensors_files(path: Path) -> dict[Path, list[str] | None]:
-    """The files of a safetensors side, each with the names its index assigns it (None: all it holds)."""
-    if path.is_file():
-        return {path: None}
-    indexes = sorted(path.glob("*.safetensors.index.json"))
-    if len(indexes) > 1:
-        raise CheckpointError(path, f"several safetensors indexes ({', '.join(p.name for p in indexes)})")
-    if not indexes:
-        return {p: None for p in sorted(path.glob("*.safetensors")) if p.is_file()}
-    index = indexes[0]
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CheckpointError(index, f"not a safetensors index ({exc})") from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(index, "not a safetensors index (no weight_map of names to files)")
-    files: dict[Path, list[str]] = {}
-    for name, file in weight_map.items():
-        parts = Path(file).parts
-        if not parts or Path(file).is_absolute() or ".." in parts:
-            raise CheckpointError(index, f"{name}: file {file!r} is outside the folder")
-        full = path / file
-        if not full.is_file():
-            raise CheckpointError(full, f"listed by {index.name} but missing")
-        files.setdefault(full, []).append(name)
-    return {file: names for file, names in files.items()}
-
-
-def read_safetensors_header(file: Path) -> dict[str, tuple[TensorInfo, _Stored]]:
-    """Every tensor of a safetensors file, checked against the file's size; CheckpointError if malformed."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            head = fh.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-            if length is None or length > min(size - 8, MAX_HEADER_BYTES):
-                raise CheckpointError(file, "not a safetensors file (no header of a plausible length)")
-            header = json.loads(fh.read(length))
-    except OSError as exc:
-        raise CheckpointError(file, f"cannot read: {exc.strerror or exc}") from None
-    except ValueError:
-        raise CheckpointError(file, "not a safetensors file (header is not JSON)") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(file, "not a safetensors file (header is not a JSON object)")
-    data_start, data_size = 8 + length, size - 8 - length
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise CheckpointError(file, f"{name}: malformed header entry")
-        dtype = BY_SAFETENSORS.get(code)
-        if dtype is None:
-            raise CheckpointError(file, f"{name}: unsupported dtype {code!r}")
-        if end - begin != math.prod(shape) * dtype.itemsize or end > data_size:
-            raise CheckpointError(file, f"{name}: bytes {begin}..{end} do not hold {dtype_name(dtype)} "
-                                        f"{list(shape)} inside the file")
-        out[name] = (TensorInfo(name, shape, dtype), _Stored(file, data_start + begin))
-    return out
 
 
 def open_side(path: Path, kind: str, other_kind: str) -> Side:

@@ -237,6 +237,8 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files:
     import torch
 
     path = src.path / chunk.file
+    if src.stored_names is not None:
+        return _load_safetensors_rows(path, src.stored_names[entry.fqn], entry, chunk)
     fd = files.fd(chunk.file) if files is not None else open_regular(path)
     try:
         raw = os.pread(fd, chunk.length, chunk.offset)
@@ -308,6 +310,26 @@ def _undo_transforms(raw: bytes, chunk: Chunk, entry: TensorEntry, path: Path) -
     if len(data) > limit:
         raise CheckpointError(path, f"item at byte {chunk.offset}: transforms undo to more than {limit} bytes")
     return data
+
+
+def _load_safetensors_rows(path: Path, name: str, entry: TensorEntry, chunk: Chunk) -> Any:
+    """The rows `chunk` covers of a tensor of a safetensors model folder, as the safetensors
+    library reads them by name (its slicing reads those rows only)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            if entry.shape:
+                start = chunk.offsets[0]
+                tensor = handle.get_slice(name)[start:start + chunk.sizes[0]]
+            else:
+                tensor = handle.get_tensor(name)
+    except Exception as exc:  # noqa: BLE001 - safetensors refuses with its own error types
+        raise CheckpointError(path, f"{name}: safetensors cannot load it for verification "
+                                    f"({type(exc).__name__})") from None
+    if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype.torch:
+        raise CheckpointError(path, f"{name}: safetensors decodes it as another tensor than its header names")
+    return tensor
 
 
 def _load_safetensors_record(fd: int, chunk: Chunk, fqn: str, path: Path, file_size: int) -> Any:

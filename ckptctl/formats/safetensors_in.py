@@ -1,0 +1,165 @@
+"""A Hugging Face safetensors model folder as a source: where each tensor's bytes are.
+
+A folder is `model.safetensors`, or shards listed by one `*.safetensors.index.json`, or
+all its `*.safetensors` when there is no index; a single `.safetensors` file is a folder
+of one. Each file is an 8-byte header length, a JSON header naming every tensor's dtype,
+shape and byte range, then the raw little-endian bytes: a tensor is one dense record, read
+with positioned reads and never loaded. Headers are checked against the file's size before
+anything is read from them, and an index may name only files inside its folder.
+
+`open_safetensors_folder` gives the folder as a `Checkpoint` of whole-tensor chunks, so
+import-hf plans and streams it with the engine every other command uses.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ckptctl.dtypes import BY_SAFETENSORS, DType
+from ckptctl.errors import CheckpointError
+from ckptctl.model import Checkpoint, Chunk, TensorEntry, dtype_name
+
+MAX_HEADER_BYTES = 100 << 20
+"""A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
+CHUNK_BYTES = 64 << 20
+"""A tensor is seen as chunks of whole rows of about this size: `--verify` decodes one chunk at a
+time (safetensors' own slicing), never a whole embedding."""
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor of a safetensors file: its name there, dtype, shape and the absolute offset of element 0."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    file: Path
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def folder_files(path: Path) -> dict[Path, list[str] | None]:
+    """The files of a safetensors folder, each with the names its index assigns it (None: all it holds)."""
+    if path.is_file():
+        return {path: None}
+    indexes = sorted(path.glob("*.safetensors.index.json"))
+    if len(indexes) > 1:
+        raise CheckpointError(path, f"several safetensors indexes ({', '.join(p.name for p in indexes)})")
+    if not indexes:
+        return {p: None for p in sorted(path.glob("*.safetensors")) if p.is_file()}
+    index = indexes[0]
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(index, f"not a safetensors index ({type(exc).__name__})") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(index, "not a safetensors index (no weight_map of names to files)")
+    files: dict[Path, list[str]] = {}
+    for name, file in weight_map.items():
+        parts = Path(file).parts
+        if not parts or Path(file).is_absolute() or ".." in parts:
+            raise CheckpointError(index, f"{name}: file {file!r} is outside the folder")
+        full = path / file
+        if not full.is_file():
+            raise CheckpointError(full, f"listed by {index.name} but missing")
+        files.setdefault(full, []).append(name)
+    return {file: names for file, names in files.items()}
+
+
+def read_header(file: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors file, checked against the file's size; CheckpointError if malformed."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            head = fh.read(8)
+            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+            if length is None or length > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(file, "not a safetensors file (no header of a plausible length)")
+            header = json.loads(fh.read(length))
+    except OSError as exc:
+        raise CheckpointError(file, f"cannot read: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError):
+        raise CheckpointError(file, "not a safetensors file (header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(file, "not a safetensors file (header is not a JSON object)")
+    data_start, data_size = 8 + length, size - 8 - length
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise CheckpointError(file, f"{name}: malformed header entry")
+        dtype = BY_SAFETENSORS.get(code)
+        if dtype is None:
+            raise CheckpointError(file, f"{name}: unsupported dtype {code!r}")
+        if end - begin != math.prod(shape) * dtype.itemsize or end > data_size:
+            raise CheckpointError(file, f"{name}: bytes {begin}..{end} do not hold {dtype_name(dtype)} "
+                                        f"{list(shape)} inside the file")
+        out[name] = StoredTensor(name, shape, dtype, file, data_start + begin)
+    return out
+
+
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a folder (or one file) by name: each name once, each indexed name where its index says."""
+    stored: dict[str, StoredTensor] = {}
+    for file, names in folder_files(path).items():
+        header = read_header(file)
+        for name in names if names is not None else header:
+            if name in stored:
+                raise CheckpointError(file, f"{name}: also in {stored[name].file.name}")
+            if name not in header:
+                raise CheckpointError(file, f"{name}: listed by the index but not in this file")
+            stored[name] = header[name]
+    return stored
+
+
+def row_chunks(st: StoredTensor, file: str) -> tuple[Chunk, ...]:
+    """The tensor's dense bytes as consecutive chunks of whole rows, each about CHUNK_BYTES."""
+    if not st.shape or st.nbytes == 0:
+        return (Chunk(file, st.start, st.nbytes, (0,) * len(st.shape), st.shape),)
+    rows, trailing = st.shape[0], st.shape[1:]
+    row_bytes = st.nbytes // rows
+    step = max(1, CHUNK_BYTES // row_bytes)
+    return tuple(Chunk(file, st.start + r * row_bytes, (min(rows, r + step) - r) * row_bytes,
+                       (r, *(0 for _ in trailing)), (min(rows, r + step) - r, *trailing))
+                 for r in range(0, rows, step))
+
+
+def open_safetensors_folder(path: Path, prefix: str = "") -> Checkpoint:
+    """The folder as a checkpoint of one whole chunk per tensor, named `prefix + name`.
+
+    Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.stored_names`
+    says so and gives each tensor's name in its file)."""
+    if not path.exists():
+        raise CheckpointError(path, "no such file or directory")
+    if path.is_file() and path.suffix != ".safetensors":
+        raise CheckpointError(path, "not a safetensors model folder or .safetensors file")
+    stored = stored_tensors(path)
+    if not stored:
+        raise CheckpointError(path, "no safetensors tensors here (a Hugging Face model folder has "
+                                    "model.safetensors or *.safetensors shards)")
+    root = path.parent if path.is_file() else path
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, int] = {}
+    names: dict[str, str] = {}
+    for name, st in sorted(stored.items()):
+        rel = st.file.relative_to(root).as_posix()
+        if rel not in files:
+            files[rel] = st.file.stat().st_size
+        fqn = prefix + name
+        tensors[fqn] = TensorEntry(fqn, st.shape, st.dtype, row_chunks(st, rel))
+        names[fqn] = name
+    return Checkpoint(path=root, tensors=tensors, bytes_entries={}, files=files, stored_names=names,
+                      metadata_files=())
