@@ -23,6 +23,8 @@ demo: install
 	$(VENV)/bin/ckptctl inspect demo/ckpt-ws3 --filter 'model.*'
 	$(VENV)/bin/ckptctl export-hf demo/ckpt-ws3 demo/hf --hf-config demo/hf-config --arch raw --verify
 	$(VENV)/bin/ckptctl diff demo/ckpt-ws3 demo/hf
+	$(VENV)/bin/ckptctl import-hf demo/hf demo/ckpt-from-hf --world-size 2 --verify
+	$(VENV)/bin/ckptctl diff demo/ckpt-from-hf demo/hf
 	$(PY) fixtures/demo.py check demo
 
 test: install

@@ -179,18 +179,19 @@ def reshard(
         from ckptctl import megatron_reshard
 
         world_size = megatron_reshard.output_world_size(ckpt, opts)
-    device = resolve_device(opts.device)
-    report = ReshardReport(
-        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
-        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
-        bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
-        + sum(c.length for c in out.copy_items),
-        bytes_written=out.total_bytes, dry_run=dry_run, processes=comm.world_size, device=device,
-        # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
-        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.stream_items, opts.workers, device),
-    )
+    report = new_report(ckpt, out, src, dst, world_size, opts, dry_run, comm)
     if dry_run:
         return report
+    write_dcp_output(ckpt, out, src, dst, report, opts, started, force=force, verify=verify, progress=progress,
+                     comm=comm)
+    return report
+
+
+def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, report: ReshardReport,
+                     opts: ReshardOptions, started: float, *, force: bool, verify: bool, progress: ProgressObserver | None,
+                     comm: Comm) -> None:
+    """Stream `out` from `ckpt` into an atomic DCP directory at `dst` (this worker's share of the
+    rank files; rank 0 the metadata), verify it when asked, and time the run into `report`."""
     check_destination(dst, force, src)
     execute = executor(opts.device, comm.local_rank)
     mine = assign_files(out.files, comm.world_size)[comm.rank]
@@ -223,4 +224,20 @@ def reshard(
     finally:
         sources.close()
     report.finish(phases, started)
-    return report
+
+
+def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_size: int, opts: ReshardOptions,
+               dry_run: bool, comm: Comm, report_type: type[ReshardReport] = ReshardReport, **extra: object
+               ) -> ReshardReport:
+    """The report of a run that writes `out` (reshard, import-hf): counts and the predicted peak memory."""
+    device = resolve_device(opts.device)
+    return report_type(
+        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
+        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
+        bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
+        + sum(c.length for c in out.copy_items),
+        bytes_written=out.total_bytes, dry_run=dry_run, processes=comm.world_size, device=device,
+        # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
+        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.stream_items, opts.workers, device),
+        **extra,
+    )

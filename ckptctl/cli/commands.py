@@ -3,5 +3,6 @@
 from ckptctl.cli import inspect_cmd  # noqa: F401
 from ckptctl.cli import reshard_cmd  # noqa: F401
 from ckptctl.cli import export_cmd  # noqa: F401
+from ckptctl.cli import import_cmd  # noqa: F401
 from ckptctl.cli import diff_cmd  # noqa: F401
 from ckptctl.cli import export_torch_cmd  # noqa: F401

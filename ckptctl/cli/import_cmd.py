@@ -1,0 +1,95 @@
+"""`ckptctl import-hf HF_DIR DST --world-size N`: thin layer over `ckptctl.import_hf`."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+import typer
+
+from ckptctl.cli import app
+from ckptctl.cli.common import (
+    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say, stdout,
+    timing_summary,
+)
+from ckptctl.cli.reshard_cmd import parse_dtype
+from ckptctl.cli.reshard_cmd import report_json as reshard_json
+from ckptctl.engine.dist import Comm
+from ckptctl.progress import ProgressObserver
+
+if TYPE_CHECKING:
+    from ckptctl.import_hf import ImportReport
+
+
+def report_json(report: ImportReport) -> dict:
+    return {**reshard_json(report), "model_class": report.model_class,
+            "notes": list(report.notes)}
+
+
+@app.command("import-hf")
+def import_hf_command(
+    src: Path = typer.Argument(..., help="Hugging Face model folder (*.safetensors, index, config.json) or one "
+                                         ".safetensors file (opened read-only)."),
+    dst: Path = typer.Argument(..., help="Output DCP checkpoint directory (written atomically)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "-n",
+                                             help="Number of ranks the output is laid out for (FSDP2 Shard(0))."),
+    to: str = typer.Option("fsdp2", "--to", help="fsdp2: HF names, as a fully_shard'ed transformers model "
+                                                 "saves them."),
+    prefix: str = typer.Option("model.", "--prefix", help="Put before every name: 'model.' as "
+                                                          "dcp.save({'model': model.state_dict()}) writes it; '' for "
+                                                          "a flat state dict."),
+    include: Optional[list[str]] = typer.Option(None, "--include", metavar="<glob>",
+                                                help="Import only HF tensors whose name matches this glob "
+                                                     "(repeatable)."),
+    exclude: Optional[list[str]] = typer.Option(None, "--exclude", metavar="<glob>",
+                                                help="Leave out HF tensors whose name matches this glob "
+                                                     "(repeatable)."),
+    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
+    verify: bool = typer.Option(False, "--verify", help="Re-read the output and compare every tensor with the "
+                                                        "safetensors source, decoded by the safetensors library."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan summary; write nothing."),
+    no_name_check: bool = typer.Option(False, "--no-name-check",
+                                       help="Skip checking the names against transformers' model for config.json "
+                                            "(for models transformers does not know)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
+    json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
+    device: str = device_option(),
+    no_sync: bool = no_sync_option(),
+    dist_backend: str = dist_backend_option(),
+) -> None:
+    """Write a DCP checkpoint from a Hugging Face model folder, laid out as FSDP2 saves it, streaming.
+
+    Every name is checked against the model transformers builds for the folder's config.json
+    (a tied lm_head is written as a copy of the embeddings: model.state_dict() lists it).
+    Under torchrun each worker writes a share of the rank files; rank 0 reports.
+
+    Example: ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32
+    """
+
+    def run(comm: Comm, progress: ProgressObserver) -> ImportReport:
+        from ckptctl.import_hf import ImportOptions, import_hf
+
+        opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
+                             exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),
+                             device=device, sync=not no_sync, name_check=not no_name_check)
+        return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm)
+
+    def show(report: ImportReport) -> None:
+        if json_out:
+            emit_json(report_json(report))
+            return
+        for note in report.notes:
+            say(f"note: {note}")
+        checked = f"names checked against {report.model_class}" if report.model_class else "names not checked"
+        if dry_run:
+            stdout().print(
+                f"plan: {report.tensors} tensors -> {report.files} files at world size {report.world_size} "
+                f"({checked}); read {human_bytes(report.bytes_read)}, write {human_bytes(report.bytes_written)}; "
+                f"predicted peak memory {human_bytes(report.predicted_peak_bytes)}")
+            return
+        say(f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)} in {report.files} files; "
+            f"{checked})" + timing_summary(report))
+
+    run_distributed(json_out, dist_backend, run, show)

@@ -1,0 +1,227 @@
+"""`ckptctl import-hf`: a Hugging Face folder in, a DCP checkpoint a `fully_shard`ed model loads out.
+
+Tiny random transformers models are saved by `save_pretrained` (one sharded with an
+index, one tying lm_head), imported by the CLI at 3 ranks, and loaded by their real
+consumer: the same model class `fully_shard`ed over 3 gloo ranks with other random
+weights, `dcp.load` into its state dict. Every tensor must equal the folder's, bit for
+bit, and the sharded model's logits those of `from_pretrained` on the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.gloo import run_ranks
+from tests.conftest import run_cli
+from tests.terminal import assert_no_traceback, run_in_terminal
+
+transformers = pytest.importorskip("transformers")
+WORLD = 3
+WIDE = 250
+
+
+def _tiny(kind: str):
+    common = dict(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    if kind == "llama-tied":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="session")
+def folders(tmp_path_factory):
+    """HF folders by kind: `llama-tied` in 3 shards with an index, `qwen3` in one file."""
+    root = tmp_path_factory.mktemp("hf")
+    out = {}
+    for seed, kind in enumerate(("llama-tied", "qwen3")):
+        torch.manual_seed(seed)
+        model = _tiny(kind)
+        out[kind] = root / kind
+        model.save_pretrained(out[kind], max_shard_size="8KB" if kind == "llama-tied" else "5GB")
+    return out
+
+
+@pytest.fixture(scope="session")
+def imported(folders, tmp_path_factory):
+    """Each folder imported at 3 ranks with --verify, and what the fully_shard'ed model loaded from it."""
+    from fixtures import hf_fsdp2
+
+    root = tmp_path_factory.mktemp("imported")
+    runs = {}
+    for kind, folder in folders.items():
+        runs[kind] = run_cli("import-hf", folder, root / kind, "--world-size", WORLD, "--verify")
+        assert runs[kind].returncode == 0, runs[kind].stderr
+    loaded = run_ranks(hf_fsdp2.load_imports, WORLD, [(str(root / k), str(f)) for k, f in folders.items()])[0]
+    return {kind: (root / kind, runs[kind], got) for kind, got in zip(folders, loaded)}
+
+
+def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "qwen3"])
+def test_a_fully_sharded_model_loads_every_tensor_bit_exactly_and_computes_the_same_logits(folders, imported, kind):
+    from fixtures.hf_fsdp2 import TOKENS
+
+    _, _, got = imported[kind]
+    want = _folder_tensors(folders[kind])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folders[kind], dtype=torch.float32)
+    expected = ref.state_dict()
+    assert sorted(got["state"]) == sorted(expected)
+    for name, value in expected.items():
+        assert torch.equal(got["state"][name], want.get(name, value)), name
+        assert torch.equal(got["state"][name], value), name
+    with torch.no_grad():
+        assert torch.equal(got["logits"], ref(TOKENS).logits)
+
+
+def test_the_output_is_fsdp2_shard0_at_the_world_size_with_hf_names_behind_the_prefix(imported, folders):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out, _, _ = imported["qwen3"]
+    md = FileSystemReader(str(out)).read_metadata()
+    want = _folder_tensors(folders["qwen3"])
+    assert sorted(md.state_dict_metadata) == sorted("model." + n for n in want)
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+    for name, tensor in want.items():
+        meta = md.state_dict_metadata["model." + name]
+        rows = [len(c) for c in torch.arange(tensor.shape[0]).chunk(WORLD)]  # FSDP2's own cut: torch.chunk
+        starts = [sum(rows[:i]) for i in range(len(rows))]
+        assert list(meta.size) == list(tensor.shape)
+        assert [(list(c.offsets), list(c.sizes)) for c in meta.chunks] == \
+            [([s, *[0] * (tensor.dim() - 1)], [r, *tensor.shape[1:]]) for s, r in zip(starts, rows)], name
+    assert md.state_dict_metadata["model.model.embed_tokens.weight"].chunks[2].sizes == torch.Size([20, 16])
+
+
+def test_a_tied_lm_head_is_written_as_a_copy_of_the_embeddings_with_a_note(imported):
+    out, run, got = imported["llama-tied"]
+    assert run.stderr.splitlines()[0] == ("note: model.lm_head.weight written as a copy of "
+                                          "model.model.embed_tokens.weight (LlamaForCausalLM ties them; "
+                                          "model.state_dict() lists both)")
+    assert re.fullmatch(rf"wrote {out} \(21 tensors, [\d.]+ kB in 4 files; names checked against "
+                        r"LlamaForCausalLM\) in .*, verified", run.stderr.splitlines()[-1])
+    assert torch.equal(got["state"]["lm_head.weight"], got["state"]["model.embed_tokens.weight"])
+
+
+def test_json_reports_the_counts_the_model_class_and_the_notes(folders, tmp_path):
+    run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--json", "--prefix", "",
+                  "--dtype", "bf16")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert (doc["world_size"], doc["tensors"], doc["files"], doc["model_class"], doc["notes"]) == \
+        (2, 25, 3, "Qwen3ForCausalLM", [])
+    assert doc["bytes_read"] == sum(t.numel() * 4 for t in _folder_tensors(folders["qwen3"]).values())
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "o")).read_metadata()
+    assert "model.embed_tokens.weight" in md.state_dict_metadata  # --prefix '': the names as they are
+    assert md.state_dict_metadata["lm_head.weight"].properties.dtype == torch.bfloat16
+
+
+def test_include_narrows_the_import_without_asking_for_the_rest(folders, tmp_path):
+    run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--include", "model.layers.0.*")
+    assert run.returncode == 0, run.stderr
+    from torch.distributed.checkpoint import FileSystemReader
+
+    names = FileSystemReader(str(tmp_path / "o")).read_metadata().state_dict_metadata
+    assert len(names) == 11 and all(n.startswith("model.model.layers.0.") for n in names)
+
+
+def _copy(folder: Path, dst: Path) -> Path:
+    shutil.copytree(folder, dst)
+    return dst
+
+
+def _resave(folder: Path, change) -> None:
+    """Rewrite a one-file folder's tensors after `change(dict)`."""
+    from safetensors.torch import save_file
+
+    tensors = _folder_tensors(folder)
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_name_the_model_has_no_place_for_is_refused(folders, tmp_path):
+    bad = _copy(folders["qwen3"], tmp_path / "hf")
+    _resave(bad, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    run = run_cli("import-hf", bad, tmp_path / "o", "-n", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {bad}: 1 tensor has no place in a Qwen3ForCausalLM: "
+                                               "model.layers.0.mlp.extra.weight (is config.json this model's?)\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_weight_is_refused(folders, tmp_path):
+    bad = _copy(folders["qwen3"], tmp_path / "hf")
+    _resave(bad, lambda t: t.pop("model.layers.1.self_attn.k_norm.weight"))
+    run = run_cli("import-hf", bad, tmp_path / "o", "-n", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {bad}: 1 weight a Qwen3ForCausalLM expects is "
+                                               "missing: model.layers.1.self_attn.k_norm.weight\n")
+
+
+def test_a_folder_without_config_is_refused_unless_names_are_left_unchecked(folders, tmp_path):
+    bare = _copy(folders["qwen3"], tmp_path / "hf")
+    (bare / "config.json").unlink()
+    run = run_cli("import-hf", bare, tmp_path / "o", "-n", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {bare}: no config.json; import-hf checks the tensor "
+                                               "names against the model it describes (or --no-name-check to import "
+                                               "the names unchecked)\n")
+    run = run_cli("import-hf", bare / "model.safetensors", tmp_path / "o", "-n", "2", "--no-name-check", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines()[0] == "note: tensor names not checked against transformers' model (--no-name-check)"
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda b: b[:-5], "bytes {} do not hold"),
+    (lambda b: struct.pack("<Q", 1 << 40) + b[8:], "not a safetensors file (no header of a plausible length)"),
+    (lambda b: b[:8] + b"[" + b[9:], "not a safetensors file (header is not JSON)"),
+])
+def test_a_damaged_safetensors_file_is_one_line_naming_it(folders, tmp_path, damage, reason):
+    bad = _copy(folders["qwen3"], tmp_path / "hf")
+    file = bad / "model.safetensors"
+    file.write_bytes(damage(file.read_bytes()))
+    run = run_cli("import-hf", bad, tmp_path / "o", "-n", "2")
+    assert run.returncode == 2
+    line = run.stderr.strip()
+    assert "\n" not in line and line.startswith(f"ckptctl: error: {file}: ")
+    assert reason.split("{}")[0] in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_other_targets_are_refused_saying_what_they_need(folders, tmp_path):
+    run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--to", "torchtitan")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: --to torchtitan is not supported yet (it needs "
+                                               "torchtitan's names and RoPE row order); import-hf writes: fsdp2\n")
+
+
+def test_at_a_terminal_a_bar_then_the_final_line_and_in_a_pipe_only_the_line(folders, tmp_path):
+    run = run_in_terminal("import-hf", folders["qwen3"], tmp_path / "t", "-n", "2", "--verify", columns=WIDE)
+    assert run.returncode == 0
+    assert_no_traceback(run.plain)
+    lines = run.screen.splitlines()
+    assert len([line for line in lines if line.startswith("writing")]) == 1
+    assert len([line for line in lines if line.startswith("verifying")]) == 1
+    assert re.fullmatch(rf"wrote {tmp_path / 't'} \(25 tensors, [\d.]+ kB in 3 files; names checked against "
+                        r"Qwen3ForCausalLM\) in \d+\.\d\ds \(writing .*\), peak RSS [\d.]+ MB, verified", lines[-1])
+    piped = run_cli("import-hf", folders["qwen3"], tmp_path / "p", "-n", "2")
+    assert piped.returncode == 0 and piped.stdout == ""
+    assert len(piped.stderr.splitlines()) == 1 and piped.stderr.startswith(f"wrote {tmp_path / 'p'} (25 tensors")
+
+
+def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
+    run = run_cli("import-hf", folders["llama-tied"], tmp_path / "o", "-n", "4", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    assert re.fullmatch(r"plan: 21 tensors -> 5 files at world size 4 \(names checked against LlamaForCausalLM\); "
+                        r"read [\d.]+ kB, write [\d.]+ kB; predicted peak memory [\d.]+ MB\n", run.stdout)
+    assert not (tmp_path / "o").exists()
