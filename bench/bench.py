@@ -1,5 +1,8 @@
 """`make bench`: ckptctl against `cp -r` and torch's own tools on a >= 2 GiB FSDP2 checkpoint.
 
+import-hf reads a >= 2 GiB Hugging Face folder instead (3 safetensors shards and an index,
+written once next to the checkpoint): its ratio is to `cp -r` of that folder, in the same run.
+
 The checkpoint is written once (cached in bench/.cache) by real FSDP2 on 4 gloo ranks: a
 stack of 4096x4096 fp32 linears with AdamW state after one step. Every contender runs as a
 subprocess, repetitions alternate between contenders (so drift in the page cache or disk
@@ -33,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 CACHE = ROOT / "bench" / ".cache"
 LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 11, 4096, 4, 3  # 2.21 GB (2.06 GiB) with AdamW state
 SRC = CACHE / f"fsdp2_ws{SAVE_RANKS}_{LAYERS}x{WIDTH}"
+HF_SHARDS, HF_PER_SHARD = 3, 12  # 36 fp32 4096x4096 tensors: 2.42 GB (2.25 GiB)
+HF_SRC = CACHE / f"hf_{HF_SHARDS}x{HF_PER_SHARD}x{WIDTH}"
 PY = sys.executable
 
 
@@ -85,6 +90,38 @@ def ensure_checkpoint() -> Path:
     return SRC
 
 
+def _build_hf(out: str) -> None:
+    """A safetensors folder as save_pretrained shards one: files of whole tensors and an index."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(out)
+    root.mkdir(parents=True)
+    weight_map = {}
+    gen = torch.Generator().manual_seed(0)
+    for shard in range(HF_SHARDS):
+        name = f"model-{shard + 1:05d}-of-{HF_SHARDS:05d}.safetensors"
+        tensors = {f"layers.{shard * HF_PER_SHARD + i}.weight": torch.randn(WIDTH, WIDTH, generator=gen)
+                   for i in range(HF_PER_SHARD)}
+        save_file(tensors, root / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    total = HF_SHARDS * HF_PER_SHARD * WIDTH * WIDTH * 4
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def ensure_hf_folder() -> Path:
+    if (HF_SRC / "model.safetensors.index.json").exists():
+        return HF_SRC
+    shutil.rmtree(HF_SRC, ignore_errors=True)
+    print(f"bench: generating {HF_SRC} ...", flush=True)
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build_hf; _build_hf({str(HF_SRC)!r})"
+    subprocess.run([PY, "-c", code], check=True)
+    return HF_SRC
+
+
 def tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -104,7 +141,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     return seconds, usage.ru_maxrss * 1024
 
 
-def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[str], Path]]:
+def contenders(src: Path, hf_src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[str], Path]]:
     ckptctl = [PY, "-m", "ckptctl"]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptctl"]
     code_rt = ("import sys; sys.path.insert(0, %r); from bench.bench import _torch_roundtrip; "
@@ -134,7 +171,18 @@ def contenders(src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[st
         "ckptctl export-hf --arch raw --no-sync": (
             [*ckptctl, "export-hf", str(src), str(out / "hfn"), "--hf-config", str(hf_config), "--arch", "raw",
              "--no-name-check", "--no-sync"], out / "hfn"),
+        HF_COPY: (["cp", "-r", str(hf_src), str(out / "hfcp")], out / "hfcp"),
+        f"ckptctl import-hf -n {TARGET_RANKS} (HF folder)": (
+            [*ckptctl, "import-hf", str(hf_src), str(out / "imp"), "-n", str(TARGET_RANKS), "--no-name-check"],
+            out / "imp"),
+        f"ckptctl import-hf -n {TARGET_RANKS} --no-sync (HF folder)": (
+            [*ckptctl, "import-hf", str(hf_src), str(out / "impn"), "-n", str(TARGET_RANKS), "--no-name-check",
+             "--no-sync"], out / "impn"),
     }
+
+
+HF_COPY = "cp -r (HF folder)"
+"""The base of the import-hf rows: they read the HF folder, not the checkpoint."""
 
 
 def write_hf_config(path: Path) -> Path:
@@ -151,14 +199,16 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="substrings of contender names to run")
     args = parser.parse_args()
     src = ensure_checkpoint()
+    hf_src = ensure_hf_folder()
     src_bytes = tree_bytes(src)
     out = CACHE / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     hf_config = write_hf_config(CACHE / "hf-config")
-    subprocess.run(["cat", *map(str, src.iterdir())], stdout=subprocess.DEVNULL, check=True)  # warm the cache
+    for warm in (src, hf_src):  # warm the cache
+        subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
-    runs = {name: spec for name, spec in contenders(src, out, hf_config).items()
+    runs = {name: spec for name, spec in contenders(src, hf_src, out, hf_config).items()
             if not args.only or any(s in name for s in args.only)}
     times: dict[str, list[float]] = {n: [] for n in runs}
     rss: dict[str, int] = {n: 0 for n in runs}
@@ -184,7 +234,10 @@ def main() -> None:
             print(f"  rep {rep + 1}: {name}: {seconds:.2f}s", flush=True)
     base = statistics.median(times["cp -r"]) if times.get("cp -r") else None
     base_min = min(times["cp -r"]) if times.get("cp -r") else None
-    print(f"\nsource: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
+    hf_bytes = tree_bytes(hf_src)
+    print(f"\nHF folder (import-hf): {hf_bytes / 1e9:.2f} GB ({hf_bytes / 2**30:.2f} GiB); import-hf rows are also "
+          f"given against {HF_COPY!r}")
+    print(f"source: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
     print("| contender | median s | fastest s | ratio to cp -r (medians) | ratio (fastest) | GB/s written | peak RSS MB |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -195,6 +248,9 @@ def main() -> None:
         med = statistics.median(times[name])
         ratio = f"{med / base:.2f}" if base else "-"
         ratio_min = f"{min(times[name]) / base_min:.2f}" if base_min else "-"
+        if "import-hf" in name and times.get(HF_COPY):
+            ratio += f" ({med / statistics.median(times[HF_COPY]):.2f} to {HF_COPY})"
+            ratio_min += f" ({min(times[name]) / min(times[HF_COPY]):.2f})"
         print(f"| {name} | {med:.2f} | {min(times[name]):.2f} | {ratio} | {ratio_min} | {written[name] / med / 1e9:.2f} "
               f"| {rss[name] / 1e6:.0f} |")
     shutil.rmtree(out, ignore_errors=True)
