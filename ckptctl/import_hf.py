@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence, cast
 
@@ -33,29 +33,35 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
+from ckptctl.hf import FAMILIES, family_for_model_type
+from ckptctl.hf.base import ExportContext, HFConfig, MegatronSpec, planned_model, reversed_pieces, uncovered_rows
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
+from ckptctl.hf.llama import EMBED, OUTPUT
 from ckptctl.model import Checkpoint
-from ckptctl.placement import fsdp2
-from ckptctl.plan import TargetTensor, identity_target, source_view
+from ckptctl.placement import fsdp2, megatron_fsdp
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
 from ckptctl.progress import ProgressObserver
 from ckptctl.reshard import (
     ReshardOptions, ReshardReport, cast_dtype, new_report, refuse_empty_selection, selected, write_dcp_output,
 )
 from ckptctl.wording import counted
 
-TARGETS = ("fsdp2",)
+TARGETS = ("fsdp2", "megatron-fsdp")
 """Layouts import-hf writes (`--to`)."""
-PLANNED_TARGETS = {"torchtitan": "torchtitan's names and RoPE row order",
-                   "megatron-fsdp": "Megatron names, fused QKV and TP×DP boxes"}
-"""Layouts users ask for that need a family's rules in the import direction: refused, saying so."""
+PLANNED_TARGETS = {"torchtitan": "torchtitan's names and RoPE row order"}
+"""Layouts users ask for that need rules not written yet: refused, saying so."""
+DEFAULT_PREFIX = {"fsdp2": "model.", "megatron-fsdp": "model.module."}
 CONFIG_NAME = "config.json"
+VOCAB_MULTIPLE = 128
+"""Megatron's `--make-vocab-size-divisible-by` default: the vocab is padded to a multiple of it × TP."""
 
 
 @dataclass
 class ImportOptions:
     world_size: int | None
     to: str = "fsdp2"
-    prefix: str = "model."
+    prefix: str | None = None
+    """Put before every output name; None: `DEFAULT_PREFIX` of the target."""
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
     dtype: DType | None = None
@@ -63,10 +69,42 @@ class ImportOptions:
     device: str = "auto"
     sync: bool = True
     name_check: bool = True
+    arch: str = "auto"
+    tp: int | None = None
+    dp: int | None = None
+    split_fused: bool = False
+    vocab_multiple: int = VOCAB_MULTIPLE
+
+    @property
+    def output_prefix(self) -> str:
+        return DEFAULT_PREFIX[self.to] if self.prefix is None else self.prefix
+
+    def grid(self) -> tuple[int, int]:
+        """The Megatron-FSDP TP × DP grid (from --tp/--dp, or --world-size / --tp)."""
+        tp = self.tp or 1
+        if tp < 1:
+            raise UsageError(f"--tp must be at least 1 (got {tp})")
+        dp = self.dp
+        if dp is None and self.world_size is not None:
+            if self.world_size % tp:
+                raise UsageError(f"--world-size {self.world_size} is not a multiple of --tp {tp}")
+            dp = self.world_size // tp
+        if dp is None or dp < 1:
+            raise UsageError("--to megatron-fsdp needs --dp (or --world-size): the data-parallel size")
+        if self.world_size is not None and self.world_size != tp * dp:
+            raise UsageError(f"--world-size {self.world_size} is not --tp {tp} × --dp {dp}")
+        return tp, dp
+
+    @property
+    def output_world_size(self) -> int | None:
+        if self.to == "megatron-fsdp":
+            tp, dp = self.grid()
+            return tp * dp
+        return self.world_size
 
     def engine(self) -> ReshardOptions:
         """The engine settings the run shares with reshard."""
-        return ReshardOptions(world_size=self.world_size, workers=self.workers, device=self.device, sync=self.sync)
+        return ReshardOptions(world_size=self.output_world_size, workers=self.workers, device=self.device, sync=self.sync)
 
 
 @dataclass
@@ -112,13 +150,15 @@ def expected_for(src: Path, config: dict[str, Any] | None, name_check: bool) -> 
     return expected_names(config)
 
 
-def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool) -> dict[str, str]:
+def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool, in_memory: bool) -> dict[str, str]:
     """Refuse names the model has no place for and (unless `--include`/`--exclude` narrowed the
-    import) weights it needs that are missing; return the tied parameters to write as copies
-    of their source (name → source), those the folder does not hold itself."""
-    names = set(ckpt.stored_names.values()) if ckpt.stored_names else set()
+    import) weights it needs that are missing; and, when the output is loaded by the model
+    itself (`in_memory`), a model that holds weights in memory in another form than on disk.
+    Return the tied parameters to write as copies of their source (name → source), those the
+    folder does not hold itself."""
+    names = set(ckpt.tensors)
     cls = expected.model_class
-    if expected.in_memory and expected.in_memory != expected.required:
+    if in_memory and expected.in_memory and expected.in_memory != expected.required:
         fused = shown(sorted(expected.in_memory - expected.required))
         raise UsageError(f"{ckpt.path}: a {cls} holds some weights in another form in memory than on disk "
                          f"({fused}); a fully_shard'ed {cls} loads that form, which import-hf --to fsdp2 does not "
@@ -143,35 +183,113 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
                          f"import-hf writes: {', '.join(TARGETS)}")
     if opts.to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)} (got {opts.to!r})")
-    if opts.world_size is None:
-        raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
-    if opts.world_size < 1:
-        raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+    if opts.to == "fsdp2":
+        if opts.tp is not None or opts.dp is not None or opts.split_fused:
+            raise UsageError("--tp, --dp and --split-fused are for --to megatron-fsdp")
+        if opts.world_size is None:
+            raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
+        if opts.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
     config = folder_config(src)
-    ckpt = open_safetensors_folder(src, opts.prefix)
+    ckpt = open_safetensors_folder(src)
     expected = expected_for(src, config, opts.name_check)
     notes: list[str] = []
     if expected is None:
         notes.append("tensor names not checked against transformers' model (--no-name-check)")
-    names = ckpt.stored_names or {}
     with gc_paused():
         views = {fqn: source_view(entry) for fqn, entry in ckpt.tensors.items()}
-        kept = [fqn for fqn in views if selected(names[fqn], opts.include, opts.exclude)]
-        refuse_empty_selection(len(kept), len(views), opts.include, opts.exclude, "tensors")
-        tied = check_names(ckpt, expected, bool(opts.include or opts.exclude)) if expected else {}
-        targets: list[TargetTensor] = []
-        for fqn in kept:
-            src_view = views[fqn]
-            targets.append(identity_target(src_view, dtype=cast_dtype(src_view.dtype, opts.dtype)))
-        for name, source in tied.items():
-            src_view = views[opts.prefix + source]
-            targets.append(identity_target(src_view, opts.prefix + name, cast_dtype(src_view.dtype, opts.dtype)))
-            notes.append(f"{opts.prefix}{name} written as a copy of {opts.prefix}{source} "
-                         f"({expected.model_class} ties them; model.state_dict() lists both)")
-        targets.sort(key=lambda t: t.fqn)
-        placements = {t.fqn: fsdp2(t.shape, opts.world_size) for t in targets}
-        output = layout_dcp(targets, placements, views, [], None)
+        narrowed = bool(opts.include or opts.exclude)
+        tied = check_names(ckpt, expected, narrowed, opts.to == "fsdp2") if expected else {}
+        if opts.to == "fsdp2":
+            targets = fsdp2_targets(views, tied, expected, opts, notes)
+        else:
+            targets = megatron_targets(ckpt, views, config, expected, opts, notes)
+        kept = [t for t in targets if selected(t.fqn, opts.include, opts.exclude)]
+        refuse_empty_selection(len(kept), len(targets), opts.include, opts.exclude, "tensors")
+        prefix = opts.output_prefix
+        kept = sorted((replace(t, fqn=prefix + t.fqn) for t in kept), key=lambda t: t.fqn)
+        if opts.to == "fsdp2":
+            placements = {t.fqn: fsdp2(t.shape, opts.world_size or 1) for t in kept}
+        else:
+            tp, dp = opts.grid()
+            placements = {t.fqn: megatron_fsdp(t.shape, t.fqn[len(prefix):], tp, dp) for t in kept}
+        output = layout_dcp(kept, placements, views, [], None)
     return ckpt, ImportPlan(output, expected.model_class if expected else None, notes)
+
+
+def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected: ExpectedNames | None,
+                  opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
+    """Every tensor as it is, and each tied parameter the folder leaves out as a copy of its source."""
+    targets = [identity_target(v, dtype=cast_dtype(v.dtype, opts.dtype)) for v in views.values()]
+    prefix = opts.output_prefix
+    for name, source in tied.items():
+        view = views[source]
+        targets.append(identity_target(view, name, cast_dtype(view.dtype, opts.dtype)))
+        notes.append(f"{prefix}{name} written as a copy of {prefix}{source} "
+                     f"({expected.model_class if expected else 'the model'} ties them; model.state_dict() lists both)")
+    return targets
+
+
+def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,
+                     expected: ExpectedNames | None, opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
+    """The Megatron model of the folder's family at --tp, each tensor made of HF rows.
+
+    The family names the Megatron tensors (`megatron_shapes`) and says, as for an export, which
+    of their rows each HF tensor is (`to_hf`, which also checks every shape against the
+    config); read backwards, that gives each Megatron tensor's pieces. Closed world both
+    ways: every HF tensor must be one the family produces (a tied one it leaves out is noted),
+    every one it produces must be in the folder with its shape, and every Megatron row must
+    come from some HF row but the vocab padding (zeros)."""
+    if config is None:
+        raise UsageError(f"{ckpt.path}: no {CONFIG_NAME}; --to megatron-fsdp needs the model's config")
+    cfg = HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
+    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
+    if family is None or not hasattr(family, "megatron_shapes"):
+        known = ", ".join(n for n, f in FAMILIES.items() if hasattr(f, "megatron_shapes"))
+        what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
+        raise UsageError(f"{ckpt.path}: no Megatron rules for {what} (import-hf --to megatron-fsdp knows: {known})")
+    tp, _ = opts.grid()
+    if opts.vocab_multiple < 1:
+        raise UsageError(f"--make-vocab-size-divisible-by must be at least 1 (got {opts.vocab_multiple})")
+    vocab, multiple = cfg.int("vocab_size"), opts.vocab_multiple * tp
+    spec = MegatronSpec(tp, opts.split_fused, -(-vocab // multiple) * multiple, frozenset(ckpt.tensors))
+    shapes = family.megatron_shapes(cfg, spec)
+    model = planned_model(ckpt.path, shapes, next(iter(ckpt.tensors.values())).dtype)
+    ctx = ExportContext(cfg, model, tp, tp)
+    hf = family.to_hf(ctx)
+    unread = model.unused()
+    if unread:
+        raise CheckpointError(ckpt.path, f"the {family.name} rules name Megatron tensors no HF tensor is made of: "
+                                         f"{shown(unread)}")
+    tied = expected.tied if expected else {}
+    left_out = sorted(n for n in ckpt.tensors if n not in hf and n in tied)
+    unclaimed = sorted(n for n in ckpt.tensors if n not in hf and n not in tied)
+    if unclaimed:
+        raise CheckpointError(ckpt.path, f"no {family.name} rule claims {counted(len(unclaimed), 'tensor')}: "
+                                         f"{shown(unclaimed)} (wrong --arch?)")
+    absent = sorted(n for n in hf if n not in ckpt.tensors)
+    if absent:
+        raise CheckpointError(ckpt.path, f"the {family.name} model needs {counted(len(absent), 'tensor')} the folder "
+                                         f"lacks: {shown(absent)}")
+    for name, tensor in hf.items():
+        if tuple(tensor.shape) != views[name].shape:
+            raise CheckpointError(ckpt.path, f"{name}: shape {list(views[name].shape)}, the config implies "
+                                             f"{list(tensor.shape)}")
+    notes.extend(f"{name} not imported: the config ties it to {tied[name]}" for name in left_out)
+    pieces, adds = reversed_pieces(hf, shapes)
+    padded = {EMBED, OUTPUT}
+    targets = []
+    for name, shape in shapes.items():
+        gap = uncovered_rows(pieces[name], shape[0])
+        if gap and not (name in padded and gap == shape[0] - vocab):
+            raise CheckpointError(ckpt.path, f"{name}: {gap} of its {shape[0]} rows come from no HF tensor")
+        dtype = views[pieces[name][0].src].dtype
+        targets.append(TargetTensor(name, shape, cast_dtype(dtype, opts.dtype), tuple(pieces[name]),
+                                    add=adds.get(name, 0.0)))
+    if spec.padded_vocab > vocab:
+        notes.append(f"vocab padded from {vocab} to {spec.padded_vocab} rows with zeros (a multiple of "
+                     f"{opts.vocab_multiple} × TP {tp}, as Megatron pads it)")
+    return targets
 
 
 def import_hf(
@@ -190,7 +308,8 @@ def import_hf(
     src, dst = Path(src), Path(dst)
     ckpt, plan = plan_import(src, opts)
     engine = opts.engine()
-    report = cast(ImportReport, new_report(ckpt, plan.output, src, dst, opts.world_size or 1, engine, dry_run, comm,
+    report = cast(ImportReport, new_report(ckpt, plan.output, src, dst, opts.output_world_size or 1, engine, dry_run,
+                                           comm,
                                            ImportReport, model_class=plan.model_class, notes=plan.notes))
     if not dry_run:
         write_dcp_output(ckpt, plan.output, src, dst, report, engine, started, force=force, verify=verify,

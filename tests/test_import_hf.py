@@ -202,7 +202,8 @@ def test_a_damaged_safetensors_file_is_one_line_naming_it(folders, tmp_path, dam
 def test_other_targets_are_refused_saying_what_they_need(folders, tmp_path):
     run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--to", "torchtitan")
     assert (run.returncode, run.stderr) == (2, "ckptctl: error: --to torchtitan is not supported yet (it needs "
-                                               "torchtitan's names and RoPE row order); import-hf writes: fsdp2\n")
+                                               "torchtitan's names and RoPE row order); import-hf writes: fsdp2, "
+                                               "megatron-fsdp\n")
 
 
 def test_at_a_terminal_a_bar_then_the_final_line_and_in_a_pipe_only_the_line(folders, tmp_path):
@@ -225,3 +226,109 @@ def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
     assert re.fullmatch(r"plan: 21 tensors -> 5 files at world size 4 \(names checked against LlamaForCausalLM\); "
                         r"read [\d.]+ kB, write [\d.]+ kB; predicted peak memory [\d.]+ MB\n", run.stdout)
     assert not (tmp_path / "o").exists()
+
+
+# --------------------------------------------------------------------------------------
+# --to megatron-fsdp: against the test-side HF → Megatron mapping, and back through export-hf
+# --------------------------------------------------------------------------------------
+
+MEGATRON_CASES = [  # (family, TP, DP, fc1/GDN storage)
+    ("llama", 2, 2, "fused"), ("llama", 4, 1, "split"), ("qwen3", 2, 1, "fused"), ("qwen3-moe", 2, 2, "fused"),
+    ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"),
+]
+VOCAB_MULTIPLE = 8
+"""Passed as --make-vocab-size-divisible-by: the test-side mapping pads the vocab to 8 × TP."""
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory):
+    from fixtures import hf_models
+
+    root = tmp_path_factory.mktemp("refs")
+    return {f: hf_models.reference(f, root / f, seed=3) for f in hf_models.FAMILIES}
+
+
+@pytest.mark.parametrize("family, tp, dp, storage", MEGATRON_CASES,
+                         ids=[f"{f}-tp{t}-dp{d}-{s}" for f, t, d, s in MEGATRON_CASES])
+def test_megatron_import_equals_the_independent_mapping_and_exports_back_bit_exactly(references, tmp_path, family,
+                                                                                     tp, dp, storage):
+    from fixtures import hf_models
+    from fixtures.make_fixtures import load_with_torch
+
+    ref = references[family]
+    out = tmp_path / "mg"
+    args = ["--split-fused"] if storage == "split" else []
+    run = run_cli("import-hf", ref.folder, out, "--to", "megatron-fsdp", "--tp", tp, "--dp", dp, "--verify",
+                  "--make-vocab-size-divisible-by", VOCAB_MULTIPLE, *args)
+    assert run.returncode == 0, run.stderr
+    want = hf_models.to_megatron(ref, tp, fc1=storage, gdn=storage, vocab_multiple=VOCAB_MULTIPLE)
+    got = load_with_torch(out)
+    assert sorted(got) == sorted("model.module." + n for n in want)
+    vocab = ref.config.vocab_size
+    for name, (tensor, _) in want.items():
+        value = got["model.module." + name]
+        assert value.shape == tensor.shape, name
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            assert torch.equal(value[:vocab], tensor[:vocab]) and not value[vocab:].any(), name
+        else:
+            assert torch.equal(value, tensor), name
+    back = tmp_path / "hf"
+    exported = run_cli("export-hf", out, back, "--hf-config", ref.folder)
+    assert exported.returncode == 0, exported.stderr
+    assert _folder_tensors(back).keys() == ref.state.keys()
+    for name, tensor in _folder_tensors(back).items():
+        assert torch.equal(tensor, ref.state[name]), name
+
+
+def test_megatron_import_is_laid_out_tp_outer_dp_inner_with_the_vocab_padded_as_megatron_pads_it(references,
+                                                                                                 tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "mg"
+    run = run_cli("import-hf", references["llama"].folder, out, "--to", "megatron-fsdp", "--world-size", 4,
+                  "--tp", 2)
+    assert run.returncode == 0, run.stderr
+    assert run.stderr.splitlines()[0] == ("note: vocab padded from 100 to 256 rows with zeros (a multiple of 128 × "
+                                          "TP 2, as Megatron pads it)")
+    md = FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    emb = md["model.module.embedding.word_embeddings.weight"]
+    assert list(emb.size) == [256, 32]
+    assert [(list(c.offsets), list(c.sizes)) for c in emb.chunks] == \
+        [([0, 0], [64, 32]), ([128, 0], [64, 32]), ([64, 0], [64, 32]), ([192, 0], [64, 32])]  # rank = dp·TP + tp
+    proj = md["model.module.decoder.layers.0.self_attention.linear_proj.weight"]  # RowParallel: TP cuts dim 1
+    assert [(list(c.offsets), list(c.sizes)) for c in proj.chunks] == \
+        [([0, 0], [16, 16]), ([0, 16], [16, 16]), ([16, 0], [16, 16]), ([16, 16], [16, 16])]
+
+
+def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(references, tmp_path):
+    bad = _copy(references["llama"].folder, tmp_path / "hf")
+    _resave(bad, lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(2)}))
+    run = run_cli("import-hf", bad, tmp_path / "o", "--to", "megatron-fsdp", "--tp", 2, "--dp", 1,
+                  "--no-name-check")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {bad}: no llama rule claims 1 tensor: "
+                                               "model.layers.0.mlp.extra.weight (wrong --arch?)\n")
+    _resave(bad, lambda t: [t.pop("model.layers.0.mlp.extra.weight"), t.pop("model.layers.1.mlp.up_proj.weight")])
+    run = run_cli("import-hf", bad, tmp_path / "o", "--to", "megatron-fsdp", "--tp", 2, "--dp", 1,
+                  "--no-name-check")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {bad}: the llama model needs 1 tensor the folder "
+                                               "lacks: model.layers.1.mlp.up_proj.weight\n")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--to", "megatron-fsdp", "--tp", "8", "--dp", "1"],
+     "ckptctl: error: {ref}/config.json: num_key_value_heads=4 does not divide by TP 8 (Megatron gives each TP rank "
+     "whole query groups)"),
+    (["--to", "megatron-fsdp", "--tp", "2"],
+     "ckptctl: error: --to megatron-fsdp needs --dp (or --world-size): the data-parallel size"),
+    (["--to", "megatron-fsdp", "--tp", "2", "--world-size", "3"],
+     "ckptctl: error: --world-size 3 is not a multiple of --tp 2"),
+    (["--to", "megatron-fsdp", "--dp", "2", "--arch", "raw"],
+     "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
+     "qwen3, qwen3-moe, qwen3-next)"),
+    (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
+])
+def test_megatron_import_option_errors_are_one_line(references, tmp_path, args, line):
+    ref = references["llama"].folder
+    run = run_cli("import-hf", ref, tmp_path / "o", *args)
+    assert (run.returncode, run.stderr) == (2, line.format(ref=ref) + "\n")

@@ -138,14 +138,15 @@ def test_errors_at_a_terminal_are_one_line_with_status_2(src, tmp_path, args, li
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("command", [[], ["inspect"], ["reshard"], ["export-hf"], ["diff"], ["export-torch"]])
+@pytest.mark.parametrize("command", [[], ["inspect"], ["reshard"], ["export-hf"], ["import-hf"], ["diff"],
+                                     ["export-torch"]])
 def test_help_at_a_terminal(command):
     run = run_in_terminal(*command, "--help")
     assert run.returncode == 0
     assert_no_traceback(run.plain)
     assert run.screen.lstrip().startswith(f"Usage: ckptctl {' '.join(command)}".rstrip())
     if not command:
-        for name in ("inspect", "reshard", "export-hf", "diff", "export-torch", "--version", "--quiet",
+        for name in ("inspect", "reshard", "export-hf", "import-hf", "diff", "export-torch", "--version", "--quiet",
                      "--install-completion"):
             assert name in run.screen
         assert "Exit status: 0 done" in run.screen

@@ -33,12 +33,25 @@ def import_hf_command(
                                          ".safetensors file (opened read-only)."),
     dst: Path = typer.Argument(..., help="Output DCP checkpoint directory (written atomically)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n",
-                                             help="Number of ranks the output is laid out for (FSDP2 Shard(0))."),
+                                             help="Number of ranks the output is laid out for (fsdp2: required; "
+                                                  "megatron-fsdp: TP × DP)."),
     to: str = typer.Option("fsdp2", "--to", help="fsdp2: HF names, as a fully_shard'ed transformers model "
-                                                 "saves them."),
-    prefix: str = typer.Option("model.", "--prefix", help="Put before every name: 'model.' as "
-                                                          "dcp.save({'model': model.state_dict()}) writes it; '' for "
-                                                          "a flat state dict."),
+                                                 "saves them | megatron-fsdp: Megatron names and TP×DP boxes."),
+    prefix: Optional[str] = typer.Option(None, "--prefix",
+                                         help="Put before every name (default 'model.' for fsdp2, as "
+                                              "dcp.save({'model': model.state_dict()}) writes it; 'model.module.' "
+                                              "for megatron-fsdp; '' for a flat state dict)."),
+    arch: str = typer.Option("auto", "--arch", help="megatron-fsdp: auto (config model_type)|llama|qwen2|qwen3|"
+                                                    "qwen3-moe|qwen3-next."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="megatron-fsdp: tensor-parallel size (fused tensors are "
+                                                        "TP-blocked for it; default 1)."),
+    dp: Optional[int] = typer.Option(None, "--dp", help="megatron-fsdp: data-parallel size (default --world-size "
+                                                        "/ --tp)."),
+    split_fused: bool = typer.Option(False, "--split-fused", help="megatron-fsdp: write SwiGLU fc1 as weight_w/_v "
+                                                                  "and GDN in_proj/conv1d as .query/.key/…"),
+    vocab_multiple: int = typer.Option(128, "--make-vocab-size-divisible-by",
+                                       help="megatron-fsdp: pad the vocab to a multiple of this × TP, as Megatron "
+                                            "does (its option of the same name)."),
     include: Optional[list[str]] = typer.Option(None, "--include", metavar="<glob>",
                                                 help="Import only HF tensors whose name matches this glob "
                                                      "(repeatable)."),
@@ -59,13 +72,15 @@ def import_hf_command(
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
 ) -> None:
-    """Write a DCP checkpoint from a Hugging Face model folder, laid out as FSDP2 saves it, streaming.
+    """Write a DCP checkpoint from a Hugging Face model folder, laid out as FSDP2 or Megatron-FSDP saves it, streaming.
 
     Every name is checked against the model transformers builds for the folder's config.json
-    (a tied lm_head is written as a copy of the embeddings: model.state_dict() lists it).
+    (fsdp2: a tied lm_head is written as a copy of the embeddings, model.state_dict() lists it;
+    megatron-fsdp: the family's rules must claim every HF tensor and make every Megatron row).
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
 
-    Example: ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32
+    Examples: ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32 ·
+    ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ImportReport:
@@ -73,7 +88,8 @@ def import_hf_command(
 
         opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
                              exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),
-                             device=device, sync=not no_sync, name_check=not no_name_check)
+                             device=device, sync=not no_sync, name_check=not no_name_check, arch=arch, tp=tp, dp=dp,
+                             split_fused=split_fused, vocab_multiple=vocab_multiple)
         return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm)
 
     def show(report: ImportReport) -> None:

@@ -137,8 +137,8 @@ def row_chunks(st: StoredTensor, file: str) -> tuple[Chunk, ...]:
                  for r in range(0, rows, step))
 
 
-def open_safetensors_folder(path: Path, prefix: str = "") -> Checkpoint:
-    """The folder as a checkpoint of one whole chunk per tensor, named `prefix + name`.
+def open_safetensors_folder(path: Path) -> Checkpoint:
+    """The folder as a checkpoint of its tensors by name, each in chunks of whole rows.
 
     Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.stored_names`
     says so and gives each tensor's name in its file)."""
@@ -158,8 +158,7 @@ def open_safetensors_folder(path: Path, prefix: str = "") -> Checkpoint:
         rel = st.file.relative_to(root).as_posix()
         if rel not in files:
             files[rel] = st.file.stat().st_size
-        fqn = prefix + name
-        tensors[fqn] = TensorEntry(fqn, st.shape, st.dtype, row_chunks(st, rel))
-        names[fqn] = name
+        tensors[name] = TensorEntry(name, st.shape, st.dtype, row_chunks(st, rel))
+        names[name] = name
     return Checkpoint(path=root, tensors=tensors, bytes_entries={}, files=files, stored_names=names,
                       metadata_files=())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
@@ -21,6 +21,9 @@ from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import Piece, TargetTensor
+
+Shapes = dict[str, tuple[int, ...]]
+"""Megatron tensor name (no prefix) → global shape: the model an import writes."""
 
 NON_MODEL_ROOTS = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_state.", "rng_state", "rng.",
                    "extra.", "args", "iteration", "checkpoint_version")
@@ -374,6 +377,58 @@ class ExportContext:
 
     def expert_tp(self) -> int:
         return self.expert_tp_value if self.expert_tp_value is not None else self.tp()
+
+
+# --------------------------------------------------------------------------------------
+# The reverse direction: a Megatron model made of HF rows
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MegatronSpec:
+    """The Megatron model import-hf writes: its TP (fused tensors are TP-blocked for it), fused or
+    split (`_w`/`_v`, `.query` …) components, vocab rows padded as Megatron pads them, and the HF
+    names present (a Megatron bias exists where the HF model has one)."""
+
+    tp: int
+    split: bool
+    padded_vocab: int
+    hf_names: frozenset[str]
+
+    def has(self, hf_name: str) -> bool:
+        return hf_name in self.hf_names
+
+
+def planned_model(path: Path, shapes: Shapes, dtype: DType) -> MegatronModel:
+    """A Megatron model of tensors not written yet, for a family's `to_hf` to say which rows of
+    them each HF tensor is: read backwards, that says which HF rows each of them is."""
+    tensors = {name: TensorEntry(name, shape, dtype, ()) for name, shape in shapes.items()}
+    return MegatronModel(Checkpoint(path=path, tensors=tensors, bytes_entries={}, files={}), "")
+
+
+def reversed_pieces(hf: Mapping[str, HFTensor], shapes: Shapes) -> tuple[dict[str, list[Piece]], dict[str, float]]:
+    """Each Megatron tensor's pieces, taken from the HF tensors (sources named by HF name), and the
+    constant to add (the inverse of the HF tensor's shift). Every export piece read backwards: a
+    row is a row whichever way it goes, so the two directions cannot disagree. A Megatron row
+    claimed twice is refused."""
+    pieces: dict[str, list[Piece]] = {name: [] for name in shapes}
+    adds: dict[str, float] = {}
+    for tensor in hf.values():
+        for p in tensor.pieces():
+            pieces[p.src].append(Piece(tensor.name, p.dst_start, p.src_start, p.sizes))
+            if adds.setdefault(p.src, -tensor.add) != -tensor.add:
+                raise CheckpointError(p.src, "made of HF tensors with different shifts")
+    for name, parts in pieces.items():
+        rows = sorted((p.dst_start[0], p.dst_start[0] + p.sizes[0]) for p in parts)
+        for (_, end), (start, _) in zip(rows, rows[1:]):
+            if start < end:
+                raise CheckpointError(name, f"row {start} made of two HF tensors")
+    return pieces, adds
+
+
+def uncovered_rows(pieces: Sequence[Piece], rows: int) -> int:
+    """How many of `rows` rows no piece fills (pieces never overlap: `reversed_pieces`)."""
+    return rows - sum(p.sizes[0] for p in pieces)
 
 
 def check_shape(hf: HFTensor, expected: Sequence[int], cfg: HFConfig) -> HFTensor:

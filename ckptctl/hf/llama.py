@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, RowView, check_shape
+from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes, check_shape
 from ckptctl.megatron import SWIGLU_PARTS
 
 LAYER = "decoder.layers.{}."
@@ -181,6 +181,66 @@ def dense_mlp(ctx: ExportContext, out: dict[str, HFTensor], layer: int, ffn: int
     swiglu(ctx, out, LAYER.format(layer) + "mlp.", HF_LAYER.format(layer) + "mlp.", ffn)
 
 
+# --------------------------------------------------------------------------------------
+# The Megatron tensors these blocks read (import-hf: the model to write)
+# --------------------------------------------------------------------------------------
+
+
+def embeddings_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes) -> None:
+    shapes[EMBED] = (spec.padded_vocab, cfg.int("hidden_size"))
+
+
+def output_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, tie_default: bool = False) -> None:
+    hidden = cfg.int("hidden_size")
+    shapes[FINAL_NORM] = (hidden,)
+    if not cfg.flag("tie_word_embeddings", tie_default):
+        shapes[OUTPUT] = (spec.padded_vocab, hidden)
+
+
+def attention_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, layer: int, att: Attention,
+                     qk_norm: bool) -> None:
+    """Megatron's fused-norm `linear_qkv` (biases when the HF model has them), `linear_proj`, q/k norms."""
+    mg, hf = LAYER.format(layer), HF_LAYER.format(layer) + "self_attn."
+    if att.groups % spec.tp:
+        raise UsageError(f"{cfg.path}: num_key_value_heads={att.groups} does not divide by TP {spec.tp} "
+                         "(Megatron gives each TP rank whole query groups)")
+    d = att.head_dim
+    rows = att.groups * (att.per_group * d * (2 if att.gated else 1) + 2 * d)
+    shapes[mg + INPUT_NORM[0]] = (att.hidden,)
+    shapes[mg + "self_attention.linear_qkv.weight"] = (rows, att.hidden)
+    if spec.has(hf + "q_proj.bias"):
+        shapes[mg + "self_attention.linear_qkv.bias"] = (rows,)
+    shapes[mg + O_PROJ[0]] = (att.hidden, att.heads * d)
+    if spec.has(hf + "o_proj.bias"):
+        shapes[mg + O_PROJ_BIAS[0]] = (att.hidden,)
+    if qk_norm:
+        shapes[mg + Q_NORM[0]] = (d,)
+        shapes[mg + K_NORM[0]] = (d,)
+
+
+def swiglu_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, mg_mlp: str, hf_mlp: str, ffn: int,
+                  index: str = "") -> None:
+    """fc1 fused `[2·ffn, hidden]` (TP-blocked at the spec's TP) or split `_w`/`_v`, fc2, their biases."""
+    hidden = cfg.int("hidden_size")
+    for kind, trailing in (("weight", (hidden,)), ("bias", ())):
+        if kind == "bias" and not spec.has(hf_mlp + "gate_proj.bias"):
+            continue
+        base = f"{mg_mlp}linear_fc1.{kind}{index}"
+        if spec.split:
+            for part in SWIGLU_PARTS:
+                shapes[base + part] = (ffn, *trailing)
+        else:
+            shapes[base] = (2 * ffn, *trailing)
+    shapes[f"{mg_mlp}linear_fc2.weight{index}"] = (hidden, ffn)
+    if spec.has(hf_mlp + "down_proj.bias"):
+        shapes[f"{mg_mlp}linear_fc2.bias{index}"] = (hidden,)
+
+
+def dense_mlp_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, layer: int, ffn: int) -> None:
+    shapes[LAYER.format(layer) + POST_ATTENTION_NORM[0]] = (cfg.int("hidden_size"),)
+    swiglu_shapes(cfg, spec, shapes, LAYER.format(layer) + "mlp.", HF_LAYER.format(layer) + "mlp.", ffn)
+
+
 def put(out: dict[str, HFTensor], hf: HFTensor, shape: tuple[int, ...], cfg: HFConfig) -> None:
     if hf.name in out:
         raise CheckpointError(hf.sources[0], f"{hf.name} would be written twice")
@@ -198,13 +258,15 @@ class DenseFamily:
     head_dim_default: int | None
     kv_heads_default: int | None = None
 
-    def to_hf(self, ctx: ExportContext) -> dict[str, HFTensor]:
-        cfg = ctx.config
+    def attention(self, cfg: HFConfig) -> Attention:
         data = dict(cfg.data)
         if self.kv_heads_default is not None:
             data.setdefault("num_key_value_heads", self.kv_heads_default)
-        view = HFConfig(cfg.path, data, cfg.folder)
-        att = Attention.from_config(view, self.head_dim_default)
+        return Attention.from_config(HFConfig(cfg.path, data, cfg.folder), self.head_dim_default)
+
+    def to_hf(self, ctx: ExportContext) -> dict[str, HFTensor]:
+        cfg = ctx.config
+        att = self.attention(cfg)
         bias = self.qkv_bias if self.qkv_bias is not None else (True if cfg.flag("attention_bias") else None)
         out: dict[str, HFTensor] = {}
         embeddings(ctx, out)
@@ -213,6 +275,16 @@ class DenseFamily:
             dense_mlp(ctx, out, layer, cfg.int("intermediate_size"))
         output_layer(ctx, out)
         return out
+
+    def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
+        att = self.attention(cfg)
+        shapes: Shapes = {}
+        embeddings_shapes(cfg, spec, shapes)
+        for layer in range(cfg.int("num_hidden_layers")):
+            attention_shapes(cfg, spec, shapes, layer, att, self.qk_norm)
+            dense_mlp_shapes(cfg, spec, shapes, layer, cfg.int("intermediate_size"))
+        output_shapes(cfg, spec, shapes)
+        return shapes
 
 
 LLAMA = DenseFamily("llama", ("llama",), qk_norm=False, qkv_bias=None, head_dim_default=None)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import CheckpointError
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor
-from ckptctl.hf.llama import (HF_LAYER, LAYER, Attention, attention, dense_mlp, embeddings, output_layer,
-                              post_attention_norm, put, swiglu)
+from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
+from ckptctl.hf.llama import (HF_LAYER, LAYER, Attention, attention, attention_shapes, dense_mlp, dense_mlp_shapes,
+                              embeddings, embeddings_shapes, output_layer, output_shapes, post_attention_norm, put,
+                              swiglu, swiglu_shapes)
 
 ROUTER = "mlp.router.weight"
 SHARED_GATE = "mlp.shared_experts.gate_weight"
@@ -48,6 +49,22 @@ def moe_mlp(ctx: ExportContext, out: dict[str, HFTensor], layer: int, shared: bo
     put(out, HFTensor(hf + "mlp.shared_expert_gate.weight", (m.view(mg + SHARED_GATE),)), (1, hidden), cfg)
 
 
+def moe_mlp_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, layer: int, shared: bool) -> None:
+    """Megatron's MoE layer as an import writes it: `pre_mlp_layernorm`, router, grouped-GEMM experts
+    (`linear_fc1.weight<e>`, fused at the expert TP = TP, or `_w`/`_v`), the shared expert and its gate."""
+    mg, hf = LAYER.format(layer), HF_LAYER.format(layer)
+    hidden, experts = cfg.int("hidden_size"), cfg.int("num_experts")
+    shapes[mg + "pre_mlp_layernorm.weight"] = (hidden,)
+    shapes[mg + ROUTER] = (experts, hidden)
+    for e in range(experts):
+        swiglu_shapes(cfg, spec, shapes, mg + "mlp.experts.", f"{hf}mlp.experts.{e}.", cfg.int("moe_intermediate_size"),
+                      index=str(e))
+    if shared:
+        swiglu_shapes(cfg, spec, shapes, mg + "mlp.shared_experts.", hf + "mlp.shared_expert.",
+                      cfg.int("shared_expert_intermediate_size"))
+        shapes[mg + SHARED_GATE] = (1, hidden)
+
+
 @dataclass(frozen=True)
 class Qwen3MoeFamily:
     name: str = "qwen3-moe"
@@ -66,6 +83,19 @@ class Qwen3MoeFamily:
                 dense_mlp(ctx, out, layer, cfg.int("intermediate_size"))
         output_layer(ctx, out)
         return out
+
+    def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
+        att = Attention.from_config(cfg, None)
+        shapes: Shapes = {}
+        embeddings_shapes(cfg, spec, shapes)
+        for layer in range(cfg.int("num_hidden_layers")):
+            attention_shapes(cfg, spec, shapes, layer, att, qk_norm=True)
+            if is_sparse(cfg, layer):
+                moe_mlp_shapes(cfg, spec, shapes, layer, shared=False)
+            else:
+                dense_mlp_shapes(cfg, spec, shapes, layer, cfg.int("intermediate_size"))
+        output_shapes(cfg, spec, shapes)
+        return shapes
 
 
 QWEN3_MOE = Qwen3MoeFamily()

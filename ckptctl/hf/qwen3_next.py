@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.errors import UsageError
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor
-from ckptctl.hf.llama import HF_LAYER, LAYER, Attention, attention, dense_mlp, embeddings, output_layer, put
-from ckptctl.hf.qwen3_moe import is_sparse, moe_mlp
+from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
+from ckptctl.hf.llama import (HF_LAYER, LAYER, Attention, attention, attention_shapes, dense_mlp, dense_mlp_shapes,
+                              embeddings, embeddings_shapes, output_layer, output_shapes, put)
+from ckptctl.hf.qwen3_moe import is_sparse, moe_mlp, moe_mlp_shapes
 from ckptctl.megatron import GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS
 
 GDN_INPUT_NORM = ("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight")
@@ -90,6 +91,26 @@ def gdn(ctx: ExportContext, out: dict[str, HFTensor], layer: int, g: GatedDeltaN
         (g.hidden, g.value_heads * g.value_dim), cfg)
 
 
+def gdn_shapes(spec: MegatronSpec, shapes: Shapes, layer: int, g: GatedDeltaNet) -> None:
+    """Megatron's GDN tensors: in_proj and conv1d fused (TP-blocked) or split into components."""
+    mg = LAYER.format(layer) + "self_attention."
+    if g.key_heads % spec.tp:
+        raise UsageError(f"linear_num_key_heads={g.key_heads} does not divide by TP {spec.tp} (Megatron gives each "
+                         "TP rank whole key heads)")
+    shapes[LAYER.format(layer) + GDN_INPUT_NORM[0]] = (g.hidden,)
+    for base, rows, parts, trailing in (("in_proj.weight", g.in_proj_rows, GDN_IN_PROJ_PARTS, (g.hidden,)),
+                                        ("conv1d.weight", g.in_proj_rows[:3], GDN_CONV1D_PARTS, (1, g.kernel))):
+        if spec.split:
+            for part, n in zip(parts, rows):
+                shapes[mg + base + part] = (n, *trailing)
+        else:
+            shapes[mg + base] = (sum(rows), *trailing)
+    shapes[mg + "A_log"] = (g.value_heads,)
+    shapes[mg + "dt_bias"] = (g.value_heads,)
+    shapes[mg + "out_norm.weight"] = (g.value_dim,)
+    shapes[mg + "out_proj.weight"] = (g.hidden, g.value_heads * g.value_dim)
+
+
 @dataclass(frozen=True)
 class Qwen3NextFamily:
     name: str = "qwen3-next"
@@ -112,6 +133,23 @@ class Qwen3NextFamily:
                 dense_mlp(ctx, out, layer, cfg.int("intermediate_size"))
         output_layer(ctx, out)
         return out
+
+    def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
+        att = Attention.from_config(cfg, 256, gated=True)
+        linear = GatedDeltaNet.from_config(cfg)
+        shapes: Shapes = {}
+        embeddings_shapes(cfg, spec, shapes)
+        for layer, kind in enumerate(layer_types(cfg)):
+            if kind == "linear_attention":
+                gdn_shapes(spec, shapes, layer, linear)
+            else:
+                attention_shapes(cfg, spec, shapes, layer, att, qk_norm=True)
+            if is_sparse(cfg, layer):
+                moe_mlp_shapes(cfg, spec, shapes, layer, shared=cfg.int("shared_expert_intermediate_size", 0) > 0)
+            else:
+                dense_mlp_shapes(cfg, spec, shapes, layer, cfg.int("intermediate_size"))
+        output_shapes(cfg, spec, shapes)
+        return shapes
 
 
 QWEN3_NEXT = Qwen3NextFamily()
