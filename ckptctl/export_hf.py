@@ -47,6 +47,7 @@ from ckptctl.hf.base import (
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
+from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family, torchtitan_prefix
 from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
@@ -158,6 +159,14 @@ def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
     """The family and model-key prefix for `--arch` (auto: config model_type, then key names)."""
     if arch not in ARCHES:
         raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
+    titan = torchtitan_prefix(ckpt)
+    if titan is not None and (arch == "auto" or isinstance(FAMILIES[arch], TorchtitanFamily)):
+        family = FAMILIES[arch] if arch != "auto" else torchtitan_family(cfg.model_type)
+        if family is None:
+            known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
+            raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} of a torchtitan checkpoint is not one "
+                             f"export-hf converts yet (it converts torchtitan's {known})")
+        return family, titan
     prefix = megatron_prefix(ckpt)
     if arch == "raw" or (arch == "auto" and prefix is None):
         stripped = raw_prefix(ckpt)

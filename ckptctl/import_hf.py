@@ -34,9 +34,14 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
 from ckptctl.hf import FAMILIES, family_for_model_type
-from ckptctl.hf.base import ExportContext, HFConfig, MegatronSpec, planned_model, reversed_pieces, uncovered_rows
+from ckptctl.hf.base import (
+    ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_rows,
+)
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
 from ckptctl.hf.llama import EMBED, OUTPUT
+from ckptctl.hf.torchtitan import EMBED as TT_EMBED
+from ckptctl.hf.torchtitan import OUTPUT as TT_OUTPUT
+from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2, megatron_fsdp
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
@@ -46,11 +51,9 @@ from ckptctl.reshard import (
 )
 from ckptctl.wording import counted
 
-TARGETS = ("fsdp2", "megatron-fsdp")
+TARGETS = ("fsdp2", "torchtitan", "megatron-fsdp")
 """Layouts import-hf writes (`--to`)."""
-PLANNED_TARGETS = {"torchtitan": "torchtitan's names and RoPE row order"}
-"""Layouts users ask for that need rules not written yet: refused, saying so."""
-DEFAULT_PREFIX = {"fsdp2": "model.", "megatron-fsdp": "model.module."}
+DEFAULT_PREFIX = {"fsdp2": "model.", "torchtitan": "", "megatron-fsdp": "model.module."}
 CONFIG_NAME = "config.json"
 VOCAB_MULTIPLE = 128
 """Megatron's `--make-vocab-size-divisible-by` default: the vocab is padded to a multiple of it × TP."""
@@ -178,12 +181,9 @@ def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool, in_me
 
 def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]:
     """Open the folder, check its names and plan the whole DCP output. Reads headers only."""
-    if opts.to in PLANNED_TARGETS:
-        raise UsageError(f"--to {opts.to} is not supported yet (it needs {PLANNED_TARGETS[opts.to]}); "
-                         f"import-hf writes: {', '.join(TARGETS)}")
     if opts.to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)} (got {opts.to!r})")
-    if opts.to == "fsdp2":
+    if opts.to != "megatron-fsdp":
         if opts.tp is not None or opts.dp is not None or opts.split_fused:
             raise UsageError("--tp, --dp and --split-fused are for --to megatron-fsdp")
         if opts.world_size is None:
@@ -202,13 +202,15 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
         tied = check_names(ckpt, expected, narrowed, opts.to == "fsdp2") if expected else {}
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
+        elif opts.to == "torchtitan":
+            targets = torchtitan_targets(ckpt, views, config, expected, opts, notes)
         else:
             targets = megatron_targets(ckpt, views, config, expected, opts, notes)
         kept = [t for t in targets if selected(t.fqn, opts.include, opts.exclude)]
         refuse_empty_selection(len(kept), len(targets), opts.include, opts.exclude, "tensors")
         prefix = opts.output_prefix
         kept = sorted((replace(t, fqn=prefix + t.fqn) for t in kept), key=lambda t: t.fqn)
-        if opts.to == "fsdp2":
+        if opts.to != "megatron-fsdp":
             placements = {t.fqn: fsdp2(t.shape, opts.world_size or 1) for t in kept}
         else:
             tp, dp = opts.grid()
@@ -230,19 +232,17 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
     return targets
 
 
+def folder_hf_config(ckpt: Checkpoint, config: dict[str, Any] | None, target: str) -> HFConfig:
+    if config is None:
+        raise UsageError(f"{ckpt.path}: no {CONFIG_NAME}; --to {target} needs the model's config")
+    return HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
+
+
 def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,
                      expected: ExpectedNames | None, opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
-    """The Megatron model of the folder's family at --tp, each tensor made of HF rows.
-
-    The family names the Megatron tensors (`megatron_shapes`) and says, as for an export, which
-    of their rows each HF tensor is (`to_hf`, which also checks every shape against the
-    config); read backwards, that gives each Megatron tensor's pieces. Closed world both
-    ways: every HF tensor must be one the family produces (a tied one it leaves out is noted),
-    every one it produces must be in the folder with its shape, and every Megatron row must
-    come from some HF row but the vocab padding (zeros)."""
-    if config is None:
-        raise UsageError(f"{ckpt.path}: no {CONFIG_NAME}; --to megatron-fsdp needs the model's config")
-    cfg = HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
+    """The Megatron model of the folder's family at --tp, each tensor made of HF rows, the vocab
+    padded with zero rows as Megatron pads it (`rule_targets`)."""
+    cfg = folder_hf_config(ckpt, config, opts.to)
     family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
     if family is None or not hasattr(family, "megatron_shapes"):
         known = ", ".join(n for n, f in FAMILIES.items() if hasattr(f, "megatron_shapes"))
@@ -253,13 +253,49 @@ def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: d
         raise UsageError(f"--make-vocab-size-divisible-by must be at least 1 (got {opts.vocab_multiple})")
     vocab, multiple = cfg.int("vocab_size"), opts.vocab_multiple * tp
     spec = MegatronSpec(tp, opts.split_fused, -(-vocab // multiple) * multiple, frozenset(ckpt.tensors))
-    shapes = family.megatron_shapes(cfg, spec)
+    targets = rule_targets(ckpt, views, cfg, family, family.megatron_shapes(cfg, spec), tp,
+                           {EMBED: vocab, OUTPUT: vocab}, expected, opts, notes)
+    if spec.padded_vocab > vocab:
+        notes.append(f"vocab padded from {vocab} to {spec.padded_vocab} rows with zeros (a multiple of "
+                     f"{opts.vocab_multiple} × TP {tp}, as Megatron pads it)")
+    return targets
+
+
+def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,
+                       expected: ExpectedNames | None, opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
+    """The torchtitan model of the folder's family, named as torchtitan saves it (`rule_targets`); a
+    tied `lm_head.weight`, which torchtitan's state dict lists, as a copy of the embeddings."""
+    cfg = folder_hf_config(ckpt, config, opts.to)
+    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else torchtitan_family(cfg.model_type)
+    if not isinstance(family, TorchtitanFamily):
+        known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
+        what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
+        raise UsageError(f"{ckpt.path}: no torchtitan rules for {what} (import-hf --to torchtitan knows: {known})")
+    targets = rule_targets(ckpt, views, cfg, family, family.source_shapes(cfg), None, {}, expected, opts, notes)
+    if cfg.flag("tie_word_embeddings"):
+        embed = next(t for t in targets if t.fqn == TT_EMBED)
+        targets.append(replace(embed, fqn=TT_OUTPUT))
+        notes.append(f"{opts.output_prefix}{TT_OUTPUT} written as a copy of {opts.output_prefix}{TT_EMBED} "
+                     "(the config ties them; torchtitan's state dict lists both)")
+    return targets
+
+
+def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig, family: Any, shapes: Shapes,
+                 tp: int | None, padded: dict[str, int], expected: ExpectedNames | None, opts: ImportOptions,
+                 notes: list[str]) -> list[TargetTensor]:
+    """The family's tensors (`shapes`, as the family names them), each made of HF rows.
+
+    The family says, as for an export, which of their rows each HF tensor is (`to_hf` over a
+    model of tensors not written yet, which also checks every shape against the config);
+    read backwards, that gives each tensor's pieces. Closed world both ways: every HF tensor
+    must be one the family produces (a tied one it leaves out is noted), every one it
+    produces must be in the folder with its shape, and every row must come from some HF row
+    but the rows past the vocab of `padded` tensors (zeros)."""
     model = planned_model(ckpt.path, shapes, next(iter(ckpt.tensors.values())).dtype)
-    ctx = ExportContext(cfg, model, tp, tp)
-    hf = family.to_hf(ctx)
+    hf = family.to_hf(ExportContext(cfg, model, tp, tp))
     unread = model.unused()
     if unread:
-        raise CheckpointError(ckpt.path, f"the {family.name} rules name Megatron tensors no HF tensor is made of: "
+        raise CheckpointError(ckpt.path, f"the {family.name} rules name tensors no HF tensor is made of: "
                                          f"{shown(unread)}")
     tied = expected.tied if expected else {}
     left_out = sorted(n for n in ckpt.tensors if n not in hf and n in tied)
@@ -277,18 +313,14 @@ def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: d
                                              f"{list(tensor.shape)}")
     notes.extend(f"{name} not imported: the config ties it to {tied[name]}" for name in left_out)
     pieces, adds = reversed_pieces(hf, shapes)
-    padded = {EMBED, OUTPUT}
     targets = []
     for name, shape in shapes.items():
         gap = uncovered_rows(pieces[name], shape[0])
-        if gap and not (name in padded and gap == shape[0] - vocab):
+        if gap and not (name in padded and gap == shape[0] - padded[name]):
             raise CheckpointError(ckpt.path, f"{name}: {gap} of its {shape[0]} rows come from no HF tensor")
         dtype = views[pieces[name][0].src].dtype
         targets.append(TargetTensor(name, shape, cast_dtype(dtype, opts.dtype), tuple(pieces[name]),
                                     add=adds.get(name, 0.0)))
-    if spec.padded_vocab > vocab:
-        notes.append(f"vocab padded from {vocab} to {spec.padded_vocab} rows with zeros (a multiple of "
-                     f"{opts.vocab_multiple} × TP {tp}, as Megatron pads it)")
     return targets
 
 

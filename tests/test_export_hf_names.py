@@ -50,7 +50,7 @@ def torchtitan_llama3_state() -> dict[str, torch.Tensor]:
     d, h, kv, f, v = TITAN["dim"], TITAN["heads"], TITAN["kv_heads"], TITAN["ffn"], TITAN["vocab"]
     hd = d // h
     g = torch.Generator().manual_seed(0)
-    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "output.weight": (v, d)}
+    shapes = {"tok_embeddings.weight": (v, d), "norm.weight": (d,), "lm_head.weight": (v, d)}
     for i in range(TITAN["layers"]):
         p = f"layers.{i}."
         shapes.update({p + "attention.qkv_linear.wq.weight": (h * hd, d),
@@ -95,18 +95,20 @@ def hf_state(ref: hf_models.Reference) -> dict[str, torch.Tensor]:
 
 TITAN_LINE = ("a torchtitan checkpoint (15 tensors named as torchtitan names them: "
               "layers.0.attention.qkv_linear.wk.weight, layers.0.attention.qkv_linear.wq.weight, "
-              "layers.0.attention.qkv_linear.wv.weight (+12 more)); export-hf does not export torchtitan checkpoints "
-              "yet: their names and llama's RoPE row order differ from Hugging Face's")
+              "layers.0.attention.qkv_linear.wv.weight (+12 more)); its names and llama's RoPE row order differ "
+              "from Hugging Face's: export it with --arch auto (torchtitan's llama3 and qwen3 are converted)")
 
 
-@pytest.mark.parametrize("arch", ["auto", "raw"])
-def test_a_torchtitan_checkpoint_is_refused_by_name(titan, tmp_path, arch):
+def test_a_torchtitan_checkpoint_is_refused_by_name_as_raw_and_converted_by_auto(titan, tmp_path):
     ckpt, ref = titan
-    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref, "--arch", arch)
+    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref, "--arch", "raw")
     assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {ckpt}: {TITAN_LINE}\n")
-    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref, "--arch", arch, "--dry-run")
+    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref, "--arch", "raw", "--dry-run")
     assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {ckpt}: {TITAN_LINE}\n")
     assert not (tmp_path / "dst").exists()
+    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref)
+    assert res.returncode == 0, res.stderr
+    assert "(torchtitan-llama3, 21 tensors in 1 safetensors file" in res.stderr
 
 
 def test_inspect_counts_torchtitan_bookkeeping_as_other(titan):

@@ -199,11 +199,10 @@ def test_a_damaged_safetensors_file_is_one_line_naming_it(folders, tmp_path, dam
     assert not (tmp_path / "o").exists()
 
 
-def test_other_targets_are_refused_saying_what_they_need(folders, tmp_path):
-    run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--to", "torchtitan")
-    assert (run.returncode, run.stderr) == (2, "ckptctl: error: --to torchtitan is not supported yet (it needs "
-                                               "torchtitan's names and RoPE row order); import-hf writes: fsdp2, "
-                                               "megatron-fsdp\n")
+def test_an_unknown_target_is_refused_naming_those_there_are(folders, tmp_path):
+    run = run_cli("import-hf", folders["qwen3"], tmp_path / "o", "-n", "2", "--to", "nemo")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: --to must be one of fsdp2, torchtitan, megatron-fsdp "
+                                               "(got 'nemo')\n")
 
 
 def test_at_a_terminal_a_bar_then_the_final_line_and_in_a_pipe_only_the_line(folders, tmp_path):
@@ -327,6 +326,9 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
      "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
      "qwen3, qwen3-moe, qwen3-next)"),
     (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
+    (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
+     "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "
+     "(torchtitan-llama3), qwen3 (torchtitan-qwen3))"),
 ])
 def test_megatron_import_option_errors_are_one_line(references, tmp_path, args, line):
     ref = references["llama"].folder

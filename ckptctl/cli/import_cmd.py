@@ -36,13 +36,15 @@ def import_hf_command(
                                              help="Number of ranks the output is laid out for (fsdp2: required; "
                                                   "megatron-fsdp: TP × DP)."),
     to: str = typer.Option("fsdp2", "--to", help="fsdp2: HF names, as a fully_shard'ed transformers model "
-                                                 "saves them | megatron-fsdp: Megatron names and TP×DP boxes."),
+                                                 "saves them | torchtitan: torchtitan's names and RoPE row order | "
+                                                 "megatron-fsdp: Megatron names and TP×DP boxes."),
     prefix: Optional[str] = typer.Option(None, "--prefix",
                                          help="Put before every name (default 'model.' for fsdp2, as "
-                                              "dcp.save({'model': model.state_dict()}) writes it; 'model.module.' "
-                                              "for megatron-fsdp; '' for a flat state dict)."),
-    arch: str = typer.Option("auto", "--arch", help="megatron-fsdp: auto (config model_type)|llama|qwen2|qwen3|"
-                                                    "qwen3-moe|qwen3-next."),
+                                              "dcp.save({'model': model.state_dict()}) writes it; '' for torchtitan; "
+                                              "'model.module.' for megatron-fsdp)."),
+    arch: str = typer.Option("auto", "--arch", help="torchtitan and megatron-fsdp: auto (config model_type)|llama|"
+                                                    "qwen2|qwen3|qwen3-moe|qwen3-next|torchtitan-llama3|"
+                                                    "torchtitan-qwen3."),
     tp: Optional[int] = typer.Option(None, "--tp", help="megatron-fsdp: tensor-parallel size (fused tensors are "
                                                         "TP-blocked for it; default 1)."),
     dp: Optional[int] = typer.Option(None, "--dp", help="megatron-fsdp: data-parallel size (default --world-size "
@@ -72,7 +74,7 @@ def import_hf_command(
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
 ) -> None:
-    """Write a DCP checkpoint from a Hugging Face model folder, laid out as FSDP2 or Megatron-FSDP saves it, streaming.
+    """Write a DCP checkpoint from a Hugging Face model folder, as FSDP2, torchtitan or Megatron-FSDP saves it, streaming.
 
     Every name is checked against the model transformers builds for the folder's config.json
     (fsdp2: a tied lm_head is written as a copy of the embeddings, model.state_dict() lists it;
@@ -80,6 +82,7 @@ def import_hf_command(
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
 
     Examples: ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32 ·
+    ckptctl import-hf Llama-3.1-8B/ outputs/checkpoint/step-0 --to torchtitan --world-size 8 ·
     ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
     """
 

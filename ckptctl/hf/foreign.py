@@ -1,9 +1,9 @@
-"""Source naming schemes export-hf recognises but does not convert yet, refused by name.
+"""Source naming schemes `--arch raw` must not write as they are, refused by name.
 
 A torchtitan checkpoint (`tok_embeddings.weight`, `layers.N.attention.qkv_linear.wq.weight`,
 `layers.N.feed_forward.w1.weight`, `moe.routed_experts…`) is not an HF-named one: besides
 the names, torchtitan's llama keeps q/k rows in another order for RoPE, so writing it as it
-is gives a model that loads and computes nonsense. NeMo Automodel's native grouped experts
+is gives a model that loads and computes nonsense (`--arch auto` converts llama3 and qwen3). NeMo Automodel's native grouped experts
 (`mlp.experts.gate_and_up_projs` [E, H, 2I], `mlp.experts.down_projs` [E, I, H]) are
 transposed and fused relative to Hugging Face's per-expert tensors. Both are refused
 before anything else is looked at, with the names that gave them away.
@@ -37,8 +37,8 @@ def foreign_reason(names: Iterable[str]) -> str | None:
     titan = torchtitan_names(names)
     if titan:
         return (f"a torchtitan checkpoint ({len(titan)} tensors named as torchtitan names them: {shown(titan)}); "
-                f"export-hf does not export torchtitan checkpoints yet: their names and llama's RoPE row order "
-                f"differ from Hugging Face's")
+                f"its names and llama's RoPE row order differ from Hugging Face's: export it with --arch auto "
+                f"(torchtitan's llama3 and qwen3 are converted)")
     native = automodel_native_names(names)
     if native:
         return (f"{len(native)} tensors in NeMo Automodel's native expert layout, not Hugging Face's: {shown(native)} "

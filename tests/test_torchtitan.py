@@ -1,0 +1,121 @@
+"""torchtitan checkpoints both ways, against torchtitan's own code.
+
+Tiny llama3 and qwen3 (tied) models are built by torchtitan's layer builders, sharded with
+FSDP2 over 2 gloo ranks and saved through its `ModelWrapper`, as its checkpoint manager
+saves them (`fixtures.torchtitan_models`). export-hf must give exactly what torchtitan's
+own `state_dict_adapter.to_hf` gives (llama3's RoPE row order included) and a folder
+transformers loads whole; import-hf `--to torchtitan` of that folder must load, through
+torchtitan's wrapper, into a model with other weights and make it equal the saved one.
+Skipped without torchtitan (`make install` puts it in the dev environment).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fixtures import torchtitan_models as titan
+from fixtures.gloo import run_ranks
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.skipif(not titan.available(), reason="torchtitan is not installed")
+transformers = pytest.importorskip("transformers")
+FAMILIES = ("llama3", "qwen3")
+WORLD = 2
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """Per family: the checkpoint torchtitan saved, its full model state, and the HF config folder."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    out = {}
+    for family in FAMILIES:
+        ckpt = root / family
+        state = run_ranks(titan.save, WORLD, family, str(ckpt))[0]
+        ref = root / f"{family}-ref"
+        ref.mkdir()
+        (ref / "config.json").write_text(json.dumps(titan.hf_config(family)))
+        out[family] = (ckpt, state, ref)
+    return out
+
+
+@pytest.fixture(scope="session")
+def exported(saved, tmp_path_factory):
+    root = tmp_path_factory.mktemp("torchtitan-hf")
+    out = {}
+    for family, (ckpt, _, ref) in saved.items():
+        run = run_cli("export-hf", ckpt, root / family, "--hf-config", ref, "--verify")
+        assert run.returncode == 0, run.stderr
+        out[family] = (root / family, run)
+    return out
+
+
+def _folder(path):
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_equals_torchtitans_own_adapter_bit_exactly(saved, exported, family):
+    _, state, _ = saved[family]
+    folder, run = exported[family]
+    want = titan.to_hf(family, state)
+    got = _folder(folder)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    assert f"({'torchtitan-' + family}, {len(want)} tensors in 1 safetensors file" in run.stderr
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_loads_the_export_whole(saved, exported, family):
+    folder, _ = exported[family]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = titan.to_hf(family, saved[family][1])
+    state = model.state_dict()
+    for name, tensor in state.items():
+        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in want else name
+        assert torch.equal(tensor, want[source]), name
+
+
+def test_llama3_q_and_k_rows_are_reordered_and_qwen3s_are_not(saved, exported):
+    for family, moved in (("llama3", True), ("qwen3", False)):
+        _, state, _ = saved[family]
+        q = _folder(exported[family][0])["model.layers.0.self_attn.q_proj.weight"]
+        same = torch.equal(q, state["layers.0.attention.qkv_linear.wq.weight"])
+        assert same is not moved, family
+
+
+def test_a_tied_lm_head_is_not_exported_with_a_note(exported):
+    folder, run = exported["qwen3"]
+    assert "lm_head.weight" not in _folder(folder)
+    assert run.stderr.splitlines()[0] == "note: lm_head.weight not exported: the config ties lm_head to the embeddings"
+
+
+def test_import_to_torchtitan_loads_through_torchtitans_wrapper_and_equals_the_saved_model(saved, exported,
+                                                                                         tmp_path):
+    for family in FAMILIES:
+        folder, _ = exported[family]
+        run = run_cli("import-hf", folder, tmp_path / family, "--to", "torchtitan", "--world-size", WORLD, "--verify")
+        assert run.returncode == 0, run.stderr
+    for family in FAMILIES:
+        _, state, _ = saved[family]
+        loaded = run_ranks(titan.load, WORLD, family, str(tmp_path / family))[0]
+        assert sorted(loaded) == sorted(state)
+        for name, tensor in state.items():
+            assert torch.equal(loaded[name], tensor), (family, name)
+
+
+def test_a_torchtitan_model_type_without_rules_is_refused(saved, tmp_path):
+    ckpt, _, ref = saved["qwen3"]
+    config = json.loads((ref / "config.json").read_text())
+    other = tmp_path / "ref"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "num_experts": 4}))
+    run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", other)
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {other / 'config.json'}: model_type 'qwen3_moe' of a "
+                                               "torchtitan checkpoint is not one export-hf converts yet (it converts "
+                                               "torchtitan's llama (torchtitan-llama3), qwen3 (torchtitan-qwen3))\n")
