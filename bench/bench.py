@@ -172,6 +172,8 @@ def contenders(src: Path, hf_src: Path, out: Path, hf_config: Path) -> dict[str,
             [*ckptctl, "export-hf", str(src), str(out / "hfn"), "--hf-config", str(hf_config), "--arch", "raw",
              "--no-name-check", "--no-sync"], out / "hfn"),
         HF_COPY: (["cp", "-r", str(hf_src), str(out / "hfcp")], out / "hfcp"),
+        "cp -r + sync (HF folder)": (["sh", "-c", f"cp -r {hf_src} {out / 'hfcps'} && sync -f {out / 'hfcps'}"],
+                                     out / "hfcps"),
         f"ckptctl import-hf -n {TARGET_RANKS} (HF folder)": (
             [*ckptctl, "import-hf", str(hf_src), str(out / "imp"), "-n", str(TARGET_RANKS), "--no-name-check"],
             out / "imp"),
