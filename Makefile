@@ -8,17 +8,19 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
-# torchtitan, an oracle of the tests: without its heavy dependencies (datasets, wandb, triton …),
-# which the model code and checkpoint wrapper the tests use never import. Tests skip without it.
-TORCHTITAN := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 \
-              docstring_parser==0.18.0 torchdata==0.11.0 einops==0.8.2
+# Oracles of the tests, without their heavy dependencies, which the code the tests run never
+# imports: torchtitan (not datasets, wandb, triton …) and megatron-core (0.16: the newest for
+# Python 3.11; not Transformer Engine or apex). Tests skip without them.
+ORACLES := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 \
+           docstring_parser==0.18.0 torchdata==0.11.0 einops==0.8.2 \
+           megatron-core==0.16.1 psutil
 
 # torch first (the local CPU wheel), so resolving the package never pulls a CUDA build.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps $(TORCHTITAN)
+	$(PY) -m pip install -q --no-deps $(ORACLES)
 	touch $(STAMP)
 
 demo: install

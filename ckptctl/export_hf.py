@@ -36,7 +36,7 @@ from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
-from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, verify_file, write_index
 from ckptctl.geometry import Box, union_volume
 from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
@@ -53,7 +53,7 @@ from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, source_view
+from ckptctl.plan import SourceTensor, StreamItem, TargetTensor
 from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -252,7 +252,12 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
-    tp, etp = (opts.tp, None) if family is RAW else resolve_tps(ckpt, model, opts.tp)
+    if family is RAW:
+        tp, etp = opts.tp, None
+    elif ckpt.megatron_backend == TORCH_DIST:
+        tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
+    else:
+        tp, etp = resolve_tps(ckpt, model, opts.tp)
     ctx = ExportContext(cfg, model, tp, etp)
     tensors = family.to_hf(ctx)
     if family is not RAW:
@@ -283,7 +288,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
             selected = True
         tensors = {name: tensors[name] for name in kept}
     used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
-    sources = {fqn: source_view(ckpt.tensors[fqn]) for fqn in used_fqns}
+    sources = {fqn: model.source_view(fqn) for fqn in used_fqns}
     targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
     check_coverage(ckpt, targets.values(), sources)
     split = shard(targets, parse_size(opts.max_shard_size))

@@ -18,6 +18,8 @@ Layout labels (`TensorReport.layout`):
 - `rows-uneven`: whole-row chunks that are not `torch.chunk` cuts (Megatron-FSDP).
 - `tp-dp-grid`: chunks also split on dim 1 (tensor parallel there); `tp_degree` is the
   number of distinct dim-1 offsets.
+- `layer-stacked`: a Megatron-Core torch_dist key with a leading layer axis
+  (`decoder.layers.<name>`), saved one layer deep per chunk (TP cuts inside each layer).
 - `irregular`: anything else.
 
 Zero-size chunks (FSDP2 ranks that own no rows write them at offset == rows) are ignored.
@@ -37,6 +39,8 @@ as the param of an optimizer state; `other` for the rest.
 """
 
 from __future__ import annotations
+
+import re
 
 from collections import Counter
 from collections.abc import Collection, Mapping
@@ -224,6 +228,15 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
     return "irregular", None
 
 
+_STACKED = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
+
+
+def is_layer_stacked(entry: TensorEntry) -> bool:
+    """A torch_dist layer stack: `decoder.layers.<name>` (no layer number), chunks one layer deep."""
+    return bool(entry.shape) and _STACKED.search(entry.fqn) is not None and \
+        all(c.sizes[0] == 1 for c in entry.chunks if c.numel)
+
+
 def _is_torch_chunk(rows: int, ranges: list[tuple[int, int]]) -> bool:
     """True when the sorted non-empty row ranges are `torch.chunk(rows, N)` for some N."""
     step = ranges[0][1] - ranges[0][0]
@@ -291,10 +304,11 @@ def analyze(ckpt: Checkpoint) -> Analysis:
 
     reports: list[TensorReport] = []
     problems: list[Problem] = []
+    stacked = ckpt.megatron_backend == "torch_dist"
     for fqn, entry in ckpt.tensors.items():
         param_fqn = param_of.get(fqn)
         param = ckpt.tensors[param_fqn] if param_fqn else None
-        layout, tp = classify_layout(entry, param)
+        layout, tp = ("layer-stacked", None) if stacked and is_layer_stacked(entry) else classify_layout(entry, param)
         cov = coverage(entry)
         reports.append(TensorReport(fqn, layout, tp, cov, _group(fqn, model_prefix, params), param_fqn))
         problems.extend(_coverage_problems(fqn, cov, entry.numel))

@@ -96,6 +96,9 @@ class Checkpoint:
     """Per-rank metadata files that disagree about an entry: FQN → what they say (first file's kept)."""
     unreferenced_files: tuple[str, ...] = ()
     """Data files in the directory (also in `files`) that no entry points to: another save's leftovers."""
+    megatron_backend: str | None = None
+    """`torch_dist` for a Megatron-Core dist_checkpointing checkpoint (its `metadata.json`): keys
+    stacked along a leading layer axis, fc1 as `[W_all; V_all]` — not Megatron-FSDP's layouts."""
     stored_names: dict[str, str] | None = None
     """Set for a safetensors model folder read as a source: each chunk's (offset, length) are its
     tensor's dense bytes, and this maps each FQN to the tensor's name in its file."""

@@ -89,6 +89,24 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     return SourceTensor(entry.fqn, shape, entry.dtype, regions)
 
 
+def layer_stacked_view(entry: TensorEntry) -> SourceTensor:
+    """A Megatron-Core torch_dist layer stack [L, R, …] seen as [L·R, …]: every layer's rows one
+    after another, the same elements in the same order, so each chunk (one layer deep, or whole
+    layers) is one box of it."""
+    layers, rows = entry.shape[0], entry.shape[1]
+    shape = (layers * rows, *entry.shape[2:])
+    regions = []
+    for c in entry.chunks:
+        if c.sizes[0] == 1:
+            box = Box((c.offsets[0] * rows + c.offsets[1], *c.offsets[2:]), c.sizes[1:])
+        elif c.offsets[1] == 0 and c.sizes[1] == rows:
+            box = Box((c.offsets[0] * rows, *c.offsets[2:]), (c.sizes[0] * rows, *c.sizes[2:]))
+        else:
+            raise ValueError(f"{entry.fqn}: a chunk at {list(c.offsets)} of {list(c.sizes)} spans layers partly")
+        regions.append((c, box))
+    return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
     """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`."""

@@ -20,7 +20,7 @@ from ckptctl.engine import executor, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.errors import IncompleteCheckpointError, UsageError
+from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
 from ckptctl.model import Checkpoint
@@ -120,6 +120,10 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     """The whole output: targets, their FSDP2 placement and every copy run. No I/O.
 
     Planned with the collector paused (`gc_pause`): a few acyclic objects per output chunk."""
+    if ckpt.megatron_backend is not None:
+        raise CheckpointError(ckpt.path, f"a Megatron-Core {ckpt.megatron_backend} checkpoint: reshard does not convert "
+                                         "it yet (layer-stacked keys, fc1 as [W_all; V_all]); inspect, export-hf, "
+                                         "export-torch and diff read it")
     with gc_paused():
         if opts.megatron:
             from ckptctl import megatron_reshard

@@ -185,7 +185,7 @@ def _decoded_parts(decoded: Any, region: Region, shape: tuple[int, ...]) -> list
     """A decoded chunk as boxes of the source view with their values: the chunk itself, or a
     flat (1-D item-coordinate) chunk cut into row-contiguous boxes of the view's shape."""
     if isinstance(region, Box):
-        return [(region, decoded)]
+        return [(region, decoded.reshape(region.sizes))]  # a layer stack's chunk has one more (unit) dim
     return [(box, decoded[first - region.start:first - region.start + box.numel].reshape(box.sizes))
             for first, box in flat_boxes(shape, region.start, region.start + region.length)]
 

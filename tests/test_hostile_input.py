@@ -525,16 +525,19 @@ def test_byteorder_record_with_a_bad_crc_is_one_line(tmp_path: Path) -> None:
                     "'archive/byteorder')")
 
 
-def test_megatron_torch_dist_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
-    """Megatron-Core's default format lays tensors out unlike fsdp_dtensor ([W_all; V_all] fc1,
-    layer-stacked keys): refused by its `metadata.json` before its pickle is read."""
+def test_megatron_dist_checkpointing_backends_but_torch_dist_are_refused_by_name(tmp_path: Path) -> None:
+    """A `metadata.json` naming another dist_checkpointing backend (zarr) is refused before any
+    pickle is read; torch_dist is read, but reshard does not convert it yet."""
     src = copy_fixture(tmp_path)
-    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
     for args in (["inspect", src], ["reshard", src, tmp_path / "dst", "-n", "2"], ["export-torch", src,
                                                                                  tmp_path / "o.pt"]):
         assert_one_line(tmp_path, src, args, f"{src}: a Megatron-Core dist_checkpointing checkpoint (metadata.json: "
-                        "sharded_backend 'torch_dist'); ckptctl reads DCP checkpoints of torch (FSDP2, torchtitan, "
-                        "Automodel) and Megatron-FSDP's fsdp_dtensor, not this format yet")
+                        "sharded_backend 'zarr'); ckptctl reads its 'torch_dist' backend only")
+    (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "-n", "2"],
+                    f"{src}: a Megatron-Core torch_dist checkpoint: reshard does not convert it yet (layer-stacked "
+                    "keys, fc1 as [W_all; V_all]); inspect, export-hf, export-torch and diff read it")
     (src / "metadata.json").write_text("{not json")  # not a Megatron marker: not ours to judge
     assert run_measured(tmp_path, "inspect", "--check", src)[0].returncode == 0
 

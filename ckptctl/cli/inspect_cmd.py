@@ -11,6 +11,7 @@ ignores them.
 
     {
       "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
+      "format": "dcp" | "megatron-core torch_dist",            # torch_dist: a metadata.json says so
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
       "unreferenced_files": [name],                           # data files no entry points to
@@ -22,7 +23,7 @@ ignores them.
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",
           "layout": "scalar" | "empty" | "flat" | "single" | "shard0-even" | "rows-uneven"
-                    | "tp-dp-grid" | "irregular",
+                    | "tp-dp-grid" | "layer-stacked" | "irregular",
           "tp_degree": int | null, "param": model fqn | null,
           "coverage": {"status": "complete" | "gaps" | "overlaps" | "gaps+overlaps",
                        "covered": int, "gaps": int, "overlaps": int},
@@ -91,6 +92,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     reports = analysis.reports
     return {
         "path": str(ckpt.path),
+        "format": FORMATS.get(ckpt.megatron_backend or "", "dcp"),
         "version": ckpt.version,
         "world_size": analysis.world_size,
         "metadata_files": list(ckpt.metadata_files),
@@ -109,6 +111,12 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "problems": [{"fqn": p.fqn, "kind": p.kind, "message": p.message}
                      for p in analysis.problems if keep(p.fqn)],
     }
+
+
+FORMATS = {"torch_dist": "megatron-core torch_dist"}
+"""`format` in the JSON document: `dcp`, or the Megatron-Core dist_checkpointing backend."""
+FORMAT_LINES = {"megatron-core torch_dist": "Megatron-Core dist_checkpointing, torch_dist backend (metadata.json): "
+                                            "layer-stacked keys, fc1 as [W_all; V_all]"}
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -147,6 +155,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
     files = doc["files"]
     rows = [
         ("Checkpoint", doc["path"]),
+        *((("Format", FORMAT_LINES[doc["format"]]),) if doc["format"] in FORMAT_LINES else ()),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),

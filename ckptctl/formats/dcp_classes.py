@@ -15,6 +15,7 @@ from ckptctl.formats.torch_pickle import Call, Instance, Size, ref
 
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
 DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+DCP_PLANNER = "torch.distributed.checkpoint.planner"
 
 
 class _DcpRecord:
@@ -103,6 +104,21 @@ class StorageInfo(_DcpRecord):
         self.offset = offset
         self.length = length
         self.transform_descriptors = transform_descriptors
+
+
+class SavePlan(_DcpRecord):
+    """Megatron-Core's torch_dist pickles every rank's save plan beside the metadata
+    (`all_local_plans`): read as inert records, never used (the metadata says it all)."""
+
+    MODULE = DCP_PLANNER
+
+
+class WriteItem(_DcpRecord):
+    MODULE = DCP_PLANNER
+
+
+class TensorWriteData(_DcpRecord):
+    MODULE = DCP_PLANNER
 
 
 class Layout(str):

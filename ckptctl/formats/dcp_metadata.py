@@ -43,14 +43,18 @@ def _metadata_files(root: Path) -> list[Path]:
     return per_rank
 
 
-def refuse_megatron_dist(root: Path) -> None:
-    """Refuse a Megatron-Core `dist_checkpointing` checkpoint (`torch_dist`, the default
-    `ckpt_format`) by name: its layouts (layer-stacked keys, `[W_all; V_all]` fc1, bucketed
-    optimizer buffers) are not fsdp_dtensor's, and reading it as plain DCP would be wrong.
-    A `metadata.json` that says nothing of the kind is not ours to judge."""
+TORCH_DIST = "torch_dist"
+"""The Megatron-Core dist_checkpointing backend ckptctl reads: DCP files, pickled plans beside the metadata."""
+
+
+def megatron_backend(root: Path) -> str | None:
+    """The `sharded_backend` of a Megatron-Core `dist_checkpointing` checkpoint (its
+    `metadata.json`), None for any other DCP checkpoint; a backend other than torch_dist
+    (zarr) is refused by name. A `metadata.json` that says nothing of the kind is not ours
+    to judge."""
     path = root / MEGATRON_MARKER
     if not os.path.lexists(path):
-        return
+        return None
     fd = open_regular(path)
     try:
         text = os.read(fd, _MARKER_LIMIT + 1)
@@ -59,13 +63,15 @@ def refuse_megatron_dist(root: Path) -> None:
     try:
         marker = json.loads(text) if len(text) <= _MARKER_LIMIT else None
     except (ValueError, RecursionError):
-        return
+        return None
     backend = marker.get("sharded_backend") if isinstance(marker, dict) else None
-    if isinstance(backend, str):
+    if not isinstance(backend, str):
+        return None
+    if backend != TORCH_DIST:
         raise CheckpointError(root, f"a Megatron-Core dist_checkpointing checkpoint ({MEGATRON_MARKER}: "
-                                    f"sharded_backend {backend[:64]!r}); ckptctl reads DCP checkpoints of torch "
-                                    "(FSDP2, torchtitan, Automodel) and Megatron-FSDP's fsdp_dtensor, not this "
-                                    "format yet")
+                                    f"sharded_backend {backend[:64]!r}); ckptctl reads its {TORCH_DIST!r} "
+                                    "backend only")
+    return backend
 
 
 def open_regular(path: Path) -> int:
@@ -246,10 +252,12 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(root, "no such file or directory")
     if not root.is_dir():
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
-    refuse_megatron_dist(root)
+    backend = megatron_backend(root)
     md_paths = _metadata_files(root)
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
-        return _checkpoint(root, md_paths)
+        ckpt = _checkpoint(root, md_paths)
+    ckpt.megatron_backend = backend
+    return ckpt
 
 
 def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:

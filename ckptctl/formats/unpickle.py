@@ -298,6 +298,10 @@ _METADATA_RECORDS: dict[tuple[str, str], Constructor] = {
         "modules": _optional(_list_of(_str))}),
     dc.TensorProperties.torch_global(): _TENSOR_PROPERTIES,
 }
+_PLAN_RECORDS: dict[tuple[str, str], Constructor] = {
+    kind.torch_global(): _record(kind, {}) for kind in (dc.SavePlan, dc.WriteItem, dc.TensorWriteData)}
+"""The save plans Megatron-Core's torch_dist pickles in `all_local_plans`: built with no fields
+(their state is dropped), in a Metadata field no one reads."""
 _METADATA_RECORDS[dc.Metadata.torch_global()] = _record(dc.Metadata, {
     "state_dict_metadata": _mapping(_str, _either(dc.TensorStorageMetadata, dc.BytesStorageMetadata)),
     "planner_data": _planner_data,
@@ -311,6 +315,8 @@ _DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d i
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_METADATA_RECORDS,
+    **_PLAN_RECORDS,
+    (dc.DCP_PLANNER, "WriteItemType"): Constructor("WriteItemType", call=lambda args: None),
     (dc.DCP_METADATA, "_MEM_FORMAT_ENCODING"): Constructor("_MEM_FORMAT_ENCODING", call=_memory_format),
     ("torch", "Size"): Constructor("torch.Size", call=_torch_size),
     ("torch.serialization", "_get_layout"): Constructor("torch.serialization._get_layout", call=_get_layout),

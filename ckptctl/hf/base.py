@@ -20,8 +20,10 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
-from ckptctl.plan import Piece, TargetTensor
+from ckptctl.layout import is_layer_stacked
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
 
+STACK_PREFIX = "decoder.layers."
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
 
@@ -296,7 +298,12 @@ def megatron_prefix(ckpt: Checkpoint) -> str | None:
 
 
 class MegatronModel:
-    """The model tensors of a Megatron checkpoint by name without prefix; remembers which were used."""
+    """The model tensors of a Megatron checkpoint by name without prefix; remembers which were used.
+
+    A torch_dist checkpoint keeps each layer-wise parameter as one layer stack
+    (`decoder.layers.<name>` [L, …]): it is seen here as L tensors `decoder.layers.<l>.<name>`,
+    each a view of its layer's rows of the stack read as [L·R, …] (`plan.layer_stacked_view`).
+    """
 
     def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
         self.ckpt = ckpt
@@ -305,17 +312,34 @@ class MegatronModel:
             fqn[len(prefix):]: entry for fqn, entry in ckpt.tensors.items()
             if fqn.startswith(prefix) and is_model_key(fqn)
         }
+        self.layer_views: dict[str, RowView] = {}
+        """Per-layer name → its rows of a torch_dist layer stack."""
+        self.stacks: set[str] = set()
+        """FQNs of the layer stacks, read as `layer_stacked_view`s."""
+        if ckpt.megatron_backend == "torch_dist":
+            for name, entry in list(self.entries.items()):
+                if name.startswith(STACK_PREFIX) and is_layer_stacked(entry) and len(entry.shape) >= 2:
+                    del self.entries[name]
+                    self.stacks.add(entry.fqn)
+                    rows, trailing = entry.shape[1], tuple(entry.shape[2:])
+                    rest = name[len(STACK_PREFIX):]
+                    for layer in range(entry.shape[0]):
+                        self.layer_views[f"{STACK_PREFIX}{layer}.{rest}"] = RowView(
+                            entry.fqn, rows, trailing, (RowBlock(layer * rows, 0, rows),) if rows else ())
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
-        return name in self.entries
+        return name in self.entries or name in self.layer_views
 
     def first(self, *names: str) -> str | None:
-        return next((n for n in names if n in self.entries), None)
+        return next((n for n in names if self.has(n)), None)
 
     def missing(self, *names: str) -> CheckpointError:
         alts = " or ".join(self.prefix + n for n in names)
         return CheckpointError(self.ckpt.path, f"no tensor {alts} (wrong --hf-config or --arch?)")
+
+    def _whole(self, name: str) -> RowView:
+        return self.layer_views[name] if name in self.layer_views else whole(self.entries[name])
 
     def view(self, *names: str) -> RowView:
         """The first present of `names`, whole."""
@@ -323,23 +347,29 @@ class MegatronModel:
         if name is None:
             raise self.missing(*names)
         self.used.add(name)
-        return whole(self.entries[name])
+        return self._whole(name)
 
     def fused(self, name: str, component_rows: Sequence[int], tp: int) -> list[RowView]:
         """The components of a fused tensor TP-blocked at `tp`, each as a view of its global rows."""
-        entry = self.entries[name]
-        if not entry.shape or entry.shape[0] != sum(component_rows):
+        base = self._whole(name)
+        if base.rows != sum(component_rows):
             parts = " + ".join(map(str, component_rows))
-            rows = entry.shape[0] if entry.shape else 0
-            raise CheckpointError(self.ckpt.path, f"{entry.fqn}: has {rows} rows, the config implies "
+            raise CheckpointError(self.ckpt.path, f"{base.fqn}: has {base.rows} rows, the config implies "
                                                   f"{sum(component_rows)} ({parts})")
         try:
             maps = tp_blocked_split(component_rows, tp)
         except UsageError as exc:
-            raise UsageError(f"{entry.fqn}: {exc}") from None
+            raise UsageError(f"{base.fqn}: {exc}") from None
         self.used.add(name)
-        return [RowView(entry.fqn, rows, tuple(entry.shape[1:]), tuple(blocks))
+        first = base.blocks[0].src_row if base.blocks else 0
+        return [RowView(base.fqn, rows, base.trailing, tuple(RowBlock(b.src_row + first, b.dst_row, b.rows)
+                                                              for b in blocks))
                 for rows, blocks in zip(component_rows, maps)]
+
+    def source_view(self, fqn: str) -> SourceTensor:
+        """The source tensor the views of `fqn` address: a layer stack as [L·R, …], others as saved."""
+        entry = self.ckpt.tensors[fqn]
+        return layer_stacked_view(entry) if fqn in self.stacks else source_view(entry)
 
     def components(self, base: str, suffixes: Sequence[str], component_rows: Sequence[int],
                    tp: Callable[[], int]) -> list[RowView]:
@@ -357,7 +387,7 @@ class MegatronModel:
         raise self.missing(base, *split)
 
     def unused(self) -> list[str]:
-        return sorted(n for n in self.entries if n not in self.used)
+        return sorted(n for n in (*self.entries, *self.layer_views) if n not in self.used)
 
 
 @dataclass

@@ -1,0 +1,129 @@
+"""Megatron-Core `torch_dist` checkpoints written by megatron-core itself: inspect and export-hf.
+
+A tiny llama-like GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA, padded vocab) is built
+and saved by megatron-core's own `dist_checkpointing.save` at TP 1 and TP 2, and its own
+forward gives the logits of a fixed batch (`fixtures.megatron_core`). export-hf must give
+the HF Llama whose every tensor is the independent test-side mapping of Megatron's global
+tensors and whose logits (transformers) equal Megatron's; both TPs give the same folder.
+Skipped without megatron-core (`make install` puts it in).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from fixtures import megatron_core as mc
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
+transformers = pytest.importorskip("transformers")
+TPS = (1, 2)
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """TP → (checkpoint, Megatron's logits); and the HF config folder."""
+    root = tmp_path_factory.mktemp("torch_dist")
+    out = {}
+    for tp in TPS:
+        mc.write(root / f"tp{tp}", tp)
+        out[tp] = (root / f"tp{tp}", torch.load(root / f"tp{tp}.logits.pt"))
+    ref = root / "ref"
+    ref.mkdir()
+    (ref / "config.json").write_text(json.dumps(mc.hf_config()))
+    return out, ref
+
+
+@pytest.fixture(scope="session")
+def exported(saved, tmp_path_factory):
+    ckpts, ref = saved
+    root = tmp_path_factory.mktemp("torch_dist_hf")
+    out = {}
+    for tp, (ckpt, _) in ckpts.items():
+        run = run_cli("export-hf", ckpt, root / f"tp{tp}", "--hf-config", ref, "--verify")
+        assert run.returncode == 0, run.stderr
+        out[tp] = root / f"tp{tp}"
+    return out
+
+
+def megatron_to_hf(state: dict) -> dict[str, torch.Tensor]:
+    """Test side, independent of ckptctl: Megatron's global layer stacks → HF Llama tensors."""
+    d = mc.DIMS
+    hd, groups, per_group = d["hidden"] // d["heads"], d["groups"], d["heads"] // d["groups"]
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:d["vocab"]],
+           "lm_head.weight": state["output_layer.weight"][:d["vocab"]],
+           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    for layer in range(d["layers"]):
+        p, s = f"model.layers.{layer}.", lambda name: state["decoder.layers." + name][layer]
+        qkv = s("self_attention.linear_qkv.weight").reshape(groups, (per_group + 2) * hd, d["hidden"])
+        out[p + "self_attn.q_proj.weight"] = qkv[:, :per_group * hd].reshape(-1, d["hidden"])
+        out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
+        out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
+        out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
+        fc1 = s("mlp.linear_fc1.weight")
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:d["ffn"]], fc1[d["ffn"]:]
+        out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
+        out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
+        out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
+    return out
+
+
+@pytest.mark.parametrize("tp", TPS)
+def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, exported, tp):
+    from fixtures.make_fixtures import load_with_torch
+    from safetensors.torch import load_file
+
+    ckpt, logits = saved[0][tp]
+    want = megatron_to_hf(load_with_torch(ckpt))
+    got = load_file(exported[tp] / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported[tp], dtype=torch.float32)
+    with torch.no_grad():
+        hf_logits = model(mc.TOKENS).logits
+    torch.testing.assert_close(hf_logits, logits[..., :mc.DIMS["vocab"]], rtol=0, atol=1e-6)
+
+
+def test_exports_at_tp_1_and_2_are_the_same_folder(exported):
+    run = run_cli("diff", exported[1], exported[2])
+    assert (run.returncode, run.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
+
+
+@pytest.mark.parametrize("tp, layouts", [(1, {"layer-stacked": 6, "single": 3}),
+                                         (2, {"layer-stacked": 6, "shard0-even": 2, "single": 1})])
+def test_inspect_names_the_format_and_labels_layer_stacks(saved, tp, layouts):
+    ckpt = saved[0][tp][0]
+    run = run_cli("inspect", ckpt, "--json")
+    assert run.returncode == 0, run.stderr
+    doc = json.loads(run.stdout)
+    assert (doc["format"], doc["layouts"], doc["world_size"]) == ("megatron-core torch_dist", layouts, tp)
+    assert doc["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["shape"] == [2, 96, 32]
+    assert not doc["problems"]
+    text = run_cli("inspect", ckpt).stdout
+    assert re.search(r"^Format\s+Megatron-Core dist_checkpointing, torch_dist backend \(metadata\.json\): "
+                     r"layer-stacked keys, fc1 as \[W_all; V_all\]\s*$", text, re.M)
+
+
+def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
+    ckpt = saved[0][2][0]
+    run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt}: a Megatron-Core torch_dist checkpoint: "
+                                               "reshard does not convert it yet (layer-stacked keys, fc1 as "
+                                               "[W_all; V_all]); inspect, export-hf, export-torch and diff read it\n")
+
+
+def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
+    from fixtures.make_fixtures import load_with_torch
+
+    ckpt = saved[0][2][0]
+    run = run_cli("export-torch", ckpt, tmp_path / "o.pt", "--exclude", "*_extra_state*")
+    assert run.returncode == 0, run.stderr
+    got, want = torch.load(tmp_path / "o.pt", weights_only=True), load_with_torch(ckpt)
+    tensors = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
+    assert sorted(got) == sorted(tensors)
+    assert all(torch.equal(got[k], v) for k, v in tensors.items())
