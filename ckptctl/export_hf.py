@@ -37,7 +37,7 @@ from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
-from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, verify_file, write_index
+from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
 from ckptctl.geometry import Box, union_volume
 from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
 from ckptctl.hf.base import (
@@ -48,10 +48,11 @@ from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transforme
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family, torchtitan_prefix
-from ckptctl.megatron import MODEL_PREFIXES, checkpoint_args, fused_kind, resolve_tp, tp_from_geometry
+from ckptctl.formats.megatron_args import checkpoint_args
+from ckptctl.megatron import MODEL_PREFIXES, fused_kind, resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
-from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back
+from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor
 from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
@@ -204,8 +205,8 @@ def resolve_tps(ckpt: Checkpoint, model: MegatronModel, given: int | None) -> tu
         raise UsageError(f"--tp must be at least 1 (got {given})")
     if not any(fused_kind(name) for name in model.entries):
         return given, None
-    tp = resolve_tp(ckpt, given, strict=True)
     args = checkpoint_args(ckpt)
+    tp = resolve_tp(ckpt, args, given, strict=True)
     if given is not None:
         evidence = {}
         if args is not None and getattr(args, "tensor_model_parallel_size", None) is not None:
@@ -578,7 +579,7 @@ def export_hf(
         if verify:
             advance = phases.start("verifying", plan.data_bytes)
             for f in plan.files:
-                verify_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+                verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
             check_written_names(plan, tmp)
             check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
                                  max(1, opts.workers))

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ckptctl.errors import UsageError
-from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.model import Checkpoint
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
@@ -108,18 +107,10 @@ def tp_from_geometry(ckpt: Checkpoint) -> int | None:
     return max(seen) if seen else None
 
 
-def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
-    """The `args` entry Megatron saves (an argparse.Namespace), read with a restricted unpickler."""
-    entry = ckpt.bytes_entries.get("args")
-    if entry is None:
-        return None
-    with ItemReader(ckpt) as reader:
-        value = reader.load_bytes_value(entry, safe_globals=[argparse.Namespace])
-    return value if isinstance(value, argparse.Namespace) else None
-
-
-def resolve_tp(ckpt: Checkpoint, given: int | None, what: str = "--tp", *, strict: bool = False) -> int:
-    """The training TP size: `given`, else `args.tensor_model_parallel_size`, else RowParallel geometry.
+def resolve_tp(ckpt: Checkpoint, args: argparse.Namespace | None, given: int | None, what: str = "--tp", *,
+               strict: bool = False) -> int:
+    """The training TP size: `given`, else `args.tensor_model_parallel_size` (the checkpoint's
+    `formats.megatron_args.checkpoint_args`), else RowParallel geometry.
 
     RowParallel chunks that are not split on dim 1 (TP 1 seen) are weak evidence: every layout
     that is not TP-split on disk (FSDP2, a reshard to `fsdp2`) shows them. They never
@@ -127,7 +118,6 @@ def resolve_tp(ckpt: Checkpoint, given: int | None, what: str = "--tp", *, stric
     """
     if given is not None:
         return given
-    args = checkpoint_args(ckpt)
     from_args = getattr(args, "tensor_model_parallel_size", None) if args is not None else None
     from_geometry = tp_from_geometry(ckpt)
     if from_geometry == 1 and (strict or from_args is not None):

@@ -33,7 +33,6 @@ from ckptctl.megatron import (
     FUSED_PARTS,
     TP_BLOCKED_UNKNOWN,
     RowBlock,
-    checkpoint_args,
     fused_component,
     fused_kind,
     is_expert,
@@ -41,6 +40,7 @@ from ckptctl.megatron import (
     tp_blocked_split,
     tp_reblock,
 )
+from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
 from ckptctl.plan import CopyItem, Piece, SourceTensor, TargetTensor, identity_target
@@ -96,7 +96,7 @@ def resolve_layout(ckpt: Checkpoint, opts: ReshardOptions) -> Layout:
             raise UsageError("--source-tp names the TP the source's fused tensors are blocked for; "
                              "pass --tp (the target TP) or --split-fused with it")
         return Layout("fsdp2", opts.world_size, opts.tp)
-    tp = opts.tp if opts.tp is not None else resolve_tp(ckpt, opts.source_tp, "--tp")
+    tp = opts.tp if opts.tp is not None else resolve_tp(ckpt, checkpoint_args(ckpt), opts.source_tp, "--tp")
     if opts.dp is not None:
         dp = opts.dp
     elif opts.world_size is not None:
@@ -307,7 +307,8 @@ class MegatronPlanner:
 
     def source_tp(self) -> int:
         if self._source_tp is None:
-            self._source_tp = resolve_tp(self.ckpt, self.opts.source_tp, "--source-tp", strict=True)
+            self._source_tp = resolve_tp(self.ckpt, checkpoint_args(self.ckpt), self.opts.source_tp, "--source-tp",
+                                         strict=True)
         return self._source_tp
 
     def dims(self) -> ModelDims:

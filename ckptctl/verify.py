@@ -30,6 +30,7 @@ from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
+from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
 from ckptctl.geometry import Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
@@ -58,15 +59,16 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
 
 
 def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written: Path, workers: int = 1,
-               advance: Advance | None = None) -> None:
+               advance: Advance | None = None, views: Mapping[str, SourceTensor] | None = None) -> None:
     """Raise CheckpointError unless every tensor and bytes entry at `written` equals its source.
 
-    Tensors are checked on `workers` threads (reads and hashing release the GIL); `advance`
-    counts each checked tensor's output bytes.
+    `views` are the source views the targets' pieces address (default: each tensor as reshard
+    sees it). Tensors are checked on `workers` threads (reads and hashing release the GIL);
+    `advance` counts each checked tensor's output bytes.
     """
     from ckptctl.reshard import source_tensors
 
-    src_sources = source_tensors(src)
+    src_sources = views if views is not None else source_tensors(src)
     dst = open_checkpoint(written)
     dst_chunks = ChunkSource(dst)
     try:
@@ -360,3 +362,99 @@ def _load_safetensors_record(fd: int, chunk: Chunk, fqn: str, path: Path, file_s
     except Exception as exc:  # noqa: BLE001 - safetensors refuses with its own error types
         raise CheckpointError(path, f"item at byte {chunk.offset}: safetensors cannot load {fqn} for verification "
                                     f"({type(exc).__name__})") from None
+
+
+# --------------------------------------------------------------------------------------
+# A written safetensors file, read back through safetensors' own lazy reader
+# --------------------------------------------------------------------------------------
+
+
+REOPEN_BYTES = 64 << 20
+"""`--verify` reopens a safetensors file after reading this much of it through its memory map."""
+
+
+class _Reader:
+    """safetensors' lazy reader, reopened after every REOPEN_BYTES read (its memory map's touched
+    pages count as resident until the file is closed, so this bounds verification memory)."""
+
+    def __init__(self, path: Path) -> None:
+        from safetensors import safe_open
+
+        self._open = lambda: safe_open(str(path), framework="pt")
+        self._handle = None
+        self._mapped = 0
+
+    def get(self, nbytes: int):
+        if self._handle is None or (self._mapped and self._mapped + nbytes > REOPEN_BYTES):
+            self.close()
+            self._handle = self._open().__enter__()
+        self._mapped += nbytes
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.__exit__(None, None, None)
+            self._handle, self._mapped = None, 0
+
+
+def verify_safetensors_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetTensor],
+                sources: Mapping[str, SourceTensor], chunks: ChunkSource, workers: int = 1,
+                advance: Advance | None = None) -> int:
+    """Re-read every tensor of a written file in row blocks and compare bytes with the source assembly.
+
+    Tensors are dealt round-robin to `workers` threads, each with its own reader; `advance`
+    counts each checked tensor's bytes. Returns the number of tensors checked; raises
+    CheckpointError at the first difference.
+    """
+    names = list(file.offsets)
+
+    def check(group: list[str]) -> None:
+        reader = _Reader(path)
+        try:
+            for name in group:
+                _verify_tensor(path, reader, targets[name], sources, chunks)
+                if advance is not None:
+                    advance(targets[name].nbytes)
+        finally:
+            reader.close()
+
+    reader = _Reader(path)
+    try:
+        head = reader.get(0)
+        if (head.metadata() or {}).get("format") != "pt":
+            raise CheckpointError(path, "header metadata lacks format=pt")
+        if sorted(head.keys()) != sorted(names):
+            raise CheckpointError(path, "holds other tensors than planned")
+        reader.close()
+        groups = [names[k::workers] for k in range(max(1, workers))]
+        run_on_threads([g for g in groups if g], check, workers, "ckptctl-verify")
+    except CheckpointError:
+        raise
+    except Exception as exc:  # safetensors raises its own error types for unreadable files
+        raise CheckpointError(path, f"cannot re-read for verification ({type(exc).__name__}: {exc})") from exc
+    finally:
+        reader.close()
+    return len(names)
+
+
+def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: Mapping[str, SourceTensor],
+                   chunks: ChunkSource) -> None:
+    name = target.fqn
+    shape = tuple(reader.get(0).get_slice(name).get_shape())
+    if shape != target.shape:
+        raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
+    for box in item_boxes(target.shape, target.dtype.itemsize, ASSEMBLE_BYTES):
+        want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
+        handle = reader.get(len(want))
+        got = handle.get_tensor(name) if not target.shape else \
+            handle.get_slice(name)[box.offsets[0]: box.offsets[0] + box.sizes[0]]
+        if got.dtype != target.dtype or tuple(got.shape) != box.sizes or want != _row_major_view(got):
+            raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
+                                        f"differ from the source)")
+
+
+def _row_major_view(t: Any) -> memoryview:
+    """The tensor's row-major bytes as a view (compared in place with the assembled box, not copied)."""
+    import torch
+
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())

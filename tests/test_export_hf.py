@@ -288,7 +288,7 @@ def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_
     from ckptctl.errors import CheckpointError
     from ckptctl.export_hf import ExportOptions, plan_export
     from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.formats.safetensors_out import verify_file
+    from ckptctl.verify import verify_safetensors_file
     from ckptctl.hf.base import load_hf_config
 
     src = fixture_ckpt("fsdp2_4ranks")
@@ -308,7 +308,7 @@ def test_verify_catches_one_flipped_bit_in_an_exported_tensor(fixture_ckpt, tmp_
     sources = ChunkSource(ckpt)
     try:
         with pytest.raises(CheckpointError) as err:
-            verify_file(path, file, plan.targets, plan.sources, sources, workers=2)
+            verify_safetensors_file(path, file, plan.targets, plan.sources, sources, workers=2)
     finally:
         sources.close()
     assert str(err.value) == f"{path}: {name}: verification failed (rows from (0,) differ from the source)"

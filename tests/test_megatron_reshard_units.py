@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.geometry import Box, FlatRange
+from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.megatron import fused_component, fused_kind, resolve_tp
 from ckptctl.megatron_reshard import (
     fuse_regroup,
@@ -159,11 +160,13 @@ def test_model_dims_come_from_the_checkpoint_args():
 
 def test_unsplit_rowparallel_chunks_never_contradict_args_and_are_not_trusted_strictly(tmp_path, noargs):
     mc.save_full(tmp_path / "args2", tp=2)
-    assert resolve_tp(open_checkpoint(tmp_path / "args2"), None) == 2
+    with_args = open_checkpoint(tmp_path / "args2")
+    assert resolve_tp(with_args, checkpoint_args(with_args), None) == 2
     ckpt = open_checkpoint(noargs)
-    assert resolve_tp(ckpt, None) == 1
+    assert checkpoint_args(ckpt) is None
+    assert resolve_tp(ckpt, None, None) == 1
     with pytest.raises(UsageError, match="pass --source-tp"):
-        resolve_tp(ckpt, None, "--source-tp", strict=True)
+        resolve_tp(ckpt, None, None, "--source-tp", strict=True)
 
 
 def opts(**kw) -> ReshardOptions:

@@ -6,8 +6,8 @@ in the order safetensors' own writer uses (dtype, widest first, then name), so e
 tensor's data starts at a multiple of its item size. Everything about a file is known
 before any data moves, so each tensor becomes `StreamItem`s (raw records,
 `tail=None`) at fixed offsets that the CPU engine fills in any order and in parallel,
-without ever holding a whole tensor, let alone a whole shard. `verify_file` re-reads a
-written file in row blocks through safetensors' own lazy reader.
+without ever holding a whole tensor, let alone a whole shard (`verify.verify_safetensors_file`
+re-reads a written file in row blocks through safetensors' own lazy reader).
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
-from ckptctl.progress import Advance
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
 
 WRITE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
@@ -33,8 +31,6 @@ descending order of this, then by name. A code it does not list sorts before all
 _WRITE_RANK = {code: rank for rank, code in enumerate(WRITE_ORDER)}
 ITEM_BYTES = 64 << 20
 """Tensors larger than this are written as several row-block items, so workers share big tensors."""
-REOPEN_BYTES = 64 << 20
-"""`--verify` reopens a file after reading this much of it through safetensors' memory map."""
 
 
 @dataclass(frozen=True)
@@ -117,90 +113,3 @@ def write_index(path: Path, total_parameters: int, total_size: int, weight_map: 
     doc = {"metadata": {"total_parameters": total_parameters, "total_size": total_size},
            "weight_map": dict(weight_map)}
     path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-
-class _Reader:
-    """safetensors' lazy reader, reopened after every REOPEN_BYTES read (its memory map's touched
-    pages count as resident until the file is closed, so this bounds verification memory)."""
-
-    def __init__(self, path: Path) -> None:
-        from safetensors import safe_open
-
-        self._open = lambda: safe_open(str(path), framework="pt")
-        self._handle = None
-        self._mapped = 0
-
-    def get(self, nbytes: int):
-        if self._handle is None or (self._mapped and self._mapped + nbytes > REOPEN_BYTES):
-            self.close()
-            self._handle = self._open().__enter__()
-        self._mapped += nbytes
-        return self._handle
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.__exit__(None, None, None)
-            self._handle, self._mapped = None, 0
-
-
-def verify_file(path: Path, file: SafetensorsFile, targets: Mapping[str, TargetTensor],
-                sources: Mapping[str, SourceTensor], chunks: ChunkSource, workers: int = 1,
-                advance: Advance | None = None) -> int:
-    """Re-read every tensor of a written file in row blocks and compare bytes with the source assembly.
-
-    Tensors are dealt round-robin to `workers` threads, each with its own reader; `advance`
-    counts each checked tensor's bytes. Returns the number of tensors checked; raises
-    CheckpointError at the first difference.
-    """
-    names = list(file.offsets)
-
-    def check(group: list[str]) -> None:
-        reader = _Reader(path)
-        try:
-            for name in group:
-                _verify_tensor(path, reader, targets[name], sources, chunks)
-                if advance is not None:
-                    advance(targets[name].nbytes)
-        finally:
-            reader.close()
-
-    reader = _Reader(path)
-    try:
-        head = reader.get(0)
-        if (head.metadata() or {}).get("format") != "pt":
-            raise CheckpointError(path, "header metadata lacks format=pt")
-        if sorted(head.keys()) != sorted(names):
-            raise CheckpointError(path, "holds other tensors than planned")
-        reader.close()
-        groups = [names[k::workers] for k in range(max(1, workers))]
-        run_on_threads([g for g in groups if g], check, workers, "ckptctl-verify")
-    except CheckpointError:
-        raise
-    except Exception as exc:  # safetensors raises its own error types for unreadable files
-        raise CheckpointError(path, f"cannot re-read for verification ({type(exc).__name__}: {exc})") from exc
-    finally:
-        reader.close()
-    return len(names)
-
-
-def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: Mapping[str, SourceTensor],
-                   chunks: ChunkSource) -> None:
-    name = target.fqn
-    shape = tuple(reader.get(0).get_slice(name).get_shape())
-    if shape != target.shape:
-        raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
-    for box in item_boxes(target.shape, target.dtype.itemsize, ASSEMBLE_BYTES):
-        want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
-        handle = reader.get(len(want))
-        got = handle.get_tensor(name) if not target.shape else \
-            handle.get_slice(name)[box.offsets[0]: box.offsets[0] + box.sizes[0]]
-        if got.dtype != target.dtype or tuple(got.shape) != box.sizes or want != _row_major_view(got):
-            raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
-                                        f"differ from the source)")
-
-
-def _row_major_view(t: Any) -> memoryview:
-    """The tensor's row-major bytes as a view (compared in place with the assembled box, not copied)."""
-    import torch
-
-    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy())
