@@ -38,13 +38,14 @@ from ckptctl.hf.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_rows,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
+from ckptctl.hf.experts import stacked_parts
 from ckptctl.hf.llama import EMBED, OUTPUT
 from ckptctl.hf.torchtitan import EMBED as TT_EMBED
 from ckptctl.hf.torchtitan import OUTPUT as TT_OUTPUT
 from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2, megatron_fsdp
-from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
 from ckptctl.progress import ProgressObserver
 from ckptctl.reshard import (
     ReshardOptions, ReshardReport, cast_dtype, new_report, refuse_empty_selection, selected, write_dcp_output,
@@ -121,6 +122,8 @@ class ImportReport(ReshardReport):
 @dataclass
 class ImportPlan:
     output: DcpOutput
+    views: dict[str, SourceTensor]
+    """The source views the output's pieces address (some experts seen stacked)."""
     model_class: str | None
     notes: list[str]
 
@@ -161,11 +164,12 @@ def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool, in_me
     folder does not hold itself."""
     names = set(ckpt.tensors)
     cls = expected.model_class
-    if in_memory and expected.in_memory and expected.in_memory != expected.required:
-        fused = shown(sorted(expected.in_memory - expected.required))
-        raise UsageError(f"{ckpt.path}: a {cls} holds some weights in another form in memory than on disk "
-                         f"({fused}); a fully_shard'ed {cls} loads that form, which import-hf --to fsdp2 does not "
-                         "convert to yet")
+    if in_memory:
+        unknown = sorted(n for n in in_memory_only(expected) if stacked_parts(n, names) is None)
+        if unknown:
+            raise UsageError(f"{ckpt.path}: a {cls} holds some weights in another form in memory than on disk "
+                             f"({shown(unknown)}); a fully_shard'ed {cls} loads that form, and import-hf has no rule "
+                             "making it from this folder")
     unclaimed = expected.unclaimed(names)
     if unclaimed:
         verb = "has" if len(unclaimed) == 1 else "have"
@@ -216,13 +220,28 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
             tp, dp = opts.grid()
             placements = {t.fqn: megatron_fsdp(t.shape, t.fqn[len(prefix):], tp, dp) for t in kept}
         output = layout_dcp(kept, placements, views, [], None)
-    return ckpt, ImportPlan(output, expected.model_class if expected else None, notes)
+    return ckpt, ImportPlan(output, views, expected.model_class if expected else None, notes)
+
+
+def in_memory_only(expected: ExpectedNames) -> list[str]:
+    """The names a transformers model holds in memory only (its MoE experts, stacked)."""
+    return sorted(expected.in_memory - expected.required) if expected.in_memory else []
 
 
 def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected: ExpectedNames | None,
                   opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
-    """Every tensor as it is, and each tied parameter the folder leaves out as a copy of its source."""
-    targets = [identity_target(v, dtype=cast_dtype(v.dtype, opts.dtype)) for v in views.values()]
+    """Every tensor as the model holds it in memory: as it is, MoE experts stacked as transformers
+    stacks them (`hf.experts`), and each tied parameter the folder leaves out as a copy of its
+    source."""
+    stacked = {name: stacked_parts(name, set(views)) for name in (in_memory_only(expected) if expected else ())}
+    consumed = {n for experts in stacked.values() if experts for parts in experts for n in parts}
+    targets = [identity_target(v, dtype=cast_dtype(v.dtype, opts.dtype)) for v in views.values()
+               if v.fqn not in consumed]
+    for name, experts in stacked.items():
+        targets.append(stacked_target(name, experts or [], views, opts))
+    if stacked:
+        notes.append(f"{len(consumed)} per-expert tensors stacked into {len(stacked)} tensors as "
+                     f"{expected.model_class if expected else 'the model'} holds them in memory")
     prefix = opts.output_prefix
     for name, source in tied.items():
         view = views[source]
@@ -230,6 +249,30 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
         notes.append(f"{prefix}{name} written as a copy of {prefix}{source} "
                      f"({expected.model_class if expected else 'the model'} ties them; model.state_dict() lists both)")
     return targets
+
+
+def stacked_target(name: str, experts: list[tuple[str, ...]], views: dict[str, SourceTensor],
+                   opts: ImportOptions) -> TargetTensor:
+    """`name` [E, rows, …]: expert e's rows are its parts' rows one after another; each part is
+    seen with a leading unit dim (`plan.unsqueezed_view`) so its piece is a box of the target."""
+    first = views[experts[0][0]]
+    rows = sum(views[p].shape[0] for p in experts[0])
+    pieces = []
+    for e, parts in enumerate(experts):
+        at = 0
+        for part in parts:
+            view = views[part]
+            if view.shape[1:] != first.shape[1:] or view.dtype != first.dtype:
+                raise CheckpointError(part, f"shape {list(view.shape)} does not stack with {first.fqn}'s "
+                                            f"{list(first.shape)}")
+            views[part] = unsqueezed_view(view)
+            pieces.append(Piece(part, (0,) * (len(view.shape) + 1), (e, at, *(0 for _ in view.shape[1:])),
+                                (1, *view.shape)))
+            at += view.shape[0]
+        if at != rows:
+            raise CheckpointError(parts[0], f"expert {e} has {at} rows, expert 0 {rows}")
+    return TargetTensor(name, (len(experts), rows, *first.shape[1:]), cast_dtype(first.dtype, opts.dtype),
+                        tuple(pieces))
 
 
 def folder_hf_config(ckpt: Checkpoint, config: dict[str, Any] | None, target: str) -> HFConfig:
@@ -345,5 +388,5 @@ def import_hf(
                                            ImportReport, model_class=plan.model_class, notes=plan.notes))
     if not dry_run:
         write_dcp_output(ckpt, plan.output, src, dst, report, engine, started, force=force, verify=verify,
-                         progress=progress, comm=comm)
+                         progress=progress, comm=comm, views=plan.views)
     return report

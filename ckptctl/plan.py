@@ -107,6 +107,17 @@ def layer_stacked_view(entry: TensorEntry) -> SourceTensor:
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
 
 
+def unsqueezed_view(view: SourceTensor) -> SourceTensor:
+    """A source seen with a leading unit dim ([F, H] as [1, F, H]): the same elements in the same
+    order, so a piece of it can be a box of a stacked target (one expert of [E, F, H])."""
+    regions = []
+    for chunk, region in view.chunks:
+        if not isinstance(region, Box):
+            raise ValueError(f"{view.fqn}: a flat buffer cannot be stacked")
+        regions.append((chunk, Box((0, *region.offsets), (1, *region.sizes))))
+    return SourceTensor(view.fqn, (1, *view.shape), view.dtype, tuple(regions))
+
+
 @dataclass(frozen=True, slots=True)
 class Piece:
     """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`."""

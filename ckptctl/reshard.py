@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device, working_bytes
@@ -193,9 +193,10 @@ def reshard(
 
 def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, report: ReshardReport,
                      opts: ReshardOptions, started: float, *, force: bool, verify: bool, progress: ProgressObserver | None,
-                     comm: Comm) -> None:
+                     comm: Comm, views: Mapping[str, SourceTensor] | None = None) -> None:
     """Stream `out` from `ckpt` into an atomic DCP directory at `dst` (this worker's share of the
-    rank files; rank 0 the metadata), verify it when asked, and time the run into `report`."""
+    rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
+    the plan used; default as reshard sees the source), and time the run into `report`."""
     check_destination(dst, force, src)
     execute = executor(opts.device, comm.local_rank)
     mine = assign_files(out.files, comm.world_size)[comm.rank]
@@ -219,7 +220,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         write_metadata(out, tmp)
         if verify:
             verify_dcp(ckpt, sources, out, tmp, opts.workers,
-                       phases.start("verifying", sum(t.nbytes for t in out.targets.values())))
+                       phases.start("verifying", sum(t.nbytes for t in out.targets.values())), views)
             phases.stop()
             report.verified = True
 

@@ -32,15 +32,20 @@ def _tiny(kind: str):
                   num_key_value_heads=2)
     if kind == "llama-tied":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    if kind == "qwen3-moe":
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=12,
+            decoder_sparse_step=1, mlp_only_layers=[0], tie_word_embeddings=False))
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**common, head_dim=8, tie_word_embeddings=False))
 
 
 @pytest.fixture(scope="session")
 def folders(tmp_path_factory):
-    """HF folders by kind: `llama-tied` in 3 shards with an index, `qwen3` in one file."""
+    """HF folders by kind: `llama-tied` in 3 shards with an index, `qwen3` and `qwen3-moe` (experts
+    per expert on disk, stacked in memory) in one file."""
     root = tmp_path_factory.mktemp("hf")
     out = {}
-    for seed, kind in enumerate(("llama-tied", "qwen3")):
+    for seed, kind in enumerate(("llama-tied", "qwen3", "qwen3-moe")):
         torch.manual_seed(seed)
         model = _tiny(kind)
         out[kind] = root / kind
@@ -71,7 +76,7 @@ def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama-tied", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama-tied", "qwen3", "qwen3-moe"])
 def test_a_fully_sharded_model_loads_every_tensor_bit_exactly_and_computes_the_same_logits(folders, imported, kind):
     from fixtures.hf_fsdp2 import TOKENS
 
@@ -113,6 +118,20 @@ def test_a_tied_lm_head_is_written_as_a_copy_of_the_embeddings_with_a_note(impor
     assert re.fullmatch(rf"wrote {out} \(21 tensors, [\d.]+ kB in 4 files; names checked against "
                         r"LlamaForCausalLM\) in .*, verified", run.stderr.splitlines()[-1])
     assert torch.equal(got["state"]["lm_head.weight"], got["state"]["model.embed_tokens.weight"])
+
+
+def test_moe_experts_are_stacked_as_transformers_holds_them_in_memory(imported, folders):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out, run, _ = imported["qwen3-moe"]
+    assert run.stderr.splitlines()[0] == ("note: 12 per-expert tensors stacked into 2 tensors as Qwen3MoeForCausalLM "
+                                          "holds them in memory")
+    md = FileSystemReader(str(out)).read_metadata().state_dict_metadata
+    gate_up = md["model.model.layers.1.mlp.experts.gate_up_proj"]
+    assert list(gate_up.size) == [4, 24, 16]
+    assert [(list(c.offsets), list(c.sizes)) for c in gate_up.chunks] == \
+        [([0, 0, 0], [2, 24, 16]), ([2, 0, 0], [2, 24, 16])]  # torch.chunk(4, 3): 2, 2 and none
+    assert not any(".experts.0." in name for name in md)
 
 
 def test_json_reports_the_counts_the_model_class_and_the_notes(folders, tmp_path):
