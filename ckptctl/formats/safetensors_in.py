@@ -96,7 +96,7 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
             continue
         try:
             code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
+            ok = isinstance(code, str) and all(type(d) is int and d >= 0 for d in (*shape, begin, end))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
