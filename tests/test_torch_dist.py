@@ -1,10 +1,11 @@
 """Megatron-Core `torch_dist` checkpoints written by megatron-core itself: inspect and export-hf.
 
 A tiny llama-like GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA, padded vocab) is built
-and saved by megatron-core's own `dist_checkpointing.save` at TP 1 and TP 2, and its own
-forward gives the logits of a fixed batch (`fixtures.megatron_core`). export-hf must give
-the HF Llama whose every tensor is the independent test-side mapping of Megatron's global
-tensors and whose logits (transformers) equal Megatron's; both TPs give the same folder.
+and saved by megatron-core's own `dist_checkpointing.save` at TP 1, TP 2 and PP 2 (each
+stage its layers at their global index), and its own forward gives the logits of a fixed
+batch (`fixtures.megatron_core`; not pipelined). export-hf must give the HF Llama whose
+every tensor is the independent test-side mapping of Megatron's global tensors and whose
+logits (transformers) equal Megatron's; both TPs give the same folder.
 Skipped without megatron-core (`make install` puts it in).
 """
 
@@ -21,17 +22,19 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
-TPS = (1, 2)
+GRIDS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
+"""Name → (TP, PP) of each saved checkpoint."""
 
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """TP → (checkpoint, Megatron's logits); and the HF config folder."""
+    """Grid name → (checkpoint, Megatron's logits or None when pipelined); and the HF config folder."""
     root = tmp_path_factory.mktemp("torch_dist")
     out = {}
-    for tp in TPS:
-        mc.write(root / f"tp{tp}", tp)
-        out[tp] = (root / f"tp{tp}", torch.load(root / f"tp{tp}.logits.pt"))
+    for name, (tp, pp) in GRIDS.items():
+        mc.write(root / name, tp, pp)
+        logits = root / f"{name}.logits.pt"
+        out[name] = (root / name, torch.load(logits) if logits.exists() else None)
     ref = root / "ref"
     ref.mkdir()
     (ref / "config.json").write_text(json.dumps(mc.hf_config()))
@@ -43,10 +46,10 @@ def exported(saved, tmp_path_factory):
     ckpts, ref = saved
     root = tmp_path_factory.mktemp("torch_dist_hf")
     out = {}
-    for tp, (ckpt, _) in ckpts.items():
-        run = run_cli("export-hf", ckpt, root / f"tp{tp}", "--hf-config", ref, "--verify")
+    for name, (ckpt, _) in ckpts.items():
+        run = run_cli("export-hf", ckpt, root / name, "--hf-config", ref, "--verify")
         assert run.returncode == 0, run.stderr
-        out[tp] = root / f"tp{tp}"
+        out[name] = root / name
     return out
 
 
@@ -72,36 +75,40 @@ def megatron_to_hf(state: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("tp", TPS)
-def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, exported, tp):
+@pytest.mark.parametrize("grid", GRIDS)
+def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, exported, grid):
     from fixtures.make_fixtures import load_with_torch
     from safetensors.torch import load_file
 
-    ckpt, logits = saved[0][tp]
+    ckpt, logits = saved[0][grid]
     want = megatron_to_hf(load_with_torch(ckpt))
-    got = load_file(exported[tp] / "model.safetensors")
+    got = load_file(exported[grid] / "model.safetensors")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
-    model = transformers.AutoModelForCausalLM.from_pretrained(exported[tp], dtype=torch.float32)
+    if logits is None:
+        return
+    model = transformers.AutoModelForCausalLM.from_pretrained(exported[grid], dtype=torch.float32)
     with torch.no_grad():
         hf_logits = model(mc.TOKENS).logits
     torch.testing.assert_close(hf_logits, logits[..., :mc.DIMS["vocab"]], rtol=0, atol=1e-6)
 
 
 def test_exports_at_tp_1_and_2_are_the_same_folder(exported):
-    run = run_cli("diff", exported[1], exported[2])
+    run = run_cli("diff", exported["tp1"], exported["tp2"])
     assert (run.returncode, run.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
 
 
-@pytest.mark.parametrize("tp, layouts", [(1, {"layer-stacked": 6, "single": 3}),
-                                         (2, {"layer-stacked": 6, "shard0-even": 2, "single": 1})])
-def test_inspect_names_the_format_and_labels_layer_stacks(saved, tp, layouts):
-    ckpt = saved[0][tp][0]
+@pytest.mark.parametrize("grid, layouts", [("tp1", {"layer-stacked": 6, "single": 3}),
+                                           ("tp2", {"layer-stacked": 6, "shard0-even": 2, "single": 1}),
+                                           ("pp2", {"layer-stacked": 6, "single": 3})])
+def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
+    ckpt = saved[0][grid][0]
     run = run_cli("inspect", ckpt, "--json")
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout)
-    assert (doc["format"], doc["layouts"], doc["world_size"]) == ("megatron-core torch_dist", layouts, tp)
+    world = GRIDS[grid][0] * GRIDS[grid][1]
+    assert (doc["format"], doc["layouts"], doc["world_size"]) == ("megatron-core torch_dist", layouts, world)
     assert doc["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["shape"] == [2, 96, 32]
     assert not doc["problems"]
     text = run_cli("inspect", ckpt).stdout
@@ -110,7 +117,7 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, tp, layouts):
 
 
 def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
-    ckpt = saved[0][2][0]
+    ckpt = saved[0]["tp2"][0]
     run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "2")
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt}: a Megatron-Core torch_dist checkpoint: "
                                                "reshard does not convert it yet (layer-stacked keys, fc1 as "
@@ -120,7 +127,7 @@ def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
 def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
     from fixtures.make_fixtures import load_with_torch
 
-    ckpt = saved[0][2][0]
+    ckpt = saved[0]["tp2"][0]
     run = run_cli("export-torch", ckpt, tmp_path / "o.pt", "--exclude", "*_extra_state*")
     assert run.returncode == 0, run.stderr
     got, want = torch.load(tmp_path / "o.pt", weights_only=True), load_with_torch(ckpt)
