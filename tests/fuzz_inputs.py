@@ -35,7 +35,7 @@ from ckptctl.reshard import ReshardOptions, reshard
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures" / "data"
-NAMES = ("fsdp2_4ranks", "broken_plain_optim", "flat_optim")
+NAMES = ("fsdp2_4ranks", "broken_plain_optim", "flat_optim", "megatron_torch_dist")
 CANARY = Path(tempfile.gettempdir()) / "ckptctl-fuzz-canary"
 MAX_EXAMPLE_SECONDS = 10.0
 MAX_EXTRA_RSS_MB = 256
@@ -46,6 +46,7 @@ _GLOBALS = [
     b"cposix\nsystem\n", b"cbuiltins\nexec\n", b"ctorch\nfloat32\n", b"ctorch\nSize\n",
     b"cpathlib\nPosixPath\n", b"ctorch.distributed.checkpoint.metadata\nBytesStorageMetadata\n",
     b"ctorch.distributed.checkpoint.metadata\nChunkStorageMetadata\n", b"ccollections\nOrderedDict\n",
+    b"ctorch.distributed.checkpoint.planner\nSavePlan\n", b"ctorch.distributed.checkpoint.planner\nWriteItemType\n",
 ]
 _VALUES = [
     b"N", b"\x88", b"K\x07", b"J\xff\xff\xff\xff", b"G" + struct.pack(">d", 1.5), b"]", b"}", b")",
