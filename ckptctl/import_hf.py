@@ -62,6 +62,8 @@ VOCAB_MULTIPLE = 128
 
 @dataclass
 class ImportOptions:
+    """What an import writes: the layout (`to`), its world size (or Megatron TP × DP), names, casts."""
+
     world_size: int | None
     to: str = "fsdp2"
     prefix: str | None = None
