@@ -22,41 +22,43 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
-GRIDS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2)}
-"""Name → (TP, PP) of each saved checkpoint."""
+GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3")}
+"""Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim."""
 
 
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """Grid name → (checkpoint, Megatron's logits or None when pipelined); and the HF config folder."""
+    """Grid name → (checkpoint, Megatron's logits or None when pipelined); model kind → HF config folder."""
     root = tmp_path_factory.mktemp("torch_dist")
     out = {}
-    for name, (tp, pp) in GRIDS.items():
-        mc.write(root / name, tp, pp)
+    for name, (tp, pp, kind) in GRIDS.items():
+        mc.write(root / name, tp, pp, kind=kind)
         logits = root / f"{name}.logits.pt"
         out[name] = (root / name, torch.load(logits) if logits.exists() else None)
-    ref = root / "ref"
-    ref.mkdir()
-    (ref / "config.json").write_text(json.dumps(mc.hf_config()))
-    return out, ref
+    refs = {}
+    for kind in {k for _, _, k in GRIDS.values()}:
+        refs[kind] = root / f"ref-{kind}"
+        refs[kind].mkdir()
+        (refs[kind] / "config.json").write_text(json.dumps(mc.hf_config(kind)))
+    return out, refs
 
 
 @pytest.fixture(scope="session")
 def exported(saved, tmp_path_factory):
-    ckpts, ref = saved
+    ckpts, refs = saved
     root = tmp_path_factory.mktemp("torch_dist_hf")
     out = {}
     for name, (ckpt, _) in ckpts.items():
-        run = run_cli("export-hf", ckpt, root / name, "--hf-config", ref, "--verify")
+        run = run_cli("export-hf", ckpt, root / name, "--hf-config", refs[GRIDS[name][2]], "--verify")
         assert run.returncode == 0, run.stderr
         out[name] = root / name
     return out
 
 
-def megatron_to_hf(state: dict) -> dict[str, torch.Tensor]:
-    """Test side, independent of ckptctl: Megatron's global layer stacks → HF Llama tensors."""
+def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
+    """Test side, independent of ckptctl: Megatron's global layer stacks → HF Llama/Qwen3 tensors."""
     d = mc.DIMS
-    hd, groups, per_group = d["hidden"] // d["heads"], d["groups"], d["heads"] // d["groups"]
+    hd, groups, per_group = mc.HEAD_DIM[kind], d["groups"], d["heads"] // d["groups"]
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:d["vocab"]],
            "lm_head.weight": state["output_layer.weight"][:d["vocab"]],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
@@ -72,6 +74,9 @@ def megatron_to_hf(state: dict) -> dict[str, torch.Tensor]:
         out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
         out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
         out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
+        if kind == "qwen3":
+            out[p + "self_attn.q_norm.weight"] = s("self_attention.q_layernorm.weight")
+            out[p + "self_attn.k_norm.weight"] = s("self_attention.k_layernorm.weight")
     return out
 
 
@@ -81,7 +86,7 @@ def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved
     from safetensors.torch import load_file
 
     ckpt, logits = saved[0][grid]
-    want = megatron_to_hf(load_with_torch(ckpt))
+    want = megatron_to_hf(load_with_torch(ckpt), GRIDS[grid][2])
     got = load_file(exported[grid] / "model.safetensors")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
