@@ -235,21 +235,23 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
     """Every tensor as the model holds it in memory: as it is, MoE experts stacked as transformers
     stacks them (`hf.experts`), and each tied parameter the folder leaves out as a copy of its
     source."""
-    stacked = {name: stacked_parts(name, set(views)) for name in (in_memory_only(expected) if expected else ())}
-    consumed = {n for experts in stacked.values() if experts for parts in experts for n in parts}
+    cls = expected.model_class if expected else "the model"
+    on_disk = set(views)
+    stacked = {name: parts for name in (in_memory_only(expected) if expected else ())
+               if (parts := stacked_parts(name, on_disk))}  # `check_names` refused any other in-memory form
+    consumed = {n for experts in stacked.values() for parts in experts for n in parts}
     targets = [identity_target(v, dtype=cast_dtype(v.dtype, opts.dtype)) for v in views.values()
                if v.fqn not in consumed]
-    for name, experts in stacked.items():
-        targets.append(stacked_target(name, experts or [], views, opts))
+    targets += [stacked_target(name, experts, views, opts) for name, experts in stacked.items()]
     if stacked:
-        notes.append(f"{len(consumed)} per-expert tensors stacked into {len(stacked)} tensors as "
-                     f"{expected.model_class if expected else 'the model'} holds them in memory")
+        notes.append(f"{len(consumed)} per-expert tensors stacked into {len(stacked)} tensors as {cls} holds "
+                     "them in memory")
     prefix = opts.output_prefix
     for name, source in tied.items():
         view = views[source]
         targets.append(identity_target(view, name, cast_dtype(view.dtype, opts.dtype)))
-        notes.append(f"{prefix}{name} written as a copy of {prefix}{source} "
-                     f"({expected.model_class if expected else 'the model'} ties them; model.state_dict() lists both)")
+        notes.append(f"{prefix}{name} written as a copy of {prefix}{source} ({cls} ties them; model.state_dict() "
+                     "lists both)")
     return targets
 
 

@@ -99,9 +99,9 @@ class Checkpoint:
     megatron_backend: str | None = None
     """`torch_dist` for a Megatron-Core dist_checkpointing checkpoint (its `metadata.json`): keys
     stacked along a leading layer axis, fc1 as `[W_all; V_all]` — not Megatron-FSDP's layouts."""
-    stored_names: dict[str, str] | None = None
-    """Set for a safetensors model folder read as a source: each chunk's (offset, length) are its
-    tensor's dense bytes, and this maps each FQN to the tensor's name in its file."""
+    safetensors_folder: bool = False
+    """A safetensors model folder read as a source: each chunk's (offset, length) are its tensor's
+    dense bytes, and each FQN is the tensor's name in its file."""
 
     @property
     def total_bytes(self) -> int:

@@ -239,8 +239,8 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files:
     import torch
 
     path = src.path / chunk.file
-    if src.stored_names is not None:
-        return _load_safetensors_rows(path, src.stored_names[entry.fqn], entry, chunk)
+    if src.safetensors_folder:
+        return _load_safetensors_rows(path, entry, chunk)
     fd = files.fd(chunk.file) if files is not None else open_regular(path)
     try:
         raw = os.pread(fd, chunk.length, chunk.offset)
@@ -314,11 +314,12 @@ def _undo_transforms(raw: bytes, chunk: Chunk, entry: TensorEntry, path: Path) -
     return data
 
 
-def _load_safetensors_rows(path: Path, name: str, entry: TensorEntry, chunk: Chunk) -> Any:
+def _load_safetensors_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> Any:
     """The rows `chunk` covers of a tensor of a safetensors model folder, as the safetensors
     library reads them by name (its slicing reads those rows only)."""
     from safetensors import safe_open
 
+    name = entry.fqn
     try:
         with safe_open(str(path), framework="pt") as handle:
             if entry.shape:

@@ -165,7 +165,7 @@ class ItemReader:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
         if chunk.transforms:
             return None
-        if self.ckpt.stored_names is not None:  # a safetensors folder: its header was checked on opening
+        if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
             return RawRecord(self._path(chunk.file), chunk.offset, chunk.length)
         key = (entry.dtype, chunk.sizes, chunk.length)
         template = self._templates.get(key)

@@ -140,8 +140,8 @@ def row_chunks(st: StoredTensor, file: str) -> tuple[Chunk, ...]:
 def open_safetensors_folder(path: Path) -> Checkpoint:
     """The folder as a checkpoint of its tensors by name, each in chunks of whole rows.
 
-    Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.stored_names`
-    says so and gives each tensor's name in its file)."""
+    Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.safetensors_folder`
+    says so)."""
     if not path.exists():
         raise CheckpointError(path, "no such file or directory")
     if path.is_file() and path.suffix != ".safetensors":
@@ -153,12 +153,10 @@ def open_safetensors_folder(path: Path) -> Checkpoint:
     root = path.parent if path.is_file() else path
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
-    names: dict[str, str] = {}
     for name, st in sorted(stored.items()):
         rel = st.file.relative_to(root).as_posix()
         if rel not in files:
             files[rel] = st.file.stat().st_size
         tensors[name] = TensorEntry(name, st.shape, st.dtype, row_chunks(st, rel))
-        names[name] = name
-    return Checkpoint(path=root, tensors=tensors, bytes_entries={}, files=files, stored_names=names,
+    return Checkpoint(path=root, tensors=tensors, bytes_entries={}, files=files, safetensors_folder=True,
                       metadata_files=())
