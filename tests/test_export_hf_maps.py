@@ -19,7 +19,7 @@ from ckptctl.export_hf import ExportOptions, choose_family, plan_export
 from ckptctl.formats.safetensors_out import item_boxes, layout_file
 from ckptctl.hf import FAMILIES
 from ckptctl.hf.base import ExportContext, HFConfig, MegatronModel, RowView, megatron_prefix
-from ckptctl.hf.llama import Attention, qkv_views
+from ckptctl.hf.rules import Attention, qkv_views
 from ckptctl.hf.qwen3_next import layer_types
 from ckptctl.megatron import RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, Chunk, TensorEntry

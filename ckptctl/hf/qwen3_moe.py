@@ -9,16 +9,9 @@ published checkpoints that transformers 5 fuses into `gate_up_proj` when loading
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ckptctl.errors import CheckpointError
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
-from ckptctl.hf.llama import (HF_LAYER, LAYER, Attention, attention, attention_shapes, dense_mlp, dense_mlp_shapes,
-                              embeddings, embeddings_shapes, output_layer, output_shapes, post_attention_norm, put,
-                              swiglu, swiglu_shapes)
-
-ROUTER = "mlp.router.weight"
-SHARED_GATE = "mlp.shared_experts.gate_weight"
+from ckptctl.hf.base import HFConfig
+from ckptctl.hf.llama import DENSE_MLP, EMBEDDING, FINAL, attention, attention_dims
+from ckptctl.hf.rules import DUPLICATED, Block, Family, Rule, Same, swiglu
 
 
 def is_sparse(cfg: HFConfig, layer: int) -> bool:
@@ -28,74 +21,37 @@ def is_sparse(cfg: HFConfig, layer: int) -> bool:
     return layer not in (cfg.get("mlp_only_layers") or []) and experts > 0 and step > 0 and (layer + 1) % step == 0
 
 
-def moe_mlp(ctx: ExportContext, out: dict[str, HFTensor], layer: int, shared: bool) -> None:
-    """Router, experts (and with `shared`, the shared expert and its sigmoid gate) of one MoE layer."""
-    cfg, m = ctx.config, ctx.model
-    mg, hf = LAYER.format(layer), HF_LAYER.format(layer)
-    hidden, experts, ffn = cfg.int("hidden_size"), cfg.int("num_experts"), cfg.int("moe_intermediate_size")
-    post_attention_norm(ctx, out, layer)
-    put(out, HFTensor(hf + "mlp.gate.weight", (m.view(mg + ROUTER),)), (experts, hidden), cfg)
-    grouped = m.first(mg + "mlp.experts.linear_fc2.weight0") is not None
-    for e in range(experts):
-        if grouped:
-            swiglu(ctx, out, mg + "mlp.experts.", f"{hf}mlp.experts.{e}.", ffn, expert=True, index=str(e))
-        else:
-            swiglu(ctx, out, f"{mg}mlp.experts.local_experts.{e}.", f"{hf}mlp.experts.{e}.", ffn, expert=True)
-    if not shared:
-        return
-    swiglu(ctx, out, mg + "mlp.shared_experts.", hf + "mlp.shared_expert.", cfg.int("shared_expert_intermediate_size"))
-    if not m.has(mg + SHARED_GATE):
-        raise CheckpointError(m.ckpt.path, f"no {m.prefix}{mg}{SHARED_GATE}: the HF model gates its shared expert")
-    put(out, HFTensor(hf + "mlp.shared_expert_gate.weight", (m.view(mg + SHARED_GATE),)), (1, hidden), cfg)
+def is_dense(cfg: HFConfig, layer: int) -> bool:
+    return not is_sparse(cfg, layer)
 
 
-def moe_mlp_shapes(cfg: HFConfig, spec: MegatronSpec, shapes: Shapes, layer: int, shared: bool) -> None:
-    """Megatron's MoE layer as an import writes it: `pre_mlp_layernorm`, router, grouped-GEMM experts
-    (`linear_fc1.weight<e>`, fused at the expert TP = TP, or `_w`/`_v`), the shared expert and its gate."""
-    mg, hf = LAYER.format(layer), HF_LAYER.format(layer)
-    hidden, experts = cfg.int("hidden_size"), cfg.int("num_experts")
-    shapes[mg + "pre_mlp_layernorm.weight"] = (hidden,)
-    shapes[mg + ROUTER] = (experts, hidden)
-    for e in range(experts):
-        swiglu_shapes(cfg, spec, shapes, mg + "mlp.experts.", f"{hf}mlp.experts.{e}.", cfg.int("moe_intermediate_size"),
-                      index=str(e))
+def has_shared_expert(cfg: HFConfig, layer: int) -> bool:
+    return is_sparse(cfg, layer) and cfg.int("shared_expert_intermediate_size", 0) > 0
+
+
+ROUTER: tuple[Rule, ...] = (
+    Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+         ("hidden",), DUPLICATED),
+    Same("mlp.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
+)
+EXPERT: tuple[Rule, ...] = swiglu("mlp.experts.{e}.", ("mlp.experts.{fc}.{kind}{e}",
+                                                       "mlp.experts.local_experts.{e}.{fc}.{kind}"),
+                                  "moe_ffn", expert=True)
+"""One routed expert: grouped-GEMM names (what an import writes) or SequentialMLP's."""
+SHARED_EXPERT: tuple[Rule, ...] = (
+    *swiglu("mlp.shared_expert.", ("mlp.shared_experts.{fc}.{kind}",), "shared_ffn"),
+    Same("mlp.shared_expert_gate.weight", ("mlp.shared_experts.gate_weight",), (1, "hidden"), DUPLICATED),
+)
+"""The shared expert and its sigmoid gate (Qwen3-Next)."""
+
+
+def moe_blocks(shared: bool) -> tuple[Block, ...]:
+    """The MLP of every layer: MoE where `is_sparse`, else dense."""
+    blocks = (Block(ROUTER, is_sparse), Block(EXPERT, is_sparse, per_expert=True))
     if shared:
-        swiglu_shapes(cfg, spec, shapes, mg + "mlp.shared_experts.", hf + "mlp.shared_expert.",
-                      cfg.int("shared_expert_intermediate_size"))
-        shapes[mg + SHARED_GATE] = (1, hidden)
+        blocks += (Block(SHARED_EXPERT, has_shared_expert),)
+    return (*blocks, Block(DENSE_MLP, is_dense))
 
 
-@dataclass(frozen=True)
-class Qwen3MoeFamily:
-    name: str = "qwen3-moe"
-    model_types: tuple[str, ...] = ("qwen3_moe",)
-
-    def to_hf(self, ctx: ExportContext) -> dict[str, HFTensor]:
-        cfg = ctx.config
-        att = Attention.from_config(cfg, None)
-        out: dict[str, HFTensor] = {}
-        embeddings(ctx, out)
-        for layer in range(cfg.int("num_hidden_layers")):
-            attention(ctx, out, layer, att, qk_norm=True, bias=None)
-            if is_sparse(cfg, layer):
-                moe_mlp(ctx, out, layer, shared=False)
-            else:
-                dense_mlp(ctx, out, layer, cfg.int("intermediate_size"))
-        output_layer(ctx, out)
-        return out
-
-    def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
-        att = Attention.from_config(cfg, None)
-        shapes: Shapes = {}
-        embeddings_shapes(cfg, spec, shapes)
-        for layer in range(cfg.int("num_hidden_layers")):
-            attention_shapes(cfg, spec, shapes, layer, att, qk_norm=True)
-            if is_sparse(cfg, layer):
-                moe_mlp_shapes(cfg, spec, shapes, layer, shared=False)
-            else:
-                dense_mlp_shapes(cfg, spec, shapes, layer, cfg.int("intermediate_size"))
-        output_shapes(cfg, spec, shapes)
-        return shapes
-
-
-QWEN3_MOE = Qwen3MoeFamily()
+QWEN3_MOE = Family("qwen3-moe", ("qwen3_moe",), attention_dims(None), EMBEDDING,
+                   (Block(attention(qk_norm=True)), *moe_blocks(shared=False)), FINAL)

@@ -17,15 +17,15 @@ every other Qwen3-Next norm is zero-centred on both sides and copied as is).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from ckptctl.errors import UsageError
 from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
-from ckptctl.hf.llama import (HF_LAYER, LAYER, Attention, attention, attention_shapes, dense_mlp, dense_mlp_shapes,
-                              embeddings, embeddings_shapes, output_layer, output_shapes, put)
-from ckptctl.hf.qwen3_moe import is_sparse, moe_mlp, moe_mlp_shapes
+from ckptctl.hf.llama import EMBEDDING, FINAL, attention
+from ckptctl.hf.qwen3_moe import moe_blocks
+from ckptctl.hf.rules import (COLUMN, DUPLICATED, GDN_CONV1D, GDN_IN_PROJ, ROW, Attention, Block, Dims, Family, Rule,
+                              Same, Scope, put)
 from ckptctl.megatron import GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS
-
-GDN_INPUT_NORM = ("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight")
 
 
 def layer_types(cfg: HFConfig) -> list[str]:
@@ -38,6 +38,14 @@ def layer_types(cfg: HFConfig) -> list[str]:
         raise UsageError(f"{cfg.path}: layer_types must list linear_attention/full_attention for each of "
                          f"{layers} layers")
     return list(types)
+
+
+def is_linear(cfg: HFConfig, layer: int) -> bool:
+    return layer_types(cfg)[layer] == "linear_attention"
+
+
+def is_full(cfg: HFConfig, layer: int) -> bool:
+    return not is_linear(cfg, layer)
 
 
 @dataclass(frozen=True)
@@ -67,89 +75,91 @@ class GatedDeltaNet:
         qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         return (qk, qk, vd, vd, self.value_heads, self.value_heads)
 
-
-def gdn(ctx: ExportContext, out: dict[str, HFTensor], layer: int, g: GatedDeltaNet) -> None:
-    """`linear_attn.*` and `input_layernorm` of one linear-attention layer."""
-    cfg, m = ctx.config, ctx.model
-    mg, hf = LAYER.format(layer) + "self_attention.", HF_LAYER.format(layer) + "linear_attn."
-    put(out, HFTensor(HF_LAYER.format(layer) + "input_layernorm.weight",
-                      (m.view(*(LAYER.format(layer) + n for n in GDN_INPUT_NORM)),)), (g.hidden,), cfg)
-    q, k, v, z, beta, alpha = m.components(mg + "in_proj.weight", GDN_IN_PROJ_PARTS, g.in_proj_rows, ctx.tp)
-    r, dk, dv = g.ratio, g.key_dim, g.value_dim
-    qkvz, ba = [], []
-    for h in range(g.key_heads):
-        qkvz += [q.take(h * dk, dk), k.take(h * dk, dk), v.take(h * r * dv, r * dv), z.take(h * r * dv, r * dv)]
-        ba += [beta.take(h * r, r), alpha.take(h * r, r)]
-    put(out, HFTensor(hf + "in_proj_qkvz.weight", tuple(qkvz)), (sum(g.in_proj_rows[:4]), g.hidden), cfg)
-    put(out, HFTensor(hf + "in_proj_ba.weight", tuple(ba)), (2 * g.value_heads, g.hidden), cfg)
-    conv = m.components(mg + "conv1d.weight", GDN_CONV1D_PARTS, g.in_proj_rows[:3], ctx.tp)
-    put(out, HFTensor(hf + "conv1d.weight", tuple(conv)), (sum(g.in_proj_rows[:3]), 1, g.kernel), cfg)
-    put(out, HFTensor(hf + "A_log", (m.view(mg + "A_log"),)), (g.value_heads,), cfg)
-    put(out, HFTensor(hf + "dt_bias", (m.view(mg + "dt_bias"),)), (g.value_heads,), cfg)
-    put(out, HFTensor(hf + "norm.weight", (m.view(mg + "out_norm.weight"),), add=1.0), (g.value_dim,), cfg)
-    put(out, HFTensor(hf + "out_proj.weight", (m.view(mg + "out_proj.weight"),)),
-        (g.hidden, g.value_heads * g.value_dim), cfg)
+    def sizes(self) -> dict[str, int]:
+        return {"v_heads": self.value_heads, "v_dim": self.value_dim, "v_width": self.value_heads * self.value_dim}
 
 
-def gdn_shapes(spec: MegatronSpec, shapes: Shapes, layer: int, g: GatedDeltaNet) -> None:
-    """Megatron's GDN tensors: in_proj and conv1d fused (TP-blocked) or split into components."""
-    mg = LAYER.format(layer) + "self_attention."
-    if g.key_heads % spec.tp:
-        raise UsageError(f"linear_num_key_heads={g.key_heads} does not divide by TP {spec.tp} (Megatron gives each "
-                         "TP rank whole key heads)")
-    shapes[LAYER.format(layer) + GDN_INPUT_NORM[0]] = (g.hidden,)
-    for base, rows, parts, trailing in (("in_proj.weight", g.in_proj_rows, GDN_IN_PROJ_PARTS, (g.hidden,)),
-                                        ("conv1d.weight", g.in_proj_rows[:3], GDN_CONV1D_PARTS, (1, g.kernel))):
-        if spec.split:
-            for part, n in zip(parts, rows):
-                shapes[mg + base + part] = (n, *trailing)
-        else:
-            shapes[mg + base] = (sum(rows), *trailing)
-    shapes[mg + "A_log"] = (g.value_heads,)
-    shapes[mg + "dt_bias"] = (g.value_heads,)
-    shapes[mg + "out_norm.weight"] = (g.value_dim,)
-    shapes[mg + "out_proj.weight"] = (g.hidden, g.value_heads * g.value_dim)
+def fused_shapes(spec: MegatronSpec, shapes: Shapes, name: str, parts: tuple[str, ...], rows: tuple[int, ...],
+                 trailing: tuple[int, ...]) -> None:
+    """A tensor Megatron fuses per TP rank: whole (TP-blocked at the spec's TP) or its components."""
+    if spec.split:
+        for part, n in zip(parts, rows):
+            shapes[name + part] = (n, *trailing)
+    else:
+        shapes[name] = (sum(rows), *trailing)
 
 
 @dataclass(frozen=True)
-class Qwen3NextFamily:
-    name: str = "qwen3-next"
-    model_types: tuple[str, ...] = ("qwen3_next",)
+class GdnInProj:
+    """Megatron `in_proj` `[q, k, v, z, beta, alpha]` per TP rank (fused TP-blocked, or split into
+    `in_proj.weight.<component>`) ↔ HF `in_proj_qkvz` and `in_proj_ba`, grouped per key head."""
 
-    def to_hf(self, ctx: ExportContext) -> dict[str, HFTensor]:
-        cfg = ctx.config
-        att = Attention.from_config(cfg, 256, gated=True)
-        linear = GatedDeltaNet.from_config(cfg)
-        out: dict[str, HFTensor] = {}
-        embeddings(ctx, out)
-        for layer, kind in enumerate(layer_types(cfg)):
-            if kind == "linear_attention":
-                gdn(ctx, out, layer, linear)
-            else:
-                attention(ctx, out, layer, att, qk_norm=True, bias=None)
-            if is_sparse(cfg, layer):
-                moe_mlp(ctx, out, layer, shared=cfg.int("shared_expert_intermediate_size", 0) > 0)
-            else:
-                dense_mlp(ctx, out, layer, cfg.int("intermediate_size"))
-        output_layer(ctx, out)
-        return out
+    mg: str = "self_attention.in_proj.weight"
 
-    def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
-        att = Attention.from_config(cfg, 256, gated=True)
-        linear = GatedDeltaNet.from_config(cfg)
-        shapes: Shapes = {}
-        embeddings_shapes(cfg, spec, shapes)
-        for layer, kind in enumerate(layer_types(cfg)):
-            if kind == "linear_attention":
-                gdn_shapes(spec, shapes, layer, linear)
-            else:
-                attention_shapes(cfg, spec, shapes, layer, att, qk_norm=True)
-            if is_sparse(cfg, layer):
-                moe_mlp_shapes(cfg, spec, shapes, layer, shared=cfg.int("shared_expert_intermediate_size", 0) > 0)
-            else:
-                dense_mlp_shapes(cfg, spec, shapes, layer, cfg.int("intermediate_size"))
-        output_shapes(cfg, spec, shapes)
-        return shapes
+    def to_hf(self, ctx: ExportContext, dims: Dims, at: Scope, out: dict[str, HFTensor]) -> None:
+        g: GatedDeltaNet = dims.heads["gdn"]
+        q, k, v, z, beta, alpha = ctx.model.components(at.name("mg", self.mg), GDN_IN_PROJ_PARTS, g.in_proj_rows,
+                                                       ctx.tp)
+        r, dk, dv = g.ratio, g.key_dim, g.value_dim
+        qkvz, ba = [], []
+        for h in range(g.key_heads):
+            qkvz += [q.take(h * dk, dk), k.take(h * dk, dk), v.take(h * r * dv, r * dv), z.take(h * r * dv, r * dv)]
+            ba += [beta.take(h * r, r), alpha.take(h * r, r)]
+        put(out, HFTensor(at.name("hf", "linear_attn.in_proj_qkvz.weight"), tuple(qkvz)),
+            (sum(g.in_proj_rows[:4]), g.hidden), dims.config)
+        put(out, HFTensor(at.name("hf", "linear_attn.in_proj_ba.weight"), tuple(ba)), (2 * g.value_heads, g.hidden),
+            dims.config)
+
+    def megatron_shapes(self, dims: Dims, spec: MegatronSpec, at: Scope, shapes: Shapes) -> None:
+        g: GatedDeltaNet = dims.heads["gdn"]
+        if g.key_heads % spec.tp:
+            raise UsageError(f"linear_num_key_heads={g.key_heads} does not divide by TP {spec.tp} (Megatron gives "
+                             "each TP rank whole key heads)")
+        fused_shapes(spec, shapes, at.name("mg", self.mg), GDN_IN_PROJ_PARTS, g.in_proj_rows, (g.hidden,))
+
+    def megatron_tensors(self) -> Iterable[tuple[str, str]]:
+        return ((self.mg, GDN_IN_PROJ), (self.mg.replace("weight", "bias"), GDN_IN_PROJ))
 
 
-QWEN3_NEXT = Qwen3NextFamily()
+@dataclass(frozen=True)
+class GdnConv1d:
+    """Megatron `conv1d` `[q, k, v]` per TP rank ↔ HF `conv1d`, the same components whole."""
+
+    mg: str = "self_attention.conv1d.weight"
+
+    def to_hf(self, ctx: ExportContext, dims: Dims, at: Scope, out: dict[str, HFTensor]) -> None:
+        g: GatedDeltaNet = dims.heads["gdn"]
+        conv = ctx.model.components(at.name("mg", self.mg), GDN_CONV1D_PARTS, g.in_proj_rows[:3], ctx.tp)
+        put(out, HFTensor(at.name("hf", "linear_attn.conv1d.weight"), tuple(conv)),
+            (sum(g.in_proj_rows[:3]), 1, g.kernel), dims.config)
+
+    def megatron_shapes(self, dims: Dims, spec: MegatronSpec, at: Scope, shapes: Shapes) -> None:
+        g: GatedDeltaNet = dims.heads["gdn"]
+        fused_shapes(spec, shapes, at.name("mg", self.mg), GDN_CONV1D_PARTS, g.in_proj_rows[:3], (1, g.kernel))
+
+    def megatron_tensors(self) -> Iterable[tuple[str, str]]:
+        return ((self.mg, GDN_CONV1D), (self.mg.replace("weight", "bias"), GDN_CONV1D))
+
+
+GDN: tuple[Rule, ...] = (
+    Same("input_layernorm.weight", ("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight"),
+         ("hidden",), DUPLICATED),
+    GdnInProj(),
+    GdnConv1d(),
+    Same("linear_attn.A_log", ("self_attention.A_log",), ("v_heads",), COLUMN),
+    Same("linear_attn.dt_bias", ("self_attention.dt_bias",), ("v_heads",), COLUMN),
+    Same("linear_attn.norm.weight", ("self_attention.out_norm.weight",), ("v_dim",), DUPLICATED, add=1.0),
+    Same("linear_attn.out_proj.weight", ("self_attention.out_proj.weight",), ("hidden", "v_width"), ROW),
+)
+"""A Gated DeltaNet layer (`decoder.layers.L.self_attention.` ↔ `model.layers.L.linear_attn.`)."""
+
+
+def dims(cfg: HFConfig) -> Dims:
+    att = Attention.from_config(cfg, 256, gated=True)
+    gdn = GatedDeltaNet.from_config(cfg)
+    return Dims(cfg, {**att.sizes(), **gdn.sizes()}, {"attention": att, "gdn": gdn})
+
+
+QWEN3_NEXT = Family("qwen3-next", ("qwen3_next",), dims, EMBEDDING,
+                    (Block(GDN, is_linear), Block(attention(qk_norm=True), is_full), *moe_blocks(shared=True)),
+                    FINAL)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, RowView, Shapes, is_model_key
-from ckptctl.hf.llama import HF_LAYER, Attention, put
+from ckptctl.hf.rules import HF_LAYER, Attention, put
 from ckptctl.megatron import RowBlock
 from ckptctl.model import Checkpoint
 
@@ -80,7 +80,7 @@ class TorchtitanFamily:
                 view = m.view(LAYER.format(layer) + tt)
                 if self.interleaved_rope and hf in PERMUTED:
                     view = rope_halves(view, att.heads if hf.startswith("self_attn.q") else att.groups)
-                name = HF_LAYER.format(layer) + hf
+                name = HF_LAYER.format(L=layer) + hf
                 put(out, HFTensor(name, (view,)), expected[name], cfg)
         if cfg.flag("tie_word_embeddings"):
             if m.has(OUTPUT):
@@ -103,7 +103,7 @@ class TorchtitanFamily:
         shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
                   "lm_head.weight": (vocab, hidden)}
         for layer in range(cfg.int("num_hidden_layers")):
-            shapes.update({HF_LAYER.format(layer) + n: per_layer[n] for n in self.layer_names()})
+            shapes.update({HF_LAYER.format(L=layer) + n: per_layer[n] for n in self.layer_names()})
         return shapes
 
     def source_shapes(self, cfg: HFConfig) -> Shapes:
@@ -114,7 +114,7 @@ class TorchtitanFamily:
         shapes: Shapes = {tt: hf_shapes[hf] for hf, tt in GLOBAL_NAMES.items()}
         for layer in range(cfg.int("num_hidden_layers")):
             for hf, tt in self.layer_names().items():
-                shapes[LAYER.format(layer) + tt] = hf_shapes[HF_LAYER.format(layer) + hf]
+                shapes[LAYER.format(layer) + tt] = hf_shapes[HF_LAYER.format(L=layer) + hf]
         if not cfg.flag("tie_word_embeddings"):
             shapes[OUTPUT] = hf_shapes["lm_head.weight"]
         return shapes
