@@ -39,7 +39,6 @@ from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageErro
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
 from ckptctl.geometry import Box, union_volume
-from ckptctl.hf import ARCHES, FAMILIES, family_for_model_type
 from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
@@ -49,7 +48,9 @@ from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
 from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family, torchtitan_prefix
 from ckptctl.formats.megatron_args import checkpoint_args
-from ckptctl.megatron import MODEL_PREFIXES, fused_kind, resolve_tp, tp_from_geometry
+from ckptctl.hf.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
+from ckptctl.megatron import MODEL_PREFIXES
+from ckptctl.megatron_tp import resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file

@@ -33,7 +33,7 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
-from ckptctl.hf import FAMILIES, family_for_model_type
+from ckptctl.hf.registry import FAMILIES, family_for_model_type
 from ckptctl.hf.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_rows,
 )

@@ -29,17 +29,9 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, split_optimizer_fqn
-from ckptctl.megatron import (
-    FUSED_PARTS,
-    TP_BLOCKED_UNKNOWN,
-    RowBlock,
-    fused_component,
-    fused_kind,
-    is_expert,
-    resolve_tp,
-    tp_blocked_split,
-    tp_reblock,
-)
+from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
+from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
+from ckptctl.megatron_tp import resolve_tp
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
@@ -390,14 +382,17 @@ class MegatronPlanner:
         return out
 
     def refuse_unknown_tp_blocked(self, target_tp: int | None) -> None:
-        """A TP change re-blocks the fused tensors ckptctl has rules for; one fused per TP rank in a
-        layout it has none for would come out scrambled, so the change is refused, naming it."""
-        unknown = next((f for f in self.params if fused_kind(f) is None and TP_BLOCKED_UNKNOWN.search(f)), None)
-        if unknown is None or target_tp is None or self.source_tp() == target_tp:
+        """A TP change re-blocks the fused tensors the family rules know; a tensor no rule knows
+        might be fused per TP rank (Mamba's `mixer.in_proj` is) and come out scrambled, so the
+        change is refused, naming it (`hf.registry.megatron_tp_kind`)."""
+        if target_tp is None or self.source_tp() == target_tp:
             return
-        raise UsageError(f"{unknown}: fused per TP rank in a layout ckptctl has no rule for (Mamba in_proj or "
-                         f"conv1d?), so changing TP {self.source_tp()} to {target_tp} would scramble it; "
-                         f"reshard at --tp {self.source_tp()}")
+        unknown = [f for f in self.params if self.ckpt.tensors[f].shape and megatron_tp_kind(f) is None]
+        if unknown:
+            more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
+            raise UsageError(f"{unknown[0]}{more}: no rule knows how Megatron splits it over TP (it may be fused "
+                             f"per TP rank, as Mamba's in_proj is), so changing TP {self.source_tp()} to {target_tp} "
+                             f"could scramble it; reshard at --tp {self.source_tp()}")
 
     def fuse_regroups(self) -> list[Regroup]:
         groups: dict[str, dict[int, str]] = {}

@@ -15,7 +15,7 @@ from typing import Sequence
 
 from ckptctl.errors import UsageError
 from ckptctl.geometry import Box, box_flat_ranges, chunk_rows, even_row_cuts, full_box, rows_box
-from ckptctl.megatron import parallel_dim
+from ckptctl.hf.registry import parallel_dim
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import torch
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.export_hf import ExportOptions, choose_family, plan_export
 from ckptctl.formats.safetensors_out import item_boxes, layout_file
-from ckptctl.hf import FAMILIES
+from ckptctl.hf.registry import FAMILIES
 from ckptctl.hf.base import ExportContext, HFConfig, MegatronModel, RowView, megatron_prefix
 from ckptctl.hf.rules import Attention, qkv_views
 from ckptctl.hf.qwen3_next import layer_types

@@ -366,9 +366,10 @@ def test_hf_config_folder_gives_the_model_dims(megatron):
     assert_values(torch_load(output(megatron, "hf_config")), mc.split_reference())
 
 
-def test_a_tp_change_refuses_a_tensor_fused_per_rank_in_a_layout_without_a_rule(megatron, tmp_path):
+def test_a_tp_change_refuses_tensors_no_rule_knows(megatron, tmp_path):
     """Mamba's `mixer.in_proj` is fused per TP rank like GDN's, in a layout ckptctl has no rule
-    for: re-slicing its rows for another TP would scramble it, so the TP change is refused.
+    for: re-slicing its rows for another TP would scramble it, so the TP change is refused,
+    naming the first tensor no rule knows and counting the others.
     (The same checkpoint with the tensor under GDN's name re-blocks: the `reblock` run.)"""
     import pickle
     import shutil
@@ -387,10 +388,11 @@ def test_a_tp_change_refuses_a_tensor_fused_per_rank_in_a_layout_without_a_rule(
     md.planner_data = {rename(k): tuple(rename(p) if isinstance(p, str) else p for p in v)
                        for k, v in md.planner_data.items()}
     (src / ".metadata").write_bytes(pickle.dumps(md))
-    name = next(k for k in md.state_dict_metadata if k.startswith("model.") and k.endswith("mixer.in_proj.weight"))
+    unknown = [k for k in md.state_dict_metadata if ".mixer." in k and not k.startswith("optimizer.")]
+    assert [n.rsplit(".", 2)[1:] for n in unknown] == [["in_proj", "weight"], ["in_proj", "layer_norm_weight"]]
     result = run_cli("reshard", src, tmp_path / "out", "--source-tp", "2", "--tp", "4", "--world-size", "4")
     assert (result.returncode, result.stderr) == (2, (
-        f"ckptctl: error: {name}: fused per TP rank in a layout ckptctl has no rule for (Mamba in_proj or "
-        "conv1d?), so changing TP 2 to 4 would scramble it; reshard at --tp 2\n"))
+        f"ckptctl: error: {unknown[0]} (and 1 more): no rule knows how Megatron splits it over TP (it may be fused "
+        "per TP rank, as Mamba's in_proj is), so changing TP 2 to 4 could scramble it; reshard at --tp 2\n"))
     assert not (tmp_path / "out").exists()
     ok(run_cli("reshard", src, tmp_path / "same_tp", "--source-tp", "2", "--tp", "2", "--world-size", "4"))

@@ -15,7 +15,8 @@ from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.geometry import Box, FlatRange
 from ckptctl.formats.megatron_args import checkpoint_args
-from ckptctl.megatron import fused_component, fused_kind, resolve_tp
+from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
+from ckptctl.megatron_tp import resolve_tp
 from ckptctl.megatron_reshard import (
     fuse_regroup,
     group_meta_renames,
@@ -106,10 +107,32 @@ def test_fused_tensor_names_and_their_saved_components():
     assert fused_kind("decoder.layers.0.self_attention.conv1d.bias") == "gdn_conv1d"
     assert fused_kind("decoder.layers.0.mixer.in_proj.weight") is None  # Mamba: other components
     assert fused_kind("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") is None
-    assert fused_component("x.mlp.experts.linear_fc1.weight3_v") == ("x.mlp.experts.linear_fc1.weight3", "swiglu", 1)
-    assert fused_component("x.self_attention.in_proj.weight.beta") == ("x.self_attention.in_proj.weight",
-                                                                       "gdn_in_proj", 4)
-    assert fused_component("x.mlp.linear_fc1.weight") is None
+    assert fused_component("decoder.layers.3.mlp.experts.linear_fc1.weight3_v") == (
+        "decoder.layers.3.mlp.experts.linear_fc1.weight3", "swiglu", 1)
+    assert fused_component("module.decoder.layers.0.self_attention.in_proj.weight.beta") == (
+        "module.decoder.layers.0.self_attention.in_proj.weight", "gdn_in_proj", 4)
+    assert fused_component("decoder.layers.0.mlp.linear_fc1.weight") is None
+    assert fused_component("x.mlp.linear_fc1.weight_w") is None  # not a Megatron layer name
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("model.module.decoder.layers.7.self_attention.linear_qkv.weight", "column"),
+    ("decoder.layers.0.self_attention.linear_proj.weight", "row"),
+    ("decoder.layers.0.mlp.experts.linear_fc2.weight15", "row"),
+    ("decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight", "row"),
+    ("decoder.layers.2.mlp.router.weight", "duplicated"),
+    ("decoder.layers.2.self_attention.out_norm.weight", "duplicated"),
+    ("decoder.layers.2.self_attention.A_log", "column"),
+    ("embedding.word_embeddings.weight", "column"),
+    ("output_layer.weight", "column"),
+    ("decoder.layers.0.mlp.linear_fc1.weight_v", "column"),
+    ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "duplicated"),
+    ("decoder.layers.0.mixer.in_proj.weight", None),
+    ("decoder.layers.0.self_attention.linear_qkv.weight.extra", None),
+    ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", None),
+])
+def test_megatron_tp_kinds_come_from_the_family_rules_and_unknown_names_have_none(name, kind):
+    assert megatron_tp_kind(name) == kind
 
 
 def test_planner_paths_are_renamed_at_the_param_element():

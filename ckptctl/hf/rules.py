@@ -244,12 +244,14 @@ class GroupedQKV:
     def hf(self, at: Scope) -> list[str]:
         return [at.name("hf", f"self_attn.{p}_proj.{self.kind}") for p in "qkv"]
 
+    def demanded(self, cfg: HFConfig) -> bool:
+        return self.required if isinstance(self.required, bool) else cfg.flag(self.required)
+
     def to_hf(self, ctx: ExportContext, dims: Dims, at: Scope, out: dict[str, HFTensor]) -> None:
         m, att = ctx.model, dims.heads["attention"]
         name = at.name("mg", self.mg)
         if not m.has(name):
-            required = self.required if isinstance(self.required, bool) else ctx.config.flag(self.required)
-            if required:
+            if self.demanded(dims.config):
                 raise m.missing(name)
             return
         trailing = (dims.size("hidden"),) if self.kind == "weight" else ()
@@ -262,7 +264,7 @@ class GroupedQKV:
         if att.groups % spec.tp:
             raise UsageError(f"{dims.config.path}: num_key_value_heads={att.groups} does not divide by TP {spec.tp} "
                              "(Megatron gives each TP rank whole query groups)")
-        if self.kind == "weight" or spec.has(self.hf(at)[0]):
+        if self.demanded(dims.config) or spec.has(self.hf(at)[0]):
             shapes[at.name("mg", self.mg)] = (att.qkv_rows, *((att.hidden,) if self.kind == "weight" else ()))
 
     def megatron_tensors(self) -> Iterable[tuple[str, str]]:

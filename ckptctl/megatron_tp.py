@@ -1,0 +1,46 @@
+"""The training TP size of a Megatron checkpoint: given, from its `args`, or seen in the chunks of
+the tensors the rules call RowParallel (`hf.registry.parallel_dim`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ckptctl.errors import UsageError
+from ckptctl.hf.registry import parallel_dim
+from ckptctl.model import Checkpoint
+
+
+def tp_from_geometry(ckpt: Checkpoint) -> int | None:
+    """The TP degree seen on dim 1 of RowParallel weights (distinct column offsets), if any."""
+    seen = set()
+    for fqn, entry in ckpt.tensors.items():
+        if len(entry.shape) == 2 and parallel_dim(fqn) == 1 and not fqn.split(".")[0].startswith("optim"):
+            cols = {c.offsets[1] for c in entry.chunks if c.numel}
+            if cols:
+                seen.add(len(cols))
+    return max(seen) if seen else None
+
+
+def resolve_tp(ckpt: Checkpoint, args: argparse.Namespace | None, given: int | None, what: str = "--tp", *,
+               strict: bool = False) -> int:
+    """The training TP size: `given`, else `args.tensor_model_parallel_size` (the checkpoint's
+    `formats.megatron_args.checkpoint_args`), else RowParallel geometry.
+
+    RowParallel chunks that are not split on dim 1 (TP 1 seen) are weak evidence: every layout
+    that is not TP-split on disk (FSDP2, a reshard to `fsdp2`) shows them. They never
+    contradict `args`, and with `strict` (re-blocking fused tensors) they are not trusted at all.
+    """
+    if given is not None:
+        return given
+    from_args = getattr(args, "tensor_model_parallel_size", None) if args is not None else None
+    from_geometry = tp_from_geometry(ckpt)
+    if from_geometry == 1 and (strict or from_args is not None):
+        from_geometry = None
+    if from_args is not None and from_geometry is not None and from_args != from_geometry:
+        raise UsageError(
+            f"{ckpt.path}: args say TP {from_args} but RowParallel chunks show TP {from_geometry}; pass {what}")
+    tp = from_args or from_geometry
+    if tp is None:
+        raise UsageError(f"{ckpt.path}: cannot tell the training TP size (no args entry, no RowParallel "
+                         f"chunks split on dim 1); pass {what}")
+    return int(tp)
