@@ -32,13 +32,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
-from ckptctl.engine.cpu import ChunkSource, OutputFiles
+from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
-from ckptctl.geometry import Box, union_volume
+from ckptctl.geometry import Box, full_box, union_volume
 from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
@@ -55,7 +55,7 @@ from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor
+from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
 from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -83,6 +83,9 @@ class ExportOptions:
     """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
     name_check: bool = True
     """Check the output names against transformers' model for the config (`--no-name-check`: don't)."""
+    drop_expert_bias: bool = False
+    """Leave out torchtitan's load-balancing expert bias even when it is not zero (the HF model
+    routes without one)."""
 
 
 @dataclass
@@ -272,6 +275,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         skipped = [n for n in model.unused() if n.startswith(SKIPPED_PREFIXES)]
         if skipped:
             ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
+    if ctx.zero_only:
+        ctx.notes.append(left_out_expert_bias(ckpt, model, ctx.zero_only, cfg, opts.drop_expert_bias))
     if not tensors:
         raise CheckpointError(ckpt.path, "nothing to export")
     expected = None
@@ -311,6 +316,43 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         config=config, ref_files=ref_files, notes=ctx.notes,
         generation=generation_config(config) if derive else None, expected=expected, selected=selected,
     )
+
+
+def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[str], cfg: HFConfig,
+                         drop: bool) -> str:
+    """The note for the expert biases a family leaves out (`ExportContext.zero_only`), once they
+    are proven all zero (read whole: E values per layer), or dropped on purpose."""
+    pattern = re.sub(r"\.\d+\.", ".*.", fqns[0], count=1)
+    what = f"{len(fqns)} torchtitan expert biases ({pattern})"
+    if drop:
+        return f"{what} dropped (--drop-expert-bias): the export routes without them"
+    nonzero = [fqn for fqn in fqns if not all_zero(ckpt, model.source_view(fqn))]
+    if nonzero:
+        more = f" (and {len(nonzero) - 1} more)" if len(nonzero) > 1 else ""
+        raise CheckpointError(ckpt.path, f"{nonzero[0]} is not zero{more}: torchtitan's load-balancing expert bias "
+                                         f"moves tokens to other experts, and {cfg.model_type} routes without one, so "
+                                         "the export would route differently; pass --drop-expert-bias to export "
+                                         "without it, as torchtitan's own adapter does")
+    return f"{what} not exported: all zero, and {cfg.model_type} routes without one"
+
+
+def all_zero(ckpt: Checkpoint, view: SourceTensor) -> bool:
+    """Whether every element of a small source tensor is zero (+0 or -0), read whole; elements no
+    chunk holds are refused, never taken for zeros."""
+    target = identity_target(view)
+    box = full_box(view.shape)
+    reads = plan_box(target, box, {view.fqn: view})
+    if missing_elements(box, reads):
+        raise CheckpointError(view.fqn, "has elements no saved chunk holds: cannot tell whether it is zero")
+    chunks = ChunkSource(ckpt)
+    try:
+        data = assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks)
+    finally:
+        chunks.close()
+    if view.dtype.is_floating_point:  # clear each little-endian element's sign bit: -0.0 is zero
+        for at in range(view.dtype.itemsize - 1, len(data), view.dtype.itemsize):
+            data[at] &= 0x7F
+    return not any(data)
 
 
 def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | None:

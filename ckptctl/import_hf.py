@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence, cast
 
-from ckptctl.dtypes import DType
+from ckptctl.dtypes import DType, float32
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
@@ -318,7 +319,13 @@ def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config:
         known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
         what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
         raise UsageError(f"{ckpt.path}: no torchtitan rules for {what} (import-hf --to torchtitan knows: {known})")
-    targets = rule_targets(ckpt, views, cfg, family, family.source_shapes(cfg), None, {}, expected, opts, notes)
+    shapes = family.source_shapes(cfg)
+    zeros = {name: 0 for name in shapes if family.zero_filled(name)}
+    targets = rule_targets(ckpt, views, cfg, family, shapes, None, zeros, expected, opts, notes)
+    if zeros:
+        pattern = re.sub(r"\.\d+\.", ".*.", next(iter(zeros)), count=1)
+        notes.append(f"{len(zeros)} torchtitan expert biases ({opts.output_prefix}{pattern}) written as zeros "
+                     f"({cfg.model_type} routes without one)")
     if cfg.flag("tie_word_embeddings"):
         embed = next(t for t in targets if t.fqn == TT_EMBED)
         targets.append(replace(embed, fqn=TT_OUTPUT))
@@ -337,7 +344,9 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     read backwards, that gives each tensor's pieces. Closed world both ways: every HF tensor
     must be one the family produces (a tied one it leaves out is noted), every one it
     produces must be in the folder with its shape, and every row must come from some HF row
-    but the rows past the vocab of `padded` tensors (zeros)."""
+    but the rows of `padded` tensors past the count given (zeros: Megatron's vocab padding,
+    torchtitan's expert bias). A stack the family reads slab by slab (`MegatronModel.stacked`)
+    is planned as its rows and written as the stack (`stacked_rows_target`)."""
     model = planned_model(ckpt.path, shapes, next(iter(ckpt.tensors.values())).dtype)
     hf = family.to_hf(ExportContext(cfg, model, tp, tp))
     unread = model.unused()
@@ -362,13 +371,30 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     pieces, adds = reversed_pieces(hf, shapes)
     targets = []
     for name, shape in shapes.items():
-        gap = uncovered_rows(pieces[name], shape[0])
-        if gap and not (name in padded and gap == shape[0] - padded[name]):
-            raise CheckpointError(ckpt.path, f"{name}: {gap} of its {shape[0]} rows come from no HF tensor")
-        dtype = views[pieces[name][0].src].dtype
-        targets.append(TargetTensor(name, shape, cast_dtype(dtype, opts.dtype), tuple(pieces[name]),
-                                    add=adds.get(name, 0.0)))
+        rows = model.source_view(name).shape
+        gap = uncovered_rows(pieces[name], rows[0])
+        if gap and not (name in padded and gap == rows[0] - padded[name]):
+            raise CheckpointError(ckpt.path, f"{name}: {gap} of its {rows[0]} rows come from no HF tensor")
+        dtype = views[pieces[name][0].src].dtype if pieces[name] else float32
+        target = TargetTensor(name, rows, cast_dtype(dtype, opts.dtype), tuple(pieces[name]), add=adds.get(name, 0.0))
+        targets.append(target if rows == shape else stacked_rows_target(target, shape, views))
     return targets
+
+
+def stacked_rows_target(target: TargetTensor, shape: tuple[int, ...], views: dict[str, SourceTensor]) -> TargetTensor:
+    """A stack [S, R, …] planned as its S·R rows, written as the stack: each piece lies in one
+    slab and becomes a box of it, its HF source seen with a leading unit dim."""
+    rows = shape[1]
+    pieces = []
+    for p in target.pieces:
+        slab, at = divmod(p.dst_start[0], rows)
+        if at + p.sizes[0] > rows:
+            raise CheckpointError(p.src, f"rows {p.dst_start[0]}..{p.dst_start[0] + p.sizes[0]} of {target.fqn} "
+                                         f"cross a slab of {rows} rows")
+        if len(views[p.src].shape) == len(p.sizes):
+            views[p.src] = unsqueezed_view(views[p.src])
+        pieces.append(Piece(p.src, (0, *p.src_start), (slab, at, *p.dst_start[1:]), (1, *p.sizes)))
+    return replace(target, shape=shape, pieces=tuple(pieces))
 
 
 def import_hf(

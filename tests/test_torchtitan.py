@@ -1,6 +1,6 @@
 """torchtitan checkpoints both ways, against torchtitan's own code.
 
-Tiny llama3 and qwen3 (tied) models are built by torchtitan's layer builders, sharded with
+Tiny llama3, qwen3 (tied) and qwen3 MoE models are built by torchtitan's layer builders, sharded with
 FSDP2 over 2 gloo ranks and saved through its `ModelWrapper`, as its checkpoint manager
 saves them (`fixtures.torchtitan_models`). export-hf must give exactly what torchtitan's
 own `state_dict_adapter.to_hf` gives (llama3's RoPE row order included) and a folder
@@ -22,7 +22,8 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not titan.available(), reason="torchtitan is not installed")
 transformers = pytest.importorskip("transformers")
-FAMILIES = ("llama3", "qwen3")
+FAMILIES = ("llama3", "qwen3", "qwen3-moe")
+ARCH = {"llama3": "torchtitan-llama3", "qwen3": "torchtitan-qwen3", "qwen3-moe": "torchtitan-qwen3"}
 WORLD = 2
 
 
@@ -67,7 +68,21 @@ def test_export_equals_torchtitans_own_adapter_bit_exactly(saved, exported, fami
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
-    assert f"({'torchtitan-' + family}, {len(want)} tensors in 1 safetensors file" in run.stderr
+    assert f"({ARCH[family]}, {len(want)} tensors in 1 safetensors file" in run.stderr
+
+
+def in_memory(want: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """What transformers 5 holds for `name`: a tied lm_head is the embeddings; MoE experts are
+    stacked per layer, `gate_up_proj` [E, 2F, H] (gate then up) and `down_proj` [E, H, F]."""
+    if name == "lm_head.weight" and name not in want:
+        return want["model.embed_tokens.weight"]
+    for stacked, parts in (("mlp.experts.gate_up_proj", ("gate_proj", "up_proj")),
+                           ("mlp.experts.down_proj", ("down_proj",))):
+        if name.endswith(stacked):
+            layer = name[: -len(stacked)]
+            experts = sorted({int(k[len(layer):].split(".")[2]) for k in want if k.startswith(layer + "mlp.experts.")})
+            return torch.stack([torch.cat([want[f"{layer}mlp.experts.{e}.{p}.weight"] for p in parts]) for e in experts])
+    return want[name]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -77,8 +92,7 @@ def test_transformers_loads_the_export_whole(saved, exported, family):
     want = titan.to_hf(family, saved[family][1])
     state = model.state_dict()
     for name, tensor in state.items():
-        source = "model.embed_tokens.weight" if name == "lm_head.weight" and name not in want else name
-        assert torch.equal(tensor, want[source]), name
+        assert torch.equal(tensor, in_memory(want, name)), name
 
 
 def test_llama3_q_and_k_rows_are_reordered_and_qwen3s_are_not(saved, exported):
@@ -109,13 +123,45 @@ def test_import_to_torchtitan_loads_through_torchtitans_wrapper_and_equals_the_s
             assert torch.equal(loaded[name], tensor), (family, name)
 
 
+def test_experts_are_slabs_of_the_stacks_and_an_all_zero_expert_bias_is_left_out_with_a_note(saved, exported):
+    _, state, _ = saved["qwen3-moe"]
+    folder, run = exported["qwen3-moe"]
+    got = _folder(folder)
+    w2 = state["layers.1.moe.routed_experts.inner_experts.w2_EDF"]
+    assert torch.equal(got["model.layers.1.mlp.experts.3.down_proj.weight"], w2[3])
+    assert not any("expert_bias" in n for n in got)
+    assert ("note: 2 torchtitan expert biases (layers.*.moe.expert_bias_E) not exported: all zero, and "
+            "qwen3_moe routes without one") in run.stderr.splitlines()
+
+
+def test_a_trained_expert_bias_is_refused_unless_dropped_on_purpose(saved, tmp_path):
+    _, _, ref = saved["qwen3-moe"]
+    ckpt = tmp_path / "biased"
+    state = run_ranks(titan.save, WORLD, "qwen3-moe", str(ckpt), 0.25)[0]
+    assert state["layers.0.moe.expert_bias_E"].tolist() == [0.25, 0.5, 0.75, 1.0]
+    run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", ref)
+    assert (run.returncode, run.stderr) == (2, (
+        f"ckptctl: error: {ckpt}: layers.0.moe.expert_bias_E is not zero (and 1 more): torchtitan's load-balancing "
+        "expert bias moves tokens to other experts, and qwen3_moe routes without one, so the export would route "
+        "differently; pass --drop-expert-bias to export without it, as torchtitan's own adapter does\n"))
+    assert not (tmp_path / "o").exists()
+    run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", ref, "--drop-expert-bias")
+    assert run.returncode == 0, run.stderr
+    assert ("note: 2 torchtitan expert biases (layers.*.moe.expert_bias_E) dropped (--drop-expert-bias): the "
+            "export routes without them") in run.stderr.splitlines()
+    want = titan.to_hf("qwen3-moe", state)
+    got = _folder(tmp_path / "o")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_a_torchtitan_model_type_without_rules_is_refused(saved, tmp_path):
     ckpt, _, ref = saved["qwen3"]
     config = json.loads((ref / "config.json").read_text())
     other = tmp_path / "ref"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "qwen3_moe", "num_experts": 4}))
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
     run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", other)
-    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {other / 'config.json'}: model_type 'qwen3_moe' of a "
-                                               "torchtitan checkpoint is not one export-hf converts yet (it converts "
-                                               "torchtitan's llama (torchtitan-llama3), qwen3 (torchtitan-qwen3))\n")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {other / 'config.json'}: model_type 'deepseek_v3' of "
+                                               "a torchtitan checkpoint is not one export-hf converts yet (it converts "
+                                               "torchtitan's llama (torchtitan-llama3), qwen3 (torchtitan-qwen3), "
+                                               "qwen3_moe (torchtitan-qwen3))\n")

@@ -146,6 +146,9 @@ def export_hf_command(
                                        help="Skip checking the output names against transformers' model for the "
                                             "config (for models transformers does not know; the output may not "
                                             "load)."),
+    drop_expert_bias: bool = typer.Option(False, "--drop-expert-bias",
+                                          help="Leave out torchtitan's load-balancing expert bias even when it is "
+                                               "not zero (the HF model routes without one: routing changes)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     device: str = device_option(),
@@ -165,7 +168,8 @@ def export_hf_command(
 
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
-                             device=device, sync=not no_sync, name_check=not no_name_check)
+                             device=device, sync=not no_sync, name_check=not no_name_check,
+                             drop_expert_bias=drop_expert_bias)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.export_hf import export_hf, preview_export

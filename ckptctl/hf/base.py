@@ -366,6 +366,19 @@ class MegatronModel:
                                                               for b in blocks))
                 for rows, blocks in zip(component_rows, maps)]
 
+    def stacked(self, name: str) -> RowView:
+        """A stack of matrices [S, R, …] (torchtitan's grouped experts, [E, F, D]) as the view of its
+        S·R rows, slab after slab (read as `plan.layer_stacked_view`)."""
+        if name not in self.entries:
+            raise self.missing(name)
+        entry = self.entries[name]
+        if len(entry.shape) < 3:
+            raise CheckpointError(entry.fqn, f"shape {list(entry.shape)} is not a stack of matrices")
+        self.used.add(name)
+        self.stacks.add(entry.fqn)
+        rows = entry.shape[0] * entry.shape[1]
+        return RowView(entry.fqn, rows, tuple(entry.shape[2:]), (RowBlock(0, 0, rows),) if rows else ())
+
     def source_view(self, fqn: str) -> SourceTensor:
         """The source tensor the views of `fqn` address: a layer stack as [L·R, …], others as saved."""
         entry = self.ckpt.tensors[fqn]
@@ -399,6 +412,9 @@ class ExportContext:
     tp_value: int | None = None
     expert_tp_value: int | None = None
     notes: list[str] = field(default_factory=list)
+    zero_only: list[str] = field(default_factory=list)
+    """Source tensors the family claims but leaves out of the HF model, which is only right when
+    they are all zero (torchtitan's expert bias): the export proves it or refuses."""
 
     def tp(self) -> int:
         if self.tp_value is None:
