@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
+from ckptctl.errors import CheckpointError
 from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds
 from ckptctl.model import Chunk, TensorEntry
 
@@ -90,9 +91,10 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
 
 
 def layer_stacked_view(entry: TensorEntry) -> SourceTensor:
-    """A Megatron-Core torch_dist layer stack [L, R, …] seen as [L·R, …]: every layer's rows one
-    after another, the same elements in the same order, so each chunk (one layer deep, or whole
-    layers) is one box of it."""
+    """A stack [L, R, …] (a Megatron-Core torch_dist layer stack, torchtitan's grouped experts)
+    seen as [L·R, …]: every slab's rows one after another, the same elements in the same order,
+    so each chunk (one slab deep, or whole slabs) is one box of it. A chunk cut inside several
+    slabs (torchtitan experts under EP with FSDP `Shard(1)`) is not one box: refused."""
     layers, rows = entry.shape[0], entry.shape[1]
     shape = (layers * rows, *entry.shape[2:])
     regions = []
@@ -102,7 +104,9 @@ def layer_stacked_view(entry: TensorEntry) -> SourceTensor:
         elif c.offsets[1] == 0 and c.sizes[1] == rows:
             box = Box((c.offsets[0] * rows, *c.offsets[2:]), (c.sizes[0] * rows, *c.sizes[2:]))
         else:
-            raise ValueError(f"{entry.fqn}: a chunk at {list(c.offsets)} of {list(c.sizes)} spans layers partly")
+            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim 1 inside "
+                                             f"{c.sizes[0]} slabs of the stack (expert parallelism with FSDP "
+                                             "Shard(1)?), which ckptctl cannot read slab by slab yet")
         regions.append((c, box))
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
 

@@ -10,10 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pytest
+
+from ckptctl.dtypes import float32
+from ckptctl.errors import CheckpointError
 from ckptctl.geometry import Box, FlatRange, chunk_rows, copy_runs, region_bounds, rows_box, union_volume
 from ckptctl.model import Chunk, TensorEntry
 from ckptctl.placement import Placed, fsdp2
-from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, layer_stacked_view, plan_box, source_view
 
 
 @st.composite
@@ -176,3 +180,19 @@ def test_union_volume_counts_every_covered_element_once(boxes):
     for b in boxes:
         covered.update(itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.sizes))))
     assert union_volume(boxes) == len(covered)
+
+
+def test_a_stack_chunk_cut_inside_several_slabs_is_refused_by_name():
+    """torchtitan experts [E, F, D] under EP with FSDP `Shard(1)`: a chunk two experts deep and
+    half of F wide is not one box of the [E·F, D] rows."""
+    chunks = tuple(Chunk(f"__{r}_0.distcp", 0, 1, (0, 8 * r, 0), (2, 8, 4)) for r in range(2))
+    entry = TensorEntry("layers.0.moe.routed_experts.inner_experts.w1_EFD", (2, 16, 4), float32, chunks)
+    with pytest.raises(CheckpointError) as caught:
+        layer_stacked_view(entry)
+    assert str(caught.value) == ("layers.0.moe.routed_experts.inner_experts.w1_EFD: a chunk at [0, 0, 0] of [2, 8, 4] "
+                                 "cuts dim 1 inside 2 slabs of the stack (expert parallelism with FSDP Shard(1)?), "
+                                 "which ckptctl cannot read slab by slab yet")
+    whole_slabs = TensorEntry(entry.fqn, (2, 16, 4), float32,
+                              tuple(Chunk(f"__{r}_0.distcp", 0, 1, (r, 0, 0), (1, 16, 4)) for r in range(2)))
+    assert [region for _, region in layer_stacked_view(whole_slabs).chunks] == [
+        Box((0, 0), (16, 4)), Box((16, 0), (16, 4))]
