@@ -6,11 +6,10 @@ import itertools
 import math
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from ckptctl.dtypes import float32
 from ckptctl.errors import CheckpointError
