@@ -16,8 +16,12 @@ Layout labels (`TensorReport.layout`):
 - `shard0-even`: whole-row chunks exactly as `torch.chunk` cuts dim 0 for some rank count
   (FSDP2 `Shard(0)`), ceil(rows/N) rows each.
 - `rows-uneven`: whole-row chunks that are not `torch.chunk` cuts (Megatron-FSDP).
-- `tp-dp-grid`: chunks also split on dim 1 (tensor parallel there); `tp_degree` is the
-  number of distinct dim-1 offsets.
+- `shard1`: every chunk holds all of dim 0 and a column block of dim 1 (`dim1_parts` of
+  them): FSDP2 `Shard(1)`, or Megatron RowParallel TP without DP.
+- `grid`: chunks cut both dim 0 and dim 1 into column blocks (`dim1_parts`): Megatron-FSDP's
+  TP × DP of a RowParallel weight, or expert parallelism on dim 0 with FSDP `Shard(1)`.
+  Which one is a question of names, not geometry: `inspect` calls a dim-1 split of a tensor
+  the Megatron rules call RowParallel `tp-dp-grid` with its TP degree.
 - `layer-stacked`: a Megatron-Core torch_dist key with a leading layer axis
   (`decoder.layers.<name>`), saved one layer deep per chunk (TP cuts inside each layer).
 - `irregular`: anything else.
@@ -94,7 +98,8 @@ class TensorReport:
 
     fqn: str
     layout: str
-    tp_degree: int | None
+    dim1_parts: int | None
+    """For `shard1` and `grid`: how many column blocks dim 1 is cut into."""
     coverage: Coverage
     group: str
     param: str | None
@@ -199,7 +204,7 @@ def coverage(entry: TensorEntry) -> Coverage:
 
 
 def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tuple[str, int | None]:
-    """The layout label of `entry` and, for `tp-dp-grid`, its TP degree on dim 1.
+    """The layout label of `entry` and, for `shard1` and `grid`, how many column blocks cut dim 1.
 
     `param` is the model param of an optimizer state (needed to recognise `flat`).
     """
@@ -224,7 +229,8 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
         for c in chunks:
             widths.setdefault(c.offsets[1], set()).add(c.sizes[1])
         if len(widths) > 1 and all(len(w) == 1 for w in widths.values()):
-            return "tp-dp-grid", len(widths)
+            all_rows = all(c.offsets[0] == 0 and c.sizes[0] == shape[0] for c in chunks)
+            return ("shard1" if all_rows else "grid"), len(widths)
     return "irregular", None
 
 
@@ -308,9 +314,9 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     for fqn, entry in ckpt.tensors.items():
         param_fqn = param_of.get(fqn)
         param = ckpt.tensors[param_fqn] if param_fqn else None
-        layout, tp = ("layer-stacked", None) if stacked and is_layer_stacked(entry) else classify_layout(entry, param)
+        layout, parts = ("layer-stacked", None) if stacked and is_layer_stacked(entry) else classify_layout(entry, param)
         cov = coverage(entry)
-        reports.append(TensorReport(fqn, layout, tp, cov, _group(fqn, model_prefix, params), param_fqn))
+        reports.append(TensorReport(fqn, layout, parts, cov, _group(fqn, model_prefix, params), param_fqn))
         problems.extend(_coverage_problems(fqn, cov, entry.numel))
         if param is not None and (problem := _state_problem(entry, param, fqn.rpartition(".")[2])):
             problems.append(problem)

@@ -102,7 +102,7 @@ def test_fsdp2_tensor_values(runs) -> None:
     embed = d["tensors"]["model.embed.weight"]
     assert {k: v for k, v in embed.items() if k != "chunks"} == {
         "shape": [10, 8], "dtype": "float32", "nbytes": 320, "group": "model", "layout": "shard0-even",
-        "tp_degree": None, "param": None,
+        "dim1_parts": None, "tp_degree": None, "param": None,
         "coverage": {"status": "complete", "covered": 80, "gaps": 0, "overlaps": 0},
     }
     assert [(c["file"], c["offsets"], c["sizes"]) for c in embed["chunks"]] == [
@@ -123,7 +123,7 @@ def test_megatron_values(runs) -> None:
     assert d["groups"] == {"model": 16, "optimizer": 80, "other": 3}
     assert d["layouts"] == {"rows-uneven": 24, "scalar": 16, "shard0-even": 9, "single": 3, "tp-dp-grid": 12}
     proj = d["tensors"]["model.module.decoder.layers.0.self_attention.linear_proj.weight"]
-    assert (proj["layout"], proj["tp_degree"]) == ("tp-dp-grid", 2)
+    assert (proj["layout"], proj["tp_degree"], proj["dim1_parts"]) == ("tp-dp-grid", 2, 2)
     assert [(c["offsets"], c["sizes"]) for c in proj["chunks"]] == [
         ([0, 0], [7, 4]), ([0, 4], [7, 4]), ([7, 0], [1, 4]), ([7, 4], [1, 4])]
     qkv = d["tensors"]["model.module.decoder.layers.1.self_attention.linear_qkv.weight"]
@@ -469,3 +469,35 @@ def test_streamed_json_is_json_dumps_text_made_entry_by_entry(capsys) -> None:
     emit_json(doc)
     assert capsys.readouterr().out == json.dumps(plain, indent=2) + "\n"
     assert made == ["a.weight", "b.bias"]
+
+
+def _save_dim1_splits(rank: int, world_size: int, out: str) -> None:
+    """Real DTensors cut on dim 1: FSDP2-style `Shard(1)` on 4 ranks, experts [E, F, D] under
+    expert parallelism (dim 0) with FSDP `Shard(1)` on a 2 × 2 mesh, and a Megatron RowParallel
+    name cut the same way."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    flat, grid = init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))
+    full = torch.arange(4 * 8 * 8, dtype=torch.float32)
+    state = {"w": distribute_tensor(full[:32].reshape(4, 8), flat, [Shard(1)]),
+             "layers.0.moe.experts.w1": distribute_tensor(full[:256].reshape(4, 8, 8), grid, [Shard(0), Shard(1)]),
+             "decoder.layers.0.self_attention.linear_proj.weight":
+                 distribute_tensor(full[:64].reshape(8, 8), grid, [Shard(0), Shard(1)])}
+    dcp.save(state, checkpoint_id=out)
+
+
+def test_dim1_splits_are_tp_only_where_the_megatron_rules_say_row_parallel(tmp_path) -> None:
+    from fixtures.gloo import run_ranks
+
+    run_ranks(_save_dim1_splits, 4, str(tmp_path / "ckpt"))
+    run = run_cli("inspect", tmp_path / "ckpt", "--json")
+    assert run.returncode == 0, run.stderr
+    tensors = json.loads(run.stdout)["tensors"]
+    assert {n: (t["layout"], t["dim1_parts"], t["tp_degree"]) for n, t in tensors.items()} == {
+        "w": ("shard1", 4, None),
+        "layers.0.moe.experts.w1": ("grid", 2, None),
+        "decoder.layers.0.self_attention.linear_proj.weight": ("tp-dp-grid", 2, 2),
+    }
+    table = run_cli("inspect", tmp_path / "ckpt").stdout
+    assert "shard1 (dim 1 in 4)" in table and "grid (dim 1 in 2)" in table and "tp-dp-grid (tp 2)" in table

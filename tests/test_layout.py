@@ -90,11 +90,11 @@ def test_one_dimensional_uneven_split_is_rows_uneven() -> None:
     assert classify_layout(rows("b", (8,), [(0, 3), (3, 8)])) == ("rows-uneven", None)
 
 
-def test_split_on_dim_one_is_a_tp_dp_grid_with_its_tp_degree() -> None:
-    row_parallel = entry("proj", (8, 8), [((0, 0), (7, 4)), ((0, 4), (7, 4)), ((7, 0), (1, 4)), ((7, 4), (1, 4))])
-    assert classify_layout(row_parallel) == ("tp-dp-grid", 2)
+def test_splits_on_dim_one_are_a_grid_or_shard1_with_their_column_blocks() -> None:
+    grid = entry("proj", (8, 8), [((0, 0), (7, 4)), ((0, 4), (7, 4)), ((7, 0), (1, 4)), ((7, 4), (1, 4))])
+    assert classify_layout(grid) == ("grid", 2)
     four_way = entry("proj", (4, 8), [((0, c), (4, 2)) for c in (0, 2, 4, 6)])
-    assert classify_layout(four_way) == ("tp-dp-grid", 4)
+    assert classify_layout(four_way) == ("shard1", 4)
 
 
 def test_boxes_fitting_no_scheme_are_irregular() -> None:

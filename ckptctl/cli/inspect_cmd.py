@@ -23,8 +23,10 @@ ignores them.
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",
           "layout": "scalar" | "empty" | "flat" | "single" | "shard0-even" | "rows-uneven"
-                    | "tp-dp-grid" | "layer-stacked" | "irregular",
-          "tp_degree": int | null, "param": model fqn | null,
+                    | "shard1" | "grid" | "tp-dp-grid" | "layer-stacked" | "irregular",
+          "dim1_parts": int | null,                           # column blocks of shard1, grid, tp-dp-grid
+          "tp_degree": int | null,                            # tp-dp-grid: a RowParallel weight's TP
+          "param": model fqn | null,
           "coverage": {"status": "complete" | "gaps" | "overlaps" | "gaps+overlaps",
                        "covered": int, "gaps": int, "overlaps": int},
           "chunks": [{"file", "offset", "length", "offsets": [int], "sizes": [int],
@@ -41,6 +43,7 @@ FQNs; the summary counts always describe the whole checkpoint.
 from __future__ import annotations
 
 import fnmatch
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -74,12 +77,26 @@ def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
             "offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "transforms": list(chunk.transforms)}
 
 
+def shown_layout(report: TensorReport) -> str:
+    """The layout label inspect shows: a dim-1 split (`shard1`, `grid`) of a weight the Megatron
+    rules call RowParallel (its own name or, for an optimizer state, its param's) is
+    `tp-dp-grid`, its column blocks the TP degree; a split of any other tensor (FSDP
+    `Shard(1)`, expert-parallel experts) keeps its geometric label."""
+    if report.layout not in ("shard1", "grid"):
+        return report.layout
+    from ckptctl.hf.registry import parallel_dim  # the family tables: only for checkpoints with such splits
+
+    return "tp-dp-grid" if parallel_dim(report.param or report.fqn) == 1 else report.layout
+
+
 def _tensor_doc(ckpt: Checkpoint, report: TensorReport) -> dict[str, Any]:
     entry = ckpt.tensors[report.fqn]
     cov = report.coverage
+    layout = shown_layout(report)
     return {
         "shape": list(entry.shape), "dtype": entry.dtype_name, "nbytes": entry.nbytes,
-        "group": report.group, "layout": report.layout, "tp_degree": report.tp_degree, "param": report.param,
+        "group": report.group, "layout": layout, "dim1_parts": report.dim1_parts,
+        "tp_degree": report.dim1_parts if layout == "tp-dp-grid" else None, "param": report.param,
         "coverage": {"status": cov.status, "covered": cov.covered, "gaps": cov.gaps, "overlaps": cov.overlaps},
         "chunks": [_chunk_doc(c) for c in entry.chunks],
     }
@@ -101,7 +118,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "unreferenced_files": list(ckpt.unreferenced_files),
         "groups": analysis.groups,
         "dtypes": analysis.dtypes,
-        "layouts": analysis.layouts,
+        "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
         "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
                             lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
@@ -190,7 +207,8 @@ def _print_tensors(tensors: dict[str, Any]) -> None:
     for name in ("shape", "dtype", "size", "layout", "coverage"):
         table.add_column(name, no_wrap=True, justify="right" if name == "size" else "left")
     for fqn, t in tensors.items():
-        layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else "")
+        layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else
+                                f" (dim 1 in {t['dim1_parts']})" if t["dim1_parts"] else "")
         table.add_row(Text(fqn), Text(str(t["shape"])), t["dtype"], human_bytes(t["nbytes"]), layout,
                       _coverage_cell(t["coverage"]))
     _console().print(table)
