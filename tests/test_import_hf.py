@@ -347,7 +347,8 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
     (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
     (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
      "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "
-     "(torchtitan-llama3), qwen3 (torchtitan-qwen3), qwen3_moe (torchtitan-qwen3))"),
+     "(torchtitan-llama3), qwen3 (torchtitan-qwen3), qwen3_moe (torchtitan-qwen3), deepseek_v3 "
+     "(torchtitan-deepseek-v3))"),
 ])
 def test_megatron_import_option_errors_are_one_line(references, tmp_path, args, line):
     ref = references["llama"].folder

@@ -1,6 +1,6 @@
 """torchtitan checkpoints both ways, against torchtitan's own code.
 
-Tiny llama3, qwen3 (tied) and qwen3 MoE models are built by torchtitan's layer builders, sharded with
+Tiny llama3, qwen3 (tied), qwen3 MoE and DeepSeek-V3 models are built by torchtitan's layer builders, sharded with
 FSDP2 over 2 gloo ranks and saved through its `ModelWrapper`, as its checkpoint manager
 saves them (`fixtures.torchtitan_models`). export-hf must give exactly what torchtitan's
 own `state_dict_adapter.to_hf` gives (llama3's RoPE row order included) and a folder
@@ -22,8 +22,9 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not titan.available(), reason="torchtitan is not installed")
 transformers = pytest.importorskip("transformers")
-FAMILIES = ("llama3", "qwen3", "qwen3-moe")
-ARCH = {"llama3": "torchtitan-llama3", "qwen3": "torchtitan-qwen3", "qwen3-moe": "torchtitan-qwen3"}
+FAMILIES = ("llama3", "qwen3", "qwen3-moe", "deepseek-v3")
+ARCH = {"llama3": "torchtitan-llama3", "qwen3": "torchtitan-qwen3", "qwen3-moe": "torchtitan-qwen3",
+        "deepseek-v3": "torchtitan-deepseek-v3"}
 WORLD = 2
 
 
@@ -134,6 +135,16 @@ def test_experts_are_slabs_of_the_stacks_and_an_all_zero_expert_bias_is_left_out
             "qwen3_moe routes without one") in run.stderr.splitlines()
 
 
+def test_deepseek_v3_maps_mla_shared_experts_and_its_expert_bias(saved, exported):
+    _, state, _ = saved["deepseek-v3"]
+    got = _folder(exported["deepseek-v3"][0])
+    assert torch.equal(got["model.layers.1.mlp.gate.e_score_correction_bias"], state["layers.1.moe.expert_bias_E"])
+    assert torch.equal(got["model.layers.2.self_attn.q_b_proj.weight"], state["layers.2.attention.wq_b.weight"])
+    assert torch.equal(got["model.layers.1.mlp.shared_experts.up_proj.weight"],
+                       state["layers.1.moe.shared_experts.w3.weight"])
+    assert "model.layers.0.mlp.gate_proj.weight" in got and "model.layers.0.mlp.gate.weight" not in got
+
+
 def test_a_trained_expert_bias_is_refused_unless_dropped_on_purpose(saved, tmp_path):
     _, _, ref = saved["qwen3-moe"]
     ckpt = tmp_path / "biased"
@@ -159,9 +170,9 @@ def test_a_torchtitan_model_type_without_rules_is_refused(saved, tmp_path):
     config = json.loads((ref / "config.json").read_text())
     other = tmp_path / "ref"
     other.mkdir()
-    (other / "config.json").write_text(json.dumps({**config, "model_type": "deepseek_v3"}))
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "gpt_oss"}))
     run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", other)
-    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {other / 'config.json'}: model_type 'deepseek_v3' of "
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {other / 'config.json'}: model_type 'gpt_oss' of "
                                                "a torchtitan checkpoint is not one export-hf converts yet (it converts "
                                                "torchtitan's llama (torchtitan-llama3), qwen3 (torchtitan-qwen3), "
-                                               "qwen3_moe (torchtitan-qwen3))\n")
+                                               "qwen3_moe (torchtitan-qwen3), deepseek_v3 (torchtitan-deepseek-v3))\n")

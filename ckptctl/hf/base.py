@@ -35,8 +35,9 @@ COPIED_REF_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json"
                     "spiece.model", "generation_config.json", "chat_template*", "preprocessor_config.json")
 """Files of an HF model folder copied next to the exported weights (tokenizer, generation config)."""
 
-CONFIG_ALIASES = {"num_experts": ("num_local_experts",)}
-"""Other spellings of a config key (transformers 5 writes Qwen3-MoE's `num_experts` as `num_local_experts`)."""
+CONFIG_ALIASES = {"num_experts": ("num_local_experts", "n_routed_experts")}
+"""Other spellings of a config key (transformers 5 writes Qwen3-MoE's `num_experts` as
+`num_local_experts`; DeepSeek-V3 calls it `n_routed_experts`)."""
 
 
 # --------------------------------------------------------------------------------------

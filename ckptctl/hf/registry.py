@@ -17,10 +17,11 @@ from ckptctl.hf.qwen3_moe import QWEN3_MOE
 from ckptctl.hf.qwen3_next import QWEN3_NEXT
 from ckptctl.hf.raw import RAW
 from ckptctl.hf.rules import COLUMN, DUPLICATED, MG_LAYER, ROW, Family
-from ckptctl.hf.torchtitan import TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
+from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron import FUSED_PARTS
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, RAW)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3,
+                                TORCHTITAN_DEEPSEEK_V3, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
