@@ -90,24 +90,25 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     return SourceTensor(entry.fqn, shape, entry.dtype, regions)
 
 
-def layer_stacked_view(entry: TensorEntry) -> SourceTensor:
+def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
     """A stack [L, R, …] (a Megatron-Core torch_dist layer stack, torchtitan's grouped experts)
     seen as [L·R, …]: every slab's rows one after another, the same elements in the same order,
-    so each chunk (one slab deep, or whole slabs) is one box of it. A chunk cut inside several
-    slabs (torchtitan experts under EP with FSDP `Shard(1)`) is not one box: refused."""
-    layers, rows = entry.shape[0], entry.shape[1]
-    shape = (layers * rows, *entry.shape[2:])
+    so each chunk (one slab deep, or whole slabs) is one box of it. `depth` 2 reads a stack of
+    stacks [L, E, R, …] (torch_dist experts) as [L·E·R, …] the same way. A chunk cut inside
+    several slabs (torchtitan experts under EP with FSDP `Shard(1)`) is not one box: refused."""
+    lead = entry.shape[:depth + 1]
+    rows = math.prod(lead)
+    shape = (rows, *entry.shape[depth + 1:])
     regions = []
     for c in entry.chunks:
-        if c.sizes[0] == 1:
-            box = Box((c.offsets[0] * rows + c.offsets[1], *c.offsets[2:]), c.sizes[1:])
-        elif c.offsets[1] == 0 and c.sizes[1] == rows:
-            box = Box((c.offsets[0] * rows, *c.offsets[2:]), (c.sizes[0] * rows, *c.sizes[2:]))
-        else:
-            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim 1 inside "
-                                             f"{c.sizes[0]} slabs of the stack (expert parallelism with FSDP "
-                                             "Shard(1)?), which ckptctl cannot read slab by slab yet")
-        regions.append((c, box))
+        start = sum(o * math.prod(lead[i + 1:]) for i, o in enumerate(c.offsets[:depth + 1]))
+        deep = next((i for i in range(depth + 1) if c.sizes[i] != 1), depth)
+        if any(c.offsets[i] or c.sizes[i] != lead[i] for i in range(deep + 1, depth + 1)):
+            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim {depth} "
+                                             f"inside {c.sizes[deep]} slabs of the stack (expert parallelism with "
+                                             "FSDP Shard(1)?), which ckptctl cannot read slab by slab yet")
+        count = c.sizes[deep] * math.prod(lead[deep + 1:])
+        regions.append((c, Box((start, *c.offsets[depth + 1:]), (count, *c.sizes[depth + 1:]))))
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
 
 

@@ -2,8 +2,9 @@
 
 A tiny llama-like GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA, padded vocab) is built
 and saved by megatron-core's own `dist_checkpointing.save` at TP 1, TP 2 and PP 2 (each
-stage its layers at their global index), and its own forward gives the logits of a fixed
-batch (`fixtures.megatron_core`; not pipelined). export-hf must give the HF Llama whose
+stage its layers at their global index), as are a qwen3-like one and a Qwen3-MoE-like one
+(SequentialMLP experts) at TP 2, and its own forward gives the logits of a fixed batch
+(`fixtures.megatron_core`; not pipelined). export-hf must give the HF Llama whose
 every tensor is the independent test-side mapping of Megatron's global tensors and whose
 logits (transformers) equal Megatron's; both TPs give the same folder.
 Skipped without megatron-core (`make install` puts it in).
@@ -22,8 +23,10 @@ from tests.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
-GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3")}
-"""Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim."""
+GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3"),
+         "qwen3-moe-tp2": (2, 1, "qwen3-moe")}
+"""Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
+qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]."""
 
 
 @pytest.fixture(scope="session")
@@ -69,12 +72,20 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
         out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
         out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
-        fc1 = s("mlp.linear_fc1.weight")
-        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:d["ffn"]], fc1[d["ffn"]:]
-        out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
+        if kind == "qwen3-moe":  # per expert, fc1 is [W; V] whatever the TP
+            ffn = mc.MOE["moe_ffn_hidden_size"]
+            out[p + "mlp.gate.weight"] = s("mlp.router.weight")
+            for e in range(mc.MOE["num_moe_experts"]):
+                fc1, x = s("mlp.experts.experts.linear_fc1.weight")[e], f"{p}mlp.experts.{e}."
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = fc1[:ffn], fc1[ffn:]
+                out[x + "down_proj.weight"] = s("mlp.experts.experts.linear_fc2.weight")[e]
+        else:
+            fc1 = s("mlp.linear_fc1.weight")
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:d["ffn"]], fc1[d["ffn"]:]
+            out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
         out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
         out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
-        if kind == "qwen3":
+        if kind != "llama":
             out[p + "self_attn.q_norm.weight"] = s("self_attention.q_layernorm.weight")
             out[p + "self_attn.k_norm.weight"] = s("self_attention.k_layernorm.weight")
     return out

@@ -11,6 +11,7 @@ of one source tensor. `HFTensor.target()` turns the concatenation of views into 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -24,6 +25,8 @@ from ckptctl.layout import is_layer_stacked
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
 
 STACK_PREFIX = "decoder.layers."
+EXPERT_STACK = "mlp.experts.experts."
+"""torch_dist's name (under `decoder.layers.`) for the stacked SequentialMLP experts."""
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
 
@@ -304,6 +307,8 @@ class MegatronModel:
     A torch_dist checkpoint keeps each layer-wise parameter as one layer stack
     (`decoder.layers.<name>` [L, …]): it is seen here as L tensors `decoder.layers.<l>.<name>`,
     each a view of its layer's rows of the stack read as [L·R, …] (`plan.layer_stacked_view`).
+    Its SequentialMLP experts are stacks of stacks (`decoder.layers.mlp.experts.experts.<name>`
+    [L, E, R, …]): seen as the model names them, `…mlp.experts.local_experts.<e>.<name>`.
     """
 
     def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
@@ -315,18 +320,28 @@ class MegatronModel:
         }
         self.layer_views: dict[str, RowView] = {}
         """Per-layer name → its rows of a torch_dist layer stack."""
-        self.stacks: set[str] = set()
-        """FQNs of the layer stacks, read as `layer_stacked_view`s."""
+        self.stacks: dict[str, int] = {}
+        """FQNs of the stacks → how many leading dims are stacked (`layer_stacked_view`'s depth)."""
         if ckpt.megatron_backend == "torch_dist":
             for name, entry in list(self.entries.items()):
                 if name.startswith(STACK_PREFIX) and is_layer_stacked(entry) and len(entry.shape) >= 2:
                     del self.entries[name]
-                    self.stacks.add(entry.fqn)
-                    rows, trailing = entry.shape[1], tuple(entry.shape[2:])
-                    rest = name[len(STACK_PREFIX):]
-                    for layer in range(entry.shape[0]):
-                        self.layer_views[f"{STACK_PREFIX}{layer}.{rest}"] = RowView(
-                            entry.fqn, rows, trailing, (RowBlock(layer * rows, 0, rows),) if rows else ())
+                    self._layer_views(name[len(STACK_PREFIX):], entry)
+        self.used: set[str] = set()
+
+    def _layer_views(self, rest: str, entry: TensorEntry) -> None:
+        """The per-layer (and, for experts, per-expert) views of a torch_dist stack named `rest`
+        under `decoder.layers.`."""
+        experts = rest.startswith(EXPERT_STACK) and len(entry.shape) >= 4
+        depth = 2 if experts else 1
+        self.stacks[entry.fqn] = depth
+        lead, rows, trailing = entry.shape[:depth], entry.shape[depth], tuple(entry.shape[depth + 1:])
+        for slab in range(math.prod(lead)):
+            layer, expert = divmod(slab, lead[1]) if experts else (slab, None)
+            name = (f"{STACK_PREFIX}{layer}.mlp.experts.local_experts.{expert}.{rest[len(EXPERT_STACK):]}" if experts
+                    else f"{STACK_PREFIX}{layer}.{rest}")
+            self.layer_views[name] = RowView(entry.fqn, rows, trailing, (RowBlock(slab * rows, 0, rows),) if rows else ())
+
         self.used: set[str] = set()
 
     def has(self, name: str) -> bool:
@@ -376,14 +391,14 @@ class MegatronModel:
         if len(entry.shape) < 3:
             raise CheckpointError(entry.fqn, f"shape {list(entry.shape)} is not a stack of matrices")
         self.used.add(name)
-        self.stacks.add(entry.fqn)
+        self.stacks[entry.fqn] = 1
         rows = entry.shape[0] * entry.shape[1]
         return RowView(entry.fqn, rows, tuple(entry.shape[2:]), (RowBlock(0, 0, rows),) if rows else ())
 
     def source_view(self, fqn: str) -> SourceTensor:
         """The source tensor the views of `fqn` address: a layer stack as [L·R, …], others as saved."""
         entry = self.ckpt.tensors[fqn]
-        return layer_stacked_view(entry) if fqn in self.stacks else source_view(entry)
+        return layer_stacked_view(entry, self.stacks[fqn]) if fqn in self.stacks else source_view(entry)
 
     def components(self, base: str, suffixes: Sequence[str], component_rows: Sequence[int],
                    tp: Callable[[], int]) -> list[RowView]:
