@@ -3,8 +3,9 @@
 A tiny llama-like GPTModel (local spec, RoPE, RMSNorm, SwiGLU, GQA, padded vocab) is built
 and saved by megatron-core's own `dist_checkpointing.save` at TP 1, TP 2 and PP 2 (each
 stage its layers at their global index), as are a qwen3-like one and a Qwen3-MoE-like one
-(SequentialMLP experts) at TP 2, and its own forward gives the logits of a fixed batch
-(`fixtures.megatron_core`; not pipelined). export-hf must give the HF Llama whose
+(SequentialMLP experts) at TP 2, also with a dense layer among the MoE ones (per-layer
+keys), and its own forward gives the logits of a fixed batch (`fixtures.megatron_core`;
+not pipelined). export-hf must give the HF Llama whose
 every tensor is the independent test-side mapping of Megatron's global tensors and whose
 logits (transformers) equal Megatron's; both TPs give the same folder.
 Skipped without megatron-core (`make install` puts it in).
@@ -24,9 +25,10 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
 GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3"),
-         "qwen3-moe-tp2": (2, 1, "qwen3-moe")}
+         "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed")}
 """Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
-qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]."""
+qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwen3-moe-mixed's
+layers differ (MoE, then dense), so torch_dist keeps per-layer keys."""
 
 
 @pytest.fixture(scope="session")
@@ -59,20 +61,27 @@ def exported(saved, tmp_path_factory):
 
 
 def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
-    """Test side, independent of ckptctl: Megatron's global layer stacks → HF Llama/Qwen3 tensors."""
+    """Test side, independent of ckptctl: Megatron's global layer stacks (or per-layer keys) → HF
+    Llama/Qwen3/Qwen3-MoE tensors."""
     d = mc.DIMS
     hd, groups, per_group = mc.HEAD_DIM[kind], d["groups"], d["heads"] // d["groups"]
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:d["vocab"]],
            "lm_head.weight": state["output_layer.weight"][:d["vocab"]],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    moe = mc.MOE_KINDS[kind].get("moe_layer_freq", [1] * d["layers"]) if kind in mc.MOE_KINDS else [0] * d["layers"]
     for layer in range(d["layers"]):
-        p, s = f"model.layers.{layer}.", lambda name: state["decoder.layers." + name][layer]
+        p = f"model.layers.{layer}."
+
+        def s(name: str, layer: int = layer) -> torch.Tensor:  # a per-layer key, else the layer's slab of the stack
+            key = f"decoder.layers.{layer}.{name}"
+            return state[key] if key in state else state["decoder.layers." + name][layer]
+
         qkv = s("self_attention.linear_qkv.weight").reshape(groups, (per_group + 2) * hd, d["hidden"])
         out[p + "self_attn.q_proj.weight"] = qkv[:, :per_group * hd].reshape(-1, d["hidden"])
         out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
         out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
-        if kind == "qwen3-moe":  # per expert, fc1 is [W; V] whatever the TP
+        if moe[layer]:  # per expert, fc1 is [W; V] whatever the TP
             ffn = mc.MOE["moe_ffn_hidden_size"]
             out[p + "mlp.gate.weight"] = s("mlp.router.weight")
             for e in range(mc.MOE["num_moe_experts"]):

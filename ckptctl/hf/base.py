@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -27,6 +28,8 @@ from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, 
 STACK_PREFIX = "decoder.layers."
 EXPERT_STACK = "mlp.experts.experts."
 """torch_dist's name (under `decoder.layers.`) for the stacked SequentialMLP experts."""
+PER_LAYER_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
+"""The same stack of one layer, where torch_dist keeps per-layer keys (heterogeneous layers)."""
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
 
@@ -308,7 +311,8 @@ class MegatronModel:
     (`decoder.layers.<name>` [L, …]): it is seen here as L tensors `decoder.layers.<l>.<name>`,
     each a view of its layer's rows of the stack read as [L·R, …] (`plan.layer_stacked_view`).
     Its SequentialMLP experts are stacks of stacks (`decoder.layers.mlp.experts.experts.<name>`
-    [L, E, R, …]): seen as the model names them, `…mlp.experts.local_experts.<e>.<name>`.
+    [L, E, R, …]), or per layer (`decoder.layers.<l>.mlp.experts.experts.<name>` [E, R, …]) in
+    a model whose layers differ: seen as the model names them, `…mlp.experts.local_experts.<e>.<name>`.
     """
 
     def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
@@ -324,25 +328,32 @@ class MegatronModel:
         """FQNs of the stacks → how many leading dims are stacked (`layer_stacked_view`'s depth)."""
         if ckpt.megatron_backend == "torch_dist":
             for name, entry in list(self.entries.items()):
-                if name.startswith(STACK_PREFIX) and is_layer_stacked(entry) and len(entry.shape) >= 2:
+                layer = PER_LAYER_EXPERTS.match(name)
+                if layer is not None and len(entry.shape) >= 3:
                     del self.entries[name]
-                    self._layer_views(name[len(STACK_PREFIX):], entry)
+                    self._stack_views(entry, 1, [f"{layer[1]}local_experts.{e}.{layer[2]}"
+                                                 for e in range(entry.shape[0])])
+                elif name.startswith(STACK_PREFIX) and is_layer_stacked(entry) and len(entry.shape) >= 2:
+                    del self.entries[name]
+                    rest = name[len(STACK_PREFIX):]
+                    if rest.startswith(EXPERT_STACK) and len(entry.shape) >= 4:
+                        inner, experts = rest[len(EXPERT_STACK):], entry.shape[1]
+                        self._stack_views(entry, 2, [f"{STACK_PREFIX}{slab // experts}.mlp.experts.local_experts."
+                                                     f"{slab % experts}.{inner}"
+                                                     for slab in range(entry.shape[0] * experts)])
+                    else:
+                        self._stack_views(entry, 1, [f"{STACK_PREFIX}{layer}.{rest}"
+                                                     for layer in range(entry.shape[0])])
         self.used: set[str] = set()
 
-    def _layer_views(self, rest: str, entry: TensorEntry) -> None:
-        """The per-layer (and, for experts, per-expert) views of a torch_dist stack named `rest`
-        under `decoder.layers.`."""
-        experts = rest.startswith(EXPERT_STACK) and len(entry.shape) >= 4
-        depth = 2 if experts else 1
+    def _stack_views(self, entry: TensorEntry, depth: int, names: Sequence[str]) -> None:
+        """Name each slab of a torch_dist stack of `depth` stacked dims (`layer_stacked_view`) by
+        the per-layer (per-expert) name the model gives it."""
         self.stacks[entry.fqn] = depth
-        lead, rows, trailing = entry.shape[:depth], entry.shape[depth], tuple(entry.shape[depth + 1:])
-        for slab in range(math.prod(lead)):
-            layer, expert = divmod(slab, lead[1]) if experts else (slab, None)
-            name = (f"{STACK_PREFIX}{layer}.mlp.experts.local_experts.{expert}.{rest[len(EXPERT_STACK):]}" if experts
-                    else f"{STACK_PREFIX}{layer}.{rest}")
-            self.layer_views[name] = RowView(entry.fqn, rows, trailing, (RowBlock(slab * rows, 0, rows),) if rows else ())
-
-        self.used: set[str] = set()
+        rows, trailing = entry.shape[depth], tuple(entry.shape[depth + 1:])
+        for slab, name in enumerate(names):
+            blocks = (RowBlock(slab * rows, 0, rows),) if rows else ()
+            self.layer_views[name] = RowView(entry.fqn, rows, trailing, blocks)
 
     def has(self, name: str) -> bool:
         return name in self.entries or name in self.layer_views
