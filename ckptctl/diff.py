@@ -47,10 +47,11 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.safetensors_in import StoredTensor, stored_tensors
 from ckptctl.geometry import Box, full_box
 from ckptctl.hf.base import is_model_key
+from ckptctl.layout import source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box
 from ckptctl.progress import Advance, Phases, ProgressObserver
-from ckptctl.reshard import selected, source_tensors
+from ckptctl.selection import selected
 
 EQUAL, CLOSE, DIFFERS = "equal", "close", "differs"
 MISSING_IN_A, MISSING_IN_B = "missing in A", "missing in B"

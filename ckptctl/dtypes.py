@@ -100,3 +100,8 @@ def as_dtype(value: Any) -> DType:
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unsupported dtype {value!r}") from None
+
+
+def cast_dtype(src: DType, wanted: DType | None) -> DType:
+    """`--dtype` casts floating tensors only; integer and bool tensors keep their dtype."""
+    return as_dtype(wanted) if wanted is not None and src.is_floating_point else src

@@ -34,7 +34,7 @@ from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
-from ckptctl.dtypes import DType
+from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
@@ -56,7 +56,7 @@ from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
-from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
+from ckptctl.selection import refuse_empty_selection, selected
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from ckptctl.atomic import atomic_file, lands_in
-from ckptctl.dtypes import DType
+from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes, run_on_threads
 from ckptctl.engine.crc import crc32
@@ -37,7 +37,7 @@ from ckptctl.geometry import union_volume
 from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
-from ckptctl.reshard import cast_dtype, refuse_empty_selection, selected
+from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.verify import check_decoded_source, row_blocks, tensor_read_back
 
 _LOCAL_HEADER_BYTES = 30

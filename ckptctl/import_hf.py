@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence, cast
 
-from ckptctl.dtypes import DType, float32
+from ckptctl.dtypes import DType, cast_dtype, float32
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
@@ -48,9 +48,8 @@ from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2, megatron_fsdp
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
 from ckptctl.progress import ProgressObserver
-from ckptctl.reshard import (
-    ReshardOptions, ReshardReport, cast_dtype, new_report, refuse_empty_selection, selected, write_dcp_output,
-)
+from ckptctl.reshard import ReshardOptions, ReshardReport, new_report, write_dcp_output
+from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.wording import counted
 
 TARGETS = ("fsdp2", "torchtitan", "megatron-fsdp")

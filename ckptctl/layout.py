@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 from ckptctl.geometry import Box, chunk_rows, union_volume
 from ckptctl.model import Checkpoint, TensorEntry
+from ckptctl.plan import SourceTensor, source_view
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
 """Where model params live, most specific first (DDP / Megatron wrappers add `module.`)."""
@@ -339,3 +340,16 @@ def analyze(ckpt: Checkpoint) -> Analysis:
 
 def _by_count(counts: Mapping[str, int]) -> tuple[str, ...]:
     return tuple(sorted(counts, key=lambda p: (-counts[p], p)))
+
+
+def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
+    """Every tensor entry as a source; flat 1-D optimizer buffers take their param's shape."""
+    reports = {r.fqn: r for r in ckpt.analysis.reports}
+    out = {}
+    for fqn, entry in ckpt.tensors.items():
+        report = reports.get(fqn)
+        if report is not None and report.layout == "flat" and report.param:
+            out[fqn] = source_view(entry, ckpt.tensors[report.param].shape)
+        else:
+            out[fqn] = source_view(entry)
+    return out

@@ -22,23 +22,21 @@ import io
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
-from ckptctl.dtypes import DType
+from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
-from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, split_optimizer_fqn
+from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, source_tensors, split_optimizer_fqn
 from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
 from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
+from ckptctl.selection import selected
 from ckptctl.plan import CopyItem, Piece, SourceTensor, TargetTensor, identity_target
-
-if TYPE_CHECKING:
-    from ckptctl.reshard import ReshardOptions
 
 LAYOUTS = ("fsdp2", "megatron-fsdp")
 GATED_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
@@ -67,38 +65,72 @@ class Layout:
         return megatron_fsdp(shape, param_name, self.tp, self.dp)
 
 
-def resolve_layout(ckpt: Checkpoint, opts: ReshardOptions) -> Layout:
-    """Check the option combination and work out the output's rank grid."""
-    if opts.layout not in LAYOUTS:
-        raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {opts.layout!r})")
-    for flag, value in (("--world-size", opts.world_size), ("--tp", opts.tp), ("--dp", opts.dp),
-                        ("--source-tp", opts.source_tp)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1 (got {value})")
-    if opts.split_fused and opts.fuse:
-        raise UsageError("--split-fused and --fuse are opposites; pass one of them")
-    if opts.fuse and opts.tp is None:
-        raise UsageError("--fuse needs --tp: the TP size the fused tensors are blocked for")
-    if opts.layout == "fsdp2":
-        if opts.dp is not None:
-            raise UsageError("--dp applies to --layout megatron-fsdp only")
-        if opts.world_size is None:
-            raise UsageError("--world-size is required with --layout fsdp2")
-        if opts.source_tp is not None and opts.tp is None and not opts.split_fused:
-            raise UsageError("--source-tp names the TP the source's fused tensors are blocked for; "
-                             "pass --tp (the target TP) or --split-fused with it")
-        return Layout("fsdp2", opts.world_size, opts.tp)
-    tp = opts.tp if opts.tp is not None else resolve_tp(ckpt, checkpoint_args(ckpt), opts.source_tp, "--tp")
-    if opts.dp is not None:
-        dp = opts.dp
-    elif opts.world_size is not None:
-        if opts.world_size % tp:
-            raise UsageError(f"--world-size {opts.world_size} is not a multiple of TP {tp}")
-        dp = opts.world_size // tp
+KEEP, SPLIT, FUSE = "keep", "split", "fuse"
+"""What a Megatron-aware reshard does with fused tensors: keep them fused (re-blocked when the
+TP changes), split them into their saved components, or fuse components."""
+
+
+@dataclass(frozen=True)
+class MegatronRequest:
+    """A Megatron-aware reshard, its options parsed and checked once (`parse`), before planning:
+    the output layout asked for, what to do with fused tensors, flat optimizer states, where
+    the model dims come from, and the selection and cast every reshard has."""
+
+    layout: str
+    world_size: int | None
+    tp: int | None
+    """The target TP (fused tensors are re-blocked for it)."""
+    dp: int | None
+    source_tp: int | None
+    fused: str
+    flat_optimizer: bool = False
+    hf_config: Path | None = None
+    include: tuple[str, ...] = ()
+    exclude: tuple[str, ...] = ()
+    dtype: DType | None = None
+
+    @classmethod
+    def parse(cls, *, layout: str, world_size: int | None, tp: int | None, dp: int | None, source_tp: int | None,
+              split_fused: bool, fuse: bool, flat_optimizer: bool, hf_config: Path | None, include: Sequence[str],
+              exclude: Sequence[str], dtype: DType | None) -> "MegatronRequest":
+        """Refuse option combinations that cannot work (one line each), whatever the checkpoint."""
+        if layout not in LAYOUTS:
+            raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+        for flag, value in (("--world-size", world_size), ("--tp", tp), ("--dp", dp), ("--source-tp", source_tp)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1 (got {value})")
+        if split_fused and fuse:
+            raise UsageError("--split-fused and --fuse are opposites; pass one of them")
+        if fuse and tp is None:
+            raise UsageError("--fuse needs --tp: the TP size the fused tensors are blocked for")
+        if layout == "fsdp2":
+            if dp is not None:
+                raise UsageError("--dp applies to --layout megatron-fsdp only")
+            if world_size is None:
+                raise UsageError("--world-size is required with --layout fsdp2")
+            if source_tp is not None and tp is None and not split_fused:
+                raise UsageError("--source-tp names the TP the source's fused tensors are blocked for; "
+                                 "pass --tp (the target TP) or --split-fused with it")
+        elif dp is None and world_size is None:
+            raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
+        return cls(layout, world_size, tp, dp, source_tp, SPLIT if split_fused else FUSE if fuse else KEEP,
+                   flat_optimizer, hf_config, tuple(include), tuple(exclude), dtype)
+
+
+def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:
+    """The output's rank grid: for Megatron-FSDP, TP from the request or the checkpoint, DP
+    from the request or the world size."""
+    if req.layout == "fsdp2":
+        return Layout("fsdp2", req.world_size, req.tp)
+    tp = req.tp if req.tp is not None else resolve_tp(ckpt, checkpoint_args(ckpt), req.source_tp, "--tp")
+    if req.dp is not None:
+        dp = req.dp
     else:
-        raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
-    if opts.world_size is not None and opts.world_size != tp * dp:
-        raise UsageError(f"--world-size {opts.world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
+        if req.world_size % tp:
+            raise UsageError(f"--world-size {req.world_size} is not a multiple of TP {tp}")
+        dp = req.world_size // tp
+    if req.world_size is not None and req.world_size != tp * dp:
+        raise UsageError(f"--world-size {req.world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
                          "for --layout megatron-fsdp (or be omitted)")
     return Layout("megatron-fsdp", tp * dp, tp, dp)
 
@@ -273,9 +305,9 @@ class Planned:
 class MegatronPlanner:
     """Builds the targets of a Megatron-aware reshard from one checkpoint and its options."""
 
-    def __init__(self, ckpt: Checkpoint, opts: ReshardOptions, layout: Layout,
+    def __init__(self, ckpt: Checkpoint, req: MegatronRequest, layout: Layout,
                  sources: dict[str, SourceTensor]) -> None:
-        self.ckpt, self.opts, self.layout, self.sources = ckpt, opts, layout, sources
+        self.ckpt, self.req, self.layout, self.sources = ckpt, req, layout, sources
         self._source_tp: int | None = None
         self._dims: ModelDims | None = None
         analysis = ckpt.analysis
@@ -299,13 +331,13 @@ class MegatronPlanner:
 
     def source_tp(self) -> int:
         if self._source_tp is None:
-            self._source_tp = resolve_tp(self.ckpt, checkpoint_args(self.ckpt), self.opts.source_tp, "--source-tp",
+            self._source_tp = resolve_tp(self.ckpt, checkpoint_args(self.ckpt), self.req.source_tp, "--source-tp",
                                          strict=True)
         return self._source_tp
 
     def dims(self) -> ModelDims:
         if self._dims is None:
-            self._dims = model_dims(self.ckpt, self.opts.hf_config)
+            self._dims = model_dims(self.ckpt, self.req.hf_config)
         return self._dims
 
     def component_rows(self, fqn: str, kind: str) -> tuple[int, ...] | None:
@@ -357,21 +389,21 @@ class MegatronPlanner:
         self.refuse_unknown_tp_blocked(target_tp)
         for fqn in self.params:
             kind = fused_kind(fqn)
-            if kind is None or not (self.opts.split_fused or target_tp is not None):
+            if kind is None or not ((self.req.fused == SPLIT) or target_tp is not None):
                 continue
-            if not self.opts.split_fused and self.source_tp() == target_tp:
+            if not (self.req.fused == SPLIT) and self.source_tp() == target_tp:
                 continue
             rows = self.component_rows(fqn, kind)
             if rows is None:
                 continue
             self.check_expert_tp(fqn, source_side=True)
-            if not self.opts.split_fused:
+            if not (self.req.fused == SPLIT):
                 self.check_expert_tp(fqn, source_side=False)
-            if self.opts.split_fused:
+            if (self.req.fused == SPLIT):
                 out.append(split_regroup(fqn, FUSED_PARTS[kind], rows, self.source_tp()))
             else:
                 out.append(reblock_regroup(fqn, rows, self.source_tp(), target_tp))
-        if self.opts.fuse:
+        if (self.req.fused == FUSE):
             out.extend(self.fuse_regroups())
         if out and self.orphans:
             odd = [f for f in self.orphans if fused_kind(split_optimizer_fqn(f).param)
@@ -415,15 +447,14 @@ class MegatronPlanner:
             if any(len(s) < 1 or s[1:] != shapes[0][1:] for s in shapes):
                 raise UsageError(f"{base}: components have mismatched shapes {[list(s) for s in shapes]}")
             self.check_expert_tp(base, source_side=False)
-            out.append(fuse_regroup(base, parts, [s[0] for s in shapes], self.opts.tp))
+            out.append(fuse_regroup(base, parts, [s[0] for s in shapes], self.req.tp))
         return out
 
     # -- targets ---------------------------------------------------------------------
 
     def cast(self, dtype: DType) -> DType:
-        from ckptctl.reshard import cast_dtype
 
-        return cast_dtype(dtype, self.opts.dtype)
+        return cast_dtype(dtype, self.req.dtype)
 
     def properties(self, fqn: str) -> Any:
         return self.ckpt.tensors[fqn].properties
@@ -606,24 +637,22 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
 # --------------------------------------------------------------------------------------
 
 
-def plan_megatron(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
+def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
     """The whole output of a Megatron-aware reshard: targets, placement, copy runs. No tensor I/O."""
-    from ckptctl.reshard import selected, source_tensors
-
-    layout = resolve_layout(ckpt, opts)
+    layout = resolve_layout(ckpt, req)
     sources = source_tensors(ckpt)
-    planner = MegatronPlanner(ckpt, opts, layout, sources)
+    planner = MegatronPlanner(ckpt, req, layout, sources)
     planned = planner.build()
     groups = [g for g in planner.applied if len(g.sources) > 1]
 
     targets: list[TargetTensor] = []
     placements: dict[str, list[Placed]] = {}
     for fqn, target in planned.targets.items():
-        if not selected(fqn, opts.include, opts.exclude):
+        if not selected(fqn, req.include, req.exclude):
             continue
         param, param_shape = planned.param_of[fqn]
         placed = layout.place(target.shape, param)
-        if (opts.flat_optimizer and split_optimizer_fqn(fqn) is not None and param_shape is not None
+        if (req.flat_optimizer and split_optimizer_fqn(fqn) is not None and param_shape is not None
                 and len(param_shape) >= 2 and target.shape == param_shape):
             placed = flat(placed, target.shape)
             target = replace(target, shape=(math.prod(target.shape),), logical_shape=target.shape)
@@ -631,12 +660,12 @@ def plan_megatron(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
         placements[fqn] = placed
 
     renames = group_meta_renames(list(ckpt.bytes_entries), groups)
-    new_args = rewritten_args(ckpt, opts.tp) if opts.tp is not None and "args" in ckpt.bytes_entries else None
+    new_args = rewritten_args(ckpt, req.tp) if req.tp is not None and "args" in ckpt.bytes_entries else None
     kept: list[BytesEntry] = []
     bytes_names: dict[str, str] = {}
     for fqn, entry in ckpt.bytes_entries.items():
         name = renames.get(fqn, fqn)
-        if name is None or not selected(name, opts.include, opts.exclude):
+        if name is None or not selected(name, req.include, req.exclude):
             continue
         bytes_names[name] = fqn
         if not (fqn == "args" and new_args is not None):
@@ -659,7 +688,7 @@ def _append_literal(out: DcpOutput, fqn: str, data: bytes) -> None:
     out.bytes_transforms[fqn] = ()
 
 
-def output_world_size(ckpt: Checkpoint, opts: ReshardOptions) -> int:
+def output_world_size(ckpt: Checkpoint, req: MegatronRequest) -> int:
     """How many ranks the output is laid out for."""
-    return resolve_layout(ckpt, opts).world_size
+    return resolve_layout(ckpt, req).world_size
 

@@ -8,28 +8,32 @@ with the `inspect --check` diagnosis unless the caller allows them.
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
-from ckptctl.dtypes import DType, as_dtype
+from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
+from ckptctl.layout import source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_view
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target
 from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
+from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.verify import verify_dcp
+
+if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
+    from ckptctl.megatron_reshard import MegatronRequest
 
 @dataclass
 class ReshardOptions:
@@ -58,6 +62,15 @@ class ReshardOptions:
         return bool(self.split_fused or self.fuse or self.flat_optimizer or self.hf_config is not None
                     or self.layout != "fsdp2" or any(v is not None for v in (self.tp, self.dp, self.source_tp)))
 
+    def megatron_request(self) -> "MegatronRequest":
+        """The Megatron-aware options parsed and checked once, as Megatron planning takes them."""
+        from ckptctl.megatron_reshard import MegatronRequest
+
+        return MegatronRequest.parse(layout=self.layout, world_size=self.world_size, tp=self.tp, dp=self.dp,
+                                     source_tp=self.source_tp, split_fused=self.split_fused, fuse=self.fuse,
+                                     flat_optimizer=self.flat_optimizer, hf_config=self.hf_config,
+                                     include=self.include, exclude=self.exclude, dtype=self.dtype)
+
 
 @dataclass
 class ReshardReport(RunTiming):
@@ -73,39 +86,6 @@ class ReshardReport(RunTiming):
     bytes_written: int
     dry_run: bool = False
     predicted_peak_bytes: int = 0
-
-
-def selected(fqn: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
-    """FQN filter: kept when it matches an include glob (or none are given) and no exclude glob."""
-    if include and not any(fnmatch.fnmatchcase(fqn, g) for g in include):
-        return False
-    return not any(fnmatch.fnmatchcase(fqn, g) for g in exclude)
-
-
-def refuse_empty_selection(kept: int, total: int, include: Sequence[str], exclude: Sequence[str],
-                           what: str = "entries") -> None:
-    """`--include`/`--exclude` that keep nothing are a mistake, never an empty output with exit 0."""
-    if kept == 0 and (include or exclude):
-        shown = " ".join([f"--include {g!r}" for g in include] + [f"--exclude {g!r}" for g in exclude])
-        raise UsageError(f"{shown} selects none of the {total} {what}")
-
-
-def cast_dtype(src: DType, wanted: DType | None) -> DType:
-    """`--dtype` casts floating tensors only; integer and bool tensors keep their dtype."""
-    return as_dtype(wanted) if wanted is not None and src.is_floating_point else src
-
-
-def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
-    """Every tensor entry as a source; flat 1-D optimizer buffers take their param's shape."""
-    reports = {r.fqn: r for r in ckpt.analysis.reports}
-    out = {}
-    for fqn, entry in ckpt.tensors.items():
-        report = reports.get(fqn)
-        if report is not None and report.layout == "flat" and report.param:
-            out[fqn] = source_view(entry, ckpt.tensors[report.param].shape)
-        else:
-            out[fqn] = source_view(entry)
-    return out
 
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
@@ -128,7 +108,7 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
         if opts.megatron:
             from ckptctl import megatron_reshard
 
-            out = megatron_reshard.plan_megatron(ckpt, opts)
+            out = megatron_reshard.plan_megatron(ckpt, opts.megatron_request())
         else:
             out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
@@ -182,7 +162,7 @@ def reshard(
     if opts.megatron:
         from ckptctl import megatron_reshard
 
-        world_size = megatron_reshard.output_world_size(ckpt, opts)
+        world_size = megatron_reshard.output_world_size(ckpt, opts.megatron_request())
     report = new_report(ckpt, out, src, dst, world_size, opts, dry_run, comm)
     if dry_run:
         return report

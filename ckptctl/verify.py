@@ -31,6 +31,7 @@ from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
+from ckptctl.layout import source_tensors
 from ckptctl.geometry import Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
@@ -66,7 +67,6 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
     sees it). Tensors are checked on `workers` threads (reads and hashing release the GIL);
     `advance` counts each checked tensor's output bytes.
     """
-    from ckptctl.reshard import source_tensors
 
     src_sources = views if views is not None else source_tensors(src)
     dst = open_checkpoint(written)

@@ -210,12 +210,12 @@ def opts(**kw) -> ReshardOptions:
 def test_option_combinations_that_cannot_work_are_refused(kw, message):
     ckpt = open_checkpoint(FIXTURES / "megatron_tp2_dp2")
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        resolve_layout(ckpt, opts(**kw))
+        resolve_layout(ckpt, opts(**kw).megatron_request())
 
 
 def test_megatron_fsdp_layout_defaults_to_the_source_tp_and_world_size_over_tp():
     ckpt = open_checkpoint(FIXTURES / "megatron_tp2_dp2")
-    layout = resolve_layout(ckpt, opts(layout="megatron-fsdp", world_size=8))
+    layout = resolve_layout(ckpt, opts(layout="megatron-fsdp", world_size=8).megatron_request())
     assert (layout.tp, layout.dp, layout.world_size) == (2, 4, 8)
     assert not opts(world_size=2).megatron and opts(world_size=2, flat_optimizer=True).megatron
 

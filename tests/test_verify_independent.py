@@ -24,7 +24,8 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.dtypes import as_dtype
 from ckptctl.geometry import region_bounds
 from ckptctl.plan import identity_target, source_view
-from ckptctl.reshard import ReshardOptions, plan_reshard, source_tensors
+from ckptctl.layout import source_tensors
+from ckptctl.reshard import ReshardOptions, plan_reshard
 from ckptctl.verify import check_decoded_source, dcp_read_back, decode_source_item
 from tests.conftest import run_cli
 from tests.test_hostile_input import assert_one_line, copy_fixture, real_metadata, snapshot
