@@ -31,33 +31,52 @@ qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwe
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys."""
 
 
+FULL_ONLY = ("pp2", "qwen3-tp2")
+"""Grids run by `make test-full` only: qwen3-moe's tests cover q/k norms and a head_dim of its
+own as well, and each grid costs a megatron-core save under torchrun."""
+
+
+class Saved:
+    """Each grid's checkpoint, saved by megatron-core the first time a test asks for it, with
+    Megatron's logits (None when pipelined); and each model kind's HF config folder."""
+
+    def __init__(self, root) -> None:
+        self.root = root
+        self.ckpts: dict[str, tuple] = {}
+        self.exports: dict[str, object] = {}
+
+    def __getitem__(self, grid: str) -> tuple:
+        if grid not in self.ckpts:
+            tp, pp, kind = GRIDS[grid]
+            mc.write(self.root / grid, tp, pp, kind=kind)
+            logits = self.root / f"{grid}.logits.pt"
+            self.ckpts[grid] = (self.root / grid, torch.load(logits) if logits.exists() else None)
+        return self.ckpts[grid]
+
+    def ref(self, kind: str):
+        folder = self.root / f"ref-{kind}"
+        if not folder.exists():
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(mc.hf_config(kind)))
+        return folder
+
+    def exported(self, grid: str):
+        """The grid's export-hf folder (`--verify`)."""
+        if grid not in self.exports:
+            out = self.root / f"{grid}-hf"
+            run = run_cli("export-hf", self[grid][0], out, "--hf-config", self.ref(GRIDS[grid][2]), "--verify")
+            assert run.returncode == 0, run.stderr
+            self.exports[grid] = out
+        return self.exports[grid]
+
+
 @pytest.fixture(scope="session")
 def saved(tmp_path_factory):
-    """Grid name → (checkpoint, Megatron's logits or None when pipelined); model kind → HF config folder."""
-    root = tmp_path_factory.mktemp("torch_dist")
-    out = {}
-    for name, (tp, pp, kind) in GRIDS.items():
-        mc.write(root / name, tp, pp, kind=kind)
-        logits = root / f"{name}.logits.pt"
-        out[name] = (root / name, torch.load(logits) if logits.exists() else None)
-    refs = {}
-    for kind in {k for _, _, k in GRIDS.values()}:
-        refs[kind] = root / f"ref-{kind}"
-        refs[kind].mkdir()
-        (refs[kind] / "config.json").write_text(json.dumps(mc.hf_config(kind)))
-    return out, refs
+    return Saved(tmp_path_factory.mktemp("torch_dist"))
 
 
-@pytest.fixture(scope="session")
-def exported(saved, tmp_path_factory):
-    ckpts, refs = saved
-    root = tmp_path_factory.mktemp("torch_dist_hf")
-    out = {}
-    for name, (ckpt, _) in ckpts.items():
-        run = run_cli("export-hf", ckpt, root / name, "--hf-config", refs[GRIDS[name][2]], "--verify")
-        assert run.returncode == 0, run.stderr
-        out[name] = root / name
-    return out
+def grids(*names: str) -> list:
+    return [pytest.param(n, marks=pytest.mark.full) if n in FULL_ONLY else n for n in names]
 
 
 def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
@@ -100,35 +119,36 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("grid", GRIDS)
-def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, exported, grid):
+@pytest.mark.parametrize("grid", grids(*GRIDS))
+def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, grid):
     from fixtures.make_fixtures import load_with_torch
     from safetensors.torch import load_file
 
-    ckpt, logits = saved[0][grid]
+    ckpt, logits = saved[grid]
     want = megatron_to_hf(load_with_torch(ckpt), GRIDS[grid][2])
-    got = load_file(exported[grid] / "model.safetensors")
+    got = load_file(saved.exported(grid) / "model.safetensors")
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert torch.equal(got[name], tensor), name
     if logits is None:
         return
-    model = transformers.AutoModelForCausalLM.from_pretrained(exported[grid], dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved.exported(grid), dtype=torch.float32)
     with torch.no_grad():
         hf_logits = model(mc.TOKENS).logits
     torch.testing.assert_close(hf_logits, logits[..., :mc.DIMS["vocab"]], rtol=0, atol=1e-6)
 
 
-def test_exports_at_tp_1_and_2_are_the_same_folder(exported):
-    run = run_cli("diff", exported["tp1"], exported["tp2"])
+def test_exports_at_tp_1_and_2_are_the_same_folder(saved):
+    run = run_cli("diff", saved.exported("tp1"), saved.exported("tp2"))
     assert (run.returncode, run.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
 
 
 @pytest.mark.parametrize("grid, layouts", [("tp1", {"layer-stacked": 6, "single": 3}),
                                            ("tp2", {"layer-stacked": 6, "shard0-even": 2, "single": 1}),
-                                           ("pp2", {"layer-stacked": 6, "single": 3})])
+                                           pytest.param("pp2", {"layer-stacked": 6, "single": 3},
+                                                        marks=pytest.mark.full)])
 def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
-    ckpt = saved[0][grid][0]
+    ckpt = saved[grid][0]
     run = run_cli("inspect", ckpt, "--json")
     assert run.returncode == 0, run.stderr
     doc = json.loads(run.stdout)
@@ -142,7 +162,7 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
 
 
 def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
-    ckpt = saved[0]["tp2"][0]
+    ckpt = saved["tp2"][0]
     run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "2")
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt}: a Megatron-Core torch_dist checkpoint: "
                                                "reshard does not convert it yet (layer-stacked keys, fc1 as "
@@ -152,7 +172,7 @@ def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
 def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
     from fixtures.make_fixtures import load_with_torch
 
-    ckpt = saved[0]["tp2"][0]
+    ckpt = saved["tp2"][0]
     run = run_cli("export-torch", ckpt, tmp_path / "o.pt", "--exclude", "*_extra_state*")
     assert run.returncode == 0, run.stderr
     got, want = torch.load(tmp_path / "o.pt", weights_only=True), load_with_torch(ckpt)
