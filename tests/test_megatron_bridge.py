@@ -4,12 +4,14 @@ A tiny HF model (`fixtures.hf_models.reference`) is mapped to Megatron by Megatr
 0.6.2's `param_mapping.py` and the family's bridge class, unmodified, on 2 gloo ranks at
 TP 2 into megatron-core's GPTModel (`fixtures.megatron_bridge`): each rank holds what the
 Bridge scattered to it. import-hf of the same folder at TP 2 must hold the same values,
-rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank, the padded vocab,
-RowParallel and duplicated tensors alike. Skipped without megatron-core and megatron-bridge
+rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every expert's too),
+the padded vocab, q/k norms, the router, RowParallel and duplicated tensors alike. Skipped without megatron-core and megatron-bridge
 (`make install` puts them in).
 """
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -23,7 +25,12 @@ pytest.importorskip("transformers")
 TP = 2
 LOCAL_SPEC_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-"""megatron-core's local spec keeps its norms apart; Megatron-FSDP saves the TE spec's names."""
+"""megatron-core's local spec keeps its norms apart; Megatron-FSDP saves the TE spec's names
+(but a MoE layer's `pre_mlp_layernorm`, as import-hf writes it)."""
+SEQUENTIAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+"""SequentialMLP's expert names; import-hf writes grouped-GEMM names, `linear_fc1.weight<e>`."""
+OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}}
+"""Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
 @pytest.fixture(scope="module", params=sorted(mb.FAMILIES))
@@ -32,7 +39,7 @@ def mapped(request, tmp_path_factory):
     from fixtures.make_fixtures import load_with_torch
 
     root = tmp_path_factory.mktemp(f"bridge-{request.param}")
-    ref = hf_models.reference(request.param, root / "hf")
+    ref = hf_models.reference(request.param, root / "hf", **OVERRIDES.get(request.param, {}))
     mb.write(ref.folder, root / "bridge", TP, request.param)
     run = run_cli("import-hf", ref.folder, root / "ckpt", "--to", "megatron-fsdp", "--tp", TP, "--dp", 1, "--verify")
     assert run.returncode == 0, run.stderr
@@ -40,9 +47,10 @@ def mapped(request, tmp_path_factory):
     return ranks, load_with_torch(root / "ckpt")
 
 
-def saved_name(name: str) -> str:
+def saved_name(name: str, ours: dict) -> str:
+    name = SEQUENTIAL_EXPERT.sub(r"mlp.experts.\2.weight\1", name)
     for local, saved in LOCAL_SPEC_NAMES.items():
-        if name.endswith(local):
+        if name.endswith(local) and "model.module." + name[: -len(local)] + saved in ours:
             return "model.module." + name[: -len(local)] + saved
     return "model.module." + name
 
@@ -51,8 +59,8 @@ def test_every_tensor_equals_what_megatron_bridge_scatters_to_each_tp_rank(mappe
     ranks, ours = mapped
     seen = set()
     for name in ranks[0]:
-        parts, tensor = [r[name] for r in ranks], ours[saved_name(name)]
-        seen.add(saved_name(name))
+        parts, tensor = [r[name] for r in ranks], ours[saved_name(name, ours)]
+        seen.add(saved_name(name, ours))
         if parts[0].shape == tensor.shape:  # duplicated on every TP rank
             assert all(torch.equal(p, tensor) for p in parts), name
             continue
