@@ -343,7 +343,7 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
      "ckptctl: error: --world-size 3 is not a multiple of --tp 2"),
     (["--to", "megatron-fsdp", "--dp", "2", "--arch", "raw"],
      "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
-     "qwen3, qwen3-moe, qwen3-next)"),
+     "qwen3, qwen3-moe, qwen3-next, deepseek-v3)"),
     (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
     (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
      "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "

@@ -1,12 +1,14 @@
-"""import-hf `--to megatron-fsdp` against NVIDIA Megatron-Bridge's own mapping code.
+"""import-hf `--to megatron-fsdp` against NVIDIA Megatron-Bridge's own mapping code, and export-hf back.
 
 A tiny HF model (`fixtures.hf_models.reference`) is mapped to Megatron by Megatron-Bridge
 0.6.2's `param_mapping.py` and the family's bridge class, unmodified, on 2 gloo ranks at
 TP 2 into megatron-core's GPTModel (`fixtures.megatron_bridge`): each rank holds what the
 Bridge scattered to it. import-hf of the same folder at TP 2 must hold the same values,
 rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every expert's too),
-the padded vocab, q/k norms, the router, RowParallel and duplicated tensors alike. Skipped without megatron-core and megatron-bridge
-(`make install` puts them in).
+the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention, expert bias and
+shared experts, RowParallel and duplicated tensors alike; and export-hf of it gives the HF
+folder back bit for bit. Skipped without megatron-core and megatron-bridge (`make install`
+puts them in).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ pytestmark = pytest.mark.skipif(not mb.available(), reason="megatron-core or meg
 pytest.importorskip("transformers")
 TP = 2
 LOCAL_SPEC_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-"""megatron-core's local spec keeps its norms apart; Megatron-FSDP saves the TE spec's names
-(but a MoE layer's `pre_mlp_layernorm`, as import-hf writes it)."""
+                    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+                    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+                    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight"}
+"""megatron-core's local spec keeps its norms apart; Megatron-FSDP saves the TE spec's names,
+fused into the next linear, where it has them (not a MoE layer's `pre_mlp_layernorm`, a
+Qwen3 q/k norm, or MLA's input norm)."""
 SEQUENTIAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 """SequentialMLP's expert names; import-hf writes grouped-GEMM names, `linear_fc1.weight<e>`."""
 OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}}
@@ -44,7 +49,7 @@ def mapped(request, tmp_path_factory):
     run = run_cli("import-hf", ref.folder, root / "ckpt", "--to", "megatron-fsdp", "--tp", TP, "--dp", 1, "--verify")
     assert run.returncode == 0, run.stderr
     ranks = [torch.load(root / "bridge" / f"rank{t}.pt") for t in range(TP)]
-    return ranks, load_with_torch(root / "ckpt")
+    return ranks, load_with_torch(root / "ckpt"), ref, root / "ckpt"
 
 
 def saved_name(name: str, ours: dict) -> str:
@@ -56,7 +61,7 @@ def saved_name(name: str, ours: dict) -> str:
 
 
 def test_every_tensor_equals_what_megatron_bridge_scatters_to_each_tp_rank(mapped):
-    ranks, ours = mapped
+    ranks, ours, _, _ = mapped
     seen = set()
     for name in ranks[0]:
         parts, tensor = [r[name] for r in ranks], ours[saved_name(name, ours)]
@@ -69,3 +74,17 @@ def test_every_tensor_equals_what_megatron_bridge_scatters_to_each_tp_rank(mappe
         for t in range(TP):
             assert torch.equal(parts[t], blocks[t]), (name, t)
     assert sorted(n for n, v in ours.items() if isinstance(v, torch.Tensor)) == sorted(seen)
+
+
+def test_export_hf_gives_the_folder_back_bit_for_bit(mapped, tmp_path):
+    from safetensors.torch import load_file
+
+    _, _, ref, ckpt = mapped
+    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", ref.folder, "--tp", TP, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = {}
+    for path in sorted((tmp_path / "hf").glob("*.safetensors")):
+        got.update(load_file(path))
+    assert sorted(got) == sorted(ref.state)
+    for name, tensor in ref.state.items():
+        assert torch.equal(got[name], tensor), name

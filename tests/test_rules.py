@@ -45,6 +45,13 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                intermediate_size=tp * draw(st.integers(1, 3)), num_hidden_layers=draw(st.integers(1, 3)),
                num_attention_heads=groups * draw(st.integers(1, 2)), num_key_value_heads=groups, head_dim=head_dim,
                tie_word_embeddings=draw(st.booleans()))
+    if family == "deepseek_v3":
+        cfg.update(num_attention_heads=draw(st.integers(1, 4)), kv_lora_rank=draw(st.integers(1, 6)),
+                   qk_nope_head_dim=draw(st.integers(1, 4)), qk_rope_head_dim=draw(st.integers(1, 4)),
+                   v_head_dim=draw(st.integers(1, 4)), q_lora_rank=draw(st.sampled_from([None, 3])),
+                   n_routed_experts=draw(st.integers(1, 3)), n_shared_experts=draw(st.integers(1, 2)),
+                   moe_intermediate_size=tp * draw(st.integers(1, 2)),
+                   first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])))
     if family in ("qwen3_moe", "qwen3_next"):
         cfg.update(num_experts=draw(st.integers(1, 3)), moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    decoder_sparse_step=draw(st.integers(1, 2)))
@@ -106,7 +113,7 @@ def test_dense_family_rules_are_a_bijection(data, family, bias):
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next"]))
-def test_moe_and_gated_deltanet_family_rules_are_a_bijection(data, family):
+@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "deepseek-v3"]))
+def test_moe_gated_deltanet_and_latent_attention_family_rules_are_a_bijection(data, family):
     config, tp, split = data.draw(configs(family.replace("-", "_")))
     check_bijection(family, config, tp, split, bias=False)

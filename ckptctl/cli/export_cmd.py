@@ -122,9 +122,10 @@ def export_hf_command(
                                   help="HF model folder with config.json, the config file, or a Hub model id "
                                        "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
                                        "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
-    arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|torchtitan-llama3|"
-                                                    "torchtitan-qwen3|torchtitan-deepseek-v3|raw (auto: torchtitan "
-                                                    "names pick a torchtitan family, else the config model_type)."),
+    arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|deepseek-v3|"
+                                                    "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|raw "
+                                                    "(auto: torchtitan names pick a torchtitan family, else the "
+                                                    "config model_type)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size, for fused TP-blocked tensors "
                                                          "(default: the checkpoint's args, else its geometry)."),
     dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),

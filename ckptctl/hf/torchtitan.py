@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, RowView, Shapes, is_model_key
+from ckptctl.hf.deepseek_v3 import first_k_dense
 from ckptctl.hf.qwen3_moe import is_sparse
 from ckptctl.hf.rules import HF_LAYER, Attention, put
 from ckptctl.errors import CheckpointError
@@ -85,11 +86,6 @@ def rope_halves(whole: RowView, heads: int) -> RowView:
     blocks = tuple(RowBlock(h * d + 2 * i + j, h * d + j * (d // 2) + i, 1)
                    for h in range(heads) for j in (0, 1) for i in range(d // 2))
     return RowView(whole.fqn, whole.rows, whole.trailing, blocks)
-
-
-def first_k_dense(cfg: HFConfig, layer: int) -> bool:
-    """DeepSeek-V3's MoE layers: all after the first `first_k_dense_replace`, as transformers builds them."""
-    return layer >= cfg.int("first_k_dense_replace", 0) and cfg.int("num_experts", 0) > 0
 
 
 @dataclass(frozen=True)
