@@ -28,6 +28,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
+from ckptctl.hf.qwen3_next import GatedDeltaNet
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, source_tensors, split_optimizer_fqn
 from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
 from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
@@ -136,31 +137,11 @@ def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:
 
 
 @dataclass(frozen=True)
-class GdnDims:
-    """Gated DeltaNet head counts and dims: in_proj is `[q, k, v, z, beta, alpha]` per TP rank."""
-
-    key_heads: int
-    key_dim: int
-    value_heads: int
-    value_dim: int
-
-    @property
-    def in_proj_rows(self) -> tuple[int, ...]:
-        qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        return (qk, qk, vd, vd, self.value_heads, self.value_heads)
-
-    @property
-    def conv_rows(self) -> tuple[int, ...]:
-        qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
-        return (qk, qk, vd)
-
-
-@dataclass(frozen=True)
 class ModelDims:
     """What splitting fused tensors needs to know about the model, and where it came from."""
 
     swiglu: bool | None
-    gdn: GdnDims | None
+    gdn: GatedDeltaNet | None
     looked_in: tuple[str, ...]
     """Where they were looked for (`--hf-config PATH`, `the checkpoint's args`)."""
 
@@ -181,12 +162,14 @@ def _lookup(data: dict, key: str) -> Any:
     return text.get(key) if isinstance(text, dict) else None
 
 
-def _gdn(values: Sequence[Any], where: str) -> GdnDims | None:
+def _gdn(values: Sequence[Any], where: str) -> GatedDeltaNet | None:
+    """The GDN head layout from the values of `GDN_FIELDS`, or None when one is missing."""
     if any(v is None for v in values):
         return None
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
         raise UsageError(f"{where}: GDN fields {', '.join(GDN_FIELDS)} must be positive integers (got {list(values)})")
-    return GdnDims(*values)
+    key_heads, key_dim, value_heads, value_dim = values
+    return GatedDeltaNet(key_heads=key_heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim)
 
 
 def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
@@ -200,7 +183,7 @@ def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
     """GDN dims and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`."""
     swiglu: bool | None = None
-    gdn: GdnDims | None = None
+    gdn: GatedDeltaNet | None = None
     origins = []
     if hf_config is not None:
         cfg = load_hf_config(hf_config)

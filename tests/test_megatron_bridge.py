@@ -38,7 +38,13 @@ OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}}
 """Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
-@pytest.fixture(scope="module", params=sorted(mb.FAMILIES))
+FULL_ONLY = ("llama", "qwen3")
+"""Run by `make test-full` only: qwen3-moe and deepseek-v3 hold their QKV, SwiGLU, norm and
+vocab mappings too, and each family costs a Megatron-Bridge run under torchrun."""
+
+
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.full] if f in FULL_ONLY else [])
+                                        for f in sorted(mb.FAMILIES)])
 def mapped(request, tmp_path_factory):
     """(the Bridge's tensors per rank, import-hf's global tensors) for one family."""
     from fixtures.make_fixtures import load_with_torch

@@ -31,9 +31,10 @@ qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwe
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys."""
 
 
-FULL_ONLY = ("pp2", "qwen3-tp2")
-"""Grids run by `make test-full` only: qwen3-moe's tests cover q/k norms and a head_dim of its
-own as well, and each grid costs a megatron-core save under torchrun."""
+FULL_ONLY = ("tp1", "pp2", "qwen3-tp2")
+"""Grids run by `make test-full` only: tp2 and the qwen3-moe grids cover what they hold (a TP
+split, q/k norms and a head_dim of its own), and each grid costs a megatron-core save under
+torchrun."""
 
 
 class Saved:
@@ -138,12 +139,14 @@ def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved
     torch.testing.assert_close(hf_logits, logits[..., :mc.DIMS["vocab"]], rtol=0, atol=1e-6)
 
 
+@pytest.mark.full
 def test_exports_at_tp_1_and_2_are_the_same_folder(saved):
     run = run_cli("diff", saved.exported("tp1"), saved.exported("tp2"))
     assert (run.returncode, run.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
 
 
-@pytest.mark.parametrize("grid, layouts", [("tp1", {"layer-stacked": 6, "single": 3}),
+@pytest.mark.parametrize("grid, layouts", [pytest.param("tp1", {"layer-stacked": 6, "single": 3},
+                                                        marks=pytest.mark.full),
                                            ("tp2", {"layer-stacked": 6, "shard0-even": 2, "single": 1}),
                                            pytest.param("pp2", {"layer-stacked": 6, "single": 3},
                                                         marks=pytest.mark.full)])

@@ -50,14 +50,15 @@ def is_full(cfg: HFConfig, layer: int) -> bool:
 
 @dataclass(frozen=True)
 class GatedDeltaNet:
-    """GDN head layout from the HF config."""
+    """GDN head layout: from the HF config for an export or import; Megatron-aware reshard
+    knows the head counts and dims only (`kernel` and `hidden` 0), which is all its splits need."""
 
     key_heads: int
     value_heads: int
     key_dim: int
     value_dim: int
-    kernel: int
-    hidden: int
+    kernel: int = 0
+    hidden: int = 0
 
     @classmethod
     def from_config(cls, cfg: HFConfig) -> "GatedDeltaNet":
@@ -72,8 +73,14 @@ class GatedDeltaNet:
 
     @property
     def in_proj_rows(self) -> tuple[int, ...]:
+        """`in_proj`'s components `[q, k, v, z, beta, alpha]` (per TP rank, each its share)."""
         qk, vd = self.key_heads * self.key_dim, self.value_heads * self.value_dim
         return (qk, qk, vd, vd, self.value_heads, self.value_heads)
+
+    @property
+    def conv_rows(self) -> tuple[int, ...]:
+        """`conv1d`'s components `[q, k, v]`."""
+        return self.in_proj_rows[:3]
 
     def sizes(self) -> dict[str, int]:
         return {"v_heads": self.value_heads, "v_dim": self.value_dim, "v_width": self.value_heads * self.value_dim}
@@ -129,13 +136,13 @@ class GdnConv1d:
 
     def to_hf(self, ctx: ExportContext, dims: Dims, at: Scope, out: dict[str, HFTensor]) -> None:
         g: GatedDeltaNet = dims.heads["gdn"]
-        conv = ctx.model.components(at.name("mg", self.mg), GDN_CONV1D_PARTS, g.in_proj_rows[:3], ctx.tp)
+        conv = ctx.model.components(at.name("mg", self.mg), GDN_CONV1D_PARTS, g.conv_rows, ctx.tp)
         put(out, HFTensor(at.name("hf", "linear_attn.conv1d.weight"), tuple(conv)),
-            (sum(g.in_proj_rows[:3]), 1, g.kernel), dims.config)
+            (sum(g.conv_rows), 1, g.kernel), dims.config)
 
     def megatron_shapes(self, dims: Dims, spec: MegatronSpec, at: Scope, shapes: Shapes) -> None:
         g: GatedDeltaNet = dims.heads["gdn"]
-        fused_shapes(spec, shapes, at.name("mg", self.mg), GDN_CONV1D_PARTS, g.in_proj_rows[:3], (1, g.kernel))
+        fused_shapes(spec, shapes, at.name("mg", self.mg), GDN_CONV1D_PARTS, g.conv_rows, (1, g.kernel))
 
     def megatron_tensors(self) -> Iterable[tuple[str, str]]:
         return ((self.mg, GDN_CONV1D), (self.mg.replace("weight", "bias"), GDN_CONV1D))
