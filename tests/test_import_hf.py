@@ -298,6 +298,29 @@ def test_megatron_import_equals_the_independent_mapping_and_exports_back_bit_exa
         assert torch.equal(tensor, ref.state[name]), name
 
 
+def test_mixtral_imports_as_megatron_bridges_mixtral_mapping_lays_it_out_and_exports_back(tmp_path):
+    """Mixtral's bridge is not in the Megatron-Bridge wheel; its source (PR 1317) maps the router
+    to `block_sparse_moe.gate`, each expert's fc1 to `w1` (gate) and `w3` (up) with the SwiGLU
+    mapping (TP-blocked `[w1_0; w3_0; w1_1; w3_1]` at TP 2), fc2 to `w2`: checked here by hand."""
+    from fixtures import hf_models
+    from fixtures.make_fixtures import load_with_torch
+
+    ref = hf_models.reference("mixtral", tmp_path / "ref", seed=5)
+    run = run_cli("import-hf", ref.folder, tmp_path / "mg", "--to", "megatron-fsdp", "--tp", 2, "--dp", 1, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, hf = load_with_torch(tmp_path / "mg"), ref.state
+    layer, expert = "model.module.decoder.layers.1.", "model.layers.1.block_sparse_moe.experts.2."
+    w1, w3 = hf[expert + "w1.weight"].chunk(2), hf[expert + "w3.weight"].chunk(2)
+    assert torch.equal(got[layer + "mlp.experts.linear_fc1.weight2"], torch.cat([w1[0], w3[0], w1[1], w3[1]]))
+    assert torch.equal(got[layer + "mlp.experts.linear_fc2.weight2"], hf[expert + "w2.weight"])
+    assert torch.equal(got[layer + "mlp.router.weight"], hf["model.layers.1.block_sparse_moe.gate.weight"])
+    back = tmp_path / "hf"
+    exported = run_cli("export-hf", tmp_path / "mg", back, "--hf-config", ref.folder, "--tp", 2)
+    assert exported.returncode == 0, exported.stderr
+    assert _folder_tensors(back).keys() == hf.keys()
+    assert all(torch.equal(t, hf[n]) for n, t in _folder_tensors(back).items())
+
+
 def test_megatron_import_is_laid_out_tp_outer_dp_inner_with_the_vocab_padded_as_megatron_pads_it(references,
                                                                                                  tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
@@ -343,7 +366,7 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
      "ckptctl: error: --world-size 3 is not a multiple of --tp 2"),
     (["--to", "megatron-fsdp", "--dp", "2", "--arch", "raw"],
      "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
-     "qwen3, qwen3-moe, qwen3-next, deepseek-v3)"),
+     "qwen3, qwen3-moe, qwen3-next, deepseek-v3, mixtral)"),
     (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
     (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
      "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "

@@ -52,6 +52,8 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                    n_routed_experts=draw(st.integers(1, 3)), n_shared_experts=draw(st.integers(1, 2)),
                    moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])))
+    if family == "mixtral":
+        cfg.update(num_local_experts=draw(st.integers(1, 3)))
     if family in ("qwen3_moe", "qwen3_next"):
         cfg.update(num_experts=draw(st.integers(1, 3)), moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    decoder_sparse_step=draw(st.integers(1, 2)))
@@ -113,7 +115,7 @@ def test_dense_family_rules_are_a_bijection(data, family, bias):
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "deepseek-v3"]))
+@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "deepseek-v3", "mixtral"]))
 def test_moe_gated_deltanet_and_latent_attention_family_rules_are_a_bijection(data, family):
     config, tp, split = data.draw(configs(family.replace("-", "_")))
     check_bijection(family, config, tp, split, bias=False)

@@ -284,6 +284,9 @@ class GatedMLP:
     mg: tuple[str, ...]
     ffn: str
     expert: bool = False
+    gate: str = "gate_proj"
+    up: str = "up_proj"
+    """The HF names of the two halves under `hf` (Mixtral: `w1`, `w3`)."""
 
     def names(self, at: Scope, kind: str) -> list[str]:
         return [at.name("mg", n.replace("{kind}", kind)) for n in self.mg]
@@ -299,13 +302,13 @@ class GatedMLP:
                     continue
                 raise m.missing(*names)
             gate, up = m.components(base, SWIGLU_PARTS, (ffn, ffn), ctx.expert_tp if self.expert else ctx.tp)
-            put(out, HFTensor(at.name("hf", f"{self.hf}gate_proj.{kind}"), (gate,)), shape, dims.config)
-            put(out, HFTensor(at.name("hf", f"{self.hf}up_proj.{kind}"), (up,)), shape, dims.config)
+            put(out, HFTensor(at.name("hf", f"{self.hf}{self.gate}.{kind}"), (gate,)), shape, dims.config)
+            put(out, HFTensor(at.name("hf", f"{self.hf}{self.up}.{kind}"), (up,)), shape, dims.config)
 
     def megatron_shapes(self, dims: Dims, spec: MegatronSpec, at: Scope, shapes: Shapes) -> None:
         ffn = dims.size(self.ffn)
         for kind, trailing in (("weight", (dims.size("hidden"),)), ("bias", ())):
-            if kind == "bias" and not spec.has(at.name("hf", f"{self.hf}gate_proj.bias")):
+            if kind == "bias" and not spec.has(at.name("hf", f"{self.hf}{self.gate}.bias")):
                 continue
             base = self.names(at, kind)[0]
             if spec.split:
@@ -318,14 +321,17 @@ class GatedMLP:
         return ((n.replace("{kind}", kind), SWIGLU) for n in self.mg for kind in ("weight", "bias"))
 
 
-def swiglu(hf: str, mg: Sequence[str], ffn: str, expert: bool = False) -> tuple[Rule, ...]:
+def swiglu(hf: str, mg: Sequence[str], ffn: str, expert: bool = False,
+           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[Rule, ...]:
     """A SwiGLU MLP: fc1 (`GatedMLP`), fc2 ↔ `down_proj` (RowParallel) and its bias where present.
-    `mg`: the MLP's fc1 names with `{fc}` for linear_fc1/linear_fc2 and `{kind}` for weight/bias."""
+    `mg`: the MLP's fc1 names with `{fc}` for linear_fc1/linear_fc2 and `{kind}` for weight/bias;
+    `names`: the HF gate, up and down projections under `hf`."""
+    gate, up, down = names
     fc1 = tuple(n.replace("{fc}", "linear_fc1") for n in mg)
     fc2 = tuple(n.replace("{fc}", "linear_fc2") for n in mg)
-    return (GatedMLP(hf, fc1, ffn, expert),
-            Same(hf + "down_proj.weight", tuple(n.replace("{kind}", "weight") for n in fc2), ("hidden", ffn), ROW),
-            Same(hf + "down_proj.bias", tuple(n.replace("{kind}", "bias") for n in fc2), ("hidden",), DUPLICATED,
+    return (GatedMLP(hf, fc1, ffn, expert, gate, up),
+            Same(f"{hf}{down}.weight", tuple(n.replace("{kind}", "weight") for n in fc2), ("hidden", ffn), ROW),
+            Same(f"{hf}{down}.bias", tuple(n.replace("{kind}", "bias") for n in fc2), ("hidden",), DUPLICATED,
                  optional=True))
 
 
