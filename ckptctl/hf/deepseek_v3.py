@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ckptctl.hf.base import HFConfig
 from ckptctl.hf.llama import DENSE_MLP, EMBEDDING, FINAL
-from ckptctl.hf.qwen3_moe import EXPERT
+from ckptctl.hf.qwen3_moe import EXPERT, ROUTER
 from ckptctl.hf.rules import COLUMN, DUPLICATED, ROW, Block, Dims, Family, Rule, Same, swiglu
 
 
@@ -59,9 +59,7 @@ QUERY: tuple[Rule, ...] = (
     Same("self_attn.q_proj.weight", ("self_attention.linear_q_proj.weight",), ("q_rows", "hidden"), COLUMN),
 )
 MOE: tuple[Rule, ...] = (
-    Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-         ("hidden",), DUPLICATED),
-    Same("mlp.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
+    *ROUTER,
     Same("mlp.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), DUPLICATED),
     *swiglu("mlp.shared_experts.", ("mlp.shared_experts.{fc}.{kind}",), "shared_ffn"),
 )

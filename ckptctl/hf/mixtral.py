@@ -10,13 +10,10 @@ transformers 5 fuses them in memory (`mlp.experts.gate_up_proj`) but saves these
 from __future__ import annotations
 
 from ckptctl.hf.llama import EMBEDDING, FINAL, attention, attention_dims
-from ckptctl.hf.rules import DUPLICATED, Block, Family, Rule, Same, swiglu
+from ckptctl.hf.qwen3_moe import router
+from ckptctl.hf.rules import Block, Family, Rule, swiglu
 
-ROUTER: tuple[Rule, ...] = (
-    Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-         ("hidden",), DUPLICATED),
-    Same("block_sparse_moe.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
-)
+ROUTER = router("block_sparse_moe.gate.weight")
 EXPERT: tuple[Rule, ...] = swiglu("block_sparse_moe.experts.{e}.", ("mlp.experts.{fc}.{kind}{e}",
                                                                     "mlp.experts.local_experts.{e}.{fc}.{kind}"),
                                   "ffn", expert=True, names=("w1", "w3", "w2"))

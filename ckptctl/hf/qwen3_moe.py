@@ -29,11 +29,14 @@ def has_shared_expert(cfg: HFConfig, layer: int) -> bool:
     return is_sparse(cfg, layer) and cfg.int("shared_expert_intermediate_size", 0) > 0
 
 
-ROUTER: tuple[Rule, ...] = (
-    Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-         ("hidden",), DUPLICATED),
-    Same("mlp.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
-)
+def router(gate: str) -> tuple[Rule, ...]:
+    """A MoE layer's pre-MLP norm and its router, `gate` being the HF router's name."""
+    return (Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
+                 ("hidden",), DUPLICATED),
+            Same(gate, ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED))
+
+
+ROUTER = router("mlp.gate.weight")
 EXPERT: tuple[Rule, ...] = swiglu("mlp.experts.{e}.", ("mlp.experts.{fc}.{kind}{e}",
                                                        "mlp.experts.local_experts.{e}.{fc}.{kind}"),
                                   "moe_ffn", expert=True)
