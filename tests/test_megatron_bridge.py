@@ -38,9 +38,10 @@ OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}}
 """Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
-FULL_ONLY = ("llama", "qwen3")
-"""Run by `make test-full` only: qwen3-moe and deepseek-v3 hold their QKV, SwiGLU, norm and
-vocab mappings too, and each family costs a Megatron-Bridge run under torchrun."""
+FULL_ONLY = ("llama", "qwen3", "qwen3-moe")
+"""Run by `make test-full` only: deepseek-v3 holds the SwiGLU, expert, router, norm and vocab
+mappings too (the others also have the test-side mapping of `test_import_hf`), and each
+family costs a Megatron-Bridge run under torchrun."""
 
 
 @pytest.fixture(scope="module", params=[pytest.param(f, marks=[pytest.mark.full] if f in FULL_ONLY else [])
