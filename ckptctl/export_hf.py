@@ -46,7 +46,8 @@ from ckptctl.hf.base import (
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, raw_prefix
-from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family, torchtitan_prefix
+from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
+                                  torchtitan_prefix)
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.hf.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
 from ckptctl.megatron import MODEL_PREFIXES
@@ -322,11 +323,14 @@ def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[
                          drop: bool) -> str:
     """The note for the expert biases a family leaves out (`ExportContext.zero_only`), once they
     are proven all zero (read whole: E values per layer), or dropped on purpose."""
-    pattern = re.sub(r"\.\d+\.", ".*.", fqns[0], count=1)
-    what = f"{len(fqns)} torchtitan expert biases ({pattern})"
+    what = f"{len(fqns)} torchtitan expert biases ({model.prefix}{EXPERT_BIASES})"
     if drop:
         return f"{what} dropped (--drop-expert-bias): the export routes without them"
-    nonzero = [fqn for fqn in fqns if not all_zero(ckpt, model.source_view(fqn))]
+    chunks = ChunkSource(ckpt)
+    try:
+        nonzero = [fqn for fqn in fqns if not all_zero(chunks, model.source_view(fqn))]
+    finally:
+        chunks.close()
     if nonzero:
         more = f" (and {len(nonzero) - 1} more)" if len(nonzero) > 1 else ""
         raise CheckpointError(ckpt.path, f"{nonzero[0]} is not zero{more}: torchtitan's load-balancing expert bias "
@@ -336,7 +340,7 @@ def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[
     return f"{what} not exported: all zero, and {cfg.model_type} routes without one"
 
 
-def all_zero(ckpt: Checkpoint, view: SourceTensor) -> bool:
+def all_zero(chunks: ChunkSource, view: SourceTensor) -> bool:
     """Whether every element of a small source tensor is zero (+0 or -0), read whole; elements no
     chunk holds are refused, never taken for zeros."""
     target = identity_target(view)
@@ -344,11 +348,7 @@ def all_zero(ckpt: Checkpoint, view: SourceTensor) -> bool:
     reads = plan_box(target, box, {view.fqn: view})
     if missing_elements(box, reads):
         raise CheckpointError(view.fqn, "has elements no saved chunk holds: cannot tell whether it is zero")
-    chunks = ChunkSource(ckpt)
-    try:
-        data = assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks)
-    finally:
-        chunks.close()
+    data = assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks)
     if view.dtype.is_floating_point:  # clear each little-endian element's sign bit: -0.0 is zero
         for at in range(view.dtype.itemsize - 1, len(data), view.dtype.itemsize):
             data[at] &= 0x7F

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -43,7 +42,7 @@ from ckptctl.hf.experts import stacked_parts
 from ckptctl.hf.llama import EMBED, OUTPUT
 from ckptctl.hf.torchtitan import EMBED as TT_EMBED
 from ckptctl.hf.torchtitan import OUTPUT as TT_OUTPUT
-from ckptctl.hf.torchtitan import TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
+from ckptctl.hf.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2, megatron_fsdp
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
@@ -322,8 +321,7 @@ def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config:
     zeros = {name: 0 for name in shapes if family.zero_filled(name)}
     targets = rule_targets(ckpt, views, cfg, family, shapes, None, zeros, expected, opts, notes)
     if zeros:
-        pattern = re.sub(r"\.\d+\.", ".*.", next(iter(zeros)), count=1)
-        notes.append(f"{len(zeros)} torchtitan expert biases ({opts.output_prefix}{pattern}) written as zeros "
+        notes.append(f"{len(zeros)} torchtitan expert biases ({opts.output_prefix}{EXPERT_BIASES}) written as zeros "
                      f"({cfg.model_type} routes without one)")
     if cfg.flag("tie_word_embeddings"):
         embed = next(t for t in targets if t.fqn == TT_EMBED)

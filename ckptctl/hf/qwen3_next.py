@@ -24,7 +24,7 @@ from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Sha
 from ckptctl.hf.llama import EMBEDDING, FINAL, attention
 from ckptctl.hf.qwen3_moe import moe_blocks
 from ckptctl.hf.rules import (COLUMN, DUPLICATED, GDN_CONV1D, GDN_IN_PROJ, ROW, Attention, Block, Dims, Family, Rule,
-                              Same, Scope, put)
+                              Same, Scope, fused_shapes, put)
 from ckptctl.megatron import GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS
 
 
@@ -84,16 +84,6 @@ class GatedDeltaNet:
 
     def sizes(self) -> dict[str, int]:
         return {"v_heads": self.value_heads, "v_dim": self.value_dim, "v_width": self.value_heads * self.value_dim}
-
-
-def fused_shapes(spec: MegatronSpec, shapes: Shapes, name: str, parts: tuple[str, ...], rows: tuple[int, ...],
-                 trailing: tuple[int, ...]) -> None:
-    """A tensor Megatron fuses per TP rank: whole (TP-blocked at the spec's TP) or its components."""
-    if spec.split:
-        for part, n in zip(parts, rows):
-            shapes[name + part] = (n, *trailing)
-    else:
-        shapes[name] = (sum(rows), *trailing)
 
 
 @dataclass(frozen=True)

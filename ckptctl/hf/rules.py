@@ -82,6 +82,16 @@ class Rule(Protocol):
     def megatron_tensors(self) -> Iterable[tuple[str, str]]: ...
 
 
+def fused_shapes(spec: MegatronSpec, shapes: Shapes, name: str, parts: tuple[str, ...], rows: tuple[int, ...],
+                 trailing: tuple[int, ...]) -> None:
+    """A tensor Megatron fuses per TP rank: whole (TP-blocked at the spec's TP) or its components."""
+    if spec.split:
+        for part, n in zip(parts, rows):
+            shapes[name + part] = (n, *trailing)
+    else:
+        shapes[name] = (sum(rows), *trailing)
+
+
 def put(out: dict[str, HFTensor], hf: HFTensor, shape: tuple[int, ...], cfg: HFConfig) -> None:
     if hf.name in out:
         raise CheckpointError(hf.sources[0], f"{hf.name} would be written twice")
@@ -310,12 +320,7 @@ class GatedMLP:
         for kind, trailing in (("weight", (dims.size("hidden"),)), ("bias", ())):
             if kind == "bias" and not spec.has(at.name("hf", f"{self.hf}{self.gate}.bias")):
                 continue
-            base = self.names(at, kind)[0]
-            if spec.split:
-                for part in SWIGLU_PARTS:
-                    shapes[base + part] = (ffn, *trailing)
-            else:
-                shapes[base] = (2 * ffn, *trailing)
+            fused_shapes(spec, shapes, self.names(at, kind)[0], SWIGLU_PARTS, (ffn, ffn), trailing)
 
     def megatron_tensors(self) -> Iterable[tuple[str, str]]:
         return ((n.replace("{kind}", kind), SWIGLU) for n in self.mg for kind in ("weight", "bias"))

@@ -36,6 +36,8 @@ EMBED = "tok_embeddings.weight"
 OUTPUT = "lm_head.weight"
 LAYER = "layers.{}."
 EXPERT_BIAS = "moe.expert_bias_E"
+EXPERT_BIASES = LAYER.format("*") + EXPERT_BIAS
+"""Every layer's expert bias, as notes name them."""
 
 GLOBAL_NAMES = {"model.embed_tokens.weight": EMBED, "model.norm.weight": "norm.weight"}
 LAYER_NAMES = {  # under model.layers.{L}. ← under layers.{L}.
