@@ -144,7 +144,7 @@ def planned_batches(items: Sequence[StreamItem], sources: dict[str, SourceTensor
     for item in items:
         planned = replace(item, reads=plan_box(item.target, item.box, sources))
         batch.append(planned)
-        runs += sum(len(read.runs) for read in planned.reads)
+        runs += sum(read.run_count for read in planned.reads)
         if runs >= max_runs:
             yield batch
             batch, runs = [], 0

@@ -84,6 +84,30 @@ def full_box(shape: Sequence[int]) -> Box:
     return Box(tuple(0 for _ in shape), tuple(shape))
 
 
+def transposed_source(dst: Box, axes: Sequence[int | None], dst_origin: Sequence[int],
+                      src_origin: Sequence[int], src_rank: int) -> Box:
+    """The source block a block `dst` of a transposed piece reads.
+
+    Destination dim i runs along source dim `axes[i]` (None: a unit dim the source has not);
+    a source dim no destination dim runs along is a unit dim of the block. The piece's
+    element at `dst_origin` is the source's at `src_origin`.
+    """
+    offsets, sizes = list(src_origin), [1] * src_rank
+    for i, a in enumerate(axes):
+        if a is not None:
+            offsets[a] += dst.offsets[i] - dst_origin[i]
+            sizes[a] = dst.sizes[i]
+    return Box(tuple(offsets), tuple(sizes))
+
+
+def transposed_destination(src: Box, axes: Sequence[int | None], src_origin: Sequence[int],
+                           dst_origin: Sequence[int]) -> Box:
+    """The destination block a source block `src` of a transposed piece fills (`transposed_source` inverted)."""
+    offsets = tuple(d if a is None else d + src.offsets[a] - src_origin[a] for d, a in zip(dst_origin, axes))
+    sizes = tuple(1 if a is None else src.sizes[a] for a in axes)
+    return Box(offsets, sizes)
+
+
 def chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     """`torch.chunk` row ranges: ceil(rows/parts) rows each; parts past the end get (rows, rows)."""
     step = -(-rows // parts) if rows else 0

@@ -20,7 +20,8 @@ from typing import Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds
+from ckptctl.geometry import (Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds, transposed_destination,
+                              transposed_source)
 from ckptctl.model import Chunk, TensorEntry
 
 
@@ -125,12 +126,18 @@ def unsqueezed_view(view: SourceTensor) -> SourceTensor:
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`."""
+    """A block of `sizes` elements taken from source `src` at `src_start`, placed at `dst_start`.
+
+    With `axes` the block is transposed: destination dim i runs along source dim `axes[i]`
+    (None: a unit dim the source has not), and source dims no destination dim runs along are
+    unit dims (one expert of a stack [E, H, I] placed as [I, H]: `axes` (2, 1)).
+    """
 
     src: str
     src_start: tuple[int, ...]
     dst_start: tuple[int, ...]
     sizes: tuple[int, ...]
+    axes: tuple[int | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -174,13 +181,50 @@ class SourceRead:
     def numel(self) -> int:
         return sum(r.length for r in self.runs)
 
+    @property
+    def run_count(self) -> int:
+        return len(self.runs)
 
-def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:
+
+@dataclass(frozen=True, slots=True)
+class TransposedRead:
+    """A block of one source chunk placed with its dims reordered (a transposed `Piece`).
+
+    `src` is the block in the chunk's own coordinates (the chunk is a row-major array of
+    `chunk_sizes`); `dst` is the block it fills in the output box; destination dim i runs
+    along chunk dim `axes[i]` (None: a unit dim). The engines gather it tile by tile.
+    """
+
+    fqn: str
+    chunk: Chunk
+    dtype: DType
+    src: Box
+    chunk_sizes: tuple[int, ...]
+    dst: Box
+    axes: tuple[int | None, ...]
+
+    @property
+    def numel(self) -> int:
+        return self.src.numel
+
+    @property
+    def run_count(self) -> int:
+        """Contiguous source runs: one per row of the block."""
+        return self.src.numel // self.src.sizes[-1] if self.src.sizes and self.src.sizes[-1] else 0
+
+
+Read = SourceRead | TransposedRead
+
+
+def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[Read, ...]:
     """Every run that fills `box` of `target`, from whichever source chunks intersect it."""
     if target.logical_shape is not None:
         return _plan_flat_box(target, box, sources)
-    reads: list[SourceRead] = []
+    reads: list[Read] = []
     for piece in target.pieces:
+        if piece.axes is not None:
+            _plan_transposed(box, piece, sources[piece.src], reads)
+            continue
         src = sources.get(piece.src)
         whole = src.whole_rows if src is not None else None
         if whole is not None and _spans_rows(box, piece, whole[0]):
@@ -202,6 +246,24 @@ def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]
             if runs:
                 reads.append(SourceRead(src.fqn, chunk, src.dtype, tuple(runs)))
     return tuple(reads)
+
+
+def _plan_transposed(box: Box, piece: Piece, src: SourceTensor, reads: list[Read]) -> None:
+    """`plan_box` for a transposed piece: each source chunk's share as one `TransposedRead`."""
+    placed = Box(piece.dst_start, piece.sizes).intersect(box)
+    if placed is None or placed.numel == 0:
+        return
+    wanted = transposed_source(placed, piece.axes, piece.dst_start, piece.src_start, len(src.shape))
+    for chunk, region, bounds in src.chunks_in_rows(wanted.offsets[0], wanted.offsets[0] + wanted.sizes[0]):
+        part = bounds.intersect(wanted)
+        if part is None or part.numel == 0:
+            continue
+        if not isinstance(region, Box):
+            raise CheckpointError(src.fqn, "a flat (1-D item range) chunk cannot be read transposed")
+        dst = transposed_destination(part, piece.axes, piece.src_start, piece.dst_start).shift(
+            tuple(-o for o in box.offsets))
+        local = part.shift(tuple(-o for o in region.offsets))
+        reads.append(TransposedRead(src.fqn, chunk, src.dtype, local, region.sizes, dst, piece.axes))
 
 
 def _spans_rows(box: Box, piece: Piece, trailing: tuple[int, ...]) -> bool:
@@ -241,14 +303,17 @@ def _plan_flat_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceT
     for first, part in flat_boxes(target.logical_shape, start, start + box.sizes[0]):
         delta = first - start
         for read in plan_box(logical, part, sources):
+            if not isinstance(read, SourceRead):
+                raise ValueError(f"{target.fqn}: a flat (1-D item range) target cannot take transposed pieces")
             reads.append(replace(read, runs=tuple(Run(r.src, r.dst + delta, r.length) for r in read.runs)))
     return tuple(reads)
 
 
-def missing_elements(box: Box, reads: Sequence[SourceRead]) -> int:
+def missing_elements(box: Box, reads: Sequence[Read]) -> int:
     """Elements of `box` no run writes (0 for a fully covered box; runs never overlap in valid sources)."""
-    covered = sorted((r.dst, r.dst + r.length) for read in reads for r in read.runs)
-    total, reach = 0, 0
+    covered = sorted((r.dst, r.dst + r.length) for read in reads if isinstance(read, SourceRead) for r in read.runs)
+    total = sum(read.numel for read in reads if isinstance(read, TransposedRead))
+    reach = 0
     for lo, hi in covered:
         if hi > reach:
             total += hi - max(lo, reach)
@@ -269,7 +334,7 @@ class StreamItem:
     head: bytes
     target: TargetTensor
     box: Box
-    reads: tuple[SourceRead, ...]
+    reads: tuple[Read, ...]
     tail: Callable[[int], bytes] | None = None
     tail_len: int = 0
 

@@ -64,12 +64,16 @@ def working_bytes(items: Sequence[StreamItem], workers: int, device: str) -> int
     the run imports it: to cast, add, decode zstd items or drive a GPU (whose driver's own
     host memory is not counted).
     """
-    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES
+    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES, TILE_SPAN_BYTES, TRANSPOSE_BLOCK_BYTES
+    from ckptctl.plan import TransposedRead
 
     block = BLOCK_BYTES
     if device == "cuda":
         from ckptctl.engine.cuda import BLOCK_BYTES as block  # two pinned slots, input and output
     decodes = any(r.chunk.transforms for i in items for r in i.reads)
-    computes = any(i.target.add or any(r.dtype != i.target.dtype for r in i.reads) for i in items)
+    transposes = any(isinstance(r, TransposedRead) for i in items for r in i.reads)
+    computes = transposes or any(i.target.add or any(r.dtype != i.target.dtype for r in i.reads) for i in items)
+    if transposes:  # a transposed record's block, its tile span, and the tile rearranged
+        block = max(block, TRANSPOSE_BLOCK_BYTES + TILE_SPAN_BYTES)
     return (workers * 2 * block + (DECODED_CACHE_BYTES if decodes else 0)
             + (TORCH_RSS_BYTES if decodes or computes or device == "cuda" else 0))

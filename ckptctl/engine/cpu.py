@@ -23,8 +23,9 @@ from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
+from ckptctl.geometry import Box, flat_boxes, strides, transposed_source
 from ckptctl.model import Checkpoint, Chunk
-from ckptctl.plan import CopyItem, SourceRead, StreamItem
+from ckptctl.plan import CopyItem, SourceRead, StreamItem, TransposedRead, missing_elements
 
 T = TypeVar("T")
 
@@ -37,6 +38,13 @@ costs. Measured on the 2.2 GB bench reshard (2 workers, alternating runs): 16 MB
 1.9 s median, 256 KB blocks 0.59 s; 128 KB pays more Python per byte, 512 KB+ spill the
 cache. Memory-bandwidth contention on a shared host is what the big blocks were exposed to.
 """
+TRANSPOSE_BLOCK_BYTES = 16 << 20
+"""A record with transposed pieces is streamed in blocks this large. A block of output rows
+reads a tile of source columns, one run per source row, so the runs grow with the block: a
+256 KB block of a bf16 [768, 2048] expert transposed would read runs of 64 elements."""
+TILE_SPAN_BYTES = 32 << 20
+"""A transposed tile is fetched with one read of the chunk bytes it spans when they are at
+most this many (bounded memory); a wider tile is halved along its first dim until it fits."""
 ASSEMBLE_BYTES = 16 << 20
 """Verification assembles and compares boxes of about this size: fewer boxes, less planning per byte."""
 GAP_BYTES = 256 << 10
@@ -115,9 +123,14 @@ class _Segment:
 
 
 def _segments(item: StreamItem) -> list[_Segment]:
-    segs = [_Segment(read, r.src, r.dst, r.length) for read in item.reads for r in read.runs]
+    segs = [_Segment(read, r.src, r.dst, r.length) for read in item.reads if isinstance(read, SourceRead)
+            for r in read.runs]
     segs.sort(key=lambda s: s.dst)
     return segs
+
+
+def transposed_reads(item: StreamItem) -> list[TransposedRead]:
+    return [read for read in item.reads if isinstance(read, TransposedRead)]
 
 
 def read_spans(segs: list[_Segment], max_bytes: int | None = None) -> Iterator[tuple[list[_Segment], int, int]]:
@@ -198,6 +211,62 @@ def _cast_run(out: memoryview, dtype: DType, b0: int, tmp: memoryview, src_dtype
         cast_into(placed, src + add if before else src)
         if add and not before:
             add_into(placed, add)
+
+
+def fill_transposed(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, shape: tuple[int, ...],
+                    reads: Sequence[TransposedRead], add: float = 0.0) -> None:
+    """Place the share of each transposed read in destination elements [b0, b0 + len(out) / itemsize)
+    of an output box of `shape`: the block's boxes (`flat_boxes`), each met by a read, gathered tile by tile."""
+    if not reads or not len(out):
+        return
+    out_t = _as_tensor(out, dtype)
+    steps = strides(shape)
+    for _, sub in flat_boxes(shape, b0, b0 + len(out) // dtype.itemsize):
+        for read in reads:
+            dst = sub.intersect(read.dst)
+            if dst is not None and dst.numel:
+                src = transposed_source(dst, read.axes, read.dst.offsets, read.src.offsets, len(read.chunk_sizes))
+                _place_tile(sources, read, src, dst, out_t, dtype, steps, b0, add)
+
+
+def _place_tile(sources: ChunkSource, read: TransposedRead, src: Box, dst: Box, out: Any, dtype: DType,
+                steps: tuple[int, ...], b0: int, add: float) -> None:
+    """Read chunk block `src` with one read of the bytes it spans and place it, dims reordered, at `dst`."""
+    import torch
+
+    from ckptctl.engine.cast import add_into, cast_into
+
+    chunk_steps = strides(read.chunk_sizes)
+    first = sum(o * st for o, st in zip(src.offsets, chunk_steps))
+    stop = sum((o + n - 1) * st for o, n, st in zip(src.offsets, src.sizes, chunk_steps)) + 1
+    isz = read.dtype.itemsize
+    if (stop - first) * isz > TILE_SPAN_BYTES:
+        k = next(i for i, n in enumerate(src.sizes) if n > 1)
+        j = read.axes.index(k)
+        for lo, n in ((0, src.sizes[k] // 2), (src.sizes[k] // 2, src.sizes[k] - src.sizes[k] // 2)):
+            part = Box(_at(src.offsets, k, src.offsets[k] + lo), _at(src.sizes, k, n))
+            placed = Box(_at(dst.offsets, j, dst.offsets[j] + lo), _at(dst.sizes, j, n))
+            _place_tile(sources, read, part, placed, out, dtype, steps, b0, add)
+        return
+    span = memoryview(_thread_buffer("span", (stop - first) * isz))[: (stop - first) * isz]
+    sources.read_into(read.fqn, read.chunk, first * isz, span)
+    tile = _as_tensor(span, read.dtype).as_strided(src.sizes, chunk_steps)
+    kept = [a for a in read.axes if a is not None]
+    arranged = tile.permute(*kept, *(a for a in range(len(src.sizes)) if a not in kept)).reshape(dst.sizes)
+    placed = out.as_strided(dst.sizes, steps, sum(o * st for o, st in zip(dst.offsets, steps)) - b0)
+    if read.dtype == dtype and not add:
+        placed.copy_(arranged)
+        return
+    converted = torch.empty(dst.sizes, dtype=dtype.torch)
+    before = add and adds_before_cast(read.dtype, dtype)
+    cast_into(converted, arranged + add if before else arranged)
+    if add and not before:
+        add_into(converted, add)
+    placed.copy_(converted)
+
+
+def _at(values: tuple[int, ...], k: int, value: int) -> tuple[int, ...]:
+    return values[:k] + (value,) + values[k + 1:]
 
 
 def _add(out: memoryview, dtype: DType, value: float) -> None:
@@ -311,11 +380,16 @@ def _thread_buffer(use: str, nbytes: int) -> bytearray:
     return buf
 
 
-def _fill_or_zero(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, segs: list[_Segment],
-                  add: float) -> None:
-    """`_fill_block` into a reused buffer: elements no segment covers (--allow-incomplete) are
-    zero, never what a previous record or block left there."""
-    if sum(s.length for s in segs) < len(out) // dtype.itemsize:
+def _fill_or_zero(sources: ChunkSource, out: memoryview, item: StreamItem, b0: int, segs: list[_Segment],
+                  transposed: list[TransposedRead]) -> None:
+    """`_fill_block` and `fill_transposed` into a reused buffer: elements no read covers
+    (--allow-incomplete) are zero, never what a previous record or block left there."""
+    dtype, add = item.target.dtype, item.target.add
+    if transposed:
+        if missing_elements(item.box, item.reads):
+            out[:] = bytes(len(out))
+        fill_transposed(sources, out, dtype, b0, item.box.sizes, transposed, add)
+    elif sum(s.length for s in segs) < len(out) // dtype.itemsize:
         out[:] = bytes(len(out))
     _fill_block(sources, out, dtype, b0, segs, add)
 
@@ -329,7 +403,7 @@ def _read_direct(item: StreamItem, sources: ChunkSource, data: memoryview) -> bo
         return False
     runs = []
     for read in item.reads:
-        if len(read.runs) != 1 or read.dtype != dtype:
+        if not isinstance(read, SourceRead) or len(read.runs) != 1 or read.dtype != dtype:
             return False
         runs.append((read.runs[0], read))
     runs.sort(key=lambda r: r[0].dst)
@@ -356,7 +430,7 @@ def _stream_small_item(item: StreamItem, sources: ChunkSource, files: OutputFile
     record[:head] = item.head
     data = record[head:head + nbytes]
     if not _read_direct(item, sources, data):
-        _fill_or_zero(sources, data, item.target.dtype, 0, _segments(item), item.target.add)
+        _fill_or_zero(sources, data, item, 0, _segments(item), transposed_reads(item))
     crc = 0
     if item.tail is not None:
         crc = crc32(data)
@@ -370,7 +444,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     """Write one record; returns the CRC-32 of its data (0 for raw records, which have no tail)."""
     dtype = item.target.dtype
     numel = item.box.numel
-    block = block_elements(item)
+    transposed = transposed_reads(item)
+    block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
     if numel <= block:
         return _stream_small_item(item, sources, files, progress)
     files.write(item.file, item.head, item.offset)
@@ -382,7 +457,7 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
         b1 = min(numel, b0 + block)
         view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
         clipped, resume = _clip(segs, b0, b1, resume)
-        _fill_or_zero(sources, view, dtype, b0, clipped, item.target.add)
+        _fill_or_zero(sources, view, item, b0, clipped, transposed)
         if item.tail is not None:  # a torch.save record's zip tail carries the CRC; raw records need none
             crc = crc32(view, crc)
         files.write(item.file, view, pos)
@@ -491,4 +566,5 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     dtype = item.target.dtype
     out = bytearray(item.box.numel * dtype.itemsize)  # zeros where no source covers (--allow-incomplete)
     _fill_block(sources, memoryview(out), dtype, 0, _segments(item), item.target.add)
+    fill_transposed(sources, memoryview(out), dtype, 0, item.box.sizes, transposed_reads(item), item.target.add)
     return out

@@ -27,7 +27,7 @@ from ckptctl.engine.cpu import (
     ChunkSource,
     OutputFiles,
     _clip,
-    _fill_block,
+    _fill_or_zero,
     _Segment,
     _segments,
     adds_before_cast,
@@ -36,6 +36,7 @@ from ckptctl.engine.cpu import (
     interleaved_by_file,
     read_spans,
     run_on_threads,
+    transposed_reads,
 )
 from ckptctl.plan import CopyItem, StreamItem
 
@@ -141,7 +142,9 @@ class _Worker:
         pos = item.offset + len(item.head)
         crc, resume, k = 0, 0, 0
         pending: _Slot | None = None
-        gpu = self.identity_on_gpu or bool(item.target.add) or any(r.dtype != dtype for r in item.reads)
+        transposed = transposed_reads(item)  # gathered on the host, as by the CPU engine
+        gpu = not transposed and (self.identity_on_gpu or bool(item.target.add)
+                                  or any(r.dtype != dtype for r in item.reads))
         try:
             for b0 in range(0, numel, block):
                 b1 = min(numel, b0 + block)
@@ -154,9 +157,7 @@ class _Worker:
                     self._launch(slot, item, sources, clipped, b0, b1)
                 else:
                     slot.reserve(0, nbytes)
-                    if sum(c.length for c in clipped) < b1 - b0:
-                        slot.pin_out[:nbytes].zero_()
-                    _fill_block(sources, memoryview(slot.pin_out.numpy())[:nbytes], dtype, b0, clipped)
+                    _fill_or_zero(sources, memoryview(slot.pin_out.numpy())[:nbytes], item, b0, clipped, transposed)
                     slot.done.record(slot.stream)
                 slot.write = (pos, nbytes)
                 pos += nbytes
