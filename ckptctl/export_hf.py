@@ -39,13 +39,14 @@ from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageErro
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
 from ckptctl.geometry import Box, full_box, union_volume
+from ckptctl.hf.automodel import AUTOMODEL, native_expert_names
 from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
 from ckptctl.hf.foreign import foreign_reason
-from ckptctl.hf.raw import RAW, raw_prefix
+from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
 from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
                                   torchtitan_prefix)
 from ckptctl.formats.megatron_args import checkpoint_args
@@ -174,12 +175,14 @@ def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
                              f"export-hf converts yet (it converts torchtitan's {known})")
         return family, titan
     prefix = megatron_prefix(ckpt)
-    if arch == "raw" or (arch == "auto" and prefix is None):
+    if arch in ("raw", "automodel") or (arch == "auto" and prefix is None):
         stripped = raw_prefix(ckpt)
-        reason = foreign_reason(fqn[len(stripped):] for fqn in ckpt.tensors if is_model_key(fqn))
+        names = [fqn[len(stripped):] for fqn in ckpt.tensors if is_model_key(fqn)]
+        native = arch != "raw" and native_expert_names(names)
+        reason = foreign_reason(names, native_converted=bool(native))
         if reason is not None:
             raise CheckpointError(ckpt.path, reason)
-        return RAW, stripped
+        return (AUTOMODEL if native or arch == "automodel" else RAW), stripped
     if prefix is None:
         shown = ", ".join(repr(p) for p in MODEL_PREFIXES)
         raise CheckpointError(ckpt.path, f"no Megatron model tensors (decoder.layers.*, embedding.word_embeddings.*) "
@@ -258,7 +261,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
-    if family is RAW:
+    raw = isinstance(family, RawFamily)
+    if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:
         tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
@@ -266,7 +270,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         tp, etp = resolve_tps(ckpt, model, opts.tp)
     ctx = ExportContext(cfg, model, tp, etp)
     tensors = family.to_hf(ctx)
-    if family is not RAW:
+    if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
         if unused:
             more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
@@ -282,7 +286,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         raise CheckpointError(ckpt.path, "nothing to export")
     expected = None
     if opts.name_check:
-        expected = expected_for(cfg, family is RAW, ctx.notes)
+        expected = expected_for(cfg, raw, ctx.notes)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
     if expected is not None:
@@ -428,13 +432,13 @@ def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: M
         for piece in target.pieces:
             if piece.src in ckpt.rank_conflicts and ckpt.rank_conflicts[piece.src] not in problems:
                 problems.append(ckpt.rank_conflicts[piece.src])
-            want = Box(piece.src_start, piece.sizes)
+            want = piece.source_box
             parts = [part for _, region in sources[piece.src].chunks
                      if isinstance(region, Box) and (part := region.intersect(want)) is not None]
             missing = want.numel - union_volume(parts)
             if missing:
-                problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {piece.src_start[0]}.."
-                                f"{piece.src_start[0] + piece.sizes[0]} are in no saved chunk")
+                problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {want.offsets[0]}.."
+                                f"{want.ends[0]} are in no saved chunk")
     if problems:
         raise IncompleteCheckpointError(ckpt.path, problems)
 
@@ -543,12 +547,13 @@ def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> t
     """The source rows of a target, grouped by source in order of first use; adjacent ranges merged."""
     rows: dict[str, list[tuple[int, int]]] = {}
     for piece in target.pieces:
-        start = piece.src_start[0] if piece.src_start else 0
-        stop = start + (piece.sizes[0] if piece.sizes else 0)
+        read = piece.source_box
+        start = read.offsets[0] if read.sizes else 0
+        stop = start + (read.sizes[0] if read.sizes else 0)
         ranges = rows.setdefault(piece.src, [])
         if ranges and ranges[-1][1] == start:
             ranges[-1] = (ranges[-1][0], stop)
-        elif piece.sizes:
+        elif read.sizes:
             ranges.append((start, stop))
     return tuple(SourceRows(fqn, tuple(r), sources[fqn].shape[0] if sources[fqn].shape else 0)
                  for fqn, r in rows.items())

@@ -108,6 +108,13 @@ def transposed_destination(src: Box, axes: Sequence[int | None], src_origin: Seq
     return Box(offsets, sizes)
 
 
+def transposed_order(axes: Sequence[int | None], src_rank: int) -> tuple[int, ...]:
+    """The source dims in the order a transposed block's elements go out: `permute` a source
+    block by it, then reshape to the destination block (which only drops or adds unit dims)."""
+    kept = tuple(a for a in axes if a is not None)
+    return kept + tuple(a for a in range(src_rank) if a not in kept)
+
+
 def chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:
     """`torch.chunk` row ranges: ceil(rows/parts) rows each; parts past the end get (rows, rows)."""
     step = -(-rows // parts) if rows else 0

@@ -139,6 +139,20 @@ class Piece:
     sizes: tuple[int, ...]
     axes: tuple[int | None, ...] | None = None
 
+    @property
+    def source_box(self) -> Box:
+        """The block of the source the piece reads."""
+        if self.axes is None:
+            return Box(self.src_start, self.sizes)
+        return transposed_source(Box(self.dst_start, self.sizes), self.axes, self.dst_start, self.src_start,
+                                 len(self.src_start))
+
+    def destination(self, src: Box) -> Box:
+        """The block of the target that block `src` of the source (inside `source_box`) fills."""
+        if self.axes is None:
+            return Box(tuple(o - s + d for o, s, d in zip(src.offsets, self.src_start, self.dst_start)), src.sizes)
+        return transposed_destination(src, self.axes, self.src_start, self.dst_start)
+
 
 @dataclass(frozen=True)
 class TargetTensor:
@@ -253,15 +267,14 @@ def _plan_transposed(box: Box, piece: Piece, src: SourceTensor, reads: list[Read
     placed = Box(piece.dst_start, piece.sizes).intersect(box)
     if placed is None or placed.numel == 0:
         return
-    wanted = transposed_source(placed, piece.axes, piece.dst_start, piece.src_start, len(src.shape))
+    wanted = transposed_source(placed, piece.axes, piece.dst_start, piece.src_start, len(piece.src_start))
     for chunk, region, bounds in src.chunks_in_rows(wanted.offsets[0], wanted.offsets[0] + wanted.sizes[0]):
         part = bounds.intersect(wanted)
         if part is None or part.numel == 0:
             continue
         if not isinstance(region, Box):
             raise CheckpointError(src.fqn, "a flat (1-D item range) chunk cannot be read transposed")
-        dst = transposed_destination(part, piece.axes, piece.src_start, piece.dst_start).shift(
-            tuple(-o for o in box.offsets))
+        dst = piece.destination(part).shift(tuple(-o for o in box.offsets))
         local = part.shift(tuple(-o for o in region.offsets))
         reads.append(TransposedRead(src.fqn, chunk, src.dtype, local, region.sizes, dst, piece.axes))
 

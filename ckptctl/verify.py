@@ -32,7 +32,8 @@ from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
 from ckptctl.layout import source_tensors
-from ckptctl.geometry import Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box
+from ckptctl.geometry import (Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box,
+                              transposed_order)
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
 from ckptctl.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
@@ -152,7 +153,7 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
     for target in targets.values():
         for piece in target.pieces:
             view = sources[piece.src]
-            wanted = Box(piece.src_start, piece.sizes)
+            wanted = piece.source_box
             for index, (chunk, region) in enumerate(view.chunks):
                 if chunk.numel and region_bounds(region, view.shape).intersect(wanted) is not None:
                     blocks.setdefault((piece.src, index), []).append((target, piece))
@@ -164,12 +165,14 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
         decoded = decode_source_item(src, src.tensors[fqn], chunk, files)
         for part, values in _decoded_parts(decoded, region, view.shape):
             for target, piece in uses:
-                both = part.intersect(Box(piece.src_start, piece.sizes))
+                both = part.intersect(piece.source_box)
                 if both is None:
                     continue
-                want = _raw_bytes(_as_target(values[_slices(both, part.offsets)], target))
-                dst = Box(tuple(o - s + d for o, s, d in zip(both.offsets, piece.src_start, piece.dst_start)),
-                          both.sizes)
+                block = values[_slices(both, part.offsets)]
+                dst = piece.destination(both)
+                if piece.axes is not None:
+                    block = block.permute(transposed_order(piece.axes, block.dim())).reshape(dst.sizes)
+                want = _raw_bytes(_as_target(block, target))
                 stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
                 pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape, stored)]
                 got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy

@@ -179,19 +179,20 @@ def test_verify_checks_written_names_against_the_written_config(qwen3, tmp_path)
     assert str(err.value) == f"{dst}: verification failed: a Qwen3ForCausalLM expects lm_head.weight, not written"
 
 
-def test_native_automodel_experts_are_refused_by_name(tmp_path):
+def test_native_automodel_experts_are_refused_by_name_under_arch_raw(tmp_path):
     ref = hf_models.reference("qwen3-moe", tmp_path / "ref")
     state = {n: t for n, t in hf_state(ref).items() if ".mlp.experts." not in n}
     e, h, i = 4, 32, 16
     state["model.layers.1.mlp.experts.gate_and_up_projs"] = torch.zeros(e, h, 2 * i)
     state["model.layers.1.mlp.experts.down_projs"] = torch.zeros(e, i, h)
     ckpt = save({"model": state}, tmp_path / "ckpt")
-    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref.folder, "--no-name-check")
+    res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", ref.folder, "--arch", "raw",
+                  "--no-name-check")
     assert (res.returncode, res.stdout) == (2, "")
     assert res.stderr == (f"ckptctl: error: {ckpt}: 2 tensors in NeMo Automodel's native expert layout, not "
                           f"Hugging Face's: model.layers.1.mlp.experts.down_projs, "
-                          f"model.layers.1.mlp.experts.gate_and_up_projs (grouped, transposed experts; export-hf "
-                          f"does not convert them yet)\n")
+                          f"model.layers.1.mlp.experts.gate_and_up_projs (grouped, transposed experts): export "
+                          f"with --arch auto, which converts them\n")
 
 
 def run_without_transformers(*args: object) -> subprocess.CompletedProcess:

@@ -123,9 +123,10 @@ def export_hf_command(
                                        "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
                                        "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
     arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|deepseek-v3|mixtral|"
-                                                    "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|raw "
-                                                    "(auto: torchtitan names pick a torchtitan family, else the "
-                                                    "config model_type)."),
+                                                    "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|"
+                                                    "automodel|raw (auto: torchtitan names pick a torchtitan "
+                                                    "family, Megatron names the config model_type, HF names raw, "
+                                                    "or automodel with NeMo Automodel's native experts)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size, for fused TP-blocked tensors "
                                                          "(default: the checkpoint's args, else its geometry)."),
     dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),

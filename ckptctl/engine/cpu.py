@@ -23,7 +23,7 @@ from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
-from ckptctl.geometry import Box, flat_boxes, strides, transposed_source
+from ckptctl.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.model import Checkpoint, Chunk
 from ckptctl.plan import CopyItem, SourceRead, StreamItem, TransposedRead, missing_elements
 
@@ -251,8 +251,7 @@ def _place_tile(sources: ChunkSource, read: TransposedRead, src: Box, dst: Box, 
     span = memoryview(_thread_buffer("span", (stop - first) * isz))[: (stop - first) * isz]
     sources.read_into(read.fqn, read.chunk, first * isz, span)
     tile = _as_tensor(span, read.dtype).as_strided(src.sizes, chunk_steps)
-    kept = [a for a in read.axes if a is not None]
-    arranged = tile.permute(*kept, *(a for a in range(len(src.sizes)) if a not in kept)).reshape(dst.sizes)
+    arranged = tile.permute(transposed_order(read.axes, len(src.sizes))).reshape(dst.sizes)
     placed = out.as_strided(dst.sizes, steps, sum(o * st for o, st in zip(dst.offsets, steps)) - b0)
     if read.dtype == dtype and not add:
         placed.copy_(arranged)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 
+from ckptctl.hf.automodel import AUTOMODEL
 from ckptctl.hf.deepseek_v3 import DEEPSEEK_V3
 from ckptctl.hf.llama import LLAMA, QWEN2, QWEN3
 from ckptctl.hf.mixtral import MIXTRAL
@@ -23,7 +24,7 @@ from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TOR
 from ckptctl.megatron import FUSED_PARTS
 
 FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, MIXTRAL, TORCHTITAN_LLAMA3,
-                                TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, RAW)}
+                                TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
