@@ -2,6 +2,9 @@
 
 import-hf reads a >= 2 GiB Hugging Face folder instead (3 safetensors shards and an index,
 written once next to the checkpoint): its ratio is to `cp -r` of that folder, in the same run.
+The transposed export (`--arch automodel`) reads a >= 2 GiB checkpoint of NeMo Automodel's
+native grouped experts, against `cp -r` of it and Automodel's own adapter (`to_hf` of the
+checkpoint loaded whole, `save_file`).
 
 The checkpoint is written once (cached in bench/.cache) by real FSDP2 on 4 gloo ranks: a
 stack of 4096x4096 fp32 linears with AdamW state after one step. Every contender runs as a
@@ -38,6 +41,8 @@ LAYERS, WIDTH, SAVE_RANKS, TARGET_RANKS = 11, 4096, 4, 3  # 2.21 GB (2.06 GiB) w
 SRC = CACHE / f"fsdp2_ws{SAVE_RANKS}_{LAYERS}x{WIDTH}"
 HF_SHARDS, HF_PER_SHARD = 3, 12  # 36 fp32 4096x4096 tensors: 2.42 GB (2.25 GiB)
 HF_SRC = CACHE / f"hf_{HF_SHARDS}x{HF_PER_SHARD}x{WIDTH}"
+AM_LAYERS, AM_EXPERTS, AM_HIDDEN, AM_INTER = 4, 64, 2048, 768  # bf16: 2.42 GB (2.25 GiB) of grouped experts
+AM_SRC = CACHE / f"automodel_{AM_LAYERS}x{AM_EXPERTS}x{AM_HIDDEN}x{AM_INTER}"
 PY = sys.executable
 
 
@@ -122,6 +127,63 @@ def ensure_hf_folder() -> Path:
     return HF_SRC
 
 
+def _native_experts(layer: int):
+    """One MoE layer of NeMo Automodel's native grouped experts (bf16, seeded)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(layer)
+    return {f"model.layers.{layer}.mlp.experts.gate_and_up_projs":
+            torch.randn(AM_EXPERTS, AM_HIDDEN, 2 * AM_INTER, generator=gen).bfloat16(),
+            f"model.layers.{layer}.mlp.experts.down_projs":
+            torch.randn(AM_EXPERTS, AM_INTER, AM_HIDDEN, generator=gen).bfloat16()}
+
+
+def _build_automodel(rank: int, world_size: int, out: str) -> None:
+    """Expert parallelism on 4 gloo ranks: each layer's stacks `Shard(0)` on the experts."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    state = {}
+    for layer in range(AM_LAYERS):
+        state.update({k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in _native_experts(layer).items()})
+    dcp.save(state, checkpoint_id=out)
+
+
+def ensure_automodel() -> Path:
+    if (AM_SRC / ".metadata").exists():
+        return AM_SRC
+    shutil.rmtree(AM_SRC, ignore_errors=True)
+    print(f"bench: generating {AM_SRC} (Automodel native experts, {SAVE_RANKS} ranks) ...", flush=True)
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build_automodel, SAVE_RANKS; "
+            f"from fixtures.gloo import run_ranks; run_ranks(_build_automodel, SAVE_RANKS, {str(AM_SRC)!r}, "
+            f"timeout=1200)")
+    subprocess.run([PY, "-c", code], check=True)
+    return AM_SRC
+
+
+def _automodel_to_hf(src: str, out: str) -> None:
+    """Automodel's own way out: the whole checkpoint loaded (DCP, one process), its adapter's
+    `to_hf`, safetensors `save_file` (the anchor of the transposed export)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.qwen3_moe.state_dict_adapter import Qwen3MoeStateDictAdapter
+    from nemo_automodel.components.moe.config import MoEConfig
+    from safetensors.torch import save_file
+
+    meta = dcp.FileSystemReader(src).read_metadata()
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()}
+    dcp.load(state, checkpoint_id=src, no_dist=True)
+    moe = MoEConfig(n_routed_experts=AM_EXPERTS, n_shared_experts=0, n_activated_experts=2, n_expert_groups=1,
+                    n_limited_groups=1, train_gate=True, gate_bias_update_factor=0.0, aux_loss_coeff=0.0,
+                    score_func="softmax", route_scale=1.0, dim=AM_HIDDEN, inter_dim=AM_INTER, moe_inter_dim=AM_INTER,
+                    norm_topk_prob=True, dtype=torch.bfloat16)
+    hf = Qwen3MoeStateDictAdapter(None, moe, BackendConfig(), dtype=torch.bfloat16).to_hf(state)
+    save_file({k: v.contiguous() for k, v in hf.items()}, out, metadata={"format": "pt"})
+
+
 def tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -141,7 +203,8 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
     return seconds, usage.ru_maxrss * 1024
 
 
-def contenders(src: Path, hf_src: Path, out: Path, hf_config: Path) -> dict[str, tuple[list[str], Path]]:
+def contenders(src: Path, hf_src: Path, am_src: Path, out: Path,
+               hf_config: Path) -> dict[str, tuple[list[str], Path]]:
     ckptctl = [PY, "-m", "ckptctl"]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptctl"]
     code_rt = ("import sys; sys.path.insert(0, %r); from bench.bench import _torch_roundtrip; "
@@ -180,11 +243,25 @@ def contenders(src: Path, hf_src: Path, out: Path, hf_config: Path) -> dict[str,
         f"ckptctl import-hf -n {TARGET_RANKS} --no-sync (HF folder)": (
             [*ckptctl, "import-hf", str(hf_src), str(out / "impn"), "-n", str(TARGET_RANKS), "--no-name-check",
              "--no-sync"], out / "impn"),
+        AM_COPY: (["cp", "-r", str(am_src), str(out / "amcp")], out / "amcp"),
+        "Automodel load + to_hf + save_file": (
+            [PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _automodel_to_hf; "
+                       f"_automodel_to_hf({str(am_src)!r}, {str(out / 'am.safetensors')!r})"],
+            out / "am.safetensors"),
+        "ckptctl export-hf --arch automodel (transposed experts)": (
+            [*ckptctl, "export-hf", str(am_src), str(out / "amhf"), "--hf-config", str(hf_config), "--arch",
+             "automodel", "--no-name-check"], out / "amhf"),
+        "ckptctl export-hf --arch automodel --no-sync": (
+            [*ckptctl, "export-hf", str(am_src), str(out / "amhfn"), "--hf-config", str(hf_config), "--arch",
+             "automodel", "--no-name-check", "--no-sync"], out / "amhfn"),
     }
 
 
 HF_COPY = "cp -r (HF folder)"
 """The base of the import-hf rows: they read the HF folder, not the checkpoint."""
+AM_COPY = "cp -r (Automodel checkpoint)"
+"""The base of the Automodel rows: they read a checkpoint of native grouped experts."""
+BASES = {"import-hf": HF_COPY, "Automodel": AM_COPY, "automodel": AM_COPY}
 
 
 def write_hf_config(path: Path) -> Path:
@@ -202,15 +279,16 @@ def main() -> None:
     args = parser.parse_args()
     src = ensure_checkpoint()
     hf_src = ensure_hf_folder()
+    am_src = ensure_automodel()
     src_bytes = tree_bytes(src)
     out = CACHE / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     hf_config = write_hf_config(CACHE / "hf-config")
-    for warm in (src, hf_src):  # warm the cache
+    for warm in (src, hf_src, am_src):  # warm the cache
         subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
-    runs = {name: spec for name, spec in contenders(src, hf_src, out, hf_config).items()
+    runs = {name: spec for name, spec in contenders(src, hf_src, am_src, out, hf_config).items()
             if not args.only or any(s in name for s in args.only)}
     times: dict[str, list[float]] = {n: [] for n in runs}
     rss: dict[str, int] = {n: 0 for n in runs}
@@ -237,8 +315,11 @@ def main() -> None:
     base = statistics.median(times["cp -r"]) if times.get("cp -r") else None
     base_min = min(times["cp -r"]) if times.get("cp -r") else None
     hf_bytes = tree_bytes(hf_src)
+    am_bytes = tree_bytes(am_src)
     print(f"\nHF folder (import-hf): {hf_bytes / 1e9:.2f} GB ({hf_bytes / 2**30:.2f} GiB); import-hf rows are also "
           f"given against {HF_COPY!r}")
+    print(f"Automodel native experts (bf16 [{AM_EXPERTS}, {AM_HIDDEN}, {2 * AM_INTER}] and [{AM_EXPERTS}, {AM_INTER}, "
+          f"{AM_HIDDEN}] x {AM_LAYERS} layers): {am_bytes / 1e9:.2f} GB; its rows are also given against {AM_COPY!r}")
     print(f"source: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
     print("| contender | median s | fastest s | ratio to cp -r (medians) | ratio (fastest) | GB/s written | peak RSS MB |")
@@ -250,9 +331,10 @@ def main() -> None:
         med = statistics.median(times[name])
         ratio = f"{med / base:.2f}" if base else "-"
         ratio_min = f"{min(times[name]) / base_min:.2f}" if base_min else "-"
-        if "import-hf" in name and times.get(HF_COPY):
-            ratio += f" ({med / statistics.median(times[HF_COPY]):.2f} to {HF_COPY})"
-            ratio_min += f" ({min(times[name]) / min(times[HF_COPY]):.2f})"
+        other = next((b for key, b in BASES.items() if key in name and b != name and times.get(b)), None)
+        if other is not None:
+            ratio += f" ({med / statistics.median(times[other]):.2f} to {other})"
+            ratio_min += f" ({min(times[name]) / min(times[other]):.2f})"
         print(f"| {name} | {med:.2f} | {min(times[name]):.2f} | {ratio} | {ratio_min} | {written[name] / med / 1e9:.2f} "
               f"| {rss[name] / 1e6:.0f} |")
     shutil.rmtree(out, ignore_errors=True)

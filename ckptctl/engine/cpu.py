@@ -45,6 +45,8 @@ reads a tile of source columns, one run per source row, so the runs grow with th
 TILE_SPAN_BYTES = 32 << 20
 """A transposed tile is fetched with one read of the chunk bytes it spans when they are at
 most this many (bounded memory); a wider tile is halved along its first dim until it fits."""
+STRIPE_BYTES = 64
+"""A cache line: the width of each stripe of a transposed copy (`_striped_copy`)."""
 ASSEMBLE_BYTES = 16 << 20
 """Verification assembles and compares boxes of about this size: fewer boxes, less planning per byte."""
 GAP_BYTES = 256 << 10
@@ -254,14 +256,32 @@ def _place_tile(sources: ChunkSource, read: TransposedRead, src: Box, dst: Box, 
     arranged = tile.permute(transposed_order(read.axes, len(src.sizes))).reshape(dst.sizes)
     placed = out.as_strided(dst.sizes, steps, sum(o * st for o, st in zip(dst.offsets, steps)) - b0)
     if read.dtype == dtype and not add:
-        placed.copy_(arranged)
+        _striped_copy(placed, arranged)
         return
+    gathered = torch.empty(dst.sizes, dtype=read.dtype.torch)
+    _striped_copy(gathered, arranged)
     converted = torch.empty(dst.sizes, dtype=dtype.torch)
     before = add and adds_before_cast(read.dtype, dtype)
-    cast_into(converted, arranged + add if before else arranged)
+    cast_into(converted, gathered + add if before else gathered)
     if add and not before:
         add_into(converted, add)
     placed.copy_(converted)
+
+
+def _striped_copy(out: Any, src: Any) -> None:
+    """`out.copy_(src)` for a transposed `src`, in stripes of the last dim one cache line wide.
+
+    torch walks a transposed copy element by element along the output's rows, touching a new
+    source cache line for each; a stripe writes one cache line per output row and reads
+    whole lines. Measured on a bf16 [2048, 768] transpose (one thread): 3.0 ms whole,
+    1.2 ms in 32-element stripes; fp32 in 16-element stripes 9.7 → 3.1 ms.
+    """
+    if not src.dim() or src.stride(-1) == 1:
+        out.copy_(src)
+        return
+    width = max(1, STRIPE_BYTES // src.element_size())
+    for k in range(0, src.shape[-1], width):
+        out[..., k:k + width].copy_(src[..., k:k + width])
 
 
 def _at(values: tuple[int, ...], k: int, value: int) -> tuple[int, ...]:
