@@ -113,6 +113,21 @@ def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
 
 
+def row_groups_view(entry: TensorEntry, group: int) -> SourceTensor | None:
+    """A tensor [R, …] seen as [R / group, group, …] (row pairs, for llama's RoPE order): the same
+    elements in the same order, so each chunk of whole rows cut on a group boundary is one box
+    of it. None when a chunk is not (cut mid-group, or on a trailing dim), or none is saved."""
+    if not entry.shape or not entry.chunks or group < 1 or entry.shape[0] % group:
+        return None
+    trailing, zeros = entry.shape[1:], (0,) * (len(entry.shape) - 1)
+    regions = []
+    for c in entry.chunks:
+        if c.sizes[1:] != trailing or c.offsets[1:] != zeros or c.offsets[0] % group or c.sizes[0] % group:
+            return None
+        regions.append((c, Box((c.offsets[0] // group, 0, *zeros), (c.sizes[0] // group, group, *trailing))))
+    return SourceTensor(entry.fqn, (entry.shape[0] // group, group, *trailing), entry.dtype, tuple(regions))
+
+
 def unsqueezed_view(view: SourceTensor) -> SourceTensor:
     """A source seen with a leading unit dim ([F, H] as [1, F, H]): the same elements in the same
     order, so a piece of it can be a box of a stacked target (one expert of [E, F, H])."""

@@ -104,6 +104,31 @@ def test_llama3_q_and_k_rows_are_reordered_and_qwen3s_are_not(saved, exported):
         assert same is not moved, family
 
 
+def test_llama3_rope_rows_plan_as_two_transposed_pieces_per_head(saved):
+    """torchtitan saves wq and wk whole: read as row pairs, each head's half is one strided piece."""
+    from ckptctl.export_hf import ExportOptions, plan_export
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.hf.base import load_hf_config
+
+    ckpt, _, ref = saved["llama3"]
+    plan = plan_export(open_checkpoint(ckpt), load_hf_config(ref), ExportOptions())
+    for name, heads in (("q_proj", 4), ("k_proj", 2)):
+        pieces = plan.targets[f"model.layers.1.self_attn.{name}.weight"].pieces
+        assert [(p.src_start, p.dst_start, p.sizes, p.axes) for p in pieces[:2]] == [
+            ((0, 0, 0), (0, 0), (8, 64), (0, 2)), ((0, 1, 0), (8, 0), (8, 64), (0, 2))]
+        assert len(pieces) == 2 * heads
+
+
+def test_llama3_rows_cut_mid_pair_export_the_same(saved, tmp_path):
+    """Resharded to 5 ranks, wq and wk chunks end on odd rows: one block per row, the same bytes."""
+    ckpt, state, ref = saved["llama3"]
+    assert run_cli("reshard", ckpt, tmp_path / "ws5", "--world-size", "5").returncode == 0
+    run = run_cli("export-hf", tmp_path / "ws5", tmp_path / "hf", "--hf-config", ref, "--verify")
+    assert run.returncode == 0, run.stderr
+    want, got = titan.to_hf("llama3", state), _folder(tmp_path / "hf")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_a_tied_lm_head_is_not_exported_with_a_note(exported):
     folder, run = exported["qwen3"]
     assert "lm_head.weight" not in _folder(folder)

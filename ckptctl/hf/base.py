@@ -23,7 +23,7 @@ from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.layout import is_layer_stacked
-from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, row_groups_view, source_view
 
 STACK_PREFIX = "decoder.layers."
 EXPERT_STACK = "mlp.experts.experts."
@@ -246,11 +246,31 @@ def whole(entry: TensorEntry) -> RowView:
 
 
 @dataclass(frozen=True)
+class DeinterleavedRows:
+    """A whole tensor's rows, each block of `block` rows reordered from interleaved pairs to halves:
+    out row `j·block/2 + i` of a block is its in row `2i + j` (torchtitan's llama3 q/k rows → HF's,
+    for RoPE). Read as row pairs [R/2, 2, …] (`MegatronModel.in_row_groups`): each block's half is
+    one transposed piece, two per block, however many rows."""
+
+    fqn: str
+    rows: int
+    trailing: tuple[int, ...]
+    block: int
+
+    def pieces(self, at: int) -> list[Piece]:
+        """The pieces, placed from row `at` of the HF tensor."""
+        half, zeros = self.block // 2, tuple(0 for _ in self.trailing)
+        axes = (0, *range(2, 2 + len(self.trailing)))
+        return [Piece(self.fqn, (b * half, j, *zeros), (at + b * self.block + j * half, *zeros), (half, *self.trailing),
+                      axes) for b in range(self.rows // self.block) for j in (0, 1)]
+
+
+@dataclass(frozen=True)
 class HFTensor:
     """An HF tensor as the row concatenation of `views`, plus a constant `add` (GDN norm: + 1)."""
 
     name: str
-    views: tuple[RowView, ...]
+    views: tuple[RowView | DeinterleavedRows, ...]
     add: float = 0.0
 
     @property
@@ -266,8 +286,13 @@ class HFTensor:
         trailing = self.views[0].trailing
         zeros = tuple(0 for _ in trailing)
         merged: list[tuple[str, RowBlock]] = []
+        strided: list[Piece] = []
         at = 0
         for view in self.views:
+            if isinstance(view, DeinterleavedRows):
+                strided.extend(view.pieces(at))
+                at += view.rows
+                continue
             for b in view.blocks:
                 block = RowBlock(b.src_row, at + b.dst_row, b.rows)
                 if merged:
@@ -278,7 +303,8 @@ class HFTensor:
                         continue
                 merged.append((view.fqn, block))
             at += view.rows
-        return tuple(Piece(fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *trailing)) for fqn, b in merged)
+        return (*(Piece(fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *trailing)) for fqn, b in merged),
+                *strided)
 
     def target(self, dtype: DType) -> TargetTensor:
         return TargetTensor(self.name, self.shape, dtype, self.pieces(), add=self.add)
@@ -327,6 +353,8 @@ class MegatronModel:
         """Per-layer name → its rows of a torch_dist layer stack."""
         self.stacks: dict[str, int] = {}
         """FQNs of the stacks → how many leading dims are stacked (`layer_stacked_view`'s depth)."""
+        self.row_groups: dict[str, SourceTensor] = {}
+        """FQNs read as row groups [R / g, g, …] (`row_groups_view`) → that view."""
         if ckpt.megatron_backend == "torch_dist":
             for name, entry in list(self.entries.items()):
                 layer = PER_LAYER_EXPERTS.match(name)
@@ -407,8 +435,21 @@ class MegatronModel:
         rows = entry.shape[0] * entry.shape[1]
         return RowView(entry.fqn, rows, tuple(entry.shape[2:]), (RowBlock(0, 0, rows),) if rows else ())
 
+    def in_row_groups(self, fqn: str, group: int) -> SourceTensor | None:
+        """`fqn` as row groups [R / group, group, …] when every saved chunk is whole groups (then
+        its pieces address that view), else None."""
+        if fqn in self.stacks:
+            return None
+        view = row_groups_view(self.ckpt.tensors[fqn], group)
+        if view is not None:
+            self.row_groups[fqn] = view
+        return view
+
     def source_view(self, fqn: str) -> SourceTensor:
-        """The source tensor the views of `fqn` address: a layer stack as [L·R, …], others as saved."""
+        """The source tensor the views of `fqn` address: a layer stack as [L·R, …], row groups as
+        [R / g, g, …], others as saved."""
+        if fqn in self.row_groups:
+            return self.row_groups[fqn]
         entry = self.ckpt.tensors[fqn]
         return layer_stacked_view(entry, self.stacks[fqn]) if fqn in self.stacks else source_view(entry)
 

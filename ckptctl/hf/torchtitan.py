@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, RowView, Shapes, is_model_key
+from ckptctl.hf.base import (DeinterleavedRows, ExportContext, HFConfig, HFTensor, MegatronModel, RowView, Shapes,
+                             is_model_key)
 from ckptctl.hf.deepseek_v3 import first_k_dense
 from ckptctl.hf.qwen3_moe import is_sparse
 from ckptctl.hf.rules import HF_LAYER, Attention, put
@@ -81,10 +82,14 @@ EXPERT_NAMES = {  # under model.layers.{L}.mlp.experts.{e}. ← one slab of the 
 PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 
 
-def rope_halves(whole: RowView, heads: int) -> RowView:
+def rope_halves(m: MegatronModel, whole: RowView, heads: int) -> RowView | DeinterleavedRows:
     """A whole tensor's rows with each head's reordered from interleaved pairs (torchtitan) to
-    halves (HF): one block per row (a strided view would plan fewer pieces)."""
+    halves (HF): two transposed pieces per head when every saved chunk holds whole row pairs
+    (torchtitan's own saves do), else one block per row (an import plans this way too: its
+    tensors are not saved yet)."""
     d = whole.rows // heads
+    if d % 2 == 0 and m.in_row_groups(whole.fqn, 2) is not None:
+        return DeinterleavedRows(whole.fqn, whole.rows, whole.trailing, d)
     blocks = tuple(RowBlock(h * d + 2 * i + j, h * d + j * (d // 2) + i, 1)
                    for h in range(heads) for j in (0, 1) for i in range(d // 2))
     return RowView(whole.fqn, whole.rows, whole.trailing, blocks)
@@ -133,7 +138,7 @@ class TorchtitanFamily:
             for hf, tt in self.layer_names(cfg, layer).items():
                 view = m.view(LAYER.format(layer) + tt)
                 if hf in heads:
-                    view = rope_halves(view, heads[hf])
+                    view = rope_halves(m, view, heads[hf])
                 name = HF_LAYER.format(L=layer) + hf
                 put(out, HFTensor(name, (view,)), expected[name], cfg)
             if self.sparse(cfg, layer):
