@@ -5,7 +5,7 @@ The library behind the command line, for scripts::
     import ckptctl
 
     ckpt = ckptctl.open_checkpoint("step-1000")            # metadata only: tensors, chunks, files
-    for problem in ckpt.analysis.problems:                  # what `ckptctl inspect --check` prints
+    for problem in ckptctl.analysis(ckpt).problems:         # what `ckptctl inspect --check` prints
         print(problem.message)
     report = ckptctl.reshard("step-1000", "step-1000-ws8", ckptctl.ReshardOptions(world_size=8), verify=True)
     ckptctl.export_hf("step-1000", "hf", "hf-config", ckptctl.ExportOptions(dtype=None))
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 _API = {
     "open_checkpoint": "ckptctl.formats.dcp_metadata",
     "Checkpoint": "ckptctl.model",
+    "analysis": "ckptctl.layout",
     "reshard": "ckptctl.reshard",
     "ReshardOptions": "ckptctl.reshard",
     "ReshardReport": "ckptctl.reshard",

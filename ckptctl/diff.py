@@ -47,7 +47,7 @@ from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.safetensors_in import StoredTensor, stored_tensors
 from ckptctl.geometry import Box, full_box
 from ckptctl.hf.base import is_model_key
-from ckptctl.layout import source_tensors
+from ckptctl.layout import analysis, source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box
 from ckptctl.progress import Advance, Phases, ProgressObserver
@@ -196,7 +196,7 @@ class DcpSide:
         self.notes: list[str] = []
         views = source_tensors(ckpt)
         if model_only:
-            prefixes = ckpt.analysis.prefixes.model
+            prefixes = analysis(ckpt).prefixes.model
             self.prefix: str | None = prefixes[0] if prefixes else ""
             self._fqn = {fqn[len(self.prefix):]: fqn for fqn in ckpt.tensors
                          if fqn.startswith(self.prefix) and is_model_key(fqn)}
@@ -217,7 +217,7 @@ class DcpSide:
 
     def check_complete(self, names: Sequence[str]) -> None:
         wanted = {self._fqn[n] for n in names}
-        for problem in self.ckpt.analysis.problems:
+        for problem in analysis(self.ckpt).problems:
             if problem.kind == "gaps" and problem.fqn in wanted:
                 raise CheckpointError(self.path, f"{problem.message}: cannot compare elements that were never saved")
 

@@ -50,6 +50,7 @@ from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import Box, chunk_rows, union_volume
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import SourceTensor, source_view
@@ -301,6 +302,16 @@ def _coverage_problems(fqn: str, cov: Coverage, numel: int) -> list[Problem]:
     return out
 
 
+def analysis(ckpt: Checkpoint) -> Analysis:
+    """Layouts, coverage and problems (`analyze`), computed once per opened checkpoint and kept
+    with it: refusal checks, source views, Megatron planning and verification all need them."""
+    found = ckpt.derived.get("analysis")
+    if found is None:
+        with gc_paused():
+            found = ckpt.derived["analysis"] = analyze(ckpt)
+    return found
+
+
 def analyze(ckpt: Checkpoint) -> Analysis:
     """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt`."""
     names = ckpt.tensors.keys()
@@ -344,7 +355,7 @@ def _by_count(counts: Mapping[str, int]) -> tuple[str, ...]:
 
 def source_tensors(ckpt: Checkpoint) -> dict[str, SourceTensor]:
     """Every tensor entry as a source; flat 1-D optimizer buffers take their param's shape."""
-    reports = {r.fqn: r for r in ckpt.analysis.reports}
+    reports = {r.fqn: r for r in analysis(ckpt).reports}
     out = {}
     for fqn, entry in ckpt.tensors.items():
         report = reports.get(fqn)

@@ -29,7 +29,7 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
 from ckptctl.hf.qwen3_next import GatedDeltaNet
-from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, source_tensors, split_optimizer_fqn
+from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analysis, source_tensors, split_optimizer_fqn
 from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
 from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron_tp import resolve_tp
@@ -293,11 +293,10 @@ class MegatronPlanner:
         self.ckpt, self.req, self.layout, self.sources = ckpt, req, layout, sources
         self._source_tp: int | None = None
         self._dims: ModelDims | None = None
-        analysis = ckpt.analysis
         self.states: dict[str, dict[str, str]] = {}
         self.param_of_state: dict[str, str] = {}
         self.orphans: list[str] = []
-        for report in analysis.reports:
+        for report in analysis(ckpt).reports:
             fqn = report.fqn
             split = split_optimizer_fqn(fqn)
             if split is None:

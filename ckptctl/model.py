@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptctl.dtypes import DType, as_dtype
-
-if TYPE_CHECKING:
-    from ckptctl.layout import Analysis
-
 
 def dtype_name(dtype: DType) -> str:
     """torch's own short name: `torch.bfloat16` → `bfloat16`."""
@@ -102,20 +97,12 @@ class Checkpoint:
     safetensors_folder: bool = False
     """A safetensors model folder read as a source: each chunk's (offset, length) are its tensor's
     dense bytes, and each FQN is the tensor's name in its file."""
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """What the layers above compute once from the metadata and keep with it (`layout.analysis`)."""
 
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
-
-    @cached_property
-    def analysis(self) -> Analysis:
-        """Layouts, coverage and problems (`layout.analyze`), computed once per opened checkpoint:
-        refusal checks, source views, Megatron planning and verification all need them."""
-        from ckptctl.gc_pause import gc_paused
-        from ckptctl.layout import analyze
-
-        with gc_paused():
-            return analyze(self)
 
     @property
     def saved_world_size(self) -> int:

@@ -22,7 +22,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
-from ckptctl.layout import source_tensors
+from ckptctl.layout import analysis, source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
@@ -90,7 +90,7 @@ class ReshardReport(RunTiming):
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
     """The source's data-loss problems; raises unless `allow`."""
-    problems = [p.message for p in ckpt.analysis.problems]
+    problems = [p.message for p in analysis(ckpt).problems]
     if problems and not allow:
         raise IncompleteCheckpointError(ckpt.path, problems)
     return problems

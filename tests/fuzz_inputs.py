@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.layout import analysis
 from ckptctl.reshard import ReshardOptions, reshard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,7 +112,7 @@ def exercise(src: Path, work: Path) -> None:
     """Everything a command does with a source: only CkptctlError may come out."""
     try:
         ckpt = open_checkpoint(src)
-        ckpt.analysis
+        analysis(ckpt)
         with ItemReader(ckpt) as reader:
             for entry in list(ckpt.tensors.values())[:8]:
                 for chunk in entry.chunks:

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     print(json.dumps({
         "imported_at_start": lazy,
         "tensors": len(ckpt.tensors), "bytes_entries": len(ckpt.bytes_entries),
-        "problems": [p.message for p in ckpt.analysis.problems],
+        "problems": [p.message for p in ckptctl.analysis(ckpt).problems],
         "fc1": [list(ckpt.tensors["model.mlp.fc1.weight"].shape), ckpt.tensors["model.mlp.fc1.weight"].dtype_name],
         "report": [report.world_size, report.tensors, report.verified, report.write_bytes == report.bytes_written],
         "export_torch": saved.tensors,

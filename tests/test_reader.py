@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.layout import analysis
 from ckptctl.model import Checkpoint, TensorEntry
 from tests.conftest import run_cli
 
@@ -209,7 +210,7 @@ def test_ranks_that_disagree_about_an_entry_are_a_problem(per_rank_ckpt: Path, t
     message = ("plain: ranks saved different tensors under this name ([1, 3] float32 in __0.metadata, "
                "[2, 3] float32 in __1.metadata); only __0.metadata's is read")
     ckpt = open_checkpoint(per_rank_ckpt)
-    assert [(p.fqn, p.kind, p.message) for p in ckpt.analysis.problems] == [("plain", "rank-conflict", message)]
+    assert [(p.fqn, p.kind, p.message) for p in analysis(ckpt).problems] == [("plain", "rank-conflict", message)]
     check = run_cli("inspect", per_rank_ckpt, "--check")
     assert check.returncode == 1 and message in check.stdout
     refused = run_cli("reshard", per_rank_ckpt, tmp_path / "o", "-n", "2")

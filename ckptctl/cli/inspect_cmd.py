@@ -53,7 +53,7 @@ from ckptctl.cli import app
 from ckptctl.cli.common import Streamed, emit_json, human_bytes, run_guarded, stdout
 from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.layout import Analysis, TensorReport
+from ckptctl.layout import Analysis, TensorReport, analysis
 from ckptctl.model import Checkpoint, Chunk
 from ckptctl.wording import counted
 
@@ -246,7 +246,7 @@ def inspect_command(
 
     def body() -> dict[str, Any]:
         opened = open_checkpoint(ckpt)
-        doc = inspect_document(opened, opened.analysis, pattern)
+        doc = inspect_document(opened, analysis(opened), pattern)
         if pattern is not None and not doc["tensors"] and not doc["bytes_entries"]:
             total = len(opened.tensors) + len(opened.bytes_entries)
             raise UsageError(f"--filter {pattern!r} matches none of the {total} entries")
