@@ -1,11 +1,12 @@
 """torchtitan checkpoints both ways, against torchtitan's own code.
 
-Tiny llama3, qwen3 (tied), qwen3 MoE and DeepSeek-V3 models are built by torchtitan's layer builders, sharded with
-FSDP2 over 2 gloo ranks and saved through its `ModelWrapper`, as its checkpoint manager
-saves them (`fixtures.torchtitan_models`). export-hf must give exactly what torchtitan's
-own `state_dict_adapter.to_hf` gives (llama3's RoPE row order included) and a folder
-transformers loads whole; import-hf `--to torchtitan` of that folder must load, through
-torchtitan's wrapper, into a model with other weights and make it equal the saved one.
+Tiny llama3, qwen3 (tied), qwen3 MoE and DeepSeek-V3 models are built by torchtitan's layer
+builders, sharded with FSDP2 over 2 gloo ranks and saved by torchtitan's own
+`CheckpointManager` after an AdamW step (`fixtures.torchtitan_models`). export-hf must give
+exactly what torchtitan's own `state_dict_adapter.to_hf` gives (llama3's RoPE row order
+included) and a folder transformers loads whole; import-hf `--to torchtitan` of that folder
+must load, through torchtitan's checkpoint manager (a model-only `initial_load_path`), into a
+model with other weights and make it equal the saved one.
 Skipped without torchtitan (`make install` puts it in the dev environment).
 """
 
@@ -34,8 +35,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan")
     out = {}
     for family in FAMILIES:
-        ckpt = root / family
-        state = run_ranks(titan.save, WORLD, family, str(ckpt))[0]
+        state = run_ranks(titan.save, WORLD, family, str(root / family))[0]
+        ckpt = root / family / titan.SAVED
         ref = root / f"{family}-ref"
         ref.mkdir()
         (ref / "config.json").write_text(json.dumps(titan.hf_config(family)))
@@ -137,7 +138,7 @@ def test_a_tied_lm_head_is_not_exported_with_a_note(exported):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.full] if f in ("qwen3", "deepseek-v3") else [])
                                     for f in FAMILIES])
-def test_import_to_torchtitan_loads_through_torchtitans_wrapper_and_equals_the_saved_model(saved, exported,
+def test_import_to_torchtitan_loads_through_torchtitans_checkpoint_manager_and_equals_the_saved_model(saved, exported,
                                                                                          tmp_path, family):
     """llama3 (RoPE rows back) and qwen3 MoE (experts re-stacked, the expert bias as zeros) in
     `make test`; qwen3 and DeepSeek-V3 under `make test-full` (one torchtitan load each)."""
@@ -174,8 +175,8 @@ def test_deepseek_v3_maps_mla_shared_experts_and_its_expert_bias(saved, exported
 
 def test_a_trained_expert_bias_is_refused_unless_dropped_on_purpose(saved, tmp_path):
     _, _, ref = saved["qwen3-moe"]
-    ckpt = tmp_path / "biased"
-    state = run_ranks(titan.save, WORLD, "qwen3-moe", str(ckpt), 0.25)[0]
+    state = run_ranks(titan.save, WORLD, "qwen3-moe", str(tmp_path / "biased"), 0.25)[0]
+    ckpt = tmp_path / "biased" / titan.SAVED
     assert state["layers.0.moe.expert_bias_E"].tolist() == [0.25, 0.5, 0.75, 1.0]
     run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", ref)
     assert (run.returncode, run.stderr) == (2, (
