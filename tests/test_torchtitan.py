@@ -138,8 +138,8 @@ def test_a_tied_lm_head_is_not_exported_with_a_note(exported):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.full] if f in ("qwen3", "deepseek-v3") else [])
                                     for f in FAMILIES])
-def test_import_to_torchtitan_loads_through_torchtitans_checkpoint_manager_and_equals_the_saved_model(saved, exported,
-                                                                                         tmp_path, family):
+def test_import_to_torchtitan_loads_through_torchtitans_checkpoint_manager_and_equals_the_saved_model(
+        saved, exported, tmp_path, family):
     """llama3 (RoPE rows back) and qwen3 MoE (experts re-stacked, the expert bias as zeros) in
     `make test`; qwen3 and DeepSeek-V3 under `make test-full` (one torchtitan load each)."""
     folder, _ = exported[family]
