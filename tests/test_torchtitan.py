@@ -138,18 +138,25 @@ def test_a_tied_lm_head_is_not_exported_with_a_note(exported):
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=[pytest.mark.full] if f in ("qwen3", "deepseek-v3") else [])
                                     for f in FAMILIES])
-def test_import_to_torchtitan_loads_through_torchtitans_checkpoint_manager_and_equals_the_saved_model(
+def test_import_to_torchtitan_loads_through_torchtitans_checkpoint_manager_with_transformers_logits(
         saved, exported, tmp_path, family):
-    """llama3 (RoPE rows back) and qwen3 MoE (experts re-stacked, the expert bias as zeros) in
-    `make test`; qwen3 and DeepSeek-V3 under `make test-full` (one torchtitan load each)."""
+    """The import, loaded by torchtitan's checkpoint manager into a model with other weights, is
+    the saved model, and torchtitan's forward gives the logits transformers computes on the HF
+    folder (to float rounding: FlexAttention against transformers' attention). llama3 (RoPE
+    rows back) and qwen3 MoE (experts re-stacked, the expert bias as zeros) in `make test`;
+    qwen3 and DeepSeek-V3 under `make test-full` (one torchtitan load each)."""
     folder, _ = exported[family]
     run = run_cli("import-hf", folder, tmp_path / family, "--to", "torchtitan", "--world-size", WORLD, "--verify")
     assert run.returncode == 0, run.stderr
     _, state, _ = saved[family]
-    loaded = run_ranks(titan.load, WORLD, family, str(tmp_path / family))[0]
+    loaded, logits = run_ranks(titan.load, WORLD, family, str(tmp_path / family))[0]
     assert sorted(loaded) == sorted(state)
     for name, tensor in state.items():
         assert torch.equal(loaded[name], tensor), (family, name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model(torch.tensor([titan.TOKENS])).logits
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_experts_are_slabs_of_the_stacks_and_an_all_zero_expert_bias_is_left_out_with_a_note(saved, exported):
