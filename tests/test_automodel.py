@@ -1,9 +1,10 @@
 """NeMo Automodel's native grouped experts → Hugging Face, against Automodel's own adapter.
 
 A tiny random transformers Qwen3-MoE model is converted to Automodel's native layout by
-Automodel's `Qwen3MoeStateDictAdapter.from_hf` and saved by 4 real gloo ranks on an
-(`ep`, `ep_shard`) mesh, the experts cut on both the expert and the hidden dim
-(`fixtures.automodel`). `export-hf --arch auto` must write exactly what the adapter's own
+Automodel's `Qwen3MoeStateDictAdapter.from_hf` into Automodel's own model, and saved by 4
+real gloo ranks on an (`ep`, `ep_shard`) mesh, the experts cut on both the expert and the
+hidden dim (`fixtures.automodel`); Automodel's own `Checkpointer` saves it too (HF names in
+`model/`, the native layout in `optim/`). `export-hf --arch auto` must write exactly what the adapter's own
 `to_hf` gives, tensor by tensor and name by name, and transformers must load it whole and
 compute the reference model's logits. Skipped without `nemo-automodel` (`make install` puts
 it in the dev environment).
@@ -41,6 +42,46 @@ def exported(saved, tmp_path_factory):
     run = run_cli("export-hf", ckpt, out, "--hf-config", ref.folder, "--verify", "--json")
     assert run.returncode == 0, run.stderr
     return out, json.loads(run.stdout)
+
+
+@pytest.fixture(scope="module")
+def checkpointed(saved, tmp_path_factory):
+    """What Automodel's own Checkpointer writes for the same model (`step-1/model`, `step-1/optim`)."""
+    _, ref, _ = saved
+    out = tmp_path_factory.mktemp("automodel-checkpointer")
+    run_ranks(automodel.checkpointer_save, 1, str(out), str(ref.folder))
+    return out / "step-1"
+
+
+def test_automodels_checkpointer_writes_hf_names_in_model_which_export_as_they_are(saved, checkpointed, tmp_path):
+    from safetensors.torch import load_file
+
+    _, ref, _ = saved
+    run = run_cli("export-hf", checkpointed / "model", tmp_path / "hf", "--hf-config", ref.folder, "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["arch"] == "raw"
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(ref.state) and all(torch.equal(got[n], ref.state[n]) for n in got)
+
+
+def test_automodels_optimizer_state_is_native_and_reshards(checkpointed, tmp_path):
+    """`optim/` keeps the grouped stacks' state, [E, H, 2I] and [E, I, H]: reshard lays it out again, torch loads it."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+
+    tensors = open_checkpoint(checkpointed / "optim").tensors
+    stack = "optim.state.model.layers.1.mlp.experts."
+    assert (tensors[stack + "gate_and_up_projs.exp_avg"].shape, tensors[stack + "down_projs.exp_avg_sq"].shape) == (
+        (6, 32, 24), (6, 12, 32))
+    run = run_cli("reshard", checkpointed / "optim", tmp_path / "ws3", "--world-size", "3", "--verify")
+    assert run.returncode == 0, run.stderr
+    names = [stack + "gate_and_up_projs.exp_avg", stack + "down_projs.exp_avg_sq"]
+    before = {n: torch.empty(tensors[n].shape) for n in names}
+    after = {n: torch.empty(tensors[n].shape) for n in names}
+    dcp.load(before, checkpoint_id=checkpointed / "optim", no_dist=True)
+    dcp.load(after, checkpoint_id=tmp_path / "ws3", no_dist=True)
+    assert all(torch.equal(before[n], after[n]) for n in names) and before[names[0]].abs().sum() > 0
 
 
 def test_the_expert_stacks_are_saved_cut_on_the_expert_and_the_hidden_dim(saved):
