@@ -21,6 +21,7 @@ the in-memory form, which needs a conversion import-hf does not make.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -35,7 +36,7 @@ from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
 from ckptctl.hf.registry import FAMILIES, family_for_model_type
 from ckptctl.hf.base import (
-    ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_rows,
+    ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_elements,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
 from ckptctl.hf.experts import stacked_parts
@@ -369,12 +370,15 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     targets = []
     for name, shape in shapes.items():
         rows = model.source_view(name).shape
-        gap = uncovered_rows(pieces[name], rows[0])
-        if gap and not (name in padded and gap == rows[0] - padded[name]):
-            raise CheckpointError(ckpt.path, f"{name}: {gap} of its {rows[0]} rows come from no HF tensor")
+        gap = uncovered_elements(pieces[name], rows)
+        if gap and not (name in padded and gap == (shape[0] - padded[name]) * math.prod(shape[1:])):
+            raise CheckpointError(ckpt.path, f"{name}: {gap // max(1, math.prod(rows[1:]))} of its {rows[0]} rows "
+                                             "come from no HF tensor")
         dtype = views[pieces[name][0].src].dtype if pieces[name] else float32
         target = TargetTensor(name, rows, cast_dtype(dtype, opts.dtype), tuple(pieces[name]), add=adds.get(name, 0.0))
-        targets.append(target if rows == shape else stacked_rows_target(target, shape, views))
+        if name in model.row_groups:  # planned as row groups (llama's RoPE pairs), written as the tensor
+            target = replace(target, shape=shape, logical_shape=rows)
+        targets.append(target if target.shape == shape else stacked_rows_target(target, shape, views))
     return targets
 
 

@@ -20,8 +20,8 @@ from typing import Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import (Box, FlatRange, Region, Run, copy_runs, flat_boxes, region_bounds, transposed_destination,
-                              transposed_source)
+from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
+                              transposed_destination, transposed_source)
 from ckptctl.model import Chunk, TensorEntry
 
 
@@ -181,7 +181,9 @@ class TargetTensor:
     add: float = 0.0
     """Added to every element after assembly (HF's GDN norm is Megatron's zero-centred gamma + 1)."""
     logical_shape: tuple[int, ...] | None = None
-    """Set when the target is stored flat (1-D, item coordinates) while its pieces are in this N-D shape."""
+    """Set when the target is stored in `shape` while its pieces are in this shape of the same
+    elements in the same order: flat (1-D, item coordinates) optimizer buffers, or a tensor
+    read as row pairs (llama's RoPE order)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -220,8 +222,8 @@ class TransposedRead:
     """A block of one source chunk placed with its dims reordered (a transposed `Piece`).
 
     `src` is the block in the chunk's own coordinates (the chunk is a row-major array of
-    `chunk_sizes`); `dst` is the block it fills in the output box; destination dim i runs
-    along chunk dim `axes[i]` (None: a unit dim). The engines gather it tile by tile.
+    `chunk_sizes`); `dst` is the block it fills in the output box (or in `frame`); destination
+    dim i runs along chunk dim `axes[i]` (None: a unit dim). The engines gather it tile by tile.
     """
 
     fqn: str
@@ -231,6 +233,9 @@ class TransposedRead:
     chunk_sizes: tuple[int, ...]
     dst: Box
     axes: tuple[int | None, ...]
+    frame: tuple[tuple[int, ...], int] | None = None
+    """What `dst` is a block of, when not the output box itself: the shape of a block of the
+    target's logical shape, and the position of its first element in the output box."""
 
     @property
     def numel(self) -> int:
@@ -248,7 +253,7 @@ Read = SourceRead | TransposedRead
 def plan_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[Read, ...]:
     """Every run that fills `box` of `target`, from whichever source chunks intersect it."""
     if target.logical_shape is not None:
-        return _plan_flat_box(target, box, sources)
+        return _plan_logical_box(target, box, sources)
     reads: list[Read] = []
     for piece in target.pieces:
         if piece.axes is not None:
@@ -323,17 +328,22 @@ def _one_run(src: int, dst: int, length: int) -> tuple[Run]:
     return (Run(src, dst, length),)
 
 
-def _plan_flat_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[SourceRead, ...]:
-    """A flat target's item range, planned as the N-D boxes it tiles (runs shifted to the range)."""
+def _plan_logical_box(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> tuple[Read, ...]:
+    """A box of a target stored in another shape than its pieces': its item ranges, each planned
+    as the boxes of the logical shape it tiles (runs shifted to their place in the box; a
+    transposed read framed by its block)."""
     logical = replace(target, shape=target.logical_shape, logical_shape=None)
-    start = box.offsets[0]
-    reads: list[SourceRead] = []
-    for first, part in flat_boxes(target.logical_shape, start, start + box.sizes[0]):
-        delta = first - start
-        for read in plan_box(logical, part, sources):
-            if not isinstance(read, SourceRead):
-                raise ValueError(f"{target.fqn}: a flat (1-D item range) target cannot take transposed pieces")
-            reads.append(replace(read, runs=tuple(Run(r.src, r.dst + delta, r.length) for r in read.runs)))
+    reads: list[Read] = []
+    at = 0
+    for items in box_flat_ranges(box, target.shape):
+        for first, part in flat_boxes(target.logical_shape, items.start, items.end):
+            delta = at + first - items.start
+            for read in plan_box(logical, part, sources):
+                if isinstance(read, TransposedRead):
+                    reads.append(replace(read, frame=(part.sizes, delta)))
+                else:
+                    reads.append(replace(read, runs=tuple(Run(r.src, r.dst + delta, r.length) for r in read.runs)))
+        at += items.length
     return tuple(reads)
 
 

@@ -106,7 +106,7 @@ ITEM_OVERHEAD_BYTES = 1 << 20
 an item's transforms may undo to at most numel × itemsize + this, or it is refused."""
 
 ReadBack = Callable[[TargetTensor, Box], bytes | bytearray]
-"""The output's row-major bytes of `box` of a target, in its stored shape (1-D when `logical_shape` is set)."""
+"""The output's row-major bytes of `box` of a target, in its stored shape (`shape`, not `logical_shape`)."""
 
 
 def dcp_read_back(dst: Checkpoint, dst_chunks: ChunkSource,
@@ -173,8 +173,8 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
                 if piece.axes is not None:
                     block = block.permute(transposed_order(piece.axes, block.dim())).reshape(dst.sizes)
                 want = _raw_bytes(_as_target(block, target))
-                stored = target.shape if target.logical_shape is None else (math.prod(target.shape),)
-                pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape, stored)]
+                pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape,
+                                                                   target.shape)]
                 got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
                 if got != want:
                     raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at "

@@ -120,6 +120,19 @@ def test_llama3_rope_rows_plan_as_two_transposed_pieces_per_head(saved):
         assert len(pieces) == 2 * heads
 
 
+def test_llama3_rope_rows_import_as_two_transposed_pieces_per_head(exported):
+    """Backwards: torchtitan's wq is written as row pairs [32, 2, 64] from two strided pieces per head."""
+    from ckptctl.import_hf import ImportOptions, plan_import
+
+    _, plan = plan_import(exported["llama3"][0], ImportOptions(world_size=WORLD, to="torchtitan"))
+    for name, heads in (("wq", 4), ("wk", 2)):
+        target = plan.output.targets[f"layers.1.attention.qkv_linear.{name}.weight"]
+        assert (target.shape, target.logical_shape) == ((heads * 16, 64), (heads * 8, 2, 64))
+        assert [(p.src_start, p.dst_start, p.sizes, p.axes) for p in target.pieces[:2]] == [
+            ((0, 0), (0, 0, 0), (8, 1, 64), (0, None, 1)), ((8, 0), (0, 1, 0), (8, 1, 64), (0, None, 1))]
+        assert len(target.pieces) == 2 * heads
+
+
 def test_llama3_rows_cut_mid_pair_export_the_same(saved, tmp_path):
     """Resharded to 5 ranks, wq and wk chunks end on odd rows: one block per row, the same bytes."""
     ckpt, state, ref = saved["llama3"]

@@ -133,13 +133,26 @@ def test_a_record_streamed_in_small_blocks_and_tiles_is_the_same(saved, tmp_path
     assert torch.equal(got, full("a").permute(2, 1, 0))
 
 
-def test_a_flat_target_refuses_transposed_pieces(saved):
-    ckpt, _ = saved
+@pytest.mark.parametrize("stored,box", [((840,), Box((97,), (611,))), ((140, 6), Box((23, 2), (100, 3)))])
+def test_a_target_stored_in_another_shape_takes_transposed_pieces(saved, tmp_path, monkeypatch, stored, box):
+    """Pieces in the logical shape [14, 10, 6], the target stored flat or as [140, 6]: any box of
+    the stored tensor, assembled whole or streamed in blocks that end mid-frame, is the permute's."""
+    ckpt, sources = saved
     src = source_view(ckpt.tensors["a"])
-    target = TargetTensor("t", (840,), src.dtype, (Piece("a", (0, 0, 0), (0, 0, 0), (14, 10, 6), (2, 1, 0)),),
+    target = TargetTensor("t", stored, src.dtype, (Piece("a", (0, 0, 0), (0, 0, 0), (14, 10, 6), (2, 1, 0)),),
                           logical_shape=(14, 10, 6))
-    with pytest.raises(ValueError, match="t: a flat .* cannot take transposed pieces"):
-        plan_box(target, Box((0,), (840,)), {"a": src})
+    reads = plan_box(target, box, {"a": src})
+    assert {type(r) for r in reads} == {TransposedRead} and missing_elements(box, reads) == 0
+    want = full("a").permute(2, 1, 0).reshape(stored)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
+    item = StreamItem("out", 0, b"", target, box, reads)
+    got = torch.frombuffer(assemble_bytes(item, sources), dtype=torch.float32).reshape(box.sizes)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(cpu, "TRANSPOSE_BLOCK_BYTES", 4 * 29)
+    files = OutputFiles(tmp_path, {"out": box.numel * 4}, sync=False)
+    stream_item(item, sources, files, lambda n: None)
+    files.close()
+    streamed = torch.frombuffer(bytearray((tmp_path / "out").read_bytes()), dtype=torch.float32)
+    assert torch.equal(streamed.reshape(box.sizes), want)
 
 
 def test_dtype_of_the_read_is_the_sources(saved):

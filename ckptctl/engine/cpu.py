@@ -11,6 +11,7 @@ cast are plain byte moves; torch is imported only to cast or add.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -218,17 +219,21 @@ def _cast_run(out: memoryview, dtype: DType, b0: int, tmp: memoryview, src_dtype
 def fill_transposed(sources: ChunkSource, out: memoryview, dtype: DType, b0: int, shape: tuple[int, ...],
                     reads: Sequence[TransposedRead], add: float = 0.0) -> None:
     """Place the share of each transposed read in destination elements [b0, b0 + len(out) / itemsize)
-    of an output box of `shape`: the block's boxes (`flat_boxes`), each met by a read, gathered tile by tile."""
+    of an output box of `shape`: the block's boxes (`flat_boxes`) of the read's frame (the box,
+    or a block of the target's logical shape), each met by the read, gathered tile by tile."""
     if not reads or not len(out):
         return
     out_t = _as_tensor(out, dtype)
-    steps = strides(shape)
-    for _, sub in flat_boxes(shape, b0, b0 + len(out) // dtype.itemsize):
-        for read in reads:
+    b1 = b0 + len(out) // dtype.itemsize
+    for read in reads:
+        frame, base = read.frame or (shape, 0)
+        lo, hi = max(b0, base), min(b1, base + math.prod(frame))
+        steps = strides(frame)
+        for _, sub in flat_boxes(frame, lo - base, hi - base) if lo < hi else ():
             dst = sub.intersect(read.dst)
             if dst is not None and dst.numel:
                 src = transposed_source(dst, read.axes, read.dst.offsets, read.src.offsets, len(read.chunk_sizes))
-                _place_tile(sources, read, src, dst, out_t, dtype, steps, b0, add)
+                _place_tile(sources, read, src, dst, out_t, dtype, steps, b0 - base, add)
 
 
 def _place_tile(sources: ChunkSource, read: TransposedRead, src: Box, dst: Box, out: Any, dtype: DType,

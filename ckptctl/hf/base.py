@@ -374,6 +374,8 @@ class MegatronModel:
                         self._stack_views(entry, 1, [f"{STACK_PREFIX}{layer}.{rest}"
                                                      for layer in range(entry.shape[0])])
         self.used: set[str] = set()
+        self.planned = False
+        """Whether the tensors are an import's, not written yet (`planned_model`)."""
 
     def _stack_views(self, entry: TensorEntry, depth: int, names: Sequence[str]) -> None:
         """Name each slab of a torch_dist stack of `depth` stacked dims (`layer_stacked_view`) by
@@ -436,11 +438,16 @@ class MegatronModel:
         return RowView(entry.fqn, rows, tuple(entry.shape[2:]), (RowBlock(0, 0, rows),) if rows else ())
 
     def in_row_groups(self, fqn: str, group: int) -> SourceTensor | None:
-        """`fqn` as row groups [R / group, group, …] when every saved chunk is whole groups (then
-        its pieces address that view), else None."""
+        """`fqn` as row groups [R / group, group, …] when every saved chunk is whole groups, or the
+        tensor is one an import plans (`planned_model`: it is written as a target of that logical
+        shape); then its pieces address that view. Else None."""
+        entry = self.ckpt.tensors[fqn]
         if fqn in self.stacks:
             return None
-        view = row_groups_view(self.ckpt.tensors[fqn], group)
+        if self.planned and entry.shape and entry.shape[0] % group == 0:
+            view = SourceTensor(fqn, (entry.shape[0] // group, group, *entry.shape[1:]), entry.dtype, ())
+        else:
+            view = row_groups_view(entry, group)
         if view is not None:
             self.row_groups[fqn] = view
         return view
@@ -518,32 +525,48 @@ def planned_model(path: Path, shapes: Shapes, dtype: DType) -> MegatronModel:
     """A Megatron model of tensors not written yet, for a family's `to_hf` to say which rows of
     them each HF tensor is: read backwards, that says which HF rows each of them is."""
     tensors = {name: TensorEntry(name, shape, dtype, ()) for name, shape in shapes.items()}
-    return MegatronModel(Checkpoint(path=path, tensors=tensors, bytes_entries={}, files={}), "")
+    model = MegatronModel(Checkpoint(path=path, tensors=tensors, bytes_entries={}, files={}), "")
+    model.planned = True
+    return model
+
+
+def reversed_piece(p: Piece, name: str) -> Piece:
+    """Piece `p` of HF tensor `name` read backwards: the HF block is the source, the block `p`
+    reads the destination (a transposed piece's dims mapped back: each source dim of `p` runs
+    along the HF dim that ran along it, or is a unit dim)."""
+    if p.axes is None:
+        return Piece(name, p.dst_start, p.src_start, p.sizes)
+    back = tuple(p.axes.index(k) if k in p.axes else None for k in range(len(p.src_start)))
+    return Piece(name, p.dst_start, p.src_start, p.source_box.sizes, back)
 
 
 def reversed_pieces(hf: Mapping[str, HFTensor], shapes: Shapes) -> tuple[dict[str, list[Piece]], dict[str, float]]:
     """Each Megatron tensor's pieces, taken from the HF tensors (sources named by HF name), and the
     constant to add (the inverse of the HF tensor's shift). Every export piece read backwards: a
     row is a row whichever way it goes, so the two directions cannot disagree. A Megatron row
-    claimed twice is refused."""
+    claimed twice is refused (rows of the same columns: a row-pair view's halves are apart)."""
     pieces: dict[str, list[Piece]] = {name: [] for name in shapes}
     adds: dict[str, float] = {}
     for tensor in hf.values():
         for p in tensor.pieces():
-            pieces[p.src].append(Piece(tensor.name, p.dst_start, p.src_start, p.sizes))
+            pieces[p.src].append(reversed_piece(p, tensor.name))
             if adds.setdefault(p.src, -tensor.add) != -tensor.add:
                 raise CheckpointError(p.src, "made of HF tensors with different shifts")
     for name, parts in pieces.items():
-        rows = sorted((p.dst_start[0], p.dst_start[0] + p.sizes[0]) for p in parts)
-        for (_, end), (start, _) in zip(rows, rows[1:]):
-            if start < end:
-                raise CheckpointError(name, f"row {start} made of two HF tensors")
+        columns: dict[tuple[tuple[int, ...], tuple[int, ...]], list[tuple[int, int]]] = {}
+        for p in parts:
+            columns.setdefault((p.dst_start[1:], p.sizes[1:]), []).append((p.dst_start[0], p.dst_start[0] + p.sizes[0]))
+        for rows in columns.values():
+            rows.sort()
+            for (_, end), (start, _) in zip(rows, rows[1:]):
+                if start < end:
+                    raise CheckpointError(name, f"row {start} made of two HF tensors")
     return pieces, adds
 
 
-def uncovered_rows(pieces: Sequence[Piece], rows: int) -> int:
-    """How many of `rows` rows no piece fills (pieces never overlap: `reversed_pieces`)."""
-    return rows - sum(p.sizes[0] for p in pieces)
+def uncovered_elements(pieces: Sequence[Piece], shape: Sequence[int]) -> int:
+    """How many elements of a `shape` tensor no piece fills (pieces never overlap: `reversed_pieces`)."""
+    return math.prod(shape) - sum(math.prod(p.sizes) for p in pieces)
 
 
 def check_shape(hf: HFTensor, expected: Sequence[int], cfg: HFConfig) -> HFTensor:

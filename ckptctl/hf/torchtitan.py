@@ -85,8 +85,8 @@ PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 def rope_halves(m: MegatronModel, whole: RowView, heads: int) -> RowView | DeinterleavedRows:
     """A whole tensor's rows with each head's reordered from interleaved pairs (torchtitan) to
     halves (HF): two transposed pieces per head when every saved chunk holds whole row pairs
-    (torchtitan's own saves do), else one block per row (an import plans this way too: its
-    tensors are not saved yet)."""
+    (torchtitan's own saves do; an import writes its tensors as row pairs), else one block
+    per row."""
     d = whole.rows // heads
     if d % 2 == 0 and m.in_row_groups(whole.fqn, 2) is not None:
         return DeinterleavedRows(whole.fqn, whole.rows, whole.trailing, d)
