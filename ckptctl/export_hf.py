@@ -38,7 +38,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
-from ckptctl.geometry import Box, full_box, union_volume
+from ckptctl.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.hf.automodel import AUTOMODEL, native_expert_names
 from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
@@ -432,9 +432,9 @@ def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: M
         for piece in target.pieces:
             if piece.src in ckpt.rank_conflicts and ckpt.rank_conflicts[piece.src] not in problems:
                 problems.append(ckpt.rank_conflicts[piece.src])
-            want = piece.source_box
-            parts = [part for _, region in sources[piece.src].chunks
-                     if isinstance(region, Box) and (part := region.intersect(want)) is not None]
+            want, view = piece.source_box, sources[piece.src]
+            parts = [part for _, region in view.chunks for block in region_blocks(region, view.shape)
+                     if (part := block.intersect(want)) is not None]
             missing = want.numel - union_volume(parts)
             if missing:
                 problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {want.offsets[0]}.."

@@ -329,6 +329,13 @@ def _area_union(rects: Sequence[tuple[int, int, int, int]]) -> int:
     return total
 
 
+def region_blocks(region: Region, shape: Sequence[int]) -> list[Box]:
+    """The boxes of a `shape` tensor a region holds: the box itself, or the boxes a flat range tiles."""
+    if isinstance(region, Box):
+        return [region]
+    return [block for _, block in flat_boxes(shape, region.start, region.end)]
+
+
 def box_flat_ranges(box: Box, shape: Sequence[int]) -> list[FlatRange]:
     """The item ranges (row-major flat indices of a `shape` tensor) that `box` covers, maximal and in order."""
     if box.numel == 0:

@@ -115,16 +115,21 @@ def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
 
 def row_groups_view(entry: TensorEntry, group: int) -> SourceTensor | None:
     """A tensor [R, …] seen as [R / group, group, …] (row pairs, for llama's RoPE order): the same
-    elements in the same order, so each chunk of whole rows cut on a group boundary is one box
-    of it. None when a chunk is not (cut mid-group, or on a trailing dim), or none is saved."""
+    elements in the same order. A chunk of whole rows cut on a group boundary is one box of it;
+    one cut mid-group is the flat item range it holds (planned as the boxes that range tiles).
+    None when a chunk is cut on a trailing dim (its rows are not contiguous), or none is saved."""
     if not entry.shape or not entry.chunks or group < 1 or entry.shape[0] % group:
         return None
     trailing, zeros = entry.shape[1:], (0,) * (len(entry.shape) - 1)
-    regions = []
+    row = math.prod(trailing)
+    regions: list[tuple[Chunk, Region]] = []
     for c in entry.chunks:
-        if c.sizes[1:] != trailing or c.offsets[1:] != zeros or c.offsets[0] % group or c.sizes[0] % group:
+        if c.sizes[1:] != trailing or c.offsets[1:] != zeros:
             return None
-        regions.append((c, Box((c.offsets[0] // group, 0, *zeros), (c.sizes[0] // group, group, *trailing))))
+        if c.offsets[0] % group or c.sizes[0] % group:
+            regions.append((c, FlatRange(c.offsets[0] * row, c.sizes[0] * row)))
+        else:
+            regions.append((c, Box((c.offsets[0] // group, 0, *zeros), (c.sizes[0] // group, group, *trailing))))
     return SourceTensor(entry.fqn, (entry.shape[0] // group, group, *trailing), entry.dtype, tuple(regions))
 
 
@@ -233,6 +238,9 @@ class TransposedRead:
     chunk_sizes: tuple[int, ...]
     dst: Box
     axes: tuple[int | None, ...]
+    chunk_offset: int = 0
+    """Elements of the chunk before the array `src` is a block of (a flat chunk is read as the
+    boxes it tiles, each an array of `chunk_sizes` of its own)."""
     frame: tuple[tuple[int, ...], int] | None = None
     """What `dst` is a block of, when not the output box itself: the shape of a block of the
     target's logical shape, and the position of its first element in the output box."""
@@ -289,14 +297,18 @@ def _plan_transposed(box: Box, piece: Piece, src: SourceTensor, reads: list[Read
         return
     wanted = transposed_source(placed, piece.axes, piece.dst_start, piece.src_start, len(piece.src_start))
     for chunk, region, bounds in src.chunks_in_rows(wanted.offsets[0], wanted.offsets[0] + wanted.sizes[0]):
-        part = bounds.intersect(wanted)
-        if part is None or part.numel == 0:
+        if bounds.intersect(wanted) is None:
             continue
-        if not isinstance(region, Box):
-            raise CheckpointError(src.fqn, "a flat (1-D item range) chunk cannot be read transposed")
-        dst = piece.destination(part).shift(tuple(-o for o in box.offsets))
-        local = part.shift(tuple(-o for o in region.offsets))
-        reads.append(TransposedRead(src.fqn, chunk, src.dtype, local, region.sizes, dst, piece.axes))
+        blocks = [(0, region)] if isinstance(region, Box) else [
+            (first - region.start, block) for first, block in flat_boxes(src.shape, region.start, region.end)]
+        for skip, block in blocks:
+            part = block.intersect(wanted)
+            if part is None or part.numel == 0:
+                continue
+            dst = piece.destination(part).shift(tuple(-o for o in box.offsets))
+            local = part.shift(tuple(-o for o in block.offsets))
+            reads.append(TransposedRead(src.fqn, chunk, src.dtype, local, block.sizes, dst, piece.axes,
+                                        chunk_offset=skip))
 
 
 def _spans_rows(box: Box, piece: Piece, trailing: tuple[int, ...]) -> bool:

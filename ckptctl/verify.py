@@ -191,7 +191,8 @@ def _decoded_parts(decoded: Any, region: Region, shape: tuple[int, ...]) -> list
     flat (1-D item-coordinate) chunk cut into row-contiguous boxes of the view's shape."""
     if isinstance(region, Box):
         return [(region, decoded.reshape(region.sizes))]  # a layer stack's chunk has one more (unit) dim
-    return [(box, decoded[first - region.start:first - region.start + box.numel].reshape(box.sizes))
+    items = decoded.reshape(-1)  # a flat buffer's chunk, or rows read as the item range they hold
+    return [(box, items[first - region.start:first - region.start + box.numel].reshape(box.sizes))
             for first, box in flat_boxes(shape, region.start, region.start + region.length)]
 
 

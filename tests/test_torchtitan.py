@@ -134,13 +134,38 @@ def test_llama3_rope_rows_import_as_two_transposed_pieces_per_head(exported):
 
 
 def test_llama3_rows_cut_mid_pair_export_the_same(saved, tmp_path):
-    """Resharded to 5 ranks, wq and wk chunks end on odd rows: one block per row, the same bytes."""
+    """Resharded to 5 ranks, wq and wk chunks end on odd rows: those chunks are read as the row-pair
+    boxes their rows tile, still two pieces per head; the same bytes."""
+    from ckptctl.export_hf import ExportOptions, plan_export
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.hf.base import load_hf_config
+
     ckpt, state, ref = saved["llama3"]
     assert run_cli("reshard", ckpt, tmp_path / "ws5", "--world-size", "5").returncode == 0
+    resharded = open_checkpoint(tmp_path / "ws5")
+    assert resharded.tensors["layers.0.attention.qkv_linear.wq.weight"].chunks[0].sizes == (13, 64)
+    plan = plan_export(resharded, load_hf_config(ref), ExportOptions())
+    assert len(plan.targets["model.layers.0.self_attn.q_proj.weight"].pieces) == 8
     run = run_cli("export-hf", tmp_path / "ws5", tmp_path / "hf", "--hf-config", ref, "--verify")
     assert run.returncode == 0, run.stderr
     want, got = titan.to_hf("llama3", state), _folder(tmp_path / "hf")
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_llama3_rows_in_chunks_cut_across_columns_are_refused(tmp_path):
+    from ckptctl.errors import CheckpointError
+    from ckptctl.dtypes import float32
+    from ckptctl.hf.base import MegatronModel
+    from ckptctl.hf.torchtitan import rope_halves
+    from ckptctl.model import Checkpoint, Chunk, TensorEntry
+
+    name = "layers.0.attention.qkv_linear.wq.weight"
+    halves = tuple(Chunk("__0_0.distcp", 0, 0, (0, c), (64, 32)) for c in (0, 32))
+    ckpt = Checkpoint(tmp_path, {name: TensorEntry(name, (64, 64), float32, halves)}, {}, {})
+    model = MegatronModel(ckpt, "")
+    with pytest.raises(CheckpointError, match=r"wq\.weight: a chunk is cut across its columns, so its rows cannot "
+                                              r"be read as RoPE pairs \(reshard it to whole-row chunks first\)"):
+        rope_halves(model, model.view(name), 4)
 
 
 def test_a_tied_lm_head_is_not_exported_with_a_note(exported):

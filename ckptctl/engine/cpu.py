@@ -244,8 +244,8 @@ def _place_tile(sources: ChunkSource, read: TransposedRead, src: Box, dst: Box, 
     from ckptctl.engine.cast import add_into, cast_into
 
     chunk_steps = strides(read.chunk_sizes)
-    first = sum(o * st for o, st in zip(src.offsets, chunk_steps))
-    stop = sum((o + n - 1) * st for o, n, st in zip(src.offsets, src.sizes, chunk_steps)) + 1
+    first = read.chunk_offset + sum(o * st for o, st in zip(src.offsets, chunk_steps))
+    stop = read.chunk_offset + sum((o + n - 1) * st for o, n, st in zip(src.offsets, src.sizes, chunk_steps)) + 1
     isz = read.dtype.itemsize
     if (stop - first) * isz > TILE_SPAN_BYTES:
         k = next(i for i, n in enumerate(src.sizes) if n > 1)

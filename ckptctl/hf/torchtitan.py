@@ -30,7 +30,6 @@ from ckptctl.hf.deepseek_v3 import first_k_dense
 from ckptctl.hf.qwen3_moe import is_sparse
 from ckptctl.hf.rules import HF_LAYER, Attention, put
 from ckptctl.errors import CheckpointError
-from ckptctl.megatron import RowBlock
 from ckptctl.model import Checkpoint
 
 EMBED = "tok_embeddings.weight"
@@ -82,17 +81,18 @@ EXPERT_NAMES = {  # under model.layers.{L}.mlp.experts.{e}. ← one slab of the 
 PERMUTED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 
 
-def rope_halves(m: MegatronModel, whole: RowView, heads: int) -> RowView | DeinterleavedRows:
+def rope_halves(m: MegatronModel, whole: RowView, heads: int) -> DeinterleavedRows:
     """A whole tensor's rows with each head's reordered from interleaved pairs (torchtitan) to
-    halves (HF): two transposed pieces per head when every saved chunk holds whole row pairs
-    (torchtitan's own saves do; an import writes its tensors as row pairs), else one block
-    per row."""
-    d = whole.rows // heads
-    if d % 2 == 0 and m.in_row_groups(whole.fqn, 2) is not None:
-        return DeinterleavedRows(whole.fqn, whole.rows, whole.trailing, d)
-    blocks = tuple(RowBlock(h * d + 2 * i + j, h * d + j * (d // 2) + i, 1)
-                   for h in range(heads) for j in (0, 1) for i in range(d // 2))
-    return RowView(whole.fqn, whole.rows, whole.trailing, blocks)
+    halves (HF): the tensor read as row pairs, two transposed pieces per head. A chunk cut on
+    a column dim (its rows not contiguous) is refused."""
+    d = whole.rows // heads if heads else 0
+    if whole.rows != d * heads or d % 2:
+        raise CheckpointError(whole.fqn, f"{whole.rows} rows are not {heads} heads of an even head dim (wrong "
+                                         "--hf-config?)")
+    if m.in_row_groups(whole.fqn, 2) is None:
+        raise CheckpointError(whole.fqn, "a chunk is cut across its columns, so its rows cannot be read as RoPE "
+                                         "pairs (reshard it to whole-row chunks first)")
+    return DeinterleavedRows(whole.fqn, whole.rows, whole.trailing, d)
 
 
 @dataclass(frozen=True)
