@@ -3,8 +3,8 @@
 A tiny random transformers Qwen3-MoE model is converted to Automodel's native layout by
 Automodel's `Qwen3MoeStateDictAdapter.from_hf` into Automodel's own model, and saved by 4
 real gloo ranks on an (`ep`, `ep_shard`) mesh, the experts cut on both the expert and the
-hidden dim (`fixtures.automodel`); Automodel's own `Checkpointer` saves it too (HF names in
-`model/`, the native layout in `optim/`). `export-hf --arch auto` must write exactly what the adapter's own
+hidden dim (`fixtures.automodel`); Automodel's own `Checkpointer` saves it too (`model/` with
+HF names through its adapter, or native without one; the native layout in `optim/`). `export-hf --arch auto` must write exactly what the adapter's own
 `to_hf` gives, tensor by tensor and name by name, and transformers must load it whole and
 compute the reference model's logits. Skipped without `nemo-automodel` (`make install` puts
 it in the dev environment).
@@ -62,6 +62,19 @@ def test_automodels_checkpointer_writes_hf_names_in_model_which_export_as_they_a
     assert json.loads(run.stdout)["arch"] == "raw"
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert sorted(got) == sorted(ref.state) and all(torch.equal(got[n], ref.state[n]) for n in got)
+
+
+def test_automodels_checkpointer_without_the_adapter_writes_native_names_which_export_converts(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    _, ref, own = saved
+    run_ranks(automodel.checkpointer_save, 1, str(tmp_path / "ck"), str(ref.folder), False)
+    model = tmp_path / "ck" / "step-1" / "model"
+    run = run_cli("export-hf", model, tmp_path / "hf", "--hf-config", ref.folder, "--verify", "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["arch"] == "automodel"
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(own) and all(torch.equal(got[n], own[n]) for n in got)
 
 
 def test_automodels_optimizer_state_is_native_and_reshards(checkpointed, tmp_path):
