@@ -6,8 +6,9 @@ real gloo ranks on an (`ep`, `ep_shard`) mesh, the experts cut on both the exper
 hidden dim (`fixtures.automodel`); Automodel's own `Checkpointer` saves it too (`model/` with
 HF names through its adapter, or native without one; the native layout in `optim/`). `export-hf --arch auto` must write exactly what the adapter's own
 `to_hf` gives, tensor by tensor and name by name, and transformers must load it whole and
-compute the reference model's logits. Skipped without `nemo-automodel` (`make install` puts
-it in the dev environment).
+compute the reference model's logits. The Checkpointer's folders and a cast export run under
+`make test-full`. Skipped without `nemo-automodel` (`make install` puts it in the dev
+environment).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ def saved(tmp_path_factory):
     """The native checkpoint, the HF reference and Automodel's own HF export of the native state."""
     root = tmp_path_factory.mktemp("automodel")
     ref = hf_models.reference("qwen3-moe", root / "ref", seed=3, **automodel.AUTOMODEL_OVERRIDES)
-    run_ranks(automodel.save_native, 4, str(root / "ckpt"), str(ref.folder))
-    own = automodel.to_hf(ref.folder, automodel.native_state(ref.folder))
-    return root / "ckpt", ref, own
+    native = automodel.native_state(ref.folder)
+    torch.save(native, root / "native.pt")
+    run_ranks(automodel.save_native, 4, str(root / "ckpt"), str(root / "native.pt"))
+    return root / "ckpt", ref, automodel.to_hf(ref.folder, native)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,7 @@ def checkpointed(saved, tmp_path_factory):
     return out / "step-1"
 
 
+@pytest.mark.full
 def test_automodels_checkpointer_writes_hf_names_in_model_which_export_as_they_are(saved, checkpointed, tmp_path):
     from safetensors.torch import load_file
 
@@ -64,6 +67,7 @@ def test_automodels_checkpointer_writes_hf_names_in_model_which_export_as_they_a
     assert sorted(got) == sorted(ref.state) and all(torch.equal(got[n], ref.state[n]) for n in got)
 
 
+@pytest.mark.full
 def test_automodels_checkpointer_without_the_adapter_writes_native_names_which_export_converts(saved, tmp_path):
     from safetensors.torch import load_file
 
@@ -77,6 +81,7 @@ def test_automodels_checkpointer_without_the_adapter_writes_native_names_which_e
     assert sorted(got) == sorted(own) and all(torch.equal(got[n], own[n]) for n in got)
 
 
+@pytest.mark.full
 def test_automodels_optimizer_state_is_native_and_reshards(checkpointed, tmp_path):
     """`optim/` keeps the grouped stacks' state, [E, H, 2I] and [E, I, H]: reshard lays it out again, torch loads it."""
     import torch.distributed.checkpoint as dcp
@@ -130,6 +135,7 @@ def test_transformers_loads_the_export_whole_with_the_reference_logits(saved, ex
         assert torch.equal(model.eval()(ids).logits, ref.model.eval()(ids).logits)
 
 
+@pytest.mark.full
 def test_a_bf16_export_is_the_cast_of_automodels_own(saved, tmp_path):
     from safetensors.torch import load_file
 
