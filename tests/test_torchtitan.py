@@ -152,6 +152,20 @@ def test_llama3_rows_cut_mid_pair_export_the_same(saved, tmp_path):
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
+@pytest.mark.full
+def test_a_resharded_checkpoint_resumes_in_torchtitans_checkpoint_manager_bit_exactly(saved, tmp_path):
+    """2 → 3 ranks: torchtitan's manager resumes model and AdamW state (the fused `wqkv` state
+    too) from ckptctl's reshard, every tensor equal to what it saved."""
+    ckpt, state, _ = saved["llama3"]
+    run = run_cli("reshard", ckpt, tmp_path / "ws3", "--world-size", "3", "--verify")
+    assert run.returncode == 0, run.stderr
+    resumed = run_ranks(titan.resume, 3, "llama3", str(tmp_path / "ws3"))[0]
+    want = {**state, **torch.load(ckpt.parent.parent / titan.OPTIMIZER_SAVED)}
+    assert "optimizer.state.layers.0.attention.qkv_linear.wqkv.weight.exp_avg" in want
+    assert sorted(resumed) == sorted(want)
+    assert [n for n in want if not torch.equal(resumed[n], want[n])] == []
+
+
 def test_llama3_rows_in_chunks_cut_across_columns_are_refused(tmp_path):
     from ckptctl.errors import CheckpointError
     from ckptctl.dtypes import float32
