@@ -1,11 +1,12 @@
 """Copy plans: which source elements land where in each output piece. Pure data, no I/O.
 
 A *source tensor* is a checkpoint entry seen in its logical shape: its chunks are boxes, or
-flat item ranges when an optimizer buffer was saved 1-D in item coordinates. A *target
+flat item ranges (an optimizer buffer saved 1-D in item coordinates; rows read as row pairs). A *target
 tensor* is an output tensor defined by pieces, each a translated block of one source
 (identity for a reshard; row blocks of a fused tensor for a split; per-group rows for an
-HF export). For any output box, `plan_box` lists the contiguous element runs to copy from
-each source chunk — the engines only execute these lists.
+HF export), or a transposed one (its dims reordered: Automodel's grouped experts, RoPE row
+pairs). For any output box, `plan_box` lists the contiguous element runs to copy from each
+source chunk, and each transposed block to gather — the engines only execute these lists.
 """
 
 from __future__ import annotations

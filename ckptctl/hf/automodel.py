@@ -14,6 +14,7 @@ transposed `Piece`, gathered tile by tile, never a whole stack in memory.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ckptctl.dtypes import DType
@@ -50,7 +51,7 @@ class ExpertSlab:
         return TargetTensor(self.name, self.shape, dtype, (piece,))
 
 
-def native_expert_names(names) -> list[str]:
+def native_expert_names(names: Iterable[str]) -> list[str]:
     """The names, sorted, of native grouped-expert stacks."""
     return sorted(n for n in names if NATIVE_EXPERTS.match(n))
 
@@ -71,7 +72,6 @@ def _layer_experts(model: MegatronModel, layer: str) -> list[ExpertSlab]:
         raise CheckpointError(model.ckpt.path, f"{model.prefix}{fused} {[experts, hidden, width]} and {DOWN} "
                                                f"{[down_experts, inter, down_hidden]} are not one expert layout "
                                                "([E, H, 2I] or [E, H, I] with [E, I, H])")
-    model.used.update((fused, down))
     parts = (("gate_proj", 0), ("up_proj", inter)) if width == 2 * inter else (("up_proj", 0),)
     out = []
     for e in range(experts):
@@ -93,7 +93,6 @@ class AutomodelFamily(RawFamily):
         layers = sorted({NATIVE_EXPERTS.match(n)["layer"] for n in native_expert_names(out)})
         for name in native_expert_names(out):
             del out[name]
-        ctx.model.used.difference_update(f"{layer}.{kind}" for layer in layers for kind in (GATE_AND_UP, DOWN))
         for layer in layers:
             out.update((t.name, t) for t in _layer_experts(ctx.model, layer))
         return out

@@ -282,7 +282,8 @@ class HFTensor:
         return tuple(dict.fromkeys(v.fqn for v in self.views))
 
     def pieces(self) -> tuple[Piece, ...]:
-        """One `Piece` per row block, adjacent blocks that continue each other merged."""
+        """One `Piece` per row block, adjacent blocks that continue each other merged; a
+        de-interleaved view's transposed pieces after them."""
         trailing = self.views[0].trailing
         zeros = tuple(0 for _ in trailing)
         merged: list[tuple[str, RowBlock]] = []
