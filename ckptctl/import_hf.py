@@ -343,8 +343,9 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     must be one the family produces (a tied one it leaves out is noted), every one it
     produces must be in the folder with its shape, and every row must come from some HF row
     but the rows of `padded` tensors past the count given (zeros: Megatron's vocab padding,
-    torchtitan's expert bias). A stack the family reads slab by slab (`MegatronModel.stacked`)
-    is planned as its rows and written as the stack (`stacked_rows_target`)."""
+    torchtitan's expert bias). A tensor the family reads in another shape (a stack slab by
+    slab, `MegatronModel.stacked`, as [S·R, …]; row pairs, `in_row_groups`) is planned in that
+    shape and written in its own (`TargetTensor.logical_shape`)."""
     model = planned_model(ckpt.path, shapes, next(iter(ckpt.tensors.values())).dtype)
     hf = family.to_hf(ExportContext(cfg, model, tp, tp))
     unread = model.unused()
@@ -375,27 +376,10 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
             raise CheckpointError(ckpt.path, f"{name}: {gap // max(1, math.prod(rows[1:]))} of its {rows[0]} rows "
                                              "come from no HF tensor")
         dtype = views[pieces[name][0].src].dtype if pieces[name] else float32
-        target = TargetTensor(name, rows, cast_dtype(dtype, opts.dtype), tuple(pieces[name]), add=adds.get(name, 0.0))
-        if name in model.row_groups:  # planned as row groups (llama's RoPE pairs), written as the tensor
-            target = replace(target, shape=shape, logical_shape=rows)
-        targets.append(target if target.shape == shape else stacked_rows_target(target, shape, views))
+        target = TargetTensor(name, shape, cast_dtype(dtype, opts.dtype), tuple(pieces[name]), add=adds.get(name, 0.0),
+                              logical_shape=rows if rows != shape else None)
+        targets.append(target)
     return targets
-
-
-def stacked_rows_target(target: TargetTensor, shape: tuple[int, ...], views: dict[str, SourceTensor]) -> TargetTensor:
-    """A stack [S, R, …] planned as its S·R rows, written as the stack: each piece lies in one
-    slab and becomes a box of it, its HF source seen with a leading unit dim."""
-    rows = shape[1]
-    pieces = []
-    for p in target.pieces:
-        slab, at = divmod(p.dst_start[0], rows)
-        if at + p.sizes[0] > rows:
-            raise CheckpointError(p.src, f"rows {p.dst_start[0]}..{p.dst_start[0] + p.sizes[0]} of {target.fqn} "
-                                         f"cross a slab of {rows} rows")
-        if len(views[p.src].shape) == len(p.sizes):
-            views[p.src] = unsqueezed_view(views[p.src])
-        pieces.append(Piece(p.src, (0, *p.src_start), (slab, at, *p.dst_start[1:]), (1, *p.sizes)))
-    return replace(target, shape=shape, pieces=tuple(pieces))
 
 
 def import_hf(

@@ -136,6 +136,12 @@ def transposed_reads(item: StreamItem) -> list[TransposedRead]:
     return [read for read in item.reads if isinstance(read, TransposedRead)]
 
 
+def is_complete(item: StreamItem, transposed: list[TransposedRead]) -> bool:
+    """Whether a record's reads cover all of it; asked once per record that has transposed reads
+    (the plain ones are counted per block, from their runs)."""
+    return not transposed or not missing_elements(item.box, item.reads)
+
+
 def read_spans(segs: list[_Segment], max_bytes: int | None = None) -> Iterator[tuple[list[_Segment], int, int]]:
     """Segments grouped by source chunk into spans close enough to fetch with one read: (segments, start, stop).
 
@@ -225,11 +231,15 @@ def fill_transposed(sources: ChunkSource, out: memoryview, dtype: DType, b0: int
         return
     out_t = _as_tensor(out, dtype)
     b1 = b0 + len(out) // dtype.itemsize
+    tiled: dict[tuple[tuple[int, ...], int], list[Box]] = {}  # the block's boxes of each frame, found once
     for read in reads:
         frame, base = read.frame or (shape, 0)
-        lo, hi = max(b0, base), min(b1, base + math.prod(frame))
+        subs = tiled.get((frame, base))
+        if subs is None:
+            lo, hi = max(b0, base), min(b1, base + math.prod(frame))
+            subs = tiled[frame, base] = [sub for _, sub in flat_boxes(frame, lo - base, hi - base)] if lo < hi else []
         steps = strides(frame)
-        for _, sub in flat_boxes(frame, lo - base, hi - base) if lo < hi else ():
+        for sub in subs:
             dst = sub.intersect(read.dst)
             if dst is not None and dst.numel:
                 src = transposed_source(dst, read.axes, read.dst.offsets, read.src.offsets, len(read.chunk_sizes))
@@ -405,12 +415,13 @@ def _thread_buffer(use: str, nbytes: int) -> bytearray:
 
 
 def _fill_or_zero(sources: ChunkSource, out: memoryview, item: StreamItem, b0: int, segs: list[_Segment],
-                  transposed: list[TransposedRead]) -> None:
+                  transposed: list[TransposedRead], complete: bool = True) -> None:
     """`_fill_block` and `fill_transposed` into a reused buffer: elements no read covers
-    (--allow-incomplete) are zero, never what a previous record or block left there."""
+    (--allow-incomplete) are zero, never what a previous record or block left there. With
+    transposed reads, `complete` says whether the reads cover the whole record (`is_complete`)."""
     dtype, add = item.target.dtype, item.target.add
     if transposed:
-        if missing_elements(item.box, item.reads):
+        if not complete:
             out[:] = bytes(len(out))
         fill_transposed(sources, out, dtype, b0, item.box.sizes, transposed, add)
     elif sum(s.length for s in segs) < len(out) // dtype.itemsize:
@@ -454,7 +465,8 @@ def _stream_small_item(item: StreamItem, sources: ChunkSource, files: OutputFile
     record[:head] = item.head
     data = record[head:head + nbytes]
     if not _read_direct(item, sources, data):
-        _fill_or_zero(sources, data, item, 0, _segments(item), transposed_reads(item))
+        transposed = transposed_reads(item)
+        _fill_or_zero(sources, data, item, 0, _segments(item), transposed, is_complete(item, transposed))
     crc = 0
     if item.tail is not None:
         crc = crc32(data)
@@ -475,13 +487,14 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     files.write(item.file, item.head, item.offset)
     buf = _thread_buffer("block", min(numel, block) * dtype.itemsize)
     segs = _segments(item)
+    complete = is_complete(item, transposed)
     pos = item.offset + len(item.head)
     crc, resume = 0, 0
     for b0 in range(0, numel, block):
         b1 = min(numel, b0 + block)
         view = memoryview(buf)[: (b1 - b0) * dtype.itemsize]
         clipped, resume = _clip(segs, b0, b1, resume)
-        _fill_or_zero(sources, view, item, b0, clipped, transposed)
+        _fill_or_zero(sources, view, item, b0, clipped, transposed, complete)
         if item.tail is not None:  # a torch.save record's zip tail carries the CRC; raw records need none
             crc = crc32(view, crc)
         files.write(item.file, view, pos)

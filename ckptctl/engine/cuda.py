@@ -34,6 +34,7 @@ from ckptctl.engine.cpu import (
     block_elements,
     copy_item,
     interleaved_by_file,
+    is_complete,
     read_spans,
     run_on_threads,
     transposed_reads,
@@ -143,6 +144,7 @@ class _Worker:
         crc, resume, k = 0, 0, 0
         pending: _Slot | None = None
         transposed = transposed_reads(item)  # gathered on the host, as by the CPU engine
+        complete = is_complete(item, transposed)
         gpu = not transposed and (self.identity_on_gpu or bool(item.target.add)
                                   or any(r.dtype != dtype for r in item.reads))
         try:
@@ -157,7 +159,8 @@ class _Worker:
                     self._launch(slot, item, sources, clipped, b0, b1)
                 else:
                     slot.reserve(0, nbytes)
-                    _fill_or_zero(sources, memoryview(slot.pin_out.numpy())[:nbytes], item, b0, clipped, transposed)
+                    _fill_or_zero(sources, memoryview(slot.pin_out.numpy())[:nbytes], item, b0, clipped, transposed,
+                                  complete)
                     slot.done.record(slot.stream)
                 slot.write = (pos, nbytes)
                 pos += nbytes

@@ -1,4 +1,4 @@
-"""torchtitan models ↔ Hugging Face: llama3, qwen3 and qwen3-moe, as torchtitan's own adapters map them.
+"""torchtitan models ↔ Hugging Face: llama3, qwen3 (dense, MoE), DeepSeek-V3, as its own adapters map them.
 
 A family is one table of names (torchtitan's `state_dict_adapter.from_hf_map`, `{}` for the
 layer), read HF → torchtitan for an export and backwards for an import. torchtitan saves
@@ -8,7 +8,7 @@ fused `wqkv`, it saves them split as `qkv_linear.wq/wk/wv` (a state-dict hook).
 
 llama3 alone reorders rows: its RoPE rotates interleaved pairs where HF's rotates halves,
 so within each head HF row `j·d/2 + i` is torchtitan row `2i + j` (j = 0, 1; the adapter's
-`_permute`) for q_proj and k_proj. Qwen3 rotates as HF does: rows stay. torchtitan saves
+`_permute`) for q_proj and k_proj: the tensor read as row pairs, two transposed pieces per head. Qwen3 rotates as HF does: rows stay. torchtitan saves
 `lm_head.weight` even when it ties it to the embeddings; a tied config does not export it.
 
 Qwen3's MoE layers (`qwen3_moe` configs) keep the experts stacked: `w1_EFD`, `w3_EFD`
