@@ -36,7 +36,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        gdn = f"-gdn_{self.gdn}" if self.family == "qwen3-next" else ""
+        gdn = f"-gdn_{self.gdn}" if self.family in hf_models.GATED_ATTENTION else ""
         return f"{self.family}-tp{self.tp}-fc1_{self.fc1}{gdn}"
 
 
@@ -46,9 +46,11 @@ DEFAULT_CASES = [  # TP2 fused for each family, TP1 split; prefixes varied (TP4 
     Case("qwen3-moe", 2, "fused", prefix="module.module."),
     Case("qwen3-next", 2, "fused", "fused"),
     Case("qwen3-next", 1, "split", "split"),
+    Case("qwen3.5-moe", 2, "fused", "fused"),
 ]
 ALL_CASES = [Case(f, tp, fc1, gdn) for f in hf_models.FAMILIES for tp in (1, 2, 4) if tp <= hf_models.MAX_TP[f]
-             for fc1 in ("fused", "split") for gdn in (("fused", "split") if f == "qwen3-next" else ("fused",))]
+             for fc1 in ("fused", "split")
+             for gdn in (("fused", "split") if f in hf_models.GATED_ATTENTION else ("fused",))]
 FULL_CASES = [c for c in ALL_CASES if c.id not in {d.id for d in DEFAULT_CASES}]
 SPECIAL = ("no-tp-source", "tp-disagrees", "fsdp2-raw")
 
@@ -173,9 +175,9 @@ def assert_same_model(dst: Path, ref: hf_models.Reference) -> None:
 def run_case(saved: Saved, case: Case) -> None:
     ref = saved.refs[case.family]
     dst, summary = export(saved, case.id, ref.folder, "--verify")
-    assert summary["verified"] and summary["arch"] == case.family
+    assert summary["verified"] and summary["arch"] == hf_models.ARCH[case.family]
     assert summary["tensors"] == len(ref.state)
-    fused = case.fc1 == "fused" or (case.family == "qwen3-next" and case.gdn == "fused")
+    fused = case.fc1 == "fused" or (case.family in hf_models.GATED_ATTENTION and case.gdn == "fused")
     assert summary["tp"] == (case.tp if fused else None)  # the training TP is looked up only when needed
     assert_same_model(dst, ref)
 

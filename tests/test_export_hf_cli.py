@@ -376,7 +376,8 @@ def test_derived_generation_config_is_transformers_own(llama, tmp_path, extra):
     assert json.dumps(generation_config(data), indent=2, sort_keys=True) + "\n" == want.to_json_string()
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text",
+                                        "qwen3_5_moe_text"])
 def test_architectures_name_the_transformers_causal_lm_class(model_type):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

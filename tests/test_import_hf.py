@@ -252,7 +252,8 @@ def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
 
 MEGATRON_CASES = [  # (family, TP, DP, fc1/GDN storage)
     ("llama", 2, 2, "fused"), ("llama", 4, 1, "split"), ("qwen3", 2, 1, "fused"), ("qwen3-moe", 2, 2, "fused"),
-    ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"),
+    ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"), ("qwen3.5", 2, 2, "split"),
+    ("qwen3.5-moe", 4, 1, "fused"),
 ]
 VOCAB_MULTIPLE = 8
 """Passed as --make-vocab-size-divisible-by: the test-side mapping pads the vocab to 8 × TP."""

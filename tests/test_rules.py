@@ -54,10 +54,10 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                    first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])))
     if family == "mixtral":
         cfg.update(num_local_experts=draw(st.integers(1, 3)))
-    if family in ("qwen3_moe", "qwen3_next"):
+    if family in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         cfg.update(num_experts=draw(st.integers(1, 3)), moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    decoder_sparse_step=draw(st.integers(1, 2)))
-    if family == "qwen3_next":
+    if family in ("qwen3_next", "qwen3_5_moe_text"):
         key_heads = tp * draw(st.integers(1, 2))
         cfg.update(linear_num_key_heads=key_heads, linear_num_value_heads=key_heads * draw(st.integers(1, 2)),
                    linear_key_head_dim=draw(st.integers(1, 3)), linear_value_head_dim=draw(st.integers(1, 3)),
@@ -115,7 +115,7 @@ def test_dense_family_rules_are_a_bijection(data, family, bias):
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "deepseek-v3", "mixtral"]))
+@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "qwen3.5", "deepseek-v3", "mixtral"]))
 def test_moe_gated_deltanet_and_latent_attention_family_rules_are_a_bijection(data, family):
-    config, tp, split = data.draw(configs(family.replace("-", "_")))
+    config, tp, split = data.draw(configs({"qwen3.5": "qwen3_5_moe_text"}.get(family, family.replace("-", "_"))))
     check_bijection(family, config, tp, split, bias=False)

@@ -16,6 +16,7 @@ from ckptctl.hf.automodel import AUTOMODEL
 from ckptctl.hf.deepseek_v3 import DEEPSEEK_V3
 from ckptctl.hf.llama import LLAMA, QWEN2, QWEN3
 from ckptctl.hf.mixtral import MIXTRAL
+from ckptctl.hf.qwen3_5 import QWEN3_5
 from ckptctl.hf.qwen3_moe import QWEN3_MOE
 from ckptctl.hf.qwen3_next import QWEN3_NEXT
 from ckptctl.hf.raw import RAW
@@ -23,8 +24,8 @@ from ckptctl.hf.rules import COLUMN, DUPLICATED, MG_LAYER, ROW, Family
 from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron import FUSED_PARTS
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, DEEPSEEK_V3, MIXTRAL, TORCHTITAN_LLAMA3,
-                                TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL,
+                                TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
