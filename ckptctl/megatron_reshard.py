@@ -30,7 +30,8 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
 from ckptctl.hf.base import load_hf_config
 from ckptctl.hf.qwen3_next import GatedDeltaNet
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analysis, source_tensors, split_optimizer_fqn
-from ckptctl.hf.registry import fused_component, fused_kind, megatron_tp_kind
+from ckptctl.hf.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
+from ckptctl.hf.rules import Family
 from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.formats.megatron_args import checkpoint_args
@@ -40,8 +41,9 @@ from ckptctl.selection import selected
 from ckptctl.plan import CopyItem, Piece, SourceTensor, TargetTensor, identity_target
 
 LAYOUTS = ("fsdp2", "megatron-fsdp")
-GATED_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
-"""HF `hidden_act` values whose MLP is SwiGLU-gated (Megatron `--swiglu`)."""
+SWIGLU_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
+"""HF `hidden_act` values of a SwiGLU MLP (Megatron `--swiglu`): Megatron-FSDP saves its fc1
+split into `_w`/`_v`; another gated unit (Gemma's GeGLU) stays fused."""
 GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
 GROUP_META_ROOTS = ("optimizer.param_to_group_meta.", "optim.param_to_group_meta.")
 
@@ -140,7 +142,10 @@ def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:
 class ModelDims:
     """What splitting fused tensors needs to know about the model, and where it came from."""
 
+    gated: bool | None
+    """fc1 is `[W; V]` per TP rank."""
     swiglu: bool | None
+    """…and gated by SiLU, so it may be saved split."""
     gdn: GatedDeltaNet | None
     looked_in: tuple[str, ...]
     """Where they were looked for (`--hf-config PATH`, `the checkpoint's args`)."""
@@ -182,6 +187,7 @@ def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 
 def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
     """GDN dims and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`."""
+    gated: bool | None = None
     swiglu: bool | None = None
     gdn: GatedDeltaNet | None = None
     origins = []
@@ -189,17 +195,20 @@ def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
         cfg = load_hf_config(hf_config)
         act = _lookup(cfg.data, "hidden_act") or _lookup(cfg.data, "hidden_activation")
         if act is not None:
-            swiglu = str(act).lower() in GATED_ACTIVATIONS
+            swiglu = str(act).lower() in SWIGLU_ACTIVATIONS
+            family = family_for_model_type(str(_lookup(cfg.data, "model_type")))
+            gated = family.gated_mlp() if isinstance(family, Family) else swiglu
         gdn = _gdn([_lookup(cfg.data, k) for k in GDN_FIELDS], str(cfg.path))
         origins.append(f"--hf-config {cfg.path}")
     args = readable_args(ckpt)
     if args is not None:
         if swiglu is None and (hasattr(args, "swiglu") or hasattr(args, "gated_linear_unit")):
-            swiglu = bool(getattr(args, "swiglu", False) or getattr(args, "gated_linear_unit", False))
+            swiglu = bool(getattr(args, "swiglu", False))
+            gated = swiglu or bool(getattr(args, "gated_linear_unit", False))
         if gdn is None:
             gdn = _gdn([getattr(args, k, None) for k in GDN_FIELDS], f"{ckpt.path}: args")
         origins.append("the checkpoint's args")
-    return ModelDims(swiglu, gdn, tuple(origins))
+    return ModelDims(gated, swiglu, gdn, tuple(origins))
 
 
 # --------------------------------------------------------------------------------------
@@ -327,10 +336,10 @@ class MegatronPlanner:
         rows = self.sources[fqn].shape[0] if self.sources[fqn].shape else 0
         dims = self.dims()
         if kind == "swiglu":
-            if dims.swiglu is None:
-                raise UsageError(f"{fqn}: cannot tell whether linear_fc1 is SwiGLU-gated (fused [W; V], "
+            if dims.gated is None:
+                raise UsageError(f"{fqn}: cannot tell whether linear_fc1 is gated (fused [W; V], "
                                  f"hidden_act / args.swiglu): {dims.not_found()}; pass --hf-config REF")
-            if not dims.swiglu:
+            if not dims.gated:
                 return None
             if rows % 2:
                 raise UsageError(f"{fqn}: SwiGLU fc1 has an odd number of rows ({rows})")
@@ -378,10 +387,13 @@ class MegatronPlanner:
             rows = self.component_rows(fqn, kind)
             if rows is None:
                 continue
+            split = self.req.fused == SPLIT and (kind != "swiglu" or bool(self.dims().swiglu))  # GeGLU stays fused
+            if not split and target_tp in (None, self.source_tp()):
+                continue
             self.check_expert_tp(fqn, source_side=True)
-            if not (self.req.fused == SPLIT):
+            if not split:
                 self.check_expert_tp(fqn, source_side=False)
-            if (self.req.fused == SPLIT):
+            if split:
                 out.append(split_regroup(fqn, FUSED_PARTS[kind], rows, self.source_tp()))
             else:
                 out.append(reblock_regroup(fqn, rows, self.source_tp(), target_tp))

@@ -377,7 +377,7 @@ def test_derived_generation_config_is_transformers_own(llama, tmp_path, extra):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text",
-                                        "qwen3_5_moe_text"])
+                                        "qwen3_5_moe_text", "gemma2", "gemma3_text"])
 def test_architectures_name_the_transformers_causal_lm_class(model_type):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

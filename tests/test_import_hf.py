@@ -253,7 +253,7 @@ def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
 MEGATRON_CASES = [  # (family, TP, DP, fc1/GDN storage)
     ("llama", 2, 2, "fused"), ("llama", 4, 1, "split"), ("qwen3", 2, 1, "fused"), ("qwen3-moe", 2, 2, "fused"),
     ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"), ("qwen3.5", 2, 2, "split"),
-    ("qwen3.5-moe", 4, 1, "fused"),
+    ("qwen3.5-moe", 4, 1, "fused"), ("gemma2", 2, 2, "split"), ("gemma3", 2, 1, "fused"),
 ]
 VOCAB_MULTIPLE = 8
 """Passed as --make-vocab-size-divisible-by: the test-side mapping pads the vocab to 8 × TP."""
@@ -320,6 +320,31 @@ def test_mixtral_imports_as_megatron_bridges_mixtral_mapping_lays_it_out_and_exp
     assert exported.returncode == 0, exported.stderr
     assert _folder_tensors(back).keys() == hf.keys()
     assert all(torch.equal(t, hf[n]) for n, t in _folder_tensors(back).items())
+
+
+def test_gemma_geglu_fc1_is_reblocked_on_a_tp_change_and_never_split(references, tmp_path):
+    """Gemma's fc1 is gated by GELU: fused `[W_t; V_t]` per TP rank like SwiGLU, but Megatron-FSDP
+    never saves it split. A reshard from TP 1 to TP 2 with `--split-fused` must re-block it (a
+    plain row split would give rank 0 all of W) and keep it fused."""
+    from fixtures import hf_models
+    from fixtures.make_fixtures import load_with_torch
+
+    ref = references["gemma3"]
+    run = run_cli("import-hf", ref.folder, tmp_path / "tp1", "--to", "megatron-fsdp", "--tp", 1, "--dp", 2,
+                  "--make-vocab-size-divisible-by", VOCAB_MULTIPLE)
+    assert run.returncode == 0, run.stderr
+    run = run_cli("reshard", tmp_path / "tp1", tmp_path / "tp2", "--layout", "megatron-fsdp", "--tp", 2, "--dp", 1,
+                  "--source-tp", 1, "--split-fused", "--hf-config", ref.folder)
+    assert run.returncode == 0, run.stderr
+    want = hf_models.to_megatron(ref, 2, vocab_multiple=VOCAB_MULTIPLE)
+    got = load_with_torch(tmp_path / "tp2")
+    assert sorted(got) == sorted("model.module." + n for n in want)
+    fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
+    gate, up = ref.state["model.layers.1.mlp.gate_proj.weight"], ref.state["model.layers.1.mlp.up_proj.weight"]
+    assert torch.equal(got["model.module." + fc1], torch.cat([gate[:24], up[:24], gate[24:], up[24:]]))
+    for name, (tensor, _) in want.items():
+        rows = ref.config.vocab_size if name == "embedding.word_embeddings.weight" else None  # padding kept from TP 1
+        assert torch.equal(got["model.module." + name][:rows], tensor[:rows]), name
 
 
 def test_megatron_import_is_laid_out_tp_outer_dp_inner_with_the_vocab_padded_as_megatron_pads_it(references,

@@ -8,6 +8,7 @@ rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every exper
 the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention, expert bias and
 shared experts, Qwen3-Next's and Qwen3.5's Gated DeltaNet (`in_proj` and `conv1d` per TP
 rank, from grouped and flat HF projections), gated attention and gated shared experts,
+Gemma's GeGLU fc1 (never split) and its norms after each sublayer,
 RowParallel and duplicated tensors alike; and export-hf of it gives the HF
 folder back bit for bit. Skipped without megatron-core and megatron-bridge (`make install`
 puts them in).
@@ -41,7 +42,7 @@ OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}, "qwen3-next": {"mlp_only_laye
 """Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
-FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5")
+FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "gemma2")
 """Run by `make test-full` only: deepseek-v3 holds the SwiGLU, expert, router, norm and vocab
 mappings too (the others also have the test-side mapping of `test_import_hf`), and each
 family costs a Megatron-Bridge run under torchrun."""

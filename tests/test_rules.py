@@ -108,9 +108,9 @@ def check_bijection(family_name: str, config: dict, tp: int, split: bool, bias: 
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), family=st.sampled_from(["llama", "qwen2", "qwen3"]), bias=st.booleans())
+@given(data=st.data(), family=st.sampled_from(["llama", "qwen2", "qwen3", "gemma2", "gemma3"]), bias=st.booleans())
 def test_dense_family_rules_are_a_bijection(data, family, bias):
-    config, tp, split = data.draw(configs(family.replace("-", "_")))
+    config, tp, split = data.draw(configs({"gemma3": "gemma3_text"}.get(family, family)))
     check_bijection(family, config, tp, split, bias or family == "qwen2")
 
 

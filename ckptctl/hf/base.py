@@ -131,7 +131,8 @@ def load_hf_config(ref: str | Path) -> HFConfig:
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-                 "deepseek_v3": "DeepseekV3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                 "deepseek_v3": "DeepseekV3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 """The transformers model class of each `model_type` export-hf writes, for a REF without `architectures`."""
 
 GENERATION_KEYS = (

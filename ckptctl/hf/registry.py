@@ -14,6 +14,7 @@ import re
 
 from ckptctl.hf.automodel import AUTOMODEL
 from ckptctl.hf.deepseek_v3 import DEEPSEEK_V3
+from ckptctl.hf.gemma import GEMMA2, GEMMA3
 from ckptctl.hf.llama import LLAMA, QWEN2, QWEN3
 from ckptctl.hf.mixtral import MIXTRAL
 from ckptctl.hf.qwen3_5 import QWEN3_5
@@ -24,8 +25,9 @@ from ckptctl.hf.rules import COLUMN, DUPLICATED, MG_LAYER, ROW, Family
 from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron import FUSED_PARTS
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL,
-                                TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2,
+                                GEMMA3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL,
+                                RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (

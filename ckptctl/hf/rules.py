@@ -17,7 +17,7 @@ else decides what is exported or imported, and a tensor no rule claims is refuse
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from ckptctl.errors import CheckpointError, UsageError
@@ -283,12 +283,13 @@ class GroupedQKV:
 
 @dataclass(frozen=True)
 class GatedMLP:
-    """SwiGLU fc1 ↔ HF `gate_proj` + `up_proj` (`.weight`, and `.bias` where present).
+    """A gated fc1 ↔ HF `gate_proj` + `up_proj` (`.weight`, and `.bias` where present).
 
     Megatron saves fc1 split (`<name>_w`, `<name>_v`: gate, up; TP-invariant) or fused `<name>`
     TP-blocked `[W_0; V_0; W_1; V_1; …]` at the training TP (the expert TP for experts). `mg`
     lists the fc1 names, `{kind}` standing for weight or bias, in order of preference (an
-    import writes the first)."""
+    import writes the first). Megatron-FSDP splits SwiGLU only: `splits` False (GeGLU) keeps
+    an import's fc1 fused whatever `--split-fused` says."""
 
     hf: str
     mg: tuple[str, ...]
@@ -297,6 +298,7 @@ class GatedMLP:
     gate: str = "gate_proj"
     up: str = "up_proj"
     """The HF names of the two halves under `hf` (Mixtral: `w1`, `w3`)."""
+    splits: bool = True
 
     def names(self, at: Scope, kind: str) -> list[str]:
         return [at.name("mg", n.replace("{kind}", kind)) for n in self.mg]
@@ -320,21 +322,23 @@ class GatedMLP:
         for kind, trailing in (("weight", (dims.size("hidden"),)), ("bias", ())):
             if kind == "bias" and not spec.has(at.name("hf", f"{self.hf}{self.gate}.bias")):
                 continue
-            fused_shapes(spec, shapes, self.names(at, kind)[0], SWIGLU_PARTS, (ffn, ffn), trailing)
+            fused_shapes(spec if self.splits else replace(spec, split=False), shapes, self.names(at, kind)[0],
+                         SWIGLU_PARTS, (ffn, ffn), trailing)
 
     def megatron_tensors(self) -> Iterable[tuple[str, str]]:
         return ((n.replace("{kind}", kind), SWIGLU) for n in self.mg for kind in ("weight", "bias"))
 
 
 def swiglu(hf: str, mg: Sequence[str], ffn: str, expert: bool = False,
-           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> tuple[Rule, ...]:
-    """A SwiGLU MLP: fc1 (`GatedMLP`), fc2 ↔ `down_proj` (RowParallel) and its bias where present.
+           names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), splits: bool = True
+           ) -> tuple[Rule, ...]:
+    """A gated MLP: fc1 (`GatedMLP`), fc2 ↔ `down_proj` (RowParallel) and its bias where present.
     `mg`: the MLP's fc1 names with `{fc}` for linear_fc1/linear_fc2 and `{kind}` for weight/bias;
-    `names`: the HF gate, up and down projections under `hf`."""
+    `names`: the HF gate, up and down projections under `hf`; `splits`: False for GeGLU."""
     gate, up, down = names
     fc1 = tuple(n.replace("{fc}", "linear_fc1") for n in mg)
     fc2 = tuple(n.replace("{fc}", "linear_fc2") for n in mg)
-    return (GatedMLP(hf, fc1, ffn, expert, gate, up),
+    return (GatedMLP(hf, fc1, ffn, expert, gate, up, splits),
             Same(f"{hf}{down}.weight", tuple(n.replace("{kind}", "weight") for n in fc2), ("hidden", ffn), ROW),
             Same(f"{hf}{down}.bias", tuple(n.replace("{kind}", "bias") for n in fc2), ("hidden",), DUPLICATED,
                  optional=True))
@@ -371,6 +375,11 @@ class Family:
     embedding: tuple[Rule, ...]
     layers: tuple[Block, ...]
     final: tuple[Rule, ...]
+
+    def gated_mlp(self) -> bool:
+        """Whether its MLPs are gated (fc1 `[W; V]` per TP rank) whatever the activation: a llama
+        with `hidden_act: gelu` is still gated, and Gemma's GeGLU is."""
+        return any(isinstance(rule, GatedMLP) for block in self.layers for rule in block.rules)
 
     def applied(self, dims: Dims) -> Iterator[tuple[Rule, Scope]]:
         top = Scope("", "")
