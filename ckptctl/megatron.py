@@ -78,9 +78,16 @@ def tp_reblock(component_rows: Sequence[int], source_tp: int, target_tp: int) ->
 SWIGLU_PARTS = ("_w", "_v")
 GDN_IN_PROJ_PARTS = (".query", ".key", ".value", ".z", ".beta", ".alpha")
 GDN_CONV1D_PARTS = (".query", ".key", ".value")
+MAMBA_IN_PROJ_PARTS = (".z", ".x", ".B", ".C", ".dt")
+MAMBA_CONV1D_PARTS = (".x", ".B", ".C")
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "swiglu": SWIGLU_PARTS, "gdn_in_proj": GDN_IN_PROJ_PARTS, "gdn_conv1d": GDN_CONV1D_PARTS,
+    "mamba_in_proj": MAMBA_IN_PROJ_PARTS, "mamba_conv1d": MAMBA_CONV1D_PARTS,
 }
+WRITTEN_SPLIT = frozenset({"swiglu", "gdn_in_proj", "gdn_conv1d"})
+"""Fused kinds an output may write as components (`--split-fused`): Megatron-FSDP's save splits
+SwiGLU fc1 and Megatron-Bridge's training GDN. Mamba's are split only by megatron-core's
+torch_dist save, so they are read either way but written fused."""
 
 
 def is_expert(name: str) -> bool:

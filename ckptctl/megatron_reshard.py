@@ -27,12 +27,13 @@ from typing import Any, Sequence
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
-from ckptctl.hf.base import load_hf_config
+from ckptctl.hf.base import is_model_key, load_hf_config
+from ckptctl.hf.nemotron_h import Mamba
 from ckptctl.hf.qwen3_next import GatedDeltaNet
 from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analysis, source_tensors, split_optimizer_fqn
 from ckptctl.hf.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.hf.rules import Family
-from ckptctl.megatron import FUSED_PARTS, RowBlock, is_expert, tp_blocked_split, tp_reblock
+from ckptctl.megatron import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.model import BytesEntry, Checkpoint
@@ -45,6 +46,9 @@ SWIGLU_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
 """HF `hidden_act` values of a SwiGLU MLP (Megatron `--swiglu`): Megatron-FSDP saves its fc1
 split into `_w`/`_v`; another gated unit (Gemma's GeGLU) stays fused."""
 GDN_FIELDS = ("linear_num_key_heads", "linear_key_head_dim", "linear_num_value_heads", "linear_value_head_dim")
+MAMBA_FIELDS = {"hf": ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size"),
+                "args": ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups", "mamba_state_dim")}
+"""The Mamba-2 mixer sizes (heads, head dim, groups, state) as an HF config and Megatron's args name them."""
 GROUP_META_ROOTS = ("optimizer.param_to_group_meta.", "optim.param_to_group_meta.")
 
 
@@ -147,6 +151,7 @@ class ModelDims:
     swiglu: bool | None
     """…and gated by SiLU, so it may be saved split."""
     gdn: GatedDeltaNet | None
+    mamba: Mamba | None
     looked_in: tuple[str, ...]
     """Where they were looked for (`--hf-config PATH`, `the checkpoint's args`)."""
 
@@ -177,6 +182,16 @@ def _gdn(values: Sequence[Any], where: str) -> GatedDeltaNet | None:
     return GatedDeltaNet(key_heads=key_heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim)
 
 
+def _mamba(values: Sequence[Any], where: str) -> Mamba | None:
+    """The Mamba sizes from the values of `MAMBA_FIELDS`, or None when one is missing."""
+    if any(v is None for v in values):
+        return None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values):
+        raise UsageError(f"{where}: Mamba fields {', '.join(MAMBA_FIELDS['hf'])} must be positive integers "
+                         f"(got {list(values)})")
+    return Mamba(*values)
+
+
 def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
     """The checkpoint's `args`, or None when absent or not decodable without unpickling code."""
     try:
@@ -190,15 +205,21 @@ def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
     gated: bool | None = None
     swiglu: bool | None = None
     gdn: GatedDeltaNet | None = None
+    mamba: Mamba | None = None
     origins = []
     if hf_config is not None:
         cfg = load_hf_config(hf_config)
         act = _lookup(cfg.data, "hidden_act") or _lookup(cfg.data, "hidden_activation")
+        family = family_for_model_type(str(_lookup(cfg.data, "model_type")))
         if act is not None:
             swiglu = str(act).lower() in SWIGLU_ACTIVATIONS
-            family = family_for_model_type(str(_lookup(cfg.data, "model_type")))
-            gated = family.gated_mlp() if isinstance(family, Family) else swiglu
+        if isinstance(family, Family):
+            gated = family.gated_mlp()
+            swiglu = bool(swiglu) and gated
+        elif act is not None:
+            gated = swiglu
         gdn = _gdn([_lookup(cfg.data, k) for k in GDN_FIELDS], str(cfg.path))
+        mamba = _mamba([_lookup(cfg.data, k) for k in MAMBA_FIELDS["hf"]], str(cfg.path))
         origins.append(f"--hf-config {cfg.path}")
     args = readable_args(ckpt)
     if args is not None:
@@ -207,8 +228,10 @@ def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
             gated = swiglu or bool(getattr(args, "gated_linear_unit", False))
         if gdn is None:
             gdn = _gdn([getattr(args, k, None) for k in GDN_FIELDS], f"{ckpt.path}: args")
+        if mamba is None:
+            mamba = _mamba([getattr(args, k, None) for k in MAMBA_FIELDS["args"]], f"{ckpt.path}: args")
         origins.append("the checkpoint's args")
-    return ModelDims(gated, swiglu, gdn, tuple(origins))
+    return ModelDims(gated, swiglu, gdn, mamba, tuple(origins))
 
 
 # --------------------------------------------------------------------------------------
@@ -344,13 +367,20 @@ class MegatronPlanner:
             if rows % 2:
                 raise UsageError(f"{fqn}: SwiGLU fc1 has an odd number of rows ({rows})")
             return (rows // 2, rows // 2)
-        if dims.gdn is None:
+        if kind.startswith("mamba_"):
+            if dims.mamba is None:
+                raise UsageError(f"{fqn}: re-blocking Mamba {kind.removeprefix('mamba_')} needs the Mamba sizes "
+                                 f"({', '.join(MAMBA_FIELDS['hf'])}), but {dims.not_found()}; pass --hf-config REF")
+            wanted = dims.mamba.in_proj_rows if kind == "mamba_in_proj" else dims.mamba.conv_rows
+            origin = "Mamba"
+        elif dims.gdn is None:
             raise UsageError(f"{fqn}: splitting or re-blocking GDN {kind.removeprefix('gdn_')} needs the GDN "
                              f"head counts and dims ({', '.join(GDN_FIELDS)}), but {dims.not_found()}; "
                              "pass --hf-config REF")
-        wanted = dims.gdn.in_proj_rows if kind == "gdn_in_proj" else dims.gdn.conv_rows
+        else:
+            wanted, origin = (dims.gdn.in_proj_rows if kind == "gdn_in_proj" else dims.gdn.conv_rows), "GDN"
         if sum(wanted) != rows:
-            raise UsageError(f"{fqn}: has {rows} rows but the GDN dims from {' and '.join(dims.looked_in)} give "
+            raise UsageError(f"{fqn}: has {rows} rows but the {origin} dims from {' and '.join(dims.looked_in)} give "
                              f"{' + '.join(map(str, wanted))} = {sum(wanted)}")
         return wanted
 
@@ -387,7 +417,7 @@ class MegatronPlanner:
             rows = self.component_rows(fqn, kind)
             if rows is None:
                 continue
-            split = self.req.fused == SPLIT and (kind != "swiglu" or bool(self.dims().swiglu))  # GeGLU stays fused
+            split = self.req.fused == SPLIT and kind in WRITTEN_SPLIT and (kind != "swiglu" or bool(self.dims().swiglu))
             if not split and target_tp in (None, self.source_tp()):
                 continue
             self.check_expert_tp(fqn, source_side=True)
@@ -409,16 +439,17 @@ class MegatronPlanner:
 
     def refuse_unknown_tp_blocked(self, target_tp: int | None) -> None:
         """A TP change re-blocks the fused tensors the family rules know; a tensor no rule knows
-        might be fused per TP rank (Mamba's `mixer.in_proj` is) and come out scrambled, so the
-        change is refused, naming it (`hf.registry.megatron_tp_kind`)."""
+        might be fused per TP rank (as GDN's and Mamba's `in_proj` are) and come out scrambled,
+        so the change is refused, naming it (`hf.registry.megatron_tp_kind`)."""
         if target_tp is None or self.source_tp() == target_tp:
             return
-        unknown = [f for f in self.params if self.ckpt.tensors[f].shape and megatron_tp_kind(f) is None]
+        unknown = [f for f in self.params  # model weights: not TE's `_extra_state` blobs, RNG or training state
+                   if is_model_key(f) and self.ckpt.tensors[f].shape and megatron_tp_kind(f) is None]
         if unknown:
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise UsageError(f"{unknown[0]}{more}: no rule knows how Megatron splits it over TP (it may be fused "
-                             f"per TP rank, as Mamba's in_proj is), so changing TP {self.source_tp()} to {target_tp} "
-                             f"could scramble it; reshard at --tp {self.source_tp()}")
+                             f"per TP rank, as GDN's and Mamba's in_proj are), so changing TP {self.source_tp()} "
+                             f"to {target_tp} could scramble it; reshard at --tp {self.source_tp()}")
 
     def fuse_regroups(self) -> list[Regroup]:
         groups: dict[str, dict[int, str]] = {}

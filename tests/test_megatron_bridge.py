@@ -8,7 +8,8 @@ rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every exper
 the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention, expert bias and
 shared experts, Qwen3-Next's and Qwen3.5's Gated DeltaNet (`in_proj` and `conv1d` per TP
 rank, from grouped and flat HF projections), gated attention and gated shared experts,
-Gemma's GeGLU fc1 (never split) and its norms after each sublayer,
+Gemma's GeGLU fc1 (never split) and its norms after each sublayer, Nemotron-H's Mamba
+`in_proj` and `conv1d` per TP rank (megatron-core's MambaModel) and relu² MLP layers,
 RowParallel and duplicated tensors alike; and export-hf of it gives the HF
 folder back bit for bit. Skipped without megatron-core and megatron-bridge (`make install`
 puts them in).
@@ -32,17 +33,19 @@ LOCAL_SPEC_NAMES = (("input_layernorm.weight", "self_attention.linear_qkv.layer_
                     ("input_layernorm.weight", "self_attention.in_proj.layer_norm_weight"),
                     ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
                     ("self_attention.q_layernorm.weight", "self_attention.linear_q_up_proj.layer_norm_weight"),
-                    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"))
+                    ("self_attention.kv_layernorm.weight", "self_attention.linear_kv_up_proj.layer_norm_weight"),
+                    (".norm.weight", ".mixer.in_proj.layer_norm_weight"))
 """megatron-core's local spec keeps its norms apart; Megatron-FSDP saves the TE spec's names,
 fused into the next linear, where it has them (not a MoE layer's `pre_mlp_layernorm`, a
-Qwen3 q/k norm, or MLA's input norm; a GDN layer's input norm is fused into `in_proj`)."""
+Qwen3 q/k norm, or MLA's input norm; a GDN layer's input norm is fused into `in_proj`, a Mamba
+layer's `norm` into its mixer's)."""
 SEQUENTIAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 """SequentialMLP's expert names; import-hf writes grouped-GEMM names, `linear_fc1.weight<e>`."""
 OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}, "qwen3-next": {"mlp_only_layers": []}}
 """Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
-FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "gemma2")
+FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "gemma2", "nemotron-h")
 """Run by `make test-full` only: deepseek-v3 holds the SwiGLU, expert, router, norm and vocab
 mappings too (the others also have the test-side mapping of `test_import_hf`), and each
 family costs a Megatron-Bridge run under torchrun."""

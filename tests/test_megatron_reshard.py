@@ -367,9 +367,9 @@ def test_hf_config_folder_gives_the_model_dims(megatron):
 
 
 def test_a_tp_change_refuses_tensors_no_rule_knows(megatron, tmp_path):
-    """Mamba's `mixer.in_proj` is fused per TP rank like GDN's, in a layout ckptctl has no rule
-    for: re-slicing its rows for another TP would scramble it, so the TP change is refused,
-    naming the first tensor no rule knows and counting the others.
+    """A tensor no rule knows (here GDN's `in_proj` renamed `mixer.x_proj`) may be fused per TP
+    rank like GDN's and Mamba's: re-slicing its rows for another TP would scramble it, so the TP
+    change is refused, naming the first tensor no rule knows and counting the others.
     (The same checkpoint with the tensor under GDN's name re-blocks: the `reblock` run.)"""
     import pickle
     import shutil
@@ -378,7 +378,7 @@ def test_a_tp_change_refuses_tensors_no_rule_knows(megatron, tmp_path):
     shutil.copytree(megatron["paths"]["tp2"], src)
 
     def rename(name: str) -> str:
-        return name.replace("self_attention.in_proj", "mixer.in_proj")
+        return name.replace("self_attention.in_proj", "mixer.x_proj")
 
     md = pickle.loads((src / ".metadata").read_bytes())
     md.state_dict_metadata = {rename(k): v for k, v in md.state_dict_metadata.items()}
@@ -389,10 +389,11 @@ def test_a_tp_change_refuses_tensors_no_rule_knows(megatron, tmp_path):
                        for k, v in md.planner_data.items()}
     (src / ".metadata").write_bytes(pickle.dumps(md))
     unknown = [k for k in md.state_dict_metadata if ".mixer." in k and not k.startswith("optimizer.")]
-    assert [n.rsplit(".", 2)[1:] for n in unknown] == [["in_proj", "weight"], ["in_proj", "layer_norm_weight"]]
+    assert [n.rsplit(".", 2)[1:] for n in unknown] == [["x_proj", "weight"], ["x_proj", "layer_norm_weight"]]
     result = run_cli("reshard", src, tmp_path / "out", "--source-tp", "2", "--tp", "4", "--world-size", "4")
     assert (result.returncode, result.stderr) == (2, (
         f"ckptctl: error: {unknown[0]} (and 1 more): no rule knows how Megatron splits it over TP (it may be fused "
-        "per TP rank, as Mamba's in_proj is), so changing TP 2 to 4 could scramble it; reshard at --tp 2\n"))
+        "per TP rank, as GDN's and Mamba's in_proj are), so changing TP 2 to 4 could scramble it; reshard at "
+        "--tp 2\n"))
     assert not (tmp_path / "out").exists()
     ok(run_cli("reshard", src, tmp_path / "same_tp", "--source-tp", "2", "--tp", "2", "--world-size", "4"))

@@ -105,12 +105,16 @@ def test_fused_tensor_names_and_their_saved_components():
     assert fused_kind("decoder.layers.3.mlp.experts.linear_fc1.weight12") == "swiglu"
     assert fused_kind("decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.bias") == "swiglu"
     assert fused_kind("decoder.layers.0.self_attention.conv1d.bias") == "gdn_conv1d"
-    assert fused_kind("decoder.layers.0.mixer.in_proj.weight") is None  # Mamba: other components
+    assert fused_kind("decoder.layers.0.mixer.in_proj.weight") == "mamba_in_proj"
+    assert fused_kind("decoder.layers.0.mixer.conv1d.bias") == "mamba_conv1d"
+    assert fused_kind("decoder.layers.0.mixer.in_proj.x_proj") is None
     assert fused_kind("decoder.layers.0.mlp.linear_fc1.layer_norm_weight") is None
     assert fused_component("decoder.layers.3.mlp.experts.linear_fc1.weight3_v") == (
         "decoder.layers.3.mlp.experts.linear_fc1.weight3", "swiglu", 1)
     assert fused_component("module.decoder.layers.0.self_attention.in_proj.weight.beta") == (
         "module.decoder.layers.0.self_attention.in_proj.weight", "gdn_in_proj", 4)
+    assert fused_component("decoder.layers.0.mixer.in_proj.weight.dt") == (
+        "decoder.layers.0.mixer.in_proj.weight", "mamba_in_proj", 4)
     assert fused_component("decoder.layers.0.mlp.linear_fc1.weight") is None
     assert fused_component("x.mlp.linear_fc1.weight_w") is None  # not a Megatron layer name
 
@@ -127,7 +131,9 @@ def test_fused_tensor_names_and_their_saved_components():
     ("output_layer.weight", "column"),
     ("decoder.layers.0.mlp.linear_fc1.weight_v", "column"),
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "duplicated"),
-    ("decoder.layers.0.mixer.in_proj.weight", None),
+    ("decoder.layers.0.mixer.in_proj.weight", "mamba_in_proj"),
+    ("decoder.layers.0.mixer.D", "column"),
+    ("decoder.layers.0.mixer.x_proj.weight", None),
     ("decoder.layers.0.self_attention.linear_qkv.weight.extra", None),
     ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", None),
 ])

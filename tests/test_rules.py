@@ -64,6 +64,11 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                    linear_conv_kernel_dim=draw(st.integers(1, 4)), shared_expert_intermediate_size=tp,
                    layer_types=[draw(st.sampled_from(["linear_attention", "full_attention"]))
                                 for _ in range(cfg["num_hidden_layers"])])
+    if family == "nemotron_h":
+        cfg.update(mamba_num_heads=tp * draw(st.integers(1, 2)), mamba_head_dim=draw(st.integers(1, 3)),
+                   n_groups=tp, ssm_state_size=draw(st.integers(1, 3)), conv_kernel=draw(st.integers(1, 4)),
+                   layers_block_type=[draw(st.sampled_from(["linear_attention", "full_attention", "mlp"]))
+                                      for _ in range(cfg["num_hidden_layers"])])
     return cfg, tp, draw(st.booleans())
 
 
@@ -115,7 +120,8 @@ def test_dense_family_rules_are_a_bijection(data, family, bias):
 
 
 @settings(max_examples=25, deadline=None)
-@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "qwen3.5", "deepseek-v3", "mixtral"]))
+@given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "qwen3.5", "deepseek-v3", "mixtral",
+                                                              "nemotron-h"]))
 def test_moe_gated_deltanet_and_latent_attention_family_rules_are_a_bijection(data, family):
     config, tp, split = data.draw(configs({"qwen3.5": "qwen3_5_moe_text"}.get(family, family.replace("-", "_"))))
     check_bijection(family, config, tp, split, bias=False)

@@ -123,7 +123,7 @@ def export_hf_command(
                                        "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
                                        "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
     arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|"
-                                                    "deepseek-v3|mixtral|gemma2|gemma3|"
+                                                    "deepseek-v3|mixtral|gemma2|gemma3|nemotron-h|"
                                                     "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|"
                                                     "automodel|raw (auto: torchtitan names pick a torchtitan "
                                                     "family, Megatron names the config model_type, HF names raw, "

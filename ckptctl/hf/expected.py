@@ -128,7 +128,10 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
             raise UsageError(f"transformers {version} has no model class {architectures[0]!r}: {hint}")
     with _quiet():
         try:
-            hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+            config_class = CONFIG_MAPPING[model_type]
+            decode = getattr(config_class, "_decode_special_floats", None)  # what from_pretrained does to
+            data = decode(dict(config)) if decode is not None else dict(config)  # {"__float__": "Infinity"}
+            hf_config = config_class.from_dict(data)
             with torch.device("meta"):
                 if cls is None:
                     model = transformers.AutoModelForCausalLM.from_config(hf_config)

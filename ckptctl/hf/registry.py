@@ -17,6 +17,7 @@ from ckptctl.hf.deepseek_v3 import DEEPSEEK_V3
 from ckptctl.hf.gemma import GEMMA2, GEMMA3
 from ckptctl.hf.llama import LLAMA, QWEN2, QWEN3
 from ckptctl.hf.mixtral import MIXTRAL
+from ckptctl.hf.nemotron_h import NEMOTRON_H
 from ckptctl.hf.qwen3_5 import QWEN3_5
 from ckptctl.hf.qwen3_moe import QWEN3_MOE
 from ckptctl.hf.qwen3_next import QWEN3_NEXT
@@ -26,8 +27,8 @@ from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TOR
 from ckptctl.megatron import FUSED_PARTS
 
 FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2,
-                                GEMMA3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3, AUTOMODEL,
-                                RAW)}
+                                GEMMA3, NEMOTRON_H, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3,
+                                AUTOMODEL, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
@@ -80,7 +81,8 @@ def megatron_tp_kind(name: str) -> str | None:
 
 
 def fused_kind(name: str) -> str | None:
-    """`swiglu` (an fc1 that is fused `[W; V]` when gated), `gdn_in_proj`, `gdn_conv1d`, or None."""
+    """`swiglu` (an fc1 that is fused `[W; V]` when gated), `gdn_in_proj`, `gdn_conv1d`,
+    `mamba_in_proj`, `mamba_conv1d`, or None."""
     kind = megatron_tp_kind(name)
     return kind if kind in FUSED_PARTS else None
 

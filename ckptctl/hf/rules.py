@@ -27,6 +27,7 @@ from ckptctl.megatron import SWIGLU_PARTS
 COLUMN, ROW, DUPLICATED = "column", "row", "duplicated"
 """TP kinds of a Megatron tensor: split on dim 0, split on dim 1, the same on every TP rank."""
 SWIGLU, GDN_IN_PROJ, GDN_CONV1D = "swiglu", "gdn_in_proj", "gdn_conv1d"
+MAMBA_IN_PROJ, MAMBA_CONV1D = "mamba_in_proj", "mamba_conv1d"
 """Fused kinds: components concatenated per TP rank (`megatron.FUSED_PARTS` names them)."""
 
 MG_LAYER = "decoder.layers.{L}."
@@ -35,7 +36,7 @@ HF_LAYER = "model.layers.{L}."
 
 CONFIG_SIZES = {"hidden": "hidden_size", "vocab": "vocab_size", "ffn": "intermediate_size",
                 "moe_ffn": "moe_intermediate_size", "shared_ffn": "shared_expert_intermediate_size",
-                "experts": "num_experts"}
+                "experts": "num_experts", "layers": "num_hidden_layers"}
 """Sizes rule shapes name, read from the config when a rule needs them (a MoE config may lack
 `intermediate_size`)."""
 
@@ -246,13 +247,15 @@ class GroupedQKV:
 
     kind: str = "weight"
     required: bool | str = True
+    module: str = "self_attn"
+    """The HF attention module's name (Nemotron-H: `mixer`)."""
 
     @property
     def mg(self) -> str:
         return f"self_attention.linear_qkv.{self.kind}"
 
     def hf(self, at: Scope) -> list[str]:
-        return [at.name("hf", f"self_attn.{p}_proj.{self.kind}") for p in "qkv"]
+        return [at.name("hf", f"{self.module}.{p}_proj.{self.kind}") for p in "qkv"]
 
     def demanded(self, cfg: HFConfig) -> bool:
         return self.required if isinstance(self.required, bool) else cfg.flag(self.required)
@@ -353,8 +356,8 @@ class Block:
     when: Callable[[HFConfig, int], bool] | None = None
     per_expert: bool = False
 
-    def scopes(self, dims: Dims, layer: int) -> Iterator[Scope]:
-        mg, hf = MG_LAYER.format(L=layer), HF_LAYER.format(L=layer)
+    def scopes(self, dims: Dims, layer: int, hf_layer: str = HF_LAYER) -> Iterator[Scope]:
+        mg, hf = MG_LAYER.format(L=layer), hf_layer.format(L=layer)
         if self.when is not None and not self.when(dims.config, layer):
             return
         if self.per_expert:
@@ -375,6 +378,8 @@ class Family:
     embedding: tuple[Rule, ...]
     layers: tuple[Block, ...]
     final: tuple[Rule, ...]
+    hf_layer: str = HF_LAYER
+    """The HF name of layer `{L}` (Nemotron-H: `backbone.layers.{L}.`)."""
 
     def gated_mlp(self) -> bool:
         """Whether its MLPs are gated (fc1 `[W; V]` per TP rank) whatever the activation: a llama
@@ -384,9 +389,9 @@ class Family:
     def applied(self, dims: Dims) -> Iterator[tuple[Rule, Scope]]:
         top = Scope("", "")
         yield from ((rule, top) for rule in self.embedding)
-        for layer in range(dims.config.int("num_hidden_layers")):
+        for layer in range(dims.size("layers")):
             for block in self.layers:
-                for at in block.scopes(dims, layer):
+                for at in block.scopes(dims, layer, self.hf_layer):
                     yield from ((rule, at) for rule in block.rules)
         yield from ((rule, top) for rule in self.final)
 
