@@ -51,6 +51,7 @@ from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, Torchtita
                                   torchtitan_prefix)
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.hf.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
+from ckptctl.hf.rules import Family
 from ckptctl.megatron import MODEL_PREFIXES
 from ckptctl.megatron_tp import resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
@@ -289,7 +290,14 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         expected = expected_for(cfg, raw, ctx.notes)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
+    mtp = family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
+    written = [n for n in tensors if mtp and n.startswith(mtp)]
+    if written:
+        ctx.notes.append(f"{counted(len(written), 'tensor')} of multi-token prediction written as "
+                         f"{', '.join(p + '*' for p in mtp)} (transformers skips them on load; inference engines "
+                         "read them)")
     if expected is not None:
+        expected = expected.allowing(mtp)
         tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None, ctx.notes)
     selected = False
     if opts.include or opts.exclude:
@@ -413,7 +421,8 @@ def check_written_names(plan: ExportPlan, out: Path) -> None:
         raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
     if plan.expected is None:
         return
-    expected = expected_names(json.loads((out / CONFIG_NAME).read_text())).for_output(names)
+    expected = expected_names(json.loads((out / CONFIG_NAME).read_text())).allowing(plan.expected.beyond)
+    expected = expected.for_output(names)
     unclaimed = expected.unclaimed(names)
     if unclaimed:
         raise CheckpointError(out, f"verification failed: a {expected.model_class} has no place for "

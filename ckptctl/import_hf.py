@@ -35,6 +35,7 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
 from ckptctl.hf.registry import FAMILIES, family_for_model_type
+from ckptctl.hf.rules import Family
 from ckptctl.hf.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_elements,
 )
@@ -205,6 +206,8 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
     with gc_paused():
         views = {fqn: source_view(entry) for fqn, entry in ckpt.tensors.items()}
         narrowed = bool(opts.include or opts.exclude)
+        if expected is not None and opts.to == "megatron-fsdp" and config is not None:
+            expected = expected.allowing(mtp_prefixes(ckpt, config, opts))
         tied = check_names(ckpt, expected, narrowed, opts.to == "fsdp2") if expected else {}
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
@@ -283,6 +286,14 @@ def folder_hf_config(ckpt: Checkpoint, config: dict[str, Any] | None, target: st
     if config is None:
         raise UsageError(f"{ckpt.path}: no {CONFIG_NAME}; --to {target} needs the model's config")
     return HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
+
+
+def mtp_prefixes(ckpt: Checkpoint, config: dict[str, Any], opts: ImportOptions) -> tuple[str, ...]:
+    """The HF layers of the family's multi-token prediction, which a Megatron import takes where
+    the folder holds them (DeepSeek-V3's layer N; transformers has no place for them)."""
+    cfg = folder_hf_config(ckpt, config, opts.to)
+    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
+    return family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
 
 
 def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,

@@ -6,7 +6,7 @@ TP 2 into megatron-core's GPTModel (`fixtures.megatron_bridge`): each rank holds
 Bridge scattered to it. import-hf of the same folder at TP 2 must hold the same values,
 rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every expert's too),
 the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention, expert bias and
-shared experts, Qwen3-Next's and Qwen3.5's Gated DeltaNet (`in_proj` and `conv1d` per TP
+shared experts and multi-token prediction layer, Qwen3-Next's and Qwen3.5's Gated DeltaNet (`in_proj` and `conv1d` per TP
 rank, from grouped and flat HF projections), gated attention and gated shared experts,
 Gemma's GeGLU fc1 (never split) and its norms after each sublayer, Nemotron-H's Mamba
 `in_proj` and `conv1d` per TP rank (megatron-core's MambaModel) and relu² MLP layers,
@@ -58,7 +58,8 @@ def mapped(request, tmp_path_factory):
     from fixtures.make_fixtures import load_with_torch
 
     root = tmp_path_factory.mktemp(f"bridge-{request.param}")
-    ref = hf_models.reference(request.param, root / "hf", **OVERRIDES.get(request.param, {}))
+    ref = hf_models.reference(request.param, root / "hf", mtp=request.param == "deepseek-v3",
+                              **OVERRIDES.get(request.param, {}))
     mb.write(ref.folder, root / "bridge", TP, request.param)
     run = run_cli("import-hf", ref.folder, root / "ckpt", "--to", "megatron-fsdp", "--tp", TP, "--dp", 1, "--verify")
     assert run.returncode == 0, run.stderr
@@ -68,6 +69,7 @@ def mapped(request, tmp_path_factory):
 
 def saved_name(name: str, ours: dict) -> str:
     name = SEQUENTIAL_EXPERT.sub(r"mlp.experts.\2.weight\1", name)
+    name = name.replace(".transformer_layer.", ".mtp_model_layer.")  # megatron-core 0.16's MTP decoder layer
     for local, saved in LOCAL_SPEC_NAMES:
         if name.endswith(local) and "model.module." + name[: -len(local)] + saved in ours:
             return "model.module." + name[: -len(local)] + saved

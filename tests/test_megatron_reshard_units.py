@@ -135,7 +135,8 @@ def test_fused_tensor_names_and_their_saved_components():
     ("decoder.layers.0.mixer.D", "column"),
     ("decoder.layers.0.mixer.x_proj.weight", None),
     ("decoder.layers.0.self_attention.linear_qkv.weight.extra", None),
-    ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", None),
+    ("mtp.layers.0.transformer_layer.mlp.linear_fc1.weight", "swiglu"),
+    ("mtp.layers.0.eh_proj.weight", "column"),
 ])
 def test_megatron_tp_kinds_come_from_the_family_rules_and_unknown_names_have_none(name, kind):
     assert megatron_tp_kind(name) == kind

@@ -393,6 +393,9 @@ class MegatronModel:
     def has(self, name: str) -> bool:
         return name in self.entries or name in self.layer_views
 
+    def has_prefix(self, prefix: str) -> bool:
+        return any(n.startswith(prefix) for n in self.entries)
+
     def first(self, *names: str) -> str | None:
         return next((n for n in names if self.has(n)), None)
 

@@ -8,8 +8,9 @@ MLA tensors map one to one (Megatron-Bridge's `DeepSeekV3Bridge`): with a query 
 (Transformer Engine's duplicated linears). The first `first_k_dense_replace` layers have a
 dense SwiGLU MLP; the others a router with its load-balancing `expert_bias` ↔
 `gate.e_score_correction_bias`, routed experts and `n_shared_experts` shared experts as one
-MLP (HF `mlp.shared_experts`, plural, no gate). Multi-token-prediction layers (`mtp.*`)
-are left out of an export with a note.
+MLP (HF `mlp.shared_experts`, plural, no gate). Multi-token-prediction layer i
+(`mtp.layers.i.`: `enorm`, `hnorm`, `eh_proj`, `final_layernorm` ↔ `shared_head.norm`, and a
+decoder layer like the others) is HF layer N + i, as DeepSeek publishes it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 from ckptctl.hf.base import HFConfig
 from ckptctl.hf.llama import DENSE_MLP, EMBEDDING, FINAL
 from ckptctl.hf.qwen3_moe import EXPERT, ROUTER
-from ckptctl.hf.rules import COLUMN, DUPLICATED, ROW, Block, Dims, Family, Rule, Same, swiglu
+from ckptctl.hf.rules import COLUMN, DUPLICATED, ROW, Block, Dims, Family, Mtp, Rule, Same, swiglu
 
 
 def first_k_dense(cfg: HFConfig, layer: int) -> bool:
@@ -66,12 +67,22 @@ MOE: tuple[Rule, ...] = (
 """A MoE layer's router (with its expert bias) and shared experts; the routed experts are `EXPERT`."""
 
 
+MTP: tuple[Rule, ...] = (
+    Same("enorm.weight", ("enorm.weight",), ("hidden",), DUPLICATED),
+    Same("hnorm.weight", ("hnorm.weight",), ("hidden",), DUPLICATED),
+    Same("eh_proj.weight", ("eh_proj.weight",), ("hidden", "mtp_in"), COLUMN),
+    Same("shared_head.norm.weight", ("final_layernorm.weight",), ("hidden",), DUPLICATED),
+)
+"""An MTP layer's own tensors: the norms of the embedding and the hidden state, their projection,
+and the norm before the shared output layer."""
+
+
 def dims(cfg: HFConfig) -> Dims:
     heads = cfg.int("num_attention_heads")
     nope, rope, v = cfg.int("qk_nope_head_dim"), cfg.int("qk_rope_head_dim"), cfg.int("v_head_dim")
     kv_lora = cfg.int("kv_lora_rank")
     sizes = {"q_rows": heads * (nope + rope), "kv_a_rows": kv_lora + rope, "kv_b_rows": heads * (nope + v),
-             "o_width": heads * v, "kv_lora": kv_lora}
+             "o_width": heads * v, "kv_lora": kv_lora, "mtp_in": 2 * cfg.int("hidden_size")}
     if cfg.get("q_lora_rank"):
         sizes["q_lora"] = cfg.int("q_lora_rank")
     if cfg.get("n_shared_experts"):
@@ -82,4 +93,4 @@ def dims(cfg: HFConfig) -> Dims:
 DEEPSEEK_V3 = Family("deepseek-v3", ("deepseek_v3",), dims, EMBEDDING,
                      (Block(ATTENTION), Block(QUERY_LORA, q_lora), Block(QUERY, no_q_lora),
                       Block(DENSE_MLP, dense), Block(MOE, first_k_dense), Block(EXPERT, first_k_dense, per_expert=True)),
-                     FINAL)
+                     FINAL, mtp=Mtp("num_nextn_predict_layers", MTP))

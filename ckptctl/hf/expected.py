@@ -31,7 +31,7 @@ import os
 import re
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -60,17 +60,23 @@ class ExpectedNames:
     """The transformers version that answered."""
     in_memory: frozenset[str] = frozenset()
     """`required` as transformers holds the weights in memory, when that differs from what it saves."""
+    beyond: tuple[str, ...] = ()
+    """Prefixes of names the family defines past the model class (DeepSeek-V3's MTP layers, which
+    transformers skips on load and inference engines read): allowed, not required."""
 
     def for_output(self, names: Iterable[str]) -> "ExpectedNames":
         """The form to check `names` against: the in-memory one when some name is only in it."""
         if not self.in_memory or not (set(names) & (self.in_memory - self.required)):
             return self
-        return ExpectedNames(self.model_class, self.in_memory, self.optional, self.tied, self.version)
+        return replace(self, required=self.in_memory, in_memory=frozenset())
+
+    def allowing(self, prefixes: tuple[str, ...]) -> "ExpectedNames":
+        return replace(self, beyond=prefixes) if prefixes else self
 
     def unclaimed(self, names: Iterable[str]) -> list[str]:
         """The names, sorted, that this model has no place for."""
         return sorted(n for n in names if n not in self.required and n not in self.optional
-                      and n not in self.tied)
+                      and n not in self.tied and not (self.beyond and n.startswith(self.beyond)))
 
     def missing(self, names: Iterable[str]) -> list[str]:
         """The required names, sorted, that are not among `names`."""

@@ -356,14 +356,33 @@ class Block:
     when: Callable[[HFConfig, int], bool] | None = None
     per_expert: bool = False
 
-    def scopes(self, dims: Dims, layer: int, hf_layer: str = HF_LAYER) -> Iterator[Scope]:
-        mg, hf = MG_LAYER.format(L=layer), hf_layer.format(L=layer)
+    def scopes(self, dims: Dims, layer: int, hf_layer: str = HF_LAYER, mg: str | None = None) -> Iterator[Scope]:
+        """`mg`: the Megatron prefix when it is not decoder layer `layer` (an MTP layer's)."""
+        mg, hf = mg or MG_LAYER.format(L=layer), hf_layer.format(L=layer)
         if self.when is not None and not self.when(dims.config, layer):
             return
         if self.per_expert:
             yield from (Scope(mg, hf, e) for e in range(dims.size("experts")))
         else:
             yield Scope(mg, hf)
+
+
+@dataclass(frozen=True)
+class Mtp:
+    """Multi-token prediction layers after the decoder (DeepSeek-V3; Megatron-Bridge's mapping):
+    Megatron `mtp.layers.{i}.` holds `rules` (its norms and projection) around one decoder layer
+    under `{i}.<inner>.`, HF layer N + i (N decoder layers) holds both. `count` names the config
+    key with their number; an export writes those the checkpoint holds, an import those the
+    folder holds."""
+
+    count: str
+    rules: tuple[Rule, ...]
+    inner: tuple[str, ...] = ("mtp_model_layer.", "transformer_layer.")
+    """The decoder layer's name inside, as an import writes it first: Megatron-Bridge's (newer
+    megatron-core), then megatron-core 0.16's."""
+
+    def layers(self, cfg: HFConfig) -> range:
+        return range(cfg.int(self.count, 0))
 
 
 @dataclass(frozen=True)
@@ -380,32 +399,61 @@ class Family:
     final: tuple[Rule, ...]
     hf_layer: str = HF_LAYER
     """The HF name of layer `{L}` (Nemotron-H: `backbone.layers.{L}.`)."""
+    mtp: Mtp | None = None
 
     def gated_mlp(self) -> bool:
         """Whether its MLPs are gated (fc1 `[W; V]` per TP rank) whatever the activation: a llama
         with `hidden_act: gelu` is still gated, and Gemma's GeGLU is."""
         return any(isinstance(rule, GatedMLP) for block in self.layers for rule in block.rules)
 
-    def applied(self, dims: Dims) -> Iterator[tuple[Rule, Scope]]:
+    def applied(self, dims: Dims, mtp_inner: Callable[[int], str | None] = lambda i: None
+                ) -> Iterator[tuple[Rule, Scope]]:
+        """Every rule with where it applies; MTP layer i where `mtp_inner(i)` names its decoder layer."""
         top = Scope("", "")
         yield from ((rule, top) for rule in self.embedding)
-        for layer in range(dims.size("layers")):
+        layers = dims.size("layers")
+        for layer in range(layers):
             for block in self.layers:
                 for at in block.scopes(dims, layer, self.hf_layer):
                     yield from ((rule, at) for rule in block.rules)
+        for i in self.mtp.layers(dims.config) if self.mtp is not None else ():
+            inner = mtp_inner(i)
+            if inner is None:
+                continue
+            hf = self.hf_layer.format(L=layers + i)
+            yield from ((rule, Scope(f"mtp.layers.{i}.", hf)) for rule in self.mtp.rules)
+            for block in self.layers:
+                for at in block.scopes(dims, layers + i, self.hf_layer, f"mtp.layers.{i}.{inner}"):
+                    yield from ((rule, at) for rule in block.rules)
         yield from ((rule, top) for rule in self.final)
+
+    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
+        """The HF names of the MTP layers (no transformers model class holds them)."""
+        if self.mtp is None:
+            return ()
+        layers = self.dims(cfg).size("layers")
+        return tuple(self.hf_layer.format(L=layers + i) for i in self.mtp.layers(cfg))
 
     def to_hf(self, ctx: ExportContext) -> dict[str, HFTensor]:
         dims = self.dims(ctx.config)
         out: dict[str, HFTensor] = {}
-        for rule, at in self.applied(dims):
+
+        def inner(i: int) -> str | None:  # the name the checkpoint's MTP layer i holds its decoder layer under
+            return next((p for p in self.mtp.inner if ctx.model.has_prefix(f"mtp.layers.{i}.{p}")), None)
+
+        for rule, at in self.applied(dims, inner):
             rule.to_hf(ctx, dims, at, out)
         return out
 
     def megatron_shapes(self, cfg: HFConfig, spec: MegatronSpec) -> Shapes:
         dims = self.dims(cfg)
         shapes: Shapes = {}
-        for rule, at in self.applied(dims):
+        mtp = self.mtp_prefixes(cfg)
+
+        def inner(i: int) -> str | None:
+            return self.mtp.inner[0] if any(n.startswith(mtp[i]) for n in spec.hf_names) else None
+
+        for rule, at in self.applied(dims, inner):
             rule.megatron_shapes(dims, spec, at, shapes)
         return shapes
 
@@ -416,3 +464,7 @@ class Family:
         for block in self.layers:
             for rule in block.rules:
                 yield from ((MG_LAYER + name, kind) for name, kind in rule.megatron_tensors())
+                for inner in self.mtp.inner if self.mtp is not None else ():
+                    yield from ((f"mtp.layers.{{L}}.{inner}{name}", kind) for name, kind in rule.megatron_tensors())
+        for rule in self.mtp.rules if self.mtp is not None else ():
+            yield from ((f"mtp.layers.{{L}}.{name}", kind) for name, kind in rule.megatron_tensors())
