@@ -356,7 +356,8 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     but the rows of `padded` tensors past the count given (zeros: Megatron's vocab padding,
     torchtitan's expert bias). A tensor the family reads in another shape (a stack slab by
     slab, `MegatronModel.stacked`, as [S·R, …]; row pairs, `in_row_groups`) is planned in that
-    shape and written in its own (`TargetTensor.logical_shape`)."""
+    shape and written in its own (`TargetTensor.logical_shape`); an HF tensor whose pieces are in
+    another shape (`logical_shape`) is read in it: its entry in `views` is replaced."""
     model = planned_model(ckpt.path, shapes, next(iter(ckpt.tensors.values())).dtype)
     hf = family.to_hf(ExportContext(cfg, model, tp, tp))
     unread = model.unused()
@@ -377,6 +378,9 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
         if tuple(tensor.shape) != views[name].shape:
             raise CheckpointError(ckpt.path, f"{name}: shape {list(views[name].shape)}, the config implies "
                                              f"{list(tensor.shape)}")
+        logical = getattr(tensor, "logical_shape", None)
+        if logical is not None:  # read in the shape its pieces are in (GPT-OSS's interleaved experts)
+            views[name] = source_view(ckpt.tensors[name], logical)
     notes.extend(f"{name} not imported: the config ties it to {tied[name]}" for name in left_out)
     pieces, adds = reversed_pieces(hf, shapes)
     targets = []

@@ -81,13 +81,17 @@ class SourceTensor:
 
 
 def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
-    """View an entry as a source; a 1-D entry given an N-D `logical_shape` is a flat item-coordinate buffer."""
+    """View an entry as a source. Given another `logical_shape` of its elements, a 1-D entry is a
+    flat item-coordinate buffer, and so is an entry saved whole (a safetensors tensor: GPT-OSS's
+    [E, H, 2F] read as [E, H, F, 2])."""
     shape = tuple(entry.shape if logical_shape is None else logical_shape)
     flat = shape != entry.shape
-    if flat and (len(entry.shape) != 1 or math.prod(shape) != entry.numel):
+    whole = all(not any(c.offsets) and tuple(c.sizes) == tuple(entry.shape) for c in entry.chunks)
+    if flat and (math.prod(shape) != entry.numel or not (len(entry.shape) == 1 or whole)):
         raise ValueError(f"{entry.fqn}: cannot view {list(entry.shape)} as {list(shape)}")
     regions = tuple(
-        (c, FlatRange(c.offsets[0], c.sizes[0]) if flat else Box(c.offsets, c.sizes)) for c in entry.chunks
+        (c, (FlatRange(c.offsets[0], c.sizes[0]) if len(entry.shape) == 1 else FlatRange(0, entry.numel)) if flat
+         else Box(c.offsets, c.sizes)) for c in entry.chunks
     )
     return SourceTensor(entry.fqn, shape, entry.dtype, regions)
 

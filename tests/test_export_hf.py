@@ -49,6 +49,7 @@ DEFAULT_CASES = [  # TP2 fused for each family, TP1 split; prefixes varied (TP4 
     Case("qwen3.5-moe", 2, "fused", "fused"),
     Case("gemma3", 2, "fused"),
     Case("nemotron-h", 2, "fused"),
+    Case("gpt-oss", 2, "fused"),
 ]
 ALL_CASES = [Case(f, tp, fc1, gdn) for f in hf_models.FAMILIES for tp in (1, 2, 4) if tp <= hf_models.MAX_TP[f]
              for fc1 in (("fused",) if f in (*hf_models.GEGLU, "nemotron-h") else ("fused", "split"))

@@ -254,7 +254,7 @@ MEGATRON_CASES = [  # (family, TP, DP, fc1/GDN storage)
     ("llama", 2, 2, "fused"), ("llama", 4, 1, "split"), ("qwen3", 2, 1, "fused"), ("qwen3-moe", 2, 2, "fused"),
     ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"), ("qwen3.5", 2, 2, "split"),
     ("qwen3.5-moe", 4, 1, "fused"), ("gemma2", 2, 2, "split"), ("gemma3", 2, 1, "fused"),
-    ("nemotron-h", 2, 2, "split"),
+    ("nemotron-h", 2, 2, "split"), ("gpt-oss", 2, 2, "split"),
 ]
 VOCAB_MULTIPLE = 8
 """Passed as --make-vocab-size-divisible-by: the test-side mapping pads the vocab to 8 × TP."""
@@ -393,7 +393,7 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
      "ckptctl: error: --world-size 3 is not a multiple of --tp 2"),
     (["--to", "megatron-fsdp", "--dp", "2", "--arch", "raw"],
      "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
-     "qwen3, qwen3-moe, qwen3-next, qwen3.5, deepseek-v3, mixtral, gemma2, gemma3, nemotron-h)"),
+     "qwen3, qwen3-moe, qwen3-next, qwen3.5, deepseek-v3, mixtral, gemma2, gemma3, nemotron-h, gpt-oss)"),
     (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
     (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
      "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "

@@ -23,11 +23,20 @@ from ckptctl.plan import Piece
 DTYPE = torch.float32
 
 
-def assemble(shape: tuple[int, ...], pieces: list[Piece], add: float, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A tensor from its pieces over whole in-memory sources; rows no piece fills are zero."""
+def assemble(shape: tuple[int, ...], pieces: list[Piece], add: float, tensors: dict[str, torch.Tensor],
+             views: dict[str, tuple[int, ...]] | None = None) -> torch.Tensor:
+    """A tensor from its pieces over whole in-memory sources (`views`: sources read in another shape
+    of their elements); rows no piece fills are zero. A transposed piece is the source block with
+    its unit dims dropped, permuted as `axes` says, then shaped as the destination block."""
     out = torch.zeros(shape, dtype=DTYPE)
     for p in pieces:
-        src = tensors[p.src][tuple(slice(s, s + n) for s, n in zip(p.src_start, p.sizes))]
+        source = tensors[p.src].reshape((views or {}).get(p.src, tensors[p.src].shape))
+        box = p.source_box
+        src = source[tuple(slice(s, s + n) for s, n in zip(box.offsets, box.sizes))]
+        if p.axes is not None:
+            kept = sorted(a for a in p.axes if a is not None)
+            src = src.reshape([box.sizes[k] for k in kept]).permute([kept.index(a) for a in p.axes if a is not None])
+            src = src.reshape(p.sizes)
         out[tuple(slice(d, d + n) for d, n in zip(p.dst_start, p.sizes))] = src
     return out + add if add else out
 
@@ -52,8 +61,10 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                    n_routed_experts=draw(st.integers(1, 3)), n_shared_experts=draw(st.integers(1, 2)),
                    moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])))
-    if family == "mixtral":
+    if family in ("mixtral", "gpt_oss"):
         cfg.update(num_local_experts=draw(st.integers(1, 3)))
+    if family == "gpt_oss":
+        cfg.update(attention_bias=True)
     if family in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         cfg.update(num_experts=draw(st.integers(1, 3)), moe_intermediate_size=tp * draw(st.integers(1, 2)),
                    decoder_sparse_step=draw(st.integers(1, 2)))
@@ -100,14 +111,17 @@ def check_bijection(family_name: str, config: dict, tp: int, split: bool, bias: 
         megatron[name] = values(shape, gen)
         if name.endswith(("word_embeddings.weight", "output_layer.weight")):
             megatron[name][vocab:] = 0  # padding rows: no HF row, so an import writes zeros
-    exported = {n: assemble(t.shape, list(t.pieces()), t.add, megatron) for n, t in hf.items()}
-    imported = {n: assemble(shapes[n], pieces[n], adds.get(n, 0.0), exported) for n in shapes}
+    logical = {n: t.logical_shape for n, t in hf.items() if getattr(t, "logical_shape", None)}
+    exported = {n: assemble(logical.get(n, t.shape), list(t.pieces()), t.add, megatron).reshape(t.shape)
+                for n, t in hf.items()}
+    imported = {n: assemble(shapes[n], pieces[n], adds.get(n, 0.0), exported, logical) for n in shapes}
     for name in shapes:
         assert torch.equal(imported[name], megatron[name]), name
 
     source = {n: values(t.shape, gen) for n, t in hf.items()}
-    back = {n: assemble(shapes[n], pieces[n], adds.get(n, 0.0), source) for n in shapes}
-    again = {n: assemble(t.shape, list(t.pieces()), t.add, back) for n, t in hf.items()}
+    back = {n: assemble(shapes[n], pieces[n], adds.get(n, 0.0), source, logical) for n in shapes}
+    again = {n: assemble(logical.get(n, t.shape), list(t.pieces()), t.add, back).reshape(t.shape)
+             for n, t in hf.items()}
     for name in hf:
         assert torch.equal(again[name], source[name]), name
 
@@ -121,7 +135,7 @@ def test_dense_family_rules_are_a_bijection(data, family, bias):
 
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), family=st.sampled_from(["qwen3-moe", "qwen3-next", "qwen3.5", "deepseek-v3", "mixtral",
-                                                              "nemotron-h"]))
+                                                              "nemotron-h", "gpt-oss"]))
 def test_moe_gated_deltanet_and_latent_attention_family_rules_are_a_bijection(data, family):
     config, tp, split = data.draw(configs({"qwen3.5": "qwen3_5_moe_text"}.get(family, family.replace("-", "_"))))
     check_bijection(family, config, tp, split, bias=False)

@@ -122,7 +122,7 @@ def export_hf_command(
                                   help="HF model folder with config.json, the config file, or a Hub model id "
                                        "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
                                        "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
-    arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|"
+    arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|gpt-oss|"
                                                     "deepseek-v3|mixtral|gemma2|gemma3|nemotron-h|"
                                                     "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|"
                                                     "automodel|raw (auto: torchtitan names pick a torchtitan "

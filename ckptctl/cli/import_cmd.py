@@ -44,7 +44,7 @@ def import_hf_command(
                                               "'model.module.' for megatron-fsdp)."),
     arch: str = typer.Option("auto", "--arch", help="torchtitan and megatron-fsdp: auto (config model_type)|llama|"
                                                     "qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|deepseek-v3|mixtral|"
-                                                    "gemma2|gemma3|nemotron-h|torchtitan-llama3|"
+                                                    "gemma2|gemma3|nemotron-h|gpt-oss|torchtitan-llama3|"
                                                     "torchtitan-qwen3|torchtitan-deepseek-v3."),
     tp: Optional[int] = typer.Option(None, "--tp", help="megatron-fsdp: tensor-parallel size (fused tensors are "
                                                         "TP-blocked for it; default 1)."),

@@ -133,7 +133,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
                  "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
                  "deepseek_v3": "DeepseekV3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "nemotron_h": "NemotronHForCausalLM"}
+                 "nemotron_h": "NemotronHForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 """The transformers model class of each `model_type` export-hf writes, for a REF without `architectures`."""
 
 GENERATION_KEYS = (

@@ -15,6 +15,7 @@ import re
 from ckptctl.hf.automodel import AUTOMODEL
 from ckptctl.hf.deepseek_v3 import DEEPSEEK_V3
 from ckptctl.hf.gemma import GEMMA2, GEMMA3
+from ckptctl.hf.gpt_oss import GPT_OSS
 from ckptctl.hf.llama import LLAMA, QWEN2, QWEN3
 from ckptctl.hf.mixtral import MIXTRAL
 from ckptctl.hf.nemotron_h import NEMOTRON_H
@@ -27,8 +28,8 @@ from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TOR
 from ckptctl.megatron import FUSED_PARTS
 
 FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2,
-                                GEMMA3, NEMOTRON_H, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3,
-                                AUTOMODEL, RAW)}
+                                GEMMA3, NEMOTRON_H, GPT_OSS, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3,
+                                TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
