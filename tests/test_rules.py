@@ -60,7 +60,8 @@ def configs(draw, family: str) -> tuple[dict, int, bool]:
                    v_head_dim=draw(st.integers(1, 4)), q_lora_rank=draw(st.sampled_from([None, 3])),
                    n_routed_experts=draw(st.integers(1, 3)), n_shared_experts=draw(st.integers(1, 2)),
                    moe_intermediate_size=tp * draw(st.integers(1, 2)),
-                   first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])))
+                   first_k_dense_replace=draw(st.integers(0, cfg["num_hidden_layers"])),
+                   num_nextn_predict_layers=draw(st.integers(0, 2)))
     if family in ("mixtral", "gpt_oss"):
         cfg.update(num_local_experts=draw(st.integers(1, 3)))
     if family == "gpt_oss":
@@ -89,7 +90,8 @@ def check_bijection(family_name: str, config: dict, tp: int, split: bool, bias: 
     vocab = config["vocab_size"]
     padded = -(-vocab // (8 * tp)) * 8 * tp
     # The HF names present decide the optional biases: take them from an export of the full set.
-    probe_spec = MegatronSpec(tp, split, padded, frozenset())
+    mtp = family.mtp_prefixes(cfg)  # an MTP layer is imported where the folder has one: say it has
+    probe_spec = MegatronSpec(tp, split, padded, frozenset(p + "eh_proj.weight" for p in mtp))
     probe = family.to_hf(ExportContext(cfg, planned_model(Path("/x"), family.megatron_shapes(cfg, probe_spec), DTYPE),
                                        tp, tp))
     names = set(probe)
