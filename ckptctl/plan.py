@@ -86,8 +86,8 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     [E, H, 2F] read as [E, H, F, 2])."""
     shape = tuple(entry.shape if logical_shape is None else logical_shape)
     flat = shape != entry.shape
-    whole = all(not any(c.offsets) and tuple(c.sizes) == tuple(entry.shape) for c in entry.chunks)
-    if flat and (math.prod(shape) != entry.numel or not (len(entry.shape) == 1 or whole)):
+    if flat and (math.prod(shape) != entry.numel or not (len(entry.shape) == 1 or all(
+            not any(c.offsets) and tuple(c.sizes) == tuple(entry.shape) for c in entry.chunks))):
         raise ValueError(f"{entry.fqn}: cannot view {list(entry.shape)} as {list(shape)}")
     regions = tuple(
         (c, (FlatRange(c.offsets[0], c.sizes[0]) if len(entry.shape) == 1 else FlatRange(0, entry.numel)) if flat

@@ -8,7 +8,10 @@ per TP rank `[z_t; x_t; B_t; C_t; dt_t]` ↔ HF `[z; x; B; C; dt]` (`MambaInProj
 `conv1d` weight and bias `[x_t; B_t; C_t]` ↔ `[x; B; C]` (`MambaConv1dMapping`); megatron-core's
 torch_dist saves them split (`in_proj.weight.z` …), which is read too. `A_log`, `D`,
 `dt_bias` and the gated `norm` are split over TP on dim 0. MLP layers are not gated:
-fc1 ↔ `up_proj`. MoE layers (`E`) are not supported yet and are refused.
+fc1 ↔ `up_proj`. A MoE layer (`E`) has a separate pre-MLP norm, a sigmoid router with its
+expert bias (`mixer.gate.weight`, `gate.e_score_correction_bias`), relu² experts written
+per expert (`mixer.experts.{e}.up_proj` / `down_proj`, which transformers stacks on load)
+and shared experts. Latent MoE projections (`moe_latent_size`) are refused.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ def layer_kinds(cfg: HFConfig) -> list[str]:
     if not isinstance(kinds, list) or len(kinds) != layers or any(k not in PATTERN.values() for k in kinds):
         raise UsageError(f"{cfg.path}: layers_block_type (or hybrid_override_pattern) must name one of "
                          f"{', '.join(PATTERN.values())} for each layer (num_hidden_layers={layers})")
-    if "moe" in kinds:
-        raise UsageError(f"{cfg.path}: Nemotron-H MoE layers (layer {kinds.index('moe')}) are not supported yet")
+    if "moe" in kinds and cfg.get("moe_latent_size"):
+        raise UsageError(f"{cfg.path}: Nemotron-H latent MoE (moe_latent_size) is not supported yet")
     return kinds
 
 
@@ -51,6 +54,10 @@ def is_attention(cfg: HFConfig, layer: int) -> bool:
 
 def is_mlp(cfg: HFConfig, layer: int) -> bool:
     return layer_kinds(cfg)[layer] == "mlp"
+
+
+def is_moe(cfg: HFConfig, layer: int) -> bool:
+    return layer_kinds(cfg)[layer] == "moe"
 
 
 @dataclass(frozen=True)
@@ -151,19 +158,41 @@ MLP: tuple[Rule, ...] = (
 )
 """A relu² MLP layer: fc1 is declared with the other families' fc1 kind, which Megatron-aware
 reshard re-blocks only for a gated family (`Family.gated_mlp`)."""
+MOE: tuple[Rule, ...] = (
+    Same("norm.weight", ("pre_mlp_layernorm.weight",), ("hidden",), DUPLICATED),
+    Same("mixer.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
+    Same("mixer.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), DUPLICATED),
+    Same("mixer.shared_experts.up_proj.weight", ("mlp.shared_experts.linear_fc1.weight",), ("shared_ffn", "hidden"),
+         SWIGLU),
+    Same("mixer.shared_experts.down_proj.weight", ("mlp.shared_experts.linear_fc2.weight",), ("hidden", "shared_ffn"),
+         ROW),
+)
+"""A MoE layer but its routed experts (`EXPERT`)."""
+EXPERT: tuple[Rule, ...] = (
+    Same("mixer.experts.{e}.up_proj.weight", ("mlp.experts.linear_fc1.weight{e}",
+                                              "mlp.experts.local_experts.{e}.linear_fc1.weight"), ("moe_ffn", "hidden"),
+         SWIGLU),
+    Same("mixer.experts.{e}.down_proj.weight", ("mlp.experts.linear_fc2.weight{e}",
+                                                "mlp.experts.local_experts.{e}.linear_fc2.weight"), ("hidden", "moe_ffn"),
+         ROW),
+)
+"""One relu² routed expert: grouped-GEMM names (what an import writes) or SequentialMLP's."""
 
 
 def dims(cfg: HFConfig) -> Dims:
     base = attention_dims(None)(cfg)
     mamba = Mamba.from_config(cfg)
     return Dims(cfg, {**base.derived, "mamba_heads": mamba.heads, "mamba_inner": mamba.inner,
-                      "layers": len(layer_kinds(cfg))},
+                      "layers": len(layer_kinds(cfg)),
+                      **({"shared_ffn": cfg.int("moe_shared_expert_intermediate_size")}
+                         if "moe" in layer_kinds(cfg) else {})},
                 {**base.heads, "mamba": mamba})
 
 
 NEMOTRON_H = Family("nemotron-h", ("nemotron_h",), dims,
                     (VocabRows("backbone.embeddings.weight", "embedding.word_embeddings.weight"),),
-                    (Block(MAMBA, is_mamba), Block(ATTENTION, is_attention), Block(MLP, is_mlp)),
+                    (Block(MAMBA, is_mamba), Block(ATTENTION, is_attention), Block(MLP, is_mlp), Block(MOE, is_moe),
+                     Block(EXPERT, is_moe, per_expert=True)),
                     (Same("backbone.norm_f.weight", ("decoder.final_norm.weight",), ("hidden",), DUPLICATED),
                      VocabRows("lm_head.weight", "output_layer.weight", tied_by="tie_word_embeddings")),
                     hf_layer="backbone.layers.{L}.")
