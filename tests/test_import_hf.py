@@ -252,24 +252,38 @@ def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
 
 MEGATRON_CASES = [  # (family, TP, DP, fc1/GDN storage)
     ("llama", 2, 2, "fused"), ("llama", 4, 1, "split"), ("qwen3", 2, 1, "fused"), ("qwen3-moe", 2, 2, "fused"),
-    ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"), ("qwen3.5", 2, 2, "split"),
-    ("qwen3.5-moe", 4, 1, "fused"), ("gemma2", 2, 2, "split"), ("gemma3", 2, 1, "fused"),
-    ("nemotron-h", 2, 2, "split"), ("gpt-oss", 2, 2, "split"),
+    ("qwen3-next", 2, 2, "fused"), ("qwen3-next", 1, 3, "split"), ("nemotron-h", 2, 2, "split"),
+    ("gpt-oss", 2, 2, "split"),
+    *(pytest.param(*case, marks=pytest.mark.full) for case in (
+        ("qwen3.5", 2, 2, "split"), ("qwen3.5-moe", 4, 1, "fused"), ("gemma2", 2, 2, "split"),
+        ("gemma3", 2, 1, "fused"))),
 ]
+"""Qwen3.5 and Gemma under `make test-full`: their rules differ from Qwen3-Next's and Llama's
+in names and one rule each, which the rules property test and the Bridge oracle cover too."""
 VOCAB_MULTIPLE = 8
 """Passed as --make-vocab-size-divisible-by: the test-side mapping pads the vocab to 8 × TP."""
 
 
+class References(dict):
+    """Each family's tiny HF model, saved the first time a test asks for it."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family: str):
+        from fixtures import hf_models
+
+        self[family] = hf_models.reference(family, self.root / family, seed=3)
+        return self[family]
+
+
 @pytest.fixture(scope="session")
 def references(tmp_path_factory):
-    from fixtures import hf_models
-
-    root = tmp_path_factory.mktemp("refs")
-    return {f: hf_models.reference(f, root / f, seed=3) for f in hf_models.FAMILIES}
+    return References(tmp_path_factory.mktemp("refs"))
 
 
-@pytest.mark.parametrize("family, tp, dp, storage", MEGATRON_CASES,
-                         ids=[f"{f}-tp{t}-dp{d}-{s}" for f, t, d, s in MEGATRON_CASES])
+@pytest.mark.parametrize("family, tp, dp, storage", MEGATRON_CASES)
 def test_megatron_import_equals_the_independent_mapping_and_exports_back_bit_exactly(references, tmp_path, family,
                                                                                      tp, dp, storage):
     from fixtures import hf_models

@@ -50,9 +50,10 @@ OVERRIDES = {"qwen3-moe": {"mlp_only_layers": []}, "qwen3-next": {"mlp_only_laye
 """Megatron-Bridge 0.6.2's Qwen3MoEBridge maps no dense MLP among the MoE layers (`mlp_only_layers`)."""
 
 
-FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "gemma2", "nemotron-h", "gpt-oss")
-"""Run by `make test-full` only: deepseek-v3 holds the SwiGLU, expert, router, norm and vocab
-mappings too (the others also have the test-side mapping of `test_import_hf`), and each
+FULL_ONLY = ("llama", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "qwen3.5-moe", "gemma2", "gemma3", "nemotron-h",
+             "gpt-oss")
+"""Run by `make test-full` only: deepseek-v3 holds the SwiGLU, expert, router, norm, vocab and
+MTP mappings too (the others also have the test-side mapping of `test_import_hf`), and each
 family costs a Megatron-Bridge run under torchrun."""
 
 
