@@ -201,7 +201,9 @@ def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 
 
 def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
-    """GDN dims and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`."""
+    """GDN and Mamba sizes and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`:
+    gating from the config's family where ckptctl knows it (its rules say whether fc1 is gated),
+    else from `hidden_act`; saved split only when SiLU-gated."""
     gated: bool | None = None
     swiglu: bool | None = None
     gdn: GatedDeltaNet | None = None

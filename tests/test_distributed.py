@@ -157,7 +157,11 @@ def single(fixture_ckpt, tmp_path_factory) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+NPROCS = [pytest.param(2, marks=pytest.mark.full), 3]
+"""Workers to launch: 3 (the files do not divide evenly among them) in `make test`, 2 under full."""
+
+
+@pytest.mark.parametrize("nproc", NPROCS)
 def test_torchrun_reshard_equals_the_single_process_run(fixture_ckpt, single, tmp_path, nproc):
     dst = tmp_path / "out"
     result = launch_local(nproc, ["reshard", fixture_ckpt("fsdp2_4ranks"), dst, *RESHARD_ARGS, "--json",
@@ -204,7 +208,7 @@ def single_export(fixture_ckpt, hf_config, tmp_path_factory) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", NPROCS)
 def test_torchrun_export_hf_equals_the_single_process_run(fixture_ckpt, hf_config, single_export, tmp_path, nproc):
     dst = tmp_path / "out"
     result = launch_local(nproc, ["export-hf", fixture_ckpt("fsdp2_4ranks"), dst, "--hf-config", hf_config,

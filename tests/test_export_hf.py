@@ -40,14 +40,12 @@ class Case:
         return f"{self.family}-tp{self.tp}-fc1_{self.fc1}{gdn}"
 
 
-DEFAULT_CASES = [  # TP2 fused, TP1 split; prefixes varied (TP4, qwen3.5 and gemma under make test-full)
+DEFAULT_CASES = [  # TP2 fused; prefixes varied (split, TP4 and the newer families under make test-full: their
+    # import cases and the Bridge oracle export them back bit for bit)
     Case("llama", 2, "fused"),
     Case("qwen3", 2, "fused", prefix=""),
     Case("qwen3-moe", 2, "fused", prefix="module.module."),
     Case("qwen3-next", 2, "fused", "fused"),
-    Case("qwen3-next", 1, "split", "split"),
-    Case("nemotron-h", 2, "fused"),
-    Case("gpt-oss", 2, "fused"),
 ]
 ALL_CASES = [Case(f, tp, fc1, gdn) for f in hf_models.FAMILIES for tp in (1, 2, 4) if tp <= hf_models.MAX_TP[f]
              for fc1 in (("fused",) if f in (*hf_models.GEGLU, "nemotron-h") else ("fused", "split"))

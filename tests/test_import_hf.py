@@ -337,19 +337,24 @@ def test_mixtral_imports_as_megatron_bridges_mixtral_mapping_lays_it_out_and_exp
     assert all(torch.equal(t, hf[n]) for n, t in _folder_tensors(back).items())
 
 
-def test_gemma_geglu_fc1_is_reblocked_on_a_tp_change_and_never_split(references, tmp_path):
-    """Gemma's fc1 is gated by GELU: fused `[W_t; V_t]` per TP rank like SwiGLU, but Megatron-FSDP
-    never saves it split. A reshard from TP 1 to TP 2 with `--split-fused` must re-block it (a
-    plain row split would give rank 0 all of W) and keep it fused."""
+def test_a_gelu_gated_fc1_is_reblocked_on_a_tp_change_and_never_split(references, tmp_path):
+    """A llama's fc1 is gated whatever its `hidden_act` (as Gemma's GeGLU is): fused `[W_t; V_t]`
+    per TP rank like SwiGLU, but Megatron-FSDP saves only SwiGLU split. A reshard from TP 1 to TP 2
+    with `--split-fused` must re-block it (a plain row split would give rank 0 all of W) and keep
+    it fused."""
     from fixtures import hf_models
     from fixtures.make_fixtures import load_with_torch
 
-    ref = references["gemma3"]
-    run = run_cli("import-hf", ref.folder, tmp_path / "tp1", "--to", "megatron-fsdp", "--tp", 1, "--dp", 2,
+    ref = references["llama"]
+    gelu = tmp_path / "gelu"
+    shutil.copytree(ref.folder, gelu)
+    config = json.loads((gelu / "config.json").read_text())
+    (gelu / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    run = run_cli("import-hf", gelu, tmp_path / "tp1", "--to", "megatron-fsdp", "--tp", 1, "--dp", 2,
                   "--make-vocab-size-divisible-by", VOCAB_MULTIPLE)
     assert run.returncode == 0, run.stderr
     run = run_cli("reshard", tmp_path / "tp1", tmp_path / "tp2", "--layout", "megatron-fsdp", "--tp", 2, "--dp", 1,
-                  "--source-tp", 1, "--split-fused", "--hf-config", ref.folder)
+                  "--source-tp", 1, "--split-fused", "--hf-config", gelu)
     assert run.returncode == 0, run.stderr
     want = hf_models.to_megatron(ref, 2, vocab_multiple=VOCAB_MULTIPLE)
     got = load_with_torch(tmp_path / "tp2")
@@ -358,8 +363,8 @@ def test_gemma_geglu_fc1_is_reblocked_on_a_tp_change_and_never_split(references,
     gate, up = ref.state["model.layers.1.mlp.gate_proj.weight"], ref.state["model.layers.1.mlp.up_proj.weight"]
     assert torch.equal(got["model.module." + fc1], torch.cat([gate[:24], up[:24], gate[24:], up[24:]]))
     for name, (tensor, _) in want.items():
-        rows = ref.config.vocab_size if name == "embedding.word_embeddings.weight" else None  # padding kept from TP 1
-        assert torch.equal(got["model.module." + name][:rows], tensor[:rows]), name
+        rows = ref.config.vocab_size if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
+        assert torch.equal(got["model.module." + name][:rows], tensor[:rows]), name  # padding: TP 1's
 
 
 def test_megatron_import_is_laid_out_tp_outer_dp_inner_with_the_vocab_padded_as_megatron_pads_it(references,
