@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ckptctl.dtypes import DType
-from ckptctl.hf.base import ExportContext, HFTensor, MegatronSpec, RowView, Shapes
+from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes
 from ckptctl.hf.llama import EMBEDDING, FINAL, attention
 from ckptctl.hf.qwen3_moe import router
 from ckptctl.hf.rules import (COLUMN, DUPLICATED, ROW, SWIGLU, Attention, Block, Dims, Family, Rule, Same, Scope,
@@ -131,7 +131,7 @@ LAYER: tuple[Rule, ...] = (
 """A GPT-OSS layer: every one is attention (with biases and sinks) and a MoE."""
 
 
-def dims(cfg) -> Dims:
+def dims(cfg: HFConfig) -> Dims:
     att = Attention.from_config(cfg, 64)
     return Dims(cfg, {**att.sizes(), "heads": att.heads}, {"attention": att})
 

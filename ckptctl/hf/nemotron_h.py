@@ -63,7 +63,8 @@ def is_moe(cfg: HFConfig, layer: int) -> bool:
 @dataclass(frozen=True)
 class Mamba:
     """Mamba-2 mixer sizes: heads of `head_dim` channels (d_inner = heads · head_dim), and
-    `groups` groups of B and C of `state` channels each."""
+    `groups` groups of B and C of `state` channels each. Megatron-aware reshard knows these four
+    only (`kernel` and `hidden` 0), which is all re-blocking needs."""
 
     heads: int
     head_dim: int
