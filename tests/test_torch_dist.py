@@ -31,10 +31,10 @@ qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwe
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys."""
 
 
-FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-mixed-tp2")
-"""Grids run by `make test-full` only: tp2 and qwen3-moe cover most of what they hold (a TP
-split, q/k norms and a head_dim of its own, experts), and each grid costs a megatron-core save
-under torchrun."""
+FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2")
+"""Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
+costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
+the q/k norms and the per-layer keys of the others)."""
 
 
 class Saved:
