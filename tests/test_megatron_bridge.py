@@ -1,20 +1,18 @@
 """import-hf `--to megatron-fsdp` against NVIDIA Megatron-Bridge's own mapping code, and export-hf back.
 
 A tiny HF model (`fixtures.hf_models.reference`) is mapped to Megatron by Megatron-Bridge
-0.6.2's `param_mapping.py` and the family's bridge class, unmodified, on 2 gloo ranks at
-TP 2 into megatron-core's GPTModel (`fixtures.megatron_bridge`): each rank holds what the
-Bridge scattered to it. import-hf of the same folder at TP 2 must hold the same values,
-rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank (every expert's too),
-the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention, expert bias,
-shared experts and multi-token prediction layer, Qwen3-Next's and Qwen3.5's Gated DeltaNet
-(`in_proj` and `conv1d` per TP rank, from grouped and flat HF projections), gated attention
-and gated shared experts,
-Gemma's GeGLU fc1 (never split) and its norms after each sublayer, Nemotron-H's Mamba
-`in_proj` and `conv1d` per TP rank (megatron-core's MambaModel) and relu² MLP layers,
-GPT-OSS's sinks, biases and packed experts (de-interleaved, transposed; at TP 1),
-RowParallel and duplicated tensors alike; and export-hf of it gives the HF
-folder back bit for bit. Skipped without megatron-core and megatron-bridge (`make install`
-puts them in).
+0.6.2's `param_mapping.py` and the family's bridge class, unmodified, on 2 gloo ranks at TP 2
+(GPT-OSS: 1 rank at TP 1) into megatron-core's GPTModel or MambaModel (`fixtures.megatron_bridge`):
+each rank holds what the Bridge scattered to it. import-hf of the same folder at that TP must
+hold the same values, rank block by rank block: grouped QKV, SwiGLU fc1 fused per TP rank
+(every expert's too), the padded vocab, q/k norms, the router, DeepSeek-V3's latent attention,
+expert bias, shared experts and multi-token prediction layer, Qwen3-Next's and Qwen3.5's Gated
+DeltaNet (`in_proj` and `conv1d` per TP rank, from grouped and flat HF projections), gated
+attention and gated shared experts, Gemma's GeGLU fc1 (never split) and its norms after each
+sublayer, Nemotron-H's Mamba `in_proj` and `conv1d` per TP rank, relu² MLP and MoE layers,
+GPT-OSS's sinks, biases and packed experts (de-interleaved, transposed), RowParallel and
+duplicated tensors alike; and export-hf of it gives the HF folder back bit for bit. Skipped
+without megatron-core and megatron-bridge (`make install` puts them in).
 """
 
 from __future__ import annotations
