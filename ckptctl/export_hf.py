@@ -38,7 +38,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
-from ckptctl.geometry import Box, full_box, region_blocks, union_volume
+from ckptctl.geometry import full_box, region_blocks, union_volume
 from ckptctl.hf.automodel import AUTOMODEL, native_expert_names
 from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,

@@ -26,7 +26,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes, run_on_threads
 from ckptctl.engine.crc import crc32
-from ckptctl.errors import CheckpointError, OutputError, UsageError
+from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.torch_pickle import Size
 from ckptctl.formats.torch_save_out import (

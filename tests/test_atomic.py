@@ -5,7 +5,6 @@ into the source is refused by device and inode, not by path strings."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess

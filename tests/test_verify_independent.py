@@ -28,7 +28,7 @@ from ckptctl.layout import source_tensors
 from ckptctl.reshard import ReshardOptions, plan_reshard
 from ckptctl.verify import check_decoded_source, dcp_read_back, decode_source_item
 from tests.conftest import run_cli
-from tests.test_hostile_input import assert_one_line, copy_fixture, real_metadata, snapshot
+from tests.test_hostile_input import copy_fixture, real_metadata, snapshot
 
 
 def big_endian_item(src: Path) -> tuple[str, torch.Tensor]:

@@ -21,7 +21,6 @@ import collections
 import hashlib
 import io
 import pickle
-import struct
 import zipfile
 import zlib
 from dataclasses import dataclass
