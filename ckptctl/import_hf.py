@@ -288,11 +288,16 @@ def folder_hf_config(ckpt: Checkpoint, config: dict[str, Any] | None, target: st
     return HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
 
 
+def megatron_family(cfg: HFConfig, opts: ImportOptions) -> Any:
+    """The family `--arch` names, or the one serving the config's model_type (None when none does)."""
+    return FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
+
+
 def mtp_prefixes(ckpt: Checkpoint, config: dict[str, Any], opts: ImportOptions) -> tuple[str, ...]:
     """The HF layers of the family's multi-token prediction, which a Megatron import takes where
     the folder holds them (DeepSeek-V3's layer N; transformers has no place for them)."""
     cfg = folder_hf_config(ckpt, config, opts.to)
-    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
+    family = megatron_family(cfg, opts)
     return family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
 
 
@@ -301,7 +306,7 @@ def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: d
     """The Megatron model of the folder's family at --tp, each tensor made of HF rows, the vocab
     padded with zero rows as Megatron pads it (`rule_targets`)."""
     cfg = folder_hf_config(ckpt, config, opts.to)
-    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
+    family = megatron_family(cfg, opts)
     if family is None or not hasattr(family, "megatron_shapes"):
         known = ", ".join(n for n, f in FAMILIES.items() if hasattr(f, "megatron_shapes"))
         what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
