@@ -27,15 +27,26 @@ FAMILIES = ("llama3", "qwen3", "qwen3-moe", "deepseek-v3")
 ARCH = {"llama3": "torchtitan-llama3", "qwen3": "torchtitan-qwen3", "qwen3-moe": "torchtitan-qwen3",
         "deepseek-v3": "torchtitan-deepseek-v3"}
 WORLD = 2
+BIASED = "qwen3-moe-biased"
+"""A Qwen3-MoE saved with a trained (non-zero) expert bias, beside the families."""
 
 
 @pytest.fixture(scope="session")
-def saved(tmp_path_factory):
-    """Per family: the checkpoint torchtitan saved, its full model state, and the HF config folder."""
+def runs(tmp_path_factory):
+    """Every family and the biased Qwen3-MoE, saved by torchtitan in one set of ranks: their folder
+    and each one's full model state."""
     root = tmp_path_factory.mktemp("torchtitan")
+    jobs = (*((family, family, 0.0) for family in FAMILIES), (BIASED, "qwen3-moe", 0.25))
+    return root, run_ranks(titan.save_families, WORLD, jobs, str(root), timeout=240)[0]
+
+
+@pytest.fixture(scope="session")
+def saved(runs):
+    """Per family: the checkpoint torchtitan saved, its full model state, and the HF config folder."""
+    root, states = runs
     out = {}
     for family in FAMILIES:
-        state = run_ranks(titan.save, WORLD, family, str(root / family))[0]
+        state = states[family]
         ckpt = root / family / titan.SAVED
         ref = root / f"{family}-ref"
         ref.mkdir()
@@ -232,10 +243,10 @@ def test_deepseek_v3_maps_mla_shared_experts_and_its_expert_bias(saved, exported
     assert "model.layers.0.mlp.gate_proj.weight" in got and "model.layers.0.mlp.gate.weight" not in got
 
 
-def test_a_trained_expert_bias_is_refused_unless_dropped_on_purpose(saved, tmp_path):
+def test_a_trained_expert_bias_is_refused_unless_dropped_on_purpose(runs, saved, tmp_path):
     _, _, ref = saved["qwen3-moe"]
-    state = run_ranks(titan.save, WORLD, "qwen3-moe", str(tmp_path / "biased"), 0.25)[0]
-    ckpt = tmp_path / "biased" / titan.SAVED
+    root, states = runs
+    state, ckpt = states[BIASED], root / BIASED / titan.SAVED
     assert state["layers.0.moe.expert_bias_E"].tolist() == [0.25, 0.5, 0.75, 1.0]
     run = run_cli("export-hf", ckpt, tmp_path / "o", "--hf-config", ref)
     assert (run.returncode, run.stderr) == (2, (
