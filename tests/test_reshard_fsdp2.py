@@ -29,13 +29,17 @@ def clone_tree(obj):
     return obj
 
 
-def load_then_step(rank: int, world_size: int, ckpt_dir: str) -> tuple[dict, dict]:
-    """Rank function: load into fresh FSDP2 model+AdamW at `world_size`; full state before and after one step."""
-    model, optimizer = build_fsdp2(world_size, seed=1234)
-    load_dcp(model, optimizer, ckpt_dir)
-    loaded = clone_tree(full_state(model, optimizer))  # AdamW bumps `step` in place
-    train_steps(model, optimizer, 1)
-    return loaded, full_state(model, optimizer)
+def load_then_step(rank: int, world_size: int, *ckpt_dirs: str) -> list[tuple[dict, dict]]:
+    """Rank function: for each checkpoint, load into a fresh FSDP2 model+AdamW at `world_size`;
+    the full state before and after one step (one set of ranks for them all)."""
+    out = []
+    for ckpt_dir in ckpt_dirs:
+        model, optimizer = build_fsdp2(world_size, seed=1234)
+        load_dcp(model, optimizer, ckpt_dir)
+        loaded = clone_tree(full_state(model, optimizer))  # AdamW bumps `step` in place
+        train_steps(model, optimizer, 1)
+        out.append((loaded, full_state(model, optimizer)))
+    return out
 
 
 def assert_states_equal(a, b, path="") -> None:
@@ -82,9 +86,8 @@ def test_fsdp2_resumes_bit_exact_after_reshard(trained, tmp_path, src_ws, dst_ws
     dst = tmp_path / f"ws{dst_ws}"
     result = run_cli("reshard", src, dst, "--world-size", dst_ws, "--verify", "--json")
     assert result.returncode == 0, result.stderr
-    loaded, stepped = run_ranks(load_then_step, dst_ws, str(dst))[0]
+    (loaded, stepped), (_, torch_stepped) = run_ranks(load_then_step, dst_ws, str(dst), str(src))[0]
     assert_states_equal(loaded, reference)
-    _, torch_stepped = run_ranks(load_then_step, dst_ws, str(src))[0]
     assert_states_equal(stepped, torch_stepped)
 
 
