@@ -24,6 +24,11 @@ Layout labels (`TensorReport.layout`):
   the Megatron rules call RowParallel `tp-dp-grid` with its TP degree.
 - `layer-stacked`: a Megatron-Core torch_dist key with a leading layer axis
   (`decoder.layers.<name>`), saved one layer deep per chunk (TP cuts inside each layer).
+- `bucketed`: a torch_dist `dp_reshardable` optimizer buffer
+  (`optimizer.distributed.dp_group_idx_…bucket_idx_….exp_avg`): a DP bucket of a TP rank's
+  params, 1-D, cut at DP boundaries; which param lies where is not saved.
+- `model-space`: a torch_dist `fully_sharded_model_space` state: the param's TP fragments as
+  axes plus each fragment's elements (`[L, TP, 1, n]`), cut mid-fragment at DP boundaries.
 - `irregular`: anything else.
 
 Zero-size chunks (FSDP2 ranks that own no rows write them at offset == rows) are ignored.
@@ -34,6 +39,11 @@ which DCP kept one rank's copy), `shape-mismatch` (an N-D state with the param's
 count in another shape), `rank-conflict` (per-rank `__{rank}.metadata` files that
 disagree about an entry's shape, dtype or kind: ranks saved different data under one
 name, and only one rank's can be read).
+
+A torch_dist checkpoint names its optimizer format by its keys (`torch_dist_optimizer_format`):
+`fully_reshardable` states are shaped like their param and checked like any other;
+`model-space` ones hold the param's elements in another shape (not a problem), and buckets
+belong to no one param.
 
 Groups: `optimizer` for keys under `optim.` / `optimizer.`; `other` for training
 bookkeeping roots (`TRAINING_STATE_ROOTS`: `args`, `iteration`, RNG state, torchtitan's
@@ -69,6 +79,17 @@ TRAINING_STATE_ROOTS = frozenset({"args", "iteration", "checkpoint_version", "ex
 """Top-level entries that hold training bookkeeping, never model weights (Megatron's `args`,
 torchtitan's `lr_scheduler` / `train_state` / `dataloader`, ...): torchtitan saves its model
 with no prefix, so these roots cannot be told from model keys by prefix."""
+
+TORCH_DIST_STATES = ("param", "fp32_param", "exp_avg", "exp_avg_sq")
+"""Megatron-Core torch_dist's per-param optimizer states, named before the param:
+`optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight`."""
+
+TORCH_DIST_BUCKETS = "optimizer.distributed."
+"""Where torch_dist's `dp_reshardable` format keeps its DP bucket buffers."""
+
+TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS), ("fully_sharded_model_space", "optimizer.state.fp32_param."),
+                      ("fully_reshardable", "optimizer.state.param."))
+"""Megatron-Core's DistributedOptimizer formats (`distrib_optim_sharding_type`) and the keys each saves."""
 
 SCALAR_STATES = frozenset({"step"})
 """Per-param states that are one number whatever the param (0-d, or `[1]` in some optimizers)."""
@@ -135,6 +156,8 @@ class Analysis:
     groups: dict[str, int]
     dtypes: dict[str, int]
     layouts: dict[str, int]
+    optimizer_format: str | None = None
+    """A torch_dist checkpoint's DistributedOptimizer format (`TORCH_DIST_FORMATS`), if it has optimizer state."""
 
     _index: dict[str, TensorReport] = field(init=False, repr=False, compare=False)
 
@@ -172,6 +195,19 @@ def split_optimizer_fqn(fqn: str) -> StateName | None:
     if not dot or not param or not state:
         return None
     return StateName(prefix, param, state)
+
+
+def split_torch_dist_state(fqn: str) -> StateName | None:
+    """Split a torch_dist per-param state key (`optimizer.state.<state>.<param key>`); None otherwise."""
+    if not fqn.startswith("optimizer.state."):
+        return None
+    state, dot, param = fqn[len("optimizer.state."):].partition(".")
+    return StateName("optimizer.state.", param, state) if dot and param and state in TORCH_DIST_STATES else None
+
+
+def torch_dist_optimizer_format(names: Collection[str]) -> str | None:
+    """Which DistributedOptimizer format a torch_dist checkpoint's keys hold, or None (no optimizer state)."""
+    return next((name for name, root in TORCH_DIST_FORMATS if any(n.startswith(root) for n in names)), None)
 
 
 def find_param(ckpt_or_names: Checkpoint | Collection[str], optimizer_fqn: str) -> str | None:
@@ -315,27 +351,32 @@ def analysis(ckpt: Checkpoint) -> Analysis:
 def analyze(ckpt: Checkpoint) -> Analysis:
     """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt`."""
     names = ckpt.tensors.keys()
-    param_of = {fqn: find_param(names, fqn) for fqn in names if split_optimizer_fqn(fqn)}
+    stacked = ckpt.megatron_backend == "torch_dist"
+    if stacked:
+        param_of = {fqn: split.param if split.param in names else None
+                    for fqn in names if (split := split_torch_dist_state(fqn))}
+    else:
+        param_of = {fqn: find_param(names, fqn) for fqn in names if split_optimizer_fqn(fqn)}
     params = {p for p in param_of.values() if p is not None}
     seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS) and not _bookkeeping(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
 
     reports: list[TensorReport] = []
     problems: list[Problem] = []
-    stacked = ckpt.megatron_backend == "torch_dist"
     for fqn, entry in ckpt.tensors.items():
         param_fqn = param_of.get(fqn)
         param = ckpt.tensors[param_fqn] if param_fqn else None
-        layout, parts = ("layer-stacked", None) if stacked and is_layer_stacked(entry) else classify_layout(entry, param)
+        layout, parts = _torch_dist_layout(entry, param) if stacked else classify_layout(entry, param)
         cov = coverage(entry)
         reports.append(TensorReport(fqn, layout, parts, cov, _group(fqn, model_prefix, params), param_fqn))
         problems.extend(_coverage_problems(fqn, cov, entry.numel))
-        if param is not None and (problem := _state_problem(entry, param, fqn.rpartition(".")[2])):
+        if param is not None and layout != "model-space" and (problem := _state_problem(entry, param, _state(fqn))):
             problems.append(problem)
     problems.extend(Problem(fqn, "rank-conflict", message) for fqn, message in ckpt.rank_conflicts.items())
 
     model_seen = Counter(_model_prefix(r.fqn) for r in reports if r.group == "model")
-    optim_seen = Counter(s.prefix for f in param_of if (s := split_optimizer_fqn(f)))
+    optim_seen = Counter(s.prefix for f in param_of if (s := split_torch_dist_state(f) if stacked
+                                                         else split_optimizer_fqn(f)))
     groups = Counter(r.group for r in reports)
     groups.update(_group(f, model_prefix, params) for f in ckpt.bytes_entries)
     return Analysis(
@@ -346,7 +387,25 @@ def analyze(ckpt: Checkpoint) -> Analysis:
         groups={g: groups.get(g, 0) for g in ("model", "optimizer", "other")},
         dtypes=dict(sorted(Counter(e.dtype_name for e in ckpt.tensors.values()).items())),
         layouts=dict(sorted(Counter(r.layout for r in reports).items())),
+        optimizer_format=torch_dist_optimizer_format(names) if stacked else None,
     )
+
+
+def _state(fqn: str) -> str:
+    split = split_torch_dist_state(fqn)
+    return split.state if split is not None else fqn.rpartition(".")[2]
+
+
+def _torch_dist_layout(entry: TensorEntry, param: TensorEntry | None) -> tuple[str, int | None]:
+    """A torch_dist entry's layout: its optimizer buckets and model-space fragments by name, layer
+    stacks by their chunks, the rest by geometry."""
+    if entry.fqn.startswith(TORCH_DIST_BUCKETS) and len(entry.shape) == 1:
+        return "bucketed", None
+    if param is not None and entry.shape != param.shape and entry.numel == param.numel:
+        return "model-space", None
+    if is_layer_stacked(entry):
+        return "layer-stacked", None
+    return classify_layout(entry, param)
 
 
 def _by_count(counts: Mapping[str, int]) -> tuple[str, ...]:

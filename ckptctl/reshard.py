@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -19,7 +19,7 @@ from ckptctl.engine import executor, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType, cast_dtype
-from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
+from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
 from ckptctl.layout import analysis, source_tensors
@@ -100,10 +100,6 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     """The whole output: targets, their FSDP2 placement and every copy run. No I/O.
 
     Planned with the collector paused (`gc_pause`): a few acyclic objects per output chunk."""
-    if ckpt.megatron_backend is not None:
-        raise CheckpointError(ckpt.path, f"a Megatron-Core {ckpt.megatron_backend} checkpoint: reshard does not convert "
-                                         "it yet (layer-stacked keys, fc1 as [W_all; V_all]); inspect, export-hf, "
-                                         "export-torch and diff read it")
     with gc_paused():
         if opts.megatron:
             from ckptctl import megatron_reshard
@@ -157,7 +153,17 @@ def reshard(
     src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
-    out = plan_reshard(ckpt, opts)
+    views = None
+    if ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
+        from ckptctl import torch_dist_reshard
+
+        torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.include,
+                                          opts.exclude, opts.dtype)
+        with gc_paused():
+            out, views = torch_dist_reshard.plan_torch_dist(ckpt)
+        opts = replace(opts, world_size=ckpt.saved_world_size)
+    else:
+        out = plan_reshard(ckpt, opts)
     world_size = opts.world_size
     if opts.megatron:
         from ckptctl import megatron_reshard
@@ -167,7 +173,7 @@ def reshard(
     if dry_run:
         return report
     write_dcp_output(ckpt, out, src, dst, report, opts, started, force=force, verify=verify, progress=progress,
-                     comm=comm)
+                     comm=comm, views=views)
     return report
 
 

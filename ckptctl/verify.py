@@ -162,7 +162,7 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
         (fqn, index), uses = job
         view = sources[fqn]
         chunk, region = view.chunks[index]
-        decoded = decode_source_item(src, src.tensors[fqn], chunk, files)
+        decoded = decode_source_item(src, src.tensors[view.fqn], chunk, files)
         for part, values in _decoded_parts(decoded, region, view.shape):
             for target, piece in uses:
                 both = part.intersect(piece.source_box)
@@ -178,7 +178,7 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
                 got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
                 if got != want:
                     raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at "
-                                                 f"{list(chunk.offsets)} of {fqn}, decoded by torch from {chunk.file}, "
+                                                 f"{list(chunk.offsets)} of {view.fqn}, decoded by torch from {chunk.file}, "
                                                  "differs from the output)")
 
     with ItemReader(src) as files:
@@ -192,8 +192,9 @@ def _decoded_parts(decoded: Any, region: Region, shape: tuple[int, ...]) -> list
     if isinstance(region, Box):
         return [(region, decoded.reshape(region.sizes))]  # a layer stack's chunk has one more (unit) dim
     items = decoded.reshape(-1)  # a flat buffer's chunk, or rows read as the item range they hold
+    lo, hi = max(region.start, 0), min(region.end, math.prod(shape))  # a window of a bucket sees part of a chunk
     return [(box, items[first - region.start:first - region.start + box.numel].reshape(box.sizes))
-            for first, box in flat_boxes(shape, region.start, region.start + region.length)]
+            for first, box in flat_boxes(shape, lo, hi)]
 
 
 def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:

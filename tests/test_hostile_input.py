@@ -527,7 +527,7 @@ def test_byteorder_record_with_a_bad_crc_is_one_line(tmp_path: Path) -> None:
 
 def test_megatron_dist_checkpointing_backends_but_torch_dist_are_refused_by_name(tmp_path: Path) -> None:
     """A `metadata.json` naming another dist_checkpointing backend (zarr) is refused before any
-    pickle is read; torch_dist is read, but reshard does not convert it yet."""
+    pickle is read; torch_dist is read, and rewritten by reshard at its own layout only."""
     src = copy_fixture(tmp_path)
     (src / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}))
     for args in (["inspect", src], ["reshard", src, tmp_path / "dst", "-n", "2"], ["export-torch", src,
@@ -535,9 +535,10 @@ def test_megatron_dist_checkpointing_backends_but_torch_dist_are_refused_by_name
         assert_one_line(tmp_path, src, args, f"{src}: a Megatron-Core dist_checkpointing checkpoint (metadata.json: "
                         "sharded_backend 'zarr'); ckptctl reads its 'torch_dist' backend only")
     (src / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
-    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "-n", "2"],
-                    f"{src}: a Megatron-Core torch_dist checkpoint: reshard does not convert it yet (layer-stacked "
-                    "keys, fc1 as [W_all; V_all]); inspect, export-hf, export-torch and diff read it")
+    assert_one_line(tmp_path, src, ["reshard", src, tmp_path / "dst", "-n", "7"],
+                    "a torch_dist checkpoint is rewritten at its own layout with its optimizer state in model space "
+                    "(fully_reshardable), which megatron-core loads at any TP and DP: pass no --world-size (or its "
+                    "own, 4), layout, TP, filter or dtype options")
     (src / "metadata.json").write_text("{not json")  # not a Megatron marker: not ours to judge
     assert run_measured(tmp_path, "inspect", "--check", src)[0].returncode == 0
 

@@ -164,12 +164,22 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
                      r"layer-stacked keys, fc1 as \[W_all; V_all\]\s*$", text, re.M)
 
 
-def test_reshard_refuses_torch_dist_naming_what_reads_it(saved, tmp_path):
+def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):
+    """A model-only torch_dist checkpoint is copied chunk for chunk with its metadata.json and
+    common.pt; another world size is refused, naming what megatron-core does itself."""
     ckpt = saved["tp2"][0]
-    run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "2")
-    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt}: a Megatron-Core torch_dist checkpoint: "
-                                               "reshard does not convert it yet (layer-stacked keys, fc1 as "
-                                               "[W_all; V_all]); inspect, export-hf, export-torch and diff read it\n")
+    run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "3")
+    assert (run.returncode, run.stderr) == (2, TORCH_DIST_LAYOUT.format(2))
+    run = run_cli("reshard", ckpt, tmp_path / "o", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert run_cli("diff", ckpt, tmp_path / "o").returncode == 0
+    for name in ("metadata.json", "common.pt"):
+        assert (tmp_path / "o" / name).read_bytes() == (ckpt / name).read_bytes()
+
+
+TORCH_DIST_LAYOUT = ("ckptctl: error: a torch_dist checkpoint is rewritten at its own layout with its optimizer state "
+                     "in model space (fully_reshardable), which megatron-core loads at any TP and DP: pass no "
+                     "--world-size (or its own, {}), layout, TP, filter or dtype options\n")
 
 
 def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):

@@ -12,6 +12,8 @@ ignores them.
     {
       "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
       "format": "dcp" | "megatron-core torch_dist",            # torch_dist: a metadata.json says so
+      "optimizer_format": null | "fully_reshardable" | "fully_sharded_model_space" | "dp_reshardable",
+                                                              # torch_dist's DistributedOptimizer format
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
       "unreferenced_files": [name],                           # data files no entry points to
@@ -23,7 +25,8 @@ ignores them.
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",
           "layout": "scalar" | "empty" | "flat" | "single" | "shard0-even" | "rows-uneven"
-                    | "shard1" | "grid" | "tp-dp-grid" | "layer-stacked" | "irregular",
+                    | "shard1" | "grid" | "tp-dp-grid" | "layer-stacked" | "bucketed" | "model-space"
+                    | "irregular",
           "dim1_parts": int | null,                           # column blocks of shard1, grid, tp-dp-grid
           "tp_degree": int | null,                            # tp-dp-grid: a RowParallel weight's TP
           "param": model fqn | null,
@@ -110,6 +113,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     return {
         "path": str(ckpt.path),
         "format": FORMATS.get(ckpt.megatron_backend or "", "dcp"),
+        "optimizer_format": analysis.optimizer_format,
         "version": ckpt.version,
         "world_size": analysis.world_size,
         "metadata_files": list(ckpt.metadata_files),
@@ -134,6 +138,13 @@ FORMATS = {"torch_dist": "megatron-core torch_dist"}
 """`format` in the JSON document: `dcp`, or the Megatron-Core dist_checkpointing backend."""
 FORMAT_LINES = {"megatron-core torch_dist": "Megatron-Core dist_checkpointing, torch_dist backend (metadata.json): "
                                             "layer-stacked keys, fc1 as [W_all; V_all]"}
+
+OPTIMIZER_LINES = {
+    "fully_reshardable": "DistributedOptimizer, fully_reshardable: states shaped like their params",
+    "fully_sharded_model_space": "DistributedOptimizer, fully_sharded_model_space: each param's TP fragments, "
+                                 "cut at DP boundaries",
+    "dp_reshardable": "DistributedOptimizer, dp_reshardable: DP bucket buffers (a job at another TP or PP cannot load them)",
+}
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -173,6 +184,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
     rows = [
         ("Checkpoint", doc["path"]),
         *((("Format", FORMAT_LINES[doc["format"]]),) if doc["format"] in FORMAT_LINES else ()),
+        *((("Optimizer", OPTIMIZER_LINES[doc["optimizer_format"]]),) if doc["optimizer_format"] else ()),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),

@@ -8,7 +8,7 @@ workers can write items in any order and in parallel. `write_metadata` then writ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -48,6 +48,9 @@ class DcpOutput:
     bytes_entries: dict[str, CopyItem]
     bytes_transforms: dict[str, tuple[str, ...]]
     planner_data: dict[str, Any] | None
+    extra_files: dict[str, bytes] = field(default_factory=dict)
+    """Files beside the DCP ones, written with `.metadata` (a torch_dist checkpoint's
+    `metadata.json` and `common.pt`)."""
 
     @property
     def total_bytes(self) -> int:
@@ -146,5 +149,8 @@ def metadata_pickle(md: Metadata) -> bytes:
 
 
 def write_metadata(out: DcpOutput, directory: Path) -> None:
-    """Write `.metadata` into `directory` (the atomic directory fsyncs it before the rename)."""
+    """Write `.metadata` and the extra files into `directory` (the atomic directory fsyncs them
+    before the rename)."""
     (directory / ".metadata").write_bytes(metadata_pickle(build_metadata(out)))
+    for name, data in out.extra_files.items():
+        (directory / name).write_bytes(data)

@@ -1,0 +1,251 @@
+"""Megatron-Core's `dp_reshardable` optimizer buckets, laid back out in model space.
+
+DistributedOptimizer keeps each TP rank's params, flat, in DDP buckets; torch_dist's
+`dp_reshardable` format saves each bucket's param / exp_avg / exp_avg_sq as a 1-D tensor
+(`optimizer.distributed.dp_group_idx_<tp rank>.gbuf_idx_<i>.dtype_(…).bucket_idx_<b>.<state>`)
+and not which param lies where. That map is rebuilt here the way megatron-core's
+`_ParamAndGradBuffer` builds it: the params in reverse registration order of the model
+(`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
+closing where its saved length ends. Each param's range is then its TP-local block, placed
+in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
+two row blocks of torch_dist's `[W_all; V_all]`).
+
+Nothing here is taken on trust: every bucket must end exactly at its last param, and every
+saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside
+one param or one gap; a checkpoint of another spec, version or layout is refused, naming what
+was expected. Pure planning: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from ckptctl.errors import CheckpointError
+from ckptctl.geometry import FlatRange
+from ckptctl.model import Checkpoint, TensorEntry
+from ckptctl.plan import Piece, SourceTensor, TargetTensor
+
+ALIGN = 64
+"""megatron-core pads each param's start in a DistributedOptimizer buffer to 64 elements."""
+
+BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(([^)]*)\)"
+                    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+
+COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
+
+LOCAL_SPEC = (
+    ("embedding.word_embeddings.weight", COLUMN),
+    ("embedding.position_embeddings.weight", REPLICATED),
+    ("decoder.layers.", (
+        ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
+        ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+        ("self_attention.linear_proj.weight", ROW),
+        ("self_attention.linear_proj.bias", REPLICATED),
+        ("self_attention.linear_qkv.weight", COLUMN),
+        ("self_attention.linear_qkv.bias", COLUMN),
+        ("self_attention.q_layernorm.weight", REPLICATED),
+        ("self_attention.k_layernorm.weight", REPLICATED),
+        ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
+        ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
+        ("mlp.linear_fc1.weight", GATED),
+        ("mlp.linear_fc1.bias", GATED),
+        ("mlp.linear_fc2.weight", ROW),
+        ("mlp.linear_fc2.bias", REPLICATED),
+    )),
+    ("decoder.final_layernorm.weight", REPLICATED),
+    ("decoder.final_layernorm.bias", REPLICATED),
+    ("output_layer.weight", COLUMN),
+)
+"""GPTModel with megatron-core's local spec (dense layers), params in registration order under
+their torch_dist keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`): the order
+`named_parameters` gives, which the DDP buffer reverses. `GATED` is fc1: SwiGLU's `[W; V]` when
+its rows are twice fc2's columns, else column-parallel."""
+
+
+@dataclass(frozen=True)
+class LocalParam:
+    """One param of a TP rank's buffer: its torch_dist key, layer (for a layer stack), TP kind."""
+
+    key: str
+    layer: int | None
+    kind: str
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One saved bucket: its 1-D entries by state, and the params in it with their [start, end)."""
+
+    tp_rank: int
+    number: int
+    entries: dict[str, TensorEntry]
+    params: tuple[tuple[LocalParam, int, int], ...]
+
+
+def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int, int, int], dict[str, TensorEntry]]:
+    """(TP rank, buffer, bucket) → state → the saved 1-D bucket tensor."""
+    out: dict[tuple[int, int, int], dict[str, TensorEntry]] = {}
+    for fqn, entry in ckpt.tensors.items():
+        m = BUCKET.fullmatch(fqn)
+        if m is not None:
+            out.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = entry
+    return out
+
+
+def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalParam]:
+    """The model's params in megatron-core's registration order (`LOCAL_SPEC`), refusing any
+    model key the spec has no place for (MoE layers, another spec: their order is not known)."""
+    stacks = {k for k in model_keys if k.startswith("decoder.layers.")}
+    layers = {ckpt.tensors[k].shape[0] for k in stacks}
+    if len(layers) > 1:
+        raise CheckpointError(ckpt.path, f"layer stacks of {sorted(layers)} layers: dp_reshardable buckets are "
+                                         "rebuilt for one homogeneous stack of layers only")
+    order: list[LocalParam] = []
+    known: set[str] = set()
+    fc1, fc2 = (ckpt.tensors.get(f"decoder.layers.mlp.linear_fc{i}.weight") for i in (1, 2))
+    swiglu = fc1 is not None and fc2 is not None and fc1.shape[-2] == 2 * fc2.shape[-1]
+    for name, kind in LOCAL_SPEC:
+        if isinstance(kind, tuple):
+            inner = [(name + sub, COLUMN if k == GATED and not swiglu else k) for sub, k in kind
+                     if name + sub in model_keys]
+            known.update(key for key, _ in inner)
+            order.extend(LocalParam(key, layer, k) for layer in range(next(iter(layers), 0)) for key, k in inner)
+        elif name in model_keys:
+            known.add(name)
+            order.append(LocalParam(name, None, kind))
+    unknown = sorted(model_keys - known)
+    if unknown:
+        raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
+                                         " has no place in megatron-core's local GPT spec, whose parameter order "
+                                         "rebuilds dp_reshardable buckets (MoE and other specs are not known yet)")
+    return order
+
+
+def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ...]:
+    """The TP-local shape of `param` (one layer of a stack) at TP size `tp`."""
+    shape = entry.shape[1:] if param.layer is not None else entry.shape
+    dim = {COLUMN: 0, GATED: 0, ROW: 1}.get(param.kind)
+    if dim is None or (dim == 1 and len(shape) < 2):
+        return tuple(shape)
+    if shape[dim] % (2 * tp if param.kind == GATED else tp):
+        raise CheckpointError(entry.fqn, f"dim {dim} of {list(shape)} does not divide by TP {tp}")
+    return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
+
+
+def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[Bucket]:
+    """Each TP rank's buckets with their params, as megatron-core lays them out: reverse
+    registration order, starts padded to `ALIGN`, a bucket closing where its saved length ends."""
+    saved = bucket_entries(ckpt)
+    buffers = {buffer for _, buffer, _ in saved}
+    if buffers != {0}:
+        raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer (one param and "
+                                         "grad dtype, no expert-parallel buffer) is rebuilt yet")
+    ranks = sorted({rank for rank, _, _ in saved})
+    if ranks != list(range(tp)):
+        raise CheckpointError(ckpt.path, f"dp_reshardable groups {ranks}, expected one per TP rank 0…{tp - 1} "
+                                         "(pipeline parallelism is not rebuilt yet)")
+    out = []
+    for rank in ranks:
+        numbers = sorted(b for r, _, b in saved if r == rank)
+        if numbers != list(range(len(numbers))):
+            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: buckets {numbers} are not numbered 0…")
+        params = list(reversed(order))
+        for b in numbers:
+            entries = saved[(rank, 0, b)]
+            if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
+                raise CheckpointError(ckpt.path, f"dp_group_idx_{rank} bucket {b} holds {sorted(entries)}, "
+                                                 "expected param, exp_avg and exp_avg_sq (Adam)")
+            length = _one_length(ckpt, entries)
+            placed, cursor = [], 0
+            while cursor < length and params:
+                param = params.pop(0)
+                start = -(-cursor // ALIGN) * ALIGN
+                cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
+                placed.append((param, start, cursor))
+            if cursor != length:
+                where = f"{placed[-1][0].key} ends at {cursor}" if placed else "no param is left for it"
+                raise CheckpointError(ckpt.path, f"dp_group_idx_{rank} bucket {b} is {length} elements but {where} "
+                                                 "in megatron-core's local GPT spec order: another model spec or "
+                                                 "megatron-core version")
+            _check_chunks(ckpt, entries, placed)
+            out.append(Bucket(rank, b, entries, tuple(placed)))
+        if params:
+            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: {len(params)} params ({params[0].key} first) are "
+                                             "in no bucket: another model spec or megatron-core version")
+    return out
+
+
+def _one_length(ckpt: Checkpoint, entries: dict[str, TensorEntry]) -> int:
+    shapes = {e.shape for e in entries.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+        raise CheckpointError(ckpt.path, f"{next(iter(entries.values())).fqn}: bucket states of shapes "
+                                         f"{sorted(list(s) for s in shapes)}, expected one 1-D length")
+    return next(iter(shapes))[0]
+
+
+def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: list[tuple[LocalParam, int, int]]) -> None:
+    """Every saved chunk lies inside one param's range or one gap: the writer cuts a chunk per
+    range (and per DP shard), so a chunk across a param boundary means the order is not this one."""
+    bounds = sorted({0, *(s for _, s, _ in placed), *(e for _, _, e in placed)})
+    for entry in entries.values():
+        for c in entry.chunks:
+            lo, hi = c.offsets[0], c.offsets[0] + c.sizes[0]
+            if any(lo < b < hi for b in bounds):
+                raise CheckpointError(ckpt.path, f"{entry.fqn}: the chunk [{lo}, {hi}) crosses a parameter boundary "
+                                                 "of megatron-core's local GPT spec order: another model spec or "
+                                                 "megatron-core version")
+
+
+def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_of: dict[str, object],
+                        ) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
+    """`optimizer.state.<state>.<key>` for every param and Adam state, shaped like the param, with
+    the window views of the buckets its pieces read (keyed by view name)."""
+    pieces: dict[str, list[Piece]] = {}
+    views: dict[str, SourceTensor] = {}
+    for bucket in buckets:
+        for param, start, end in bucket.params:
+            entry = ckpt.tensors[param.key]
+            if param.kind == REPLICATED and bucket.tp_rank:
+                continue  # every TP rank holds the same copy: rank 0's is written
+            shape = local_shape(entry, param, tp)
+            for state, saved in bucket.entries.items():
+                name = f"{saved.fqn}[{start}:{end}]"
+                views[name] = _window(saved, start, end, shape if param.layer is None else (1, *shape))
+                target = f"optimizer.state.{state}.{param.key}"
+                pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
+    targets = []
+    for fqn, parts in pieces.items():
+        entry = ckpt.tensors[fqn.split(".", 3)[3]]
+        targets.append(TargetTensor(fqn, entry.shape, dtype_of[fqn.split(".")[2]], tuple(parts)))
+    return targets, views
+
+
+def _window(entry: TensorEntry, start: int, end: int, shape: tuple[int, ...]) -> SourceTensor:
+    """Elements [start, end) of a 1-D bucket seen in `shape`: each chunk that meets them as the
+    flat range it holds, counted from `start` (a chunk that begins before it starts below 0)."""
+    chunks = tuple((c, FlatRange(c.offsets[0] - start, c.sizes[0])) for c in entry.chunks
+                   if c.offsets[0] < end and c.offsets[0] + c.sizes[0] > start)
+    return SourceTensor(entry.fqn, shape, entry.dtype, chunks)
+
+
+def _placed(entry: TensorEntry, param: LocalParam, rank: int, tp: int, shape: tuple[int, ...], view: str
+            ) -> list[Piece]:
+    """Where a TP rank's block of a param goes in the global tensor (one piece, two for SwiGLU fc1)."""
+    lead = () if param.layer is None else (param.layer,)
+    zero = tuple(0 for _ in range(len(lead) + len(shape)))
+    sizes = (*((1,) if lead else ()), *shape)
+    if param.kind == GATED:
+        half = shape[0] // 2
+        rows = entry.shape[len(lead)] // 2
+        one = (*((1,) if lead else ()), half, *shape[1:])
+        w_at = (*lead, rank * half, *(0 for _ in shape[1:]))
+        v_at = (*lead, rows + rank * half, *(0 for _ in shape[1:]))
+        v_src = tuple(half if d == len(lead) else 0 for d in range(len(zero)))
+        return [Piece(view, zero, w_at, one), Piece(view, v_src, v_at, one)]
+    at = [*lead, *(0 for _ in shape)]
+    if param.kind in (COLUMN, GATED):
+        at[len(lead)] = rank * shape[0]
+    elif param.kind == ROW and len(shape) > 1:
+        at[len(lead) + 1] = rank * shape[1]
+    return [Piece(view, zero, tuple(at), sizes)]

@@ -1,0 +1,166 @@
+"""Rewrite a Megatron-Core torch_dist checkpoint with its optimizer state in model space.
+
+megatron-core's `dp_reshardable` optimizer format (its default DistributedOptimizer save) keeps
+each TP rank's DP buckets: a job at another TP or PP cannot load it. This writes the same
+checkpoint with the buckets laid back out as `fully_reshardable` states
+(`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, shaped and chunked like each param,
+`megatron_buckets`), which megatron-core loads at any TP × DP. Model tensors and their
+`_extra_state` items are copied as they are, chunk for chunk, each in its rank's file; the
+common state (`common.pt`) says `fully_reshardable` and carries the optimizer's param groups,
+as megatron-core's own `fully_reshardable` save writes them. A checkpoint already
+`fully_reshardable` is copied the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import re
+
+from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.formats.dcp_items import ItemReader
+from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
+from ckptctl.geometry import Box
+from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
+from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
+from ckptctl.model import Checkpoint
+from ckptctl.placement import Placed
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target
+
+COMMON = "common.pt"
+COMMON_LIMIT = 64 << 20
+"""The largest `common.pt` read (args, param groups, iteration: kilobytes in practice)."""
+FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
+    """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
+    fmt = analysis(ckpt).optimizer_format
+    if fmt not in (None, "dp_reshardable", "fully_reshardable"):
+        raise CheckpointError(ckpt.path, f"a {fmt} optimizer state: reshard rebuilds dp_reshardable buckets only yet")
+    sources = source_tensors(ckpt)
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    targets = [_copied(sources[k], ckpt.tensors[k].properties) for k in ckpt.tensors
+               if not k.startswith(TORCH_DIST_BUCKETS)]
+    views = dict(sources)
+    extra = {"metadata.json": (ckpt.path / "metadata.json").read_bytes()}
+    if fmt == "dp_reshardable":
+        args = _common(ckpt)["args"]
+        tp = _tp(ckpt, args)
+        _refuse_other_specs(ckpt, args)
+        buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
+        dtypes = {state: e.dtype for b in buckets for state, e in b.entries.items()}
+        rebuilt, windows = model_space_targets(ckpt, buckets, tp, dtypes)
+        targets += rebuilt
+        views.update(windows)
+        extra[COMMON] = _fully_reshardable_common(ckpt, _param_groups(ckpt, tp))
+    elif (ckpt.path / COMMON).is_file():
+        extra[COMMON] = _read_common(ckpt)
+    placements = {t.fqn: _like(ckpt, t) for t in targets}
+    kept = [e for f, e in ckpt.bytes_entries.items() if not f.startswith(TORCH_DIST_BUCKETS)]
+    out = layout_dcp(targets, placements, views, kept, None)
+    out.extra_files = extra
+    return out, views
+
+
+def _copied(src: SourceTensor, properties: object) -> TargetTensor:
+    same = identity_target(src)
+    return TargetTensor(same.fqn, same.shape, same.dtype, same.pieces, properties)
+
+
+def _like(ckpt: Checkpoint, target: TargetTensor) -> list[Placed]:
+    """A target's chunks: its own source's (or, for a rebuilt state, its param's) boxes, each in
+    the file of the rank that saved it."""
+    name = target.fqn
+    if name.startswith("optimizer.state.") and name not in ckpt.tensors:
+        name = name.split(".", 3)[3]
+    placed = []
+    for c in ckpt.tensors[name].chunks:
+        m = FILE.fullmatch(c.file)
+        if m is None:
+            raise CheckpointError(ckpt.path / c.file, "not a torch_dist rank file name (__<rank>_<n>.distcp)")
+        placed.append(Placed(int(m[1]), Box(c.offsets, c.sizes)))
+    return placed
+
+
+def _read_common(ckpt: Checkpoint) -> bytes:
+    path = ckpt.path / COMMON
+    if not path.is_file():
+        raise CheckpointError(ckpt.path, f"no {COMMON}: the common state of megatron-core 0.19 and newer (a "
+                                         "common_state item) is not rewritten yet")
+    if path.stat().st_size > COMMON_LIMIT:
+        raise CheckpointError(path, f"{path.stat().st_size} bytes, over the {COMMON_LIMIT >> 20} MiB read for it")
+    return path.read_bytes()
+
+
+def _common(ckpt: Checkpoint) -> dict:
+    """`common.pt`, decoded by torch's restricted loader (plain data, `argparse.Namespace` args)."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            common = torch.load(io.BytesIO(_read_common(ckpt)), map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
+        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
+    if not isinstance(common, dict) or not isinstance(common.get("args"), argparse.Namespace):
+        raise CheckpointError(ckpt.path / COMMON, "no Megatron `args` in it: the TP size and model spec are unknown")
+    return common
+
+
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
+    if not isinstance(tp, int) or tp < 1:
+        raise CheckpointError(ckpt.path / COMMON, f"args.tensor_model_parallel_size is {tp!r}")
+    if pp != 1:
+        raise CheckpointError(ckpt.path / COMMON, f"pipeline_model_parallel_size {pp}: dp_reshardable buckets are "
+                                                  "rebuilt without pipeline parallelism only yet")
+    return tp
+
+
+def _refuse_other_specs(ckpt: Checkpoint, args: argparse.Namespace) -> None:
+    """Only the local spec's parameter order is known; Transformer Engine's registers its norms elsewhere."""
+    impl = getattr(args, "transformer_impl", None)
+    if impl != "local":
+        raise CheckpointError(ckpt.path / COMMON, f"args.transformer_impl is {impl!r}: dp_reshardable buckets are "
+                                                  "rebuilt for megatron-core's local spec ('local') only yet")
+
+
+def _param_groups(ckpt: Checkpoint, tp: int) -> list:
+    """The optimizer's param groups, which every TP rank's `dp_group_idx_<r>.optimizer` item repeats."""
+    groups = []
+    with ItemReader(ckpt) as reader:
+        for rank in range(tp):
+            entry = ckpt.bytes_entries.get(f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1")
+            value = reader.load_bytes_value(entry) if entry is not None else None
+            if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+                    and isinstance(value[0].get("param_groups"), list)):
+                raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
+            groups.append(value[0]["param_groups"])
+    if any(g != groups[0] for g in groups):
+        raise CheckpointError(ckpt.path, "the TP ranks saved different optimizer param groups")
+    return groups[0]
+
+
+def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list) -> bytes:
+    """`common.pt` as megatron-core's `fully_reshardable` save writes it: the param groups under
+    `optimizer.optimizer`, the sharding type in the optimizer state and the content metadata."""
+    import torch
+
+    common = _common(ckpt)
+    common["optimizer"] = {"optimizer": {"param_groups": param_groups},
+                           "param_state_sharding_type": "fully_reshardable"}
+    if isinstance(common.get("content_metadata"), dict):
+        common["content_metadata"] = {**common["content_metadata"], "distrib_optim_sharding_type": "fully_reshardable",
+                                      "distrib_optim_fully_reshardable_mem_efficient": False}
+    buf = io.BytesIO()
+    torch.save(common, buf)
+    return buf.getvalue()
+
+
+def refuse_options(world_size: int | None, saved: int, megatron: bool, include, exclude, dtype) -> None:
+    """A torch_dist checkpoint is rewritten at its own layout: megatron-core re-shards
+    `fully_reshardable` state itself when it loads at another TP or DP."""
+    if megatron or include or exclude or dtype is not None or world_size not in (None, saved):
+        raise UsageError("a torch_dist checkpoint is rewritten at its own layout with its optimizer state in model "
+                         "space (fully_reshardable), which megatron-core loads at any TP and DP: pass no --world-size "
+                         "(or its own, " f"{saved}), layout, TP, filter or dtype options")

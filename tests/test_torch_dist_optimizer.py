@@ -1,0 +1,176 @@
+"""Megatron-Core torch_dist checkpoints with DistributedOptimizer (Adam) state, saved by
+megatron-core itself (`fixtures.megatron_optim`: one training step at TP 2 × DP 2 on CPU, the
+same state saved as `dp_reshardable` and `fully_reshardable`).
+
+inspect names the optimizer format and labels its buckets. reshard lays `dp_reshardable`'s DP
+buckets back out in model space: the bucket layout it rebuilds is megatron-core's own
+(`param_index_map`, recorded by the fixture), the rebuilt `param` states are the weights, and
+megatron-core's own `dist_checkpointing.load` of the output at another TP resumes training with
+the loss the saved run had, bit for bit. With several buckets (the default run) that is the
+only oracle: megatron-core 0.16.1's own `fully_reshardable` save of such a state is wrong
+(fixture docstring); with one bucket (`make test-full`) the output equals that save tensor by
+tensor. Skipped without megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from fixtures import megatron_core as mc
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
+
+
+class Saved(dict):
+    """(TP, DP, bucket size) → the folder megatron-core saved it in, made when first asked for."""
+
+    def __init__(self, root) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, key):
+        from fixtures import megatron_optim
+
+        tp, dp, bucket = key
+        out = self.root / f"tp{tp}dp{dp}b{bucket}"
+        megatron_optim.write(out, tp, dp, bucket_size=bucket or None)
+        self[key] = out
+        return out
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    return Saved(tmp_path_factory.mktemp("megatron_optim"))
+
+
+BUCKETS = (2, 2, 1000)
+"""TP 2 × DP 2 with 1,000-element buckets: seven buckets, params cut at DP shard boundaries."""
+
+
+@pytest.fixture(scope="session")
+def rebuilt(saved, tmp_path_factory):
+    """The bucketed save rewritten by reshard (`--verify`)."""
+    out = tmp_path_factory.mktemp("rebuilt") / "ckpt"
+    run = run_cli("reshard", saved[BUCKETS] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def _load(path):
+    from fixtures.make_fixtures import load_with_torch
+
+    return {k: v for k, v in load_with_torch(path).items() if isinstance(v, torch.Tensor)}
+
+
+def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
+    ckpt = saved[BUCKETS]
+    doc = json.loads(run_cli("inspect", ckpt / "dp_reshardable", "--json").stdout)
+    assert doc["optimizer_format"] == "dp_reshardable" and not doc["problems"]
+    buckets = {k: t for k, t in doc["tensors"].items() if k.startswith("optimizer.distributed.")}
+    assert len(buckets) == 2 * 7 * 3 and {t["layout"] for t in buckets.values()} == {"bucketed"}
+    doc = json.loads(run_cli("inspect", ckpt / "fully_reshardable", "--json").stdout)
+    assert doc["optimizer_format"] == "fully_reshardable" and not doc["problems"]
+    state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
+    assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
+    assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
+    text = run_cli("inspect", ckpt / "dp_reshardable").stdout
+    assert re.search(r"^Optimizer\s+DistributedOptimizer, dp_reshardable: DP bucket buffers \(a job at another TP or "
+                     r"PP cannot load them\)\s*$", text, re.M)
+
+
+def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved):
+    """Every TP rank's buckets hold the params megatron-core put there, at the same ranges."""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.megatron_buckets import layout_buckets, registration_order
+
+    ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    got = {(b.tp_rank, b.number): [(p.key, p.layer, s, e) for p, s, e in b.params]
+           for b in layout_buckets(ckpt, registration_order(ckpt, model), 2)}
+    record = json.loads((saved[BUCKETS] / "buffers.json").read_text())
+    want = {}
+    for rank in record["ranks"]:
+        if rank["dp_rank"]:
+            continue
+        (buffer,) = rank["buffers"]
+        for bucket in buffer["buckets"]:
+            params = {p["name"]: p for p in buffer["params"]}
+            rows = []
+            for name in bucket["params"]:
+                p = params[name]
+                layer = re.search(r"layers\.(\d+)\.", name)
+                rows.append((p["sharded"]["key"], int(layer[1]) if layer else None,
+                             p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
+            want[(rank["tp_rank"], bucket["bucket_id"])] = rows
+    assert got == want
+
+
+def test_rebuilt_param_states_are_the_weights_and_buckets_are_gone(rebuilt):
+    got = _load(rebuilt)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 9 and not any(k.startswith("optimizer.distributed.") for k in got)
+    for key, value in params.items():
+        assert torch.equal(value, got[key[len("optimizer.state.param."):]]), key
+    assert {k.split(".")[2] for k in got if k.startswith("optimizer.state.")} == {"param", "exp_avg", "exp_avg_sq"}
+    doc = json.loads(run_cli("inspect", rebuilt, "--json").stdout)
+    assert doc["optimizer_format"] == "fully_reshardable" and not doc["problems"]
+
+
+def test_megatron_core_resumes_the_rewrite_at_another_tp_with_the_saved_runs_loss(saved, rebuilt, tmp_path):
+    """megatron-core's own load of the output at TP 1 × DP 2 (it cannot load the bucketed source
+    there), then one step: the loss after it depends on every Adam state."""
+    from fixtures import megatron_optim
+
+    want = torch.load(saved[BUCKETS] / "loss.pt")
+    got = megatron_optim.load(rebuilt, 1, 2, tmp_path / "loss.pt", bucket_size=None)
+    assert (got["sharding_type"], got["step"], got["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
+
+
+@pytest.mark.full
+def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable_save(saved, tmp_path):
+    ckpt = saved[(2, 2, 0)]
+    run = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / "o", "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(tmp_path / "o"), _load(ckpt / "fully_reshardable")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_another_spec_order_is_refused(saved, monkeypatch):
+    """fc1 and fc2 swapped in the registration order: every bucket's length still adds up, but a
+    saved chunk crosses a param boundary of that order."""
+    from ckptctl import megatron_buckets as mb
+    from ckptctl.errors import CheckpointError
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+
+    layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
+    swapped = tuple(layer[:-4] + (layer[-2], layer[-1], layer[-4], layer[-3]))
+    monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, swapped if n == "decoder.layers." else k)
+                                                for n, k in mb.LOCAL_SPEC))
+    ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    with pytest.raises(CheckpointError, match=r"bucket_idx_1.param: the chunk \[1216, 2368\) crosses a parameter boundary of megatron-core's local "
+                                              "GPT spec order: another model spec or megatron-core version"):
+        mb.layout_buckets(ckpt, mb.registration_order(ckpt, model), 2)
+
+
+def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
+    import argparse
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(saved[BUCKETS] / "dp_reshardable", src)
+    common = torch.load(src / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(**{**vars(common["args"]), "transformer_impl": "transformer_engine"})
+    torch.save(common, src / "common.pt")
+    run = run_cli("reshard", src, tmp_path / "o")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src / 'common.pt'}: args.transformer_impl is "
+                                               "'transformer_engine': dp_reshardable buckets are rebuilt for "
+                                               "megatron-core's local spec ('local') only yet\n")
+    assert not (tmp_path / "o").exists()
