@@ -20,6 +20,7 @@ import re
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
+from ckptctl.formats.megatron_args import COMMON, common_bytes, training_args
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
 from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
@@ -27,9 +28,6 @@ from ckptctl.model import Checkpoint
 from ckptctl.placement import Placed
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target
 
-COMMON = "common.pt"
-COMMON_LIMIT = 64 << 20
-"""The largest `common.pt` read (args, param groups, iteration: kilobytes in practice)."""
 FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -45,7 +43,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     views = dict(sources)
     extra = {"metadata.json": (ckpt.path / "metadata.json").read_bytes()}
     if fmt == "dp_reshardable":
-        args = _common(ckpt)["args"]
+        args = _args(ckpt)
         tp = _tp(ckpt, args)
         _refuse_other_specs(ckpt, args)
         buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
@@ -55,7 +53,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
         views.update(windows)
         extra[COMMON] = _fully_reshardable_common(ckpt, _param_groups(ckpt, tp))
     elif (ckpt.path / COMMON).is_file():
-        extra[COMMON] = _read_common(ckpt)
+        extra[COMMON] = common_bytes(ckpt)
     placements = {t.fqn: _like(ckpt, t) for t in targets}
     kept = [e for f, e in ckpt.bytes_entries.items() if not f.startswith(TORCH_DIST_BUCKETS)]
     out = layout_dcp(targets, placements, views, kept, None)
@@ -83,28 +81,15 @@ def _like(ckpt: Checkpoint, target: TargetTensor) -> list[Placed]:
     return placed
 
 
-def _read_common(ckpt: Checkpoint) -> bytes:
-    path = ckpt.path / COMMON
-    if not path.is_file():
+def _args(ckpt: Checkpoint) -> argparse.Namespace:
+    if not (ckpt.path / COMMON).is_file():
         raise CheckpointError(ckpt.path, f"no {COMMON}: the common state of megatron-core 0.19 and newer (a "
                                          "common_state item) is not rewritten yet")
-    if path.stat().st_size > COMMON_LIMIT:
-        raise CheckpointError(path, f"{path.stat().st_size} bytes, over the {COMMON_LIMIT >> 20} MiB read for it")
-    return path.read_bytes()
-
-
-def _common(ckpt: Checkpoint) -> dict:
-    """`common.pt`, decoded by torch's restricted loader (plain data, `argparse.Namespace` args)."""
-    import torch
-
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            common = torch.load(io.BytesIO(_read_common(ckpt)), map_location="cpu", weights_only=True)
-    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
-        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
-    if not isinstance(common, dict) or not isinstance(common.get("args"), argparse.Namespace):
-        raise CheckpointError(ckpt.path / COMMON, "no Megatron `args` in it: the TP size and model spec are unknown")
-    return common
+    found = training_args(ckpt)
+    if found is None or found.args is None:
+        raise CheckpointError(ckpt.path / COMMON, f"no Megatron args in it{f' ({found.problem})' if found else ''}: "
+                                                  "the TP size and model spec are unknown")
+    return found.args
 
 
 def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
@@ -146,7 +131,11 @@ def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list) -> bytes:
     `optimizer.optimizer`, the sharding type in the optimizer state and the content metadata."""
     import torch
 
-    common = _common(ckpt)
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            common = torch.load(io.BytesIO(common_bytes(ckpt)), map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
+        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
     common["optimizer"] = {"optimizer": {"param_groups": param_groups},
                            "param_state_sharding_type": "fully_reshardable"}
     if isinstance(common.get("content_metadata"), dict):

@@ -14,8 +14,12 @@ tensor. Skipped without megatron-core.
 
 from __future__ import annotations
 
+import enum
+import io
 import json
+import pickle
 import re
+import zipfile
 
 import pytest
 import torch
@@ -78,7 +82,10 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
+    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1, "iteration": 1,
+                               "problem": None}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
+    assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common\.pt\)\s*$", text, re.M)
     assert re.search(r"^Optimizer\s+DistributedOptimizer, dp_reshardable: DP bucket buffers \(a job at another TP or "
                      r"PP cannot load them\)\s*$", text, re.M)
 
@@ -174,3 +181,45 @@ def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
                                                "'transformer_engine': dp_reshardable buckets are rebuilt for "
                                                "megatron-core's local spec ('local') only yet\n")
     assert not (tmp_path / "o").exists()
+
+
+class Built:
+    """A class whose pickle sets state (NEWOBJ + BUILD)."""
+
+    def __init__(self) -> None:
+        self.x = 1
+
+
+class AttnBackend(enum.Enum):
+    """Stands in for megatron-core 0.19's enum in `args` (`attention_backend`)."""
+
+    local = 2
+
+
+def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
+    """An enum member in args (megatron-core 0.19) is kept as its name and value, never built; a
+    pickle that sets state on such a value is a problem line, not a crash."""
+    import argparse
+    import shutil
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import Opaque, training_args
+    from tests.conftest import ROOT
+
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "fixtures" / "data" / "megatron_torch_dist", src)
+    torch.save({"args": argparse.Namespace(tensor_model_parallel_size=2, attention_backend=AttnBackend.local)},
+               src / "common.pt")
+    found = training_args(open_checkpoint(src))
+    assert (found.where, found.problem, found.get("tensor_model_parallel_size")) == ("common.pt", None, 2)
+    assert found.get("attention_backend") == Opaque(f"{__name__}.AttnBackend", (2,))
+    doc = json.loads(run_cli("inspect", src, "--json").stdout)
+    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "dp": None, "ep": None, "cp": None,
+                               "iteration": None, "problem": None}
+    data = pickle.dumps({"args": Built()}, protocol=2)  # NEWOBJ + BUILD of an unknown class: refused
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("common/data.pkl", data)
+    (src / "common.pt").write_bytes(buf.getvalue())
+    doc = json.loads(run_cli("inspect", src, "--json").stdout)
+    assert doc["training"]["problem"].startswith("not decoded without running code (")

@@ -1,6 +1,7 @@
 """`ckptctl inspect CKPT`: what a checkpoint holds, how it is sharded, and whether it is whole.
 
-Reads `.metadata` and file sizes only (never item bytes), so it is instant on any size.
+Reads `.metadata` and file sizes (never tensor bytes), and Megatron's training `args` where a
+checkpoint has them, so it is instant on any size.
 `--check` prints only the problems `ckptctl.layout.analyze` finds (coverage gaps or
 overlaps, lost optimizer state), one per line, and exits 1 if there are any; with `--json`
 it prints the document as usual and exits 1 the same way. Data files that no entry points
@@ -14,6 +15,9 @@ ignores them.
       "format": "dcp" | "megatron-core torch_dist",            # torch_dist: a metadata.json says so
       "optimizer_format": null | "fully_reshardable" | "fully_sharded_model_space" | "dp_reshardable",
                                                               # torch_dist's DistributedOptimizer format
+      "training": null | {"from": "args entry" | "common.pt" | "common_state/shard_0_1",
+                          "tp", "pp", "dp", "ep", "cp", "iteration": int | null,
+                          "problem": str | null},          # Megatron's saved args, never executed
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
       "unreferenced_files": [name],                           # data files no entry points to
@@ -114,6 +118,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "path": str(ckpt.path),
         "format": FORMATS.get(ckpt.megatron_backend or "", "dcp"),
         "optimizer_format": analysis.optimizer_format,
+        "training": _training_doc(ckpt),
         "version": ckpt.version,
         "world_size": analysis.world_size,
         "metadata_files": list(ckpt.metadata_files),
@@ -132,6 +137,32 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "problems": [{"fqn": p.fqn, "kind": p.kind, "message": p.message}
                      for p in analysis.problems if keep(p.fqn)],
     }
+
+
+TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                   "dp": "data_parallel_size", "ep": "expert_model_parallel_size", "cp": "context_parallel_size",
+                   "iteration": "iteration"}
+"""`training` in the JSON document: Megatron's args by the names Megatron gives them."""
+
+
+def _training_doc(ckpt: Checkpoint) -> dict[str, Any] | None:
+    from ckptctl.formats.megatron_args import training_args
+
+    found = training_args(ckpt)
+    if found is None:
+        return None
+    values = {key: found.get(name) for key, name in TRAINING_FIELDS.items()}
+    return {"from": found.where, **{k: v if isinstance(v, int) and not isinstance(v, bool) else None
+                                    for k, v in values.items()}, "problem": found.problem}
+
+
+def _training_line(doc: dict[str, Any]) -> str:
+    if doc["problem"]:
+        return f"args in {doc['from']} {doc['problem']}"
+    sizes = " × ".join(f"{k.upper()} {doc[k]}" for k in ("tp", "pp", "dp") if doc[k] is not None)
+    more = ", ".join(f"{k.upper()} {doc[k]}" for k in ("ep", "cp") if doc[k] is not None)
+    step = f", iteration {doc['iteration']}" if doc["iteration"] is not None else ""
+    return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
 
 
 FORMATS = {"torch_dist": "megatron-core torch_dist"}
@@ -185,6 +216,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Checkpoint", doc["path"]),
         *((("Format", FORMAT_LINES[doc["format"]]),) if doc["format"] in FORMAT_LINES else ()),
         *((("Optimizer", OPTIMIZER_LINES[doc["optimizer_format"]]),) if doc["optimizer_format"] else ()),
+        *((("Training", _training_line(doc["training"])),) if doc["training"] else ()),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),

@@ -187,6 +187,10 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
+    def __init__(self, file: Any, opaque: Any = None) -> None:
+        super().__init__(file)
+        self.opaque = opaque
+
     def find_class(self, module: str, name: str) -> Any:
         if self.proto < 3 and self.fix_imports:  # protocol 2 spells `builtins` as `__builtin__`
             if (module, name) in _compat_pickle.NAME_MAPPING:
@@ -198,7 +202,10 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
         try:
             return VALUE_GLOBALS[(module, name)]
         except KeyError:
-            raise UnsafePickleError(f"refuses global {module}.{name}") from None
+            if self.opaque is None:
+                raise UnsafePickleError(f"refuses global {module}.{name}") from None
+        opaque, label = self.opaque, f"{module}.{name}"
+        return lambda *args: opaque(label, args)  # built by REDUCE only: NEWOBJ and BUILD refuse it
 
     def persistent_load(self, pid: Any) -> Any:
         raise UnsafePickleError("holds a tensor")
@@ -213,10 +220,12 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
     dispatch[pickle.BUILD[0]] = _load_build
 
 
-def decode_value(raw: bytes) -> Any:
+def decode_value(raw: bytes, opaque: Any = None) -> Any:
     """The object in a non-tensor entry's `torch.save` archive, built by the allow-list unpickler.
 
-    Raises UnsafePickleError saying why when the value cannot be built that way.
+    With `opaque` (a class taking a global's name and REDUCE arguments), a global off the list
+    becomes an inert `opaque` value instead of a refusal. Raises UnsafePickleError saying why
+    when the value cannot be built that way.
     """
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
@@ -224,7 +233,7 @@ def decode_value(raw: bytes) -> Any:
             if len(pkl) != 1 or pkl[0].compress_type != zipfile.ZIP_STORED:  # torch stores; no inflating bombs
                 raise UnsafePickleError("not a torch.save archive")
             data = archive.read(pkl[0])
-        return _ValueUnpickler(io.BytesIO(data)).load()
+        return _ValueUnpickler(io.BytesIO(data), opaque).load()
     except UnsafePickleError:
         raise
     except zipfile.BadZipFile as exc:
