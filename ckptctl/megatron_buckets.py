@@ -53,23 +53,34 @@ LOCAL_SPEC = (
         ("mlp.linear_fc1.bias", GATED),
         ("mlp.linear_fc2.weight", ROW),
         ("mlp.linear_fc2.bias", REPLICATED),
+        ("mlp.router.weight", REPLICATED),
+        ("mlp.experts.experts.", (
+            ("linear_fc1.weight", GATED),
+            ("linear_fc1.bias", GATED),
+            ("linear_fc2.weight", ROW),
+            ("linear_fc2.bias", REPLICATED),
+        )),
     )),
     ("decoder.final_layernorm.weight", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
     ("output_layer.weight", COLUMN),
 )
-"""GPTModel with megatron-core's local spec (dense layers), params in registration order under
-their torch_dist keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`): the order
-`named_parameters` gives, which the DDP buffer reverses. `GATED` is fc1: SwiGLU's `[W; V]` when
+"""GPTModel with megatron-core's local spec, params in registration order under their torch_dist
+keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
+`pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`): the order `named_parameters` gives,
+which the DDP buffer reverses. A nested table repeats per layer (`decoder.layers.` stacks
+[L, …]) and, inside it, per expert (SequentialMLP's `local_experts.<e>`, saved as stacks of
+stacks [L, E, …]): expert by expert, each expert's params in its order. `GATED` is fc1: SwiGLU's `[W; V]` when
 its rows are twice fc2's columns, else column-parallel."""
 
 
 @dataclass(frozen=True)
 class LocalParam:
-    """One param of a TP rank's buffer: its torch_dist key, layer (for a layer stack), TP kind."""
+    """One param of a TP rank's buffer: its torch_dist key, its index in the key's stacked dims
+    (layer, and expert; none for an unstacked key), TP kind."""
 
     key: str
-    layer: int | None
+    lead: tuple[int, ...]
     kind: str
 
 
@@ -95,36 +106,52 @@ def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int, int, int], dict[str, Ten
 
 def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalParam]:
     """The model's params in megatron-core's registration order (`LOCAL_SPEC`), refusing any
-    model key the spec has no place for (MoE layers, another spec: their order is not known)."""
-    stacks = {k for k in model_keys if k.startswith("decoder.layers.")}
-    layers = {ckpt.tensors[k].shape[0] for k in stacks}
-    if len(layers) > 1:
-        raise CheckpointError(ckpt.path, f"layer stacks of {sorted(layers)} layers: dp_reshardable buckets are "
-                                         "rebuilt for one homogeneous stack of layers only")
-    order: list[LocalParam] = []
+    model key the spec has no place for (another spec, heterogeneous layers: their order is not known)."""
     known: set[str] = set()
-    fc1, fc2 = (ckpt.tensors.get(f"decoder.layers.mlp.linear_fc{i}.weight") for i in (1, 2))
-    swiglu = fc1 is not None and fc2 is not None and fc1.shape[-2] == 2 * fc2.shape[-1]
-    for name, kind in LOCAL_SPEC:
-        if isinstance(kind, tuple):
-            inner = [(name + sub, COLUMN if k == GATED and not swiglu else k) for sub, k in kind
-                     if name + sub in model_keys]
-            known.update(key for key, _ in inner)
-            order.extend(LocalParam(key, layer, k) for layer in range(next(iter(layers), 0)) for key, k in inner)
-        elif name in model_keys:
-            known.add(name)
-            order.append(LocalParam(name, None, kind))
+
+    def expand(prefix: str, table: tuple, lead: tuple[int, ...]) -> list[LocalParam]:
+        out: list[LocalParam] = []
+        for name, kind in table:
+            key = prefix + name
+            if isinstance(kind, tuple):
+                present = [k for k in _leaves(kind, key) if k in model_keys]
+                stack = ckpt.tensors[present[0]].shape[len(lead)] if present else 0
+                if any(ckpt.tensors[k].shape[len(lead)] != stack for k in present):
+                    raise CheckpointError(ckpt.path, f"stacks under {key} differ in length: dp_reshardable buckets "
+                                                     "are rebuilt for homogeneous stacks only")
+                for i in range(stack):
+                    out += expand(key, kind, (*lead, i))
+            elif key in model_keys:
+                known.add(key)
+                gated = kind == GATED and _swiglu(ckpt, key.rpartition("linear_fc1.")[0])
+                out.append(LocalParam(key, lead, GATED if gated else COLUMN if kind == GATED else kind))
+        return out
+
+    order = expand("", LOCAL_SPEC, ())
     unknown = sorted(model_keys - known)
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
                                          " has no place in megatron-core's local GPT spec, whose parameter order "
-                                         "rebuilds dp_reshardable buckets (MoE and other specs are not known yet)")
+                                         "rebuilds dp_reshardable buckets (other specs and per-layer keys are not "
+                                         "known yet)")
     return order
+
+
+def _leaves(table: tuple, prefix: str) -> list[str]:
+    """Every key a nested table names under `prefix` (its nested tables' keys included)."""
+    return [leaf for name, kind in table
+            for leaf in (_leaves(kind, prefix + name) if isinstance(kind, tuple) else [prefix + name])]
+
+
+def _swiglu(ckpt: Checkpoint, prefix: str) -> bool:
+    """SwiGLU fc1 under `prefix`: its rows are twice the columns of fc2 (`[W; V]`)."""
+    fc1, fc2 = (ckpt.tensors.get(f"{prefix}linear_fc{i}.weight") for i in (1, 2))
+    return fc1 is not None and fc2 is not None and fc1.shape[-2] == 2 * fc2.shape[-1]
 
 
 def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ...]:
     """The TP-local shape of `param` (one layer of a stack) at TP size `tp`."""
-    shape = entry.shape[1:] if param.layer is not None else entry.shape
+    shape = entry.shape[len(param.lead):]
     dim = {COLUMN: 0, GATED: 0, ROW: 1}.get(param.kind)
     if dim is None or (dim == 1 and len(shape) < 2):
         return tuple(shape)
@@ -211,7 +238,7 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
             shape = local_shape(entry, param, tp)
             for state, saved in bucket.entries.items():
                 name = f"{saved.fqn}[{start}:{end}]"
-                views[name] = _window(saved, start, end, shape if param.layer is None else (1, *shape))
+                views[name] = _window(saved, start, end, (*(1 for _ in param.lead), *shape))
                 target = f"optimizer.state.{state}.{param.key}"
                 pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
     targets = []
@@ -232,13 +259,13 @@ def _window(entry: TensorEntry, start: int, end: int, shape: tuple[int, ...]) ->
 def _placed(entry: TensorEntry, param: LocalParam, rank: int, tp: int, shape: tuple[int, ...], view: str
             ) -> list[Piece]:
     """Where a TP rank's block of a param goes in the global tensor (one piece, two for SwiGLU fc1)."""
-    lead = () if param.layer is None else (param.layer,)
+    lead, units = param.lead, tuple(1 for _ in param.lead)
     zero = tuple(0 for _ in range(len(lead) + len(shape)))
-    sizes = (*((1,) if lead else ()), *shape)
+    sizes = (*units, *shape)
     if param.kind == GATED:
         half = shape[0] // 2
         rows = entry.shape[len(lead)] // 2
-        one = (*((1,) if lead else ()), half, *shape[1:])
+        one = (*units, half, *shape[1:])
         w_at = (*lead, rank * half, *(0 for _ in shape[1:]))
         v_at = (*lead, rows + rank * half, *(0 for _ in shape[1:]))
         v_src = tuple(half if d == len(lead) else 0 for d in range(len(zero)))

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(TP, DP, bucket size) → the folder megatron-core saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size) → the folder megatron-core saved it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -40,9 +40,9 @@ class Saved(dict):
     def __missing__(self, key):
         from fixtures import megatron_optim
 
-        tp, dp, bucket = key
-        out = self.root / f"tp{tp}dp{dp}b{bucket}"
-        megatron_optim.write(out, tp, dp, bucket_size=bucket or None)
+        kind, tp, dp, bucket = key
+        out = self.root / f"{kind}-tp{tp}dp{dp}b{bucket}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None)
         self[key] = out
         return out
 
@@ -52,8 +52,11 @@ def saved(tmp_path_factory):
     return Saved(tmp_path_factory.mktemp("megatron_optim"))
 
 
-BUCKETS = (2, 2, 1000)
+BUCKETS = ("llama", 2, 2, 1000)
 """TP 2 × DP 2 with 1,000-element buckets: seven buckets, params cut at DP shard boundaries."""
+MOE = ("qwen3-moe", 2, 1, 0)
+"""A Qwen3-MoE at TP 2 (SequentialMLP experts in the dense buffer, q/k norms, a router)."""
+LAYOUTS = [BUCKETS, pytest.param(MOE, marks=pytest.mark.full)]
 
 
 @pytest.fixture(scope="session")
@@ -90,16 +93,18 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
                      r"PP cannot load them\)\s*$", text, re.M)
 
 
-def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved):
-    """Every TP rank's buckets hold the params megatron-core put there, at the same ranges."""
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c[0])
+def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
+    """Every TP rank's buckets hold the params megatron-core put there (each expert of each
+    layer too), at the same ranges."""
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.megatron_buckets import layout_buckets, registration_order
 
-    ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
+    ckpt = open_checkpoint(saved[case] / "dp_reshardable")
     model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
-    got = {(b.tp_rank, b.number): [(p.key, p.layer, s, e) for p, s, e in b.params]
-           for b in layout_buckets(ckpt, registration_order(ckpt, model), 2)}
-    record = json.loads((saved[BUCKETS] / "buffers.json").read_text())
+    got = {(b.tp_rank, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params]
+           for b in layout_buckets(ckpt, registration_order(ckpt, model), case[1])}
+    record = json.loads((saved[case] / "buffers.json").read_text())
     want = {}
     for rank in record["ranks"]:
         if rank["dp_rank"]:
@@ -110,9 +115,8 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved):
             rows = []
             for name in bucket["params"]:
                 p = params[name]
-                layer = re.search(r"layers\.(\d+)\.", name)
-                rows.append((p["sharded"]["key"], int(layer[1]) if layer else None,
-                             p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
+                lead = tuple(int(i) for i in re.findall(r"(?:layers|local_experts)\.(\d+)\.", name))
+                rows.append((p["sharded"]["key"], lead, p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
             want[(rank["tp_rank"], bucket["bucket_id"])] = rows
     assert got == want
 
@@ -140,8 +144,21 @@ def test_megatron_core_resumes_the_rewrite_at_another_tp_with_the_saved_runs_los
 
 
 @pytest.mark.full
-def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable_save(saved, tmp_path):
-    ckpt = saved[(2, 2, 0)]
+def test_a_moe_rewrite_resumes_at_another_tp_with_the_saved_runs_loss(saved, tmp_path):
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[MOE] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    want = torch.load(saved[MOE] / "loss.pt")
+    got = megatron_optim.load(out, 1, 2, tmp_path / "loss.pt", kind="qwen3-moe")
+    assert (got["step"], got["after_step"]) == (want["step2"], want["after_step2"])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", [("llama", 2, 2, 0), MOE], ids=lambda c: c[0])
+def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable_save(saved, tmp_path, case):
+    ckpt = saved[case]
     run = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / "o", "--verify")
     assert run.returncode == 0, run.stderr
     got, want = _load(tmp_path / "o"), _load(ckpt / "fully_reshardable")
@@ -157,7 +174,11 @@ def test_another_spec_order_is_refused(saved, monkeypatch):
     from ckptctl.formats.dcp_metadata import open_checkpoint
 
     layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
-    swapped = tuple(layer[:-4] + (layer[-2], layer[-1], layer[-4], layer[-3]))
+    names = [name for name, _ in layer]
+    fc1, fc2 = names.index("mlp.linear_fc1.weight"), names.index("mlp.linear_fc2.weight")
+    swapped = list(layer)
+    swapped[fc1], swapped[fc2] = layer[fc2], layer[fc1]
+    swapped = tuple(swapped)
     monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, swapped if n == "decoder.layers." else k)
                                                 for n, k in mb.LOCAL_SPEC))
     ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
