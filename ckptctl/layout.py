@@ -87,7 +87,8 @@ TORCH_DIST_STATES = ("param", "fp32_param", "exp_avg", "exp_avg_sq")
 TORCH_DIST_BUCKETS = "optimizer.distributed."
 """Where torch_dist's `dp_reshardable` format keeps its DP bucket buffers."""
 
-TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS), ("fully_sharded_model_space", "optimizer.state.fp32_param."),
+TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS),
+                      ("fully_sharded_model_space", "optimizer.state.fp32_param."),
                       ("fully_reshardable", "optimizer.state.param."))
 """Megatron-Core's DistributedOptimizer formats (`distrib_optim_sharding_type`) and the keys each saves."""
 

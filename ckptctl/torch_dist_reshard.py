@@ -41,7 +41,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     targets = [_copied(sources[k], ckpt.tensors[k].properties) for k in ckpt.tensors
                if not k.startswith(TORCH_DIST_BUCKETS)]
     views = dict(sources)
-    extra = {"metadata.json": (ckpt.path / "metadata.json").read_bytes()}
+    extra = {"metadata.json": common_bytes(ckpt, "metadata.json")}
     if fmt == "dp_reshardable":
         args = _args(ckpt)
         tp = _tp(ckpt, args)

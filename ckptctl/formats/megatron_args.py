@@ -11,11 +11,13 @@ torch and without running anything: values of classes it does not know (enum mem
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
+from ckptctl.formats.dcp_metadata import open_regular
 from ckptctl.formats.torch_save_out import decode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.model import Checkpoint
@@ -76,13 +78,17 @@ def training_args(ckpt: Checkpoint) -> TrainingArgs | None:
     return None
 
 
-def common_bytes(ckpt: Checkpoint) -> bytes:
-    """`common.pt`, bounded."""
-    path = ckpt.path / COMMON
-    size = path.stat().st_size
-    if size > COMMON_LIMIT:
-        raise CheckpointError(path, f"{size} bytes, over the {COMMON_LIMIT >> 20} MiB read for it")
-    return path.read_bytes()
+def common_bytes(ckpt: Checkpoint, name: str = COMMON) -> bytes:
+    """A small file beside the DCP ones (`common.pt`, `metadata.json`): a regular file, bounded."""
+    path = ckpt.path / name
+    fd = open_regular(path)
+    try:
+        data = os.read(fd, COMMON_LIMIT + 1)
+    finally:
+        os.close(fd)
+    if len(data) > COMMON_LIMIT:
+        raise CheckpointError(path, f"over the {COMMON_LIMIT >> 20} MiB read for it")
+    return data
 
 
 def _decoded(ckpt: Checkpoint, fqn: str) -> Any:
