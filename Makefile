@@ -18,6 +18,10 @@ ORACLES := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==
            docstring_parser==0.18.0 torchdata==0.11.0 einops==0.8.2 \
            megatron-core==0.16.1 psutil nemo-automodel==0.7.0
 PY312_ORACLES := megatron-bridge==0.6.2
+# megatron-core 0.15.3 beside 0.16.1 (not in the venv's site-packages): the last release that saves
+# the DistributedOptimizer's fully_sharded_model_space (0.16 refuses its flattened_range); only
+# fixtures.megatron_optim's torchrun workers put it first on their PYTHONPATH.
+MCORE_015 := $(VENV)/megatron-core-0.15
 
 # torch first (the local CPU wheel), so resolving the package never pulls a CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -26,6 +30,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps $(ORACLES)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python $(PY312_ORACLES)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(MCORE_015) megatron-core==0.15.3
 	touch $(STAMP)
 
 demo: install
