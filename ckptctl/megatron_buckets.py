@@ -23,9 +23,8 @@ import re
 from dataclasses import dataclass
 
 from ckptctl.errors import CheckpointError
-from ckptctl.geometry import FlatRange
 from ckptctl.model import Checkpoint, TensorEntry
-from ckptctl.plan import Piece, SourceTensor, TargetTensor
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, item_window
 
 ALIGN = 64
 """megatron-core pads each param's start in a DistributedOptimizer buffer to 64 elements."""
@@ -238,7 +237,7 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
             shape = local_shape(entry, param, tp)
             for state, saved in bucket.entries.items():
                 name = f"{saved.fqn}[{start}:{end}]"
-                views[name] = _window(saved, start, end, (*(1 for _ in param.lead), *shape))
+                views[name] = item_window(saved, start, end, (*(1 for _ in param.lead), *shape))
                 target = f"optimizer.state.{state}.{param.key}"
                 pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
     targets = []
@@ -246,14 +245,6 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
         entry = ckpt.tensors[fqn.split(".", 3)[3]]
         targets.append(TargetTensor(fqn, entry.shape, dtype_of[fqn.split(".")[2]], tuple(parts)))
     return targets, views
-
-
-def _window(entry: TensorEntry, start: int, end: int, shape: tuple[int, ...]) -> SourceTensor:
-    """Elements [start, end) of a 1-D bucket seen in `shape`: each chunk that meets them as the
-    flat range it holds, counted from `start` (a chunk that begins before it starts below 0)."""
-    chunks = tuple((c, FlatRange(c.offsets[0] - start, c.sizes[0])) for c in entry.chunks
-                   if c.offsets[0] < end and c.offsets[0] + c.sizes[0] > start)
-    return SourceTensor(entry.fqn, shape, entry.dtype, chunks)
 
 
 def _placed(entry: TensorEntry, param: LocalParam, rank: int, tp: int, shape: tuple[int, ...], view: str

@@ -1,10 +1,12 @@
 """Rewrite a Megatron-Core torch_dist checkpoint with its optimizer state in model space.
 
 megatron-core's `dp_reshardable` optimizer format (its default DistributedOptimizer save) keeps
-each TP rank's DP buckets: a job at another TP or PP cannot load it. This writes the same
-checkpoint with the buckets laid back out as `fully_reshardable` states
-(`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, shaped and chunked like each param,
-`megatron_buckets`), which megatron-core loads at any TP × DP. Model tensors and their
+each TP rank's DP buckets: a job at another TP or PP cannot load it. Its older
+`fully_sharded_model_space` keeps each param's TP fragments: megatron-core 0.16 and newer cannot
+load it at all. This writes the same checkpoint with either laid back out as
+`fully_reshardable` states (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, shaped and
+chunked like each param: `megatron_buckets`, `megatron_fragments`), which megatron-core loads at
+any TP × DP. Model tensors and their
 `_extra_state` items are copied as they are, chunk for chunk, each in its rank's file; the
 common state (`common.pt`) says `fully_reshardable` and carries the optimizer's param groups,
 as megatron-core's own `fully_reshardable` save writes them. A checkpoint already
@@ -24,6 +26,7 @@ from ckptctl.formats.megatron_args import COMMON, common_bytes, training_args
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
 from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint
 from ckptctl.placement import Placed
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target
@@ -34,12 +37,10 @@ FILE = re.compile(r"__(\d+)_\d+\.distcp")
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
     fmt = analysis(ckpt).optimizer_format
-    if fmt not in (None, "dp_reshardable", "fully_reshardable"):
-        raise CheckpointError(ckpt.path, f"a {fmt} optimizer state: reshard rebuilds dp_reshardable buckets only yet")
     sources = source_tensors(ckpt)
     model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
-    targets = [_copied(sources[k], ckpt.tensors[k].properties) for k in ckpt.tensors
-               if not k.startswith(TORCH_DIST_BUCKETS)]
+    rebuilt: list[TargetTensor] = []
+    replaced: set[str] = set()
     views = dict(sources)
     extra = {"metadata.json": common_bytes(ckpt, "metadata.json")}
     if fmt == "dp_reshardable":
@@ -49,12 +50,19 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
         buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
         dtypes = {state: e.dtype for b in buckets for state, e in b.entries.items()}
         rebuilt, windows = model_space_targets(ckpt, buckets, tp, dtypes)
-        targets += rebuilt
         views.update(windows)
+        replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
         extra[COMMON] = _fully_reshardable_common(ckpt, _param_groups(ckpt, tp))
+    elif fmt == "fully_sharded_model_space":
+        rebuilt, windows, replaced = fragment_targets(ckpt)
+        views.update(windows)
+        extra[COMMON] = _fully_reshardable_common(ckpt, None)
     elif (ckpt.path / COMMON).is_file():
         extra[COMMON] = common_bytes(ckpt)
-    placements = {t.fqn: _like(ckpt, t) for t in targets}
+    copied = [_copied(sources[k], ckpt.tensors[k].properties) for k in ckpt.tensors if k not in replaced]
+    placements = {t.fqn: _like(ckpt, t.fqn) for t in copied}
+    placements.update({t.fqn: _like(ckpt, t.fqn.split(".", 3)[3]) for t in rebuilt})  # each state like its param
+    targets = copied + rebuilt
     kept = [e for f, e in ckpt.bytes_entries.items() if not f.startswith(TORCH_DIST_BUCKETS)]
     out = layout_dcp(targets, placements, views, kept, None)
     out.extra_files = extra
@@ -66,12 +74,8 @@ def _copied(src: SourceTensor, properties: object) -> TargetTensor:
     return TargetTensor(same.fqn, same.shape, same.dtype, same.pieces, properties)
 
 
-def _like(ckpt: Checkpoint, target: TargetTensor) -> list[Placed]:
-    """A target's chunks: its own source's (or, for a rebuilt state, its param's) boxes, each in
-    the file of the rank that saved it."""
-    name = target.fqn
-    if name.startswith("optimizer.state.") and name not in ckpt.tensors:
-        name = name.split(".", 3)[3]
+def _like(ckpt: Checkpoint, name: str) -> list[Placed]:
+    """The chunks of entry `name`, each in the file of the rank that saved it."""
     placed = []
     for c in ckpt.tensors[name].chunks:
         m = FILE.fullmatch(c.file)
@@ -126,9 +130,12 @@ def _param_groups(ckpt: Checkpoint, tp: int) -> list:
     return groups[0]
 
 
-def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list) -> bytes:
+def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list | None) -> bytes:
     """`common.pt` as megatron-core's `fully_reshardable` save writes it: the param groups under
-    `optimizer.optimizer`, the sharding type in the optimizer state and the content metadata."""
+    `optimizer.optimizer` (`param_groups`, else those `common.pt` holds there already), the
+    sharding type in the optimizer state and the content metadata; nothing else of the optimizer
+    (`fully_sharded_model_space` leaves rank 0's per-param steps in it, which are not a state of
+    this format)."""
     import torch
 
     try:
@@ -136,6 +143,11 @@ def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list) -> bytes:
             common = torch.load(io.BytesIO(common_bytes(ckpt)), map_location="cpu", weights_only=True)
     except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
         raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
+    if param_groups is None:
+        try:
+            param_groups = common["optimizer"]["optimizer"]["param_groups"]
+        except (KeyError, TypeError):
+            raise CheckpointError(ckpt.path / COMMON, "no optimizer param groups in it") from None
     common["optimizer"] = {"optimizer": {"param_groups": param_groups},
                            "param_state_sharding_type": "fully_reshardable"}
     if isinstance(common.get("content_metadata"), dict):

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size) → the folder megatron-core saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version]) → the folder megatron-core saved
+    it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -40,9 +41,9 @@ class Saved(dict):
     def __missing__(self, key):
         from fixtures import megatron_optim
 
-        kind, tp, dp, bucket = key
-        out = self.root / f"{kind}-tp{tp}dp{dp}b{bucket}"
-        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None)
+        kind, tp, dp, bucket, *version = key
+        out = self.root / f"{kind}-tp{tp}dp{dp}b{bucket}{''.join(version)}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version[0] if version else None)
         self[key] = out
         return out
 
@@ -57,6 +58,14 @@ BUCKETS = ("llama", 2, 2, 1000)
 MOE = ("qwen3-moe", 2, 1, 0)
 """A Qwen3-MoE at TP 2 (SequentialMLP experts in the dense buffer, q/k norms, a router)."""
 LAYOUTS = [BUCKETS, pytest.param(MOE, marks=pytest.mark.full)]
+OLD = ("llama", 2, 2, 1000, "0.15")
+"""The same run saved by megatron-core 0.15.3, which also saves `fully_sharded_model_space`."""
+
+
+def needs_015():
+    from fixtures import megatron_optim
+
+    return pytest.mark.skipif(not megatron_optim.available_015(), reason="megatron-core 0.15 is not installed beside")
 
 
 @pytest.fixture(scope="session")
@@ -244,3 +253,57 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     (src / "common.pt").write_bytes(buf.getvalue())
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
     assert doc["training"]["problem"].startswith("not decoded without running code (")
+
+
+@needs_015()
+def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_after_the_rewrite(saved, tmp_path):
+    """megatron-core 0.15.3's `fully_sharded_model_space` save (seven buckets; its `.metadata`
+    an `MCoreMetadata`), which 0.16 cannot load: inspect reads it, reshard rebuilds it in model
+    space, and megatron-core 0.16.1 resumes the output at TP 1 × DP 2 with the saved run's loss."""
+    from fixtures import megatron_optim
+
+    src = saved[OLD] / "fully_sharded_model_space"
+    doc = json.loads(run_cli("inspect", src, "--json").stdout)
+    assert doc["optimizer_format"] == "fully_sharded_model_space" and not doc["problems"]
+    assert doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]["layout"] == "model-space"
+    run = run_cli("reshard", src, tmp_path / "o", "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(tmp_path / "o")
+    assert not any(".fp32_param." in k for k in got)
+    for key in (k for k in got if k.startswith("optimizer.state.param.")):
+        assert torch.equal(got[key], got[key[len("optimizer.state.param."):]]), key
+    want = torch.load(saved[OLD] / "loss.pt")
+    resumed = megatron_optim.load(tmp_path / "o", 1, 2, tmp_path / "loss.pt")
+    assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"])
+
+
+@needs_015()
+@pytest.mark.full
+def test_with_one_bucket_fragments_rebuild_megatron_core_0_15s_own_fully_reshardable_save(saved, tmp_path):
+    ckpt = saved[("llama", 2, 2, 0, "0.15")]
+    run = run_cli("reshard", ckpt / "fully_sharded_model_space", tmp_path / "o", "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(tmp_path / "o"), _load(ckpt / "fully_reshardable")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@needs_015()
+def test_a_state_that_is_not_fragments_of_its_param_is_refused_naming_both_shapes(saved):
+    """Fragment counts that do not divide the param, or a fragment of another size: refused."""
+    import dataclasses
+
+    from ckptctl.errors import CheckpointError
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.megatron_fragments import fragment_targets
+
+    ckpt = open_checkpoint(saved[OLD] / "fully_sharded_model_space")
+    key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
+    assert ckpt.tensors[key].shape == (2, 2, 1, 1024)
+    ckpt.tensors[key] = dataclasses.replace(ckpt.tensors[key], shape=(2, 4, 1, 512))
+    fragment_targets(ckpt)  # four row blocks of 16 rows × 32: fragments too
+    ckpt.tensors[key] = dataclasses.replace(ckpt.tensors[key], shape=(2, 3, 1, 1024))
+    with pytest.raises(CheckpointError, match=re.escape(f"{key}: [2, 3, 1, 1024] is not fragments of its param "
+                                                        "[2, 64, 32] (each dim's fragment count, then one "
+                                                        "fragment's elements)")):
+        fragment_targets(ckpt)

@@ -197,7 +197,7 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
                 module, name = _compat_pickle.NAME_MAPPING[(module, name)]
             elif module in _compat_pickle.IMPORT_MAPPING:
                 module = _compat_pickle.IMPORT_MAPPING[module]
-        if module == "torch._utils" and name.startswith("_rebuild"):
+        if module == "torch._utils" and name.startswith("_rebuild") and self.opaque is None:
             raise UnsafePickleError("holds a tensor")
         try:
             return VALUE_GLOBALS[(module, name)]
@@ -208,7 +208,9 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
         return lambda *args: opaque(label, args)  # built by REDUCE only: NEWOBJ and BUILD refuse it
 
     def persistent_load(self, pid: Any) -> Any:
-        raise UnsafePickleError("holds a tensor")
+        if self.opaque is None:
+            raise UnsafePickleError("holds a tensor")
+        return self.opaque("storage", ())  # its bytes are never read
 
     def _load_build(self) -> None:
         state = self.stack.pop()
@@ -224,7 +226,8 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
     """The object in a non-tensor entry's `torch.save` archive, built by the allow-list unpickler.
 
     With `opaque` (a class taking a global's name and REDUCE arguments), a global off the list
-    becomes an inert `opaque` value instead of a refusal. Raises UnsafePickleError saying why
+    becomes an inert `opaque` value instead of a refusal, and so does a tensor (its storage
+    never read). Raises UnsafePickleError saying why
     when the value cannot be built that way.
     """
     try:

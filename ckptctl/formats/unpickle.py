@@ -310,12 +310,22 @@ _METADATA_RECORDS[dc.Metadata.torch_global()] = _record(dc.Metadata, {
     "version": _optional(_str)})
 
 
+MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+_MCORE_RECORDS: dict[tuple[str, str], Constructor] = {
+    (MCORE_TORCH, "MCoreMetadata"): _METADATA_RECORDS[dc.Metadata.torch_global()],
+    (MCORE_TORCH, "MCoreSavePlan"): _PLAN_RECORDS[dc.SavePlan.torch_global()],
+}
+"""megatron-core ≤ 0.15's subclasses of DCP's Metadata and SavePlan (their `mcore_data`, the
+original shapes of flattened optimizer states, and `all_local_plans`): read as DCP's own, their
+extra fields dropped like any field ckptctl's records do not have."""
+
 _DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
 """Referencing a dtype pushes the shared DType itself: the machine never calls, builds or changes a value."""
 
 METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **_METADATA_RECORDS,
     **_PLAN_RECORDS,
+    **_MCORE_RECORDS,
     (dc.DCP_PLANNER, "WriteItemType"): Constructor("WriteItemType", call=lambda args: None),
     (dc.DCP_METADATA, "_MEM_FORMAT_ENCODING"): Constructor("_MEM_FORMAT_ENCODING", call=_memory_format),
     ("torch", "Size"): Constructor("torch.Size", call=_torch_size),
