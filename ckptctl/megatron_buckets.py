@@ -18,13 +18,14 @@ was expected. Pure planning: no I/O.
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 from dataclasses import dataclass
 
 from ckptctl.errors import CheckpointError
 from ckptctl.model import Checkpoint, TensorEntry
-from ckptctl.plan import Piece, SourceTensor, TargetTensor, item_window
+from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor
 
 ALIGN = 64
 """megatron-core pads each param's start in a DistributedOptimizer buffer to 64 elements."""
@@ -69,8 +70,8 @@ keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer'
 `pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`): the order `named_parameters` gives,
 which the DDP buffer reverses. A nested table repeats per layer (`decoder.layers.` stacks
 [L, …]) and, inside it, per expert (SequentialMLP's `local_experts.<e>`, saved as stacks of
-stacks [L, E, …]): expert by expert, each expert's params in its order. `GATED` is fc1: SwiGLU's `[W; V]` when
-its rows are twice fc2's columns, else column-parallel."""
+stacks [L, E, …]): expert by expert, each expert's params in its order. `GATED` is fc1:
+SwiGLU's `[W; V]` when its rows are twice fc2's columns, else column-parallel."""
 
 
 @dataclass(frozen=True)
@@ -114,10 +115,12 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalPara
             key = prefix + name
             if isinstance(kind, tuple):
                 present = [k for k in _leaves(kind, key) if k in model_keys]
-                stack = ckpt.tensors[present[0]].shape[len(lead)] if present else 0
-                if any(ckpt.tensors[k].shape[len(lead)] != stack for k in present):
-                    raise CheckpointError(ckpt.path, f"stacks under {key} differ in length: dp_reshardable buckets "
-                                                     "are rebuilt for homogeneous stacks only")
+                lengths = {ckpt.tensors[k].shape[len(lead)] if len(ckpt.tensors[k].shape) > len(lead) else -1
+                           for k in present}
+                stack = next(iter(lengths)) if present else 0
+                if len(lengths) > 1 or stack < 0:
+                    raise CheckpointError(ckpt.path, f"stacks under {key} differ in length (or are 0-d): "
+                                                     "dp_reshardable buckets are rebuilt for homogeneous stacks only")
                 for i in range(stack):
                     out += expand(key, kind, (*lead, i))
             elif key in model_keys:
@@ -152,7 +155,7 @@ def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ..
     """The TP-local shape of `param` (one layer of a stack) at TP size `tp`."""
     shape = entry.shape[len(param.lead):]
     dim = {COLUMN: 0, GATED: 0, ROW: 1}.get(param.kind)
-    if dim is None or (dim == 1 and len(shape) < 2):
+    if dim is None or len(shape) <= dim:
         return tuple(shape)
     if shape[dim] % (2 * tp if param.kind == GATED else tp):
         raise CheckpointError(entry.fqn, f"dim {dim} of {list(shape)} does not divide by TP {tp}")
@@ -217,7 +220,8 @@ def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: lis
     for entry in entries.values():
         for c in entry.chunks:
             lo, hi = c.offsets[0], c.offsets[0] + c.sizes[0]
-            if any(lo < b < hi for b in bounds):
+            after = bisect.bisect_right(bounds, lo)
+            if after < len(bounds) and bounds[after] < hi:
                 raise CheckpointError(ckpt.path, f"{entry.fqn}: the chunk [{lo}, {hi}) crosses a parameter boundary "
                                                  "of megatron-core's local GPT spec order: another model spec or "
                                                  "megatron-core version")
@@ -230,6 +234,7 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
     pieces: dict[str, list[Piece]] = {}
     views: dict[str, SourceTensor] = {}
     for bucket in buckets:
+        items = {state: ItemWindows(saved) for state, saved in bucket.entries.items()}
         for param, start, end in bucket.params:
             entry = ckpt.tensors[param.key]
             if param.kind == REPLICATED and bucket.tp_rank:
@@ -237,7 +242,7 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
             shape = local_shape(entry, param, tp)
             for state, saved in bucket.entries.items():
                 name = f"{saved.fqn}[{start}:{end}]"
-                views[name] = item_window(saved, start, end, (*(1 for _ in param.lead), *shape))
+                views[name] = items[state].window(start, end, (*(1 for _ in param.lead), *shape))
                 target = f"optimizer.state.{state}.{param.key}"
                 pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
     targets = []

@@ -20,7 +20,7 @@ import math
 from ckptctl.errors import CheckpointError
 from ckptctl.layout import split_torch_dist_state
 from ckptctl.model import Checkpoint
-from ckptctl.plan import Piece, SourceTensor, TargetTensor, item_window
+from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor
 
 FRAGMENT_STATES = {"fp32_param": "param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 """A fragment state's name → its name in `fully_reshardable`."""
@@ -46,10 +46,11 @@ def fragment_targets(ckpt: Checkpoint) -> tuple[list[TargetTensor], dict[str, So
                                              f"{list(param.shape)} (each dim's fragment count, then one fragment's "
                                              "elements)")
         zero = tuple(0 for _ in block)
+        items = ItemWindows(entry)
         pieces = []
         for number, index in enumerate(itertools.product(*(range(f) for f in frags))):
             name = f"{fqn}[{number * n}:{(number + 1) * n}]"
-            views[name] = item_window(entry, number * n, (number + 1) * n, block)
+            views[name] = items.window(number * n, (number + 1) * n, block)
             pieces.append(Piece(name, zero, tuple(i * b for i, b in zip(index, block)), block))
         targets.append(TargetTensor(f"optimizer.state.{FRAGMENT_STATES[split.state]}.{split.param}", param.shape,
                                     entry.dtype, tuple(pieces)))

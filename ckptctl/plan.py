@@ -96,22 +96,33 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     return SourceTensor(entry.fqn, shape, entry.dtype, regions)
 
 
-def item_window(entry: TensorEntry, start: int, end: int, shape: Sequence[int]) -> SourceTensor:
-    """Items [start, end) of an entry (row-major) seen in `shape`: one param's range of a
-    Megatron optimizer bucket, or one TP fragment of a model-space state. Each chunk that meets
-    them is the flat range it holds, counted from `start` (one that begins before it starts
-    below 0); a chunk whose items are not contiguous is refused."""
-    strides = [math.prod(entry.shape[d + 1:]) for d in range(len(entry.shape))]
-    chunks = []
-    for c in entry.chunks:
-        first = sum(o * s for o, s in zip(c.offsets, strides))
-        lead = next((d for d, n in enumerate(c.sizes) if n != 1), len(c.sizes))
-        if any(c.offsets[d] or c.sizes[d] != entry.shape[d] for d in range(lead + 1, len(c.sizes))):
-            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} is not one run of "
-                                             "items, which a flat optimizer state must be")
-        if first < end and first + c.numel > start:
-            chunks.append((c, FlatRange(first - start, c.numel)))
-    return SourceTensor(entry.fqn, tuple(shape), entry.dtype, tuple(chunks))
+class ItemWindows:
+    """An entry's chunks as runs of items (row-major), for views of item ranges of it: one
+    param's range of a Megatron optimizer bucket, or one TP fragment of a model-space state.
+    The runs are sorted once, so each window costs a bisection, not a scan of every chunk."""
+
+    def __init__(self, entry: TensorEntry) -> None:
+        self.entry = entry
+        strides = [math.prod(entry.shape[d + 1:]) for d in range(len(entry.shape))]
+        runs = []
+        for c in entry.chunks:
+            lead = next((d for d, n in enumerate(c.sizes) if n != 1), len(c.sizes))
+            if any(c.offsets[d] or c.sizes[d] != entry.shape[d] for d in range(lead + 1, len(c.sizes))):
+                raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} is not one run "
+                                                 "of items, which a flat optimizer state must be")
+            if c.numel:
+                runs.append((sum(o * s for o, s in zip(c.offsets, strides)), c))
+        runs.sort(key=lambda r: r[0])
+        self.runs = runs
+        self.starts = [first for first, _ in runs]
+        self.reach = list(itertools.accumulate((first + c.numel for first, c in runs), max))
+
+    def window(self, start: int, end: int, shape: Sequence[int]) -> SourceTensor:
+        """Items [start, end) seen in `shape`: each chunk that meets them is the flat range it
+        holds, counted from `start` (one that begins before it starts below 0)."""
+        near = self.runs[bisect.bisect_right(self.reach, start): bisect.bisect_left(self.starts, end)]
+        chunks = tuple((c, FlatRange(first - start, c.numel)) for first, c in near)
+        return SourceTensor(self.entry.fqn, tuple(shape), self.entry.dtype, chunks)
 
 
 def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
