@@ -179,7 +179,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[B
         numbers = sorted(b for r, _, b in saved if r == rank)
         if numbers != list(range(len(numbers))):
             raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: buckets {numbers} are not numbered 0…")
-        params = list(reversed(order))
+        params, next_param = list(reversed(order)), 0
         for b in numbers:
             entries = saved[(rank, 0, b)]
             if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
@@ -187,8 +187,9 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[B
                                                  "expected param, exp_avg and exp_avg_sq (Adam)")
             length = _one_length(ckpt, entries)
             placed, cursor = [], 0
-            while cursor < length and params:
-                param = params.pop(0)
+            while cursor < length and next_param < len(params):
+                param = params[next_param]
+                next_param += 1
                 start = -(-cursor // ALIGN) * ALIGN
                 cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
                 placed.append((param, start, cursor))
@@ -199,9 +200,10 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[B
                                                  "megatron-core version")
             _check_chunks(ckpt, entries, placed)
             out.append(Bucket(rank, b, entries, tuple(placed)))
-        if params:
-            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: {len(params)} params ({params[0].key} first) are "
-                                             "in no bucket: another model spec or megatron-core version")
+        if next_param < len(params):
+            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: {len(params) - next_param} params "
+                                             f"({params[next_param].key} first) are in no bucket: another model spec "
+                                             "or megatron-core version")
     return out
 
 
