@@ -208,7 +208,7 @@ def single_export(fixture_ckpt, hf_config, tmp_path_factory) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("nproc", NPROCS)
+@pytest.mark.parametrize("nproc", [pytest.param(n, marks=pytest.mark.full) for n in (2, 3)])  # reshard's run covers
 def test_torchrun_export_hf_equals_the_single_process_run(fixture_ckpt, hf_config, single_export, tmp_path, nproc):
     dst = tmp_path / "out"
     result = launch_local(nproc, ["export-hf", fixture_ckpt("fsdp2_4ranks"), dst, "--hf-config", hf_config,

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fixtures import megatron_core as mc
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 
@@ -58,8 +58,9 @@ BUCKETS = ("llama", 2, 2, 1000)
 MOE = ("qwen3-moe", 2, 1, 0)
 """A Qwen3-MoE at TP 2 (SequentialMLP experts in the dense buffer, q/k norms, a router)."""
 LAYOUTS = [BUCKETS, pytest.param(MOE, marks=pytest.mark.full)]
-OLD = ("llama", 2, 2, 1000, "0.15")
-"""The same run saved by megatron-core 0.15.3, which also saves `fully_sharded_model_space`."""
+FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
+"""megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
+(`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
 
 
 def needs_015():
@@ -234,7 +235,6 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
 
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.formats.megatron_args import Opaque, training_args
-    from tests.conftest import ROOT
 
     src = tmp_path / "src"
     shutil.copytree(ROOT / "fixtures" / "data" / "megatron_torch_dist", src)
@@ -255,24 +255,23 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     assert doc["training"]["problem"].startswith("not decoded without running code (")
 
 
-@needs_015()
-def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_after_the_rewrite(saved, tmp_path):
-    """megatron-core 0.15.3's `fully_sharded_model_space` save (seven buckets; its `.metadata`
-    an `MCoreMetadata`), which 0.16 cannot load: inspect reads it, reshard rebuilds it in model
-    space, and megatron-core 0.16.1 resumes the output at TP 1 × DP 2 with the saved run's loss."""
+def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_after_the_rewrite(tmp_path):
+    """megatron-core 0.15.3's `fully_sharded_model_space` save (the committed fixture: TP 2 × DP 2,
+    seven buckets, its `.metadata` an `MCoreMetadata`), which 0.16 cannot load: inspect reads
+    it, reshard rebuilds it in model space, and megatron-core 0.16.1 resumes the output at
+    TP 1 × DP 2 with the loss of the run that saved it."""
     from fixtures import megatron_optim
 
-    src = saved[OLD] / "fully_sharded_model_space"
-    doc = json.loads(run_cli("inspect", src, "--json").stdout)
+    doc = json.loads(run_cli("inspect", FS_MODEL_SPACE, "--json").stdout)
     assert doc["optimizer_format"] == "fully_sharded_model_space" and not doc["problems"]
     assert doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]["layout"] == "model-space"
-    run = run_cli("reshard", src, tmp_path / "o", "--verify")
+    run = run_cli("reshard", FS_MODEL_SPACE, tmp_path / "o", "--verify")
     assert run.returncode == 0, run.stderr
     got = _load(tmp_path / "o")
     assert not any(".fp32_param." in k for k in got)
     for key in (k for k in got if k.startswith("optimizer.state.param.")):
         assert torch.equal(got[key], got[key[len("optimizer.state.param."):]]), key
-    want = torch.load(saved[OLD] / "loss.pt")
+    want = json.loads(FS_MODEL_SPACE.with_name(FS_MODEL_SPACE.name + ".loss.json").read_text())
     resumed = megatron_optim.load(tmp_path / "o", 1, 2, tmp_path / "loss.pt")
     assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"])
 
@@ -288,8 +287,7 @@ def test_with_one_bucket_fragments_rebuild_megatron_core_0_15s_own_fully_reshard
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
-@needs_015()
-def test_a_state_that_is_not_fragments_of_its_param_is_refused_naming_both_shapes(saved):
+def test_a_state_that_is_not_fragments_of_its_param_is_refused_naming_both_shapes():
     """Fragment counts that do not divide the param, or a fragment of another size: refused."""
     import dataclasses
 
@@ -297,7 +295,7 @@ def test_a_state_that_is_not_fragments_of_its_param_is_refused_naming_both_shape
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.megatron_fragments import fragment_targets
 
-    ckpt = open_checkpoint(saved[OLD] / "fully_sharded_model_space")
+    ckpt = open_checkpoint(FS_MODEL_SPACE)
     key = "optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv.weight"
     assert ckpt.tensors[key].shape == (2, 2, 1, 1024)
     ckpt.tensors[key] = dataclasses.replace(ckpt.tensors[key], shape=(2, 4, 1, 512))

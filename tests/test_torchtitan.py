@@ -13,6 +13,7 @@ Skipped without torchtitan (`make install` puts it in the dev environment).
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -58,12 +59,15 @@ def saved(runs):
 @pytest.fixture(scope="session")
 def exported(saved, tmp_path_factory):
     root = tmp_path_factory.mktemp("torchtitan-hf")
-    out = {}
-    for family, (ckpt, _, ref) in saved.items():
+
+    def export(item):
+        family, (ckpt, _, ref) = item
         run = run_cli("export-hf", ckpt, root / family, "--hf-config", ref, "--verify")
         assert run.returncode == 0, run.stderr
-        out[family] = (root / family, run)
-    return out
+        return family, (root / family, run)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each run is a process: two cores, two at a time
+        return dict(pool.map(export, saved.items()))
 
 
 def _folder(path):
