@@ -227,8 +227,7 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
 
     With `opaque` (a class taking a global's name and REDUCE arguments), a global off the list
     becomes an inert `opaque` value instead of a refusal, and so does a tensor (its storage
-    never read). Raises UnsafePickleError saying why
-    when the value cannot be built that way.
+    never read). Raises UnsafePickleError saying why when the value cannot be built that way.
     """
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
