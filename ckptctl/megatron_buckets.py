@@ -171,7 +171,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[B
         raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer (one param and "
                                          "grad dtype, no expert-parallel buffer) is rebuilt yet")
     ranks = sorted({rank for rank, _, _ in saved})
-    if ranks != list(range(tp)):
+    if len(ranks) != tp or ranks != list(range(len(ranks))):  # args say tp: never build a list of its size
         raise CheckpointError(ckpt.path, f"dp_reshardable groups {ranks}, expected one per TP rank 0…{tp - 1} "
                                          "(pipeline parallelism is not rebuilt yet)")
     out = []
