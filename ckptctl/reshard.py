@@ -224,10 +224,11 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     device = resolve_device(opts.device)
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
-        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1,
+        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
         bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
         + sum(c.length for c in out.copy_items),
-        bytes_written=out.total_bytes, dry_run=dry_run, processes=comm.world_size, device=device,
+        bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
+        processes=comm.world_size, device=device,
         # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
         predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.stream_items, opts.workers, device),
         **extra,

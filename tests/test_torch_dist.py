@@ -170,9 +170,12 @@ def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):
     ckpt = saved["tp2"][0]
     run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "3")
     assert (run.returncode, run.stderr) == (2, TORCH_DIST_LAYOUT.format(2))
+    plan = json.loads(run_cli("reshard", ckpt, tmp_path / "o", "--dry-run", "--json").stdout)
+    assert (plan["world_size"], plan["files"]) == (2, 5)  # two rank files, .metadata, metadata.json, common.pt
     run = run_cli("reshard", ckpt, tmp_path / "o", "--verify")
     assert run.returncode == 0, run.stderr
     assert run_cli("diff", ckpt, tmp_path / "o").returncode == 0
+    assert len(list((tmp_path / "o").iterdir())) == 5
     for name in ("metadata.json", "common.pt"):
         assert (tmp_path / "o" / name).read_bytes() == (ckpt / name).read_bytes()
 
