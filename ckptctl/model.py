@@ -107,11 +107,16 @@ class Checkpoint:
     @property
     def saved_world_size(self) -> int:
         """Number of ranks that wrote data files (`__{rank}_{n}.distcp`) the metadata points to."""
-        ranks = set()
-        for name in self.files.keys() - set(self.unreferenced_files):
-            stem = Path(name).name
-            if stem.startswith("__") and "_" in stem[2:]:
-                head = stem[2:].split("_", 1)[0]
-                if head.isdigit():
-                    ranks.add(int(head))
+        ranks = {rank for name in self.files.keys() - set(self.unreferenced_files)
+                 if (rank := file_rank(name)) is not None}
         return max(ranks) + 1 if ranks else 0
+
+
+def file_rank(name: str) -> int | None:
+    """The rank that wrote data file `__{rank}_{n}.distcp`, None for any other name."""
+    stem = Path(name).name
+    if stem.startswith("__") and "_" in stem[2:]:
+        head = stem[2:].split("_", 1)[0]
+        if head.isdigit():
+            return int(head)
+    return None

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import re
 
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_items import ItemReader
@@ -27,12 +26,9 @@ from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
 from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
-from ckptctl.model import Checkpoint
+from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target
-
-FILE = re.compile(r"__(\d+)_\d+\.distcp")
-
 
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
@@ -78,10 +74,10 @@ def _like(ckpt: Checkpoint, name: str) -> list[Placed]:
     """The chunks of entry `name`, each in the file of the rank that saved it."""
     placed = []
     for c in ckpt.tensors[name].chunks:
-        m = FILE.fullmatch(c.file)
-        if m is None:
+        rank = file_rank(c.file)
+        if rank is None:
             raise CheckpointError(ckpt.path / c.file, "not a torch_dist rank file name (__<rank>_<n>.distcp)")
-        placed.append(Placed(int(m[1]), Box(c.offsets, c.sizes)))
+        placed.append(Placed(rank, Box(c.offsets, c.sizes)))
     return placed
 
 
