@@ -55,11 +55,7 @@ def megatron_backend(root: Path) -> str | None:
     path = root / MEGATRON_MARKER
     if not os.path.lexists(path):
         return None
-    fd = open_regular(path)
-    try:
-        text = os.read(fd, _MARKER_LIMIT + 1)
-    finally:
-        os.close(fd)
+    text = read_small(path, _MARKER_LIMIT + 1)
     try:
         marker = json.loads(text) if len(text) <= _MARKER_LIMIT else None
     except (ValueError, RecursionError):
@@ -72,6 +68,15 @@ def megatron_backend(root: Path) -> str | None:
                                     f"sharded_backend {backend[:64]!r}); ckptctl reads its {TORCH_DIST!r} "
                                     "backend only")
     return backend
+
+
+def read_small(path: Path, limit: int) -> bytes:
+    """At most `limit` bytes of a small regular file (`open_regular`): a marker or a common state."""
+    fd = open_regular(path)
+    try:
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
 
 
 def open_regular(path: Path) -> int:

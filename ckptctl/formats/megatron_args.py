@@ -11,13 +11,12 @@ torch and without running anything: values of classes it does not know (enum mem
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
-from ckptctl.formats.dcp_metadata import open_regular
+from ckptctl.formats.dcp_metadata import read_small
 from ckptctl.formats.torch_save_out import decode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.model import Checkpoint
@@ -81,11 +80,7 @@ def training_args(ckpt: Checkpoint) -> TrainingArgs | None:
 def common_bytes(ckpt: Checkpoint, name: str = COMMON) -> bytes:
     """A small file beside the DCP ones (`common.pt`, `metadata.json`): a regular file, bounded."""
     path = ckpt.path / name
-    fd = open_regular(path)
-    try:
-        data = os.read(fd, COMMON_LIMIT + 1)
-    finally:
-        os.close(fd)
+    data = read_small(path, COMMON_LIMIT + 1)
     if len(data) > COMMON_LIMIT:
         raise CheckpointError(path, f"over the {COMMON_LIMIT >> 20} MiB read for it")
     return data
