@@ -232,10 +232,13 @@ class TargetTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def identity_target(src: SourceTensor, fqn: str | None = None, dtype: DType | None = None) -> TargetTensor:
-    """The whole source, unchanged in shape (a plain reshard, possibly with a cast)."""
+def identity_target(src: SourceTensor, fqn: str | None = None, dtype: DType | None = None,
+                    properties: object = None) -> TargetTensor:
+    """The whole source, unchanged in shape (a plain reshard, possibly with a cast), with the
+    saved entry's `properties` when given."""
     zero = tuple(0 for _ in src.shape)
-    return TargetTensor(fqn or src.fqn, src.shape, dtype or src.dtype, (Piece(src.fqn, zero, zero, src.shape),))
+    return TargetTensor(fqn or src.fqn, src.shape, dtype or src.dtype, (Piece(src.fqn, zero, zero, src.shape),),
+                        properties)
 
 
 @dataclass(frozen=True, slots=True)

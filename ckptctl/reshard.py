@@ -121,9 +121,8 @@ def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     targets: list[TargetTensor] = []
     for fqn, src in sources.items():
         if selected(fqn, opts.include, opts.exclude):
-            target = identity_target(src, dtype=cast_dtype(src.dtype, opts.dtype))
-            targets.append(TargetTensor(target.fqn, target.shape, target.dtype, target.pieces,
-                                        ckpt.tensors[fqn].properties))
+            targets.append(identity_target(src, dtype=cast_dtype(src.dtype, opts.dtype),
+                                           properties=ckpt.tensors[fqn].properties))
     placements = {t.fqn: fsdp2(t.shape, opts.world_size) for t in targets}
     kept_bytes = [e for f, e in ckpt.bytes_entries.items() if selected(f, opts.include, opts.exclude)]
     planner = None

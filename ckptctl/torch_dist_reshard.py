@@ -55,7 +55,8 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
         extra[COMMON] = _fully_reshardable_common(ckpt, None)
     elif (ckpt.path / COMMON).is_file():
         extra[COMMON] = common_bytes(ckpt)
-    copied = [_copied(sources[k], ckpt.tensors[k].properties) for k in ckpt.tensors if k not in replaced]
+    copied = [identity_target(sources[k], properties=ckpt.tensors[k].properties) for k in ckpt.tensors
+              if k not in replaced]
     placements = {t.fqn: _like(ckpt, t.fqn) for t in copied}
     placements.update({t.fqn: _like(ckpt, t.fqn.split(".", 3)[3]) for t in rebuilt})  # each state like its param
     targets = copied + rebuilt
@@ -63,11 +64,6 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     out = layout_dcp(targets, placements, views, kept, None)
     out.extra_files = extra
     return out, views
-
-
-def _copied(src: SourceTensor, properties: object) -> TargetTensor:
-    same = identity_target(src)
-    return TargetTensor(same.fqn, same.shape, same.dtype, same.pieces, properties)
 
 
 def _like(ckpt: Checkpoint, name: str) -> list[Placed]:
