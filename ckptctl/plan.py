@@ -103,15 +103,15 @@ class ItemWindows:
 
     def __init__(self, entry: TensorEntry) -> None:
         self.entry = entry
-        strides = [math.prod(entry.shape[d + 1:]) for d in range(len(entry.shape))]
         runs = []
         for c in entry.chunks:
-            lead = next((d for d, n in enumerate(c.sizes) if n != 1), len(c.sizes))
-            if any(c.offsets[d] or c.sizes[d] != entry.shape[d] for d in range(lead + 1, len(c.sizes))):
+            if not c.numel:
+                continue
+            items = box_flat_ranges(Box(c.offsets, c.sizes), entry.shape)
+            if len(items) != 1:
                 raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} is not one run "
                                                  "of items, which a flat optimizer state must be")
-            if c.numel:
-                runs.append((sum(o * s for o, s in zip(c.offsets, strides)), c))
+            runs.append((items[0].start, c))
         runs.sort(key=lambda r: r[0])
         self.runs = runs
         self.starts = [first for first, _ in runs]
