@@ -353,11 +353,10 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt`."""
     names = ckpt.tensors.keys()
     stacked = ckpt.megatron_backend == "torch_dist"
-    if stacked:
-        param_of = {fqn: split.param if split.param in names else None
-                    for fqn in names if (split := split_torch_dist_state(fqn))}
-    else:
-        param_of = {fqn: find_param(names, fqn) for fqn in names if split_optimizer_fqn(fqn)}
+    split = split_torch_dist_state if stacked else split_optimizer_fqn
+    states = {fqn: state for fqn in names if (state := split(fqn))}
+    param_of = {fqn: (state.param if state.param in names else None) if stacked else find_param(names, fqn)
+                for fqn, state in states.items()}
     params = {p for p in param_of.values() if p is not None}
     seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS) and not _bookkeeping(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
@@ -371,13 +370,13 @@ def analyze(ckpt: Checkpoint) -> Analysis:
         cov = coverage(entry)
         reports.append(TensorReport(fqn, layout, parts, cov, _group(fqn, model_prefix, params), param_fqn))
         problems.extend(_coverage_problems(fqn, cov, entry.numel))
-        if param is not None and layout != "model-space" and (problem := _state_problem(entry, param, _state(fqn))):
+        if param is not None and layout != "model-space" and (
+                problem := _state_problem(entry, param, states[fqn].state)):
             problems.append(problem)
     problems.extend(Problem(fqn, "rank-conflict", message) for fqn, message in ckpt.rank_conflicts.items())
 
     model_seen = Counter(_model_prefix(r.fqn) for r in reports if r.group == "model")
-    optim_seen = Counter(s.prefix for f in param_of if (s := split_torch_dist_state(f) if stacked
-                                                         else split_optimizer_fqn(f)))
+    optim_seen = Counter(state.prefix for state in states.values())
     groups = Counter(r.group for r in reports)
     groups.update(_group(f, model_prefix, params) for f in ckpt.bytes_entries)
     return Analysis(
@@ -390,11 +389,6 @@ def analyze(ckpt: Checkpoint) -> Analysis:
         layouts=dict(sorted(Counter(r.layout for r in reports).items())),
         optimizer_format=torch_dist_optimizer_format(names) if stacked else None,
     )
-
-
-def _state(fqn: str) -> str:
-    split = split_torch_dist_state(fqn)
-    return split.state if split is not None else fqn.rpartition(".")[2]
 
 
 def _torch_dist_layout(entry: TensorEntry, param: TensorEntry | None) -> tuple[str, int | None]:
