@@ -229,11 +229,12 @@ def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: lis
                                                  "megatron-core version")
 
 
-def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_of: dict[str, object],
+def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int
                         ) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
     """`optimizer.state.<state>.<key>` for every param and Adam state, shaped like the param, with
-    the window views of the buckets its pieces read (keyed by view name)."""
+    the window views of the buckets its pieces read (keyed by view name), in its bucket's dtype."""
     pieces: dict[str, list[Piece]] = {}
+    dtypes: dict[str, object] = {}
     views: dict[str, SourceTensor] = {}
     for bucket in buckets:
         items = {state: ItemWindows(saved) for state, saved in bucket.entries.items()}
@@ -246,11 +247,12 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int, dtype_
                 name = f"{saved.fqn}[{start}:{end}]"
                 views[name] = items[state].window(start, end, (*(1 for _ in param.lead), *shape))
                 target = f"optimizer.state.{state}.{param.key}"
+                dtypes[target] = saved.dtype
                 pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
     targets = []
     for fqn, parts in pieces.items():
         entry = ckpt.tensors[fqn.split(".", 3)[3]]
-        targets.append(TargetTensor(fqn, entry.shape, dtype_of[fqn.split(".")[2]], tuple(parts)))
+        targets.append(TargetTensor(fqn, entry.shape, dtypes[fqn], tuple(parts)))
     return targets, views
 
 

@@ -44,8 +44,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
         tp = _tp(ckpt, args)
         _refuse_other_specs(ckpt, args)
         buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
-        dtypes = {state: e.dtype for b in buckets for state, e in b.entries.items()}
-        rebuilt, windows = model_space_targets(ckpt, buckets, tp, dtypes)
+        rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
         replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
         extra[COMMON] = _fully_reshardable_common(ckpt, _param_groups(ckpt, tp))
