@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -97,11 +97,24 @@ def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
 
 
 def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
-    """The whole output: targets, their FSDP2 placement and every copy run. No I/O.
+    """The whole output: targets, their placement and every copy run. No I/O."""
+    return _planned(ckpt, opts)[0]
+
+
+def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping[str, SourceTensor] | None]:
+    """`plan_reshard`, and the source views the plan's pieces read when they are not each tensor
+    as reshard sees it (a torch_dist rewrite reads windows of its optimizer buckets).
 
     Planned with the collector paused (`gc_pause`): a few acyclic objects per output chunk."""
+    views = None
     with gc_paused():
-        if opts.megatron:
+        if ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
+            from ckptctl import torch_dist_reshard
+
+            torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.include,
+                                              opts.exclude, opts.dtype)
+            out, views = torch_dist_reshard.plan_torch_dist(ckpt)
+        elif opts.megatron:
             from ckptctl import megatron_reshard
 
             out = megatron_reshard.plan_megatron(ckpt, opts.megatron_request())
@@ -109,7 +122,7 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
             out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
                            opts.include, opts.exclude)
-    return out
+    return out, views
 
 
 def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
@@ -152,19 +165,11 @@ def reshard(
     src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
-    views = None
-    if ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
-        from ckptctl import torch_dist_reshard
-
-        torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.include,
-                                          opts.exclude, opts.dtype)
-        with gc_paused():
-            out, views = torch_dist_reshard.plan_torch_dist(ckpt)
-        opts = replace(opts, world_size=ckpt.saved_world_size)
-    else:
-        out = plan_reshard(ckpt, opts)
+    out, views = _planned(ckpt, opts)
     world_size = opts.world_size
-    if opts.megatron:
+    if ckpt.megatron_backend is not None:
+        world_size = ckpt.saved_world_size
+    elif opts.megatron:
         from ckptctl import megatron_reshard
 
         world_size = megatron_reshard.output_world_size(ckpt, opts.megatron_request())
