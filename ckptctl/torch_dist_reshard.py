@@ -21,7 +21,7 @@ import io
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
-from ckptctl.formats.megatron_args import COMMON, common_bytes, training_args
+from ckptctl.formats.megatron_args import COMMON, common_bytes
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
 from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
@@ -40,18 +40,19 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     views = dict(sources)
     extra = {"metadata.json": common_bytes(ckpt, "metadata.json")}
     if fmt == "dp_reshardable":
-        args = _args(ckpt)
+        common = _common(ckpt)
+        args = _args(ckpt, common)
         tp = _tp(ckpt, args)
         _refuse_other_specs(ckpt, args)
         buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
         rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
         replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
-        extra[COMMON] = _fully_reshardable_common(ckpt, _param_groups(ckpt, tp))
+        extra[COMMON] = _fully_reshardable_common(ckpt, common, _param_groups(ckpt, tp))
     elif fmt == "fully_sharded_model_space":
         rebuilt, windows, replaced = fragment_targets(ckpt)
         views.update(windows)
-        extra[COMMON] = _fully_reshardable_common(ckpt, None)
+        extra[COMMON] = _fully_reshardable_common(ckpt, _common(ckpt), None)
     elif (ckpt.path / COMMON).is_file():
         extra[COMMON] = common_bytes(ckpt)
     copied = [identity_target(sources[k], properties=ckpt.tensors[k].properties) for k in ckpt.tensors
@@ -76,15 +77,29 @@ def _like(ckpt: Checkpoint, name: str) -> list[Placed]:
     return placed
 
 
-def _args(ckpt: Checkpoint) -> argparse.Namespace:
+def _common(ckpt: Checkpoint) -> dict:
+    """`common.pt`, read once and decoded by torch's restricted loader: its args tell the TP size
+    and spec, and it is written back with the optimizer's new format."""
+    import torch
+
     if not (ckpt.path / COMMON).is_file():
         raise CheckpointError(ckpt.path, f"no {COMMON}: the common state of megatron-core 0.19 and newer (a "
                                          "common_state item) is not rewritten yet")
-    found = training_args(ckpt)
-    if found is None or found.args is None:
-        raise CheckpointError(ckpt.path / COMMON, f"no Megatron args in it{f' ({found.problem})' if found else ''}: "
-                                                  "the TP size and model spec are unknown")
-    return found.args
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            common = torch.load(io.BytesIO(common_bytes(ckpt)), map_location="cpu", weights_only=True)
+    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
+        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
+    if not isinstance(common, dict):
+        raise CheckpointError(ckpt.path / COMMON, f"a {type(common).__name__}, not the common state dict")
+    return common
+
+
+def _args(ckpt: Checkpoint, common: dict) -> argparse.Namespace:
+    args = common.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(ckpt.path / COMMON, "no Megatron args in it: the TP size and model spec are unknown")
+    return args
 
 
 def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
@@ -121,7 +136,7 @@ def _param_groups(ckpt: Checkpoint, tp: int) -> list:
     return groups[0]
 
 
-def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list | None) -> bytes:
+def _fully_reshardable_common(ckpt: Checkpoint, common: dict, param_groups: list | None) -> bytes:
     """`common.pt` as megatron-core's `fully_reshardable` save writes it: the param groups under
     `optimizer.optimizer` (`param_groups`, else those `common.pt` holds there already), the
     sharding type in the optimizer state and the content metadata; nothing else of the optimizer
@@ -129,18 +144,13 @@ def _fully_reshardable_common(ckpt: Checkpoint, param_groups: list | None) -> by
     this format)."""
     import torch
 
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            common = torch.load(io.BytesIO(common_bytes(ckpt)), map_location="cpu", weights_only=True)
-    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
-        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
     if param_groups is None:
         try:
             param_groups = common["optimizer"]["optimizer"]["param_groups"]
         except (KeyError, TypeError):
             raise CheckpointError(ckpt.path / COMMON, "no optimizer param groups in it") from None
-    common["optimizer"] = {"optimizer": {"param_groups": param_groups},
-                           "param_state_sharding_type": "fully_reshardable"}
+    common = {**common, "optimizer": {"optimizer": {"param_groups": param_groups},
+                                      "param_state_sharding_type": "fully_reshardable"}}
     if isinstance(common.get("content_metadata"), dict):
         common["content_metadata"] = {**common["content_metadata"], "distrib_optim_sharding_type": "fully_reshardable",
                                       "distrib_optim_fully_reshardable_mem_efficient": False}
