@@ -22,6 +22,10 @@ PY312_ORACLES := megatron-bridge==0.6.2
 # the DistributedOptimizer's fully_sharded_model_space (0.16 refuses its flattened_range); only
 # fixtures.megatron_optim's torchrun workers put it first on their PYTHONPATH.
 MCORE_015 := $(VENV)/megatron-core-0.15
+# megatron-core 0.19.2 beside them too: the current release, whose torch_dist keeps the common state
+# in a `common_state` item and whose default optimizer format is dp_reshardable (it declares
+# Python 3.12; what the fixtures run of it runs on 3.11).
+MCORE_019 := $(VENV)/megatron-core-0.19
 
 # torch first (the local CPU wheel), so resolving the package never pulls a CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -31,6 +35,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps $(ORACLES)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python $(PY312_ORACLES)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(MCORE_015) megatron-core==0.15.3
+	$(PY) -m pip install -q --no-deps --upgrade --ignore-requires-python --target $(MCORE_019) megatron-core==0.19.2
 	touch $(STAMP)
 
 demo: install
