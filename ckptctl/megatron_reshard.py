@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, rank_file
+from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.hf.base import is_model_key, load_hf_config
 from ckptctl.hf.nemotron_h import Mamba
 from ckptctl.hf.qwen3_next import GatedDeltaNet
@@ -39,7 +39,7 @@ from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
 from ckptctl.selection import selected
-from ckptctl.plan import CopyItem, Piece, SourceTensor, TargetTensor, identity_target
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target
 
 LAYOUTS = ("fsdp2", "megatron-fsdp")
 SWIGLU_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
@@ -699,20 +699,8 @@ def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
             kept.append(replace(entry, fqn=name))
     out = layout_dcp(targets, placements, sources, kept, planner_data(ckpt, planned, bytes_names))
     if new_args is not None and "args" in bytes_names:
-        _append_literal(out, "args", new_args)
+        out.append_literal("args", new_args)
     return out
-
-
-def _append_literal(out: DcpOutput, fqn: str, data: bytes) -> None:
-    """Write `data` as bytes entry `fqn` at the end of rank 0's file."""
-    file = rank_file(0)
-    at = out.files.get(file, 0)
-    item = CopyItem("", 0, len(data), file, at, data)
-    out.files[file] = at + len(data)
-    out.files = dict(sorted(out.files.items()))
-    out.copy_items.append(item)
-    out.bytes_entries[fqn] = item
-    out.bytes_transforms[fqn] = ()
 
 
 def output_world_size(ckpt: Checkpoint, req: MegatronRequest) -> int:

@@ -8,20 +8,23 @@ load it at all. This writes the same checkpoint with either laid back out as
 chunked like each param: `megatron_buckets`, `megatron_fragments`), which megatron-core loads at
 any TP × DP. Model tensors and their
 `_extra_state` items are copied as they are, chunk for chunk, each in its rank's file; the
-common state (`common.pt`) says `fully_reshardable` and carries the optimizer's param groups,
-as megatron-core's own `fully_reshardable` save writes them. A checkpoint already
-`fully_reshardable` is copied the same way.
+common state (`common.pt`, or megatron-core 0.19's `common_state` item) says `fully_reshardable`
+and carries the optimizer's param groups, as megatron-core's own `fully_reshardable` save writes
+them. It is decoded and written back without torch (`megatron_args.common_state`): values of
+classes no allow-list knows, such as 0.19's enum members in args, are written back as they were
+saved, never built. A checkpoint already `fully_reshardable` is copied the same way.
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
-from ckptctl.formats.megatron_args import COMMON, common_bytes
+from ckptctl.formats.megatron_args import (
+    COMMON, COMMON_STATE, CommonState, common_bytes, common_state, common_where, decoded_item,
+)
+from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
 from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
@@ -39,20 +42,22 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     replaced: set[str] = set()
     views = dict(sources)
     extra = {"metadata.json": common_bytes(ckpt, "metadata.json")}
+    common, new_common = None, None
     if fmt == "dp_reshardable":
         common = _common(ckpt)
         args = _args(ckpt, common)
-        tp = _tp(ckpt, args)
-        _refuse_other_specs(ckpt, args)
+        tp = _tp(ckpt, common, args)
+        _refuse_other_specs(ckpt, common, args)
         buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
         rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
         replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
-        extra[COMMON] = _fully_reshardable_common(ckpt, common, _param_groups(ckpt, tp))
+        new_common = _fully_reshardable_common(ckpt, common, _param_groups(ckpt, tp))
     elif fmt == "fully_sharded_model_space":
         rebuilt, windows, replaced = fragment_targets(ckpt)
         views.update(windows)
-        extra[COMMON] = _fully_reshardable_common(ckpt, _common(ckpt), None)
+        common = _common(ckpt)
+        new_common = _fully_reshardable_common(ckpt, common, None)
     elif (ckpt.path / COMMON).is_file():
         extra[COMMON] = common_bytes(ckpt)
     copied = [identity_target(sources[k], properties=ckpt.tensors[k].properties) for k in ckpt.tensors
@@ -60,8 +65,14 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     placements = {t.fqn: _like(ckpt, t.fqn) for t in copied}
     placements.update({t.fqn: _like(ckpt, t.fqn.split(".", 3)[3]) for t in rebuilt})  # each state like its param
     targets = copied + rebuilt
-    kept = [e for f, e in ckpt.bytes_entries.items() if not f.startswith(TORCH_DIST_BUCKETS)]
+    rewritten_item = common is not None and common.where == COMMON_STATE
+    kept = [e for f, e in ckpt.bytes_entries.items()
+            if not f.startswith(TORCH_DIST_BUCKETS) and not (rewritten_item and f == COMMON_STATE)]
     out = layout_dcp(targets, placements, views, kept, None)
+    if common is not None and common.where == COMMON:
+        extra[COMMON] = new_common
+    elif rewritten_item:
+        out.append_literal(COMMON_STATE, new_common)
     out.extra_files = extra
     return out, views
 
@@ -77,86 +88,94 @@ def _like(ckpt: Checkpoint, name: str) -> list[Placed]:
     return placed
 
 
-def _common(ckpt: Checkpoint) -> dict:
-    """`common.pt`, read once and decoded by torch's restricted loader: its args tell the TP size
-    and spec, and it is written back with the optimizer's new format."""
-    import torch
+def _refusal(ckpt: Checkpoint, where: str, message: str) -> CheckpointError:
+    """An error about the common state: at `common.pt`'s path, or naming the `common_state` item."""
+    if where == COMMON:
+        return CheckpointError(ckpt.path / COMMON, message)
+    return CheckpointError(ckpt.path, f"{where}: {message}")
 
-    if not (ckpt.path / COMMON).is_file():
-        raise CheckpointError(ckpt.path, f"no {COMMON}: the common state of megatron-core 0.19 and newer (a "
-                                         "common_state item) is not rewritten yet")
+
+def _common(ckpt: Checkpoint) -> CommonState:
+    """The common state (`common.pt`, or megatron-core 0.19's `common_state` item), read once and
+    decoded without torch: its args tell the TP size and spec, and it is written back with the
+    optimizer's new format (enum members in args as they were)."""
+    where = common_where(ckpt)
     try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            common = torch.load(io.BytesIO(common_bytes(ckpt)), map_location="cpu", weights_only=True)
-    except Exception as exc:  # weights_only refusals (enum members in args) and corrupt archives alike
-        raise CheckpointError(ckpt.path / COMMON, f"cannot decode it ({exc})".splitlines()[0]) from exc
-    if not isinstance(common, dict):
-        raise CheckpointError(ckpt.path / COMMON, f"a {type(common).__name__}, not the common state dict")
+        common = common_state(ckpt)
+    except UnsafePickleError as exc:
+        raise _refusal(ckpt, where, f"cannot decode it without running code ({exc})") from None
+    if common is None:
+        raise CheckpointError(ckpt.path, f"no common state ({COMMON} or a {COMMON_STATE} item): the TP size, model "
+                                         "spec and optimizer param groups are unknown")
+    if not isinstance(common.state, dict):
+        raise _refusal(ckpt, where, f"a {type(common.state).__name__}, not the common state dict")
     return common
 
 
-def _args(ckpt: Checkpoint, common: dict) -> argparse.Namespace:
-    args = common.get("args")
+def _args(ckpt: Checkpoint, common: CommonState) -> argparse.Namespace:
+    args = common.state.get("args")
     if not isinstance(args, argparse.Namespace):
-        raise CheckpointError(ckpt.path / COMMON, "no Megatron args in it: the TP size and model spec are unknown")
+        raise _refusal(ckpt, common.where, "no Megatron args in it: the TP size and model spec are unknown")
     return args
 
 
-def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+def _tp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> int:
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
-    if not isinstance(tp, int) or tp < 1:
-        raise CheckpointError(ckpt.path / COMMON, f"args.tensor_model_parallel_size is {tp!r}")
+    if type(tp) is not int or tp < 1:
+        raise _refusal(ckpt, common.where, f"args.tensor_model_parallel_size is {tp!r}")
     if pp != 1:
-        raise CheckpointError(ckpt.path / COMMON, f"pipeline_model_parallel_size {pp}: dp_reshardable buckets are "
-                                                  "rebuilt without pipeline parallelism only yet")
+        raise _refusal(ckpt, common.where, f"pipeline_model_parallel_size {pp}: dp_reshardable buckets are rebuilt "
+                                           "without pipeline parallelism only yet")
     return tp
 
 
-def _refuse_other_specs(ckpt: Checkpoint, args: argparse.Namespace) -> None:
+def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:
     """Only the local spec's parameter order is known; Transformer Engine's registers its norms elsewhere."""
     impl = getattr(args, "transformer_impl", None)
     if impl != "local":
-        raise CheckpointError(ckpt.path / COMMON, f"args.transformer_impl is {impl!r}: dp_reshardable buckets are "
-                                                  "rebuilt for megatron-core's local spec ('local') only yet")
+        raise _refusal(ckpt, common.where, f"args.transformer_impl is {impl!r}: dp_reshardable buckets are rebuilt "
+                                           "for megatron-core's local spec ('local') only yet")
 
 
 def _param_groups(ckpt: Checkpoint, tp: int) -> list:
     """The optimizer's param groups, which every TP rank's `dp_group_idx_<r>.optimizer` item repeats."""
     groups = []
-    with ItemReader(ckpt) as reader:
-        for rank in range(tp):
-            entry = ckpt.bytes_entries.get(f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1")
-            value = reader.load_bytes_value(entry) if entry is not None else None
-            if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
-                    and isinstance(value[0].get("param_groups"), list)):
-                raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
-            groups.append(value[0]["param_groups"])
+    for rank in range(tp):
+        fqn = f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1"
+        try:
+            value = decoded_item(ckpt, fqn) if fqn in ckpt.bytes_entries else None
+        except UnsafePickleError as exc:
+            raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
+        if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+                and isinstance(value[0].get("param_groups"), list)):
+            raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
+        groups.append(value[0]["param_groups"])
     if any(g != groups[0] for g in groups):
         raise CheckpointError(ckpt.path, "the TP ranks saved different optimizer param groups")
     return groups[0]
 
 
-def _fully_reshardable_common(ckpt: Checkpoint, common: dict, param_groups: list | None) -> bytes:
-    """`common.pt` as megatron-core's `fully_reshardable` save writes it: the param groups under
-    `optimizer.optimizer` (`param_groups`, else those `common.pt` holds there already), the
+def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_groups: list | None) -> bytes:
+    """The common state as megatron-core's `fully_reshardable` save writes it: the param groups under
+    `optimizer.optimizer` (`param_groups`, else those the common state holds there already), the
     sharding type in the optimizer state and the content metadata; nothing else of the optimizer
     (`fully_sharded_model_space` leaves rank 0's per-param steps in it, which are not a state of
     this format)."""
-    import torch
-
+    state = common.state
     if param_groups is None:
         try:
-            param_groups = common["optimizer"]["optimizer"]["param_groups"]
+            param_groups = state["optimizer"]["optimizer"]["param_groups"]
         except (KeyError, TypeError):
-            raise CheckpointError(ckpt.path / COMMON, "no optimizer param groups in it") from None
-    common = {**common, "optimizer": {"optimizer": {"param_groups": param_groups},
-                                      "param_state_sharding_type": "fully_reshardable"}}
-    if isinstance(common.get("content_metadata"), dict):
-        common["content_metadata"] = {**common["content_metadata"], "distrib_optim_sharding_type": "fully_reshardable",
-                                      "distrib_optim_fully_reshardable_mem_efficient": False}
-    buf = io.BytesIO()
-    torch.save(common, buf)
-    return buf.getvalue()
+            raise _refusal(ckpt, common.where, "no optimizer param groups in it") from None
+    state = {**state, "optimizer": {"optimizer": {"param_groups": param_groups},
+                                    "param_state_sharding_type": "fully_reshardable"}}
+    if isinstance(state.get("content_metadata"), dict):
+        state["content_metadata"] = {**state["content_metadata"], "distrib_optim_sharding_type": "fully_reshardable",
+                                     "distrib_optim_fully_reshardable_mem_efficient": False}
+    try:
+        return common.encoded(state)
+    except UnsafePickleError as exc:
+        raise _refusal(ckpt, common.where, f"cannot write it back ({exc})") from None
 
 
 def refuse_options(world_size: int | None, saved: int, megatron: bool, include, exclude, dtype) -> None:

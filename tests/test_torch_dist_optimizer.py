@@ -1,6 +1,8 @@
 """Megatron-Core torch_dist checkpoints with DistributedOptimizer (Adam) state, saved by
 megatron-core itself (`fixtures.megatron_optim`: one training step at TP 2 × DP 2 on CPU, the
-same state saved as `dp_reshardable` and `fully_reshardable`).
+same state saved as `dp_reshardable` and `fully_reshardable`; by megatron-core 0.19.2, the
+current release, which keeps the common state in a `common_state` item, and under `make
+test-full` by the venv's 0.16.1 too, which keeps it in `common.pt`).
 
 inspect names the optimizer format and labels its buckets. reshard lays `dp_reshardable`'s DP
 buckets back out in model space: the bucket layout it rebuilds is megatron-core's own
@@ -9,11 +11,12 @@ megatron-core's own `dist_checkpointing.load` of the output at another TP resume
 the loss the saved run had, bit for bit. With several buckets (the default run) that is the
 only oracle: megatron-core 0.16.1's own `fully_reshardable` save of such a state is wrong
 (fixture docstring); with one bucket (`make test-full`) the output equals that save tensor by
-tensor. Skipped without megatron-core.
+tensor. Skipped without megatron-core (0.19.2 and 0.15.3 beside the venv's: `make install`).
 """
 
 from __future__ import annotations
 
+import argparse
 import enum
 import io
 import json
@@ -53,20 +56,25 @@ def saved(tmp_path_factory):
     return Saved(tmp_path_factory.mktemp("megatron_optim"))
 
 
-BUCKETS = ("llama", 2, 2, 1000)
-"""TP 2 × DP 2 with 1,000-element buckets: seven buckets, params cut at DP shard boundaries."""
+def needs(version: str):
+    from fixtures import megatron_optim
+
+    return pytest.mark.skipif(not megatron_optim.available(version),
+                              reason=f"megatron-core {version} is not installed beside")
+
+
+BUCKETS = ("llama", 2, 2, 1000, "0.19")
+"""TP 2 × DP 2 with 1,000-element buckets, saved by megatron-core 0.19.2: seven buckets, params cut
+at DP shard boundaries, the common state in the `common_state` item (args with an enum member)."""
+BUCKETS_016 = ("llama", 2, 2, 1000)
+"""The same saved by the venv's megatron-core 0.16.1 (the common state in `common.pt`)."""
 MOE = ("qwen3-moe", 2, 1, 0)
 """A Qwen3-MoE at TP 2 (SequentialMLP experts in the dense buffer, q/k norms, a router)."""
-LAYOUTS = [BUCKETS, pytest.param(MOE, marks=pytest.mark.full)]
+LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
+           pytest.param(MOE, marks=pytest.mark.full)]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
-
-
-def needs_015():
-    from fixtures import megatron_optim
-
-    return pytest.mark.skipif(not megatron_optim.available_015(), reason="megatron-core 0.15 is not installed beside")
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +92,7 @@ def _load(path):
     return {k: v for k, v in load_with_torch(path).items() if isinstance(v, torch.Tensor)}
 
 
+@needs("0.19")
 def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     ckpt = saved[BUCKETS]
     doc = json.loads(run_cli("inspect", ckpt / "dp_reshardable", "--json").stdout)
@@ -95,15 +104,16 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
-    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1, "iteration": 1,
-                               "problem": None}
+    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1,
+                               "iteration": 1, "problem": None}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
-    assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common\.pt\)\s*$", text, re.M)
+    assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common_state/shard_0_1\)\s*$",
+                     text, re.M)
     assert re.search(r"^Optimizer\s+DistributedOptimizer, dp_reshardable: DP bucket buffers \(a job at another TP or "
                      r"PP cannot load them\)\s*$", text, re.M)
 
 
-@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: c[0])
+@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: "-".join(map(str, (c[0], *c[4:]))))
 def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
     """Every TP rank's buckets hold the params megatron-core put there (each expert of each
     layer too), at the same ranges."""
@@ -131,6 +141,7 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
     assert got == want
 
 
+@needs("0.19")
 def test_rebuilt_param_states_are_the_weights_and_buckets_are_gone(rebuilt):
     got = _load(rebuilt)
     params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
@@ -142,15 +153,42 @@ def test_rebuilt_param_states_are_the_weights_and_buckets_are_gone(rebuilt):
     assert doc["optimizer_format"] == "fully_reshardable" and not doc["problems"]
 
 
+@needs("0.19")
 def test_megatron_core_resumes_the_rewrite_at_another_tp_with_the_saved_runs_loss(saved, rebuilt, tmp_path):
     """megatron-core's own load of the output at TP 1 × DP 2 (it cannot load the bucketed source
     there), then one step: the loss after it depends on every Adam state."""
     from fixtures import megatron_optim
 
     want = torch.load(saved[BUCKETS] / "loss.pt")
-    got = megatron_optim.load(rebuilt, 1, 2, tmp_path / "loss.pt", bucket_size=None)
+    got = megatron_optim.load(rebuilt, 1, 2, tmp_path / "loss.pt", bucket_size=None, mcore="0.19")
     assert (got["sharding_type"], got["step"], got["after_step"]) == (
         "fully_reshardable", want["step2"], want["after_step2"])
+
+
+@needs("0.19")
+def test_the_rewritten_common_state_item_is_megatron_cores_own_fully_reshardable_one(saved, rebuilt):
+    """0.19 keeps the common state in the `common_state/shard_0_1` item, its args holding an enum
+    member: rewritten without torch, it is what megatron-core's own `fully_reshardable` save of the
+    same run holds (param groups, sharding type, content metadata), the enum member the same global
+    and value; torch's `weights_only` loader reads it (megatron-core's enum allowed, as it allows it)."""
+    from megatron.core.transformer.enums import AttnBackend as MegatronAttnBackend
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import COMMON_STATE, Opaque, common_state
+
+    ckpt = open_checkpoint(rebuilt)
+    got = common_state(ckpt)
+    want = common_state(open_checkpoint(saved[BUCKETS] / "fully_reshardable"))
+    assert (got.where, got.state) == (COMMON_STATE, want.state)
+    assert got.state["args"].attention_backend == Opaque("megatron.core.transformer.enums", "AttnBackend", (5,))
+    assert got.state["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert not (rebuilt / "common.pt").exists()
+    entry = ckpt.bytes_entries[COMMON_STATE]
+    raw = (rebuilt / entry.file).read_bytes()[entry.offset:entry.offset + entry.length]
+    with torch.serialization.safe_globals([argparse.Namespace, MegatronAttnBackend]):
+        (loaded,) = torch.load(io.BytesIO(raw), weights_only=True)
+    assert loaded["args"].attention_backend is MegatronAttnBackend.auto
+    assert loaded["content_metadata"] == want.state["content_metadata"]
 
 
 @pytest.mark.full
@@ -166,7 +204,8 @@ def test_a_moe_rewrite_resumes_at_another_tp_with_the_saved_runs_loss(saved, tmp
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", [("llama", 2, 2, 0), MOE], ids=lambda c: c[0])
+@pytest.mark.parametrize("case", [("llama", 2, 2, 0), pytest.param(("llama", 2, 2, 0, "0.19"), marks=needs("0.19")),
+                                  MOE], ids=lambda c: "-".join(map(str, (c[0], *c[4:]))))
 def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable_save(saved, tmp_path, case):
     ckpt = saved[case]
     run = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / "o", "--verify")
@@ -176,6 +215,7 @@ def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+@needs("0.19")
 def test_another_spec_order_is_refused(saved, monkeypatch):
     """fc1 and fc2 swapped in the registration order: every bucket's length still adds up, but a
     saved chunk crosses a param boundary of that order."""
@@ -198,12 +238,12 @@ def test_another_spec_order_is_refused(saved, monkeypatch):
         mb.layout_buckets(ckpt, mb.registration_order(ckpt, model), 2)
 
 
+@pytest.mark.full
 def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
-    import argparse
     import shutil
 
     src = tmp_path / "src"
-    shutil.copytree(saved[BUCKETS] / "dp_reshardable", src)
+    shutil.copytree(saved[BUCKETS_016] / "dp_reshardable", src)
     common = torch.load(src / "common.pt", weights_only=False)
     common["args"] = argparse.Namespace(**{**vars(common["args"]), "transformer_impl": "transformer_engine"})
     torch.save(common, src / "common.pt")
@@ -230,7 +270,6 @@ class AttnBackend(enum.Enum):
 def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     """An enum member in args (megatron-core 0.19) is kept as its name and value, never built; a
     pickle that sets state on such a value is a problem line, not a crash."""
-    import argparse
     import shutil
 
     from ckptctl.formats.dcp_metadata import open_checkpoint
@@ -242,7 +281,7 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
                src / "common.pt")
     found = training_args(open_checkpoint(src))
     assert (found.where, found.problem, found.get("tensor_model_parallel_size")) == ("common.pt", None, 2)
-    assert found.get("attention_backend") == Opaque(f"{__name__}.AttnBackend", (2,))
+    assert found.get("attention_backend") == Opaque(__name__, "AttnBackend", (2,))
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
     assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "dp": None, "ep": None, "cp": None,
                                "iteration": None, "problem": None}
@@ -276,7 +315,7 @@ def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_a
     assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"])
 
 
-@needs_015()
+@needs("0.15")
 @pytest.mark.full
 def test_with_one_bucket_fragments_rebuild_megatron_core_0_15s_own_fully_reshardable_save(saved, tmp_path):
     ckpt = saved[("llama", 2, 2, 0, "0.15")]

@@ -60,6 +60,17 @@ class DcpOutput:
     def data_bytes(self) -> int:
         return sum(i.nbytes for i in self.stream_items) + sum(i.length for i in self.copy_items)
 
+    def append_literal(self, fqn: str, data: bytes) -> None:
+        """Write `data` as bytes entry `fqn` at the end of rank 0's file (a rewritten entry)."""
+        file = rank_file(0)
+        at = self.files.get(file, 0)
+        item = CopyItem("", 0, len(data), file, at, data)
+        self.files[file] = at + len(data)
+        self.files = dict(sorted(self.files.items()))
+        self.copy_items.append(item)
+        self.bytes_entries[fqn] = item
+        self.bytes_transforms[fqn] = ()
+
 
 def layout_dcp(
     targets: Sequence[TargetTensor],

@@ -5,7 +5,9 @@ in `common.pt` (torch_dist up to megatron-core 0.16) or in the bytes item
 `common_state/shard_0_1` (torch_dist from 0.19). `checkpoint_args` reads the first with torch's
 restricted loader (for the TP size and model dims); `training_args` reads any of them without
 torch and without running anything: values of classes it does not know (enum members such as
-0.19's `AttnBackend`) become inert `Opaque` names.
+0.19's `AttnBackend`) become inert `Opaque` names. `common_state` reads a torch_dist common
+state the same way, and writes it back (`CommonState.encoded`) without torch, opaque values as
+the same calls.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import read_small
-from ckptctl.formats.torch_save_out import decode_value
+from ckptctl.formats.torch_pickle import Call, ref
+from ckptctl.formats.torch_save_out import STORAGE, decode_value, encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.model import Checkpoint
 
@@ -39,13 +42,20 @@ def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 
 @dataclass(frozen=True)
 class Opaque:
-    """A value of a class no allow-list knows, kept as its name and arguments (never built)."""
+    """A value of a class no allow-list knows, kept as its global's name and arguments (never
+    built); `encode_value` pickles it again as that call. A tensor (its storage) cannot be."""
 
+    module: str
     name: str
     args: tuple
 
     def __repr__(self) -> str:
-        return f"{self.name}{self.args!r}"
+        return f"{self.module}.{self.name}{self.args!r}"
+
+    def __torch_pickle__(self) -> Call:
+        if self.name == STORAGE and not self.module:
+            raise UnsafePickleError("holds a tensor, which is not written back")
+        return Call(ref(self.module, self.name), self.args)
 
 
 @dataclass(frozen=True)
@@ -63,17 +73,50 @@ class TrainingArgs:
 def training_args(ckpt: Checkpoint) -> TrainingArgs | None:
     """The training args of a Megatron checkpoint, from wherever its format keeps them; None when
     it has none (megatron-core saved without Megatron-LM). Reads without torch: `inspect` shows them."""
+    where = "args entry" if "args" in ckpt.bytes_entries else common_where(ckpt)
     try:
         if "args" in ckpt.bytes_entries:
-            return _found("args entry", _decoded(ckpt, "args"), lambda v: v)
-        if (ckpt.path / COMMON).is_file():
-            return _found(COMMON, decode_value(common_bytes(ckpt), opaque=Opaque), lambda v: v.get("args"))
-        if COMMON_STATE in ckpt.bytes_entries:
-            return _found(COMMON_STATE, _decoded(ckpt, COMMON_STATE),
-                          lambda v: v[0].get("args") if isinstance(v, list) and v and isinstance(v[0], dict) else None)
+            return _found(where, decoded_item(ckpt, "args"), lambda v: v)
+        common = common_state(ckpt)
+        if common is not None:
+            return _found(common.where, common.state, lambda v: v.get("args"))
     except UnsafePickleError as exc:
-        where = "args entry" if "args" in ckpt.bytes_entries else COMMON if (ckpt.path / COMMON).is_file() else COMMON_STATE
         return TrainingArgs(where, None, f"not decoded without running code ({exc})")
+    return None
+
+
+@dataclass(frozen=True)
+class CommonState:
+    """A torch_dist checkpoint's common state (args, iteration, the optimizer's sharding type and
+    content metadata), decoded without torch, and where it is kept."""
+
+    where: str
+    """`common.pt` (megatron-core up to 0.16) or the bytes item `common_state/shard_0_1` (0.19)."""
+    state: Any
+    """The dict saved (the item's one-element list unwrapped), or whatever else was found."""
+
+    def encoded(self, state: Any) -> bytes:
+        """`state` saved as this common state is: `torch.save` bytes (the item's in a one-element
+        list). Raises UnsafePickleError for a value that cannot be written back (a tensor)."""
+        return encode_value(state if self.where == COMMON else [state])
+
+
+def common_where(ckpt: Checkpoint) -> str | None:
+    """Where a torch_dist checkpoint keeps its common state, None when it has none."""
+    if (ckpt.path / COMMON).is_file():
+        return COMMON
+    return COMMON_STATE if COMMON_STATE in ckpt.bytes_entries else None
+
+
+def common_state(ckpt: Checkpoint) -> CommonState | None:
+    """The common state, decoded: unknown classes (0.19's enum members in args) stay inert `Opaque`
+    values. Raises UnsafePickleError for a pickle that would have to run something."""
+    where = common_where(ckpt)
+    if where == COMMON:
+        return CommonState(COMMON, decode_value(common_bytes(ckpt), opaque=Opaque))
+    if where == COMMON_STATE:
+        value = decoded_item(ckpt, COMMON_STATE)
+        return CommonState(COMMON_STATE, value[0] if isinstance(value, list) and len(value) == 1 else value)
     return None
 
 
@@ -86,7 +129,8 @@ def common_bytes(ckpt: Checkpoint, name: str = COMMON) -> bytes:
     return data
 
 
-def _decoded(ckpt: Checkpoint, fqn: str) -> Any:
+def decoded_item(ckpt: Checkpoint, fqn: str) -> Any:
+    """Bytes entry `fqn`'s value, decoded without torch (unknown classes as `Opaque`)."""
     entry = ckpt.bytes_entries[fqn]
     with ItemReader(ckpt) as reader:
         return decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms),

@@ -204,13 +204,13 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
         except KeyError:
             if self.opaque is None:
                 raise UnsafePickleError(f"refuses global {module}.{name}") from None
-        opaque, label = self.opaque, f"{module}.{name}"
-        return lambda *args: opaque(label, args)  # built by REDUCE only: NEWOBJ and BUILD refuse it
+        opaque = self.opaque
+        return lambda *args: opaque(module, name, args)  # built by REDUCE only: NEWOBJ and BUILD refuse it
 
     def persistent_load(self, pid: Any) -> Any:
         if self.opaque is None:
             raise UnsafePickleError("holds a tensor")
-        return self.opaque("storage", ())  # its bytes are never read
+        return self.opaque("", STORAGE, ())  # its bytes are never read
 
     def _load_build(self) -> None:
         state = self.stack.pop()
@@ -222,10 +222,14 @@ class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can
     dispatch[pickle.BUILD[0]] = _load_build
 
 
+STORAGE = "storage"
+"""The name an `opaque` value of a tensor's storage gets (with no module)."""
+
+
 def decode_value(raw: bytes, opaque: Any = None) -> Any:
     """The object in a non-tensor entry's `torch.save` archive, built by the allow-list unpickler.
 
-    With `opaque` (a class taking a global's name and REDUCE arguments), a global off the list
+    With `opaque` (a class taking a global's module, name and REDUCE arguments), a global off the list
     becomes an inert `opaque` value instead of a refusal, and so does a tensor (its storage
     never read). Raises UnsafePickleError saying why when the value cannot be built that way.
     """
@@ -242,6 +246,13 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
         raise UnsafePickleError(f"not a torch.save archive ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - hostile bytes raise anything; they cost one message
         raise UnsafePickleError(f"unreadable ({type(exc).__name__}{f': {exc}' if str(exc) else ''})") from None
+
+
+def encode_value(value: Any, archive: str = "archive") -> bytes:
+    """`torch.save(value)` of a plain value (what `decode_value` builds), written without torch:
+    an opaque value pickles again as the call of its global (its `__torch_pickle__`)."""
+    file = layout_torch_save("", archive, dumps(value, protocol=PICKLE_PROTOCOL), [])
+    return file.head + file.trailer()
 
 
 # The archive -------------------------------------------------------------------------------------
