@@ -94,6 +94,8 @@ class Checkpoint:
     megatron_backend: str | None = None
     """`torch_dist` for a Megatron-Core dist_checkpointing checkpoint (its `metadata.json`): keys
     stacked along a leading layer axis, fc1 as `[W_all; V_all]` — not Megatron-FSDP's layouts."""
+    mcore_metadata: bool = False
+    """`.metadata` is megatron-core's own Metadata subclass, which only megatron-core ≤ 0.15 saves."""
     safetensors_folder: bool = False
     """A safetensors model folder read as a source: each chunk's (offset, length) are its tensor's
     dense bytes, and each FQN is the tensor's name in its file."""

@@ -157,11 +157,13 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
     doc = json.loads(run.stdout)
     world = GRIDS[grid][0] * GRIDS[grid][1]
     assert (doc["format"], doc["layouts"], doc["world_size"]) == ("megatron-core torch_dist", layouts, world)
+    assert doc["megatron_core"] == {"versions": "0.18 or older", "evidence": "common state in common.pt"}  # 0.16.1's
     assert doc["tensors"]["decoder.layers.mlp.linear_fc1.weight"]["shape"] == [2, 96, 32]
     assert not doc["problems"]
     text = run_cli("inspect", ckpt).stdout
     assert re.search(r"^Format\s+Megatron-Core dist_checkpointing, torch_dist backend \(metadata\.json\): "
                      r"layer-stacked keys, fc1 as \[W_all; V_all\]\s*$", text, re.M)
+    assert re.search(r"^Saved by\s+megatron-core 0\.18 or older \(common state in common\.pt\)\s*$", text, re.M)
 
 
 def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):

@@ -106,8 +106,11 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
     assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1,
                                "iteration": 1, "problem": None}
+    assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common_state/shard_0_1\)\s*$",
+                     text, re.M)
+    assert re.search(r"^Saved by\s+megatron-core 0\.19 or newer \(common state in the common_state/shard_0_1 item\)\s*$",
                      text, re.M)
     assert re.search(r"^Optimizer\s+DistributedOptimizer, dp_reshardable: DP bucket buffers \(a job at another TP or "
                      r"PP cannot load them\)\s*$", text, re.M)
@@ -303,6 +306,7 @@ def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_a
 
     doc = json.loads(run_cli("inspect", FS_MODEL_SPACE, "--json").stdout)
     assert doc["optimizer_format"] == "fully_sharded_model_space" and not doc["problems"]
+    assert doc["megatron_core"] == {"versions": "0.15 or older", "evidence": "MCoreMetadata in .metadata"}
     assert doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]["layout"] == "model-space"
     run = run_cli("reshard", FS_MODEL_SPACE, tmp_path / "o", "--verify")
     assert run.returncode == 0, run.stderr

@@ -13,6 +13,8 @@ ignores them.
     {
       "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
       "format": "dcp" | "megatron-core torch_dist",            # torch_dist: a metadata.json says so
+      "megatron_core": null | {"versions": "0.15 or older" | "0.18 or older" | "0.19 or newer",
+                               "evidence": str},              # torch_dist: which releases save so
       "optimizer_format": null | "fully_reshardable" | "fully_sharded_model_space" | "dp_reshardable",
                                                               # torch_dist's DistributedOptimizer format
       "training": null | {"from": "args entry" | "common.pt" | "common_state/shard_0_1",
@@ -117,6 +119,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     return {
         "path": str(ckpt.path),
         "format": FORMATS.get(ckpt.megatron_backend or "", "dcp"),
+        "megatron_core": _megatron_core_doc(ckpt),
         "optimizer_format": analysis.optimizer_format,
         "training": _training_doc(ckpt),
         "version": ckpt.version,
@@ -137,6 +140,13 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "problems": [{"fqn": p.fqn, "kind": p.kind, "message": p.message}
                      for p in analysis.problems if keep(p.fqn)],
     }
+
+
+def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
+    from ckptctl.formats.megatron_args import megatron_core_versions
+
+    found = megatron_core_versions(ckpt)
+    return None if found is None else {"versions": found[0], "evidence": found[1]}
 
 
 TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
@@ -215,6 +225,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
     rows = [
         ("Checkpoint", doc["path"]),
         *((("Format", FORMAT_LINES[doc["format"]]),) if doc["format"] in FORMAT_LINES else ()),
+        *((("Saved by", f"megatron-core {doc['megatron_core']['versions']} ({doc['megatron_core']['evidence']})"),)
+          if doc["megatron_core"] else ()),
         *((("Optimizer", OPTIMIZER_LINES[doc["optimizer_format"]]),) if doc["optimizer_format"] else ()),
         *((("Training", _training_line(doc["training"])),) if doc["training"] else ()),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),

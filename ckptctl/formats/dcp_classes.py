@@ -16,6 +16,7 @@ from ckptctl.formats.torch_pickle import Call, Instance, Size, ref
 DCP_METADATA = "torch.distributed.checkpoint.metadata"
 DCP_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
 DCP_PLANNER = "torch.distributed.checkpoint.planner"
+MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
 
 
 class _DcpRecord:
@@ -54,6 +55,13 @@ class _DcpRecord:
 
 class Metadata(_DcpRecord):
     FIELDS = ("state_dict_metadata", "planner_data", "storage_data", "storage_meta", "version")
+
+
+class MCoreMetadata(Metadata):
+    """megatron-core ≤ 0.15's Metadata subclass, read as DCP's own (its `mcore_data` dropped): only
+    those versions save it (later ones keep the name to load old checkpoints)."""
+
+    MODULE = MCORE_TORCH
 
 
 class StorageMeta(_DcpRecord):

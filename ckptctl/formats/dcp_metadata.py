@@ -125,6 +125,7 @@ class _Merged:
     storage_meta: Any = None
     version: str | None = None
     conflicts: dict[str, str] = field(default_factory=dict)
+    mcore_metadata: bool = False
 
 
 def _signature(item: Any) -> tuple:
@@ -155,6 +156,7 @@ def _merge(paths: list[Path]) -> _Merged:
         md = _load_one(path)
         out.storage_meta = out.storage_meta or md.storage_meta
         out.version = getattr(md, "version", None) or out.version
+        out.mcore_metadata |= type(md) is dcp_classes.MCoreMetadata
         for fqn, item in md.state_dict_metadata.items():
             first = out.sd_md.get(fqn)
             if first is None:
@@ -300,6 +302,7 @@ def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
         unreferenced_files=tuple(sorted(unreferenced, key=_natural)),
         storage_meta=merged.storage_meta,
         rank_conflicts=merged.conflicts,
+        mcore_metadata=merged.mcore_metadata,
     )
 
 

@@ -108,6 +108,18 @@ def common_where(ckpt: Checkpoint) -> str | None:
     return COMMON_STATE if COMMON_STATE in ckpt.bytes_entries else None
 
 
+def megatron_core_versions(ckpt: Checkpoint) -> tuple[str, str] | None:
+    """Which megatron-core releases can have saved a torch_dist checkpoint, and what tells: only
+    ≤ 0.15 pickle `.metadata` as their `MCoreMetadata`; up to 0.18 the common state is `common.pt`,
+    from 0.19 the `common_state` item. None for any other checkpoint."""
+    if ckpt.megatron_backend is None:
+        return None
+    if ckpt.mcore_metadata:
+        return "0.15 or older", "MCoreMetadata in .metadata"
+    return {COMMON: ("0.18 or older", f"common state in {COMMON}"),
+            COMMON_STATE: ("0.19 or newer", f"common state in the {COMMON_STATE} item")}.get(common_where(ckpt))
+
+
 def common_state(ckpt: Checkpoint) -> CommonState | None:
     """The common state, decoded: unknown classes (0.19's enum members in args) stay inert `Opaque`
     values. Raises UnsafePickleError for a pickle that would have to run something."""

@@ -302,22 +302,22 @@ _PLAN_RECORDS: dict[tuple[str, str], Constructor] = {
     kind.torch_global(): _record(kind, {}) for kind in (dc.SavePlan, dc.WriteItem, dc.TensorWriteData)}
 """The save plans Megatron-Core's torch_dist pickles in `all_local_plans`: built with no fields
 (their state is dropped), in a Metadata field no one reads."""
-_METADATA_RECORDS[dc.Metadata.torch_global()] = _record(dc.Metadata, {
+_METADATA_FIELDS = {
     "state_dict_metadata": _mapping(_str, _either(dc.TensorStorageMetadata, dc.BytesStorageMetadata)),
     "planner_data": _planner_data,
     "storage_data": _optional(_mapping(_of(dc.MetadataIndex, "MetadataIndex"), _of(dc.StorageInfo, "_StorageInfo"))),
     "storage_meta": _optional(_of(dc.StorageMeta, "StorageMeta")),
-    "version": _optional(_str)})
-
-
-MCORE_TORCH = "megatron.core.dist_checkpointing.strategies.torch"
+    "version": _optional(_str)}
+_METADATA_RECORDS[dc.Metadata.torch_global()] = _record(dc.Metadata, _METADATA_FIELDS)
 _MCORE_RECORDS: dict[tuple[str, str], Constructor] = {
-    (MCORE_TORCH, "MCoreMetadata"): _METADATA_RECORDS[dc.Metadata.torch_global()],
-    (MCORE_TORCH, "MCoreSavePlan"): _PLAN_RECORDS[dc.SavePlan.torch_global()],
+    dc.MCoreMetadata.torch_global(): _record(dc.MCoreMetadata, _METADATA_FIELDS),
+    (dc.MCORE_TORCH, "MCoreSavePlan"): _PLAN_RECORDS[dc.SavePlan.torch_global()],
 }
 """megatron-core ≤ 0.15's subclasses of DCP's Metadata and SavePlan (their `mcore_data`, the
-original shapes of flattened optimizer states, and `all_local_plans`): read as DCP's own, their
-extra fields dropped like any field ckptctl's records do not have."""
+original shapes of flattened optimizer states, and `all_local_plans`): read as DCP's own (the
+Metadata as `dc.MCoreMetadata`, whose name tells who saved it), their extra fields dropped like
+any field ckptctl's records do not have."""
+_METADATA_KINDS = (dc.Metadata, dc.MCoreMetadata)
 
 _DTYPE_GLOBALS: dict[tuple[str, str], DType] = {("torch", name): d for name, d in DTYPES.items()}
 """Referencing a dtype pushes the shared DType itself: the machine never calls, builds or changes a value."""
@@ -587,10 +587,10 @@ def load_metadata_pickle(data: Any) -> dc.Metadata:
     token = _CURRENT.set(_Budget(len(data)))
     try:
         with gc_paused():
-            md = _finished(_run(data, METADATA_GLOBALS), (dc.Metadata,))
+            md = _finished(_run(data, METADATA_GLOBALS), _METADATA_KINDS)
     finally:
         _CURRENT.reset(token)
-    if type(md) is not dc.Metadata:
+    if type(md) not in _METADATA_KINDS:
         raise MalformedPickleError(f"pickle holds a {_kind(md)}, not a DCP Metadata")
     return md
 
