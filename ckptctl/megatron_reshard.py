@@ -102,7 +102,7 @@ class MegatronRequest:
               exclude: Sequence[str], dtype: DType | None) -> "MegatronRequest":
         """Refuse option combinations that cannot work (one line each), whatever the checkpoint."""
         if layout not in LAYOUTS:
-            raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+            raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)}, torch-dist (got {layout!r})")
         for flag, value in (("--world-size", world_size), ("--tp", tp), ("--dp", dp), ("--source-tp", source_tp)):
             if value is not None and value < 1:
                 raise UsageError(f"{flag} must be at least 1 (got {value})")

@@ -35,6 +35,10 @@ from ckptctl.verify import verify_dcp
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
     from ckptctl.megatron_reshard import MegatronRequest
 
+TORCH_DIST_LAYOUT = "torch-dist"
+"""`--layout torch-dist`: a Megatron-FSDP fsdp_dtensor checkpoint written as megatron-core's torch_dist."""
+
+
 @dataclass
 class ReshardOptions:
     world_size: int | None
@@ -114,6 +118,11 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping
             torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.include,
                                               opts.exclude, opts.dtype)
             out, views = torch_dist_reshard.plan_torch_dist(ckpt)
+        elif opts.layout == TORCH_DIST_LAYOUT:  # Megatron-FSDP's fsdp_dtensor to megatron-core's torch_dist
+            from ckptctl import fsdp_dtensor_to_torch_dist
+
+            fsdp_dtensor_to_torch_dist.refuse_options(opts)
+            out, views = fsdp_dtensor_to_torch_dist.plan_from_fsdp_dtensor(ckpt, opts.world_size or 1)
         elif opts.megatron:
             from ckptctl import megatron_reshard
 
@@ -169,6 +178,8 @@ def reshard(
     world_size = opts.world_size
     if ckpt.megatron_backend is not None:
         world_size = ckpt.saved_world_size
+    elif opts.layout == TORCH_DIST_LAYOUT:
+        world_size = opts.world_size or 1
     elif opts.megatron:
         from ckptctl import megatron_reshard
 

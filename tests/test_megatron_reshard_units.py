@@ -209,7 +209,7 @@ def opts(**kw) -> ReshardOptions:
     ({"tp": 2}, "--world-size is required with --layout fsdp2"),
     ({"source_tp": 2, "world_size": 2}, "pass --tp (the target TP) or --split-fused"),
     ({"dp": 2, "world_size": 2}, "--dp applies to --layout megatron-fsdp only"),
-    ({"layout": "megatron"}, "--layout must be one of fsdp2, megatron-fsdp"),
+    ({"layout": "megatron"}, "--layout must be one of fsdp2, megatron-fsdp, torch-dist"),
     ({"layout": "megatron-fsdp", "tp": 2}, "needs --dp"),
     ({"layout": "megatron-fsdp", "tp": 4, "world_size": 6}, "--world-size 6 is not a multiple of TP 4"),
     ({"layout": "megatron-fsdp", "tp": 0, "dp": 1}, "--tp must be at least 1"),
@@ -245,3 +245,28 @@ def test_gdn_dims_that_do_not_match_the_saved_rows_are_refused(tmp_path, noargs)
     with pytest.raises(UsageError, match=r"in_proj.weight: has 32 rows but the GDN dims from --hf-config .* give "
                                          r"4 \+ 4 \+ 4 \+ 4 \+ 2 \+ 2 = 20"):
         plan_reshard(open_checkpoint(noargs), opts(split_fused=True, source_tp=2, world_size=1, hf_config=tmp_path))
+
+
+def test_converting_to_torch_dist_refuses_what_it_cannot_name(tmp_path):
+    """`--layout torch-dist` (fsdp_dtensor → torch_dist) names the model's norms by its spec, and
+    converts only what it knows: each refusal is one line, and nothing is written."""
+    from tests.conftest import ROOT, run_cli
+
+    def refused(src, *options) -> str:
+        run = run_cli("reshard", src, tmp_path / "o", "--layout", "torch-dist", *options)
+        assert run.returncode == 2 and not (tmp_path / "o").exists(), run.stderr
+        return run.stderr
+
+    fsdp = ROOT / "fixtures" / "data" / "megatron_tp2_dp2"
+    assert refused(fsdp) == (f"ckptctl: error: {fsdp}: args.transformer_impl is None: the torch_dist names of the "
+                             "model's norms are known for 'local' and 'transformer_engine' only\n")
+    gdn = tmp_path / "gdn"
+    mc.save_full(gdn, tp=1, transformer_impl="local")
+    assert refused(gdn) == (f"ckptctl: error: {gdn}: model.module.decoder.layers.0.self_attention.in_proj."
+                            "layer_norm_weight: GDN or Mamba projections are not converted to torch_dist yet\n")
+    assert refused(gdn, "--tp", "2") == ("ckptctl: error: --layout torch-dist writes the whole checkpoint as "
+                                         "megatron-core's torch_dist, which megatron-core loads at any TP and DP: "
+                                         "pass at most --world-size (the number of files)\n")
+    plain = ROOT / "fixtures" / "data" / "fsdp2_4ranks"
+    assert refused(plain) == (f"ckptctl: error: {plain}: no Megatron args item: not a Megatron-FSDP fsdp_dtensor "
+                              "checkpoint (the model spec and dtype are unknown)\n")

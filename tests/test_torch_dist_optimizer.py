@@ -194,6 +194,80 @@ def test_the_rewritten_common_state_item_is_megatron_cores_own_fully_reshardable
     assert loaded["content_metadata"] == want.state["content_metadata"]
 
 
+@pytest.fixture(scope="session")
+def fsdp_dtensor(saved, rebuilt, tmp_path_factory):
+    """The rewritten state as Megatron-FSDP saves it at TP 2 × DP 2 (`fixtures.megatron_fsdp_dtensor`)."""
+    from fixtures import megatron_fsdp_dtensor
+
+    out = tmp_path_factory.mktemp("fsdp_dtensor") / "ckpt"
+    megatron_fsdp_dtensor.write(rebuilt, saved[BUCKETS] / "buffers.json", out, 2, 2)
+    return out
+
+
+@needs("0.19")
+def test_a_megatron_fsdp_checkpoint_converted_to_torch_dist_resumes_with_the_saved_runs_loss(saved, rebuilt,
+                                                                                             fsdp_dtensor, tmp_path):
+    """Megatron-FSDP's fsdp_dtensor (per-layer module names, fc1 split, the fp32 masters as the model,
+    torch Adam's per-param steps and group settings) as torch_dist: every tensor is the state it
+    holds (that of the rewrite it was made from), the param groups and step are megatron-core's
+    own, and megatron-core 0.19.2 loads it at TP 1 × DP 2 (`--dist-ckpt-strictness log_all`:
+    Megatron-FSDP saves no `_extra_state`) and resumes with the saved run's loss."""
+    from fixtures import megatron_fsdp_dtensor, megatron_optim
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import Opaque, common_state
+
+    out = tmp_path / "td"
+    run = run_cli("reshard", fsdp_dtensor, out, "--layout", "torch-dist", "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(rebuilt)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    common, ref = common_state(open_checkpoint(out)).state, common_state(open_checkpoint(rebuilt)).state
+    groups, ref_groups = common["optimizer"]["optimizer"]["param_groups"], ref["optimizer"]["optimizer"]["param_groups"]
+    assert len(groups) == len(ref_groups) == 2 and all(g in ref_groups for g in groups)
+    assert common["content_metadata"] == ref["content_metadata"] and common["iteration"] == 1
+    assert common["opt_param_scheduler"] == megatron_fsdp_dtensor.SCHEDULER
+    assert common["args"].attention_backend == Opaque("megatron.core.transformer.enums", "AttnBackend", (5,))
+    assert json.loads((out / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
+                                                               "sharded_backend_version": 1}
+    want = torch.load(saved[BUCKETS] / "loss.pt")
+    resumed = megatron_optim.load(out, 1, 2, tmp_path / "loss.pt", mcore="0.19", strict="log_all")
+    assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
+    bf16 = _with_args(fsdp_dtensor, tmp_path / "bf16", bf16=True)  # a bf16 run: its model in bf16, masters fp32
+    run = run_cli("reshard", bf16, tmp_path / "td16", "--layout", "torch-dist")
+    assert run.returncode == 0, run.stderr
+    got16 = _load(tmp_path / "td16")
+    assert sorted(got16) == sorted(got)
+    for key, value in got.items():
+        cast = value if key.startswith("optimizer.") else value.to(torch.bfloat16)
+        assert got16[key].dtype == cast.dtype and torch.equal(got16[key], cast), key
+
+
+def _with_args(src, dst, **changes):
+    """A copy of DCP checkpoint `src` whose `args` item says `changes` too (a new item at the end
+    of its file, `.metadata` pointing there, written by torch's own classes)."""
+    import dataclasses
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    shutil.copytree(src, dst)
+    md = FileSystemReader(str(dst)).read_metadata()
+    index = next(i for i in md.storage_data if i.fqn == "args")
+    info = md.storage_data[index]
+    path = dst / info.relative_path
+    raw = path.read_bytes()[info.offset:info.offset + info.length]
+    buf = io.BytesIO()
+    torch.save(argparse.Namespace(**{**vars(torch.load(io.BytesIO(raw), weights_only=False)), **changes}), buf)
+    with open(path, "ab") as f:
+        offset = f.seek(0, 2)
+        f.write(buf.getvalue())
+    md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
+    (dst / ".metadata").write_bytes(pickle.dumps(md))
+    return dst
+
+
 @pytest.mark.full
 def test_a_moe_rewrite_resumes_at_another_tp_with_the_saved_runs_loss(saved, tmp_path):
     from fixtures import megatron_optim
