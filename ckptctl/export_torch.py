@@ -17,9 +17,9 @@ import math
 import os
 import time
 import zipfile
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 from ckptctl.atomic import atomic_file, lands_in
 from ckptctl.dtypes import DType, cast_dtype
@@ -35,16 +35,13 @@ from ckptctl.formats.torch_save_out import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import union_volume
 from ckptctl.model import Checkpoint
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.plan import (SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, planned_batches,
+                          source_view)
 from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
 from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.verify import check_decoded_source, row_blocks, tensor_read_back
 
 _LOCAL_HEADER_BYTES = 30
-PLAN_RUNS = 1 << 18
-"""Copy runs planned at once. A tensor split on dim 1 (Megatron TP) needs a run per row and
-chunk: planned a batch at a time, each written before the next is planned, a model's runs
-are never all held (about 100 bytes each)."""
 
 
 @dataclass
@@ -134,22 +131,6 @@ def plan_export_torch(ckpt: Checkpoint, opts: ExportTorchOptions, values: dict[s
     tree = nest(leaves, ckpt.planner_data, len(ckpt.tensors) + len(ckpt.bytes_entries), str(ckpt.path))
     pickled, order = state_pickle(tree, str(ckpt.path))
     return ExportTorchPlan(layout_torch_save(name, archive, pickled, order, force_zip64), tree, order, sources)
-
-
-def planned_batches(items: Sequence[StreamItem], sources: dict[str, SourceTensor],
-                    max_runs: int = PLAN_RUNS) -> Iterator[list[StreamItem]]:
-    """The records with their copy runs, about `max_runs` runs at a time (a record is never split)."""
-    batch: list[StreamItem] = []
-    runs = 0
-    for item in items:
-        planned = replace(item, reads=plan_box(item.target, item.box, sources))
-        batch.append(planned)
-        runs += sum(read.run_count for read in planned.reads)
-        if runs >= max_runs:
-            yield batch
-            batch, runs = [], 0
-    if batch:
-        yield batch
 
 
 def check_output(out: Path, force: bool, src: Path) -> None:

@@ -17,7 +17,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
@@ -406,6 +406,35 @@ def missing_elements(box: Box, reads: Sequence[Read]) -> int:
             total += hi - max(lo, reach)
             reach = hi
     return box.numel - total
+
+
+PLAN_RUNS = 1 << 18
+"""Copy runs planned at once. A tensor split on dim 1 (Megatron TP) needs a run per row and
+chunk, and a checkpoint of a thousand ranks millions of records: their runs are planned a batch
+at a time, each written before the next is planned, and never all held (about 100 bytes each).
+A torchrun worker plans only the records of its own files."""
+
+
+def planned_batches(items: Sequence["StreamItem"], sources: Mapping[str, SourceTensor],
+                    max_runs: int = PLAN_RUNS) -> Iterator[list["StreamItem"]]:
+    """The records with their copy runs, about `max_runs` runs at a time (a record is never split)."""
+    batch: list[StreamItem] = []
+    runs = 0
+    for item in items:
+        planned = replace(item, reads=plan_box(item.target, item.box, sources))
+        batch.append(planned)
+        runs += sum(read.run_count for read in planned.reads)
+        if runs >= max_runs:
+            yield batch
+            batch, runs = [], 0
+    if batch:
+        yield batch
+
+
+def source_bytes(item: "StreamItem", sources: Mapping[str, SourceTensor]) -> int:
+    """The source bytes a record's box reads: its elements at the itemsize of the sources its
+    target's pieces read (one dtype per target, as every planner builds them)."""
+    return item.box.numel * sources[item.target.pieces[0].src].dtype.itemsize if item.target.pieces else 0
 
 
 @dataclass(frozen=True, slots=True)

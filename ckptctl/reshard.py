@@ -26,7 +26,7 @@ from ckptctl.layout import analysis, source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, TargetTensor, identity_target
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target, planned_batches, source_bytes
 from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
@@ -211,7 +211,9 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         advance = phases.start("writing", share_bytes)
         files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
         try:
-            execute(stream_items, copy_items, sources, files, opts.workers, advance)
+            execute([], copy_items, sources, files, opts.workers, advance)
+            for batch in planned_batches(stream_items, out.sources):  # this worker's records only
+                execute(batch, [], sources, files, opts.workers, advance)
         finally:
             files.close()
         phases.stop()
@@ -240,11 +242,10 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
-        bytes_read=sum(r.numel * r.dtype.itemsize for i in out.stream_items for r in i.reads)
-        + sum(c.length for c in out.copy_items),
+        bytes_read=sum(source_bytes(i, out.sources) for i in out.stream_items) + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
         processes=comm.world_size, device=device,
         # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
-        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.stream_items, opts.workers, device),
+        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.targets.values(), out.sources, opts.workers, device),
         **extra,
     )

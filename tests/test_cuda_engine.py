@@ -23,6 +23,7 @@ from ckptctl.engine.cast import add_into, canonical_nan_bits, cast_into
 from ckptctl.engine.dist import launch_local
 from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.plan import planned_batches
 from ckptctl.reshard import ReshardOptions, plan_reshard, reshard
 from fixtures.make_fixtures import zstd_available
 
@@ -216,8 +217,9 @@ def test_cuda_add_matches_cpu(special_ckpt, tmp_path, device, dtype):
     """A target's `add` (HF's GDN norm = gamma + 1) on the device gives the CPU's bytes, NaNs included."""
     ckpt = open_checkpoint(special_ckpt)
     out = plan_reshard(ckpt, ReshardOptions(world_size=2, dtype=dtype))
+    planned = [i for batch in planned_batches(out.stream_items, out.sources) for i in batch]
     items = [dataclasses.replace(i, target=dataclasses.replace(i.target, add=1.0))
-             if i.target.dtype.is_floating_point else i for i in out.stream_items]
+             if i.target.dtype.is_floating_point else i for i in planned]
     for name, run in (("cpu", cpu.execute), ("cuda", cuda.execute)):
         (tmp_path / name).mkdir()
         sources = cpu.ChunkSource(ckpt)

@@ -315,7 +315,8 @@ def test_verify_catches_one_flipped_bit(fixture_ckpt, tmp_path):
 def test_zip64_archives_load_in_torch(fixture_ckpt, torch_out, tmp_path):
     """Files past 4 GiB need zip64 records; forced here on a small file, torch and zipfile must read it."""
     from ckptctl.engine.cpu import ChunkSource, OutputFiles, execute
-    from ckptctl.export_torch import ExportTorchOptions, plan_export_torch, planned_batches, read_values
+    from ckptctl.export_torch import ExportTorchOptions, plan_export_torch, read_values
+    from ckptctl.plan import planned_batches
     from ckptctl.formats.dcp_metadata import open_checkpoint
 
     out = tmp_path / "z.pt"
@@ -335,7 +336,8 @@ def test_zip64_archives_load_in_torch(fixture_ckpt, torch_out, tmp_path):
 
 
 def test_batched_planning_covers_every_record_once(fixture_ckpt):
-    from ckptctl.export_torch import ExportTorchOptions, plan_export_torch, planned_batches
+    from ckptctl.export_torch import ExportTorchOptions, plan_export_torch
+    from ckptctl.plan import planned_batches
     from ckptctl.formats.dcp_metadata import open_checkpoint
 
     ckpt = open_checkpoint(fixture_ckpt("megatron_tp2_dp2"))

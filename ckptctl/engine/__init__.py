@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import glob
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
-    from ckptctl.plan import StreamItem
+    from ckptctl.plan import SourceTensor, TargetTensor
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -56,23 +56,30 @@ TORCH_RSS_BYTES = 220 << 20
 """What torch adds to a process's resident memory once imported and casting (2.13 CPU build, x86-64: 207–211 MiB)."""
 
 
-def working_bytes(items: Sequence[StreamItem], workers: int, device: str) -> int:
-    """Memory a run of `items` adds to a process that already holds its plan.
+def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], workers: int,
+                  device: str) -> int:
+    """Memory writing `targets` adds to a process that already holds its plan.
 
     Each worker's block buffers (two: its block and, on cast or gathered paths, a span
     scratch), the cache of decoded items when some must be decoded, and torch itself when
     the run imports it: to cast, add, decode zstd items or drive a GPU (whose driver's own
-    host memory is not counted).
+    host memory is not counted). Told from the targets' pieces and their sources, before any
+    record's copy runs are planned.
     """
     from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES, TILE_SPAN_BYTES, TRANSPOSE_BLOCK_BYTES
-    from ckptctl.plan import TransposedRead
 
     block = BLOCK_BYTES
     if device == "cuda":
         from ckptctl.engine.cuda import BLOCK_BYTES as block  # two pinned slots, input and output
-    decodes = any(r.chunk.transforms for i in items for r in i.reads)
-    transposes = any(isinstance(r, TransposedRead) for i in items for r in i.reads)
-    computes = transposes or any(i.target.add or any(r.dtype != i.target.dtype for r in i.reads) for i in items)
+    decodes = transposes = computes = False
+    read: set[str] = set()
+    for target in targets:
+        for piece in target.pieces:
+            transposes = transposes or piece.axes is not None
+            computes = computes or bool(target.add) or sources[piece.src].dtype != target.dtype
+            read.add(piece.src)
+    decodes = any(chunk.transforms for name in read for chunk, _ in sources[name].chunks)
+    computes = computes or transposes
     if transposes:  # a transposed record's block, its tile span, and the tile rearranged
         block = max(block, TRANSPOSE_BLOCK_BYTES + TILE_SPAN_BYTES)
     return (workers * 2 * block + (DECODED_CACHE_BYTES if decodes else 0)

@@ -2,7 +2,9 @@
 
 `layout_dcp` decides, before any byte moves, which file and byte range every output item
 gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
-workers can write items in any order and in parallel. `write_metadata` then writes the
+workers can write items in any order and in parallel. Each record's copy runs are planned
+only when it is about to be written (`plan.planned_batches`, from `DcpOutput.sources`): a
+torchrun worker plans its own files' records, and no process holds every record's runs. `write_metadata` then writes the
 `.metadata` pickle, naming torch's own metadata classes (`dcp_classes`).
 """
 
@@ -28,7 +30,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
 from ckptctl.model import BytesEntry
 from ckptctl.placement import Placed
-from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, plan_box
+from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor
 
 DCP_VERSION = "1.0.0"
 
@@ -48,6 +50,9 @@ class DcpOutput:
     bytes_entries: dict[str, CopyItem]
     bytes_transforms: dict[str, tuple[str, ...]]
     planner_data: dict[str, Any] | None
+    sources: Mapping[str, SourceTensor] = field(default_factory=dict, repr=False)
+    """The source views the records' pieces read: their copy runs are planned from them as
+    they are written (`plan.planned_batches`)."""
     extra_files: dict[str, bytes] = field(default_factory=dict)
     """Files beside the DCP ones, written with `.metadata` (a torch_dist checkpoint's
     `metadata.json` and `common.pt`)."""
@@ -79,7 +84,8 @@ def layout_dcp(
     bytes_entries: Sequence[BytesEntry],
     planner_data: dict[str, Any] | None,
 ) -> DcpOutput:
-    """Place every target chunk and bytes entry in its rank file and compute the copy runs.
+    """Place every target chunk and bytes entry in its rank file (its copy runs are planned when
+    it is written, from `sources`).
 
     The collector is paused meanwhile (`gc_pause`): a third of the planning time of 38,400 items.
     """
@@ -100,8 +106,7 @@ def layout_dcp(
                 at = sizes.get(file, 0)
                 key = f"{target.fqn}@{list(placed.box.offsets)}"
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
-                reads = plan_box(target, placed.box, sources)
-                items.append(StreamItem(file, at, layout.head, target, placed.box, reads, layout.tail, layout.tail_len))
+                items.append(StreamItem(file, at, layout.head, target, placed.box, (), layout.tail, layout.tail_len))
                 sizes[file] = at + layout.length
     return DcpOutput(
         files=dict(sorted(sizes.items())),
@@ -111,6 +116,7 @@ def layout_dcp(
         bytes_entries=copies,
         bytes_transforms=transforms,
         planner_data=planner_data,
+        sources=sources,
     )
 
 
