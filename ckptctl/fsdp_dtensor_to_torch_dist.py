@@ -13,13 +13,16 @@ over experts: `…mlp.experts.experts.<name>` [L, E, …]) when every layer hold
 weights as `param`) whose param groups and Adam step go into the common state (`common.pt`,
 written without torch), and `metadata.json`.
 
-Module names differ from torch_dist's keys where the model spec maps them: megatron-core's
-local spec saves `input_layernorm.` as `self_attention.linear_qkv.layer_norm_` and
-`pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_`; Transformer Engine's modules carry those
-names themselves. The spec comes from `args.transformer_impl`. RNG state is not carried over
-(resume with `--no-load-rng`), nor `_extra_state`, which Megatron-FSDP does not save (resume
-with `--dist-ckpt-strictness log_all`). Anything else not named here is refused, as are MTP,
-GDN and Mamba layers and flat (CPU-offloaded) optimizer states, which are not converted yet.
+Module names differ from torch_dist's keys where the model spec maps them
+(`sharded_state_dict_keys_map`): megatron-core's local spec saves `input_layernorm.` as
+`self_attention.linear_qkv.layer_norm_` and `pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_`;
+Transformer Engine's spec maps only its fused-op MLPs and MLA's fused norms (refused here), its
+other modules carry the key names themselves (megatron-core 0.19.2's spec code: TE itself needs
+CUDA, so that spec is read, not run). The spec comes from `args.transformer_impl`. RNG state is
+not carried over (resume with `--no-load-rng`), nor `_extra_state`, which Megatron-FSDP does not
+save (resume with `--dist-ckpt-strictness log_all`). Anything else not named here is refused, as
+are MTP, MLA, GDN and Mamba layers, pipeline stages and flat (CPU-offloaded) optimizer states,
+which are not converted yet.
 """
 
 from __future__ import annotations
@@ -59,7 +62,10 @@ DROPPED_ROOTS = ("rng_state", "rerun_state_machine")
 COMMON_ITEMS = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
 SCHEDULER = "opt_param_scheduler."
 UNSUPPORTED = (("mtp", "MTP layers"), ("in_proj", "GDN or Mamba projections"), ("mixer.", "Mamba mixers"),
-               ("conv1d", "GDN or Mamba convolutions"))
+               ("conv1d", "GDN or Mamba convolutions"), ("_down_proj", "MLA projections"),
+               ("basic_ops", "Transformer Engine's fused-op MLPs"), (".mlp.0.", "Transformer Engine's fused-op MLPs"))
+"""Module names whose torch_dist keys are not those above (megatron-core's specs map MLA's fused
+norms and TE's fused-op MLPs to other keys; GDN and Mamba split their projections into sub-keys)."""
 TORCH_DIST_MARKER = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -137,6 +143,10 @@ def _args(ckpt: Checkpoint) -> argparse.Namespace:
 
 
 def _spec(ckpt: Checkpoint, args: argparse.Namespace) -> str:
+    pp = getattr(args, "pipeline_model_parallel_size", 1)
+    if pp != 1:
+        raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
+                                         "not converted to torch_dist yet")
     impl = getattr(args, "transformer_impl", None)
     if impl not in SPECS:
         raise CheckpointError(ckpt.path, f"args.transformer_impl is {impl!r}: the torch_dist names of the model's "
@@ -150,7 +160,7 @@ def _model_names(ckpt: Checkpoint) -> dict[str, str]:
     unknown = []
     for fqn in ckpt.tensors:
         match = MODEL_PREFIX.match(fqn)
-        if match and not fqn.startswith("model.optimizer"):
+        if match:
             names[fqn[match.end():]] = fqn
         elif not (STATE_PREFIX.match(fqn) or fqn.startswith(DROPPED_ROOTS)):
             unknown.append(fqn)
@@ -326,7 +336,10 @@ def _param_groups(ckpt: Checkpoint, names: dict[str, str], steps: dict[str, str]
             except UnsafePickleError as exc:
                 raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
     fused = {SWIGLU_PART.sub(r"\g<base>", n) for n in names}  # the group settings keep fc1's fused name
-    missing = sorted(fused - set(meta))
+    missing, unknown = sorted(fused - set(meta)), sorted(set(meta) - fused)
+    if unknown:
+        raise CheckpointError(ckpt.path, f"optimizer.param_to_group_meta has settings for {unknown[0]}, which the "
+                                         "model does not have")
     if missing:
         raise CheckpointError(ckpt.path, f"optimizer.param_to_group_meta has no settings for {missing[0]} "
                                          f"({len(missing)} params lack them)")
