@@ -157,9 +157,12 @@ def test_rebuilt_param_states_are_the_weights_and_buckets_are_gone(rebuilt):
 
 
 @needs("0.19")
+@pytest.mark.full
 def test_megatron_core_resumes_the_rewrite_at_another_tp_with_the_saved_runs_loss(saved, rebuilt, tmp_path):
     """megatron-core's own load of the output at TP 1 × DP 2 (it cannot load the bucketed source
-    there), then one step: the loss after it depends on every Adam state."""
+    there), then one step: the loss after it depends on every Adam state. (`make test` proves the
+    same tensors through the Megatron-FSDP conversion, whose output holds every one of them and
+    resumes with this loss; the rewritten common state is compared with megatron-core's own.)"""
     from fixtures import megatron_optim
 
     want = torch.load(saved[BUCKETS] / "loss.pt")
