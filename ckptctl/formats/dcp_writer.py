@@ -4,8 +4,9 @@
 gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
 workers can write items in any order and in parallel. Each record's copy runs are planned
 only when it is about to be written (`plan.planned_batches`, from `DcpOutput.sources`): a
-torchrun worker plans its own files' records, and no process holds every record's runs. `write_metadata` then writes the
-`.metadata` pickle, naming torch's own metadata classes (`dcp_classes`).
+torchrun worker plans its own files' records, and no process holds every record's runs.
+`write_metadata` then writes the `.metadata` pickle, naming torch's own metadata classes
+(`dcp_classes`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Megatron's `args`: the training settings saved beside a Megatron checkpoint.
 
 An `argparse.Namespace`, pickled by `torch.save`: in a DCP bytes entry `args` (Megatron-FSDP),
-in `common.pt` (torch_dist up to megatron-core 0.16) or in the bytes item
+in `common.pt` (torch_dist up to megatron-core 0.18) or in the bytes item
 `common_state/shard_0_1` (torch_dist from 0.19). `checkpoint_args` reads the first with torch's
 restricted loader (for the TP size and model dims); `training_args` reads any of them without
 torch and without running anything: values of classes it does not know (enum members such as
@@ -91,7 +91,7 @@ class CommonState:
     content metadata), decoded without torch, and where it is kept."""
 
     where: str
-    """`common.pt` (megatron-core up to 0.16) or the bytes item `common_state/shard_0_1` (0.19)."""
+    """`common.pt` (megatron-core up to 0.18) or the bytes item `common_state/shard_0_1` (from 0.19)."""
     state: Any
     """The dict saved (the item's one-element list unwrapped), or whatever else was found."""
 
