@@ -47,6 +47,7 @@ def runs(fixture_ckpt) -> dict[str, subprocess.CompletedProcess]:
         "check:fsdp2": ("inspect", fixture_ckpt("fsdp2_4ranks"), "--check"),
         "text:fsdp2": ("inspect", fixture_ckpt("fsdp2_4ranks"), "--chunks"),
         "text:broken": ("inspect", fixture_ckpt("broken_plain_optim")),
+        "text:megatron": ("inspect", fixture_ckpt("megatron_tp2_dp2")),
         "filter:json": ("inspect", fixture_ckpt("megatron_tp2_dp2"), "--json", "--filter", "*.linear_proj.weight*"),
         "filter:check": ("inspect", fixture_ckpt("broken_plain_optim"), "--check", "--filter", "model.*"),
     })
@@ -131,6 +132,17 @@ def test_megatron_values(runs) -> None:
     state = d["tensors"]["optimizer.state.module.decoder.layers.0.mlp.linear_fc1.weight_w.exp_avg"]
     assert (state["group"], state["param"]) == ("optimizer", "model.module.decoder.layers.0.mlp.linear_fc1.weight_w")
     assert {"args", "iteration", "checkpoint_version"} <= d["bytes_entries"].keys()
+
+
+def test_the_format_is_named_by_what_the_checkpoint_says(runs) -> None:
+    """Megatron-FSDP's by the `ckpt_format` of its saved args; one without Megatron args is plain DCP."""
+    assert (doc(runs, "megatron_tp2_dp2")["format"], doc(runs, "fsdp2_4ranks")["format"]) == (
+        "megatron-fsdp fsdp_dtensor", "dcp")
+    assert doc(runs, "megatron_tp2_dp2")["megatron_core"] is None
+    lines = [line.rstrip() for line in runs["text:megatron"].stdout.splitlines()]
+    assert "Format            Megatron-FSDP fsdp_dtensor (args.ckpt_format): per-layer keys, SwiGLU fc1 as " \
+           "weight_w/weight_v (or fused, TP-blocked)" in lines
+    assert not any(line.startswith("Format") for line in runs["text:fsdp2"].stdout.splitlines())
 
 
 def test_flat_optimizer_states(runs) -> None:

@@ -12,7 +12,8 @@ ignores them.
 
     {
       "path": str, "version": str | null, "world_size": int,   # ranks that wrote data files
-      "format": "dcp" | "megatron-core torch_dist",            # torch_dist: a metadata.json says so
+      "format": "dcp" | "megatron-core torch_dist" | "megatron-fsdp fsdp_dtensor",
+                                    # torch_dist: a metadata.json says so; fsdp_dtensor: args.ckpt_format
       "megatron_core": null | {"versions": "0.15 or older" | "0.18 or older" | "0.19 or newer",
                                "evidence": str},              # torch_dist: which releases save so
       "optimizer_format": null | "fully_reshardable" | "fully_sharded_model_space" | "dp_reshardable",
@@ -70,6 +71,8 @@ if TYPE_CHECKING:  # rich is imported when a table is rendered, not at start-up
     from rich.console import Console
     from rich.text import Text
 
+    from ckptctl.formats.megatron_args import TrainingArgs
+
 EXIT_PROBLEMS = 1
 _PIPE_WIDTH = 100_000
 
@@ -116,12 +119,13 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
     reports = analysis.reports
+    training = _training_args(ckpt)
     return {
         "path": str(ckpt.path),
-        "format": FORMATS.get(ckpt.megatron_backend or "", "dcp"),
+        "format": _format(ckpt, training),
         "megatron_core": _megatron_core_doc(ckpt),
         "optimizer_format": analysis.optimizer_format,
-        "training": _training_doc(ckpt),
+        "training": _training_doc(training),
         "version": ckpt.version,
         "world_size": analysis.world_size,
         "metadata_files": list(ckpt.metadata_files),
@@ -155,10 +159,23 @@ TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_par
 """`training` in the JSON document: Megatron's args by the names Megatron gives them."""
 
 
-def _training_doc(ckpt: Checkpoint) -> dict[str, Any] | None:
+def _training_args(ckpt: Checkpoint) -> "TrainingArgs | None":
     from ckptctl.formats.megatron_args import training_args
 
-    found = training_args(ckpt)
+    return training_args(ckpt)
+
+
+def _format(ckpt: Checkpoint, training: "TrainingArgs | None") -> str:
+    """`format` in the JSON document: a torch_dist checkpoint by its `metadata.json`, Megatron-FSDP's
+    by the `ckpt_format` its saved args name; any other DCP checkpoint `dcp`."""
+    if ckpt.megatron_backend is not None:
+        return FORMATS[ckpt.megatron_backend]
+    if training is not None and training.where == "args entry" and training.get("ckpt_format") == FSDP_DTENSOR:
+        return FORMATS[FSDP_DTENSOR]
+    return "dcp"
+
+
+def _training_doc(found: "TrainingArgs | None") -> dict[str, Any] | None:
     if found is None:
         return None
     values = {key: found.get(name) for key, name in TRAINING_FIELDS.items()}
@@ -175,10 +192,13 @@ def _training_line(doc: dict[str, Any]) -> str:
     return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
 
 
-FORMATS = {"torch_dist": "megatron-core torch_dist"}
-"""`format` in the JSON document: `dcp`, or the Megatron-Core dist_checkpointing backend."""
+FSDP_DTENSOR = "fsdp_dtensor"
+FORMATS = {"torch_dist": "megatron-core torch_dist", FSDP_DTENSOR: "megatron-fsdp fsdp_dtensor"}
+"""`format` in the JSON document: `dcp`, the Megatron-Core dist_checkpointing backend, or Megatron-FSDP's."""
 FORMAT_LINES = {"megatron-core torch_dist": "Megatron-Core dist_checkpointing, torch_dist backend (metadata.json): "
-                                            "layer-stacked keys, fc1 as [W_all; V_all]"}
+                                            "layer-stacked keys, fc1 as [W_all; V_all]",
+                "megatron-fsdp fsdp_dtensor": "Megatron-FSDP fsdp_dtensor (args.ckpt_format): per-layer keys, "
+                                              "SwiGLU fc1 as weight_w/weight_v (or fused, TP-blocked)"}
 
 OPTIMIZER_LINES = {
     "fully_reshardable": "DistributedOptimizer, fully_reshardable: states shaped like their params",
