@@ -374,25 +374,35 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     assert doc["training"]["problem"].startswith("not decoded without running code (")
 
 
-def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_resumes_after_the_rewrite(tmp_path):
+def _fs_model_space_rewrite(out):
+    run = run_cli("reshard", FS_MODEL_SPACE, out, "--verify")
+    assert run.returncode == 0, run.stderr
+    return out
+
+
+def test_a_fully_sharded_model_space_state_newer_megatron_core_refuses_is_rebuilt_in_model_space(tmp_path):
     """megatron-core 0.15.3's `fully_sharded_model_space` save (the committed fixture: TP 2 × DP 2,
     seven buckets, its `.metadata` an `MCoreMetadata`), which 0.16 cannot load: inspect reads
-    it, reshard rebuilds it in model space, and megatron-core 0.16.1 resumes the output at
-    TP 1 × DP 2 with the loss of the run that saved it."""
-    from fixtures import megatron_optim
-
+    it, and reshard rebuilds each param's fragments in its shape (the `param` states are the
+    weights; every state is cut by the same fragment geometry)."""
     doc = json.loads(run_cli("inspect", FS_MODEL_SPACE, "--json").stdout)
     assert doc["optimizer_format"] == "fully_sharded_model_space" and not doc["problems"]
     assert doc["megatron_core"] == {"versions": "0.15 or older", "evidence": "MCoreMetadata in .metadata"}
     assert doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]["layout"] == "model-space"
-    run = run_cli("reshard", FS_MODEL_SPACE, tmp_path / "o", "--verify")
-    assert run.returncode == 0, run.stderr
-    got = _load(tmp_path / "o")
+    got = _load(_fs_model_space_rewrite(tmp_path / "o"))
     assert not any(".fp32_param." in k for k in got)
     for key in (k for k in got if k.startswith("optimizer.state.param.")):
         assert torch.equal(got[key], got[key[len("optimizer.state.param."):]]), key
+
+
+@pytest.mark.full
+def test_the_rebuilt_fully_sharded_model_space_state_resumes_with_the_saved_runs_loss(tmp_path):
+    """megatron-core 0.16.1 resumes the rewrite at TP 1 × DP 2 with the loss of the run that saved it."""
+    from fixtures import megatron_optim
+
+    out = _fs_model_space_rewrite(tmp_path / "o")
     want = json.loads(FS_MODEL_SPACE.with_name(FS_MODEL_SPACE.name + ".loss.json").read_text())
-    resumed = megatron_optim.load(tmp_path / "o", 1, 2, tmp_path / "loss.pt")
+    resumed = megatron_optim.load(out, 1, 2, tmp_path / "loss.pt")
     assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"])
 
 
