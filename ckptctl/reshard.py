@@ -115,8 +115,8 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping
         if ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
             from ckptctl import torch_dist_reshard
 
-            torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.include,
-                                              opts.exclude, opts.dtype)
+            torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.layout,
+                                              opts.include, opts.exclude, opts.dtype)
             out, views = torch_dist_reshard.plan_torch_dist(ckpt)
         elif opts.layout == TORCH_DIST_LAYOUT:  # Megatron-FSDP's fsdp_dtensor to megatron-core's torch_dist
             from ckptctl import fsdp_dtensor_to_torch_dist

@@ -172,6 +172,15 @@ def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):
     ckpt = saved["tp2"][0]
     run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "3")
     assert (run.returncode, run.stderr) == (2, TORCH_DIST_LAYOUT.format(2))
+    run = run_cli("reshard", ckpt, tmp_path / "o", "--layout", "megatron-fsdp", "--tp", "2")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: a torch_dist checkpoint is not converted to "
+                                               "Megatron-FSDP's fsdp_dtensor: torch_dist keeps no param's optimizer "
+                                               "group, which fsdp_dtensor saves per param (pass no options: the "
+                                               "rewrite in model space loads with megatron-core at any TP and DP)\n")
+    run = run_cli("reshard", ckpt, tmp_path / "o", "--layout", "torch-dist")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: already a torch_dist checkpoint: pass no --layout (it "
+                                               "is rewritten at its own layout with its optimizer state in model "
+                                               "space)\n")
     plan = json.loads(run_cli("reshard", ckpt, tmp_path / "o", "--dry-run", "--json").stdout)
     assert (plan["world_size"], plan["files"]) == (2, 5)  # two rank files, .metadata, metadata.json, common.pt
     run = run_cli("reshard", ckpt, tmp_path / "o", "--verify")
