@@ -43,7 +43,8 @@ from ckptctl.formats.megatron_args import COMMON, decoded_item
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.model import Checkpoint
-from ckptctl.placement import fsdp2
+from ckptctl.geometry import Box
+from ckptctl.placement import Placed, fsdp2
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, source_view, unsqueezed_view
 
 MODEL_PREFIX = re.compile(r"^model\.(?:module\.)*")
@@ -80,6 +81,8 @@ class _Key:
     key: str
     lead: int = 0
     """How many stacked dims lead (layers, then experts)."""
+    layers: bool = False
+    """The first stacked dim is the layer axis (a layer stack `<ns>.layers.<name>`)."""
     parts: dict[tuple[int, ...], dict[str | None, str]] = field(default_factory=dict)
     """Index along the stacked dims → SwiGLU part (`w`, `v`, None) → module-named param."""
 
@@ -97,13 +100,17 @@ def plan_from_fsdp_dtensor(ckpt: Checkpoint, world_size: int) -> tuple[DcpOutput
         else None
     views: dict[str, SourceTensor] = {}
     targets: list[TargetTensor] = []
+    placements: dict[str, list[Placed]] = {}
     for key in keys.values():
-        targets.append(_target(ckpt, key, key.key, names, views, model_dtype))
+        made = [_target(ckpt, key, key.key, names, views, model_dtype)]
         if states:
-            targets.append(_target(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None))
-            for state in ("exp_avg", "exp_avg_sq"):
-                targets.append(_target(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None))
-    placements = {t.fqn: fsdp2(t.shape, world_size) for t in targets}
+            made.append(_target(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None))
+            made += [_target(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
+                     for state in ("exp_avg", "exp_avg_sq")]
+        for target in made:
+            placements[target.fqn] = _per_layer(target.shape, world_size) if key.layers else \
+                fsdp2(target.shape, world_size)
+        targets += made
     out = layout_dcp(targets, placements, views, [], None)
     common = _common_state(ckpt, args, _param_groups(ckpt, names, steps) if states else None)
     try:
@@ -218,7 +225,7 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: str) -> dict
             key = f"{layer[0]}.{layer[1]}.{rest}"
         if expert is not None:
             index += (expert,)
-        entry = keys.setdefault(key, _Key(key, len(index)))
+        entry = keys.setdefault(key, _Key(key, len(index), layer is not None and layer[0] in stacked))
         if entry.lead != len(index):
             raise CheckpointError(ckpt.path, f"{name}: torch_dist key {key} is built from params of different "
                                              "stacking (per expert and not)")
@@ -321,6 +328,13 @@ def _target(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], view
             pieces.append(Piece(src, (0,) * len(view.shape), at, (*(1,) * key.lead, *part)))
     first = ckpt.tensors[sources[next(iter(next(iter(key.parts.values())).values()))]]
     return TargetTensor(fqn, shape, dtype or first.dtype, tuple(pieces), first.properties)
+
+
+def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:
+    """A layer stack chunked as megatron-core saves one, a chunk per layer (here in rank files round
+    robin), which is what tells a torch_dist layer stack (`layout.is_layer_stacked`)."""
+    return [Placed(layer % world_size, Box((layer, *(0,) * (len(shape) - 1)), (1, *shape[1:])))
+            for layer in range(shape[0])]
 
 
 def _param_groups(ckpt: Checkpoint, names: dict[str, str], steps: dict[str, str]) -> list[dict]:

@@ -233,6 +233,14 @@ def test_a_megatron_fsdp_checkpoint_converted_to_torch_dist_resumes_with_the_sav
     assert common["args"].attention_backend == Opaque("megatron.core.transformer.enums", "AttnBackend", (5,))
     assert json.loads((out / "metadata.json").read_text()) == {"sharded_backend": "torch_dist",
                                                                "sharded_backend_version": 1}
+    doc = json.loads(run_cli("inspect", out, "--json").stdout)  # chunked as megatron-core chunks a layer stack
+    assert {t["layout"] for k, t in doc["tensors"].items() if ".layers." in k} == {"layer-stacked"}
+    (tmp_path / "hf-config").mkdir()
+    (tmp_path / "hf-config" / "config.json").write_text(json.dumps(mc.hf_config("llama")))
+    for name, src in (("converted", out), ("saved", saved[BUCKETS] / "fully_reshardable")):
+        run = run_cli("export-hf", src, tmp_path / name, "--hf-config", tmp_path / "hf-config", "--arch", "llama")
+        assert run.returncode == 0, run.stderr
+    assert run_cli("diff", tmp_path / "converted", tmp_path / "saved").returncode == 0  # what megatron-core saved
     want = torch.load(saved[BUCKETS] / "loss.pt")
     resumed = megatron_optim.load(out, 1, 2, tmp_path / "loss.pt", mcore="0.19", strict="log_all")
     assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
