@@ -331,8 +331,8 @@ def _target(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], view
 
 
 def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:
-    """A layer stack chunked as megatron-core saves one, a chunk per layer (here in rank files round
-    robin), which is what tells a torch_dist layer stack (`layout.is_layer_stacked`)."""
+    """A layer stack chunked as megatron-core saves one: a chunk per layer (here in rank files round
+    robin)."""
     return [Placed(layer % world_size, Box((layer, *(0,) * (len(shape) - 1)), (1, *shape[1:])))
             for layer in range(shape[0])]
 

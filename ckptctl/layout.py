@@ -277,9 +277,13 @@ _STACKED = re.compile(r"(^|\.)decoder\.layers\.(?!\d)")
 
 
 def is_layer_stacked(entry: TensorEntry) -> bool:
-    """A torch_dist layer stack: `decoder.layers.<name>` (no layer number), chunks one layer deep."""
-    return bool(entry.shape) and _STACKED.search(entry.fqn) is not None and \
-        all(c.sizes[0] == 1 for c in entry.chunks if c.numel)
+    """A torch_dist layer stack: `decoder.layers.<name>` (no layer number), each chunk one layer deep
+    (as megatron-core saves) or whole layers (as a converter writing whole tensors does): what
+    `plan.layer_stacked_view` reads layer by layer."""
+    whole = entry.shape[1:2]  # a chunk of whole layers spans every row of them
+    return bool(entry.shape) and _STACKED.search(entry.fqn) is not None and all(
+        c.sizes[0] == 1 or (bool(whole) and c.offsets[1] == 0 and c.sizes[1:2] == whole)
+        for c in entry.chunks if c.numel)
 
 
 def _is_torch_chunk(rows: int, ranges: list[tuple[int, int]]) -> bool:

@@ -18,6 +18,7 @@ from ckptctl.layout import (
     classify_layout,
     coverage,
     find_param,
+    is_layer_stacked,
     split_optimizer_fqn,
 )
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
@@ -50,6 +51,18 @@ def checkpoint(*entries: TensorEntry, bytes_names: tuple[str, ...] = ()) -> Chec
 
 
 # --- layout labels -------------------------------------------------------------------------
+
+
+def test_a_torch_dist_layer_stack_is_chunked_by_layer_or_by_whole_layers() -> None:
+    """megatron-core saves a chunk per layer (and TP rank); a converter may save the stack whole or in
+    runs of whole layers. A chunk cutting the rows of several layers cannot be read layer by layer."""
+    name, shape = "decoder.layers.mlp.linear_fc2.weight", (4, 6, 8)
+    assert is_layer_stacked(entry(name, shape, [((layer, 0, c), (1, 6, 4)) for layer in range(4) for c in (0, 4)]))
+    assert is_layer_stacked(whole(name, shape))
+    assert is_layer_stacked(rows(name, shape, [(0, 3), (3, 4)]))
+    assert not is_layer_stacked(entry(name, shape, [((0, 0, 0), (4, 3, 8)), ((0, 3, 0), (4, 3, 8))]))
+    assert not is_layer_stacked(whole("decoder.layers.0.mlp.linear_fc2.weight", shape))
+    assert is_layer_stacked(rows("decoder.layers.mlp.router.expert_bias", (4,), [(0, 1), (1, 4)])) is False
 
 
 def test_scalar_and_empty_tensors_get_their_own_labels() -> None:
