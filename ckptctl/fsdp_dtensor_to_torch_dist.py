@@ -90,7 +90,12 @@ class _Key:
 def plan_from_fsdp_dtensor(ckpt: Checkpoint, world_size: int) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The torch_dist checkpoint (laid out in FSDP2 rows over `world_size` rank files) and the source
     views its pieces read."""
-    args = _args(ckpt)
+    with ItemReader(ckpt) as reader:  # every small item and step the plan decodes, each file opened once
+        return _planned(ckpt, world_size, reader)
+
+
+def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[DcpOutput, dict[str, SourceTensor]]:
+    args = _args(ckpt, reader)
     names = _model_names(ckpt)
     spec = _spec(ckpt, args)
     keys = _torch_dist_keys(ckpt, names, spec)
@@ -112,7 +117,7 @@ def plan_from_fsdp_dtensor(ckpt: Checkpoint, world_size: int) -> tuple[DcpOutput
                 fsdp2(target.shape, world_size)
         targets += made
     out = layout_dcp(targets, placements, views, [], None)
-    common = _common_state(ckpt, args, _param_groups(ckpt, names, steps) if states else None)
+    common = _common_state(ckpt, reader, args, _param_groups(ckpt, reader, names, steps) if states else None)
     try:
         out.extra_files = {COMMON: encode_value(common), "metadata.json": json.dumps(TORCH_DIST_MARKER).encode()}
     except UnsafePickleError as exc:
@@ -136,12 +141,12 @@ def refuse_options(opts: Any) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _args(ckpt: Checkpoint) -> argparse.Namespace:
+def _args(ckpt: Checkpoint, reader: ItemReader) -> argparse.Namespace:
     if "args" not in ckpt.bytes_entries:
         raise CheckpointError(ckpt.path, "no Megatron args item: not a Megatron-FSDP fsdp_dtensor checkpoint (the "
                                          "model spec and dtype are unknown)")
     try:
-        args = decoded_item(ckpt, "args")
+        args = decoded_item(ckpt, "args", reader)
     except UnsafePickleError as exc:
         raise CheckpointError(ckpt.path, f"args: cannot decode it without running code ({exc})") from None
     if not isinstance(args, argparse.Namespace):
@@ -337,7 +342,7 @@ def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:
             for layer in range(shape[0])]
 
 
-def _param_groups(ckpt: Checkpoint, names: dict[str, str], steps: dict[str, str]) -> list[dict]:
+def _param_groups(ckpt: Checkpoint, reader: ItemReader, names: dict[str, str], steps: dict[str, str]) -> list[dict]:
     """The optimizer's param groups as megatron-core's `fully_reshardable` state keeps them: each
     distinct group setting saved per param (`param_to_group_meta`) once, in first-seen order, with
     Adam's step (saved per param by torch's Adam: one value for all, as megatron-core requires)."""
@@ -346,7 +351,7 @@ def _param_groups(ckpt: Checkpoint, names: dict[str, str], steps: dict[str, str]
         match = GROUP_META.match(fqn)
         if match:
             try:
-                meta[match["name"]][match["attr"]] = decoded_item(ckpt, fqn)
+                meta[match["name"]][match["attr"]] = decoded_item(ckpt, fqn, reader)
             except UnsafePickleError as exc:
                 raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
     fused = {SWIGLU_PART.sub(r"\g<base>", n) for n in names}  # the group settings keep fc1's fused name
@@ -361,42 +366,42 @@ def _param_groups(ckpt: Checkpoint, names: dict[str, str], steps: dict[str, str]
     for name in sorted(fused):
         if meta[name] not in groups:
             groups.append(meta[name])
-    step = _step(ckpt, steps)
+    step = _step(ckpt, reader, steps)
     return [{**g, "step": step} if step is not None and "step" not in g else dict(g) for g in groups]
 
 
 _SCALARS = {"float32": "<f", "float64": "<d", "int64": "<q", "int32": "<i"}
 
 
-def _step(ckpt: Checkpoint, steps: dict[str, str]) -> float | None:
+def _step(ckpt: Checkpoint, reader: ItemReader, steps: dict[str, str]) -> float | None:
     """The one Adam step of every param (torch's Adam keeps a 0-d tensor each), read torch-free."""
     values = set()
-    with ItemReader(ckpt) as reader:
-        for fqn in steps.values():
-            entry = ckpt.tensors[fqn]
-            fmt = _SCALARS.get(entry.dtype.name)
-            if entry.shape != () or fmt is None or len(entry.chunks) != 1:
-                raise CheckpointError(ckpt.path, f"{fqn}: a step should be one 0-d number, not {list(entry.shape)} "
-                                                 f"{entry.dtype.name}")
-            record = reader.locate(entry, entry.chunks[0])
-            if record is None:
-                raise CheckpointError(ckpt.path, f"{fqn}: its item is not a plain torch.save record")
-            raw = reader.read_item_bytes(entry.chunks[0].file, record.byte_offset, record.nbytes, ())
-            values.add(float(struct.unpack(fmt, raw)[0]))
+    for fqn in steps.values():
+        entry = ckpt.tensors[fqn]
+        fmt = _SCALARS.get(entry.dtype.name)
+        if entry.shape != () or fmt is None or len(entry.chunks) != 1:
+            raise CheckpointError(ckpt.path, f"{fqn}: a step should be one 0-d number, not {list(entry.shape)} "
+                                             f"{entry.dtype.name}")
+        record = reader.locate(entry, entry.chunks[0])
+        if record is None:
+            raise CheckpointError(ckpt.path, f"{fqn}: its item is not a plain torch.save record")
+        raw = reader.read_item_bytes(entry.chunks[0].file, record.byte_offset, record.nbytes, ())
+        values.add(float(struct.unpack(fmt, raw)[0]))
     if len(values) > 1:
         raise CheckpointError(ckpt.path, f"params saved different Adam steps ({sorted(values)[:4]}): megatron-core "
                                          "keeps one step for the whole optimizer")
     return values.pop() if values else None
 
 
-def _common_state(ckpt: Checkpoint, args: argparse.Namespace, param_groups: list | None) -> dict[str, Any]:
+def _common_state(ckpt: Checkpoint, reader: ItemReader, args: argparse.Namespace,
+                  param_groups: list | None) -> dict[str, Any]:
     """The common state megatron-core's `dist_checkpointing.load` reads (what Megatron-LM saves beside
     a `fully_reshardable` optimizer): the source's args, counters and scheduler, the param groups."""
     common: dict[str, Any] = {"args": args}
     for fqn in ckpt.bytes_entries:
         if fqn in COMMON_ITEMS[1:] or fqn.startswith(SCHEDULER):
             try:
-                value = decoded_item(ckpt, fqn)
+                value = decoded_item(ckpt, fqn, reader)
             except UnsafePickleError as exc:
                 raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
             node = common

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.megatron_args import (
     COMMON, COMMON_STATE, CommonState, common_bytes, common_state, common_where, decoded_item,
@@ -140,16 +141,17 @@ def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Na
 def _param_groups(ckpt: Checkpoint, tp: int) -> list:
     """The optimizer's param groups, which every TP rank's `dp_group_idx_<r>.optimizer` item repeats."""
     groups = []
-    for rank in range(tp):
-        fqn = f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1"
-        try:
-            value = decoded_item(ckpt, fqn) if fqn in ckpt.bytes_entries else None
-        except UnsafePickleError as exc:
-            raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
-        if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
-                and isinstance(value[0].get("param_groups"), list)):
-            raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
-        groups.append(value[0]["param_groups"])
+    with ItemReader(ckpt) as reader:
+        for rank in range(tp):
+            fqn = f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1"
+            try:
+                value = decoded_item(ckpt, fqn, reader) if fqn in ckpt.bytes_entries else None
+            except UnsafePickleError as exc:
+                raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
+            if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
+                    and isinstance(value[0].get("param_groups"), list)):
+                raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
+            groups.append(value[0]["param_groups"])
     if any(g != groups[0] for g in groups):
         raise CheckpointError(ckpt.path, "the TP ranks saved different optimizer param groups")
     return groups[0]

@@ -141,12 +141,15 @@ def common_bytes(ckpt: Checkpoint, name: str = COMMON) -> bytes:
     return data
 
 
-def decoded_item(ckpt: Checkpoint, fqn: str) -> Any:
-    """Bytes entry `fqn`'s value, decoded without torch (unknown classes as `Opaque`)."""
+def decoded_item(ckpt: Checkpoint, fqn: str, reader: ItemReader | None = None) -> Any:
+    """Bytes entry `fqn`'s value, decoded without torch (unknown classes as `Opaque`); pass the
+    `reader` of a loop over many items, so that each file is opened once."""
     entry = ckpt.bytes_entries[fqn]
-    with ItemReader(ckpt) as reader:
-        return decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms),
-                            opaque=Opaque)
+    if reader is None:
+        with ItemReader(ckpt) as own:
+            return decoded_item(ckpt, fqn, own)
+    return decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms),
+                        opaque=Opaque)
 
 
 def _found(where: str, value: Any, pick) -> TrainingArgs | None:
