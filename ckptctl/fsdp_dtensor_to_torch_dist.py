@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import struct
 from collections import defaultdict
@@ -85,6 +86,11 @@ class _Key:
     """The first stacked dim is the layer axis (a layer stack `<ns>.layers.<name>`)."""
     parts: dict[tuple[int, ...], dict[str | None, str]] = field(default_factory=dict)
     """Index along the stacked dims → SwiGLU part (`w`, `v`, None) → module-named param."""
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """The size of each stacked dim (layers, experts): the largest index saved, plus one."""
+        return tuple(1 + max(index[d] for index in self.parts) for d in range(self.lead))
 
 
 def plan_from_fsdp_dtensor(ckpt: Checkpoint, world_size: int) -> tuple[DcpOutput, dict[str, SourceTensor]]:
@@ -260,10 +266,8 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
 
 def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:
     """A stack holds every index from 0 (layers, experts), each with the same params of the same shape."""
-    counts = [1 + max(i[d] for i in key.parts) for d in range(key.lead)]
-    expected = 1
-    for c in counts:
-        expected *= c
+    counts = key.counts
+    expected = math.prod(counts)
     if len(key.parts) != expected:
         raise CheckpointError(ckpt.path, f"torch_dist key {key.key}: {len(key.parts)} of the {expected} "
                                          f"{' × '.join(map(str, counts))} stacked params are saved")
@@ -316,22 +320,21 @@ def _optimizer_states(ckpt: Checkpoint, names: dict[str, str]) -> tuple[dict[str
 def _target(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], views: dict[str, SourceTensor],
             dtype: DType | None) -> TargetTensor:
     """Output `fqn` of `key`'s shape, each stacked slab (and SwiGLU half) read from its source."""
+    first_slot = next(iter(key.parts.values()))
+    first = ckpt.tensors[sources[next(iter(first_slot.values()))]]
+    part = first.shape  # every stacked param (and SwiGLU half) has it: `_check_complete`
+    halves = len(first_slot)
+    shape = (*key.counts, *((part[0] * halves, *part[1:]) if part else part))
     pieces = []
-    shape: tuple[int, ...] = ()
     for index, slot in sorted(key.parts.items()):
-        halves = [slot[p] for p in (("w", "v") if "w" in slot else (None,))]
-        for half, name in enumerate(halves):
+        for half, name in enumerate(slot[p] for p in (("w", "v") if "w" in slot else (None,))):
             src = sources[name]
             view = source_view(ckpt.tensors[src])
             for _ in range(key.lead):
                 view = unsqueezed_view(view)
             views[src] = view
-            part = view.shape[key.lead:]
-            rows = (part[0] * len(halves), *part[1:]) if part else part
-            shape = (*(1 + max(i[d] for i in key.parts) for d in range(key.lead)), *rows)
             at = (*index, half * part[0], *(0,) * (len(part) - 1)) if part else index
             pieces.append(Piece(src, (0,) * len(view.shape), at, (*(1,) * key.lead, *part)))
-    first = ckpt.tensors[sources[next(iter(next(iter(key.parts.values())).values()))]]
     return TargetTensor(fqn, shape, dtype or first.dtype, tuple(pieces), first.properties)
 
 
