@@ -118,8 +118,10 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     """The `--json` document (schema in the module docstring); its tensors, chunks and all,
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
+    from ckptctl.formats.megatron_args import training_args
+
     reports = analysis.reports
-    training = _training_args(ckpt)
+    training = training_args(ckpt)
     return {
         "path": str(ckpt.path),
         "format": _format(ckpt, training),
@@ -157,12 +159,6 @@ TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_par
                    "dp": "data_parallel_size", "ep": "expert_model_parallel_size", "cp": "context_parallel_size",
                    "iteration": "iteration"}
 """`training` in the JSON document: Megatron's args by the names Megatron gives them."""
-
-
-def _training_args(ckpt: Checkpoint) -> "TrainingArgs | None":
-    from ckptctl.formats.megatron_args import training_args
-
-    return training_args(ckpt)
 
 
 def _format(ckpt: Checkpoint, training: "TrainingArgs | None") -> str:

@@ -71,7 +71,7 @@ def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceT
     block = BLOCK_BYTES
     if device == "cuda":
         from ckptctl.engine.cuda import BLOCK_BYTES as block  # two pinned slots, input and output
-    decodes = transposes = computes = False
+    transposes = computes = False
     read: set[str] = set()
     for target in targets:
         for piece in target.pieces:
