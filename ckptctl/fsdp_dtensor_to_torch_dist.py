@@ -43,31 +43,15 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.megatron_args import COMMON, decoded_item
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.fsdp_dtensor_names import (
+    COMMON_ITEMS, DROPPED_ROOTS, GROUP_META, GROUPED_EXPERT, LAYER, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MODEL_PREFIX,
+    SCHEDULER, STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, model_spec,
+)
 from ckptctl.model import Checkpoint
 from ckptctl.geometry import Box
 from ckptctl.placement import Placed, fsdp2
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, source_view, unsqueezed_view
 
-MODEL_PREFIX = re.compile(r"^model\.(?:module\.)*")
-STATE_PREFIX = re.compile(r"^optimizer\.state\.(?:module\.)*(?P<name>.+)\.(?P<state>exp_avg|exp_avg_sq|step)$")
-GROUP_META = re.compile(r"^optimizer\.param_to_group_meta\.(?:module\.)*(?P<name>.+)\.(?P<attr>[^.]+)$")
-LAYER = re.compile(r"^(?P<ns>.*\blayers)\.(?P<index>\d+)\.(?P<rest>.+)$")
-SWIGLU_PART = re.compile(r"^(?P<base>.*\blinear_fc1\.(?:weight|bias)\d*)_(?P<part>[wv])$")
-GROUPED_EXPERT = re.compile(r"^(?P<head>.*\bexperts)\.(?P<param>linear_fc[12]\.(?:weight|bias))(?P<index>\d+)$")
-LOCAL_EXPERT = re.compile(r"^(?P<head>.*\bexperts)\.local_experts\.(?P<index>\d+)\.(?P<param>.+)$")
-LOCAL_SPEC_NAMES = (("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
-                    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
-"""megatron-core's local GPT spec: module name prefix → its torch_dist key (`sharded_state_dict_keys_map`)."""
-SPECS = ("local", "transformer_engine")
-DROPPED_ROOTS = ("rng_state", "rerun_state_machine")
-"""Items not carried over: RNG state (resume with `--no-load-rng`), the rerun state machine."""
-COMMON_ITEMS = ("args", "iteration", "checkpoint_version", "num_floating_point_operations_so_far")
-SCHEDULER = "opt_param_scheduler."
-UNSUPPORTED = (("mtp", "MTP layers"), ("in_proj", "GDN or Mamba projections"), ("mixer.", "Mamba mixers"),
-               ("conv1d", "GDN or Mamba convolutions"), ("_down_proj", "MLA projections"),
-               ("basic_ops", "Transformer Engine's fused-op MLPs"), (".mlp.0.", "Transformer Engine's fused-op MLPs"))
-"""Module names whose torch_dist keys are not those above (megatron-core's specs map MLA's fused
-norms and TE's fused-op MLPs to other keys; GDN and Mamba split their projections into sub-keys)."""
 TORCH_DIST_MARKER = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": False,
@@ -103,7 +87,7 @@ def plan_from_fsdp_dtensor(ckpt: Checkpoint, world_size: int) -> tuple[DcpOutput
 def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     args = _args(ckpt, reader)
     names = _model_names(ckpt)
-    spec = _spec(ckpt, args)
+    spec = model_spec(ckpt, args)
     keys = _torch_dist_keys(ckpt, names, spec)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
     states, steps = _optimizer_states(ckpt, names)
@@ -158,18 +142,6 @@ def _args(ckpt: Checkpoint, reader: ItemReader) -> argparse.Namespace:
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(ckpt.path, f"args: a {type(args).__name__}, not an argparse.Namespace")
     return args
-
-
-def _spec(ckpt: Checkpoint, args: argparse.Namespace) -> str:
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    if pp != 1:
-        raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
-                                         "not converted to torch_dist yet")
-    impl = getattr(args, "transformer_impl", None)
-    if impl not in SPECS:
-        raise CheckpointError(ckpt.path, f"args.transformer_impl is {impl!r}: the torch_dist names of the model's "
-                                         f"norms are known for {' and '.join(map(repr, SPECS))} only")
-    return impl
 
 
 def _model_names(ckpt: Checkpoint) -> dict[str, str]:
