@@ -12,6 +12,7 @@ torchrun worker plans its own files' records, and no process holds every record'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from zlib import crc32
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +28,7 @@ from ckptctl.formats.dcp_classes import (
     TensorStorageMetadata,
     size,
 )
+from ckptctl.dtypes import DType
 from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
 from ckptctl.model import BytesEntry
@@ -57,6 +59,9 @@ class DcpOutput:
     extra_files: dict[str, bytes] = field(default_factory=dict)
     """Files beside the DCP ones, written with `.metadata` (a torch_dist checkpoint's
     `metadata.json` and `common.pt`)."""
+    literal_tensors: dict[str, tuple[DType, tuple[int, ...], CopyItem]] = field(default_factory=dict)
+    """Tensors no source holds (torch Adam's per-param step in a converted checkpoint), each one
+    record built when planned: fqn → dtype, shape and the record, written as a copy item."""
 
     @property
     def total_bytes(self) -> int:
@@ -68,14 +73,25 @@ class DcpOutput:
 
     def append_literal(self, fqn: str, data: bytes) -> None:
         """Write `data` as bytes entry `fqn` at the end of rank 0's file (a rewritten entry)."""
+        self.bytes_entries[fqn] = self._appended(data)
+        self.bytes_transforms[fqn] = ()
+
+    def append_literal_tensor(self, fqn: str, dtype: DType, shape: tuple[int, ...], raw: bytes) -> None:
+        """Write tensor `fqn` of `raw` data (its elements, little-endian) whole, as one record at the
+        end of rank 0's file."""
+        layout = TorchSaveLayout(dtype, shape, serialization_id(f"{fqn}@{[0] * len(shape)}"))
+        if len(raw) != layout.nbytes:
+            raise ValueError(f"{fqn}: {len(raw)} bytes for {layout.nbytes}")
+        self.literal_tensors[fqn] = (dtype, tuple(shape), self._appended(layout.head + raw + layout.tail(crc32(raw))))
+
+    def _appended(self, data: bytes) -> CopyItem:
         file = rank_file(0)
         at = self.files.get(file, 0)
         item = CopyItem("", 0, len(data), file, at, data)
         self.files[file] = at + len(data)
         self.files = dict(sorted(self.files.items()))
         self.copy_items.append(item)
-        self.bytes_entries[fqn] = item
-        self.bytes_transforms[fqn] = ()
+        return item
 
 
 def layout_dcp(
@@ -149,6 +165,11 @@ def build_metadata(out: DcpOutput) -> Metadata:
             tensor_chunks = chunks[fqn]
             storage[MetadataIndex(fqn, offsets, len(tensor_chunks))] = StorageInfo(item.file, item.offset, item.length)
             tensor_chunks.append(ChunkStorageMetadata(offsets, size(item.box.sizes)))
+        for fqn, (dtype, shape, copy) in out.literal_tensors.items():
+            origin = size((0,) * len(shape))
+            storage[MetadataIndex(fqn, origin, 0)] = StorageInfo(copy.file, copy.offset, copy.length)
+            sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=False), size(shape),
+                                               [ChunkStorageMetadata(origin, size(shape))])
     for fqn, target in out.targets.items():
         sd_md[fqn] = TensorStorageMetadata(_properties(target), size(target.shape), chunks[fqn])
     return Metadata(
