@@ -105,33 +105,43 @@ def plan_reshard(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     return _planned(ckpt, opts)[0]
 
 
-def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping[str, SourceTensor] | None]:
-    """`plan_reshard`, and the source views the plan's pieces read when they are not each tensor
-    as reshard sees it (a torch_dist rewrite reads windows of its optimizer buckets).
+def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping[str, SourceTensor] | None, int]:
+    """`plan_reshard`, the source views the plan's pieces read when they are not each tensor
+    as reshard sees it (a torch_dist rewrite reads windows of its optimizer buckets), and the
+    number of ranks the output is laid out for.
 
     Planned with the collector paused (`gc_pause`): a few acyclic objects per output chunk."""
-    views = None
+    views, world_size = None, opts.world_size
     with gc_paused():
-        if ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
+        if ckpt.megatron_backend is not None and opts.layout == "megatron-fsdp":  # torch_dist to fsdp_dtensor
+            from ckptctl import torch_dist_to_fsdp_dtensor
+
+            torch_dist_to_fsdp_dtensor.refuse_options(opts)
+            out, views, world_size = torch_dist_to_fsdp_dtensor.plan_to_fsdp_dtensor(ckpt, opts.tp, opts.dp,
+                                                                                      opts.world_size)
+        elif ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
             from ckptctl import torch_dist_reshard
 
             torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.layout,
                                               opts.include, opts.exclude, opts.dtype)
             out, views = torch_dist_reshard.plan_torch_dist(ckpt)
+            world_size = ckpt.saved_world_size
         elif opts.layout == TORCH_DIST_LAYOUT:  # Megatron-FSDP's fsdp_dtensor to megatron-core's torch_dist
             from ckptctl import fsdp_dtensor_to_torch_dist
 
             fsdp_dtensor_to_torch_dist.refuse_options(opts)
-            out, views = fsdp_dtensor_to_torch_dist.plan_from_fsdp_dtensor(ckpt, opts.world_size or 1)
+            world_size = opts.world_size or 1
+            out, views = fsdp_dtensor_to_torch_dist.plan_from_fsdp_dtensor(ckpt, world_size)
         elif opts.megatron:
             from ckptctl import megatron_reshard
 
             out = megatron_reshard.plan_megatron(ckpt, opts.megatron_request())
+            world_size = megatron_reshard.output_world_size(ckpt, opts.megatron_request())
         else:
             out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
                            opts.include, opts.exclude)
-    return out, views
+    return out, views, world_size
 
 
 def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
@@ -174,16 +184,7 @@ def reshard(
     src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
-    out, views = _planned(ckpt, opts)
-    world_size = opts.world_size
-    if ckpt.megatron_backend is not None:
-        world_size = ckpt.saved_world_size
-    elif opts.layout == TORCH_DIST_LAYOUT:
-        world_size = opts.world_size or 1
-    elif opts.megatron:
-        from ckptctl import megatron_reshard
-
-        world_size = megatron_reshard.output_world_size(ckpt, opts.megatron_request())
+    out, views, world_size = _planned(ckpt, opts)
     report = new_report(ckpt, out, src, dst, world_size, opts, dry_run, comm)
     if dry_run:
         return report

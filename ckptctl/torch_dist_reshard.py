@@ -183,12 +183,8 @@ def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_group
 def refuse_options(world_size: int | None, saved: int, megatron: bool, layout: str, include, exclude,
                    dtype) -> None:
     """A torch_dist checkpoint is rewritten at its own layout: megatron-core re-shards
-    `fully_reshardable` state itself when it loads at another TP or DP. It is not converted to
-    Megatron-FSDP: torch_dist keeps no param's optimizer group, which fsdp_dtensor saves per param."""
-    if layout == "megatron-fsdp":
-        raise UsageError("a torch_dist checkpoint is not converted to Megatron-FSDP's fsdp_dtensor: torch_dist keeps "
-                         "no param's optimizer group, which fsdp_dtensor saves per param (pass no options: the "
-                         "rewrite in model space loads with megatron-core at any TP and DP)")
+    `fully_reshardable` state itself when it loads at another TP or DP (`--layout megatron-fsdp`
+    converts it: `torch_dist_to_fsdp_dtensor`)."""
     if layout == "torch-dist":
         raise UsageError("already a torch_dist checkpoint: pass no --layout (it is rewritten at its own layout with "
                          "its optimizer state in model space)")

@@ -168,15 +168,14 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
 
 def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):
     """A model-only torch_dist checkpoint is copied chunk for chunk with its metadata.json and
-    common.pt; another world size is refused, naming what megatron-core does itself."""
+    common.pt; another world size is refused, naming what megatron-core does itself, and so is a
+    conversion to Megatron-FSDP without the args that say the model spec."""
     ckpt = saved["tp2"][0]
     run = run_cli("reshard", ckpt, tmp_path / "o", "-n", "3")
     assert (run.returncode, run.stderr) == (2, TORCH_DIST_LAYOUT.format(2))
-    run = run_cli("reshard", ckpt, tmp_path / "o", "--layout", "megatron-fsdp", "--tp", "2")
-    assert (run.returncode, run.stderr) == (2, "ckptctl: error: a torch_dist checkpoint is not converted to "
-                                               "Megatron-FSDP's fsdp_dtensor: torch_dist keeps no param's optimizer "
-                                               "group, which fsdp_dtensor saves per param (pass no options: the "
-                                               "rewrite in model space loads with megatron-core at any TP and DP)\n")
+    run = run_cli("reshard", ckpt, tmp_path / "o", "--layout", "megatron-fsdp", "--tp", "2", "--dp", "1")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt}: common.pt: no Megatron args: the model "
+                                               "spec is unknown\n")  # which names its norms, whether fc1 is gated
     run = run_cli("reshard", ckpt, tmp_path / "o", "--layout", "torch-dist")
     assert (run.returncode, run.stderr) == (2, "ckptctl: error: already a torch_dist checkpoint: pass no --layout (it "
                                                "is rewritten at its own layout with its optimizer state in model "

@@ -256,8 +256,13 @@ def test_a_megatron_fsdp_checkpoint_converted_to_torch_dist_resumes_with_the_sav
 
 
 def _with_args(src, dst, **changes):
-    """A copy of DCP checkpoint `src` whose `args` item says `changes` too (a new item at the end
-    of its file, `.metadata` pointing there, written by torch's own classes)."""
+    """A copy of DCP checkpoint `src` whose `args` item says `changes` too."""
+    return _with_item(src, dst, "args", lambda args: argparse.Namespace(**{**vars(args), **changes}))
+
+
+def _with_item(src, dst, fqn, change):
+    """A copy of DCP checkpoint `src` whose bytes item `fqn` holds `change(value)` (a new item at the
+    end of its file, `.metadata` pointing there, written by torch's own classes)."""
     import dataclasses
     import shutil
 
@@ -265,18 +270,135 @@ def _with_args(src, dst, **changes):
 
     shutil.copytree(src, dst)
     md = FileSystemReader(str(dst)).read_metadata()
-    index = next(i for i in md.storage_data if i.fqn == "args")
+    index = next(i for i in md.storage_data if i.fqn == fqn)
     info = md.storage_data[index]
     path = dst / info.relative_path
     raw = path.read_bytes()[info.offset:info.offset + info.length]
     buf = io.BytesIO()
-    torch.save(argparse.Namespace(**{**vars(torch.load(io.BytesIO(raw), weights_only=False)), **changes}), buf)
+    torch.save(change(torch.load(io.BytesIO(raw), weights_only=False)), buf)
     with open(path, "ab") as f:
         offset = f.seek(0, 2)
         f.write(buf.getvalue())
     md.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buf.getvalue()))
     (dst / ".metadata").write_bytes(pickle.dumps(md))
     return dst
+
+
+def _everything(path) -> dict:
+    """Every entry of a DCP checkpoint by its flattened name, as torch's own reader loads it."""
+    from fixtures.make_fixtures import load_with_torch
+
+    def flat(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from flat(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    return dict(flat(load_with_torch(path)))
+
+
+def _same(got, want) -> bool:
+    if isinstance(want, torch.Tensor):
+        return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+    return type(got) is type(want) and (vars(got) == vars(want) if isinstance(want, argparse.Namespace) else got == want)
+
+
+def _converted_is_megatron_fsdps_save(src, save, out, params: int, *grid: str) -> dict:
+    """Convert torch_dist `src` to fsdp_dtensor `out` at `grid` and check it against Megatron-FSDP's
+    `save` of the same state: equal where both have an entry; the source has no scheduler, flop
+    count or RNG state; the output keeps the step in each of the `params` groups too. Returns the save's entries."""
+    from fixtures import megatron_fsdp_dtensor
+
+    run = run_cli("reshard", src, out, "--layout", "megatron-fsdp", *grid, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _everything(out), _everything(save)
+    meta = "optimizer.param_to_group_meta.module.module."
+    assert sorted(set(got) - set(want)) == sorted(k for k in got if k.startswith(meta) and k.endswith(".step"))
+    assert len(set(got) - set(want)) == params and all(got[k] == 1.0 for k in set(got) - set(want))
+    assert sorted(set(want) - set(got)) == ["num_floating_point_operations_so_far", *sorted(
+        f"opt_param_scheduler.{k}" for k in megatron_fsdp_dtensor.SCHEDULER), "rng_state.(0, 0)"]
+    assert [k for k in want if k in got and not _same(got[k], want[k])] == []
+    return want
+
+
+@needs("0.19")
+def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_state(
+        rebuilt, fsdp_dtensor, tmp_path):
+    """torch_dist (layer stacks, fc1 as [W_all; V_all], fully_reshardable) as Megatron-FSDP's
+    fsdp_dtensor at TP 2 × DP 2: every entry of Megatron-FSDP's save of the same run state
+    (`fixtures.megatron_fsdp_dtensor`: names, fp32 masters as the model, moments and step per
+    param, each param's group settings as megatron-core grouped it, args, counters) is there
+    and equal; the source lacks the save's scheduler, flop count and RNG state, and the output
+    also keeps each group's step (Transformer Engine's FusedAdam reads it there). Chunks are
+    Megatron-FSDP's TP × DP boxes. Converted back to torch_dist it is the source again, and from
+    the fsdp_dtensor save through torch_dist back to fsdp_dtensor, the scheduler and flop
+    count come back too."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "mfsdp"
+    want = _converted_is_megatron_fsdps_save(rebuilt, fsdp_dtensor, out, 15, "--dp", "2")
+    md = FileSystemReader(str(out)).read_metadata()
+    chunks = md.state_dict_metadata["model.module.decoder.layers.0.mlp.linear_fc1.weight_w"].chunks
+    assert [(list(c.offsets), list(c.sizes)) for c in chunks] == [([0, 0], [12, 32]), ([24, 0], [12, 32]),
+                                                                   ([12, 0], [12, 32]), ([36, 0], [12, 32])]
+    assert json.loads(run_cli("inspect", out, "--json").stdout)["format"] == "megatron-fsdp fsdp_dtensor"
+    run = run_cli("reshard", out, tmp_path / "back", "--layout", "torch-dist")
+    assert run.returncode == 0, run.stderr
+    back, source = _load(tmp_path / "back"), _load(rebuilt)
+    assert sorted(back) == sorted(source) and all(torch.equal(back[k], source[k]) for k in source)
+    run = run_cli("reshard", fsdp_dtensor, tmp_path / "td", "--layout", "torch-dist")
+    assert run.returncode == 0, run.stderr
+    run = run_cli("reshard", tmp_path / "td", tmp_path / "again", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "2")
+    assert run.returncode == 0, run.stderr
+    again = _everything(tmp_path / "again")
+    assert sorted(set(want) - set(again)) == ["rng_state.(0, 0)"]
+    assert [k for k in want if k in again and k != "args" and not _same(again[k], want[k])] == []
+    assert vars(again["args"]) == {**vars(want["args"]), "tensor_model_parallel_size": 1, "world_size": 2}
+
+
+@pytest.mark.full
+def test_a_moe_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_state(saved, tmp_path):
+    """Qwen3-MoE at TP 2 (q/k norms, a router, SequentialMLP experts stacked [L, E, …] in torch_dist):
+    each expert's params by their module names, in the groups megatron-core gave them (with the
+    dense params: no expert parallelism)."""
+    from fixtures import megatron_fsdp_dtensor
+
+    rewrite, save = tmp_path / "rewrite", tmp_path / "save"
+    run = run_cli("reshard", saved[MOE] / "dp_reshardable", rewrite)
+    assert run.returncode == 0, run.stderr
+    megatron_fsdp_dtensor.write(rewrite, saved[MOE] / "buffers.json", save, 2, 1)
+    _converted_is_megatron_fsdps_save(rewrite, save, tmp_path / "o", 33, "--dp", "1")
+
+
+@needs("0.19")
+def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_groups_are_known(saved, rebuilt,
+                                                                                              tmp_path):
+    """Which group each param was in is not saved in torch_dist: it is derived by megatron-core's
+    standard rule and checked against the saved groups (one line, nothing written, when they do
+    not match); the bucketed optimizer format is rewritten first."""
+    src = saved[BUCKETS] / "dp_reshardable"
+    run = run_cli("reshard", src, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: its optimizer state is dp_reshardable: "
+                                               "rewrite it as fully_reshardable first (ckptctl reshard SRC MID), "
+                                               "then convert MID\n")
+
+    def same_decay(state):
+        for group in state[0]["optimizer"]["optimizer"]["param_groups"]:
+            group["wd_mult"] = 1.0
+        return state
+
+    odd = _with_item(rebuilt, tmp_path / "odd", "common_state/shard_0_1", same_decay)
+    run = run_cli("reshard", odd, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {odd}: decoder.layers.0.self_attention.linear_proj.weight: "
+                                               "megatron-core's standard rule puts it in a group of wd_mult 1.0, "
+                                               "is_expert_parallel False; 2 of the 2 saved groups are such (trained "
+                                               "with other overrides?)\n")
+    run = run_cli("reshard", rebuilt, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2", "--split-fused")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: a torch_dist checkpoint converted to Megatron-FSDP's "
+                                               "fsdp_dtensor takes --tp, --dp and --world-size only (fc1 is split "
+                                               "as Megatron-LM saves it)\n")
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.full

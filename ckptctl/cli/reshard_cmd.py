@@ -64,7 +64,8 @@ def reshard_command(
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
     layout: str = typer.Option("fsdp2", "--layout",
-                               help="fsdp2 (dim-0 rows) | megatron-fsdp (TP outer × DP inner boxes, one file per rank) | "
+                               help="fsdp2 (dim-0 rows) | megatron-fsdp (TP outer × DP inner boxes, one file per rank; a "
+                               "torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor) | "
                                "torch-dist (a Megatron-FSDP fsdp_dtensor checkpoint as megatron-core's torch_dist, "
                                "fully_reshardable optimizer)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="TARGET tensor-parallel size: Megatron-FSDP layout, and fused "

@@ -1,0 +1,366 @@
+"""Convert a Megatron-Core `torch_dist` checkpoint to Megatron-FSDP's `fsdp_dtensor`.
+
+torch_dist keeps one key per param stacked over layers (`decoder.layers.<name>` [L, …]) and
+experts ([L, E, …]), SwiGLU fc1 as [W_all; V_all], and a `fully_reshardable` optimizer
+(`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`) whose distinct param groups, with Adam's
+step, are in the common state. Megatron-LM saves fsdp_dtensor by module names
+(`fsdp_dtensor_names`): each layer's and expert's params apart, fc1 split into `_w` / `_v`, the
+fp32 main weights as the model (`model.module.<name>`), Adam's moments and step per param
+(`optimizer.state.<wrappers><name>.…`), and each param's whole group
+(`optimizer.param_to_group_meta.<wrappers><name>.<setting>`, the step among them: Transformer
+Engine's FusedAdam keeps it per group, torch's Adam per param; each loader asks only for its
+own, so both are written). The output is laid out as Megatron-FSDP saves at TP × DP
+(`placement.megatron_fsdp`); DCP reshards it again on load.
+
+torch_dist does not record which group each param was in. It is derived by megatron-core's
+standard rule (`get_standard_config_overrides`: no weight decay for biases and 1-D params — but
+q/k layernorms with `apply_wd_to_qk_layernorm`; experts apart only under expert parallelism,
+in an optimizer of their own, which is refused) and checked: each param must
+match exactly one saved group by `wd_mult` and `is_expert_parallel`, and each saved group must get
+a param; a run with other overrides (decoupled LR, per-layer settings) is refused. RNG state is
+not carried over (resume with `--no-load-rng`), nor `_extra_state` (Megatron-FSDP saves none).
+Optimizer states other than `fully_reshardable` are rewritten first (`ckptctl reshard SRC MID`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ckptctl.dtypes import float32
+from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
+from ckptctl.formats.megatron_args import CommonState, common_state
+from ckptctl.formats.torch_save_out import encode_value
+from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, UNSUPPORTED, model_spec, \
+    optimizer_prefix
+from ckptctl.layout import analysis, is_layer_stacked
+from ckptctl.megatron_tp import resolve_tp
+from ckptctl.model import Checkpoint
+from ckptctl.placement import Placed, megatron_fsdp
+from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
+
+STACK = "decoder.layers."
+EXPERTS = "mlp.experts.experts."
+STATES = ("param", "exp_avg", "exp_avg_sq")
+SWIGLU_FC1 = re.compile(r"\blinear_fc1\.(?:weight|bias)\d*$")
+CARRIED = (*COMMON_ITEMS[1:], "opt_param_scheduler")
+"""Common-state entries written as fsdp_dtensor items (args too, marked as fsdp_dtensor's)."""
+DROPPED = ("content_metadata", "optimizer", "rng_state", "rerun_state_machine_state")
+"""Common-state entries not written as they are: torch_dist's own, the optimizer (rebuilt per
+param), RNG state (resume with `--no-load-rng`), the rerun state machine (Megatron-LM ignores it
+for fsdp_dtensor)."""
+DROPPED_ITEMS = re.compile(r"(^|\.)_extra_state(/|$)|^rng_state(/|$)|^common_state/")
+
+
+@dataclass(frozen=True)
+class _Param:
+    """One param as Megatron-FSDP names it, and its rows of a torch_dist key."""
+
+    name: str
+    """Its module name (a SwiGLU half's with `_w` / `_v`)."""
+    owner: str
+    """The param the optimizer knows (fc1's fused name for its halves): its group is saved under it."""
+    key: str
+    depth: int
+    """Stacked dims of `key` (layers, experts): its view is a slab's rows of the stack."""
+    start: int
+    """First row of it in the view of `key` (its slab's, plus the half's offset)."""
+    shape: tuple[int, ...]
+    owner_shape: tuple[int, ...]
+
+
+def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
+                         world_size: int | None) -> tuple[DcpOutput, dict[str, SourceTensor], int]:
+    """The fsdp_dtensor checkpoint at TP × DP (TP from `tp` or args, DP from `dp` or `world_size`),
+    the source views its pieces read, and its world size."""
+    fmt = analysis(ckpt).optimizer_format
+    if fmt not in (None, "fully_reshardable"):
+        raise CheckpointError(ckpt.path, f"its optimizer state is {fmt}: rewrite it as fully_reshardable first "
+                                         "(ckptctl reshard SRC MID), then convert MID")
+    common = _common(ckpt)
+    args = common.state.get("args")
+    if not isinstance(args, argparse.Namespace):
+        raise CheckpointError(ckpt.path, f"{common.where}: no Megatron args: the model spec is unknown")
+    spec = model_spec(ckpt, args)
+    tp, dp = _grid(ckpt, args, tp, dp, world_size)
+    states = fmt is not None
+    params = _params(ckpt, args, spec, states)
+    prefix = optimizer_prefix(args)
+    views: dict[str, SourceTensor] = {}
+    targets: list[TargetTensor] = []
+    placements: dict[str, list[Placed]] = {}
+    for p in params:
+        made = [(f"model.module.{p.name}", f"optimizer.state.param.{p.key}" if states else p.key)]
+        if states:
+            made += [(f"optimizer.state.{prefix}{p.name}.{s}", f"optimizer.state.{s}.{p.key}")
+                     for s in ("exp_avg", "exp_avg_sq")]
+        for fqn, src in made:
+            targets.append(_target(ckpt, fqn, src, p, views))
+            placements[fqn] = megatron_fsdp(p.shape, p.name, tp, dp)
+    planner: dict[str, Any] = {t.fqn: _path(t.fqn, prefix) for t in targets}
+    items = _common_items(ckpt, common, args, tp, dp)
+    if states:
+        groups, step = _groups(ckpt, common, args, params)
+        for owner, group in groups.items():
+            for attr, value in group.items():
+                items[f"optimizer.param_to_group_meta.{prefix}{owner}.{attr}"] = value
+    out = layout_dcp(targets, placements, views, [], None)
+    for fqn, value in items.items():
+        try:
+            out.append_literal(fqn, encode_value(value))
+        except UnsafePickleError as exc:
+            raise CheckpointError(ckpt.path, f"{common.where}: {fqn} cannot be written ({exc})") from None
+        planner[fqn] = _path(fqn, prefix)
+    if states and step is not None:  # torch Adam's per-param step (a 0-d float32 tensor each)
+        for p in params:
+            fqn = f"optimizer.state.{prefix}{p.name}.step"
+            out.append_literal_tensor(fqn, float32, (), struct.pack("<f", step))
+            planner[fqn] = _path(fqn, prefix)
+    out.planner_data = planner
+    return out, views, tp * dp
+
+
+def refuse_options(opts: Any) -> None:
+    """A torch_dist checkpoint converted to Megatron-FSDP takes the output grid only."""
+    if opts.source_tp is not None or opts.hf_config is not None or opts.dtype is not None or opts.include \
+            or opts.exclude or opts.split_fused or opts.fuse or opts.flat_optimizer:
+        raise UsageError("a torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor takes --tp, --dp and "
+                         "--world-size only (fc1 is split as Megatron-LM saves it)")
+
+
+# --------------------------------------------------------------------------------------
+# What the source holds
+# --------------------------------------------------------------------------------------
+
+
+def _common(ckpt: Checkpoint) -> CommonState:
+    try:
+        common = common_state(ckpt)
+    except UnsafePickleError as exc:
+        raise CheckpointError(ckpt.path, f"common state: cannot decode it without running code ({exc})") from None
+    if common is None or not isinstance(common.state, dict):
+        raise CheckpointError(ckpt.path, "no common state (common.pt or a common_state item): args, iteration and "
+                                         "param groups are unknown")
+    unknown = sorted(str(k) for k in common.state if k not in ("args", *CARRIED, *DROPPED))
+    if unknown:
+        raise CheckpointError(ckpt.path, f"{common.where}: {unknown[0]!r} is of no known kind: not converted "
+                                         "(nothing is dropped unnamed)")
+    return common
+
+
+def _grid(ckpt: Checkpoint, args: argparse.Namespace, tp: int | None, dp: int | None,
+          world_size: int | None) -> tuple[int, int]:
+    if tp is None:
+        tp = resolve_tp(ckpt, args, None, "--tp")
+    if dp is None:
+        if world_size is None:
+            raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
+        if world_size % tp:
+            raise UsageError(f"--world-size {world_size} is not a multiple of TP {tp}")
+        dp = world_size // tp
+    if world_size is not None and world_size != tp * dp:
+        raise UsageError(f"--world-size {world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
+                         "for --layout megatron-fsdp (or be omitted)")
+    return tp, dp
+
+
+def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, states: bool) -> list[_Param]:
+    """Every param of the model, each once, from the torch_dist keys; every other entry is claimed
+    (an optimizer state of a model key) or dropped by name, or the checkpoint is refused."""
+    model = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
+    unknown = [k for k in ckpt.tensors if k.startswith("optimizer.") and not (
+        k.split(".", 3)[2:3] and k.split(".", 3)[2] in STATES and k.split(".", 3)[3] in ckpt.tensors)]
+    unknown += [k for k in ckpt.bytes_entries if not DROPPED_ITEMS.search(k)]
+    if unknown:
+        raise CheckpointError(ckpt.path, f"{len(unknown)} entries of no known torch_dist kind, e.g. {unknown[0]!r}: "
+                              "not converted (nothing is dropped unnamed)")
+    params: list[_Param] = []
+    for key in model:
+        if "_extra_state" in key:
+            continue
+        entry = ckpt.tensors[key]
+        if states:
+            for s in STATES:
+                state = ckpt.tensors.get(f"optimizer.state.{s}.{key}")
+                if state is None or state.shape != entry.shape:
+                    raise CheckpointError(ckpt.path, f"optimizer.state.{s}.{key}: missing or not shaped like its "
+                                                     f"param {list(entry.shape)}")
+        for depth, slab, name in _names(ckpt, args, spec, key):
+            params += _halves(ckpt, args, key, depth, slab, name, tuple(entry.shape[depth:]))
+    for p in params:
+        for part, what in UNSUPPORTED:
+            if part in p.name:
+                raise CheckpointError(ckpt.path, f"{p.key}: {what} are not converted to fsdp_dtensor yet")
+    return params
+
+
+def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> list[tuple[int, int, str]]:
+    """(stacked dims, slab, module name) of each param torch_dist key `key` holds."""
+    entry = ckpt.tensors[key]
+    if key.startswith(STACK) and not key[len(STACK)].isdigit():
+        if not is_layer_stacked(entry) or len(entry.shape) < 2:
+            raise CheckpointError(ckpt.path, f"{key}: a layer stack [L, …] saved other than a layer per chunk")
+        rest = key[len(STACK):]
+        if rest.startswith(EXPERTS):
+            layers, experts = entry.shape[:2]
+            return [(2, slab, f"{STACK}{slab // experts}.{_expert(args, rest[len(EXPERTS):], slab % experts)}")
+                    for slab in range(layers * experts)]
+        return [(1, layer, f"{STACK}{layer}.{_module(spec, rest)}") for layer in range(entry.shape[0])]
+    match = LAYER.match(key)
+    if match and match["ns"] == "decoder.layers":
+        rest = match["rest"]
+        if rest.startswith(EXPERTS):
+            inner = rest[len(EXPERTS):]
+            if inner.split(".", 1)[0].isdigit():
+                raise CheckpointError(ckpt.path, f"{key}: per-expert keys (singleton local shards) are not converted "
+                                                 "to fsdp_dtensor yet")
+            head = f"{STACK}{match['index']}"
+            return [(1, e, f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
+        return [(0, 0, f"{STACK}{match['index']}.{_module(spec, rest)}")]
+    return [(0, 0, key)]
+
+
+def _module(spec: str, rest: str) -> str:
+    """A layer's module name for the rest of its torch_dist key (the local spec renames its norms)."""
+    if spec == "local":
+        return next((old + rest[len(new):] for old, new in LOCAL_SPEC_NAMES if rest.startswith(new)), rest)
+    return rest
+
+
+def _expert(args: argparse.Namespace, param: str, index: int) -> str:
+    """Expert `index`'s module name: TEGroupedMLP's `experts.<param><e>`, SequentialMLP's
+    `experts.local_experts.<e>.<param>` (args.moe_grouped_gemm)."""
+    if getattr(args, "moe_grouped_gemm", False) is True:
+        return f"mlp.experts.{param}{index}"
+    return f"mlp.experts.local_experts.{index}.{param}"
+
+
+def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, depth: int, slab: int, name: str,
+            shape: tuple[int, ...]) -> list[_Param]:
+    """The param, or its SwiGLU halves `_w` (W_all) and `_v` (V_all): Megatron-LM splits every fc1
+    of a SwiGLU model when it saves fsdp_dtensor (`handle_swiglu_in_state_dict`)."""
+    rows = shape[0] if shape else 1
+    start = slab * rows if depth else 0
+    if not (getattr(args, "swiglu", False) is True and SWIGLU_FC1.search(name)):
+        return [_Param(name, name, key, depth, start, shape, shape)]
+    if rows % 2:
+        raise CheckpointError(ckpt.path, f"{key}: a SwiGLU fc1 of {rows} rows, which do not halve")
+    half = (rows // 2, *shape[1:])
+    return [_Param(f"{name}_{part}", name, key, depth, start + i * half[0], half, shape)
+            for i, part in enumerate("wv")]
+
+
+# --------------------------------------------------------------------------------------
+# The output
+# --------------------------------------------------------------------------------------
+
+
+def _target(ckpt: Checkpoint, fqn: str, src: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
+    """`fqn`: param `p`'s rows of source `src` (a stack read as [L·R, …])."""
+    entry = ckpt.tensors[src]
+    if src not in views:
+        views[src] = layer_stacked_view(entry, p.depth) if p.depth else source_view(entry)
+    if not p.shape:
+        return TargetTensor(fqn, (), entry.dtype, (Piece(src, (), (), ()),), entry.properties)
+    start = (p.start, *(0,) * (len(p.shape) - 1))
+    return TargetTensor(fqn, p.shape, entry.dtype, (Piece(src, start, (0,) * len(p.shape), p.shape),),
+                        entry.properties)
+
+
+def _groups(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
+            params: list[_Param]) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Each param's group settings (by the param the optimizer knows), and Adam's one step."""
+    opt = common.state.get("optimizer")
+    saved = opt.get("optimizer", {}).get("param_groups") if isinstance(opt, dict) else None
+    if not (isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)):
+        raise CheckpointError(ckpt.path, f"{common.where}: no optimizer param groups of one DistributedOptimizer "
+                                         "(chained optimizers, as a MoE's expert optimizer, are not converted yet)")
+    if getattr(args, "decoupled_lr", None) is not None:
+        raise CheckpointError(ckpt.path, "args.decoupled_lr is set: which params had it is not recorded in "
+                                         "torch_dist, and its rule is not converted yet")
+    if _expert_parallel(args) and any(".mlp.experts." in p.owner for p in params):
+        raise CheckpointError(ckpt.path, "experts trained with expert parallelism (or their own TP) have an optimizer "
+                                         "of their own, chained to the dense one: not converted yet")
+    qk_wd = getattr(args, "apply_wd_to_qk_layernorm", False) is True
+    owners: dict[str, dict[str, Any]] = {}
+    used: set[int] = set()
+    for p in params:
+        if p.owner in owners:
+            continue
+        wd = 0.0 if _no_weight_decay(p.owner, p.owner_shape, qk_wd) else 1.0
+        found = [i for i, g in enumerate(saved) if g.get("wd_mult") == wd and g.get("is_expert_parallel") is False]
+        if len(found) != 1:
+            raise CheckpointError(ckpt.path, f"{p.owner}: megatron-core's standard rule puts it in a group of "
+                                             f"wd_mult {wd}, is_expert_parallel False; {len(found)} of the "
+                                             f"{len(saved)} saved groups are such (trained with other overrides?)")
+        used.add(found[0])
+        owners[p.owner] = {k: v for k, v in saved[found[0]].items() if k != "params"}
+    if len(used) != len(saved):
+        first = next(i for i in range(len(saved)) if i not in used)
+        raise CheckpointError(ckpt.path, f"saved param group {first} (wd_mult {saved[first].get('wd_mult')!r}) gets "
+                                         "no param by megatron-core's standard rule: trained with other overrides, "
+                                         "which torch_dist does not record per param")
+    steps = {g.get("step") for g in saved}
+    if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float, type(None))):
+        raise CheckpointError(ckpt.path, f"{common.where}: the param groups saved different Adam steps "
+                                         f"{sorted(map(repr, steps))}")
+    step = next(iter(steps))
+    return owners, None if step is None else float(step)
+
+
+def _expert_parallel(args: argparse.Namespace) -> bool:
+    """Whether expert params are marked `allreduce` False, so grouped apart (`is_expert_parallel`):
+    with expert parallelism, or an expert TP other than the TP (megatron-core's parallel linears)."""
+    etp = getattr(args, "expert_tensor_parallel_size", None)
+    return (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or \
+        etp not in (None, getattr(args, "tensor_model_parallel_size", None))
+
+
+def _no_weight_decay(name: str, shape: tuple[int, ...], qk_wd: bool) -> bool:
+    """megatron-core's standard `wd_mult` 0 rule (`get_standard_config_overrides`)."""
+    if qk_wd:
+        return (len(shape) == 1 or name.endswith(".bias")) and not ("q_layernorm." in name or "k_layernorm." in name)
+    return fnmatch.fnmatch(name, "*.bias") or len(shape) == 1
+
+
+def _common_items(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, tp: int,
+                  dp: int) -> dict[str, Any]:
+    """args (as Megatron-FSDP's at TP × DP), the counters and the scheduler, as DCP items."""
+    marked = argparse.Namespace(**{**vars(args), "ckpt_format": "fsdp_dtensor", "use_megatron_fsdp": True})
+    if getattr(marked, "tensor_model_parallel_size", None) is not None:
+        marked.tensor_model_parallel_size = tp
+    if getattr(marked, "data_parallel_size", None) is not None:
+        marked.data_parallel_size = dp
+    if getattr(marked, "world_size", None) is not None and getattr(args, "context_parallel_size", 1) in (None, 1):
+        marked.world_size = tp * dp
+    items: dict[str, Any] = {"args": marked}
+    for name in CARRIED:
+        if name not in common.state:
+            continue
+        value = common.state[name]
+        if name == "opt_param_scheduler":
+            if not isinstance(value, dict):
+                raise CheckpointError(ckpt.path, f"{common.where}: opt_param_scheduler is a "
+                                                 f"{type(value).__name__}, not a dict")
+            items.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            items[name] = value
+    return items
+
+
+def _path(fqn: str, prefix: str) -> tuple[str, ...]:
+    """The state-dict path DCP flattened into `fqn` (`planner_data`)."""
+    for root in ("model.module.", f"optimizer.state.{prefix}", f"optimizer.param_to_group_meta.{prefix}"):
+        if fqn.startswith(root):
+            name, _, leaf = fqn[len(root):].rpartition(".")
+            head = tuple(root.split(".")[:2])
+            if root == "model.module.":
+                return (*head, fqn[len(root):])
+            return (*head, prefix + name, leaf)
+    return tuple(fqn.split(".", 1))
