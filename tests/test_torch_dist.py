@@ -25,13 +25,16 @@ from tests.conftest import run_cli
 pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not installed")
 transformers = pytest.importorskip("transformers")
 GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3"),
-         "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed")}
+         "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed"),
+         "singleton-tp2": (2, 1, "llama"), "qwen3-moe-singleton-tp2": (2, 1, "qwen3-moe")}
 """Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
 qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwen3-moe-mixed's
-layers differ (MoE, then dense), so torch_dist keeps per-layer keys."""
+layers differ (MoE, then dense), so torch_dist keeps per-layer keys; the singleton ones are
+saved with `singleton_local_shards` (per-layer keys, fc1 as weight_w / weight_v, a key per expert)."""
+SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2")
 
 
-FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2")
+FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2")
 """Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
 costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
 the q/k norms and the per-layer keys of the others)."""
@@ -49,7 +52,7 @@ class Saved:
     def __getitem__(self, grid: str) -> tuple:
         if grid not in self.ckpts:
             tp, pp, kind = GRIDS[grid]
-            mc.write(self.root / grid, tp, pp, kind=kind)
+            mc.write(self.root / grid, tp, pp, kind=kind, singleton=grid in SINGLETON)
             logits = self.root / f"{grid}.logits.pt"
             self.ckpts[grid] = (self.root / grid, torch.load(logits) if logits.exists() else None)
         return self.ckpts[grid]
@@ -101,16 +104,24 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
         out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
         out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
-        if moe[layer]:  # per expert, fc1 is [W; V] whatever the TP
-            ffn = mc.MOE["moe_ffn_hidden_size"]
+        def gate_up(prefix: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            """fc1 as [W; V] (whatever the TP), or saved as weight_w and weight_v (singleton shards)."""
+            split = f"decoder.layers.{layer}.{prefix}{'' if expert is None else f'{expert}.'}linear_fc1.weight_w"
+            if split in state:
+                return state[split], state[split[:-1] + "v"]
+            fc1 = s(prefix + "linear_fc1.weight")
+            fc1 = fc1 if expert is None else fc1[expert]
+            return fc1[:fc1.shape[0] // 2], fc1[fc1.shape[0] // 2:]
+
+        if moe[layer]:
             out[p + "mlp.gate.weight"] = s("mlp.router.weight")
             for e in range(mc.MOE["num_moe_experts"]):
-                fc1, x = s("mlp.experts.experts.linear_fc1.weight")[e], f"{p}mlp.experts.{e}."
-                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = fc1[:ffn], fc1[ffn:]
-                out[x + "down_proj.weight"] = s("mlp.experts.experts.linear_fc2.weight")[e]
+                x, per_expert = f"{p}mlp.experts.{e}.", f"decoder.layers.{layer}.mlp.experts.experts.{e}."
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate_up("mlp.experts.experts.", e)
+                fc2 = per_expert + "linear_fc2.weight"
+                out[x + "down_proj.weight"] = state[fc2] if fc2 in state else s("mlp.experts.experts.linear_fc2.weight")[e]
         else:
-            fc1 = s("mlp.linear_fc1.weight")
-            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = fc1[:d["ffn"]], fc1[d["ffn"]:]
+            out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate_up("mlp.")
             out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
         out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
         out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
@@ -162,7 +173,7 @@ def test_inspect_names_the_format_and_labels_layer_stacks(saved, grid, layouts):
     assert not doc["problems"]
     text = run_cli("inspect", ckpt).stdout
     assert re.search(r"^Format\s+Megatron-Core dist_checkpointing, torch_dist backend \(metadata\.json\): "
-                     r"layer-stacked keys, fc1 as \[W_all; V_all\]\s*$", text, re.M)
+                     r"layer-stacked keys, fc1 as \[W_all; V_all\] or weight_w/weight_v \(TP-invariant\)\s*$", text, re.M)
     assert re.search(r"^Saved by\s+megatron-core 0\.18 or older \(common state in common\.pt\)\s*$", text, re.M)
 
 
@@ -205,3 +216,4 @@ def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
     tensors = {k: v for k, v in want.items() if isinstance(v, torch.Tensor)}
     assert sorted(got) == sorted(tensors)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
+

@@ -192,7 +192,7 @@ FSDP_DTENSOR = "fsdp_dtensor"
 FORMATS = {"torch_dist": "megatron-core torch_dist", FSDP_DTENSOR: "megatron-fsdp fsdp_dtensor"}
 """`format` in the JSON document: `dcp`, the Megatron-Core dist_checkpointing backend, or Megatron-FSDP's."""
 FORMAT_LINES = {"megatron-core torch_dist": "Megatron-Core dist_checkpointing, torch_dist backend (metadata.json): "
-                                            "layer-stacked keys, fc1 as [W_all; V_all]",
+                                            "{keys} keys, fc1 as [W_all; V_all] or weight_w/weight_v (TP-invariant)",
                 "megatron-fsdp fsdp_dtensor": "Megatron-FSDP fsdp_dtensor (args.ckpt_format): per-layer keys, "
                                               "SwiGLU fc1 as weight_w/weight_v (or fused, TP-blocked)"}
 
@@ -240,7 +240,9 @@ def _print_summary(doc: dict[str, Any]) -> None:
     files = doc["files"]
     rows = [
         ("Checkpoint", doc["path"]),
-        *((("Format", FORMAT_LINES[doc["format"]]),) if doc["format"] in FORMAT_LINES else ()),
+        *((("Format", FORMAT_LINES[doc["format"]].format(
+            keys="layer-stacked" if doc["layouts"].get("layer-stacked") else "per-layer")),)
+          if doc["format"] in FORMAT_LINES else ()),
         *((("Saved by", f"megatron-core {doc['megatron_core']['versions']} ({doc['megatron_core']['evidence']})"),)
           if doc["megatron_core"] else ()),
         *((("Optimizer", OPTIMIZER_LINES[doc["optimizer_format"]]),) if doc["optimizer_format"] else ()),

@@ -30,6 +30,8 @@ EXPERT_STACK = "mlp.experts.experts."
 """torch_dist's name (under `decoder.layers.`) for the stacked SequentialMLP experts."""
 PER_LAYER_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
 """The same stack of one layer, where torch_dist keeps per-layer keys (heterogeneous layers)."""
+PER_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(\d+)\.(.+)$")
+"""One expert's param, where torch_dist keeps a key per expert (`singleton_local_shards`)."""
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
 
@@ -343,7 +345,9 @@ class MegatronModel:
     each a view of its layer's rows of the stack read as [L·R, …] (`plan.layer_stacked_view`).
     Its SequentialMLP experts are stacks of stacks (`decoder.layers.mlp.experts.experts.<name>`
     [L, E, R, …]), or per layer (`decoder.layers.<l>.mlp.experts.experts.<name>` [E, R, …]) in
-    a model whose layers differ: seen as the model names them, `…mlp.experts.local_experts.<e>.<name>`.
+    a model whose layers differ, or a key per expert (`decoder.layers.<l>.mlp.experts.experts.<e>.
+    <name>`, saved with `singleton_local_shards`): seen as the model names them,
+    `…mlp.experts.local_experts.<e>.<name>`.
     """
 
     def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
@@ -361,6 +365,11 @@ class MegatronModel:
         """FQNs read as row groups [R / g, g, …] (`row_groups_view`) → that view."""
         if ckpt.megatron_backend == "torch_dist":
             for name, entry in list(self.entries.items()):
+                expert = PER_EXPERT.match(name)
+                if expert is not None:  # named as the model names it
+                    del self.entries[name]
+                    self.entries[f"{expert[1]}local_experts.{expert[2]}.{expert[3]}"] = entry
+                    continue
                 layer = PER_LAYER_EXPERTS.match(name)
                 if layer is not None and len(entry.shape) >= 3:
                     del self.entries[name]
