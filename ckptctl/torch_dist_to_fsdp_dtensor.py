@@ -20,6 +20,8 @@ match exactly one saved group by `wd_mult` and `is_expert_parallel`, and each sa
 a param; a run with other overrides (decoupled LR, per-layer settings) is refused. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state` (Megatron-FSDP saves none).
 Optimizer states other than `fully_reshardable` are rewritten first (`ckptctl reshard SRC MID`).
+A checkpoint saved with `singleton_local_shards` (a key per layer and per expert, fc1 as
+`weight_w` / `weight_v`) converts to the same output as its stacks.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.megatron_args import CommonState, common_state
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
-from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, UNSUPPORTED, model_spec, \
-    optimizer_prefix
+from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, SWIGLU_PART, UNSUPPORTED, \
+    model_spec, optimizer_prefix
 from ckptctl.layout import analysis, is_layer_stacked
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.model import Checkpoint
@@ -216,11 +218,10 @@ def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> l
     if match and match["ns"] == "decoder.layers":
         rest = match["rest"]
         if rest.startswith(EXPERTS):
-            inner = rest[len(EXPERTS):]
-            if inner.split(".", 1)[0].isdigit():
-                raise CheckpointError(ckpt.path, f"{key}: per-expert keys (singleton local shards) are not converted "
-                                                 "to fsdp_dtensor yet")
-            head = f"{STACK}{match['index']}"
+            inner, head = rest[len(EXPERTS):], f"{STACK}{match['index']}"
+            index, _, param = inner.partition(".")
+            if index.isdigit():  # a key per expert (singleton local shards)
+                return [(0, 0, f"{head}.{_expert(args, param, int(index))}")]
             return [(1, e, f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
         return [(0, 0, f"{STACK}{match['index']}.{_module(spec, rest)}")]
     return [(0, 0, key)]
@@ -237,7 +238,8 @@ def _expert(args: argparse.Namespace, param: str, index: int) -> str:
     """Expert `index`'s module name: TEGroupedMLP's `experts.<param><e>`, SequentialMLP's
     `experts.local_experts.<e>.<param>` (args.moe_grouped_gemm)."""
     if getattr(args, "moe_grouped_gemm", False) is True:
-        return f"mlp.experts.{param}{index}"
+        split = SWIGLU_PART.match(param)  # a SwiGLU half keeps its part last: `linear_fc1.weight<e>_w`
+        return f"mlp.experts.{split['base']}{index}_{split['part']}" if split else f"mlp.experts.{param}{index}"
     return f"mlp.experts.local_experts.{index}.{param}"
 
 
@@ -247,6 +249,9 @@ def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, depth: int, sl
     of a SwiGLU model when it saves fsdp_dtensor (`handle_swiglu_in_state_dict`)."""
     rows = shape[0] if shape else 1
     start = slab * rows if depth else 0
+    saved_split = SWIGLU_PART.match(name)  # singleton local shards keep fc1 as weight_w / weight_v
+    if saved_split:
+        return [_Param(name, saved_split["base"], key, depth, start, shape, shape)]
     if not (getattr(args, "swiglu", False) is True and SWIGLU_FC1.search(name)):
         return [_Param(name, name, key, depth, start, shape, shape)]
     if rows % 2:

@@ -217,3 +217,33 @@ def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
     assert sorted(got) == sorted(tensors)
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
 
+
+@pytest.mark.full
+@pytest.mark.parametrize("grouped", [False, True])
+def test_singleton_shards_and_stacks_convert_to_the_same_megatron_fsdp_checkpoint(saved, tmp_path, grouped):
+    """megatron-core's `singleton_local_shards` save (a key per layer and per expert, fc1 as weight_w /
+    weight_v) and its stacks hold one model: converted to fsdp_dtensor they are the same
+    checkpoint, each expert by its module name (SequentialMLP's, or TEGroupedMLP's with
+    `moe_grouped_gemm`). These model-only saves have no args; the conversion needs them (spec,
+    SwiGLU), so they are added."""
+    import argparse
+    import shutil
+
+    outs = []
+    for grid in ("qwen3-moe-tp2", "qwen3-moe-singleton-tp2"):
+        src, out = tmp_path / grid, tmp_path / f"{grid}-mfsdp"
+        shutil.copytree(saved[grid][0], src)
+        common = torch.load(src / "common.pt", weights_only=False)
+        common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, tensor_model_parallel_size=2,
+                                            pipeline_model_parallel_size=1, moe_grouped_gemm=grouped)
+        torch.save(common, src / "common.pt")
+        run = run_cli("reshard", src, out, "--layout", "megatron-fsdp", "--dp", "1", "--verify")
+        assert run.returncode == 0, run.stderr
+        outs.append(out)
+    run = run_cli("diff", *outs)
+    assert (run.returncode, run.stdout) == (0, "41 tensors: 41 equal, 0 close, 0 differs; 1 bytes entry: 1 equal, "
+                                               "0 differs\n")
+    doc = json.loads(run_cli("inspect", outs[0], "--json").stdout)
+    expert = "model.module.decoder.layers.1.mlp.experts." + ("linear_fc1.weight3_v" if grouped else
+                                                             "local_experts.3.linear_fc1.weight_v")
+    assert doc["tensors"][expert]["shape"] == [24, 32]
