@@ -241,7 +241,7 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     """The report of a run that writes `out` (reshard, import-hf): counts and the predicted peak memory."""
     device = resolve_device(opts.device)
     return report_type(
-        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets),
+        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
         bytes_read=sum(source_bytes(i, out.sources) for i in out.stream_items) + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,

@@ -169,7 +169,34 @@ def _grid(ckpt: Checkpoint, args: argparse.Namespace, tp: int | None, dp: int | 
     if world_size is not None and world_size != tp * dp:
         raise UsageError(f"--world-size {world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
                          "for --layout megatron-fsdp (or be omitted)")
+    _check_tp(ckpt, args, tp)
     return tp, dp
+
+
+def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
+    """Megatron splits attention heads and query groups over TP, and pads the vocab to a multiple
+    of `make_vocab_size_divisible_by` × TP: at a TP they do not divide, or whose padding is not
+    the saved one, the job cannot load what is written."""
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    for what, count in (("attention heads", heads), ("query groups", groups)):
+        if type(count) is int and count % tp:
+            raise UsageError(f"TP {tp} does not divide the {count} {what} of args")
+    saved = getattr(args, "tensor_model_parallel_size", None)
+    embedding = ckpt.tensors.get("embedding.word_embeddings.weight")
+    if tp == saved or embedding is None or not embedding.shape:
+        return
+    rows, multiple = embedding.shape[0], (getattr(args, "make_vocab_size_divisible_by", 128) or 128) * tp
+    vocab = getattr(args, "vocab_size", None)
+    if type(vocab) is int and 0 < vocab <= rows:
+        padded = -(-vocab // multiple) * multiple
+        if padded != rows:
+            raise UsageError(f"at TP {tp} Megatron pads the vocab of {vocab} to {padded} rows, not the saved {rows}: "
+                             "re-padding the vocab is not done yet")
+    elif rows % multiple or (type(saved) is int and tp < saved):
+        raise UsageError(f"at TP {tp} Megatron pads the vocab to a multiple of {multiple}, which may not be the "
+                         f"saved {rows} rows (args do not say the tokenizer's vocab_size): re-padding the vocab is "
+                         "not done yet")
 
 
 def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, states: bool) -> list[_Param]:

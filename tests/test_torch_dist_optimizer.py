@@ -376,7 +376,8 @@ def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_gro
                                                                                               tmp_path):
     """Which group each param was in is not saved in torch_dist: it is derived by megatron-core's
     standard rule and checked against the saved groups (one line, nothing written, when they do
-    not match); the bucketed optimizer format is rewritten first."""
+    not match); the bucketed optimizer format is rewritten first; a TP that does not divide the
+    query groups, or at which Megatron pads the vocab otherwise, is refused."""
     src = saved[BUCKETS] / "dp_reshardable"
     run = run_cli("reshard", src, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2")
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: its optimizer state is dp_reshardable: "
@@ -394,6 +395,17 @@ def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_gro
                                                "megatron-core's standard rule puts it in a group of wd_mult 1.0, "
                                                "is_expert_parallel False; 2 of the 2 saved groups are such (trained "
                                                "with other overrides?)\n")
+    run = run_cli("reshard", rebuilt, tmp_path / "o", "--layout", "megatron-fsdp", "--tp", "4", "--dp", "1")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: TP 4 does not divide the 2 query groups of args\n")
+
+    def small_vocab(state):
+        state[0]["args"].vocab_size = 100
+        return state
+
+    run = run_cli("reshard", _with_item(rebuilt, tmp_path / "v", "common_state/shard_0_1", small_vocab), tmp_path / "o",
+                  "--layout", "megatron-fsdp", "--tp", "1", "--dp", "1")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: at TP 1 Megatron pads the vocab of 100 to 128 rows, "
+                                               "not the saved 256: re-padding the vocab is not done yet\n")
     run = run_cli("reshard", rebuilt, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2", "--split-fused")
     assert (run.returncode, run.stderr) == (2, "ckptctl: error: a torch_dist checkpoint converted to Megatron-FSDP's "
                                                "fsdp_dtensor takes --tp, --dp and --world-size only (fc1 is split "
