@@ -229,6 +229,57 @@ def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: lis
                                                  "megatron-core version")
 
 
+@dataclass(frozen=True)
+class Window:
+    """A TP rank's block of one param (one layer and expert of a stack) in a bucket: items
+    [start, end) of each of the bucket's states."""
+
+    param: LocalParam
+    tp_rank: int
+    shape: tuple[int, ...]
+    """The block's TP-local shape."""
+    start: int
+    end: int
+    entries: dict[str, TensorEntry]
+
+
+def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket], tp: int) -> list[Window]:
+    """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only."""
+    return [Window(param, bucket.tp_rank, local_shape(ckpt.tensors[param.key], param, tp), start, end, bucket.entries)
+            for bucket in buckets for param, start, end in bucket.params
+            if not (param.kind == REPLICATED and bucket.tp_rank)]
+
+
+def window_view(window: Window, state: str, items: dict[str, ItemWindows], units: bool) -> tuple[str, SourceTensor]:
+    """The view of `window`'s items of `state` in its block's shape (after a unit dim per stacked
+    dim with `units`), and the view's name; `items` keeps each bucket state's runs, sorted once."""
+    saved = window.entries[state]
+    if saved.fqn not in items:
+        items[saved.fqn] = ItemWindows(saved)
+    shape = (*(1 for _ in window.param.lead), *window.shape) if units else window.shape
+    name = f"{saved.fqn}[{window.start}:{window.end}]{'' if units else '/'}"
+    return name, items[saved.fqn].window(window.start, window.end, shape)
+
+
+def block_places(window: Window, rows: int) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """Where `window`'s block goes in its param's global tensor of `rows` rows (one layer and
+    expert): (start in the block, start in the param, sizes) — one place, two for SwiGLU fc1,
+    whose block `[W_t; V_t]` goes to rows t of `[W_all; V_all]`'s two halves."""
+    shape, rank = window.shape, window.tp_rank
+    zero = tuple(0 for _ in shape)
+    if window.param.kind == GATED:
+        half = shape[0] // 2
+        one = (half, *shape[1:])
+        return [(zero, (rank * half, *zero[1:]), one),
+                ((half, *zero[1:]), (rows // 2 + rank * half, *zero[1:]), one)]
+    at = list(zero)
+    if window.param.kind == COLUMN and shape:
+        at[0] = rank * shape[0]
+    elif window.param.kind == ROW and len(shape) > 1:
+        at[1] = rank * shape[1]
+    return [(zero, tuple(at), shape)]
+
+
 def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int
                         ) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
     """`optimizer.state.<state>.<key>` for every param and Adam state, shaped like the param, with
@@ -236,43 +287,20 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int
     pieces: dict[str, list[Piece]] = {}
     dtypes: dict[str, object] = {}
     views: dict[str, SourceTensor] = {}
-    for bucket in buckets:
-        items = {state: ItemWindows(saved) for state, saved in bucket.entries.items()}
-        for param, start, end in bucket.params:
-            entry = ckpt.tensors[param.key]
-            if param.kind == REPLICATED and bucket.tp_rank:
-                continue  # every TP rank holds the same copy: rank 0's is written
-            shape = local_shape(entry, param, tp)
-            for state, saved in bucket.entries.items():
-                name = f"{saved.fqn}[{start}:{end}]"
-                views[name] = items[state].window(start, end, (*(1 for _ in param.lead), *shape))
-                target = f"optimizer.state.{state}.{param.key}"
-                dtypes[target] = saved.dtype
-                pieces.setdefault(target, []).extend(_placed(entry, param, bucket.tp_rank, tp, shape, name))
+    items: dict[str, ItemWindows] = {}
+    for window in bucket_windows(ckpt, buckets, tp):
+        param = window.param
+        entry = ckpt.tensors[param.key]
+        units, lead = tuple(0 for _ in param.lead), param.lead
+        places = block_places(window, entry.shape[len(lead)] if len(entry.shape) > len(lead) else 0)
+        for state, saved in window.entries.items():
+            name, views[name] = window_view(window, state, items, units=True)
+            target = f"optimizer.state.{state}.{param.key}"
+            dtypes[target] = saved.dtype
+            pieces.setdefault(target, []).extend(
+                Piece(name, (*units, *src), (*lead, *dst), (*(1 for _ in lead), *sizes)) for src, dst, sizes in places)
     targets = []
     for fqn, parts in pieces.items():
         entry = ckpt.tensors[fqn.split(".", 3)[3]]
         targets.append(TargetTensor(fqn, entry.shape, dtypes[fqn], tuple(parts)))
     return targets, views
-
-
-def _placed(entry: TensorEntry, param: LocalParam, rank: int, tp: int, shape: tuple[int, ...], view: str
-            ) -> list[Piece]:
-    """Where a TP rank's block of a param goes in the global tensor (one piece, two for SwiGLU fc1)."""
-    lead, units = param.lead, tuple(1 for _ in param.lead)
-    zero = tuple(0 for _ in range(len(lead) + len(shape)))
-    sizes = (*units, *shape)
-    if param.kind == GATED:
-        half = shape[0] // 2
-        rows = entry.shape[len(lead)] // 2
-        one = (*units, half, *shape[1:])
-        w_at = (*lead, rank * half, *(0 for _ in shape[1:]))
-        v_at = (*lead, rows + rank * half, *(0 for _ in shape[1:]))
-        v_src = tuple(half if d == len(lead) else 0 for d in range(len(zero)))
-        return [Piece(view, zero, w_at, one), Piece(view, v_src, v_at, one)]
-    at = [*lead, *(0 for _ in shape)]
-    if param.kind in (COLUMN, GATED):
-        at[len(lead)] = rank * shape[0]
-    elif param.kind == ROW and len(shape) > 1:
-        at[len(lead) + 1] = rank * shape[1]
-    return [Piece(view, zero, tuple(at), sizes)]

@@ -28,7 +28,7 @@ from ckptctl.formats.megatron_args import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
-from ckptctl.megatron_buckets import layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron_buckets import Bucket, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed
@@ -38,7 +38,6 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
     fmt = analysis(ckpt).optimizer_format
     sources = source_tensors(ckpt)
-    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
     rebuilt: list[TargetTensor] = []
     replaced: set[str] = set()
     views = dict(sources)
@@ -46,14 +45,11 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     common, new_common = None, None
     if fmt == "dp_reshardable":
         common = _common(ckpt)
-        args = _args(ckpt, common)
-        tp = _tp(ckpt, common, args)
-        _refuse_other_specs(ckpt, common, args)
-        buckets = layout_buckets(ckpt, registration_order(ckpt, model), tp)
+        tp, buckets = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
         rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
         replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
-        new_common = _fully_reshardable_common(ckpt, common, _param_groups(ckpt, tp))
+        new_common = _fully_reshardable_common(ckpt, common, bucket_param_groups(ckpt, tp))
     elif fmt == "fully_sharded_model_space":
         rebuilt, windows, replaced = fragment_targets(ckpt)
         views.update(windows)
@@ -138,7 +134,16 @@ def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Na
                                            "for megatron-core's local spec ('local') only yet")
 
 
-def _param_groups(ckpt: Checkpoint, tp: int) -> list:
+def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, list[Bucket]]:
+    """The TP size, and the dp_reshardable buckets with the params laid out in them (local spec
+    only: `megatron_buckets`)."""
+    tp = _tp(ckpt, common, args)
+    _refuse_other_specs(ckpt, common, args)
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp)
+
+
+def bucket_param_groups(ckpt: Checkpoint, tp: int) -> list:
     """The optimizer's param groups, which every TP rank's `dp_group_idx_<r>.optimizer` item repeats."""
     groups = []
     with ItemReader(ckpt) as reader:
