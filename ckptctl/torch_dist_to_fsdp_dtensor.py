@@ -3,7 +3,7 @@
 torch_dist keeps one key per param stacked over layers (`decoder.layers.<name>` [L, …]) and
 experts ([L, E, …]), SwiGLU fc1 as [W_all; V_all], and a `fully_reshardable` optimizer
 (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`) whose distinct param groups, with Adam's
-step, are in the common state. Megatron-LM saves fsdp_dtensor by module names
+step, are in the common state (or a `dp_reshardable` one, see below). Megatron-LM saves fsdp_dtensor by module names
 (`fsdp_dtensor_names`): each layer's and expert's params apart, fc1 split into `_w` / `_v`, the
 fp32 main weights as the model (`model.module.<name>`), Adam's moments and step per param
 (`optimizer.state.<wrappers><name>.…`), and each param's whole group
@@ -19,7 +19,9 @@ in an optimizer of their own, which is refused) and checked: each param must
 match exactly one saved group by `wd_mult` and `is_expert_parallel`, and each saved group must get
 a param; a run with other overrides (decoupled LR, per-layer settings) is refused. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state` (Megatron-FSDP saves none).
-Optimizer states other than `fully_reshardable` are rewritten first (`ckptctl reshard SRC MID`).
+A `dp_reshardable` optimizer (megatron-core 0.19's default) is read from its buckets in place,
+as the torch_dist rewrite reads them (`megatron_buckets`: local spec, one buffer); 0.15's
+`fully_sharded_model_space` is rewritten first (`ckptctl reshard SRC MID`).
 A checkpoint saved with `singleton_local_shards` (a key per layer and per expert, fc1 as
 `weight_w` / `weight_v`) converts to the same output as its stacks.
 """
@@ -28,7 +30,9 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import math
 import re
+from collections import defaultdict
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -41,11 +45,13 @@ from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, SWIGLU_PART, UNSUPPORTED, \
     model_spec, optimizer_prefix
-from ckptctl.layout import analysis, is_layer_stacked
+from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_layer_stacked
+from ckptctl.megatron_buckets import Window, block_places, bucket_windows, window_view
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.model import Checkpoint
 from ckptctl.placement import Placed, megatron_fsdp
-from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
+from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
+from ckptctl.torch_dist_reshard import bucket_param_groups, dp_reshardable_buckets
 
 STACK = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
@@ -62,17 +68,17 @@ DROPPED_ITEMS = re.compile(r"(^|\.)_extra_state(/|$)|^rng_state(/|$)|^common_sta
 
 @dataclass(frozen=True)
 class _Param:
-    """One param as Megatron-FSDP names it, and its rows of a torch_dist key."""
+    """One param as Megatron-FSDP names it, and where it is in a torch_dist key."""
 
     name: str
     """Its module name (a SwiGLU half's with `_w` / `_v`)."""
     owner: str
     """The param the optimizer knows (fc1's fused name for its halves): its group is saved under it."""
     key: str
-    depth: int
-    """Stacked dims of `key` (layers, experts): its view is a slab's rows of the stack."""
-    start: int
-    """First row of it in the view of `key` (its slab's, plus the half's offset)."""
+    lead: tuple[int, ...]
+    """Its index along the stacked dims of `key` (layer, expert; none for an unstacked key)."""
+    row: int
+    """Its first row in its slab of `key` (a SwiGLU half's offset)."""
     shape: tuple[int, ...]
     owner_shape: tuple[int, ...]
 
@@ -82,7 +88,7 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     """The fsdp_dtensor checkpoint at TP × DP (TP from `tp` or args, DP from `dp` or `world_size`),
     the source views its pieces read, and its world size."""
     fmt = analysis(ckpt).optimizer_format
-    if fmt not in (None, "fully_reshardable"):
+    if fmt == "fully_sharded_model_space":
         raise CheckpointError(ckpt.path, f"its optimizer state is {fmt}: rewrite it as fully_reshardable first "
                                          "(ckptctl reshard SRC MID), then convert MID")
     common = _common(ckpt)
@@ -92,23 +98,29 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     spec = model_spec(ckpt, args)
     tp, dp = _grid(ckpt, args, tp, dp, world_size)
     states = fmt is not None
-    params = _params(ckpt, args, spec, states)
+    params = _params(ckpt, args, spec, fmt)
+    if fmt == "dp_reshardable":
+        saved_tp, buckets = dp_reshardable_buckets(ckpt, common, args)
+        source: _Stacked | _Buckets = _Buckets(ckpt, bucket_windows(ckpt, buckets, saved_tp))
+        saved_groups = bucket_param_groups(ckpt, saved_tp)
+    else:
+        source = _Stacked(ckpt, states)
+        saved_groups = _common_groups(ckpt, common) if states else []
     prefix = optimizer_prefix(args)
     views: dict[str, SourceTensor] = {}
     targets: list[TargetTensor] = []
     placements: dict[str, list[Placed]] = {}
     for p in params:
-        made = [(f"model.module.{p.name}", f"optimizer.state.param.{p.key}" if states else p.key)]
+        made = [(f"model.module.{p.name}", "param")]
         if states:
-            made += [(f"optimizer.state.{prefix}{p.name}.{s}", f"optimizer.state.{s}.{p.key}")
-                     for s in ("exp_avg", "exp_avg_sq")]
-        for fqn, src in made:
-            targets.append(_target(ckpt, fqn, src, p, views))
+            made += [(f"optimizer.state.{prefix}{p.name}.{s}", s) for s in ("exp_avg", "exp_avg_sq")]
+        for fqn, state in made:
+            targets.append(source.target(fqn, state, p, views))
             placements[fqn] = megatron_fsdp(p.shape, p.name, tp, dp)
     planner: dict[str, Any] = {t.fqn: _path(t.fqn, prefix) for t in targets}
     items = _common_items(ckpt, common, args, tp, dp)
     if states:
-        groups, step = _groups(ckpt, common, args, params)
+        groups, step = _groups(ckpt, saved_groups, args, params)
         for owner, group in groups.items():
             for attr, value in group.items():
                 items[f"optimizer.param_to_group_meta.{prefix}{owner}.{attr}"] = value
@@ -199,13 +211,15 @@ def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
                          "not done yet")
 
 
-def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, states: bool) -> list[_Param]:
+def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | None) -> list[_Param]:
     """Every param of the model, each once, from the torch_dist keys; every other entry is claimed
-    (an optimizer state of a model key) or dropped by name, or the checkpoint is refused."""
+    (an optimizer state of a model key, a bucket) or dropped by name, or the checkpoint is refused."""
     model = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
+    buckets = TORCH_DIST_BUCKETS if fmt == "dp_reshardable" else None
     unknown = [k for k in ckpt.tensors if k.startswith("optimizer.") and not (
-        k.split(".", 3)[2:3] and k.split(".", 3)[2] in STATES and k.split(".", 3)[3] in ckpt.tensors)]
-    unknown += [k for k in ckpt.bytes_entries if not DROPPED_ITEMS.search(k)]
+        (buckets and k.startswith(buckets)) or (
+            k.split(".", 3)[2:3] and k.split(".", 3)[2] in STATES and k.split(".", 3)[3] in ckpt.tensors))]
+    unknown += [k for k in ckpt.bytes_entries if not (DROPPED_ITEMS.search(k) or (buckets and k.startswith(buckets)))]
     if unknown:
         raise CheckpointError(ckpt.path, f"{len(unknown)} entries of no known torch_dist kind, e.g. {unknown[0]!r}: "
                               "not converted (nothing is dropped unnamed)")
@@ -214,14 +228,14 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, states: bool)
         if "_extra_state" in key:
             continue
         entry = ckpt.tensors[key]
-        if states:
+        if fmt == "fully_reshardable":
             for s in STATES:
                 state = ckpt.tensors.get(f"optimizer.state.{s}.{key}")
                 if state is None or state.shape != entry.shape:
                     raise CheckpointError(ckpt.path, f"optimizer.state.{s}.{key}: missing or not shaped like its "
                                                      f"param {list(entry.shape)}")
-        for depth, slab, name in _names(ckpt, args, spec, key):
-            params += _halves(ckpt, args, key, depth, slab, name, tuple(entry.shape[depth:]))
+        for lead, name in _names(ckpt, args, spec, key):
+            params += _halves(ckpt, args, key, lead, name, tuple(entry.shape[len(lead):]))
     for p in params:
         for part, what in UNSUPPORTED:
             if part in p.name:
@@ -229,8 +243,8 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, states: bool)
     return params
 
 
-def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> list[tuple[int, int, str]]:
-    """(stacked dims, slab, module name) of each param torch_dist key `key` holds."""
+def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> list[tuple[tuple[int, ...], str]]:
+    """(index along the stacked dims, module name) of each param torch_dist key `key` holds."""
     entry = ckpt.tensors[key]
     if key.startswith(STACK) and not key[len(STACK)].isdigit():
         if not is_layer_stacked(entry) or len(entry.shape) < 2:
@@ -238,9 +252,9 @@ def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> l
         rest = key[len(STACK):]
         if rest.startswith(EXPERTS):
             layers, experts = entry.shape[:2]
-            return [(2, slab, f"{STACK}{slab // experts}.{_expert(args, rest[len(EXPERTS):], slab % experts)}")
-                    for slab in range(layers * experts)]
-        return [(1, layer, f"{STACK}{layer}.{_module(spec, rest)}") for layer in range(entry.shape[0])]
+            return [((layer, e), f"{STACK}{layer}.{_expert(args, rest[len(EXPERTS):], e)}")
+                    for layer in range(layers) for e in range(experts)]
+        return [((layer,), f"{STACK}{layer}.{_module(spec, rest)}") for layer in range(entry.shape[0])]
     match = LAYER.match(key)
     if match and match["ns"] == "decoder.layers":
         rest = match["rest"]
@@ -248,10 +262,10 @@ def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> l
             inner, head = rest[len(EXPERTS):], f"{STACK}{match['index']}"
             index, _, param = inner.partition(".")
             if index.isdigit():  # a key per expert (singleton local shards)
-                return [(0, 0, f"{head}.{_expert(args, param, int(index))}")]
-            return [(1, e, f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
-        return [(0, 0, f"{STACK}{match['index']}.{_module(spec, rest)}")]
-    return [(0, 0, key)]
+                return [((), f"{head}.{_expert(args, param, int(index))}")]
+            return [((e,), f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
+        return [((), f"{STACK}{match['index']}.{_module(spec, rest)}")]
+    return [((), key)]
 
 
 def _module(spec: str, rest: str) -> str:
@@ -270,22 +284,20 @@ def _expert(args: argparse.Namespace, param: str, index: int) -> str:
     return f"mlp.experts.local_experts.{index}.{param}"
 
 
-def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, depth: int, slab: int, name: str,
+def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, lead: tuple[int, ...], name: str,
             shape: tuple[int, ...]) -> list[_Param]:
     """The param, or its SwiGLU halves `_w` (W_all) and `_v` (V_all): Megatron-LM splits every fc1
     of a SwiGLU model when it saves fsdp_dtensor (`handle_swiglu_in_state_dict`)."""
-    rows = shape[0] if shape else 1
-    start = slab * rows if depth else 0
     saved_split = SWIGLU_PART.match(name)  # singleton local shards keep fc1 as weight_w / weight_v
     if saved_split:
-        return [_Param(name, saved_split["base"], key, depth, start, shape, shape)]
+        return [_Param(name, saved_split["base"], key, lead, 0, shape, shape)]
     if not (getattr(args, "swiglu", False) is True and SWIGLU_FC1.search(name)):
-        return [_Param(name, name, key, depth, start, shape, shape)]
+        return [_Param(name, name, key, lead, 0, shape, shape)]
+    rows = shape[0] if shape else 1
     if rows % 2:
         raise CheckpointError(ckpt.path, f"{key}: a SwiGLU fc1 of {rows} rows, which do not halve")
     half = (rows // 2, *shape[1:])
-    return [_Param(f"{name}_{part}", name, key, depth, start + i * half[0], half, shape)
-            for i, part in enumerate("wv")]
+    return [_Param(f"{name}_{part}", name, key, lead, i * half[0], half, shape) for i, part in enumerate("wv")]
 
 
 # --------------------------------------------------------------------------------------
@@ -293,26 +305,65 @@ def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, depth: int, sl
 # --------------------------------------------------------------------------------------
 
 
-def _target(ckpt: Checkpoint, fqn: str, src: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
-    """`fqn`: param `p`'s rows of source `src` (a stack read as [L·R, …])."""
-    entry = ckpt.tensors[src]
-    if src not in views:
-        views[src] = layer_stacked_view(entry, p.depth) if p.depth else source_view(entry)
-    if not p.shape:
-        return TargetTensor(fqn, (), entry.dtype, (Piece(src, (), (), ()),), entry.properties)
-    start = (p.start, *(0,) * (len(p.shape) - 1))
-    return TargetTensor(fqn, p.shape, entry.dtype, (Piece(src, start, (0,) * len(p.shape), p.shape),),
-                        entry.properties)
+class _Stacked:
+    """Each param's rows of its torch_dist key, or of `optimizer.state.<state>.<key>` (the fp32
+    master as `param`); a stack read as [L·R, …] (`plan.layer_stacked_view`)."""
+
+    def __init__(self, ckpt: Checkpoint, states: bool) -> None:
+        self.ckpt, self.states = ckpt, states
+
+    def target(self, fqn: str, state: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
+        src = f"optimizer.state.{state}.{p.key}" if self.states else p.key
+        entry = self.ckpt.tensors[src]
+        if src not in views:
+            views[src] = layer_stacked_view(entry, len(p.lead)) if p.lead else source_view(entry)
+        if not p.shape:
+            return TargetTensor(fqn, (), entry.dtype, (Piece(src, (), (), ()),), entry.properties)
+        slab = sum(i * math.prod(entry.shape[d + 1:len(p.lead)]) for d, i in enumerate(p.lead))
+        start = (slab * (p.owner_shape[0]) + p.row, *(0,) * (len(p.shape) - 1))
+        return TargetTensor(fqn, p.shape, entry.dtype, (Piece(src, start, (0,) * len(p.shape), p.shape),),
+                            entry.properties)
 
 
-def _groups(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
-            params: list[_Param]) -> tuple[dict[str, dict[str, Any]], float | None]:
-    """Each param's group settings (by the param the optimizer knows), and Adam's one step."""
+class _Buckets:
+    """Each param's TP blocks in the `dp_reshardable` buckets (`megatron_buckets`): its master
+    weights (`param`) and moments, each block a window of its bucket's items."""
+
+    def __init__(self, ckpt: Checkpoint, windows: list[Window]) -> None:
+        self.ckpt = ckpt
+        self.windows: dict[tuple[str, tuple[int, ...]], list[Window]] = defaultdict(list)
+        for window in windows:
+            self.windows[(window.param.key, window.param.lead)].append(window)
+        self.items: dict[str, ItemWindows] = {}
+
+    def target(self, fqn: str, state: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
+        blocks = self.windows[(p.key, p.lead)]
+        if not blocks:
+            raise CheckpointError(self.ckpt.path, f"{p.key}: no bucket holds it")
+        rows = p.owner_shape[0] if p.owner_shape else 0
+        stop = p.row + (p.shape[0] if p.shape else 0)
+        pieces = []
+        for window in blocks:
+            name, views[name] = window_view(window, state, self.items, units=False)
+            for src, dst, sizes in block_places(window, rows):
+                if not p.shape or p.row <= dst[0] < stop:
+                    pieces.append(Piece(name, src, (dst[0] - p.row, *dst[1:]) if p.shape else dst, sizes))
+        return TargetTensor(fqn, p.shape, blocks[0].entries[state].dtype, tuple(pieces))
+
+
+def _common_groups(ckpt: Checkpoint, common: CommonState) -> list[dict[str, Any]]:
+    """The param groups a `fully_reshardable` common state keeps (one DistributedOptimizer's)."""
     opt = common.state.get("optimizer")
     saved = opt.get("optimizer", {}).get("param_groups") if isinstance(opt, dict) else None
     if not (isinstance(saved, list) and saved and all(isinstance(g, dict) for g in saved)):
         raise CheckpointError(ckpt.path, f"{common.where}: no optimizer param groups of one DistributedOptimizer "
                                          "(chained optimizers, as a MoE's expert optimizer, are not converted yet)")
+    return saved
+
+
+def _groups(ckpt: Checkpoint, saved: list[dict[str, Any]], args: argparse.Namespace,
+            params: list[_Param]) -> tuple[dict[str, dict[str, Any]], float | None]:
+    """Each param's group settings (by the param the optimizer knows), and Adam's one step."""
     if getattr(args, "decoupled_lr", None) is not None:
         raise CheckpointError(ckpt.path, "args.decoupled_lr is set: which params had it is not recorded in "
                                          "torch_dist, and its rule is not converted yet")
@@ -340,7 +391,7 @@ def _groups(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
                                          "which torch_dist does not record per param")
     steps = {g.get("step") for g in saved}
     if len(steps) != 1 or not isinstance(next(iter(steps)), (int, float, type(None))):
-        raise CheckpointError(ckpt.path, f"{common.where}: the param groups saved different Adam steps "
+        raise CheckpointError(ckpt.path, "the param groups saved different Adam steps "
                                          f"{sorted(map(repr, steps))}")
     step = next(iter(steps))
     return owners, None if step is None else float(step)

@@ -324,20 +324,27 @@ def _converted_is_megatron_fsdps_save(src, save, out, params: int, *grid: str) -
 
 @needs("0.19")
 def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_state(
-        rebuilt, fsdp_dtensor, tmp_path):
+        saved, rebuilt, fsdp_dtensor, tmp_path):
     """torch_dist (layer stacks, fc1 as [W_all; V_all], fully_reshardable) as Megatron-FSDP's
     fsdp_dtensor at TP 2 × DP 2: every entry of Megatron-FSDP's save of the same run state
     (`fixtures.megatron_fsdp_dtensor`: names, fp32 masters as the model, moments and step per
     param, each param's group settings as megatron-core grouped it, args, counters) is there
     and equal; the source lacks the save's scheduler, flop count and RNG state, and the output
     also keeps each group's step (Transformer Engine's FusedAdam reads it there). Chunks are
-    Megatron-FSDP's TP × DP boxes. Converted back to torch_dist it is the source again, and from
+    Megatron-FSDP's TP × DP boxes; converted from the dp_reshardable save (its buckets read in
+    place) it is the same. Converted back to torch_dist it is the source again, and from
     the fsdp_dtensor save through torch_dist back to fsdp_dtensor, the scheduler and flop
     count come back too."""
     from torch.distributed.checkpoint import FileSystemReader
 
     out = tmp_path / "mfsdp"
     want = _converted_is_megatron_fsdps_save(rebuilt, fsdp_dtensor, out, 15, "--dp", "2")
+    run = run_cli("reshard", saved[BUCKETS] / "dp_reshardable", tmp_path / "direct", "--layout", "megatron-fsdp",
+                  "--dp", "2")  # read from the buckets in place: the same checkpoint
+    assert run.returncode == 0, run.stderr
+    run = run_cli("diff", tmp_path / "direct", out)
+    assert (run.returncode, run.stdout) == (0, "68 tensors: 68 equal, 0 close, 0 differs; 288 bytes entries: "
+                                               "288 equal, 0 differs\n")
     md = FileSystemReader(str(out)).read_metadata()
     chunks = md.state_dict_metadata["model.module.decoder.layers.0.mlp.linear_fc1.weight_w"].chunks
     assert [(list(c.offsets), list(c.sizes)) for c in chunks] == [([0, 0], [12, 32]), ([24, 0], [12, 32]),
@@ -369,6 +376,7 @@ def test_a_moe_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_sta
     assert run.returncode == 0, run.stderr
     megatron_fsdp_dtensor.write(rewrite, saved[MOE] / "buffers.json", save, 2, 1)
     _converted_is_megatron_fsdps_save(rewrite, save, tmp_path / "o", 33, "--dp", "1")
+    _converted_is_megatron_fsdps_save(saved[MOE] / "dp_reshardable", save, tmp_path / "direct", 33, "--dp", "1")
 
 
 @needs("0.19")
@@ -376,13 +384,12 @@ def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_gro
                                                                                               tmp_path):
     """Which group each param was in is not saved in torch_dist: it is derived by megatron-core's
     standard rule and checked against the saved groups (one line, nothing written, when they do
-    not match); the bucketed optimizer format is rewritten first; a TP that does not divide the
-    query groups, or at which Megatron pads the vocab otherwise, is refused."""
-    src = saved[BUCKETS] / "dp_reshardable"
-    run = run_cli("reshard", src, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2")
-    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: its optimizer state is dp_reshardable: "
-                                               "rewrite it as fully_reshardable first (ckptctl reshard SRC MID), "
-                                               "then convert MID\n")
+    not match); megatron-core 0.15's model-space fragments are rewritten first; a TP that does
+    not divide the query groups, or at which Megatron pads the vocab otherwise, is refused."""
+    run = run_cli("reshard", FS_MODEL_SPACE, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {FS_MODEL_SPACE}: its optimizer state is "
+                                               "fully_sharded_model_space: rewrite it as fully_reshardable first "
+                                               "(ckptctl reshard SRC MID), then convert MID\n")
 
     def same_decay(state):
         for group in state[0]["optimizer"]["optimizer"]["param_groups"]:
