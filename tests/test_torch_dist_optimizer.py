@@ -420,6 +420,22 @@ def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_gro
     assert not (tmp_path / "o").exists()
 
 
+@needs("0.19")
+@pytest.mark.full
+def test_megatron_core_pads_the_vocab_of_a_rewrite_loaded_at_another_padded_size_itself(rebuilt, tmp_path):
+    """Megatron pads the vocab to a multiple of `make_vocab_size_divisible_by` × TP, so a job at
+    another TP may have more (or fewer) vocab rows than the checkpoint: megatron-core's own load
+    pads with zero rows (or cuts) the embedding, the output layer and their fully_reshardable
+    optimizer states itself (`allow_shape_mismatch`). The rewrite needs no re-padding: loaded
+    into 288 rows, the output layer is the saved one followed by zero rows, and it trains on."""
+    from fixtures import megatron_optim
+
+    got = megatron_optim.load(rebuilt, 1, 2, tmp_path / "loss.pt", mcore="0.19", padded_vocab=288)
+    saved_rows = _load(rebuilt)["output_layer.weight"]
+    assert got["output_layer"].shape == (288, 32) and torch.equal(got["output_layer"][:256], saved_rows)
+    assert not got["output_layer"][256:].any() and got["after_step"] < got["step"]
+
+
 @pytest.mark.full
 def test_a_moe_rewrite_resumes_at_another_tp_with_the_saved_runs_loss(saved, tmp_path):
     from fixtures import megatron_optim
