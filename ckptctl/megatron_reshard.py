@@ -18,7 +18,6 @@ gated) come from `--hf-config` or the checkpoint's `args`; without them it refus
 from __future__ import annotations
 
 import argparse
-import io
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -36,6 +35,8 @@ from ckptctl.hf.rules import Family
 from ckptctl.megatron import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron_tp import resolve_tp
 from ckptctl.formats.megatron_args import checkpoint_args
+from ckptctl.formats.torch_save_out import encode_value
+from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.model import BytesEntry, Checkpoint
 from ckptctl.placement import Placed, flat, fsdp2, megatron_fsdp
 from ckptctl.selection import selected
@@ -652,11 +653,10 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
     args.tensor_model_parallel_size = tp
     if getattr(args, "expert_tensor_parallel_size", None) == old:
         args.expert_tensor_parallel_size = tp
-    import torch  # only to re-save Megatron's `args` entry
-
-    buffer = io.BytesIO()
-    torch.save(args, buffer)
-    return buffer.getvalue()
+    try:
+        return encode_value(args)  # opaque values (enum members) as they were saved
+    except UnsafePickleError as exc:
+        raise CheckpointError(ckpt.path, f"args cannot be written back ({exc})") from None
 
 
 # --------------------------------------------------------------------------------------

@@ -255,6 +255,18 @@ def test_a_megatron_fsdp_checkpoint_converted_to_torch_dist_resumes_with_the_sav
         assert got16[key].dtype == cast.dtype and torch.equal(got16[key], cast), key
 
 
+@needs("0.19")
+def test_a_megatron_fsdp_checkpoint_whose_args_hold_an_enum_is_resharded_at_another_tp(fsdp_dtensor, tmp_path):
+    """Megatron-LM's args hold enum members (`attention_backend`): the Megatron-aware reshard reads
+    them without torch and writes them back as they were, with the new TP."""
+    out = tmp_path / "tp1"
+    run = run_cli("reshard", fsdp_dtensor, out, "--layout", "megatron-fsdp", "--tp", "1", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    args, want = _everything(out)["args"], _everything(fsdp_dtensor)["args"]
+    assert vars(args) == {**vars(want), "tensor_model_parallel_size": 1}
+    assert type(args.attention_backend).__name__ == "AttnBackend" and args.attention_backend.name == "auto"
+
+
 def _with_args(src, dst, **changes):
     """A copy of DCP checkpoint `src` whose `args` item says `changes` too."""
     return _with_item(src, dst, "args", lambda args: argparse.Namespace(**{**vars(args), **changes}))

@@ -2,10 +2,10 @@
 
 An `argparse.Namespace`, pickled by `torch.save`: in a DCP bytes entry `args` (Megatron-FSDP),
 in `common.pt` (torch_dist up to megatron-core 0.18) or in the bytes item
-`common_state/shard_0_1` (torch_dist from 0.19). `checkpoint_args` reads the first with torch's
-restricted loader (for the TP size and model dims); `training_args` reads any of them without
-torch and without running anything: values of classes it does not know (enum members such as
-0.19's `AttnBackend`) become inert `Opaque` names. `common_state` reads a torch_dist common
+`common_state/shard_0_1` (torch_dist from 0.19). `checkpoint_args` reads the first (for the TP
+size and model dims), `training_args` any of them, without torch and without running anything:
+values of classes they do not know (enum members such as Megatron-LM's `AttnBackend`) become
+inert `Opaque` names. `common_state` reads a torch_dist common
 state the same way, and writes it back (`CommonState.encoded`) without torch, opaque values as
 the same calls.
 """
@@ -31,12 +31,15 @@ COMMON_LIMIT = 64 << 20
 
 
 def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
-    """The `args` entry Megatron saves (an argparse.Namespace), read with a restricted unpickler."""
-    entry = ckpt.bytes_entries.get("args")
-    if entry is None:
+    """The `args` entry Megatron-FSDP saves (an argparse.Namespace), decoded without torch: values
+    of classes no allow-list knows (Megatron-LM's enum members, `attention_backend`) stay inert
+    `Opaque` names, and `encode_value` writes them back as they were."""
+    if "args" not in ckpt.bytes_entries:
         return None
-    with ItemReader(ckpt) as reader:
-        value = reader.load_bytes_value(entry, safe_globals=[argparse.Namespace])
+    try:
+        value = decoded_item(ckpt, "args")
+    except UnsafePickleError as exc:
+        raise CheckpointError(ckpt.path, f"args: cannot decode it without running code ({exc})") from None
     return value if isinstance(value, argparse.Namespace) else None
 
 
