@@ -316,10 +316,11 @@ def _same(got, want) -> bool:
     return type(got) is type(want) and (vars(got) == vars(want) if isinstance(want, argparse.Namespace) else got == want)
 
 
-def _converted_is_megatron_fsdps_save(src, save, out, params: int, *grid: str) -> dict:
+def _converted_is_megatron_fsdps_save(src, save, out, params: int, *grid: str) -> tuple[dict, dict]:
     """Convert torch_dist `src` to fsdp_dtensor `out` at `grid` and check it against Megatron-FSDP's
     `save` of the same state: equal where both have an entry; the source has no scheduler, flop
-    count or RNG state; the output keeps the step in each of the `params` groups too. Returns the save's entries."""
+    count or RNG state; the output keeps the step in each of the `params` groups too. Returns the
+    output's entries and the save's."""
     from fixtures import megatron_fsdp_dtensor
 
     run = run_cli("reshard", src, out, "--layout", "megatron-fsdp", *grid, "--verify")
@@ -331,7 +332,7 @@ def _converted_is_megatron_fsdps_save(src, save, out, params: int, *grid: str) -
     assert sorted(set(want) - set(got)) == ["num_floating_point_operations_so_far", *sorted(
         f"opt_param_scheduler.{k}" for k in megatron_fsdp_dtensor.SCHEDULER), "rng_state.(0, 0)"]
     assert [k for k in want if k in got and not _same(got[k], want[k])] == []
-    return want
+    return got, want
 
 
 @needs("0.19")
@@ -350,7 +351,7 @@ def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsd
     from torch.distributed.checkpoint import FileSystemReader
 
     out = tmp_path / "mfsdp"
-    want = _converted_is_megatron_fsdps_save(rebuilt, fsdp_dtensor, out, 15, "--dp", "2")
+    got, want = _converted_is_megatron_fsdps_save(rebuilt, fsdp_dtensor, out, 15, "--dp", "2")
     run = run_cli("reshard", saved[BUCKETS] / "dp_reshardable", tmp_path / "direct", "--layout", "megatron-fsdp",
                   "--dp", "2")  # read from the buckets in place: the same checkpoint
     assert run.returncode == 0, run.stderr
@@ -362,6 +363,18 @@ def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsd
     assert [(list(c.offsets), list(c.sizes)) for c in chunks] == [([0, 0], [12, 32]), ([24, 0], [12, 32]),
                                                                    ([12, 0], [12, 32]), ([36, 0], [12, 32])]
     assert json.loads(run_cli("inspect", out, "--json").stdout)["format"] == "megatron-fsdp fsdp_dtensor"
+
+    def bf16(state):
+        state[0]["args"].bf16 = True
+        return state
+
+    half = _with_item(rebuilt, tmp_path / "bf16", "common_state/shard_0_1", bf16)  # Float16Module: a third module.
+    run = run_cli("reshard", half, tmp_path / "mfsdp16", "--layout", "megatron-fsdp", "--dp", "2")
+    assert run.returncode == 0, run.stderr
+    got16 = _everything(tmp_path / "mfsdp16")
+    assert {k.replace(".module.module.module.", ".module.module.") for k in got16 if k.startswith("optimizer.")} == \
+        {k for k in got if k.startswith("optimizer.")}
+    assert all(got16[k].dtype == torch.float32 for k in got16 if k.startswith("model."))  # the fp32 masters
     run = run_cli("reshard", out, tmp_path / "back", "--layout", "torch-dist")
     assert run.returncode == 0, run.stderr
     back, source = _load(tmp_path / "back"), _load(rebuilt)
