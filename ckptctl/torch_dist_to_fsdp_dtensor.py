@@ -3,8 +3,8 @@
 torch_dist keeps one key per param stacked over layers (`decoder.layers.<name>` [L, …]) and
 experts ([L, E, …]), SwiGLU fc1 as [W_all; V_all], and a `fully_reshardable` optimizer
 (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`) whose distinct param groups, with Adam's
-step, are in the common state (or a `dp_reshardable` one, see below). Megatron-LM saves fsdp_dtensor by module names
-(`fsdp_dtensor_names`): each layer's and expert's params apart, fc1 split into `_w` / `_v`, the
+step, are in the common state (or a `dp_reshardable` one, see below). Megatron-LM saves
+fsdp_dtensor by module names (`fsdp_dtensor_names`): each layer's and expert's params apart, fc1 split into `_w` / `_v`, the
 fp32 main weights as the model (`model.module.<name>`), Adam's moments and step per param
 (`optimizer.state.<wrappers><name>.…`), and each param's whole group
 (`optimizer.param_to_group_meta.<wrappers><name>.<setting>`, the step among them: Transformer
@@ -32,8 +32,8 @@ import argparse
 import fnmatch
 import math
 import re
-from collections import defaultdict
 import struct
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,8 @@ from ckptctl.torch_dist_reshard import bucket_param_groups, dp_reshardable_bucke
 
 STACK = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
-STATES = ("param", "exp_avg", "exp_avg_sq")
+STATE_KEY = re.compile(r"^optimizer\.state\.(?:param|exp_avg|exp_avg_sq)\.(?P<key>.+)$")
+"""A fully_reshardable state of model key `key`."""
 SWIGLU_FC1 = re.compile(r"\blinear_fc1\.(?:weight|bias)\d*$")
 CARRIED = (*COMMON_ITEMS[1:], "opt_param_scheduler")
 """Common-state entries written as fsdp_dtensor items (args too, marked as fsdp_dtensor's)."""
@@ -142,6 +143,9 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
 
 def refuse_options(opts: Any) -> None:
     """A torch_dist checkpoint converted to Megatron-FSDP takes the output grid only."""
+    for flag, value in (("--world-size", opts.world_size), ("--tp", opts.tp), ("--dp", opts.dp)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag} must be at least 1 (got {value})")
     if opts.source_tp is not None or opts.hf_config is not None or opts.dtype is not None or opts.include \
             or opts.exclude or opts.split_fused or opts.fuse or opts.flat_optimizer:
         raise UsageError("a torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor takes --tp, --dp and "
@@ -217,8 +221,7 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | No
     model = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
     buckets = TORCH_DIST_BUCKETS if fmt == "dp_reshardable" else None
     unknown = [k for k in ckpt.tensors if k.startswith("optimizer.") and not (
-        (buckets and k.startswith(buckets)) or (
-            k.split(".", 3)[2:3] and k.split(".", 3)[2] in STATES and k.split(".", 3)[3] in ckpt.tensors))]
+        (buckets and k.startswith(buckets)) or ((m := STATE_KEY.match(k)) and m["key"] in ckpt.tensors))]
     unknown += [k for k in ckpt.bytes_entries if not (DROPPED_ITEMS.search(k) or (buckets and k.startswith(buckets)))]
     if unknown:
         raise CheckpointError(ckpt.path, f"{len(unknown)} entries of no known torch_dist kind, e.g. {unknown[0]!r}: "
@@ -229,7 +232,7 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | No
             continue
         entry = ckpt.tensors[key]
         if fmt == "fully_reshardable":
-            for s in STATES:
+            for s in ("param", "exp_avg", "exp_avg_sq"):
                 state = ckpt.tensors.get(f"optimizer.state.{s}.{key}")
                 if state is None or state.shape != entry.shape:
                     raise CheckpointError(ckpt.path, f"optimizer.state.{s}.{key}: missing or not shaped like its "
