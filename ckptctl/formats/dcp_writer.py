@@ -12,9 +12,9 @@ torchrun worker plans its own files' records, and no process holds every record'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from zlib import crc32
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+from zlib import crc32
 
 from ckptctl.formats import dcp_metadata_out
 from ckptctl.formats.dcp_classes import (
