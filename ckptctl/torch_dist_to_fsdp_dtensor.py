@@ -97,6 +97,9 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(ckpt.path, f"{common.where}: no Megatron args: the model spec is unknown")
     spec = model_spec(ckpt, args)
+    if type(getattr(args, "swiglu", None)) is not bool:
+        raise CheckpointError(ckpt.path, f"args.swiglu is {getattr(args, 'swiglu', None)!r:.64}: whether fc1 is gated "
+                                         "(saved split into weight_w / weight_v) is not known")
     tp, dp = _grid(ckpt, args, tp, dp, world_size)
     states = fmt is not None
     params = _params(ckpt, args, spec, fmt)
@@ -202,7 +205,10 @@ def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
     embedding = ckpt.tensors.get("embedding.word_embeddings.weight")
     if tp == saved or embedding is None or not embedding.shape:
         return
-    rows, multiple = embedding.shape[0], (getattr(args, "make_vocab_size_divisible_by", 128) or 128) * tp
+    divisor = getattr(args, "make_vocab_size_divisible_by", None) or 128
+    if type(divisor) is not int or divisor < 1:
+        raise CheckpointError(ckpt.path, f"args.make_vocab_size_divisible_by is {divisor!r:.64}, not a row count")
+    rows, multiple = embedding.shape[0], divisor * tp
     vocab = getattr(args, "vocab_size", None)
     if type(vocab) is int and 0 < vocab <= rows:
         padded = -(-vocab // multiple) * multiple
@@ -294,7 +300,7 @@ def _halves(ckpt: Checkpoint, args: argparse.Namespace, key: str, lead: tuple[in
     saved_split = SWIGLU_PART.match(name)  # singleton local shards keep fc1 as weight_w / weight_v
     if saved_split:
         return [_Param(name, saved_split["base"], key, lead, 0, shape, shape)]
-    if not (getattr(args, "swiglu", False) is True and SWIGLU_FC1.search(name)):
+    if not (args.swiglu and SWIGLU_FC1.search(name)):
         return [_Param(name, name, key, lead, 0, shape, shape)]
     rows = shape[0] if shape else 1
     if rows % 2:
@@ -402,10 +408,10 @@ def _groups(ckpt: Checkpoint, saved: list[dict[str, Any]], args: argparse.Namesp
 
 def _expert_parallel(args: argparse.Namespace) -> bool:
     """Whether expert params are marked `allreduce` False, so grouped apart (`is_expert_parallel`):
-    with expert parallelism, or an expert TP other than the TP (megatron-core's parallel linears)."""
-    etp = getattr(args, "expert_tensor_parallel_size", None)
-    return (getattr(args, "expert_model_parallel_size", 1) or 1) > 1 or \
-        etp not in (None, getattr(args, "tensor_model_parallel_size", None))
+    with expert parallelism, or an expert TP other than the TP (megatron-core's parallel linears);
+    a value that is not a size says so too (the conversion is then refused)."""
+    ep, etp = getattr(args, "expert_model_parallel_size", None), getattr(args, "expert_tensor_parallel_size", None)
+    return ep not in (None, 1) or etp not in (None, getattr(args, "tensor_model_parallel_size", None))
 
 
 def _no_weight_decay(name: str, shape: tuple[int, ...], qk_wd: bool) -> bool:

@@ -389,6 +389,27 @@ def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsd
     assert vars(again["args"]) == {**vars(want["args"]), "tensor_model_parallel_size": 1, "world_size": 2}
 
 
+@needs("0.19")
+def test_args_of_the_wrong_kind_are_one_line_each(rebuilt, tmp_path):
+    """Values in a checkpoint's args are input like any other: one of the wrong type is named in
+    one line, exit 2, nothing written."""
+    cases = [("swiglu", "yes", (), "args.swiglu is 'yes': whether fc1 is gated (saved split into weight_w / "
+                                    "weight_v) is not known"),
+             ("tensor_model_parallel_size", "x", (), "args.tensor_model_parallel_size is 'x', not a TP size; pass --tp"),
+             ("make_vocab_size_divisible_by", "128", ("--tp", "1"),
+              "args.make_vocab_size_divisible_by is '128', not a row count")]
+    for i, (name, value, grid, line) in enumerate(cases):
+
+        def changed(state, name=name, value=value):
+            setattr(state[0]["args"], name, value)
+            return state
+
+        src = _with_item(rebuilt, tmp_path / f"src{i}", "common_state/shard_0_1", changed)
+        run = run_cli("reshard", src, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "1", *grid)
+        assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {line}\n"), name
+        assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.full
 def test_a_moe_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_state(saved, tmp_path):
     """Qwen3-MoE at TP 2 (q/k norms, a router, SequentialMLP experts stacked [L, E, …] in torch_dist):
