@@ -444,11 +444,11 @@ class MegatronPlanner:
         """A TP change re-blocks the fused tensors the family rules know; a tensor no rule knows
         might be fused per TP rank (as GDN's and Mamba's `in_proj` are) and come out scrambled,
         so the change is refused, naming it (`hf.registry.megatron_tp_kind`)."""
-        if target_tp is None or self.source_tp() == target_tp:
+        if target_tp is None:
             return
         unknown = [f for f in self.params  # model weights: not TE's `_extra_state` blobs, RNG or training state
                    if is_model_key(f) and self.ckpt.tensors[f].shape and megatron_tp_kind(f) is None]
-        if unknown:
+        if unknown and self.source_tp() != target_tp:  # the source TP is asked for only when it matters
             more = f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""
             raise UsageError(f"{unknown[0]}{more}: no rule knows how Megatron splits it over TP (it may be fused "
                              f"per TP rank, as GDN's and Mamba's in_proj are), so changing TP {self.source_tp()} "
