@@ -40,11 +40,7 @@ norms and TE's fused-op MLPs to other keys; GDN and Mamba split their projection
 
 
 def model_spec(ckpt: Checkpoint, args: argparse.Namespace) -> str:
-    """The model spec `args` name (its norms' torch_dist names depend on it); one pipeline stage only."""
-    pp = getattr(args, "pipeline_model_parallel_size", 1)
-    if pp != 1:
-        raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
-                                         "not converted yet")
+    """The model spec `args` name (its norms' torch_dist names depend on it)."""
     impl = getattr(args, "transformer_impl", None)
     if impl not in SPECS:
         raise CheckpointError(ckpt.path, f"args.transformer_impl is {impl!r}: the torch_dist names of the model's "

@@ -23,7 +23,8 @@ A `dp_reshardable` optimizer (megatron-core 0.19's default) is read from its buc
 as the torch_dist rewrite reads them (`megatron_buckets`: local spec, one buffer); 0.15's
 `fully_sharded_model_space` is rewritten first (`ckptctl reshard SRC MID`).
 A checkpoint saved with `singleton_local_shards` (a key per layer and per expert, fc1 as
-`weight_w` / `weight_v`) converts to the same output as its stacks.
+`weight_w` / `weight_v`) converts to the same output as its stacks; one saved by pipeline stages
+(its layer indices are global) converts to one stage.
 """
 
 from __future__ import annotations
@@ -423,8 +424,13 @@ def _no_weight_decay(name: str, shape: tuple[int, ...], qk_wd: bool) -> bool:
 
 def _common_items(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, tp: int,
                   dp: int) -> dict[str, Any]:
-    """args (as Megatron-FSDP's at TP × DP), the counters and the scheduler, as DCP items."""
+    """args (as Megatron-FSDP's at TP × DP, one pipeline stage), the counters and the scheduler, as
+    DCP items."""
     marked = argparse.Namespace(**{**vars(args), "ckpt_format": "fsdp_dtensor", "use_megatron_fsdp": True})
+    if getattr(marked, "pipeline_model_parallel_size", None) is not None:  # torch_dist's layer indices are global
+        marked.pipeline_model_parallel_size = 1
+    if getattr(marked, "virtual_pipeline_model_parallel_size", None) is not None:
+        marked.virtual_pipeline_model_parallel_size = None
     if getattr(marked, "tensor_model_parallel_size", None) is not None:
         marked.tensor_model_parallel_size = tp
     if getattr(marked, "data_parallel_size", None) is not None:

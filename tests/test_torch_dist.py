@@ -218,28 +218,33 @@ def test_export_torch_writes_what_torchs_own_converter_writes(saved, tmp_path):
     assert all(torch.equal(got[k], v) for k, v in tensors.items())
 
 
+def _with_args(src, dst, **args):
+    """A copy of model-only save `src` whose common.pt holds Megatron-LM's args (these saves have
+    none; the conversion to Megatron-FSDP needs the spec, SwiGLU, the TP)."""
+    import argparse
+    import shutil
+
+    shutil.copytree(src, dst)
+    common = torch.load(dst / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, **args)
+    torch.save(common, dst / "common.pt")
+    return dst
+
+
 @pytest.mark.full
 @pytest.mark.parametrize("grouped", [False, True])
 def test_singleton_shards_and_stacks_convert_to_the_same_megatron_fsdp_checkpoint(saved, tmp_path, grouped):
     """megatron-core's `singleton_local_shards` save (a key per layer and per expert, fc1 as weight_w /
     weight_v) and its stacks hold one model: converted to fsdp_dtensor they are the same
     checkpoint, each expert by its module name (SequentialMLP's, or TEGroupedMLP's with
-    `moe_grouped_gemm`). These model-only saves have no args; the conversion needs them (spec,
-    SwiGLU), so they are added."""
-    import argparse
-    import shutil
-
+    `moe_grouped_gemm`)."""
     outs = []
     for grid in ("qwen3-moe-tp2", "qwen3-moe-singleton-tp2"):
-        src, out = tmp_path / grid, tmp_path / f"{grid}-mfsdp"
-        shutil.copytree(saved[grid][0], src)
-        common = torch.load(src / "common.pt", weights_only=False)
-        common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, tensor_model_parallel_size=2,
-                                            pipeline_model_parallel_size=1, moe_grouped_gemm=grouped)
-        torch.save(common, src / "common.pt")
-        run = run_cli("reshard", src, out, "--layout", "megatron-fsdp", "--dp", "1", "--verify")
+        src = _with_args(saved[grid][0], tmp_path / grid, tensor_model_parallel_size=2,
+                         pipeline_model_parallel_size=1, moe_grouped_gemm=grouped)
+        run = run_cli("reshard", src, tmp_path / f"{grid}-mfsdp", "--layout", "megatron-fsdp", "--dp", "1", "--verify")
         assert run.returncode == 0, run.stderr
-        outs.append(out)
+        outs.append(tmp_path / f"{grid}-mfsdp")
     run = run_cli("diff", *outs)
     assert (run.returncode, run.stdout) == (0, "41 tensors: 41 equal, 0 close, 0 differs; 1 bytes entry: 1 equal, "
                                                "0 differs\n")
@@ -247,3 +252,23 @@ def test_singleton_shards_and_stacks_convert_to_the_same_megatron_fsdp_checkpoin
     expert = "model.module.decoder.layers.1.mlp.experts." + ("linear_fc1.weight3_v" if grouped else
                                                              "local_experts.3.linear_fc1.weight_v")
     assert doc["tensors"][expert]["shape"] == [24, 32]
+
+
+@pytest.mark.full
+def test_a_pipelined_save_converts_to_one_megatron_fsdp_stage(saved, tmp_path):
+    """torch_dist keeps global layer indices whatever the PP: a PP 2 save converts to fsdp_dtensor
+    (its args then say PP 1), whose export is the save's; converted back it is the save."""
+    src = _with_args(saved["pp2"][0], tmp_path / "pp2", tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    out = tmp_path / "mfsdp"
+    run = run_cli("reshard", src, out, "--layout", "megatron-fsdp", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    run = run_cli("export-hf", out, tmp_path / "hf", "--hf-config", saved.ref("llama"))
+    assert run.returncode == 0, run.stderr
+    assert run_cli("diff", tmp_path / "hf", saved.exported("pp2")).returncode == 0
+    doc = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert (doc["training"]["tp"], doc["training"]["pp"], doc["training"]["dp"]) == (1, 1, None)
+    run = run_cli("reshard", out, tmp_path / "back", "--layout", "torch-dist")
+    assert run.returncode == 0, run.stderr
+    counts = json.loads(run_cli("diff", tmp_path / "back", src, "--json").stdout)["counts"]
+    assert counts == {"equal": 9, "close": 0, "differs": 0, "shape differs": 0, "dtype differs": 0,
+                      "missing in A": 0, "missing in B": 0}  # the save's _extra_state items are not carried
