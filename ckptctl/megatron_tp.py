@@ -34,7 +34,8 @@ def resolve_tp(ckpt: Checkpoint, args: argparse.Namespace | None, given: int | N
         return given
     from_args = getattr(args, "tensor_model_parallel_size", None) if args is not None else None
     if from_args is not None and (type(from_args) is not int or from_args < 1):
-        raise UsageError(f"{ckpt.path}: args.tensor_model_parallel_size is {from_args!r:.64}, not a TP size; pass {what}")
+        raise UsageError(f"{ckpt.path}: args.tensor_model_parallel_size is {from_args!r:.64}, not a TP size; "
+                         f"pass {what}")
     from_geometry = tp_from_geometry(ckpt)
     if from_geometry == 1 and (strict or from_args is not None):
         from_geometry = None

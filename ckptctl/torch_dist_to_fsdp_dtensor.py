@@ -4,9 +4,9 @@ torch_dist keeps one key per param stacked over layers (`decoder.layers.<name>` 
 experts ([L, E, …]), SwiGLU fc1 as [W_all; V_all], and a `fully_reshardable` optimizer
 (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`) whose distinct param groups, with Adam's
 step, are in the common state (or a `dp_reshardable` one, see below). Megatron-LM saves
-fsdp_dtensor by module names (`fsdp_dtensor_names`): each layer's and expert's params apart, fc1 split into `_w` / `_v`, the
-fp32 main weights as the model (`model.module.<name>`), Adam's moments and step per param
-(`optimizer.state.<wrappers><name>.…`), and each param's whole group
+fsdp_dtensor by module names (`fsdp_dtensor_names`): each layer's and expert's params apart,
+fc1 split into `_w` / `_v`, the fp32 main weights as the model (`model.module.<name>`), Adam's
+moments and step per param (`optimizer.state.<wrappers><name>.…`), and each param's whole group
 (`optimizer.param_to_group_meta.<wrappers><name>.<setting>`, the step among them: Transformer
 Engine's FusedAdam keeps it per group, torch's Adam per param; each loader asks only for its
 own, so both are written). The output is laid out as Megatron-FSDP saves at TP × DP
