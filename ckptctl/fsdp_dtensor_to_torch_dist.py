@@ -90,7 +90,7 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     pp = getattr(args, "pipeline_model_parallel_size", 1)
     if pp != 1:  # Megatron-FSDP's names of a stage's layers are not known
         raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
-                                         "not converted yet")
+                                         "not converted to torch_dist yet")
     spec = model_spec(ckpt, args)
     keys = _torch_dist_keys(ckpt, names, spec)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
