@@ -41,11 +41,22 @@ def fake_checkpoint(tensors: dict[str, torch.Tensor], prefix: str = "model.modul
 
 
 def evaluate(target: TargetTensor, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A target's values from full in-memory sources, piece by piece."""
-    out = torch.full(target.shape, float("nan"), dtype=target.dtype.torch)
+    """A target's values from full in-memory sources, piece by piece: pieces address its logical
+    shape (row pairs, gpt-oss's interleaved gate/up), a transposed piece's block is turned as its
+    `axes` say (destination dim i along source dim axes[i]; None a unit dim the source lacks)."""
+    out = torch.full(target.logical_shape or target.shape, float("nan"), dtype=target.dtype.torch)
     for p in target.pieces:
-        src = tensors[p.src][tuple(slice(s, s + n) for s, n in zip(p.src_start, p.sizes))]
+        box = p.source_box
+        src = tensors[p.src][tuple(slice(s, s + n) for s, n in zip(box.offsets, box.sizes))]
+        if p.axes is not None:
+            used = [a for a in p.axes if a is not None]
+            src = src.permute(*used, *(d for d in range(src.dim()) if d not in used)).reshape(
+                [src.shape[a] for a in used])
+            for i, a in enumerate(p.axes):
+                if a is None:
+                    src = src.unsqueeze(i)
         out[tuple(slice(d, d + n) for d, n in zip(p.dst_start, p.sizes))] = src
+    out = out.reshape(target.shape)
     return out + target.add if target.add else out
 
 
