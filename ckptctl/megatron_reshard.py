@@ -33,7 +33,7 @@ from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analysis, sour
 from ckptctl.hf.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.hf.rules import Family
 from ckptctl.megatron import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, is_expert, tp_blocked_split, tp_reblock
-from ckptctl.megatron_tp import resolve_tp
+from ckptctl.megatron_tp import resolve_tp, tp_dp_grid
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
@@ -130,16 +130,7 @@ def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:
     from the request or the world size."""
     if req.layout == "fsdp2":
         return Layout("fsdp2", req.world_size, req.tp)
-    tp = req.tp if req.tp is not None else resolve_tp(ckpt, checkpoint_args(ckpt), req.source_tp, "--tp")
-    if req.dp is not None:
-        dp = req.dp
-    else:
-        if req.world_size % tp:
-            raise UsageError(f"--world-size {req.world_size} is not a multiple of TP {tp}")
-        dp = req.world_size // tp
-    if req.world_size is not None and req.world_size != tp * dp:
-        raise UsageError(f"--world-size {req.world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
-                         "for --layout megatron-fsdp (or be omitted)")
+    tp, dp = tp_dp_grid(ckpt, checkpoint_args(ckpt), req.tp, req.dp, req.world_size, req.source_tp)
     return Layout("megatron-fsdp", tp * dp, tp, dp)
 
 

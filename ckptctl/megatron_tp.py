@@ -47,3 +47,21 @@ def resolve_tp(ckpt: Checkpoint, args: argparse.Namespace | None, given: int | N
         raise UsageError(f"{ckpt.path}: cannot tell the training TP size (no args entry, no RowParallel "
                          f"chunks split on dim 1); pass {what}")
     return int(tp)
+
+
+def tp_dp_grid(ckpt: Checkpoint, args: argparse.Namespace | None, tp: int | None, dp: int | None,
+               world_size: int | None, source_tp: int | None = None) -> tuple[int, int]:
+    """Megatron-FSDP's rank grid: TP as given, else the training TP (`resolve_tp`, `source_tp`
+    first); DP as given, else the world size over TP; a world size given too must be TP × DP."""
+    if tp is None:
+        tp = resolve_tp(ckpt, args, source_tp, "--tp")
+    if dp is None:
+        if world_size is None:
+            raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
+        if world_size % tp:
+            raise UsageError(f"--world-size {world_size} is not a multiple of TP {tp}")
+        dp = world_size // tp
+    if world_size is not None and world_size != tp * dp:
+        raise UsageError(f"--world-size {world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
+                         "for --layout megatron-fsdp (or be omitted)")
+    return tp, dp
