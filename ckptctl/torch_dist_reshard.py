@@ -44,7 +44,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     extra = {"metadata.json": common_bytes(ckpt, "metadata.json")}
     common, new_common = None, None
     if fmt == "dp_reshardable":
-        common = _common(ckpt)
+        common = read_common(ckpt)
         tp, buckets = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
         rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
@@ -53,7 +53,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     elif fmt == "fully_sharded_model_space":
         rebuilt, windows, replaced = fragment_targets(ckpt)
         views.update(windows)
-        common = _common(ckpt)
+        common = read_common(ckpt)
         new_common = _fully_reshardable_common(ckpt, common, None)
     elif (ckpt.path / COMMON).is_file():
         extra[COMMON] = common_bytes(ckpt)
@@ -92,10 +92,10 @@ def _refusal(ckpt: Checkpoint, where: str, message: str) -> CheckpointError:
     return CheckpointError(ckpt.path, f"{where}: {message}")
 
 
-def _common(ckpt: Checkpoint) -> CommonState:
+def read_common(ckpt: Checkpoint) -> CommonState:
     """The common state (`common.pt`, or megatron-core 0.19's `common_state` item), read once and
-    decoded without torch: its args tell the TP size and spec, and it is written back with the
-    optimizer's new format (enum members in args as they were)."""
+    decoded without torch: its args tell the TP size and spec, and it is written back (here with
+    the optimizer's new format, or as fsdp_dtensor items) with enum members in args as they were."""
     where = common_where(ckpt)
     try:
         common = common_state(ckpt)

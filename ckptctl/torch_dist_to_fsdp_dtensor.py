@@ -41,18 +41,18 @@ from typing import Any
 from ckptctl.dtypes import float32
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
-from ckptctl.formats.megatron_args import CommonState, common_state
+from ckptctl.formats.megatron_args import CommonState
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, SWIGLU_PART, UNSUPPORTED, \
     model_spec, optimizer_prefix
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_layer_stacked
 from ckptctl.megatron_buckets import Window, block_places, bucket_windows, window_view
-from ckptctl.megatron_tp import resolve_tp
+from ckptctl.megatron_tp import tp_dp_grid
 from ckptctl.model import Checkpoint
 from ckptctl.placement import Placed, megatron_fsdp
 from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
-from ckptctl.torch_dist_reshard import bucket_param_groups, dp_reshardable_buckets
+from ckptctl.torch_dist_reshard import bucket_param_groups, dp_reshardable_buckets, read_common
 
 STACK = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
@@ -101,7 +101,8 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     if type(getattr(args, "swiglu", None)) is not bool:
         raise CheckpointError(ckpt.path, f"args.swiglu is {getattr(args, 'swiglu', None)!r:.64}: whether fc1 is gated "
                                          "(saved split into weight_w / weight_v) is not known")
-    tp, dp = _grid(ckpt, args, tp, dp, world_size)
+    tp, dp = tp_dp_grid(ckpt, args, tp, dp, world_size)
+    _check_tp(ckpt, args, tp)
     states = fmt is not None
     params = _params(ckpt, args, spec, fmt)
     if fmt == "dp_reshardable":
@@ -119,9 +120,10 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
         made = [(f"model.module.{p.name}", "param")]
         if states:
             made += [(f"optimizer.state.{prefix}{p.name}.{s}", s) for s in ("exp_avg", "exp_avg_sq")]
+        placed = megatron_fsdp(p.shape, p.name, tp, dp)  # a param's states are placed like it
         for fqn, state in made:
             targets.append(source.target(fqn, state, p, views))
-            placements[fqn] = megatron_fsdp(p.shape, p.name, tp, dp)
+            placements[fqn] = placed
     planner: dict[str, Any] = {t.fqn: _path(t.fqn, prefix) for t in targets}
     items = _common_items(ckpt, common, args, tp, dp)
     if states:
@@ -162,35 +164,13 @@ def refuse_options(opts: Any) -> None:
 
 
 def _common(ckpt: Checkpoint) -> CommonState:
-    try:
-        common = common_state(ckpt)
-    except UnsafePickleError as exc:
-        raise CheckpointError(ckpt.path, f"common state: cannot decode it without running code ({exc})") from None
-    if common is None or not isinstance(common.state, dict):
-        raise CheckpointError(ckpt.path, "no common state (common.pt or a common_state item): args, iteration and "
-                                         "param groups are unknown")
+    """The common state (`torch_dist_reshard.read_common`), every entry of it of a known kind."""
+    common = read_common(ckpt)
     unknown = sorted(str(k) for k in common.state if k not in ("args", *CARRIED, *DROPPED))
     if unknown:
         raise CheckpointError(ckpt.path, f"{common.where}: {unknown[0]!r} is of no known kind: not converted "
                                          "(nothing is dropped unnamed)")
     return common
-
-
-def _grid(ckpt: Checkpoint, args: argparse.Namespace, tp: int | None, dp: int | None,
-          world_size: int | None) -> tuple[int, int]:
-    if tp is None:
-        tp = resolve_tp(ckpt, args, None, "--tp")
-    if dp is None:
-        if world_size is None:
-            raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
-        if world_size % tp:
-            raise UsageError(f"--world-size {world_size} is not a multiple of TP {tp}")
-        dp = world_size // tp
-    if world_size is not None and world_size != tp * dp:
-        raise UsageError(f"--world-size {world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
-                         "for --layout megatron-fsdp (or be omitted)")
-    _check_tp(ckpt, args, tp)
-    return tp, dp
 
 
 def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
@@ -235,8 +215,6 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | No
                               "not converted (nothing is dropped unnamed)")
     params: list[_Param] = []
     for key in model:
-        if "_extra_state" in key:
-            continue
         entry = ckpt.tensors[key]
         if fmt == "fully_reshardable":
             for s in ("param", "exp_avg", "exp_avg_sq"):
@@ -345,6 +323,8 @@ class _Buckets:
         for window in windows:
             self.windows[(window.param.key, window.param.lead)].append(window)
         self.items: dict[str, ItemWindows] = {}
+        self.named: dict[tuple[int, str], tuple[str, SourceTensor]] = {}
+        """(window, state) → its view's name and view, made once."""
 
     def target(self, fqn: str, state: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
         blocks = self.windows[(p.key, p.lead)]
@@ -354,7 +334,11 @@ class _Buckets:
         stop = p.row + (p.shape[0] if p.shape else 0)
         pieces = []
         for window in blocks:
-            name, views[name] = window_view(window, state, self.items, units=False)
+            made = self.named.get((id(window), state))
+            if made is None:  # both SwiGLU halves read the same windows
+                made = self.named[(id(window), state)] = window_view(window, state, self.items, units=False)
+                views[made[0]] = made[1]
+            name = made[0]
             for src, dst, sizes in block_places(window, rows):
                 if not p.shape or p.row <= dst[0] < stop:
                     pieces.append(Piece(name, src, (dst[0] - p.row, *dst[1:]) if p.shape else dst, sizes))
