@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import threading
 import zipfile
@@ -56,8 +57,9 @@ class _Template:
 
     data_start: int
     nbytes: int
-    head: tuple[tuple[int, bytes], ...]  # (offset in the item, the bytes there) before the tensor data...
-    tail: tuple[tuple[int, bytes], ...]  # ...and after it (offsets from the data's end), variable fields left out
+    head: re.Pattern[bytes]  # the item's bytes before the tensor data, variable fields as wildcards...
+    tail: re.Pattern[bytes]  # ...and after it
+    whole: re.Pattern[bytes] | None  # a small item whole, its data a wildcard too: one match, in C
 
 
 MAX_TEMPLATE_ITEM = 1 << 16
@@ -66,16 +68,23 @@ MAX_TEMPLATES = 4096
 """Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
 
 
-def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> tuple[tuple[int, bytes], ...]:
-    """`data` (the item's bytes from offset `base`) as (offset in `data`, bytes) runs around `holes`."""
-    runs, at = [], 0
+def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> bytes:
+    """A regular expression (source) matching `data` (the item's bytes from offset `base`)
+    with any bytes in `holes`: literal runs around fixed-length wildcards."""
+    parts, at = [], 0
     for start, stop in sorted((a - base, b - base) for a, b in holes if base <= a and b - base <= len(data)):
         if start > at:
-            runs.append((at, data[at:start]))
+            parts.append(re.escape(data[at:start]))
+        if stop > max(at, start):
+            parts.append(_any(stop - max(at, start)))
         at = max(at, stop)
     if at < len(data):
-        runs.append((at, data[at:]))
-    return tuple(runs)
+        parts.append(re.escape(data[at:]))
+    return b"".join(parts)
+
+
+def _any(n: int) -> bytes:
+    return b"(?s:.{%d})" % n
 
 
 @dataclass(frozen=True)
@@ -260,25 +269,19 @@ class ItemReader:
         data_end = data_start + nbytes
         head = os.pread(fd, data_start, chunk.offset)
         tail = os.pread(fd, tail_len, chunk.offset + data_end)
-        return _Template(data_start, nbytes, _kept(head, 0, holes), _kept(tail, data_end, holes))
+        head_source, tail_source = _kept(head, 0, holes), _kept(tail, data_end, holes)
+        return _Template(data_start, nbytes, re.compile(head_source), re.compile(tail_source),
+                         re.compile(head_source + _any(nbytes) + tail_source) if chunk.length <= MAX_TEMPLATE_ITEM
+                         else None)
 
     def _matches(self, template: _Template, chunk: Chunk) -> bool:
         """Whether the item holds the template's bytes everywhere but its variable fields and data."""
         fd = self.fd(chunk.file)
+        if template.whole is not None:
+            return template.whole.fullmatch(os.pread(fd, chunk.length, chunk.offset)) is not None
         data_end = template.data_start + template.nbytes
-        if chunk.length <= MAX_TEMPLATE_ITEM:
-            whole = memoryview(os.pread(fd, chunk.length, chunk.offset))
-            head, tail = whole, whole[data_end:]
-        else:
-            head = memoryview(os.pread(fd, template.data_start, chunk.offset))
-            tail = memoryview(os.pread(fd, chunk.length - data_end, chunk.offset + data_end))
-        for at, want in template.head:
-            if head[at:at + len(want)] != want:
-                return False
-        for at, want in template.tail:
-            if tail[at:at + len(want)] != want:
-                return False
-        return len(tail) == chunk.length - data_end
+        return template.head.fullmatch(os.pread(fd, template.data_start, chunk.offset)) is not None \
+            and template.tail.fullmatch(os.pread(fd, chunk.length - data_end, chunk.offset + data_end)) is not None
 
     def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
                     folder: str) -> bool:
