@@ -26,15 +26,19 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 transformers = pytest.importorskip("transformers")
 GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3"),
          "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed"),
-         "singleton-tp2": (2, 1, "llama"), "qwen3-moe-singleton-tp2": (2, 1, "qwen3-moe")}
+         "singleton-tp2": (2, 1, "llama"), "qwen3-moe-singleton-tp2": (2, 1, "qwen3-moe"),
+         "deepseek-v3-tp2": (2, 1, "deepseek-v3"), "deepseek-v3-singleton-tp2": (2, 1, "deepseek-v3")}
 """Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
 qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwen3-moe-mixed's
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys; the singleton ones are
-saved with `singleton_local_shards` (per-layer keys, fc1 as weight_w / weight_v, a key per expert)."""
-SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2")
+saved with `singleton_local_shards` (per-layer keys, fc1 as weight_w / weight_v, a key per expert);
+deepseek-v3 has multi-latent attention, a first dense layer, then MoE with a shared expert and
+sigmoid group-limited routing steered by its expert bias."""
+SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2", "deepseek-v3-singleton-tp2")
 
 
-FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2")
+FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2",
+             "deepseek-v3-singleton-tp2")
 """Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
 costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
 the q/k norms and the per-layer keys of the others)."""
@@ -85,7 +89,7 @@ def grids(*names: str) -> list:
 
 def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
     """Test side, independent of ckptctl: Megatron's global layer stacks (or per-layer keys) → HF
-    Llama/Qwen3/Qwen3-MoE tensors."""
+    Llama/Qwen3/Qwen3-MoE/DeepSeek-V3 tensors."""
     d = mc.DIMS
     hd, groups, per_group = mc.HEAD_DIM[kind], d["groups"], d["heads"] // d["groups"]
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:d["vocab"]],
@@ -99,10 +103,16 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
             key = f"decoder.layers.{layer}.{name}"
             return state[key] if key in state else state["decoder.layers." + name][layer]
 
-        qkv = s("self_attention.linear_qkv.weight").reshape(groups, (per_group + 2) * hd, d["hidden"])
-        out[p + "self_attn.q_proj.weight"] = qkv[:, :per_group * hd].reshape(-1, d["hidden"])
-        out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
-        out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
+        if kind == "deepseek-v3":  # MLA: one to one, the local spec's norms under their own names
+            for hf_name, mg_name in (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"),
+                                     ("kv_a_proj_with_mqa", "linear_kv_down_proj"), ("kv_b_proj", "linear_kv_up_proj"),
+                                     ("q_a_layernorm", "q_layernorm"), ("kv_a_layernorm", "kv_layernorm")):
+                out[p + f"self_attn.{hf_name}.weight"] = s(f"self_attention.{mg_name}.weight")
+        else:
+            qkv = s("self_attention.linear_qkv.weight").reshape(groups, (per_group + 2) * hd, d["hidden"])
+            out[p + "self_attn.q_proj.weight"] = qkv[:, :per_group * hd].reshape(-1, d["hidden"])
+            out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
+            out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
         def gate_up(prefix: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             """fc1 as [W; V] (whatever the TP), or saved as weight_w and weight_v (singleton shards)."""
@@ -115,6 +125,11 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
 
         if moe[layer]:
             out[p + "mlp.gate.weight"] = s("mlp.router.weight")
+            if kind == "deepseek-v3":
+                out[p + "mlp.gate.e_score_correction_bias"] = s("mlp.router.expert_bias")
+                x = p + "mlp.shared_experts."
+                out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate_up("mlp.shared_experts.")
+                out[x + "down_proj.weight"] = s("mlp.shared_experts.linear_fc2.weight")
             for e in range(mc.MOE["num_moe_experts"]):
                 x, per_expert = f"{p}mlp.experts.{e}.", f"decoder.layers.{layer}.mlp.experts.experts.{e}."
                 out[x + "gate_proj.weight"], out[x + "up_proj.weight"] = gate_up("mlp.experts.experts.", e)
@@ -123,6 +138,10 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
         else:
             out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate_up("mlp.")
             out[p + "mlp.down_proj.weight"] = s("mlp.linear_fc2.weight")
+        if kind == "deepseek-v3":  # the MLA local spec keeps its layer norms' own names
+            out[p + "input_layernorm.weight"] = s("input_layernorm.weight")
+            out[p + "post_attention_layernorm.weight"] = s("pre_mlp_layernorm.weight")
+            continue
         out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
         out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
         if kind != "llama":
