@@ -39,14 +39,24 @@ LOCAL_SPEC = (
     ("embedding.word_embeddings.weight", COLUMN),
     ("embedding.position_embeddings.weight", REPLICATED),
     ("decoder.layers.", (
+        ("input_layernorm.weight", REPLICATED),
+        ("input_layernorm.bias", REPLICATED),
         ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
         ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
         ("self_attention.linear_proj.weight", ROW),
         ("self_attention.linear_proj.bias", REPLICATED),
         ("self_attention.linear_qkv.weight", COLUMN),
         ("self_attention.linear_qkv.bias", COLUMN),
+        ("self_attention.linear_q_proj.weight", COLUMN),
+        ("self_attention.linear_q_down_proj.weight", COLUMN),
+        ("self_attention.linear_q_up_proj.weight", COLUMN),
+        ("self_attention.linear_kv_down_proj.weight", COLUMN),
+        ("self_attention.linear_kv_up_proj.weight", COLUMN),
         ("self_attention.q_layernorm.weight", REPLICATED),
         ("self_attention.k_layernorm.weight", REPLICATED),
+        ("self_attention.kv_layernorm.weight", REPLICATED),
+        ("pre_mlp_layernorm.weight", REPLICATED),
+        ("pre_mlp_layernorm.bias", REPLICATED),
         ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
         ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
         ("mlp.linear_fc1.weight", GATED),
@@ -60,6 +70,8 @@ LOCAL_SPEC = (
             ("linear_fc2.weight", ROW),
             ("linear_fc2.bias", REPLICATED),
         )),
+        ("mlp.shared_experts.linear_fc1.weight", GATED),
+        ("mlp.shared_experts.linear_fc2.weight", ROW),
     )),
     ("decoder.final_layernorm.weight", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
@@ -67,11 +79,18 @@ LOCAL_SPEC = (
 )
 """GPTModel with megatron-core's local spec, params in registration order under their torch_dist
 keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
-`pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`): the order `named_parameters` gives,
-which the DDP buffer reverses. A nested table repeats per layer (`decoder.layers.` stacks
-[L, …]) and, inside it, per expert (SequentialMLP's `local_experts.<e>`, saved as stacks of
-stacks [L, E, …]): expert by expert, each expert's params in its order. `GATED` is fc1:
-SwiGLU's `[W; V]` when its rows are twice fc2's columns, else column-parallel."""
+`pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`; the multi-latent attention spec keeps
+both norms' own names): the order `named_parameters` gives, which the DDP buffer reverses. A
+nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys
+`decoder.layers.<l>.…` where layers differ) and, inside it, per expert (SequentialMLP's
+`local_experts.<e>`, saved as stacks [E, …]): expert by expert, each expert's params in its
+order, the shared experts after them. MLA's projections are the local spec's ColumnParallel
+linears (Transformer Engine's down projections are duplicated instead: a bucket of that spec
+does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
+fc2's columns, else column-parallel."""
+BUFFERS = ("mlp.router.expert_bias",)
+"""Model tensors that are buffers, not params: in no DDP buffer, with no optimizer state."""
+_INDEX = re.compile(r"(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -106,7 +125,7 @@ def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int, int, int], dict[str, Ten
 
 def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalParam]:
     """The model's params in megatron-core's registration order (`LOCAL_SPEC`), refusing any
-    model key the spec has no place for (another spec, heterogeneous layers: their order is not known)."""
+    model key the spec has no place for (another spec: its order is not known)."""
     known: set[str] = set()
 
     def expand(prefix: str, table: tuple, lead: tuple[int, ...]) -> list[LocalParam]:
@@ -114,15 +133,8 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalPara
         for name, kind in table:
             key = prefix + name
             if isinstance(kind, tuple):
-                present = [k for k in _leaves(kind, key) if k in model_keys]
-                lengths = {ckpt.tensors[k].shape[len(lead)] if len(ckpt.tensors[k].shape) > len(lead) else -1
-                           for k in present}
-                stack = next(iter(lengths)) if present else 0
-                if len(lengths) > 1 or stack < 0:
-                    raise CheckpointError(ckpt.path, f"stacks under {key} differ in length (or are 0-d): "
-                                                     "dp_reshardable buckets are rebuilt for homogeneous stacks only")
-                for i in range(stack):
-                    out += expand(key, kind, (*lead, i))
+                for inner_lead, inner_prefix in _indices(ckpt, key, kind, lead, model_keys):
+                    out += expand(inner_prefix, kind, inner_lead)
             elif key in model_keys:
                 known.add(key)
                 gated = kind == GATED and _swiglu(ckpt, key.rpartition("linear_fc1.")[0])
@@ -134,9 +146,29 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalPara
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
                                          " has no place in megatron-core's local GPT spec, whose parameter order "
-                                         "rebuilds dp_reshardable buckets (other specs and per-layer keys are not "
-                                         "known yet)")
+                                         "rebuilds dp_reshardable buckets (other specs are not known yet)")
     return order
+
+
+def _indices(ckpt: Checkpoint, key: str, table: tuple, lead: tuple[int, ...], model_keys: set[str]
+             ) -> list[tuple[tuple[int, ...], str]]:
+    """Each repeat of nested `table` under `key` as (lead, key prefix): one per row of its stacks
+    (lead grows by the row), or one per index of its per-index keys `<key><i>.…` (lead kept)."""
+    present = [k for k in _leaves(table, key) if k in model_keys]
+    found = {int(m[1]) for k in model_keys if k.startswith(key) and (m := _INDEX.match(k, len(key)))}
+    if present and found:
+        raise CheckpointError(ckpt.path, f"{key}: both stacked and per-index keys; dp_reshardable buckets are rebuilt "
+                                         "for one or the other")
+    if found:
+        if sorted(found) != list(range(len(found))):
+            raise CheckpointError(ckpt.path, f"{key}<i>: indices {sorted(found)[:8]} are not 0…{len(found) - 1}")
+        return [(lead, f"{key}{i}.") for i in range(len(found))]
+    lengths = {ckpt.tensors[k].shape[len(lead)] if len(ckpt.tensors[k].shape) > len(lead) else -1 for k in present}
+    stack = next(iter(lengths)) if present else 0
+    if len(lengths) > 1 or stack < 0:
+        raise CheckpointError(ckpt.path, f"stacks under {key} differ in length (or are 0-d): "
+                                         "dp_reshardable buckets are rebuilt for homogeneous stacks only")
+    return [((*lead, i), key) for i in range(stack)]
 
 
 def _leaves(table: tuple, prefix: str) -> list[str]:

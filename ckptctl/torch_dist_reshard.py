@@ -28,7 +28,7 @@ from ckptctl.formats.megatron_args import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
-from ckptctl.megatron_buckets import Bucket, layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron_buckets import BUFFERS, Bucket, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed
@@ -139,7 +139,7 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     only: `megatron_buckets`)."""
     tp = _tp(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
-    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.") and not k.endswith(BUFFERS)}
     return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp)
 
 

@@ -70,8 +70,12 @@ BUCKETS_016 = ("llama", 2, 2, 1000)
 """The same saved by the venv's megatron-core 0.16.1 (the common state in `common.pt`)."""
 MOE = ("qwen3-moe", 2, 1, 0)
 """A Qwen3-MoE at TP 2 (SequentialMLP experts in the dense buffer, q/k norms, a router)."""
+DEEPSEEK = ("deepseek-v3", 2, 1, 1000, "0.19")
+"""A DeepSeek-V3 at TP 2 with 1,000-element buckets (megatron-core 0.19.2): multi-latent attention,
+a dense layer then a MoE one (per-layer keys), a shared expert, the router's expert bias (a
+buffer: no optimizer state)."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
-           pytest.param(MOE, marks=pytest.mark.full)]
+           pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=needs("0.19"))]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -124,7 +128,7 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
     from ckptctl.megatron_buckets import layout_buckets, registration_order
 
     ckpt = open_checkpoint(saved[case] / "dp_reshardable")
-    model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
+    model = {k for k in ckpt.tensors if not k.startswith("optimizer.") and not k.endswith("expert_bias")}
     got = {(b.tp_rank, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params]
            for b in layout_buckets(ckpt, registration_order(ckpt, model), case[1])}
     record = json.loads((saved[case] / "buffers.json").read_text())
@@ -138,8 +142,10 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
             rows = []
             for name in bucket["params"]:
                 p = params[name]
+                key = p["sharded"]["key"]  # a per-layer key names its layer: the lead is what the key leaves out
                 lead = tuple(int(i) for i in re.findall(r"(?:layers|local_experts)\.(\d+)\.", name))
-                rows.append((p["sharded"]["key"], lead, p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
+                lead = lead[len(re.findall(r"layers\.(\d+)\.", key)):]
+                rows.append((key, lead, p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
             want[(rank["tp_rank"], bucket["bucket_id"])] = rows
     assert got == want
 
@@ -492,6 +498,33 @@ def test_a_moe_rewrite_resumes_at_another_tp_with_the_saved_runs_loss(saved, tmp
     want = torch.load(saved[MOE] / "loss.pt")
     got = megatron_optim.load(out, 1, 2, tmp_path / "loss.pt", kind="qwen3-moe")
     assert (got["step"], got["after_step"]) == (want["step2"], want["after_step2"])
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_a_deepseek_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_path):
+    """Per-layer keys, MLA, a shared expert and the expert bias: every rebuilt param state is its
+    weight, and megatron-core's own load of the output resumes the saved run bit for bit at its TP,
+    and at TP 1 × DP 2 (which the bucketed source cannot load at) takes the same step. (Its loss
+    after that step differs in the 7th digit there: MLA's TP-split down projections sum their
+    input gradients in another order at TP 1.)"""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[DEEPSEEK] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 28 and "optimizer.state.param.decoder.layers.1.mlp.router.expert_bias" not in got
+    for key, value in params.items():
+        assert torch.equal(value, got[key[len("optimizer.state.param."):]]), key
+    want = torch.load(saved[DEEPSEEK] / "loss.pt")
+    same_tp = megatron_optim.load(out, 2, 1, tmp_path / "tp2.pt", kind="deepseek-v3", mcore="0.19")
+    assert (same_tp["sharding_type"], same_tp["step"], same_tp["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
+    other_tp = megatron_optim.load(out, 1, 2, tmp_path / "tp1.pt", kind="deepseek-v3", mcore="0.19")
+    assert other_tp["step"] == want["step2"]
+    assert other_tp["after_step"] == pytest.approx(want["after_step2"], rel=1e-6)
 
 
 @pytest.mark.full
