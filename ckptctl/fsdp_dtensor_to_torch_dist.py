@@ -15,14 +15,16 @@ written without torch), and `metadata.json`.
 
 Module names differ from torch_dist's keys where the model spec maps them
 (`sharded_state_dict_keys_map`): megatron-core's local spec saves `input_layernorm.` as
-`self_attention.linear_qkv.layer_norm_` and `pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_`;
+`self_attention.linear_qkv.layer_norm_` and `pre_mlp_layernorm.` as `mlp.linear_fc1.layer_norm_`
+(but in its multi-latent attention layers, whose names are the keys: `fsdp_dtensor_names.layer_names`);
 Transformer Engine's spec maps only its fused-op MLPs and MLA's fused norms (refused here), its
 other modules carry the key names themselves (megatron-core 0.19.2's spec code: TE itself needs
 CUDA, so that spec is read, not run). The spec comes from `args.transformer_impl`. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state`, which Megatron-FSDP does not
-save (resume with `--dist-ckpt-strictness log_all`). Anything else not named here is refused, as
-are MTP, MLA, GDN and Mamba layers, pipeline stages and flat (CPU-offloaded) optimizer states,
-which are not converted yet.
+save (resume with `--dist-ckpt-strictness log_all`). The router's expert bias is a buffer: a model
+tensor kept in its own dtype, with no optimizer state or group. Anything else not named here is
+refused, as are MTP, Transformer Engine's MLA, GDN and Mamba layers, pipeline stages and flat
+(CPU-offloaded) optimizer states, which are not converted yet.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ from ckptctl.formats.megatron_args import COMMON, decoded_item
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.fsdp_dtensor_names import (
-    COMMON_ITEMS, DROPPED_ROOTS, GROUP_META, GROUPED_EXPERT, LAYER, LOCAL_EXPERT, LOCAL_SPEC_NAMES, MODEL_PREFIX,
-    SCHEDULER, STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, model_spec,
+    COMMON_ITEMS, DROPPED_ROOTS, GROUP_META, GROUPED_EXPERT, LAYER, LOCAL_EXPERT, MODEL_PREFIX, SCHEDULER,
+    STATE_PREFIX, SWIGLU_PART, LayerNames, layer_names,
 )
+from ckptctl.megatron import BUFFERS
 from ckptctl.model import Checkpoint
 from ckptctl.geometry import Box
 from ckptctl.placement import Placed, fsdp2
@@ -91,18 +94,24 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     if pp != 1:  # Megatron-FSDP's names of a stage's layers are not known
         raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
                                          "not converted to torch_dist yet")
-    spec = model_spec(ckpt, args)
+    spec = layer_names(ckpt, args)
+    for part, what in spec.unsupported:
+        found = next((n for n in names if part in n), None)
+        if found is not None:
+            raise CheckpointError(ckpt.path, f"{names[found]}: {what} are not converted to torch_dist yet")
     keys = _torch_dist_keys(ckpt, names, spec)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
-    states, steps = _optimizer_states(ckpt, names)
+    params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # buffers have no optimizer state
+    states, steps = _optimizer_states(ckpt, params)
     model_dtype = bfloat16 if getattr(args, "bf16", False) is True else float16 if getattr(args, "fp16", False) is True \
         else None
     views: dict[str, SourceTensor] = {}
     targets: list[TargetTensor] = []
     placements: dict[str, list[Placed]] = {}
     for key in keys.values():
-        made = [_target(ckpt, key, key.key, names, views, model_dtype)]
-        if states:
+        buffer = key.key.endswith(BUFFERS)  # kept in its own dtype (fp32: the router's expert bias)
+        made = [_target(ckpt, key, key.key, names, views, None if buffer else model_dtype)]
+        if states and not buffer:
             made.append(_target(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None))
             made += [_target(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
                      for state in ("exp_avg", "exp_avg_sq")]
@@ -111,7 +120,7 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
                 fsdp2(target.shape, world_size)
         targets += made
     out = layout_dcp(targets, placements, views, [], None)
-    common = _common_state(ckpt, reader, args, _param_groups(ckpt, reader, names, steps) if states else None)
+    common = _common_state(ckpt, reader, args, _param_groups(ckpt, reader, params, steps) if states else None)
     try:
         out.extra_files = {COMMON: encode_value(common), "metadata.json": json.dumps(TORCH_DIST_MARKER).encode()}
     except UnsafePickleError as exc:
@@ -168,14 +177,10 @@ def _model_names(ckpt: Checkpoint) -> dict[str, str]:
     if not any(n.startswith("decoder.layers.") for n in names):
         raise CheckpointError(ckpt.path, "no model.module.decoder.layers.<i>.… tensors: not a Megatron-FSDP "
                                          "fsdp_dtensor checkpoint")
-    for part, what in UNSUPPORTED:
-        found = next((n for n in names if part in n), None)
-        if found is not None:
-            raise CheckpointError(ckpt.path, f"{names[found]}: {what} are not converted to torch_dist yet")
     return names
 
 
-def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: str) -> dict[str, _Key]:
+def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) -> dict[str, _Key]:
     """Every torch_dist key and the module-named params it is built from (all of them, each once)."""
     per_layer: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     parsed = {}
@@ -184,8 +189,7 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: str) -> dict
         match = LAYER.match(name)
         if match:
             layer, rest = (match["ns"], int(match["index"])), match["rest"]
-            if spec == "local":
-                rest = next((new + rest[len(old):] for old, new in LOCAL_SPEC_NAMES if rest.startswith(old)), rest)
+            rest = spec.to_key(rest)
         part = None
         swiglu = SWIGLU_PART.match(rest)
         if swiglu:
@@ -259,7 +263,8 @@ def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:
 
 def _optimizer_states(ckpt: Checkpoint, names: dict[str, str]) -> tuple[dict[str, dict[str, str]], dict[str, str]]:
     """Adam's moments by state, then module name → source FQN; and each param's `step` FQN. Either
-    every model param has both moments or none has (a model-only checkpoint)."""
+    every param of `names` (the model's, buffers aside) has both moments or none has (a model-only
+    checkpoint)."""
     states: dict[str, dict[str, str]] = {"exp_avg": {}, "exp_avg_sq": {}}
     steps: dict[str, str] = {}
     for fqn in ckpt.tensors:
@@ -268,7 +273,7 @@ def _optimizer_states(ckpt: Checkpoint, names: dict[str, str]) -> tuple[dict[str
             continue
         name, state = match["name"], match["state"]
         if name not in names:
-            raise CheckpointError(ckpt.path, f"{fqn}: optimizer state of {name}, which the model does not have")
+            raise CheckpointError(ckpt.path, f"{fqn}: optimizer state of {name}, which is not a param of the model")
         entry = ckpt.tensors[fqn]
         if state == "step":
             steps[name] = fqn

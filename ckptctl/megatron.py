@@ -14,6 +14,10 @@ from typing import Sequence
 from ckptctl.errors import UsageError
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
+BUFFERS = (".mlp.router.expert_bias",)
+"""Megatron-Core model tensors that are persistent buffers, not params (the router's aux-loss-free
+load-balancing bias): in no DDP buffer, with no optimizer state or group; a layer stack of them in
+torch_dist, a whole plain tensor per layer in fsdp_dtensor."""
 
 
 @dataclass(frozen=True)

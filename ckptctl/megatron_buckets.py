@@ -88,8 +88,6 @@ order, the shared experts after them. MLA's projections are the local spec's Col
 linears (Transformer Engine's down projections are duplicated instead: a bucket of that spec
 does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
 fc2's columns, else column-parallel."""
-BUFFERS = ("mlp.router.expert_bias",)
-"""Model tensors that are buffers, not params: in no DDP buffer, with no optimizer state."""
 _INDEX = re.compile(r"(\d+)\.")
 
 

@@ -28,7 +28,8 @@ from ckptctl.formats.megatron_args import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
-from ckptctl.megatron_buckets import BUFFERS, Bucket, layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron import BUFFERS
+from ckptctl.megatron_buckets import Bucket, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed

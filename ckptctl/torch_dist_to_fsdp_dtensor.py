@@ -22,6 +22,8 @@ not carried over (resume with `--no-load-rng`), nor `_extra_state` (Megatron-FSD
 A `dp_reshardable` optimizer (megatron-core 0.19's default) is read from its buckets in place,
 as the torch_dist rewrite reads them (`megatron_buckets`: local spec, one buffer); 0.15's
 `fully_sharded_model_space` is rewritten first (`ckptctl reshard SRC MID`).
+The router's expert bias, a persistent buffer, is written whole (as Megatron-FSDP saves a buffer)
+with no optimizer state or group.
 A checkpoint saved with `singleton_local_shards` (a key per layer and per expert, fc1 as
 `weight_w` / `weight_v`) converts to the same output as its stacks; one saved by pipeline stages
 (its layer indices are global) converts to one stage.
@@ -44,9 +46,10 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.megatron_args import CommonState
 from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
-from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, LOCAL_SPEC_NAMES, SWIGLU_PART, UNSUPPORTED, \
-    model_spec, optimizer_prefix
+from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, SWIGLU_PART, LayerNames, layer_names, optimizer_prefix
+from ckptctl.geometry import full_box
 from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_layer_stacked
+from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import Window, block_places, bucket_windows, window_view
 from ckptctl.megatron_tp import tp_dp_grid
 from ckptctl.model import Checkpoint
@@ -97,14 +100,14 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     args = common.state.get("args")
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(ckpt.path, f"{common.where}: no Megatron args: the model spec is unknown")
-    spec = model_spec(ckpt, args)
+    spec = layer_names(ckpt, args)
     if type(getattr(args, "swiglu", None)) is not bool:
         raise CheckpointError(ckpt.path, f"args.swiglu is {getattr(args, 'swiglu', None)!r:.64}: whether fc1 is gated "
                                          "(saved split into weight_w / weight_v) is not known")
     tp, dp = tp_dp_grid(ckpt, args, tp, dp, world_size)
     _check_tp(ckpt, args, tp)
     states = fmt is not None
-    params = _params(ckpt, args, spec, fmt)
+    params, buffers = _params(ckpt, args, spec, fmt)
     if fmt == "dp_reshardable":
         saved_tp, buckets = dp_reshardable_buckets(ckpt, common, args)
         source: _Stacked | _Buckets = _Buckets(ckpt, bucket_windows(ckpt, buckets, saved_tp))
@@ -124,6 +127,10 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
         for fqn, state in made:
             targets.append(source.target(fqn, state, p, views))
             placements[fqn] = placed
+    for b in buffers:  # whole on every rank, saved once
+        fqn = f"model.module.{b.name}"
+        targets.append(_Stacked(ckpt, False).target(fqn, "param", b, views))
+        placements[fqn] = [Placed(0, full_box(b.shape))]
     planner: dict[str, Any] = {t.fqn: _path(t.fqn, prefix) for t in targets}
     items = _common_items(ckpt, common, args, tp, dp)
     if states:
@@ -202,20 +209,28 @@ def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
                          "not done yet")
 
 
-def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | None) -> list[_Param]:
-    """Every param of the model, each once, from the torch_dist keys; every other entry is claimed
-    (an optimizer state of a model key, a bucket) or dropped by name, or the checkpoint is refused."""
+def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
+            fmt: str | None) -> tuple[list[_Param], list[_Param]]:
+    """Every param of the model, each once, and every persistent buffer (no optimizer state), from
+    the torch_dist keys; every other entry is claimed (an optimizer state of a model param, a
+    bucket) or dropped by name, or the checkpoint is refused."""
     model = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
     buckets = TORCH_DIST_BUCKETS if fmt == "dp_reshardable" else None
     unknown = [k for k in ckpt.tensors if k.startswith("optimizer.") and not (
-        (buckets and k.startswith(buckets)) or ((m := STATE_KEY.match(k)) and m["key"] in ckpt.tensors))]
+        (buckets and k.startswith(buckets))
+        or ((m := STATE_KEY.match(k)) and m["key"] in ckpt.tensors and not m["key"].endswith(BUFFERS)))]
     unknown += [k for k in ckpt.bytes_entries if not (DROPPED_ITEMS.search(k) or (buckets and k.startswith(buckets)))]
     if unknown:
         raise CheckpointError(ckpt.path, f"{len(unknown)} entries of no known torch_dist kind, e.g. {unknown[0]!r}: "
                               "not converted (nothing is dropped unnamed)")
     params: list[_Param] = []
+    buffers: list[_Param] = []
     for key in model:
         entry = ckpt.tensors[key]
+        if key.endswith(BUFFERS):
+            buffers += [_Param(name, name, key, lead, 0, tuple(entry.shape[len(lead):]), tuple(entry.shape[len(lead):]))
+                        for lead, name in _names(ckpt, args, spec, key)]
+            continue
         if fmt == "fully_reshardable":
             for s in ("param", "exp_avg", "exp_avg_sq"):
                 state = ckpt.tensors.get(f"optimizer.state.{s}.{key}")
@@ -225,13 +240,13 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: str, fmt: str | No
         for lead, name in _names(ckpt, args, spec, key):
             params += _halves(ckpt, args, key, lead, name, tuple(entry.shape[len(lead):]))
     for p in params:
-        for part, what in UNSUPPORTED:
+        for part, what in spec.unsupported:
             if part in p.name:
                 raise CheckpointError(ckpt.path, f"{p.key}: {what} are not converted to fsdp_dtensor yet")
-    return params
+    return params, buffers
 
 
-def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> list[tuple[tuple[int, ...], str]]:
+def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, key: str) -> list[tuple[tuple[int, ...], str]]:
     """(index along the stacked dims, module name) of each param torch_dist key `key` holds."""
     entry = ckpt.tensors[key]
     if key.startswith(STACK) and not key[len(STACK)].isdigit():
@@ -242,7 +257,7 @@ def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> l
             layers, experts = entry.shape[:2]
             return [((layer, e), f"{STACK}{layer}.{_expert(args, rest[len(EXPERTS):], e)}")
                     for layer in range(layers) for e in range(experts)]
-        return [((layer,), f"{STACK}{layer}.{_module(spec, rest)}") for layer in range(entry.shape[0])]
+        return [((layer,), f"{STACK}{layer}.{spec.to_module(rest)}") for layer in range(entry.shape[0])]
     match = LAYER.match(key)
     if match and match["ns"] == "decoder.layers":
         rest = match["rest"]
@@ -252,15 +267,8 @@ def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: str, key: str) -> l
             if index.isdigit():  # a key per expert (singleton local shards)
                 return [((), f"{head}.{_expert(args, param, int(index))}")]
             return [((e,), f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
-        return [((), f"{STACK}{match['index']}.{_module(spec, rest)}")]
+        return [((), f"{STACK}{match['index']}.{spec.to_module(rest)}")]
     return [((), key)]
-
-
-def _module(spec: str, rest: str) -> str:
-    """A layer's module name for the rest of its torch_dist key (the local spec renames its norms)."""
-    if spec == "local":
-        return next((old + rest[len(new):] for old, new in LOCAL_SPEC_NAMES if rest.startswith(new)), rest)
-    return rest
 
 
 def _expert(args: argparse.Namespace, param: str, index: int) -> str:

@@ -432,6 +432,31 @@ def test_a_moe_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_of_its_sta
 
 
 @needs("0.19")
+@pytest.mark.full
+def test_a_deepseek_converted_to_megatron_fsdp_is_what_megatron_fsdp_saves_and_converts_back(saved, tmp_path):
+    """DeepSeek-V3 at TP 2 (local spec: MLA's projections and norms keep their module names,
+    per-layer keys, a shared expert): each param as Megatron-FSDP names and groups it, and the
+    router's expert bias, a buffer, as the whole plain tensor Megatron-FSDP's save holds, with no
+    optimizer state; from the buckets in place too. Converted back to torch_dist it is the
+    rewrite again, tensor for tensor."""
+    from fixtures import megatron_fsdp_dtensor
+
+    rewrite, save = tmp_path / "rewrite", tmp_path / "save"
+    run = run_cli("reshard", saved[DEEPSEEK] / "dp_reshardable", rewrite)
+    assert run.returncode == 0, run.stderr
+    megatron_fsdp_dtensor.write(rewrite, saved[DEEPSEEK] / "buffers.json", save, 2, 1)
+    got, want = _converted_is_megatron_fsdps_save(rewrite, save, tmp_path / "o", 34, "--dp", "1")
+    bias = "model.module.decoder.layers.1.mlp.router.expert_bias"
+    assert torch.equal(got[bias], _load(rewrite)["decoder.layers.1.mlp.router.expert_bias"])
+    assert not [k for k in got if k.startswith("optimizer.") and "expert_bias" in k]
+    _converted_is_megatron_fsdps_save(saved[DEEPSEEK] / "dp_reshardable", save, tmp_path / "direct", 34, "--dp", "1")
+    run = run_cli("reshard", tmp_path / "o", tmp_path / "back", "--layout", "torch-dist", "--world-size", "2")
+    assert run.returncode == 0, run.stderr
+    back, source = _load(tmp_path / "back"), _load(rewrite)
+    assert sorted(back) == sorted(source) and all(torch.equal(back[k], source[k]) for k in source)
+
+
+@needs("0.19")
 def test_a_torch_dist_checkpoint_is_converted_to_megatron_fsdp_only_when_its_groups_are_known(saved, rebuilt,
                                                                                               tmp_path):
     """Which group each param was in is not saved in torch_dist: it is derived by megatron-core's
