@@ -74,6 +74,10 @@ OPTIMIZER_ROOTS = ("optim.state.", "optimizer.state.")
 OPTIMIZER_GROUP_ROOTS = ("optim.", "optimizer.")
 """Everything under these belongs to the optimizer (states, param groups, group meta)."""
 
+CHAINED_OPTIMIZER = re.compile(r"chained_(\d+)\.(?=optimizer\.)")
+"""megatron-core's ChainedOptimizer (a MoE's dense and expert optimizers, under expert
+parallelism) saves each optimizer's `dp_reshardable` entries under `chained_<i>.optimizer.…`."""
+
 TRAINING_STATE_ROOTS = frozenset({"args", "iteration", "checkpoint_version", "extra", "rng", "rng_state",
                                   "lr_scheduler", "dataloader", "train_state"})
 """Top-level entries that hold training bookkeeping, never model weights (Megatron's `args`,
@@ -85,7 +89,8 @@ TORCH_DIST_STATES = ("param", "fp32_param", "exp_avg", "exp_avg_sq")
 `optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight`."""
 
 TORCH_DIST_BUCKETS = "optimizer.distributed."
-"""Where torch_dist's `dp_reshardable` format keeps its DP bucket buffers."""
+"""Where torch_dist's `dp_reshardable` format keeps its DP bucket buffers (after `chained_<i>.`
+for each optimizer of a ChainedOptimizer)."""
 
 TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS),
                       ("fully_sharded_model_space", "optimizer.state.fp32_param."),
@@ -206,8 +211,21 @@ def split_torch_dist_state(fqn: str) -> StateName | None:
     return StateName("optimizer.state.", param, state) if dot and param and state in TORCH_DIST_STATES else None
 
 
+def is_optimizer_entry(fqn: str) -> bool:
+    """Whether `fqn` belongs to an optimizer (`OPTIMIZER_GROUP_ROOTS`, or a chained optimizer's)."""
+    return fqn.startswith(OPTIMIZER_GROUP_ROOTS) or CHAINED_OPTIMIZER.match(fqn) is not None
+
+
+def is_torch_dist_bucket(fqn: str) -> bool:
+    """Whether `fqn` is a `dp_reshardable` entry: a bucket buffer, its sizes or its param groups."""
+    chained = CHAINED_OPTIMIZER.match(fqn)
+    return fqn.startswith(TORCH_DIST_BUCKETS, chained.end() if chained else 0)
+
+
 def torch_dist_optimizer_format(names: Collection[str]) -> str | None:
     """Which DistributedOptimizer format a torch_dist checkpoint's keys hold, or None (no optimizer state)."""
+    if any(map(is_torch_dist_bucket, names)):
+        return "dp_reshardable"
     return next((name for name, root in TORCH_DIST_FORMATS if any(n.startswith(root) for n in names)), None)
 
 
@@ -301,7 +319,7 @@ def _model_prefix(fqn: str) -> str:
 
 def _group(fqn: str, model_prefix: str | None, params: set[str]) -> str:
     """Optimizer keys by root; model keys under the checkpoint's model prefix or named by a state."""
-    if fqn.startswith(OPTIMIZER_GROUP_ROOTS):
+    if is_optimizer_entry(fqn):
         return "optimizer"
     if _bookkeeping(fqn):
         return "other"
@@ -362,7 +380,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     param_of = {fqn: (state.param if state.param in names else None) if stacked else find_param(names, fqn)
                 for fqn, state in states.items()}
     params = {p for p in param_of.values() if p is not None}
-    seen = Counter(_model_prefix(f) for f in names if not f.startswith(OPTIMIZER_GROUP_ROOTS) and not _bookkeeping(f))
+    seen = Counter(_model_prefix(f) for f in names if not is_optimizer_entry(f) and not _bookkeeping(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
 
     reports: list[TensorReport] = []
@@ -398,7 +416,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
 def _torch_dist_layout(entry: TensorEntry, param: TensorEntry | None) -> tuple[str, int | None]:
     """A torch_dist entry's layout: its optimizer buckets and model-space fragments by name, layer
     stacks by their chunks, the rest by geometry."""
-    if entry.fqn.startswith(TORCH_DIST_BUCKETS) and len(entry.shape) == 1:
+    if is_torch_dist_bucket(entry.fqn) and len(entry.shape) == 1:
         return "bucketed", None
     if param is not None and entry.shape != param.shape and entry.numel == param.numel:
         return "model-space", None

@@ -24,14 +24,17 @@ import re
 from dataclasses import dataclass
 
 from ckptctl.errors import CheckpointError
+from ckptctl.megatron import is_expert
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor
 
 ALIGN = 64
 """megatron-core pads each param's start in a DistributedOptimizer buffer to 64 elements."""
 
-BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\(([^)]*)\)"
-                    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)"
+                    r"\.dtype_\(([^)]*)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
+"""A bucket state: (chained optimizer, DP group, buffer, dtypes, bucket, state); a ChainedOptimizer
+(a MoE's dense and expert optimizers under expert parallelism) prefixes each its own `chained_<i>.`."""
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
 
@@ -109,15 +112,30 @@ class Bucket:
     number: int
     entries: dict[str, TensorEntry]
     params: tuple[tuple[LocalParam, int, int], ...]
+    chain: int | None = None
+    """Its optimizer in a ChainedOptimizer (None: one optimizer)."""
+    group: int = 0
+    """Its optimizer's `dp_group_idx`: the TP rank, or for the expert optimizer EP rank × TP + TP rank."""
 
 
-def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int, int, int], dict[str, TensorEntry]]:
-    """(TP rank, buffer, bucket) → state → the saved 1-D bucket tensor."""
-    out: dict[tuple[int, int, int], dict[str, TensorEntry]] = {}
+@dataclass(frozen=True)
+class Optimizer:
+    """One DistributedOptimizer whose buckets are rebuilt: its `chained_<i>.` index (None when the
+    checkpoint has one optimizer), and which params it holds: all (None), the experts (True) or
+    the rest (False)."""
+
+    chain: int | None
+    experts: bool | None
+
+
+def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int | None, int, int, int], dict[str, TensorEntry]]:
+    """(chained optimizer, DP group, buffer, bucket) → state → the saved 1-D bucket tensor."""
+    out: dict[tuple[int | None, int, int, int], dict[str, TensorEntry]] = {}
     for fqn, entry in ckpt.tensors.items():
         m = BUCKET.fullmatch(fqn)
         if m is not None:
-            out.setdefault((int(m[1]), int(m[2]), int(m[4])), {})[m[5]] = entry
+            chain = None if m[1] is None else int(m[1])
+            out.setdefault((chain, int(m[2]), int(m[3]), int(m[5])), {})[m[6]] = entry
     return out
 
 
@@ -192,48 +210,84 @@ def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ..
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
-def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int) -> list[Bucket]:
-    """Each TP rank's buckets with their params, as megatron-core lays them out: reverse
-    registration order, starts padded to `ALIGN`, a bucket closing where its saved length ends."""
+def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
+                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1) -> list[Bucket]:
+    """Each optimizer's buckets with their params, per DP group, as megatron-core lays them out:
+    reverse registration order, starts padded to `ALIGN`, a bucket closing where its saved length
+    ends. A dense optimizer's groups are the TP ranks; an expert optimizer's are EP rank × TP + TP
+    rank, each holding its EP rank's share of every layer's experts (expert TP = TP)."""
     saved = bucket_entries(ckpt)
-    buffers = {buffer for _, buffer, _ in saved}
+    chains = {chain for chain, _, _, _ in saved}
+    if chains != {o.chain for o in optimizers}:
+        raise CheckpointError(ckpt.path, f"dp_reshardable optimizers {sorted(chains, key=str)}, expected "
+                                         f"{sorted((o.chain for o in optimizers), key=str)}")
+    buffers = {buffer for _, _, buffer, _ in saved}
     if buffers != {0}:
-        raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer (one param and "
-                                         "grad dtype, no expert-parallel buffer) is rebuilt yet")
-    ranks = sorted({rank for rank, _, _ in saved})
-    if len(ranks) != tp or ranks != list(range(len(ranks))):  # args say tp: never build a list of its size
-        raise CheckpointError(ckpt.path, f"dp_reshardable groups {ranks}, expected one per TP rank 0…{tp - 1} "
-                                         "(pipeline parallelism is not rebuilt yet)")
+        raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer per optimizer "
+                                         "(one param and grad dtype) is rebuilt yet")
     out = []
-    for rank in ranks:
-        numbers = sorted(b for r, _, b in saved if r == rank)
-        if numbers != list(range(len(numbers))):
-            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: buckets {numbers} are not numbered 0…")
-        params, next_param = list(reversed(order)), 0
-        for b in numbers:
-            entries = saved[(rank, 0, b)]
-            if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
-                raise CheckpointError(ckpt.path, f"dp_group_idx_{rank} bucket {b} holds {sorted(entries)}, "
-                                                 "expected param, exp_avg and exp_avg_sq (Adam)")
-            length = _one_length(ckpt, entries)
-            placed, cursor = [], 0
-            while cursor < length and next_param < len(params):
-                param = params[next_param]
-                next_param += 1
-                start = -(-cursor // ALIGN) * ALIGN
-                cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
-                placed.append((param, start, cursor))
-            if cursor != length:
-                where = f"{placed[-1][0].key} ends at {cursor}" if placed else "no param is left for it"
-                raise CheckpointError(ckpt.path, f"dp_group_idx_{rank} bucket {b} is {length} elements but {where} "
-                                                 "in megatron-core's local GPT spec order: another model spec or "
-                                                 "megatron-core version")
-            _check_chunks(ckpt, entries, placed)
-            out.append(Bucket(rank, b, entries, tuple(placed)))
-        if next_param < len(params):
-            raise CheckpointError(ckpt.path, f"dp_group_idx_{rank}: {len(params) - next_param} params "
-                                             f"({params[next_param].key} first) are in no bucket: another model spec "
-                                             "or megatron-core version")
+    for optimizer in optimizers:
+        held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
+        share = _expert_share(ckpt, held, ep) if optimizer.experts else 0
+        count = tp * (ep if optimizer.experts else 1)
+        groups = sorted({group for chain, group, _, _ in saved if chain == optimizer.chain})
+        if len(groups) != count or groups != list(range(count)):  # args say tp and ep: never build a list that long
+            raise CheckpointError(ckpt.path, f"{_prefix(optimizer)}dp_group_idx_<g>: groups {groups[:8]}, expected one "
+                                             f"per {'EP × TP' if optimizer.experts else 'TP'} rank 0…{count - 1} "
+                                             "(pipeline parallelism is not rebuilt yet)")
+        for group in groups:
+            ep_rank, tp_rank = divmod(group, tp)
+            mine = [p for p in held if not optimizer.experts or p.lead[-1] // share == ep_rank]
+            out += _group_buckets(ckpt, saved, optimizer, group, tp_rank, mine, tp)
+    return out
+
+
+def _prefix(optimizer: Optimizer) -> str:
+    """How messages name a chained optimizer (nothing for the one optimizer of a checkpoint)."""
+    return "" if optimizer.chain is None else f"chained_{optimizer.chain}.optimizer.distributed."
+
+
+def _expert_share(ckpt: Checkpoint, experts: list[LocalParam], ep: int) -> int:
+    """How many of each layer's experts one EP rank holds."""
+    count = 1 + max((p.lead[-1] for p in experts if p.lead), default=-1)
+    if count == 0 or count % ep:
+        raise CheckpointError(ckpt.path, f"{count} experts per layer do not divide over EP {ep}")
+    return count // ep
+
+
+def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: int, tp_rank: int,
+                   order: list[LocalParam], tp: int) -> list[Bucket]:
+    """One DP group's buckets, filled with `order` reversed."""
+    where = f"{_prefix(optimizer)}dp_group_idx_{group}"
+    numbers = sorted(b for c, g, _, b in saved if c == optimizer.chain and g == group)
+    if numbers != list(range(len(numbers))):
+        raise CheckpointError(ckpt.path, f"{where}: buckets {numbers} are not numbered 0…")
+    out = []
+    params, next_param = list(reversed(order)), 0
+    for b in numbers:
+        entries = saved[(optimizer.chain, group, 0, b)]
+        if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
+            raise CheckpointError(ckpt.path, f"{where} bucket {b} holds {sorted(entries)}, "
+                                             "expected param, exp_avg and exp_avg_sq (Adam)")
+        length = _one_length(ckpt, entries)
+        placed, cursor = [], 0
+        while cursor < length and next_param < len(params):
+            param = params[next_param]
+            next_param += 1
+            start = -(-cursor // ALIGN) * ALIGN
+            cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
+            placed.append((param, start, cursor))
+        if cursor != length:
+            at = f"{placed[-1][0].key} ends at {cursor}" if placed else "no param is left for it"
+            raise CheckpointError(ckpt.path, f"{where} bucket {b} is {length} elements but {at} "
+                                             "in megatron-core's local GPT spec order: another model spec or "
+                                             "megatron-core version")
+        _check_chunks(ckpt, entries, placed)
+        out.append(Bucket(tp_rank, b, entries, tuple(placed), optimizer.chain, group))
+    if next_param < len(params):
+        raise CheckpointError(ckpt.path, f"{where}: {len(params) - next_param} params "
+                                         f"({params[next_param].key} first) are in no bucket: another model spec "
+                                         "or megatron-core version")
     return out
 
 

@@ -29,7 +29,7 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.hf.base import is_model_key, load_hf_config
 from ckptctl.hf.nemotron_h import Mamba
 from ckptctl.hf.qwen3_next import GatedDeltaNet
-from ckptctl.layout import MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, analysis, source_tensors, split_optimizer_fqn
+from ckptctl.layout import MODEL_PREFIXES, analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
 from ckptctl.hf.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.hf.rules import Family
 from ckptctl.megatron import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, is_expert, tp_blocked_split, tp_reblock
@@ -332,7 +332,7 @@ class MegatronPlanner:
                 self.param_of_state[fqn] = report.param
             else:
                 self.orphans.append(fqn)
-        self.params = [f for f in ckpt.tensors if not f.startswith(OPTIMIZER_GROUP_ROOTS)]
+        self.params = [f for f in ckpt.tensors if not is_optimizer_entry(f)]
         self.applied: list[Regroup] = []
 
     # -- lazily resolved facts -------------------------------------------------------

@@ -18,6 +18,7 @@ saved, never built. A checkpoint already `fully_reshardable` is copied the same 
 from __future__ import annotations
 
 import argparse
+import re
 
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_items import ItemReader
@@ -27,9 +28,9 @@ from ckptctl.formats.megatron_args import (
 )
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
-from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, source_tensors
+from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors
 from ckptctl.megatron import BUFFERS
-from ckptctl.megatron_buckets import Bucket, layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron_buckets import Bucket, Optimizer, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed
@@ -46,11 +47,11 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     common, new_common = None, None
     if fmt == "dp_reshardable":
         common = read_common(ckpt)
-        tp, buckets = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
+        tp, buckets, groups = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
         rebuilt, windows = model_space_targets(ckpt, buckets, tp)
         views.update(windows)
-        replaced = {k for k in ckpt.tensors if k.startswith(TORCH_DIST_BUCKETS)}
-        new_common = _fully_reshardable_common(ckpt, common, bucket_param_groups(ckpt, tp))
+        replaced = {k for k in ckpt.tensors if is_torch_dist_bucket(k)}
+        new_common = _fully_reshardable_common(ckpt, common, groups)
     elif fmt == "fully_sharded_model_space":
         rebuilt, windows, replaced = fragment_targets(ckpt)
         views.update(windows)
@@ -65,7 +66,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     targets = copied + rebuilt
     rewritten_item = common is not None and common.where == COMMON_STATE
     kept = [e for f, e in ckpt.bytes_entries.items()
-            if not f.startswith(TORCH_DIST_BUCKETS) and not (rewritten_item and f == COMMON_STATE)]
+            if not is_torch_dist_bucket(f) and not (rewritten_item and f == COMMON_STATE)]
     out = layout_dcp(targets, placements, views, kept, None)
     if common is not None and common.where == COMMON:
         extra[COMMON] = new_common
@@ -135,48 +136,89 @@ def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Na
                                            "for megatron-core's local spec ('local') only yet")
 
 
-def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, list[Bucket]]:
-    """The TP size, and the dp_reshardable buckets with the params laid out in them (local spec
-    only: `megatron_buckets`)."""
+def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace
+                           ) -> tuple[int, list[Bucket], dict[int | None, list]]:
+    """The TP size, the dp_reshardable buckets with the params laid out in them (local spec only:
+    `megatron_buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
+    the one optimizer of a checkpoint without a ChainedOptimizer)."""
     tp = _tp(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
-    model = {k for k in ckpt.tensors if not k.startswith("optimizer.") and not k.endswith(BUFFERS)}
-    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp)
+    groups = bucket_param_groups(ckpt)
+    optimizers, ep = _optimizers(ckpt, common, args, groups, tp)
+    model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
+    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep), groups
 
 
-def bucket_param_groups(ckpt: Checkpoint, tp: int) -> list:
-    """The optimizer's param groups, which every TP rank's `dp_group_idx_<r>.optimizer` item repeats."""
-    groups = []
+def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],
+                tp: int) -> tuple[tuple[Optimizer, ...], int]:
+    """Which params each saved optimizer holds, and the EP size: one optimizer holds them all; a
+    ChainedOptimizer of two (megatron-core's under expert parallelism, or an expert TP of its own)
+    holds the experts in the one whose param groups say `is_expert_parallel`."""
+    if set(groups) == {None}:
+        return (Optimizer(None, None),), 1
+    if set(groups) != {0, 1}:
+        raise CheckpointError(ckpt.path, f"chained optimizers {sorted(groups, key=str)}: a dense and an expert "
+                                         "one (0 and 1) are rebuilt")
+    roles = {chain: {g.get("is_expert_parallel") for g in found if isinstance(g, dict)} for chain, found in groups.items()}
+    if sorted(map(sorted, roles.values())) != [[False], [True]]:
+        raise CheckpointError(ckpt.path, "chained optimizers whose param groups are not one dense and one "
+                              f"expert-parallel optimizer (is_expert_parallel: {roles})")
+    ep, etp = getattr(args, "expert_model_parallel_size", None), getattr(args, "expert_tensor_parallel_size", None)
+    if type(ep) is not int or ep < 1:
+        raise _refusal(ckpt, common.where, f"args.expert_model_parallel_size is {ep!r:.64}")
+    if etp not in (None, tp):
+        raise _refusal(ckpt, common.where, f"args.expert_tensor_parallel_size is {etp!r:.64}, not the TP {tp}: "
+                                           "experts with a TP of their own are not rebuilt yet")
+    return tuple(Optimizer(chain, roles[chain] == {True}) for chain in sorted(groups)), ep
+
+
+GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1")
+"""Each DP group's copy of its optimizer's param groups."""
+
+
+def bucket_param_groups(ckpt: Checkpoint) -> dict[int | None, list]:
+    """Each optimizer's param groups (by `chained_<i>.` index, None without a ChainedOptimizer),
+    which every one of its DP groups' `dp_group_idx_<g>.optimizer` items repeats."""
+    found: dict[int | None, list] = {}
     with ItemReader(ckpt) as reader:
-        for rank in range(tp):
-            fqn = f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer/shard_0_1"
+        for fqn in ckpt.bytes_entries:
+            match = GROUPS_ITEM.fullmatch(fqn)
+            if match is None:
+                continue
             try:
-                value = decoded_item(ckpt, fqn, reader) if fqn in ckpt.bytes_entries else None
+                value = decoded_item(ckpt, fqn, reader)
             except UnsafePickleError as exc:
                 raise CheckpointError(ckpt.path, f"{fqn}: cannot decode it without running code ({exc})") from None
             if not (isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict)
                     and isinstance(value[0].get("param_groups"), list)):
-                raise CheckpointError(ckpt.path, f"{TORCH_DIST_BUCKETS}dp_group_idx_{rank}.optimizer: no param groups")
-            groups.append(value[0]["param_groups"])
-    if any(g != groups[0] for g in groups):
-        raise CheckpointError(ckpt.path, "the TP ranks saved different optimizer param groups")
-    return groups[0]
+                raise CheckpointError(ckpt.path, f"{fqn.partition('/')[0]}: no param groups")
+            chain = None if match[1] is None else int(match[1])
+            if found.setdefault(chain, value[0]["param_groups"]) != value[0]["param_groups"]:
+                raise CheckpointError(ckpt.path, f"{fqn.partition('/')[0]}: the DP groups of one optimizer saved "
+                                                 "different param groups")
+    if not found:
+        raise CheckpointError(ckpt.path, f"no {TORCH_DIST_BUCKETS}dp_group_idx_<g>.optimizer item: the optimizer's "
+                                         "param groups are unknown")
+    return dict(sorted(found.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
 
 
-def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_groups: list | None) -> bytes:
-    """The common state as megatron-core's `fully_reshardable` save writes it: the param groups under
-    `optimizer.optimizer` (`param_groups`, else those the common state holds there already), the
-    sharding type in the optimizer state and the content metadata; nothing else of the optimizer
+def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_groups: dict[int | None, list] | None
+                              ) -> bytes:
+    """The common state as megatron-core's `fully_reshardable` save writes it: each optimizer's
+    param groups under `optimizer.optimizer` (`param_groups` by chained index, a dict of them for
+    a ChainedOptimizer; else those the common state holds there already), the sharding type in
+    each optimizer state and the content metadata; nothing else of the optimizer
     (`fully_sharded_model_space` leaves rank 0's per-param steps in it, which are not a state of
     this format)."""
     state = common.state
     if param_groups is None:
         try:
-            param_groups = state["optimizer"]["optimizer"]["param_groups"]
+            param_groups = {None: state["optimizer"]["optimizer"]["param_groups"]}
         except (KeyError, TypeError):
             raise _refusal(ckpt, common.where, "no optimizer param groups in it") from None
-    state = {**state, "optimizer": {"optimizer": {"param_groups": param_groups},
-                                    "param_state_sharding_type": "fully_reshardable"}}
+    made = {chain: {"optimizer": {"param_groups": groups}, "param_state_sharding_type": "fully_reshardable"}
+            for chain, groups in param_groups.items()}
+    state = {**state, "optimizer": made[None] if None in made else made}
     if isinstance(state.get("content_metadata"), dict):
         state["content_metadata"] = {**state["content_metadata"], "distrib_optim_sharding_type": "fully_reshardable",
                                      "distrib_optim_fully_reshardable_mem_efficient": False}

@@ -48,14 +48,14 @@ from ckptctl.formats.torch_save_out import encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, SWIGLU_PART, LayerNames, layer_names, optimizer_prefix
 from ckptctl.geometry import full_box
-from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_layer_stacked
+from ckptctl.layout import analysis, is_layer_stacked, is_optimizer_entry, is_torch_dist_bucket
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import Window, block_places, bucket_windows, window_view
 from ckptctl.megatron_tp import tp_dp_grid
 from ckptctl.model import Checkpoint
 from ckptctl.placement import Placed, megatron_fsdp
 from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
-from ckptctl.torch_dist_reshard import bucket_param_groups, dp_reshardable_buckets, read_common
+from ckptctl.torch_dist_reshard import dp_reshardable_buckets, read_common
 
 STACK = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
@@ -68,6 +68,8 @@ DROPPED = ("content_metadata", "optimizer", "rng_state", "rerun_state_machine_st
 """Common-state entries not written as they are: torch_dist's own, the optimizer (rebuilt per
 param), RNG state (resume with `--no-load-rng`), the rerun state machine (Megatron-LM ignores it
 for fsdp_dtensor)."""
+_CHAINED = ("experts trained with expert parallelism (or their own TP) have an optimizer of their own, chained "
+            "to the dense one: not converted to fsdp_dtensor yet")
 DROPPED_ITEMS = re.compile(r"(^|\.)_extra_state(/|$)|^rng_state(/|$)|^common_state/")
 
 
@@ -109,9 +111,11 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     states = fmt is not None
     params, buffers = _params(ckpt, args, spec, fmt)
     if fmt == "dp_reshardable":
-        saved_tp, buckets = dp_reshardable_buckets(ckpt, common, args)
+        saved_tp, buckets, by_optimizer = dp_reshardable_buckets(ckpt, common, args)
+        if set(by_optimizer) != {None}:
+            raise CheckpointError(ckpt.path, _CHAINED)
         source: _Stacked | _Buckets = _Buckets(ckpt, bucket_windows(ckpt, buckets, saved_tp))
-        saved_groups = bucket_param_groups(ckpt, saved_tp)
+        saved_groups = by_optimizer[None]
     else:
         source = _Stacked(ckpt, states)
         saved_groups = _common_groups(ckpt, common) if states else []
@@ -214,12 +218,12 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
     """Every param of the model, each once, and every persistent buffer (no optimizer state), from
     the torch_dist keys; every other entry is claimed (an optimizer state of a model param, a
     bucket) or dropped by name, or the checkpoint is refused."""
-    model = [k for k in ckpt.tensors if not k.startswith("optimizer.")]
-    buckets = TORCH_DIST_BUCKETS if fmt == "dp_reshardable" else None
-    unknown = [k for k in ckpt.tensors if k.startswith("optimizer.") and not (
-        (buckets and k.startswith(buckets))
+    model = [k for k in ckpt.tensors if not is_optimizer_entry(k)]
+    buckets = fmt == "dp_reshardable"
+    unknown = [k for k in ckpt.tensors if is_optimizer_entry(k) and not (
+        (buckets and is_torch_dist_bucket(k))
         or ((m := STATE_KEY.match(k)) and m["key"] in ckpt.tensors and not m["key"].endswith(BUFFERS)))]
-    unknown += [k for k in ckpt.bytes_entries if not (DROPPED_ITEMS.search(k) or (buckets and k.startswith(buckets)))]
+    unknown += [k for k in ckpt.bytes_entries if not (DROPPED_ITEMS.search(k) or (buckets and is_torch_dist_bucket(k)))]
     if unknown:
         raise CheckpointError(ckpt.path, f"{len(unknown)} entries of no known torch_dist kind, e.g. {unknown[0]!r}: "
                               "not converted (nothing is dropped unnamed)")
@@ -370,8 +374,7 @@ def _groups(ckpt: Checkpoint, saved: list[dict[str, Any]], args: argparse.Namesp
         raise CheckpointError(ckpt.path, "args.decoupled_lr is set: which params had it is not recorded in "
                                          "torch_dist, and its rule is not converted yet")
     if _expert_parallel(args) and any(".mlp.experts." in p.owner for p in params):
-        raise CheckpointError(ckpt.path, "experts trained with expert parallelism (or their own TP) have an optimizer "
-                                         "of their own, chained to the dense one: not converted yet")
+        raise CheckpointError(ckpt.path, _CHAINED)
     qk_wd = getattr(args, "apply_wd_to_qk_layernorm", False) is True
     owners: dict[str, dict[str, Any]] = {}
     used: set[int] = set()
@@ -423,8 +426,11 @@ def _common_items(ckpt: Checkpoint, common: CommonState, args: argparse.Namespac
         marked.pipeline_model_parallel_size = 1
     if getattr(marked, "virtual_pipeline_model_parallel_size", None) is not None:
         marked.virtual_pipeline_model_parallel_size = None
-    if getattr(marked, "tensor_model_parallel_size", None) is not None:
+    saved_tp = getattr(marked, "tensor_model_parallel_size", None)
+    if saved_tp is not None:
         marked.tensor_model_parallel_size = tp
+    if saved_tp is not None and getattr(marked, "expert_tensor_parallel_size", None) == saved_tp:
+        marked.expert_tensor_parallel_size = tp  # the experts' TP followed the TP (Megatron-LM's default)
     if getattr(marked, "data_parallel_size", None) is not None:
         marked.data_parallel_size = dp
     if getattr(marked, "world_size", None) is not None and getattr(args, "context_parallel_size", 1) in (None, 1):

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size[, megatron-core version]) → the folder megatron-core saved
-    it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version[, EP]]) → the folder megatron-core
+    saved it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -44,9 +44,10 @@ class Saved(dict):
     def __missing__(self, key):
         from fixtures import megatron_optim
 
-        kind, tp, dp, bucket, *version = key
-        out = self.root / f"{kind}-tp{tp}dp{dp}b{bucket}{''.join(version)}"
-        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version[0] if version else None)
+        kind, tp, dp, bucket, *rest = key
+        version, ep = (rest + [None])[0], (rest[1:] + [1])[0]
+        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}b{bucket}{version or ''}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep)
         self[key] = out
         return out
 
@@ -74,8 +75,13 @@ DEEPSEEK = ("deepseek-v3", 2, 1, 1000, "0.19")
 """A DeepSeek-V3 at TP 2 with 1,000-element buckets (megatron-core 0.19.2): multi-latent attention,
 a dense layer then a MoE one (per-layer keys), a shared expert, the router's expert bias (a
 buffer: no optimizer state)."""
+EXPERT_PARALLEL = ("qwen3-moe", 2, 2, 1000, "0.19", 2)
+"""A Qwen3-MoE at TP 2 × DP 2 with EP 2 (megatron-core 0.19.2): the experts in buffers and an
+optimizer of their own, chained to the dense one (`chained_0.` / `chained_1.` entries, four
+expert DP groups, one per EP × TP rank), buckets of 1,000 elements."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
-           pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=needs("0.19"))]
+           pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(EXPERT_PARALLEL, marks=needs("0.19"))]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -122,32 +128,83 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
 
 @pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: "-".join(map(str, (c[0], *c[4:]))))
 def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
-    """Every TP rank's buckets hold the params megatron-core put there (each expert of each
-    layer too), at the same ranges."""
+    """Every optimizer's buckets, in each of its DP groups, hold the params megatron-core put
+    there (each expert of each layer too, an EP rank's share of them in its expert optimizer's
+    groups), at the same ranges."""
     from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.megatron_buckets import layout_buckets, registration_order
+    from ckptctl.torch_dist_reshard import dp_reshardable_buckets, read_common
 
     ckpt = open_checkpoint(saved[case] / "dp_reshardable")
-    model = {k for k in ckpt.tensors if not k.startswith("optimizer.") and not k.endswith("expert_bias")}
-    got = {(b.tp_rank, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params]
-           for b in layout_buckets(ckpt, registration_order(ckpt, model), case[1])}
+    common = read_common(ckpt)
+    _, buckets, _ = dp_reshardable_buckets(ckpt, common, common.state["args"])
+    got = {(b.chain, b.group, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params] for b in buckets}
     record = json.loads((saved[case] / "buffers.json").read_text())
+    tp, chained = case[1], bool(record["expert_parallel_buffers"])
     want = {}
     for rank in record["ranks"]:
-        if rank["dp_rank"]:
-            continue
-        (buffer,) = rank["buffers"]
-        for bucket in buffer["buckets"]:
+        for experts, buffers in ((False, rank["buffers"]), (True, rank["expert_parallel_buffers"])):
+            if rank["expert_dp_rank" if experts else "dp_rank"] or not buffers:
+                continue
+            (buffer,) = buffers
+            group = rank["ep_rank"] * tp + rank["tp_rank"] if experts else rank["tp_rank"]
             params = {p["name"]: p for p in buffer["params"]}
-            rows = []
-            for name in bucket["params"]:
-                p = params[name]
-                key = p["sharded"]["key"]  # a per-layer key names its layer: the lead is what the key leaves out
-                lead = tuple(int(i) for i in re.findall(r"(?:layers|local_experts)\.(\d+)\.", name))
-                lead = lead[len(re.findall(r"layers\.(\d+)\.", key)):]
-                rows.append((key, lead, p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
-            want[(rank["tp_rank"], bucket["bucket_id"])] = rows
+            for bucket in buffer["buckets"]:
+                rows = []
+                for name in bucket["params"]:
+                    p = params[name]
+                    shard = p["sharded"]["shards"][0]  # its stacked dims: layer and global expert, as the key stacks
+                    rows.append((p["sharded"]["key"], tuple(shard["global_offset"][:shard["prepend_axis_num"]]),
+                                 p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
+                want[(int(experts) if chained else None, group, bucket["bucket_id"])] = rows
     assert got == want
+
+
+@needs("0.19")
+def test_an_expert_parallel_rewrite_is_megatron_cores_own(saved, tmp_path):
+    """A ChainedOptimizer's dp_reshardable state (EP 2: `chained_0.` dense, `chained_1.` experts)
+    as one fully_reshardable state: inspect counts its entries as the optimizer's, export-hf
+    leaves them out (before, they were refused as model tensors of no place); the rewrite
+    equals megatron-core's own `fully_reshardable` save of the run tensor for tensor, with the
+    same common state (each optimizer's param groups). The conversion to Megatron-FSDP refuses
+    it by name."""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+
+    ckpt = saved[EXPERT_PARALLEL]
+    doc = json.loads(run_cli("inspect", ckpt / "dp_reshardable", "--json").stdout)
+    assert (doc["optimizer_format"], doc["groups"]["optimizer"], doc["training"]["ep"]) == ("dp_reshardable", 102, 2)
+    out = tmp_path / "o"
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(ckpt / "fully_reshardable")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
+    assert mine == theirs and list(mine["optimizer"]) == [0, 1]
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("qwen3-moe")))
+    for name in ("dp_reshardable", "fully_reshardable"):  # chained entries are the optimizer's, not the model's
+        run = run_cli("export-hf", ckpt / name, tmp_path / f"hf-{name}", "--hf-config", tmp_path / "cfg")
+        assert run.returncode == 0, run.stderr
+    run = run_cli("diff", tmp_path / "hf-dp_reshardable", tmp_path / "hf-fully_reshardable")
+    assert (run.returncode, run.stdout) == (0, "45 tensors: 45 equal, 0 close, 0 differs\n")
+    run = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / "f", "--layout", "megatron-fsdp", "--dp", "4")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt / 'dp_reshardable'}: experts trained with "
+                                               "expert parallelism (or their own TP) have an optimizer of their own, "
+                                               "chained to the dense one: not converted to fsdp_dtensor yet\n")
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_loss(saved, tmp_path):
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[EXPERT_PARALLEL] / "dp_reshardable", out)
+    assert run.returncode == 0, run.stderr
+    want = torch.load(saved[EXPERT_PARALLEL] / "loss.pt")
+    got = megatron_optim.load(out, 1, 4, tmp_path / "loss.pt", kind="qwen3-moe", mcore="0.19", ep=4)
+    assert (got["sharding_type"], got["step"], got["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
 
 
 @needs("0.19")
@@ -269,7 +326,7 @@ def test_a_megatron_fsdp_checkpoint_whose_args_hold_an_enum_is_resharded_at_anot
     run = run_cli("reshard", fsdp_dtensor, out, "--layout", "megatron-fsdp", "--tp", "1", "--dp", "2", "--verify")
     assert run.returncode == 0, run.stderr
     args, want = _everything(out)["args"], _everything(fsdp_dtensor)["args"]
-    assert vars(args) == {**vars(want), "tensor_model_parallel_size": 1}
+    assert vars(args) == {**vars(want), "tensor_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
     assert type(args.attention_backend).__name__ == "AttnBackend" and args.attention_backend.name == "auto"
 
 
@@ -392,7 +449,8 @@ def test_a_torch_dist_checkpoint_converted_to_megatron_fsdp_is_what_megatron_fsd
     again = _everything(tmp_path / "again")
     assert sorted(set(want) - set(again)) == ["rng_state.(0, 0)"]
     assert [k for k in want if k in again and k != "args" and not _same(again[k], want[k])] == []
-    assert vars(again["args"]) == {**vars(want["args"]), "tensor_model_parallel_size": 1, "world_size": 2}
+    assert vars(again["args"]) == {**vars(want["args"]), "tensor_model_parallel_size": 1, "world_size": 2,
+                                   "expert_tensor_parallel_size": 1}
 
 
 @needs("0.19")

@@ -22,7 +22,7 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
-from ckptctl.layout import is_layer_stacked
+from ckptctl.layout import is_layer_stacked, is_optimizer_entry
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, row_groups_view, source_view
 
 STACK_PREFIX = "decoder.layers."
@@ -322,7 +322,7 @@ class HFTensor:
 
 
 def is_model_key(fqn: str) -> bool:
-    return not fqn.startswith(NON_MODEL_ROOTS) and "_extra_state" not in fqn
+    return not fqn.startswith(NON_MODEL_ROOTS) and not is_optimizer_entry(fqn) and "_extra_state" not in fqn
 
 
 def megatron_prefix(ckpt: Checkpoint) -> str | None:
