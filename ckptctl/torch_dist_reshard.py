@@ -28,7 +28,7 @@ from ckptctl.formats.megatron_args import (
 )
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
-from ckptctl.layout import TORCH_DIST_BUCKETS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors
+from ckptctl.layout import TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import Bucket, Optimizer, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
@@ -39,6 +39,10 @@ from ckptctl.plan import SourceTensor, TargetTensor, identity_target
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
     fmt = analysis(ckpt).optimizer_format
+    unknown = next((k for k in (*ckpt.tensors, *ckpt.bytes_entries) if is_optimizer_entry(k)), None)
+    if fmt is None and unknown is not None:  # never copied as if it were what the rewrite promises
+        raise CheckpointError(ckpt.path, f"{unknown}: optimizer state of no DistributedOptimizer format known "
+                                         f"({', '.join(name for name, _ in TORCH_DIST_FORMATS)}): not rewritten")
     sources = source_tensors(ckpt)
     rebuilt: list[TargetTensor] = []
     replaced: set[str] = set()

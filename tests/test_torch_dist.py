@@ -220,6 +220,29 @@ def test_reshard_keeps_a_torch_dist_checkpoints_own_layout(saved, tmp_path):
         assert (tmp_path / "o" / name).read_bytes() == (ckpt / name).read_bytes()
 
 
+def test_optimizer_state_of_no_known_format_is_refused_not_copied(saved, tmp_path):
+    """The rewrite promises the optimizer state in model space: state it cannot name (here a
+    model tensor renamed `optimizer.state.foo.…`) is refused, never copied as if rewritten."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    src = tmp_path / "src"
+    shutil.copytree(saved["tp2"][0], src)
+    md = pickle.loads((src / ".metadata").read_bytes())
+    old, new = "decoder.final_layernorm.weight", "optimizer.state.foo.decoder.final_layernorm.weight"
+    md.state_dict_metadata[new] = md.state_dict_metadata.pop(old)
+    md.storage_data = {(MetadataIndex(new, k.offset, k.index) if k.fqn == old else k): v
+                       for k, v in md.storage_data.items()}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    run = run_cli("reshard", src, tmp_path / "o")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {new}: optimizer state of no "
+                                               "DistributedOptimizer format known (dp_reshardable, "
+                                               "fully_sharded_model_space, fully_reshardable): not rewritten\n")
+    assert not (tmp_path / "o").exists()
+
+
 TORCH_DIST_LAYOUT = ("ckptctl: error: a torch_dist checkpoint is rewritten at its own layout with its optimizer state "
                      "in model space (fully_reshardable), which megatron-core loads at any TP and DP: pass no "
                      "--world-size (or its own, {}), layout, TP, filter or dtype options\n")
