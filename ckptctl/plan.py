@@ -21,6 +21,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
+from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
                               transposed_destination, transposed_source)
 from ckptctl.model import Chunk, TensorEntry
@@ -417,17 +418,25 @@ A torchrun worker plans only the records of its own files."""
 
 def planned_batches(items: Sequence["StreamItem"], sources: Mapping[str, SourceTensor],
                     max_runs: int = PLAN_RUNS) -> Iterator[list["StreamItem"]]:
-    """The records with their copy runs, about `max_runs` runs at a time (a record is never split)."""
-    batch: list[StreamItem] = []
-    runs = 0
-    for item in items:
-        planned = replace(item, reads=plan_box(item.target, item.box, sources))
-        batch.append(planned)
-        runs += sum(read.run_count for read in planned.reads)
-        if runs >= max_runs:
-            yield batch
-            batch, runs = [], 0
-    if batch:
+    """The records with their copy runs, about `max_runs` runs at a time (a record is never split).
+
+    Each batch is planned with the collector paused (`gc_pause`): a few acyclic objects per
+    record, which would otherwise make it rescan the checkpoint's metadata again and again
+    (the 81,920 records of a 163,840-chunk reshard: 1.3 s, 0.65 s paused)."""
+    pending = iter(items)
+    while True:
+        batch: list[StreamItem] = []
+        runs = 0
+        with gc_paused():
+            for item in pending:
+                reads = plan_box(item.target, item.box, sources)
+                batch.append(item.planned(reads))
+                for read in reads:
+                    runs += read.run_count
+                if runs >= max_runs:
+                    break
+        if not batch:
+            return
         yield batch
 
 
@@ -462,6 +471,10 @@ class StreamItem:
     def length(self) -> int:
         """The whole record's bytes: head, data and tail."""
         return len(self.head) + self.nbytes + self.tail_len
+
+    def planned(self, reads: tuple[Read, ...]) -> "StreamItem":
+        """This record with its copy runs (`dataclasses.replace` costs more than the plan of a tiny box)."""
+        return StreamItem(self.file, self.offset, self.head, self.target, self.box, reads, self.tail, self.tail_len)
 
 
 @dataclass(frozen=True, slots=True)
