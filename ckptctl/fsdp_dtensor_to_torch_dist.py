@@ -101,7 +101,7 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
             raise CheckpointError(ckpt.path, f"{names[found]}: {what} are not converted to torch_dist yet")
     keys = _torch_dist_keys(ckpt, names, spec)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
-    params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # buffers have no optimizer state
+    params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # a buffer has no optimizer state
     states, steps = _optimizer_states(ckpt, params)
     model_dtype = bfloat16 if getattr(args, "bf16", False) is True else float16 if getattr(args, "fp16", False) is True \
         else None

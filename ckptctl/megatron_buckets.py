@@ -8,7 +8,9 @@ and not which param lies where. That map is rebuilt here the way megatron-core's
 (`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
 closing where its saved length ends. Each param's range is then its TP-local block, placed
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
-two row blocks of torch_dist's `[W_all; V_all]`).
+two row blocks of torch_dist's `[W_all; V_all]`). Under expert parallelism megatron-core chains
+two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
+rank, each of those holding its EP rank's share of every layer's experts.
 
 Nothing here is taken on trust: every bucket must end exactly at its last param, and every
 saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside

@@ -6,7 +6,8 @@ each TP rank's DP buckets: a job at another TP or PP cannot load it. Its older
 load it at all. This writes the same checkpoint with either laid back out as
 `fully_reshardable` states (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, shaped and
 chunked like each param: `megatron_buckets`, `megatron_fragments`), which megatron-core loads at
-any TP × DP. Model tensors and their
+any TP × DP (and EP: a ChainedOptimizer's dense and expert states become the one set its own
+`fully_reshardable` save writes, each optimizer's param groups kept apart in the common state). Model tensors and their
 `_extra_state` items are copied as they are, chunk for chunk, each in its rank's file; the
 common state (`common.pt`, or megatron-core 0.19's `common_state` item) says `fully_reshardable`
 and carries the optimizer's param groups, as megatron-core's own `fully_reshardable` save writes
@@ -28,7 +29,9 @@ from ckptctl.formats.megatron_args import (
 )
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
-from ckptctl.layout import TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors
+from ckptctl.layout import (
+    TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors,
+)
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import Bucket, Optimizer, layout_buckets, model_space_targets, registration_order
 from ckptctl.megatron_fragments import fragment_targets
@@ -163,7 +166,8 @@ def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
     if set(groups) != {0, 1}:
         raise CheckpointError(ckpt.path, f"chained optimizers {sorted(groups, key=str)}: a dense and an expert "
                                          "one (0 and 1) are rebuilt")
-    roles = {chain: {g.get("is_expert_parallel") for g in found if isinstance(g, dict)} for chain, found in groups.items()}
+    roles = {chain: {g.get("is_expert_parallel") for g in found if isinstance(g, dict)}
+             for chain, found in groups.items()}
     if sorted(map(sorted, roles.values())) != [[False], [True]]:
         raise CheckpointError(ckpt.path, "chained optimizers whose param groups are not one dense and one "
                               f"expert-parallel optimizer (is_expert_parallel: {roles})")
