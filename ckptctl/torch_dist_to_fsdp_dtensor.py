@@ -131,9 +131,10 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
         for fqn, state in made:
             targets.append(source.target(fqn, state, p, views))
             placements[fqn] = placed
+    model = _Stacked(ckpt, False)
     for b in buffers:  # whole on every rank, saved once
         fqn = f"model.module.{b.name}"
-        targets.append(_Stacked(ckpt, False).target(fqn, "param", b, views))
+        targets.append(model.target(fqn, "param", b, views))
         placements[fqn] = [Placed(0, full_box(b.shape))]
     planner: dict[str, Any] = {t.fqn: _path(t.fqn, prefix) for t in targets}
     items = _common_items(ckpt, common, args, tp, dp)
