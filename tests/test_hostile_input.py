@@ -461,6 +461,38 @@ def test_hostile_item_after_a_sound_one_of_its_shape_is_refused_alike(case: str,
     assert str(caught.value) == f"{path}: {I0}{reason}"
 
 
+@pytest.mark.parametrize("case", sorted(ITEM_CASES))
+def test_a_hostile_small_item_is_never_read_in_one_go(case: str, tmp_path: Path) -> None:
+    """`small_data` (one read of a small item checked against its kind's template) gives nothing
+    for a hostile item, so the engine parses it and refuses it as above."""
+    change, _ = ITEM_CASES[case]
+    src = copy_fixture(tmp_path)
+    mutate_item(src, change)
+    _, offset, _ = item_of(src)
+    ckpt = open_checkpoint(src)
+    entry, chunk = next((e, c) for e in ckpt.tensors.values() for c in e.chunks
+                        if c.file == "__0_0.distcp" and c.offset == offset)
+    twin = next(c for c in entry.chunks if c.file != chunk.file and c.sizes == chunk.sizes and c.length == chunk.length)
+    with ItemReader(ckpt) as reader:
+        assert reader.small_data(entry, twin) is None  # no template of its kind yet
+        assert reader.locate(entry, twin) is not None and reader.small_data(entry, chunk) is None
+
+
+def test_small_items_are_read_in_one_go_as_located(fixture_ckpt) -> None:
+    """The bytes `small_data` gives are those `locate` points at, for every item it reads."""
+    ckpt = open_checkpoint(fixture_ckpt("fsdp2_4ranks"))
+    read = 0
+    with ItemReader(ckpt) as reader:
+        for entry in ckpt.tensors.values():
+            for chunk in entry.chunks:
+                data = reader.small_data(entry, chunk)
+                record = reader.locate(entry, chunk)
+                if data is not None:
+                    read += 1
+                    assert bytes(data) == reader.read_item_bytes(chunk.file, record.byte_offset, record.nbytes, ())
+    assert read > 0
+
+
 def test_items_like_a_validated_one_are_located_by_compare_at_the_same_place(fixture_ckpt) -> None:
     """Sound items differing from the template only in serialization id and CRCs are located by
     the compare, at the places a fresh parse finds."""

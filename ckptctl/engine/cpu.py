@@ -104,6 +104,11 @@ class ChunkSource:
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
+        if (chunk.file, chunk.offset) not in self._records:  # a small item like a validated one: one read
+            data = self.reader.small_data(self.ckpt.tensors[fqn], chunk)
+            if data is not None:
+                out[:] = data[byte_start:byte_start + len(out)]
+                return
         rec = self.record(fqn, chunk)
         if rec is None:
             out[:] = self.decoded(fqn, chunk)[byte_start: byte_start + len(out)]
