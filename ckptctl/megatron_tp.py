@@ -52,7 +52,8 @@ def resolve_tp(ckpt: Checkpoint, args: argparse.Namespace | None, given: int | N
 def tp_dp_grid(ckpt: Checkpoint, args: argparse.Namespace | None, tp: int | None, dp: int | None,
                world_size: int | None, source_tp: int | None = None) -> tuple[int, int]:
     """Megatron-FSDP's rank grid: TP as given, else the training TP (`resolve_tp`, `source_tp`
-    first); DP as given, else the world size over TP; a world size given too must be TP × DP."""
+    first); DP as given, else the world size over TP; a world size given too must be TP × DP;
+    a TP that does not divide the heads or query groups args name is refused."""
     if tp is None:
         tp = resolve_tp(ckpt, args, source_tp, "--tp")
     if dp is None:
@@ -64,4 +65,15 @@ def tp_dp_grid(ckpt: Checkpoint, args: argparse.Namespace | None, tp: int | None
     if world_size is not None and world_size != tp * dp:
         raise UsageError(f"--world-size {world_size} must equal TP × DP = {tp} × {dp} = {tp * dp} "
                          "for --layout megatron-fsdp (or be omitted)")
+    _check_heads(args, tp)
     return tp, dp
+
+
+def _check_heads(args: argparse.Namespace | None, tp: int) -> None:
+    """Megatron splits attention heads and query groups over TP: at a TP that does not divide them
+    the job cannot load what is written."""
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
+    for what, count in (("attention heads", heads), ("query groups", groups)):
+        if type(count) is int and count % tp:
+            raise UsageError(f"TP {tp} does not divide the {count} {what} of args")

@@ -186,14 +186,9 @@ def _common(ckpt: Checkpoint) -> CommonState:
 
 
 def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
-    """Megatron splits attention heads and query groups over TP, and pads the vocab to a multiple
-    of `make_vocab_size_divisible_by` × TP: at a TP they do not divide, or whose padding is not
-    the saved one, the job cannot load what is written."""
-    heads = getattr(args, "num_attention_heads", None)
-    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else heads
-    for what, count in (("attention heads", heads), ("query groups", groups)):
-        if type(count) is int and count % tp:
-            raise UsageError(f"TP {tp} does not divide the {count} {what} of args")
+    """Megatron pads the vocab to a multiple of `make_vocab_size_divisible_by` × TP: at a TP whose
+    padding is not the saved one the job cannot load what is written (heads and query groups:
+    `megatron_tp.tp_dp_grid`)."""
     saved = getattr(args, "tensor_model_parallel_size", None)
     embedding = ckpt.tensors.get("embedding.word_embeddings.weight")
     if tp == saved or embedding is None or not embedding.shape:

@@ -321,13 +321,17 @@ def test_a_megatron_fsdp_checkpoint_converted_to_torch_dist_resumes_with_the_sav
 @needs("0.19")
 def test_a_megatron_fsdp_checkpoint_whose_args_hold_an_enum_is_resharded_at_another_tp(fsdp_dtensor, tmp_path):
     """Megatron-LM's args hold enum members (`attention_backend`): the Megatron-aware reshard reads
-    them without torch and writes them back as they were, with the new TP."""
+    them without torch and writes them back as they were, with the new TP. A TP that does not
+    divide the query groups is refused, as the torch_dist conversion refuses it."""
     out = tmp_path / "tp1"
     run = run_cli("reshard", fsdp_dtensor, out, "--layout", "megatron-fsdp", "--tp", "1", "--dp", "2", "--verify")
     assert run.returncode == 0, run.stderr
     args, want = _everything(out)["args"], _everything(fsdp_dtensor)["args"]
     assert vars(args) == {**vars(want), "tensor_model_parallel_size": 1, "expert_tensor_parallel_size": 1}
     assert type(args.attention_backend).__name__ == "AttnBackend" and args.attention_backend.name == "auto"
+    run = run_cli("reshard", fsdp_dtensor, tmp_path / "tp4", "--layout", "megatron-fsdp", "--tp", "4", "--dp", "1")
+    assert (run.returncode, run.stderr) == (2, "ckptctl: error: TP 4 does not divide the 2 query groups of args\n")
+    assert not (tmp_path / "tp4").exists()  # Megatron could not load it: its qkv rows divide, its groups do not
 
 
 def _with_args(src, dst, **changes):
