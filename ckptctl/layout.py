@@ -216,17 +216,21 @@ def is_optimizer_entry(fqn: str) -> bool:
     return fqn.startswith(OPTIMIZER_GROUP_ROOTS) or CHAINED_OPTIMIZER.match(fqn) is not None
 
 
+def _unchained(fqn: str) -> str:
+    """`fqn` without a chained optimizer's `chained_<i>.` prefix."""
+    chained = CHAINED_OPTIMIZER.match(fqn)
+    return fqn[chained.end():] if chained else fqn
+
+
 def is_torch_dist_bucket(fqn: str) -> bool:
     """Whether `fqn` is a `dp_reshardable` entry: a bucket buffer, its sizes or its param groups."""
-    chained = CHAINED_OPTIMIZER.match(fqn)
-    return fqn.startswith(TORCH_DIST_BUCKETS, chained.end() if chained else 0)
+    return _unchained(fqn).startswith(TORCH_DIST_BUCKETS)
 
 
 def torch_dist_optimizer_format(names: Collection[str]) -> str | None:
     """Which DistributedOptimizer format a torch_dist checkpoint's keys hold, or None (no optimizer state)."""
-    if any(map(is_torch_dist_bucket, names)):
-        return "dp_reshardable"
-    return next((name for name, root in TORCH_DIST_FORMATS if any(n.startswith(root) for n in names)), None)
+    unchained = [_unchained(n) for n in names]
+    return next((name for name, root in TORCH_DIST_FORMATS if any(n.startswith(root) for n in unchained)), None)
 
 
 def find_param(ckpt_or_names: Checkpoint | Collection[str], optimizer_fqn: str) -> str | None:

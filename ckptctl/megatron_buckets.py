@@ -37,6 +37,8 @@ BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(
                     r"\.dtype_\(([^)]*)\)\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)")
 """A bucket state: (chained optimizer, DP group, buffer, dtypes, bucket, state); a ChainedOptimizer
 (a MoE's dense and expert optimizers under expert parallelism) prefixes each its own `chained_<i>.`."""
+GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1")
+"""Each DP group's copy of its optimizer's param groups: (chained optimizer, DP group)."""
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
 

@@ -19,7 +19,6 @@ saved, never built. A checkpoint already `fully_reshardable` is copied the same 
 from __future__ import annotations
 
 import argparse
-import re
 
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_items import ItemReader
@@ -33,7 +32,9 @@ from ckptctl.layout import (
     TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors,
 )
 from ckptctl.megatron import BUFFERS
-from ckptctl.megatron_buckets import Bucket, Optimizer, layout_buckets, model_space_targets, registration_order
+from ckptctl.megatron_buckets import (
+    GROUPS_ITEM, Bucket, Optimizer, layout_buckets, model_space_targets, registration_order,
+)
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import Placed
@@ -42,8 +43,9 @@ from ckptctl.plan import SourceTensor, TargetTensor, identity_target
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
     fmt = analysis(ckpt).optimizer_format
-    unknown = next((k for k in (*ckpt.tensors, *ckpt.bytes_entries) if is_optimizer_entry(k)), None)
-    if fmt is None and unknown is not None:  # never copied as if it were what the rewrite promises
+    unknown = next((k for k in (*ckpt.tensors, *ckpt.bytes_entries) if is_optimizer_entry(k)), None) \
+        if fmt is None else None
+    if unknown is not None:  # never copied as if it were what the rewrite promises
         raise CheckpointError(ckpt.path, f"{unknown}: optimizer state of no DistributedOptimizer format known "
                                          f"({', '.join(name for name, _ in TORCH_DIST_FORMATS)}): not rewritten")
     sources = source_tensors(ckpt)
@@ -178,10 +180,6 @@ def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
         raise _refusal(ckpt, common.where, f"args.expert_tensor_parallel_size is {etp!r:.64}, not the TP {tp}: "
                                            "experts with a TP of their own are not rebuilt yet")
     return tuple(Optimizer(chain, roles[chain] == {True}) for chain in sorted(groups)), ep
-
-
-GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1")
-"""Each DP group's copy of its optimizer's param groups."""
 
 
 def bucket_param_groups(ckpt: Checkpoint) -> dict[int | None, list]:

@@ -228,8 +228,9 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
     for key in model:
         entry = ckpt.tensors[key]
         if key.endswith(BUFFERS):
-            buffers += [_Param(name, name, key, lead, 0, tuple(entry.shape[len(lead):]), tuple(entry.shape[len(lead):]))
-                        for lead, name in _names(ckpt, args, spec, key)]
+            for lead, name in _names(ckpt, args, spec, key):
+                shape = tuple(entry.shape[len(lead):])
+                buffers.append(_Param(name, name, key, lead, 0, shape, shape))
             continue
         if fmt == "fully_reshardable":
             for s in ("param", "exp_avg", "exp_avg_sq"):

@@ -57,9 +57,9 @@ class _Template:
 
     data_start: int
     nbytes: int
-    head: re.Pattern[bytes]  # the item's bytes before the tensor data, variable fields as wildcards...
-    tail: re.Pattern[bytes]  # ...and after it
-    whole: re.Pattern[bytes] | None  # a small item whole, its data a wildcard too: one match, in C
+    whole: re.Pattern[bytes] | None  # a small item whole, variable fields and data as wildcards: one match, in C
+    head: re.Pattern[bytes] | None  # a larger one's bytes before the tensor data...
+    tail: re.Pattern[bytes] | None  # ...and after it
 
 
 MAX_TEMPLATE_ITEM = 1 << 16
@@ -285,9 +285,9 @@ class ItemReader:
         head = os.pread(fd, data_start, chunk.offset)
         tail = os.pread(fd, tail_len, chunk.offset + data_end)
         head_source, tail_source = _kept(head, 0, holes), _kept(tail, data_end, holes)
-        return _Template(data_start, nbytes, re.compile(head_source), re.compile(tail_source),
-                         re.compile(head_source + _any(nbytes) + tail_source) if chunk.length <= MAX_TEMPLATE_ITEM
-                         else None)
+        if chunk.length <= MAX_TEMPLATE_ITEM:
+            return _Template(data_start, nbytes, re.compile(head_source + _any(nbytes) + tail_source), None, None)
+        return _Template(data_start, nbytes, None, re.compile(head_source), re.compile(tail_source))
 
     def _matches(self, template: _Template, chunk: Chunk) -> bool:
         """Whether the item holds the template's bytes everywhere but its variable fields and data."""
