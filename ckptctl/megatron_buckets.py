@@ -10,7 +10,9 @@ closing where its saved length ends. Each param's range is then its TP-local blo
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
 two row blocks of torch_dist's `[W_all; V_all]`). Under expert parallelism megatron-core chains
 two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
-rank, each of those holding its EP rank's share of every layer's experts.
+rank, each of those holding its EP rank's share of every layer's experts. Under pipeline
+parallelism each stage has its own buffers (DP groups PP rank × those): the first stage the
+embedding and its share of the layers, the last its share, the final norm and the output layer.
 
 Nothing here is taken on trust: every bucket must end exactly at its last param, and every
 saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside
@@ -41,11 +43,12 @@ GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_
 """Each DP group's copy of its optimizer's param groups: (chained optimizer, DP group)."""
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
+LAYERS = "decoder.layers."
 
 LOCAL_SPEC = (
     ("embedding.word_embeddings.weight", COLUMN),
     ("embedding.position_embeddings.weight", REPLICATED),
-    ("decoder.layers.", (
+    (LAYERS, (
         ("input_layernorm.weight", REPLICATED),
         ("input_layernorm.bias", REPLICATED),
         ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
@@ -101,11 +104,13 @@ _INDEX = re.compile(r"(\d+)\.")
 @dataclass(frozen=True)
 class LocalParam:
     """One param of a TP rank's buffer: its torch_dist key, its index in the key's stacked dims
-    (layer, and expert; none for an unstacked key), TP kind."""
+    (layer, and expert; none for an unstacked key), TP kind, and the decoder layer it belongs to
+    (global; None outside the layers), which tells its pipeline stage."""
 
     key: str
     lead: tuple[int, ...]
     kind: str
+    layer: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,20 +153,20 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalPara
     model key the spec has no place for (another spec: its order is not known)."""
     known: set[str] = set()
 
-    def expand(prefix: str, table: tuple, lead: tuple[int, ...]) -> list[LocalParam]:
+    def expand(prefix: str, table: tuple, lead: tuple[int, ...], layer: int | None) -> list[LocalParam]:
         out: list[LocalParam] = []
         for name, kind in table:
             key = prefix + name
             if isinstance(kind, tuple):
-                for inner_lead, inner_prefix in _indices(ckpt, key, kind, lead, model_keys):
-                    out += expand(inner_prefix, kind, inner_lead)
+                for i, (inner_lead, inner_prefix) in enumerate(_indices(ckpt, key, kind, lead, model_keys)):
+                    out += expand(inner_prefix, kind, inner_lead, i if key == LAYERS else layer)
             elif key in model_keys:
                 known.add(key)
                 gated = kind == GATED and _swiglu(ckpt, key.rpartition("linear_fc1.")[0])
-                out.append(LocalParam(key, lead, GATED if gated else COLUMN if kind == GATED else kind))
+                out.append(LocalParam(key, lead, GATED if gated else COLUMN if kind == GATED else kind, layer))
         return out
 
-    order = expand("", LOCAL_SPEC, ())
+    order = expand("", LOCAL_SPEC, (), None)
     unknown = sorted(model_keys - known)
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
@@ -215,11 +220,13 @@ def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ..
 
 
 def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
-                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1) -> list[Bucket]:
+                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1, pp: int = 1
+                   ) -> list[Bucket]:
     """Each optimizer's buckets with their params, per DP group, as megatron-core lays them out:
     reverse registration order, starts padded to `ALIGN`, a bucket closing where its saved length
-    ends. A dense optimizer's groups are the TP ranks; an expert optimizer's are EP rank × TP + TP
-    rank, each holding its EP rank's share of every layer's experts (expert TP = TP)."""
+    ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP rank; an
+    expert optimizer's are (PP rank × EP + EP rank) × TP + TP rank, each holding its EP rank's
+    share of its stage's experts (expert TP = TP). Stages split the layers evenly (`_stage`)."""
     saved = bucket_entries(ckpt)
     chains = {chain for chain, _, _, _ in saved}
     if chains != {o.chain for o in optimizers}:
@@ -229,21 +236,43 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
     if buffers != {0}:
         raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer per optimizer "
                                          "(one param and grad dtype) is rebuilt yet")
+    stage = _stage(ckpt, order, pp)
     out = []
     for optimizer in optimizers:
         held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
         share = _expert_share(ckpt, held, ep) if optimizer.experts else 0
-        count = tp * (ep if optimizer.experts else 1)
+        per_stage = tp * (ep if optimizer.experts else 1)
+        count = per_stage * pp
         groups = sorted({group for chain, group, _, _ in saved if chain == optimizer.chain})
-        if len(groups) != count or groups != list(range(count)):  # args say tp and ep: never build a list that long
+        if len(groups) != count or groups != list(range(count)):  # args say tp, ep, pp: never build a list that long
+            ranks = f"{'PP × ' if pp > 1 else ''}{'EP × ' if optimizer.experts else ''}TP"
             raise CheckpointError(ckpt.path, f"{_prefix(optimizer)}dp_group_idx_<g>: groups {groups[:8]}, expected one "
-                                             f"per {'EP × TP' if optimizer.experts else 'TP'} rank 0…{count - 1} "
-                                             "(pipeline parallelism is not rebuilt yet)")
+                                             f"per {ranks} rank 0…{count - 1}")
         for group in groups:
-            ep_rank, tp_rank = divmod(group, tp)
-            mine = [p for p in held if not optimizer.experts or p.lead[-1] // share == ep_rank]
+            pp_rank, rest = divmod(group, per_stage)
+            ep_rank, tp_rank = divmod(rest, tp)
+            mine = [p for p in held if stage(p) == pp_rank
+                    and (not optimizer.experts or p.lead[-1] // share == ep_rank)]
             out += _group_buckets(ckpt, saved, optimizer, group, tp_rank, mine, tp)
     return out
+
+
+def _stage(ckpt: Checkpoint, order: list[LocalParam], pp: int):
+    """Which pipeline stage holds a param, as megatron-core splits a GPT model without a custom
+    layout: the layers evenly over the stages, the embedding on the first, the final norm and the
+    output layer on the last."""
+    layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
+    if layers % pp:
+        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pp} pipeline stages (an uneven split "
+                                         "is not rebuilt)")
+    per_stage = layers // pp or 1
+
+    def stage(param: LocalParam) -> int:
+        if param.layer is not None:
+            return param.layer // per_stage
+        return 0 if param.key.startswith("embedding.") else pp - 1
+
+    return stage
 
 
 def _prefix(optimizer: Optimizer) -> str:

@@ -1,7 +1,7 @@
 """Rewrite a Megatron-Core torch_dist checkpoint with its optimizer state in model space.
 
 megatron-core's `dp_reshardable` optimizer format (its default DistributedOptimizer save) keeps
-each TP rank's DP buckets: a job at another TP or PP cannot load it. Its older
+each model-parallel rank's DP buckets: a job at another TP or PP cannot load it. Its older
 `fully_sharded_model_space` keeps each param's TP fragments: megatron-core 0.16 and newer cannot
 load it at all. This writes the same checkpoint with either laid back out as
 `fully_reshardable` states (`optimizer.state.{param,exp_avg,exp_avg_sq}.<key>`, shaped and
@@ -127,14 +127,29 @@ def _args(ckpt: Checkpoint, common: CommonState) -> argparse.Namespace:
     return args
 
 
-def _tp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> int:
+PIPELINE_SPLITS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+                   "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
+                   "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
+                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+"""Megatron-LM args that split the layers over pipeline stages other than evenly, in order."""
+
+
+def _tp_pp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, int]:
+    """The TP and PP sizes of args; a pipeline split other than the even one is refused, as are
+    tied embeddings under PP (the last stage's copy of the embedding is a param of its own)."""
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
-    if type(tp) is not int or tp < 1:
-        raise _refusal(ckpt, common.where, f"args.tensor_model_parallel_size is {tp!r}")
-    if pp != 1:
-        raise _refusal(ckpt, common.where, f"pipeline_model_parallel_size {pp}: dp_reshardable buckets are rebuilt "
-                                           "without pipeline parallelism only yet")
-    return tp
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+        if type(value) is not int or value < 1:
+            raise _refusal(ckpt, common.where, f"args.{name} is {value!r:.64}")
+    if pp > 1:
+        split = next((name for name in PIPELINE_SPLITS if getattr(args, name, None) not in (None, False)), None)
+        if split is not None:
+            raise _refusal(ckpt, common.where, f"args.{split} is {getattr(args, split)!r:.64}: dp_reshardable buckets "
+                                               "are rebuilt for layers split evenly over the pipeline stages only")
+        if getattr(args, "untie_embeddings_and_output_weights", None) is not True:
+            raise _refusal(ckpt, common.where, "tied embeddings under pipeline parallelism (the last stage's copy of "
+                                               "the embedding): dp_reshardable buckets are not rebuilt for them yet")
+    return tp, pp
 
 
 def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:
@@ -150,12 +165,12 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     """The TP size, the dp_reshardable buckets with the params laid out in them (local spec only:
     `megatron_buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
     the one optimizer of a checkpoint without a ChainedOptimizer)."""
-    tp = _tp(ckpt, common, args)
+    tp, pp = _tp_pp(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
     optimizers, ep = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
-    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep), groups
+    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep, pp), groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size[, megatron-core version[, EP]]) → the folder megatron-core
-    saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP]]]) → the folder
+    megatron-core saved it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -45,9 +45,9 @@ class Saved(dict):
         from fixtures import megatron_optim
 
         kind, tp, dp, bucket, *rest = key
-        version, ep = (rest + [None])[0], (rest[1:] + [1])[0]
-        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}b{bucket}{version or ''}"
-        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep)
+        version, ep, pp = (*rest, *(None, 1, 1)[len(rest):])
+        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}b{bucket}{version or ''}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep, pp=pp)
         self[key] = out
         return out
 
@@ -79,9 +79,16 @@ EXPERT_PARALLEL = ("qwen3-moe", 2, 2, 1000, "0.19", 2)
 """A Qwen3-MoE at TP 2 × DP 2 with EP 2 (megatron-core 0.19.2): the experts in buffers and an
 optimizer of their own, chained to the dense one (`chained_0.` / `chained_1.` entries, four
 expert DP groups, one per EP × TP rank), buckets of 1,000 elements."""
+PIPELINE = ("llama", 2, 1, 1000, "0.19", 1, 2)
+"""A llama at TP 2 × PP 2 (megatron-core 0.19.2, trained by its pipeline schedule): each stage's
+buffers of its own (four DP groups, one per PP × TP rank: the embedding and layer 0 on the first
+stage, layer 1, the final norm and the output layer on the last), buckets of 1,000 elements."""
+EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", 2, 2)
+"""A Qwen3-MoE at DP 2 × EP 2 × PP 2: the dense and expert optimizers' groups on each stage."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(EXPERT_PARALLEL, marks=needs("0.19"))]
+           pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
+           pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full))]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -146,7 +153,8 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
             if rank["expert_dp_rank" if experts else "dp_rank"] or not buffers:
                 continue
             (buffer,) = buffers
-            group = rank["ep_rank"] * tp + rank["tp_rank"] if experts else rank["tp_rank"]
+            ep = record.get("ep", 1) if experts else 1  # groups: (PP rank × EP + EP rank) × TP + TP rank
+            group = (rank.get("pp_rank", 0) * ep + (rank["ep_rank"] if experts else 0)) * tp + rank["tp_rank"]
             params = {p["name"]: p for p in buffer["params"]}
             for bucket in buffer["buckets"]:
                 rows = []
@@ -195,16 +203,68 @@ def test_an_expert_parallel_rewrite_is_megatron_cores_own(saved, tmp_path):
 
 @needs("0.19")
 @pytest.mark.full
-def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_loss(saved, tmp_path):
+@pytest.mark.parametrize("case", [EXPERT_PARALLEL, EP_PIPELINE], ids=("tp2", "pp2"))
+def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_loss(saved, tmp_path, case):
     from fixtures import megatron_optim
 
     out = tmp_path / "o"
-    run = run_cli("reshard", saved[EXPERT_PARALLEL] / "dp_reshardable", out)
+    run = run_cli("reshard", saved[case] / "dp_reshardable", out)
     assert run.returncode == 0, run.stderr
-    want = torch.load(saved[EXPERT_PARALLEL] / "loss.pt")
+    want = torch.load(saved[case] / "loss.pt")
     got = megatron_optim.load(out, 1, 4, tmp_path / "loss.pt", kind="qwen3-moe", mcore="0.19", ep=4)
     assert (got["sharding_type"], got["step"], got["after_step"]) == (
         "fully_reshardable", want["step2"], want["after_step2"])
+
+
+@needs("0.19")
+def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs_loss(saved, tmp_path):
+    """TP 2 × PP 2: each stage's buckets rebuilt (their layout is megatron-core's own:
+    `test_the_rebuilt_bucket_layout_is_megatron_cores_own`), every param state its weight;
+    megatron-core's own load of the rewrite at TP 2 × PP 1, which the bucketed source cannot load
+    at, resumes the saved run bit for bit. Converted to Megatron-FSDP (which has no stages) it is
+    the conversion of the rewrite."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[PIPELINE] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 9 and all(torch.equal(v, got[k[len("optimizer.state.param."):]]) for k, v in params.items())
+    want = torch.load(saved[PIPELINE] / "loss.pt")
+    resumed = megatron_optim.load(out, 2, 1, tmp_path / "loss.pt", mcore="0.19")
+    assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
+    for name, src in (("from-buckets", saved[PIPELINE] / "dp_reshardable"), ("from-rewrite", out)):
+        run = run_cli("reshard", src, tmp_path / name, "--layout", "megatron-fsdp", "--dp", "2")
+        assert run.returncode == 0, run.stderr
+    run = run_cli("diff", tmp_path / "from-buckets", tmp_path / "from-rewrite")
+    assert (run.returncode, run.stdout) == (0, "68 tensors: 68 equal, 0 close, 0 differs; "
+                                               "288 bytes entries: 288 equal, 0 differs\n")
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_at_other_grids(saved, tmp_path):
+    """TP 1 × PP 2 with one bucket per stage: the rewrite equals megatron-core's own
+    `fully_reshardable` save tensor for tensor, with the same common state; megatron-core resumes
+    it at PP 2 and at DP 2 × PP 1 bit for bit."""
+    from fixtures import megatron_optim
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+
+    ckpt = saved[("llama", 1, 1, 0, "0.19", 1, 2)]
+    out = tmp_path / "o"
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(ckpt / "fully_reshardable")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert common_state(open_checkpoint(out)).state == common_state(open_checkpoint(ckpt / "fully_reshardable")).state
+    loss = torch.load(ckpt / "loss.pt")
+    for dp, pp in ((1, 2), (2, 1)):
+        resumed = megatron_optim.load(out, 1, dp, tmp_path / f"loss{dp}{pp}.pt", mcore="0.19", pp=pp)
+        assert (resumed["step"], resumed["after_step"]) == (loss["step2"], loss["after_step2"]), (dp, pp)
 
 
 @needs("0.19")
@@ -474,6 +534,33 @@ def test_args_of_the_wrong_kind_are_one_line_each(rebuilt, tmp_path):
 
         src = _with_item(rebuilt, tmp_path / f"src{i}", "common_state/shard_0_1", changed)
         run = run_cli("reshard", src, tmp_path / "o", "--layout", "megatron-fsdp", "--dp", "1", *grid)
+        assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {line}\n"), name
+        assert not (tmp_path / "o").exists()
+
+
+@needs("0.19")
+def test_pipeline_stages_other_than_an_even_split_are_refused_naming_why(saved, tmp_path):
+    """Stages are rebuilt for layers split evenly, untied embeddings (the last stage's copy of a
+    tied one is a param of its own), and as many DP groups as args' TP × PP say; anything else
+    in args is one line, exit 2, nothing written."""
+    where = "common_state/shard_0_1"
+    cases = [("untie_embeddings_and_output_weights", False, f"{where}: tied embeddings under pipeline parallelism (the "
+              "last stage's copy of the embedding): dp_reshardable buckets are not rebuilt for them yet"),
+             ("decoder_first_pipeline_num_layers", 1, f"{where}: args.decoder_first_pipeline_num_layers is 1: "
+              "dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
+             ("pipeline_model_parallel_size", "2", f"{where}: args.pipeline_model_parallel_size is '2'"),
+             ("pipeline_model_parallel_size", 4, "2 layers do not divide over 4 pipeline stages (an uneven split is "
+              "not rebuilt)"),
+             ("pipeline_model_parallel_size", 1, "dp_group_idx_<g>: groups [0, 1, 2, 3], "
+              "expected one per TP rank 0…1")]
+    for i, (name, value, line) in enumerate(cases):
+
+        def changed(state, name=name, value=value):
+            setattr(state[0]["args"], name, value)
+            return state
+
+        src = _with_item(saved[PIPELINE] / "dp_reshardable", tmp_path / f"src{i}", where, changed)
+        run = run_cli("reshard", src, tmp_path / "o")
         assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {line}\n"), name
         assert not (tmp_path / "o").exists()
 
