@@ -118,13 +118,15 @@ class Bucket:
     """One saved bucket: its 1-D entries by state, and the params in it with their [start, end)."""
 
     tp_rank: int
+    tp: int
+    """The TP size its params are split by (the experts': the expert TP)."""
     number: int
     entries: dict[str, TensorEntry]
     params: tuple[tuple[LocalParam, int, int], ...]
     chain: int | None = None
     """Its optimizer in a ChainedOptimizer (None: one optimizer)."""
     group: int = 0
-    """Its optimizer's `dp_group_idx`: the TP rank, or for the expert optimizer EP rank × TP + TP rank."""
+    """Its optimizer's `dp_group_idx` (`layout_buckets`)."""
 
 
 @dataclass(frozen=True)
@@ -220,13 +222,14 @@ def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ..
 
 
 def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
-                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1, pp: int = 1
-                   ) -> list[Bucket]:
+                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1, pp: int = 1,
+                   etp: int | None = None) -> list[Bucket]:
     """Each optimizer's buckets with their params, per DP group, as megatron-core lays them out:
     reverse registration order, starts padded to `ALIGN`, a bucket closing where its saved length
     ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP rank; an
-    expert optimizer's are (PP rank × EP + EP rank) × TP + TP rank, each holding its EP rank's
-    share of its stage's experts (expert TP = TP). Stages split the layers evenly (`_stage`)."""
+    expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP `etp`, by
+    default the TP), each holding its EP rank's share of its stage's experts, split by the expert
+    TP. Stages split the layers evenly (`_stage`)."""
     saved = bucket_entries(ckpt)
     chains = {chain for chain, _, _, _ in saved}
     if chains != {o.chain for o in optimizers}:
@@ -241,19 +244,20 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
     for optimizer in optimizers:
         held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
         share = _expert_share(ckpt, held, ep) if optimizer.experts else 0
-        per_stage = tp * (ep if optimizer.experts else 1)
+        split = etp or tp if optimizer.experts else tp
+        per_stage = split * (ep if optimizer.experts else 1)
         count = per_stage * pp
         groups = sorted({group for chain, group, _, _ in saved if chain == optimizer.chain})
         if len(groups) != count or groups != list(range(count)):  # args say tp, ep, pp: never build a list that long
-            ranks = f"{'PP × ' if pp > 1 else ''}{'EP × ' if optimizer.experts else ''}TP"
+            ranks = f"{'PP × ' if pp > 1 else ''}{'EP × E' if optimizer.experts else ''}TP"
             raise CheckpointError(ckpt.path, f"{_prefix(optimizer)}dp_group_idx_<g>: groups {groups[:8]}, expected one "
                                              f"per {ranks} rank 0…{count - 1}")
         for group in groups:
             pp_rank, rest = divmod(group, per_stage)
-            ep_rank, tp_rank = divmod(rest, tp)
+            ep_rank, tp_rank = divmod(rest, split)
             mine = [p for p in held if stage(p) == pp_rank
                     and (not optimizer.experts or p.lead[-1] // share == ep_rank)]
-            out += _group_buckets(ckpt, saved, optimizer, group, tp_rank, mine, tp)
+            out += _group_buckets(ckpt, saved, optimizer, group, tp_rank, mine, split)
     return out
 
 
@@ -316,7 +320,7 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
                                              "in megatron-core's local GPT spec order: another model spec or "
                                              "megatron-core version")
         _check_chunks(ckpt, entries, placed)
-        out.append(Bucket(tp_rank, b, entries, tuple(placed), optimizer.chain, group))
+        out.append(Bucket(tp_rank, tp, b, entries, tuple(placed), optimizer.chain, group))
     if next_param < len(params):
         raise CheckpointError(ckpt.path, f"{where}: {len(params) - next_param} params "
                                          f"({params[next_param].key} first) are in no bucket: another model spec "
@@ -360,9 +364,10 @@ class Window:
     entries: dict[str, TensorEntry]
 
 
-def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket], tp: int) -> list[Window]:
+def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket]) -> list[Window]:
     """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only."""
-    return [Window(param, bucket.tp_rank, local_shape(ckpt.tensors[param.key], param, tp), start, end, bucket.entries)
+    return [Window(param, bucket.tp_rank, local_shape(ckpt.tensors[param.key], param, bucket.tp), start, end,
+                   bucket.entries)
             for bucket in buckets for param, start, end in bucket.params
             if not (param.kind == REPLICATED and bucket.tp_rank)]
 
@@ -397,15 +402,14 @@ def block_places(window: Window, rows: int) -> list[tuple[tuple[int, ...], tuple
     return [(zero, tuple(at), shape)]
 
 
-def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket], tp: int
-                        ) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
+def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket]) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
     """`optimizer.state.<state>.<key>` for every param and Adam state, shaped like the param, with
     the window views of the buckets its pieces read (keyed by view name), in its bucket's dtype."""
     pieces: dict[str, list[Piece]] = {}
     dtypes: dict[str, object] = {}
     views: dict[str, SourceTensor] = {}
     items: dict[str, ItemWindows] = {}
-    for window in bucket_windows(ckpt, buckets, tp):
+    for window in bucket_windows(ckpt, buckets):
         param = window.param
         entry = ckpt.tensors[param.key]
         units, lead = tuple(0 for _ in param.lead), param.lead

@@ -56,8 +56,8 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     common, new_common = None, None
     if fmt == "dp_reshardable":
         common = read_common(ckpt)
-        tp, buckets, groups = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
-        rebuilt, windows = model_space_targets(ckpt, buckets, tp)
+        buckets, groups = dp_reshardable_buckets(ckpt, common, _args(ckpt, common))
+        rebuilt, windows = model_space_targets(ckpt, buckets)
         views.update(windows)
         replaced = {k for k in ckpt.tensors if is_torch_dist_bucket(k)}
         new_common = _fully_reshardable_common(ckpt, common, groups)
@@ -161,25 +161,26 @@ def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Na
 
 
 def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace
-                           ) -> tuple[int, list[Bucket], dict[int | None, list]]:
-    """The TP size, the dp_reshardable buckets with the params laid out in them (local spec only:
+                           ) -> tuple[list[Bucket], dict[int | None, list]]:
+    """The dp_reshardable buckets with the params laid out in them (local spec only:
     `megatron_buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
     the one optimizer of a checkpoint without a ChainedOptimizer)."""
     tp, pp = _tp_pp(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
-    optimizers, ep = _optimizers(ckpt, common, args, groups, tp)
+    optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
-    return tp, layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep, pp), groups
+    return layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep, pp, etp), groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],
-                tp: int) -> tuple[tuple[Optimizer, ...], int]:
-    """Which params each saved optimizer holds, and the EP size: one optimizer holds them all; a
-    ChainedOptimizer of two (megatron-core's under expert parallelism, or an expert TP of its own)
-    holds the experts in the one whose param groups say `is_expert_parallel`."""
+                tp: int) -> tuple[tuple[Optimizer, ...], int, int]:
+    """Which params each saved optimizer holds, the EP size and the experts' TP size: one
+    optimizer holds them all; a ChainedOptimizer of two (megatron-core's under expert parallelism,
+    or an expert TP of its own) holds the experts in the one whose param groups say
+    `is_expert_parallel`."""
     if set(groups) == {None}:
-        return (Optimizer(None, None),), 1
+        return (Optimizer(None, None),), 1, tp
     if set(groups) != {0, 1}:
         raise CheckpointError(ckpt.path, f"chained optimizers {sorted(groups, key=str)}: a dense and an expert "
                                          "one (0 and 1) are rebuilt")
@@ -189,12 +190,11 @@ def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
         raise CheckpointError(ckpt.path, "chained optimizers whose param groups are not one dense and one "
                               f"expert-parallel optimizer (is_expert_parallel: {roles})")
     ep, etp = getattr(args, "expert_model_parallel_size", None), getattr(args, "expert_tensor_parallel_size", None)
-    if type(ep) is not int or ep < 1:
-        raise _refusal(ckpt, common.where, f"args.expert_model_parallel_size is {ep!r:.64}")
-    if etp not in (None, tp):
-        raise _refusal(ckpt, common.where, f"args.expert_tensor_parallel_size is {etp!r:.64}, not the TP {tp}: "
-                                           "experts with a TP of their own are not rebuilt yet")
-    return tuple(Optimizer(chain, roles[chain] == {True}) for chain in sorted(groups)), ep
+    etp = tp if etp is None else etp  # megatron-core's default
+    for name, value in (("expert_model_parallel_size", ep), ("expert_tensor_parallel_size", etp)):
+        if type(value) is not int or value < 1:
+            raise _refusal(ckpt, common.where, f"args.{name} is {value!r:.64}")
+    return tuple(Optimizer(chain, roles[chain] == {True}) for chain in sorted(groups)), ep, etp
 
 
 def bucket_param_groups(ckpt: Checkpoint) -> dict[int | None, list]:

@@ -111,10 +111,10 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     states = fmt is not None
     params, buffers = _params(ckpt, args, spec, fmt)
     if fmt == "dp_reshardable":
-        saved_tp, buckets, by_optimizer = dp_reshardable_buckets(ckpt, common, args)
+        buckets, by_optimizer = dp_reshardable_buckets(ckpt, common, args)
         if set(by_optimizer) != {None}:
             raise CheckpointError(ckpt.path, _CHAINED)
-        source: _Stacked | _Buckets = _Buckets(ckpt, bucket_windows(ckpt, buckets, saved_tp))
+        source: _Stacked | _Buckets = _Buckets(ckpt, bucket_windows(ckpt, buckets))
         saved_groups = by_optimizer[None]
     else:
         source = _Stacked(ckpt, states)

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP]]]) → the folder
-    megatron-core saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP[, expert TP]]]]) → the
+    folder megatron-core saved it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -45,9 +45,10 @@ class Saved(dict):
         from fixtures import megatron_optim
 
         kind, tp, dp, bucket, *rest = key
-        version, ep, pp = (*rest, *(None, 1, 1)[len(rest):])
-        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}b{bucket}{version or ''}"
-        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep, pp=pp)
+        version, ep, pp, etp = (*rest, *(None, 1, 1, 0)[len(rest):])
+        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}etp{etp}b{bucket}{version or ''}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep, pp=pp,
+                             etp=etp)
         self[key] = out
         return out
 
@@ -85,10 +86,14 @@ buffers of its own (four DP groups, one per PP × TP rank: the embedding and lay
 stage, layer 1, the final norm and the output layer on the last), buckets of 1,000 elements."""
 EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", 2, 2)
 """A Qwen3-MoE at DP 2 × EP 2 × PP 2: the dense and expert optimizers' groups on each stage."""
+EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", 2, 1, 1)
+"""The Qwen3-MoE at TP 2 × DP 2 × EP 2 with an expert TP of 1: the experts whole in each EP rank's
+expert buckets (two expert DP groups)."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
-           pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full))]
+           pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(EXPERT_TP, marks=needs("0.19"))]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -121,7 +126,7 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
-    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "cp": 1,
+    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "etp": 2, "cp": 1,
                                "iteration": 1, "problem": None}
     assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
@@ -143,7 +148,7 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
 
     ckpt = open_checkpoint(saved[case] / "dp_reshardable")
     common = read_common(ckpt)
-    _, buckets, _ = dp_reshardable_buckets(ckpt, common, common.state["args"])
+    buckets, _ = dp_reshardable_buckets(ckpt, common, common.state["args"])
     got = {(b.chain, b.group, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params] for b in buckets}
     record = json.loads((saved[case] / "buffers.json").read_text())
     tp, chained = case[1], bool(record["expert_parallel_buffers"])
@@ -153,8 +158,9 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
             if rank["expert_dp_rank" if experts else "dp_rank"] or not buffers:
                 continue
             (buffer,) = buffers
-            ep = record.get("ep", 1) if experts else 1  # groups: (PP rank × EP + EP rank) × TP + TP rank
-            group = (rank.get("pp_rank", 0) * ep + (rank["ep_rank"] if experts else 0)) * tp + rank["tp_rank"]
+            # groups: (PP rank × EP + EP rank) × TP + TP rank, the experts' by their own TP
+            ep, split, at = (record["ep"], record["etp"] or tp, rank["etp_rank"]) if experts else (1, tp, rank["tp_rank"])
+            group = (rank["pp_rank"] * ep + (rank["ep_rank"] if experts else 0)) * split + at
             params = {p["name"]: p for p in buffer["params"]}
             for bucket in buffer["buckets"]:
                 rows = []
@@ -202,8 +208,28 @@ def test_an_expert_parallel_rewrite_is_megatron_cores_own(saved, tmp_path):
 
 
 @needs("0.19")
+def test_experts_with_a_tp_of_their_own_are_rebuilt_as_megatron_cores_own_save(saved, tmp_path):
+    """An expert TP of 1 under TP 2: the experts' buckets hold whole experts; the rewrite equals
+    megatron-core's own `fully_reshardable` save tensor for tensor, with the same common state.
+    (Before, it was refused: "experts with a TP of their own are not rebuilt yet".)"""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+
+    ckpt = saved[EXPERT_TP]
+    out = tmp_path / "o"
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(ckpt / "fully_reshardable")
+    assert len(want) == 48 and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
+    assert mine == theirs and mine["args"].expert_tensor_parallel_size == 1
+    text = run_cli("inspect", ckpt / "dp_reshardable").stdout  # the expert TP named where it is not the TP
+    assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 2, ETP 1, CP 1\), iteration 1 ", text, re.M)
+
+
+@needs("0.19")
 @pytest.mark.full
-@pytest.mark.parametrize("case", [EXPERT_PARALLEL, EP_PIPELINE], ids=("tp2", "pp2"))
+@pytest.mark.parametrize("case", [EXPERT_PARALLEL, EP_PIPELINE, EXPERT_TP], ids=("tp2", "pp2", "etp1"))
 def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_loss(saved, tmp_path, case):
     from fixtures import megatron_optim
 
@@ -781,7 +807,7 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     assert (found.where, found.problem, found.get("tensor_model_parallel_size")) == ("common.pt", None, 2)
     assert found.get("attention_backend") == Opaque(__name__, "AttnBackend", (2,))
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
-    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "dp": None, "ep": None, "cp": None,
+    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "dp": None, "ep": None, "etp": None, "cp": None,
                                "iteration": None, "problem": None}
     data = pickle.dumps({"args": Built()}, protocol=2)  # NEWOBJ + BUILD of an unknown class: refused
     buf = io.BytesIO()
