@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptctl.errors import CheckpointError
 from ckptctl.megatron import is_expert
@@ -44,9 +44,10 @@ GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
 LAYERS = "decoder.layers."
+EMBEDDING = "embedding.word_embeddings.weight"
 
 LOCAL_SPEC = (
-    ("embedding.word_embeddings.weight", COLUMN),
+    (EMBEDDING, COLUMN),
     ("embedding.position_embeddings.weight", REPLICATED),
     (LAYERS, (
         ("input_layernorm.weight", REPLICATED),
@@ -111,6 +112,13 @@ class LocalParam:
     lead: tuple[int, ...]
     kind: str
     layer: int | None = None
+    copy: bool = False
+    """The last pipeline stage's copy of a tied embedding (its output layer): laid out in its
+    buckets, but its state is the embedding's (megatron-core all-reduces their gradients), whose
+    first-stage copy is the one rebuilt."""
+    alone: bool = False
+    """In a bucket of its own, closing the one before at its aligned start: either copy of a tied
+    embedding under pipeline parallelism (megatron-core's `shared_embedding`)."""
 
 
 @dataclass(frozen=True)
@@ -150,9 +158,11 @@ def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int | None, int, int, int], d
     return out
 
 
-def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalParam]:
+def registration_order(ckpt: Checkpoint, model_keys: set[str], tied_copy: bool = False) -> list[LocalParam]:
     """The model's params in megatron-core's registration order (`LOCAL_SPEC`), refusing any
-    model key the spec has no place for (another spec: its order is not known)."""
+    model key the spec has no place for (another spec: its order is not known). With
+    `tied_copy` (a tied embedding under pipeline parallelism) the last stage's output layer is
+    the embedding's copy, in the output layer's place."""
     known: set[str] = set()
 
     def expand(prefix: str, table: tuple, lead: tuple[int, ...], layer: int | None) -> list[LocalParam]:
@@ -169,6 +179,9 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str]) -> list[LocalPara
         return out
 
     order = expand("", LOCAL_SPEC, (), None)
+    if tied_copy:
+        order = [replace(p, alone=True) if p.key == EMBEDDING else p for p in order]
+        order.append(LocalParam(EMBEDDING, (), COLUMN, copy=True, alone=True))
     unknown = sorted(model_keys - known)
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
@@ -264,7 +277,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
 def _stage(ckpt: Checkpoint, order: list[LocalParam], pp: int):
     """Which pipeline stage holds a param, as megatron-core splits a GPT model without a custom
     layout: the layers evenly over the stages, the embedding on the first, the final norm and the
-    output layer on the last."""
+    output layer (or the tied embedding's copy) on the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
     if layers % pp:
         raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pp} pipeline stages (an uneven split "
@@ -274,7 +287,7 @@ def _stage(ckpt: Checkpoint, order: list[LocalParam], pp: int):
     def stage(param: LocalParam) -> int:
         if param.layer is not None:
             return param.layer // per_stage
-        return 0 if param.key.startswith("embedding.") else pp - 1
+        return 0 if param.key.startswith("embedding.") and not param.copy else pp - 1
 
     return stage
 
@@ -310,10 +323,15 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
         placed, cursor = [], 0
         while cursor < length and next_param < len(params):
             param = params[next_param]
-            next_param += 1
             start = -(-cursor // ALIGN) * ALIGN
+            if param.alone and placed:  # the bucket before closes at its aligned start
+                cursor = start
+                break
+            next_param += 1
             cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
             placed.append((param, start, cursor))
+            if param.alone:
+                break
         if cursor != length:
             at = f"{placed[-1][0].key} ends at {cursor}" if placed else "no param is left for it"
             raise CheckpointError(ckpt.path, f"{where} bucket {b} is {length} elements but {at} "
@@ -365,11 +383,12 @@ class Window:
 
 
 def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket]) -> list[Window]:
-    """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only."""
+    """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only, a
+    tied embedding's on the first pipeline stage only."""
     return [Window(param, bucket.tp_rank, local_shape(ckpt.tensors[param.key], param, bucket.tp), start, end,
                    bucket.entries)
             for bucket in buckets for param, start, end in bucket.params
-            if not (param.kind == REPLICATED and bucket.tp_rank)]
+            if not (param.kind == REPLICATED and bucket.tp_rank) and not param.copy]
 
 
 def window_view(window: Window, state: str, items: dict[str, ItemWindows], units: bool) -> tuple[str, SourceTensor]:

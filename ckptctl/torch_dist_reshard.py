@@ -134,9 +134,9 @@ PIPELINE_SPLITS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtu
 """Megatron-LM args that split the layers over pipeline stages other than evenly, in order."""
 
 
-def _tp_pp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, int]:
-    """The TP and PP sizes of args; a pipeline split other than the even one is refused, as are
-    tied embeddings under PP (the last stage's copy of the embedding is a param of its own)."""
+def _tp_pp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, int, bool]:
+    """The TP and PP sizes of args, and whether the last pipeline stage holds a copy of a tied
+    embedding (a param of its own there); a pipeline split other than the even one is refused."""
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
     for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
         if type(value) is not int or value < 1:
@@ -146,10 +146,12 @@ def _tp_pp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> t
         if split is not None:
             raise _refusal(ckpt, common.where, f"args.{split} is {getattr(args, split)!r:.64}: dp_reshardable buckets "
                                                "are rebuilt for layers split evenly over the pipeline stages only")
-        if getattr(args, "untie_embeddings_and_output_weights", None) is not True:
-            raise _refusal(ckpt, common.where, "tied embeddings under pipeline parallelism (the last stage's copy of "
-                                               "the embedding): dp_reshardable buckets are not rebuilt for them yet")
-    return tp, pp
+        untied = getattr(args, "untie_embeddings_and_output_weights", None)
+        if type(untied) is not bool:
+            raise _refusal(ckpt, common.where, f"args.untie_embeddings_and_output_weights is {untied!r:.64}: whether "
+                                               "the last pipeline stage holds a copy of the embedding is not known")
+        return tp, pp, not untied
+    return tp, pp, False
 
 
 def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:
@@ -165,12 +167,13 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     """The dp_reshardable buckets with the params laid out in them (local spec only:
     `megatron_buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
     the one optimizer of a checkpoint without a ChainedOptimizer)."""
-    tp, pp = _tp_pp(ckpt, common, args)
+    tp, pp, tied_copy = _tp_pp(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
-    return layout_buckets(ckpt, registration_order(ckpt, model), tp, optimizers, ep, pp, etp), groups
+    order = registration_order(ckpt, model, tied_copy)
+    return layout_buckets(ckpt, order, tp, optimizers, ep, pp, etp), groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

@@ -34,8 +34,8 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP[, expert TP]]]]) → the
-    folder megatron-core saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP[, expert TP[, tied]]]]])
+    → the folder megatron-core saved it in, made when first asked for."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -45,10 +45,10 @@ class Saved(dict):
         from fixtures import megatron_optim
 
         kind, tp, dp, bucket, *rest = key
-        version, ep, pp, etp = (*rest, *(None, 1, 1, 0)[len(rest):])
-        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}etp{etp}b{bucket}{version or ''}"
+        version, ep, pp, etp, tied = (*rest, *(None, 1, 1, 0, False)[len(rest):])
+        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}etp{etp}{'tied' * tied}b{bucket}{version or ''}"
         megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep, pp=pp,
-                             etp=etp)
+                             etp=etp, tied=tied)
         self[key] = out
         return out
 
@@ -84,6 +84,10 @@ PIPELINE = ("llama", 2, 1, 1000, "0.19", 1, 2)
 """A llama at TP 2 × PP 2 (megatron-core 0.19.2, trained by its pipeline schedule): each stage's
 buffers of its own (four DP groups, one per PP × TP rank: the embedding and layer 0 on the first
 stage, layer 1, the final norm and the output layer on the last), buckets of 1,000 elements."""
+TIED_PIPELINE = ("llama", 2, 1, 0, "0.19", 1, 2, 0, True)
+"""A llama whose embedding is tied to its output layer, at TP 2 × PP 2: the last stage's output
+layer is a copy of the embedding, and either copy is in a bucket of its own. (megatron-core
+0.19.2 cannot save this run with `bucket_size` buckets at all: its plan fails validation.)"""
 EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", 2, 2)
 """A Qwen3-MoE at DP 2 × EP 2 × PP 2: the dense and expert optimizers' groups on each stage."""
 EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", 2, 1, 1)
@@ -93,7 +97,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
            pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(EXPERT_TP, marks=needs("0.19"))]
+           pytest.param(EXPERT_TP, marks=needs("0.19")), pytest.param(TIED_PIPELINE, marks=needs("0.19"))]
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -271,16 +275,17 @@ def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs
 
 @needs("0.19")
 @pytest.mark.full
-def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_at_other_grids(saved, tmp_path):
-    """TP 1 × PP 2 with one bucket per stage: the rewrite equals megatron-core's own
-    `fully_reshardable` save tensor for tensor, with the same common state; megatron-core resumes
-    it at PP 2 and at DP 2 × PP 1 bit for bit."""
+@pytest.mark.parametrize("tied", [False, True], ids=("untied", "tied"))
+def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_at_other_grids(saved, tmp_path, tied):
+    """TP 1 × PP 2 with one bucket per stage (a tied embedding's copies in buckets of their
+    own): the rewrite equals megatron-core's own `fully_reshardable` save tensor for tensor, with
+    the same common state; megatron-core resumes it at PP 2 and at DP 2 × PP 1 bit for bit."""
     from fixtures import megatron_optim
 
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.formats.megatron_args import common_state
 
-    ckpt = saved[("llama", 1, 1, 0, "0.19", 1, 2)]
+    ckpt = saved[("llama", 1, 1, 0, "0.19", 1, 2, 0, tied)]
     out = tmp_path / "o"
     run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
     assert run.returncode == 0, run.stderr
@@ -289,7 +294,7 @@ def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_a
     assert common_state(open_checkpoint(out)).state == common_state(open_checkpoint(ckpt / "fully_reshardable")).state
     loss = torch.load(ckpt / "loss.pt")
     for dp, pp in ((1, 2), (2, 1)):
-        resumed = megatron_optim.load(out, 1, dp, tmp_path / f"loss{dp}{pp}.pt", mcore="0.19", pp=pp)
+        resumed = megatron_optim.load(out, 1, dp, tmp_path / f"loss{dp}{pp}.pt", mcore="0.19", pp=pp, tied=tied)
         assert (resumed["step"], resumed["after_step"]) == (loss["step2"], loss["after_step2"]), (dp, pp)
 
 
@@ -566,12 +571,12 @@ def test_args_of_the_wrong_kind_are_one_line_each(rebuilt, tmp_path):
 
 @needs("0.19")
 def test_pipeline_stages_other_than_an_even_split_are_refused_naming_why(saved, tmp_path):
-    """Stages are rebuilt for layers split evenly, untied embeddings (the last stage's copy of a
-    tied one is a param of its own), and as many DP groups as args' TP × PP say; anything else
-    in args is one line, exit 2, nothing written."""
+    """Stages are rebuilt for layers split evenly, with args that say whether the embedding is
+    tied (then the last stage holds a copy of it), and as many DP groups as args' TP × PP say;
+    anything else in args is one line, exit 2, nothing written."""
     where = "common_state/shard_0_1"
-    cases = [("untie_embeddings_and_output_weights", False, f"{where}: tied embeddings under pipeline parallelism (the "
-              "last stage's copy of the embedding): dp_reshardable buckets are not rebuilt for them yet"),
+    cases = [("untie_embeddings_and_output_weights", None, f"{where}: args.untie_embeddings_and_output_weights is "
+              "None: whether the last pipeline stage holds a copy of the embedding is not known"),
              ("decoder_first_pipeline_num_layers", 1, f"{where}: args.decoder_first_pipeline_num_layers is 1: "
               "dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
              ("pipeline_model_parallel_size", "2", f"{where}: args.pipeline_model_parallel_size is '2'"),
