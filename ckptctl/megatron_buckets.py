@@ -12,7 +12,9 @@ two row blocks of torch_dist's `[W_all; V_all]`). Under expert parallelism megat
 two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
 rank, each of those holding its EP rank's share of every layer's experts. Under pipeline
 parallelism each stage has its own buffers (DP groups PP rank × those): the first stage the
-embedding and its share of the layers, the last its share, the final norm and the output layer.
+embedding and its share of the layers, the last its share, the final norm and the output layer;
+under virtual pipeline parallelism each of a stage's model chunks has a buffer of its own
+(`gbuf_idx_<chunk>`), holding the layers of its virtual stage.
 
 Nothing here is taken on trust: every bucket must end exactly at its last param, and every
 saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside
@@ -135,6 +137,17 @@ class Bucket:
     """Its optimizer in a ChainedOptimizer (None: one optimizer)."""
     group: int = 0
     """Its optimizer's `dp_group_idx` (`layout_buckets`)."""
+    buffer: int = 0
+    """Its buffer in the group (`gbuf_idx`: one per model chunk holding the optimizer's params)."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """How the layers are split: over `stages` pipeline stages, each holding `chunks` model chunks
+    (virtual pipeline parallelism: chunk c of stage s is virtual stage c × stages + s)."""
+
+    stages: int = 1
+    chunks: int = 1
 
 
 @dataclass(frozen=True)
@@ -235,24 +248,22 @@ def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ..
 
 
 def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
-                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1, pp: int = 1,
-                   etp: int | None = None) -> list[Bucket]:
-    """Each optimizer's buckets with their params, per DP group, as megatron-core lays them out:
-    reverse registration order, starts padded to `ALIGN`, a bucket closing where its saved length
-    ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP rank; an
-    expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP `etp`, by
-    default the TP), each holding its EP rank's share of its stage's experts, split by the expert
-    TP. Stages split the layers evenly (`_stage`)."""
+                   optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1,
+                   pipeline: Pipeline = Pipeline(), etp: int | None = None) -> list[Bucket]:
+    """Each optimizer's buckets with their params, per DP group and buffer, as megatron-core lays
+    them out: reverse registration order, starts padded to `ALIGN`, a bucket closing where its
+    saved length ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP
+    rank; an expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP
+    `etp`, by default the TP), each holding its EP rank's share of its stage's experts, split by
+    the expert TP. Each group has a buffer per model chunk holding params of the optimizer
+    (one param and grad dtype); stages and chunks split the layers evenly (`_stage`)."""
     saved = bucket_entries(ckpt)
     chains = {chain for chain, _, _, _ in saved}
     if chains != {o.chain for o in optimizers}:
         raise CheckpointError(ckpt.path, f"dp_reshardable optimizers {sorted(chains, key=str)}, expected "
                                          f"{sorted((o.chain for o in optimizers), key=str)}")
-    buffers = {buffer for _, _, buffer, _ in saved}
-    if buffers != {0}:
-        raise CheckpointError(ckpt.path, f"dp_reshardable buffers {sorted(buffers)}: only one buffer per optimizer "
-                                         "(one param and grad dtype) is rebuilt yet")
-    stage = _stage(ckpt, order, pp)
+    pp = pipeline.stages
+    stage = _stage(ckpt, order, pipeline)
     out = []
     for optimizer in optimizers:
         held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
@@ -268,26 +279,40 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
         for group in groups:
             pp_rank, rest = divmod(group, per_stage)
             ep_rank, tp_rank = divmod(rest, split)
-            mine = [p for p in held if stage(p) == pp_rank
+            ours = [p for p in held if stage(p)[0] == pp_rank
                     and (not optimizer.experts or p.lead[-1] // share == ep_rank)]
-            out += _group_buckets(ckpt, saved, optimizer, group, tp_rank, mine, split)
+            chunks = sorted({stage(p)[1] for p in ours})  # a chunk without params of the optimizer has no buffer
+            buffers = sorted({b for c, g, b, _ in saved if c == optimizer.chain and g == group})
+            if buffers != list(range(len(chunks))):
+                raise CheckpointError(ckpt.path, f"{_prefix(optimizer)}dp_group_idx_{group}: buffers {buffers[:8]}, "
+                                                 f"expected one per model chunk holding its params ({len(chunks)}; "
+                                                 "several param or grad dtypes are not rebuilt yet)")
+            for buffer, chunk in enumerate(chunks):
+                mine = [p for p in ours if stage(p)[1] == chunk]
+                out += _group_buckets(ckpt, saved, optimizer, group, buffer, tp_rank, mine, split)
     return out
 
 
-def _stage(ckpt: Checkpoint, order: list[LocalParam], pp: int):
-    """Which pipeline stage holds a param, as megatron-core splits a GPT model without a custom
-    layout: the layers evenly over the stages, the embedding on the first, the final norm and the
-    output layer (or the tied embedding's copy) on the last."""
+def _stage(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline):
+    """Which pipeline stage and model chunk hold a param, as megatron-core splits a GPT model
+    without a custom layout: the layers evenly over the virtual stages (chunk × stages + stage),
+    the embedding in the first, the final norm and the output layer (or the tied embedding's
+    copy) in the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
-    if layers % pp:
-        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pp} pipeline stages (an uneven split "
-                                         "is not rebuilt)")
-    per_stage = layers // pp or 1
+    virtual = pipeline.stages * pipeline.chunks
+    if layers % virtual:
+        chunks = f" × {pipeline.chunks} model chunks" if pipeline.chunks > 1 else ""
+        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pipeline.stages} pipeline stages{chunks} "
+                                         "(an uneven split is not rebuilt)")
+    per_stage = layers // virtual or 1
 
-    def stage(param: LocalParam) -> int:
+    def stage(param: LocalParam) -> tuple[int, int]:
         if param.layer is not None:
-            return param.layer // per_stage
-        return 0 if param.key.startswith("embedding.") and not param.copy else pp - 1
+            chunk, rank = divmod(param.layer // per_stage, pipeline.stages)
+            return rank, chunk
+        if param.key.startswith("embedding.") and not param.copy:
+            return 0, 0
+        return pipeline.stages - 1, pipeline.chunks - 1
 
     return stage
 
@@ -305,17 +330,17 @@ def _expert_share(ckpt: Checkpoint, experts: list[LocalParam], ep: int) -> int:
     return count // ep
 
 
-def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: int, tp_rank: int,
+def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: int, buffer: int, tp_rank: int,
                    order: list[LocalParam], tp: int) -> list[Bucket]:
-    """One DP group's buckets, filled with `order` reversed."""
-    where = f"{_prefix(optimizer)}dp_group_idx_{group}"
-    numbers = sorted(b for c, g, _, b in saved if c == optimizer.chain and g == group)
+    """One buffer's buckets in a DP group, filled with `order` reversed."""
+    where = f"{_prefix(optimizer)}dp_group_idx_{group}{f'.gbuf_idx_{buffer}' if buffer else ''}"
+    numbers = sorted(b for c, g, f, b in saved if c == optimizer.chain and g == group and f == buffer)
     if numbers != list(range(len(numbers))):
         raise CheckpointError(ckpt.path, f"{where}: buckets {numbers} are not numbered 0…")
     out = []
     params, next_param = list(reversed(order)), 0
     for b in numbers:
-        entries = saved[(optimizer.chain, group, 0, b)]
+        entries = saved[(optimizer.chain, group, buffer, b)]
         if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
             raise CheckpointError(ckpt.path, f"{where} bucket {b} holds {sorted(entries)}, "
                                              "expected param, exp_avg and exp_avg_sq (Adam)")
@@ -338,7 +363,7 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
                                              "in megatron-core's local GPT spec order: another model spec or "
                                              "megatron-core version")
         _check_chunks(ckpt, entries, placed)
-        out.append(Bucket(tp_rank, tp, b, entries, tuple(placed), optimizer.chain, group))
+        out.append(Bucket(tp_rank, tp, b, entries, tuple(placed), optimizer.chain, group, buffer))
     if next_param < len(params):
         raise CheckpointError(ckpt.path, f"{where}: {len(params) - next_param} params "
                                          f"({params[next_param].key} first) are in no bucket: another model spec "

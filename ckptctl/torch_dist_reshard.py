@@ -33,7 +33,7 @@ from ckptctl.layout import (
 )
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import (
-    GROUPS_ITEM, Bucket, Optimizer, layout_buckets, model_space_targets, registration_order,
+    GROUPS_ITEM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, registration_order,
 )
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
@@ -127,31 +127,39 @@ def _args(ckpt: Checkpoint, common: CommonState) -> argparse.Namespace:
     return args
 
 
-PIPELINE_SPLITS = ("virtual_pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-                   "num_virtual_stages_per_pipeline_rank", "decoder_first_pipeline_num_layers",
-                   "decoder_last_pipeline_num_layers", "pipeline_model_parallel_layout",
-                   "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+PIPELINE_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                   "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
+                   "account_for_loss_in_pipeline_split")
 """Megatron-LM args that split the layers over pipeline stages other than evenly, in order."""
 
 
-def _tp_pp(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, int, bool]:
-    """The TP and PP sizes of args, and whether the last pipeline stage holds a copy of a tied
-    embedding (a param of its own there); a pipeline split other than the even one is refused."""
+def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, Pipeline, bool]:
+    """The TP size and pipeline split of args, and whether the last pipeline stage holds a copy of
+    a tied embedding (a param of its own there); a split other than the even one is refused."""
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
-    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp)):
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    vpp = 1 if vpp is None else vpp
+    for name, value in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                        ("virtual_pipeline_model_parallel_size", vpp)):
         if type(value) is not int or value < 1:
             raise _refusal(ckpt, common.where, f"args.{name} is {value!r:.64}")
-    if pp > 1:
-        split = next((name for name in PIPELINE_SPLITS if getattr(args, name, None) not in (None, False)), None)
-        if split is not None:
-            raise _refusal(ckpt, common.where, f"args.{split} is {getattr(args, split)!r:.64}: dp_reshardable buckets "
-                                               "are rebuilt for layers split evenly over the pipeline stages only")
-        untied = getattr(args, "untie_embeddings_and_output_weights", None)
-        if type(untied) is not bool:
-            raise _refusal(ckpt, common.where, f"args.untie_embeddings_and_output_weights is {untied!r:.64}: whether "
-                                               "the last pipeline stage holds a copy of the embedding is not known")
-        return tp, pp, not untied
-    return tp, pp, False
+    if pp == 1:
+        return tp, Pipeline(), False
+    split = next((name for name in PIPELINE_SPLITS if getattr(args, name, None) not in (None, False)), None)
+    layers = getattr(args, "num_layers", None)
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_chunk is not None and not (type(layers) is int and per_chunk == layers / (pp * vpp)):
+        split = "num_layers_per_virtual_pipeline_stage"
+    if getattr(args, "num_virtual_stages_per_pipeline_rank", None) not in (None, vpp):
+        split = "num_virtual_stages_per_pipeline_rank"
+    if split is not None:
+        raise _refusal(ckpt, common.where, f"args.{split} is {getattr(args, split)!r:.64}: dp_reshardable buckets "
+                                           "are rebuilt for layers split evenly over the pipeline stages only")
+    untied = getattr(args, "untie_embeddings_and_output_weights", None)
+    if type(untied) is not bool:
+        raise _refusal(ckpt, common.where, f"args.untie_embeddings_and_output_weights is {untied!r:.64}: whether "
+                                           "the last pipeline stage holds a copy of the embedding is not known")
+    return tp, Pipeline(pp, vpp), not untied
 
 
 def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:
@@ -167,13 +175,13 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     """The dp_reshardable buckets with the params laid out in them (local spec only:
     `megatron_buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
     the one optimizer of a checkpoint without a ChainedOptimizer)."""
-    tp, pp, tied_copy = _tp_pp(ckpt, common, args)
+    tp, pipeline, tied_copy = _pipeline(ckpt, common, args)
     _refuse_other_specs(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
     order = registration_order(ckpt, model, tied_copy)
-    return layout_buckets(ckpt, order, tp, optimizers, ep, pp, etp), groups
+    return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

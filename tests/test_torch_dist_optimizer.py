@@ -34,8 +34,9 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 
 
 class Saved(dict):
-    """(model kind, TP, DP, bucket size[, megatron-core version[, EP[, PP[, expert TP[, tied]]]]])
-    → the folder megatron-core saved it in, made when first asked for."""
+    """(model kind, TP, DP, bucket size[, megatron-core version[, (run option, value), …]]) → the
+    folder megatron-core saved it in, made when first asked for; run options are
+    `megatron_optim.write`'s (ep, pp, vpp, etp, tied, layers)."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -45,10 +46,9 @@ class Saved(dict):
         from fixtures import megatron_optim
 
         kind, tp, dp, bucket, *rest = key
-        version, ep, pp, etp, tied = (*rest, *(None, 1, 1, 0, False)[len(rest):])
-        out = self.root / f"{kind}-tp{tp}dp{dp}ep{ep}pp{pp}etp{etp}{'tied' * tied}b{bucket}{version or ''}"
-        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, ep=ep, pp=pp,
-                             etp=etp, tied=tied)
+        version, run = (rest[0] if rest else None), dict(rest[1:])
+        out = self.root / f"{kind}-tp{tp}dp{dp}b{bucket}{version or ''}{''.join(f'-{k}{v}' for k, v in run.items())}"
+        megatron_optim.write(out, tp, dp, kind=kind, bucket_size=bucket or None, mcore=version, **run)
         self[key] = out
         return out
 
@@ -76,28 +76,37 @@ DEEPSEEK = ("deepseek-v3", 2, 1, 1000, "0.19")
 """A DeepSeek-V3 at TP 2 with 1,000-element buckets (megatron-core 0.19.2): multi-latent attention,
 a dense layer then a MoE one (per-layer keys), a shared expert, the router's expert bias (a
 buffer: no optimizer state)."""
-EXPERT_PARALLEL = ("qwen3-moe", 2, 2, 1000, "0.19", 2)
+EXPERT_PARALLEL = ("qwen3-moe", 2, 2, 1000, "0.19", ("ep", 2))
 """A Qwen3-MoE at TP 2 × DP 2 with EP 2 (megatron-core 0.19.2): the experts in buffers and an
 optimizer of their own, chained to the dense one (`chained_0.` / `chained_1.` entries, four
 expert DP groups, one per EP × TP rank), buckets of 1,000 elements."""
-PIPELINE = ("llama", 2, 1, 1000, "0.19", 1, 2)
+PIPELINE = ("llama", 2, 1, 1000, "0.19", ("pp", 2))
 """A llama at TP 2 × PP 2 (megatron-core 0.19.2, trained by its pipeline schedule): each stage's
 buffers of its own (four DP groups, one per PP × TP rank: the embedding and layer 0 on the first
 stage, layer 1, the final norm and the output layer on the last), buckets of 1,000 elements."""
-TIED_PIPELINE = ("llama", 2, 1, 0, "0.19", 1, 2, 0, True)
+TIED_PIPELINE = ("llama", 2, 1, 0, "0.19", ("pp", 2), ("tied", True))
 """A llama whose embedding is tied to its output layer, at TP 2 × PP 2: the last stage's output
 layer is a copy of the embedding, and either copy is in a bucket of its own. (megatron-core
 0.19.2 cannot save this run with `bucket_size` buckets at all: its plan fails validation.)"""
-EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", 2, 2)
+EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", ("ep", 2), ("pp", 2))
 """A Qwen3-MoE at DP 2 × EP 2 × PP 2: the dense and expert optimizers' groups on each stage."""
-EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", 2, 1, 1)
+VIRTUAL_PIPELINE = ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 4))
+"""A 4-layer llama at PP 2 with two model chunks per stage (interleaved: layers 0 and 2 on the
+first stage, 1 and 3 on the last), a buffer per chunk, the first chunk's cut in buckets."""
+EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", ("ep", 2), ("etp", 1))
 """The Qwen3-MoE at TP 2 × DP 2 × EP 2 with an expert TP of 1: the experts whole in each EP rank's
 expert buckets (two expert DP groups)."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
            pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(EXPERT_TP, marks=needs("0.19")), pytest.param(TIED_PIPELINE, marks=needs("0.19"))]
+           pytest.param(EXPERT_TP, marks=needs("0.19")), pytest.param(TIED_PIPELINE, marks=needs("0.19")),
+           pytest.param(VIRTUAL_PIPELINE, marks=needs("0.19"))]
+
+
+def case_id(case) -> str:
+    """A saved run's test id: its kind, megatron-core version and run options."""
+    return "-".join(str(v) if not isinstance(v, tuple) else f"{v[0]}{v[1]}" for v in (case[0], *case[4:]))
 FS_MODEL_SPACE = ROOT / "fixtures" / "data" / "megatron_fs_model_space"
 """megatron-core 0.15.3's `fully_sharded_model_space` save of the bucketed run, committed
 (`make fixtures` writes it again): the tests that rebuild it need no megatron-core 0.15."""
@@ -130,7 +139,7 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
-    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "dp": 2, "ep": 1, "etp": 2, "cp": 1,
+    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "vpp": None, "dp": 2, "ep": 1, "etp": 2, "cp": 1,
                                "iteration": 1, "problem": None}
     assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
@@ -142,18 +151,18 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
                      r"PP cannot load them\)\s*$", text, re.M)
 
 
-@pytest.mark.parametrize("case", LAYOUTS, ids=lambda c: "-".join(map(str, (c[0], *c[4:]))))
+@pytest.mark.parametrize("case", LAYOUTS, ids=case_id)
 def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
-    """Every optimizer's buckets, in each of its DP groups, hold the params megatron-core put
-    there (each expert of each layer too, an EP rank's share of them in its expert optimizer's
-    groups), at the same ranges."""
+    """Every optimizer's buckets, in each of its DP groups and buffers (one per model chunk), hold
+    the params megatron-core put there (each expert of each layer too, an EP rank's share of them
+    in its expert optimizer's groups), at the same ranges."""
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.torch_dist_reshard import dp_reshardable_buckets, read_common
 
     ckpt = open_checkpoint(saved[case] / "dp_reshardable")
     common = read_common(ckpt)
     buckets, _ = dp_reshardable_buckets(ckpt, common, common.state["args"])
-    got = {(b.chain, b.group, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params] for b in buckets}
+    got = {(b.chain, b.group, b.buffer, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params] for b in buckets}
     record = json.loads((saved[case] / "buffers.json").read_text())
     tp, chained = case[1], bool(record["expert_parallel_buffers"])
     want = {}
@@ -161,19 +170,19 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
         for experts, buffers in ((False, rank["buffers"]), (True, rank["expert_parallel_buffers"])):
             if rank["expert_dp_rank" if experts else "dp_rank"] or not buffers:
                 continue
-            (buffer,) = buffers
             # groups: (PP rank × EP + EP rank) × TP + TP rank, the experts' by their own TP
             ep, split, at = (record["ep"], record["etp"] or tp, rank["etp_rank"]) if experts else (1, tp, rank["tp_rank"])
             group = (rank["pp_rank"] * ep + (rank["ep_rank"] if experts else 0)) * split + at
-            params = {p["name"]: p for p in buffer["params"]}
-            for bucket in buffer["buckets"]:
-                rows = []
-                for name in bucket["params"]:
-                    p = params[name]
-                    shard = p["sharded"]["shards"][0]  # its stacked dims: layer and global expert, as the key stacks
-                    rows.append((p["sharded"]["key"], tuple(shard["global_offset"][:shard["prepend_axis_num"]]),
-                                 p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
-                want[(int(experts) if chained else None, group, bucket["bucket_id"])] = rows
+            for index, buffer in enumerate(buffers):
+                params = {p["name"]: p for p in buffer["params"]}
+                for bucket in buffer["buckets"]:
+                    rows = []
+                    for name in bucket["params"]:
+                        p = params[name]
+                        shard = p["sharded"]["shards"][0]  # its stacked dims: layer and global expert, as keyed
+                        rows.append((p["sharded"]["key"], tuple(shard["global_offset"][:shard["prepend_axis_num"]]),
+                                     p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
+                    want[(int(experts) if chained else None, group, index, bucket["bucket_id"])] = rows
     assert got == want
 
 
@@ -275,6 +284,24 @@ def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs
 
 @needs("0.19")
 @pytest.mark.full
+def test_a_virtual_pipeline_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_path):
+    """Two model chunks per stage (a buffer each): megatron-core resumes the rewrite at its own
+    grid (interleaved schedule) and at PP 1 × DP 2 bit for bit."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    text = run_cli("inspect", saved[VIRTUAL_PIPELINE] / "dp_reshardable").stdout
+    assert re.search(r"^Training\s+TP 1 × PP 2 × DP 1 \(VPP 2, EP 1, CP 1\), iteration 1 ", text, re.M)
+    run = run_cli("reshard", saved[VIRTUAL_PIPELINE] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    want = torch.load(saved[VIRTUAL_PIPELINE] / "loss.pt")
+    for dp, grid in ((1, dict(pp=2, vpp=2)), (2, {})):
+        resumed = megatron_optim.load(out, 1, dp, tmp_path / f"loss{dp}.pt", mcore="0.19", layers=4, **grid)
+        assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"]), grid
+
+
+@needs("0.19")
+@pytest.mark.full
 @pytest.mark.parametrize("tied", [False, True], ids=("untied", "tied"))
 def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_at_other_grids(saved, tmp_path, tied):
     """TP 1 × PP 2 with one bucket per stage (a tied embedding's copies in buckets of their
@@ -285,7 +312,7 @@ def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_a
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.formats.megatron_args import common_state
 
-    ckpt = saved[("llama", 1, 1, 0, "0.19", 1, 2, 0, tied)]
+    ckpt = saved[("llama", 1, 1, 0, "0.19", ("pp", 2), ("tied", tied))]
     out = tmp_path / "o"
     run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
     assert run.returncode == 0, run.stderr
@@ -580,6 +607,10 @@ def test_pipeline_stages_other_than_an_even_split_are_refused_naming_why(saved, 
              ("decoder_first_pipeline_num_layers", 1, f"{where}: args.decoder_first_pipeline_num_layers is 1: "
               "dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
              ("pipeline_model_parallel_size", "2", f"{where}: args.pipeline_model_parallel_size is '2'"),
+             ("num_layers_per_virtual_pipeline_stage", 3, f"{where}: args.num_layers_per_virtual_pipeline_stage is "
+              "3: dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
+             ("virtual_pipeline_model_parallel_size", 3, "2 layers do not divide over 2 pipeline stages × 3 model "
+              "chunks (an uneven split is not rebuilt)"),
              ("pipeline_model_parallel_size", 4, "2 layers do not divide over 4 pipeline stages (an uneven split is "
               "not rebuilt)"),
              ("pipeline_model_parallel_size", 1, "dp_group_idx_<g>: groups [0, 1, 2, 3], "
@@ -734,7 +765,7 @@ def test_a_deepseek_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_path):
 
 @pytest.mark.full
 @pytest.mark.parametrize("case", [("llama", 2, 2, 0), pytest.param(("llama", 2, 2, 0, "0.19"), marks=needs("0.19")),
-                                  MOE], ids=lambda c: "-".join(map(str, (c[0], *c[4:]))))
+                                  MOE], ids=case_id)
 def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable_save(saved, tmp_path, case):
     ckpt = saved[case]
     run = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / "o", "--verify")
@@ -812,7 +843,8 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     assert (found.where, found.problem, found.get("tensor_model_parallel_size")) == ("common.pt", None, 2)
     assert found.get("attention_backend") == Opaque(__name__, "AttnBackend", (2,))
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
-    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "dp": None, "ep": None, "etp": None, "cp": None,
+    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "vpp": None, "dp": None, "ep": None, "etp": None,
+                               "cp": None,
                                "iteration": None, "problem": None}
     data = pickle.dumps({"args": Built()}, protocol=2)  # NEWOBJ + BUILD of an unknown class: refused
     buf = io.BytesIO()

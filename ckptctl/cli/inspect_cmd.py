@@ -19,7 +19,7 @@ ignores them.
       "optimizer_format": null | "fully_reshardable" | "fully_sharded_model_space" | "dp_reshardable",
                                                               # torch_dist's DistributedOptimizer format
       "training": null | {"from": "args entry" | "common.pt" | "common_state/shard_0_1",
-                          "tp", "pp", "dp", "ep", "etp", "cp", "iteration": int | null,
+                          "tp", "pp", "vpp", "dp", "ep", "etp", "cp", "iteration": int | null,
                           "problem": str | null},          # Megatron's saved args, never executed
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
@@ -156,6 +156,7 @@ def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
 
 
 TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
+                   "vpp": "virtual_pipeline_model_parallel_size",
                    "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
                    "etp": "expert_tensor_parallel_size", "cp": "context_parallel_size", "iteration": "iteration"}
 """`training` in the JSON document: Megatron's args by the names Megatron gives them."""
@@ -183,7 +184,7 @@ def _training_line(doc: dict[str, Any]) -> str:
     if doc["problem"]:
         return f"args in {doc['from']} {doc['problem']}"
     sizes = " × ".join(f"{k.upper()} {doc[k]}" for k in ("tp", "pp", "dp") if doc[k] is not None)
-    more = ", ".join(f"{k.upper()} {doc[k]}" for k in ("ep", "etp", "cp")
+    more = ", ".join(f"{k.upper()} {doc[k]}" for k in ("vpp", "ep", "etp", "cp")
                      if doc[k] is not None and not (k == "etp" and doc[k] == doc["tp"]))  # ETP: the TP by default
     step = f", iteration {doc['iteration']}" if doc["iteration"] is not None else ""
     return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
