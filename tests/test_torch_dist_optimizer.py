@@ -100,8 +100,9 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
            pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(EXPERT_TP, marks=needs("0.19")), pytest.param(TIED_PIPELINE, marks=needs("0.19")),
-           pytest.param(VIRTUAL_PIPELINE, marks=needs("0.19"))]
+           pytest.param(EXPERT_TP, marks=needs("0.19")),
+           pytest.param(TIED_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full))]
 
 
 def case_id(case) -> str:
