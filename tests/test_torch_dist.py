@@ -27,18 +27,20 @@ transformers = pytest.importorskip("transformers")
 GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"), "qwen3-tp2": (2, 1, "qwen3"),
          "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed"),
          "singleton-tp2": (2, 1, "llama"), "qwen3-moe-singleton-tp2": (2, 1, "qwen3-moe"),
-         "deepseek-v3-tp2": (2, 1, "deepseek-v3"), "deepseek-v3-singleton-tp2": (2, 1, "deepseek-v3")}
+         "deepseek-v3-tp2": (2, 1, "deepseek-v3"), "deepseek-v3-singleton-tp2": (2, 1, "deepseek-v3"),
+         "qwen2-tp2": (2, 1, "qwen2"), "mixtral-tp2": (2, 1, "mixtral")}
 """Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
 qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwen3-moe-mixed's
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys; the singleton ones are
 saved with `singleton_local_shards` (per-layer keys, fc1 as weight_w / weight_v, a key per expert);
 deepseek-v3 has multi-latent attention, a first dense layer, then MoE with a shared expert and
-sigmoid group-limited routing steered by its expert bias."""
+sigmoid group-limited routing steered by its expert bias; qwen2 has q/k/v biases (TP-split with
+the rows of its group); mixtral is qwen3-moe's MoE without q/k norms, under Mixtral's names."""
 SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2", "deepseek-v3-singleton-tp2")
 
 
 FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2",
-             "deepseek-v3-singleton-tp2")
+             "deepseek-v3-singleton-tp2", "qwen2-tp2", "mixtral-tp2")
 """Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
 costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
 the q/k norms and the per-layer keys of the others)."""
@@ -89,7 +91,7 @@ def grids(*names: str) -> list:
 
 def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
     """Test side, independent of ckptctl: Megatron's global layer stacks (or per-layer keys) → HF
-    Llama/Qwen3/Qwen3-MoE/DeepSeek-V3 tensors."""
+    Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral/DeepSeek-V3 tensors."""
     d = mc.DIMS
     hd, groups, per_group = mc.HEAD_DIM[kind], d["groups"], d["heads"] // d["groups"]
     out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:d["vocab"]],
@@ -113,6 +115,11 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
             out[p + "self_attn.q_proj.weight"] = qkv[:, :per_group * hd].reshape(-1, d["hidden"])
             out[p + "self_attn.k_proj.weight"] = qkv[:, per_group * hd:(per_group + 1) * hd].reshape(-1, d["hidden"])
             out[p + "self_attn.v_proj.weight"] = qkv[:, (per_group + 1) * hd:].reshape(-1, d["hidden"])
+            if kind == "qwen2":  # the bias rows interleaved per group like the weight's
+                bias = s("self_attention.linear_qkv.bias").reshape(groups, (per_group + 2) * hd)
+                out[p + "self_attn.q_proj.bias"] = bias[:, :per_group * hd].reshape(-1)
+                out[p + "self_attn.k_proj.bias"] = bias[:, per_group * hd:(per_group + 1) * hd].reshape(-1)
+                out[p + "self_attn.v_proj.bias"] = bias[:, (per_group + 1) * hd:].reshape(-1)
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
         def gate_up(prefix: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             """fc1 as [W; V] (whatever the TP), or saved as weight_w and weight_v (singleton shards)."""
@@ -123,7 +130,13 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
             fc1 = fc1 if expert is None else fc1[expert]
             return fc1[:fc1.shape[0] // 2], fc1[fc1.shape[0] // 2:]
 
-        if moe[layer]:
+        if moe[layer] and kind == "mixtral":  # Mixtral's own names: w1 gate, w3 up, w2 down
+            out[p + "block_sparse_moe.gate.weight"] = s("mlp.router.weight")
+            for e in range(mc.MOE["num_moe_experts"]):
+                x = f"{p}block_sparse_moe.experts.{e}."
+                out[x + "w1.weight"], out[x + "w3.weight"] = gate_up("mlp.experts.experts.", e)
+                out[x + "w2.weight"] = s("mlp.experts.experts.linear_fc2.weight")[e]
+        elif moe[layer]:
             out[p + "mlp.gate.weight"] = s("mlp.router.weight")
             if kind == "deepseek-v3":
                 out[p + "mlp.gate.e_score_correction_bias"] = s("mlp.router.expert_bias")
@@ -144,7 +157,7 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
             continue
         out[p + "input_layernorm.weight"] = s("self_attention.linear_qkv.layer_norm_weight")
         out[p + "post_attention_layernorm.weight"] = s("mlp.linear_fc1.layer_norm_weight")
-        if kind != "llama":
+        if kind not in mc.NO_QK_NORM:
             out[p + "self_attn.q_norm.weight"] = s("self_attention.q_layernorm.weight")
             out[p + "self_attn.k_norm.weight"] = s("self_attention.k_layernorm.weight")
     return out

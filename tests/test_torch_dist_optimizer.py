@@ -102,7 +102,8 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_TP, marks=needs("0.19")),
            pytest.param(TIED_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full))]
+           pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full))]
 
 
 def case_id(case) -> str:
