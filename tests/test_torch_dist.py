@@ -28,19 +28,22 @@ GRIDS = {"tp1": (1, 1, "llama"), "tp2": (2, 1, "llama"), "pp2": (1, 2, "llama"),
          "qwen3-moe-tp2": (2, 1, "qwen3-moe"), "qwen3-moe-mixed-tp2": (2, 1, "qwen3-moe-mixed"),
          "singleton-tp2": (2, 1, "llama"), "qwen3-moe-singleton-tp2": (2, 1, "qwen3-moe"),
          "deepseek-v3-tp2": (2, 1, "deepseek-v3"), "deepseek-v3-singleton-tp2": (2, 1, "deepseek-v3"),
-         "qwen2-tp2": (2, 1, "qwen2"), "mixtral-tp2": (2, 1, "mixtral")}
+         "qwen2-tp2": (2, 1, "qwen2"), "mixtral-tp2": (2, 1, "mixtral"), "deepseek-v3-mtp-tp2": (2, 1, "deepseek-v3")}
 """Name → (TP, PP, model kind) of each saved checkpoint: qwen3 has q/k norms and its own head_dim;
 qwen3-moe's SequentialMLP experts are saved as stacks of stacks [L, E, …]; qwen3-moe-mixed's
 layers differ (MoE, then dense), so torch_dist keeps per-layer keys; the singleton ones are
 saved with `singleton_local_shards` (per-layer keys, fc1 as weight_w / weight_v, a key per expert);
 deepseek-v3 has multi-latent attention, a first dense layer, then MoE with a shared expert and
 sigmoid group-limited routing steered by its expert bias; qwen2 has q/k/v biases (TP-split with
-the rows of its group); mixtral is qwen3-moe's MoE without q/k norms, under Mixtral's names."""
+the rows of its group); mixtral is qwen3-moe's MoE without q/k norms, under Mixtral's names;
+deepseek-v3-mtp adds a multi-token prediction layer (`mtp.layers.0.`, its experts a stack [E, …]),
+which the export writes as HF's layer L (`num_nextn_predict_layers`)."""
+MTP = ("deepseek-v3-mtp-tp2",)
 SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2", "deepseek-v3-singleton-tp2")
 
 
 FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2",
-             "deepseek-v3-singleton-tp2", "qwen2-tp2", "mixtral-tp2")
+             "deepseek-v3-singleton-tp2", "qwen2-tp2", "mixtral-tp2", "deepseek-v3-mtp-tp2")
 """Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
 costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
 the q/k norms and the per-layer keys of the others)."""
@@ -58,23 +61,27 @@ class Saved:
     def __getitem__(self, grid: str) -> tuple:
         if grid not in self.ckpts:
             tp, pp, kind = GRIDS[grid]
-            mc.write(self.root / grid, tp, pp, kind=kind, singleton=grid in SINGLETON)
+            mc.write(self.root / grid, tp, pp, kind=kind, singleton=grid in SINGLETON, mtp=int(grid in MTP))
             logits = self.root / f"{grid}.logits.pt"
             self.ckpts[grid] = (self.root / grid, torch.load(logits) if logits.exists() else None)
         return self.ckpts[grid]
 
-    def ref(self, kind: str):
-        folder = self.root / f"ref-{kind}"
+    def ref(self, kind: str, mtp: int = 0):
+        folder = self.root / f"ref-{kind}{'-mtp' * bool(mtp)}"
         if not folder.exists():
             folder.mkdir()
-            (folder / "config.json").write_text(json.dumps(mc.hf_config(kind)))
+            config = mc.hf_config(kind)
+            if mtp:
+                config["num_nextn_predict_layers"] = mtp
+            (folder / "config.json").write_text(json.dumps(config))
         return folder
 
     def exported(self, grid: str):
         """The grid's export-hf folder (`--verify`)."""
         if grid not in self.exports:
             out = self.root / f"{grid}-hf"
-            run = run_cli("export-hf", self[grid][0], out, "--hf-config", self.ref(GRIDS[grid][2]), "--verify")
+            run = run_cli("export-hf", self[grid][0], out, "--hf-config", self.ref(GRIDS[grid][2], int(grid in MTP)),
+                          "--verify")
             assert run.returncode == 0, run.stderr
             self.exports[grid] = out
         return self.exports[grid]
@@ -98,12 +105,20 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
            "lm_head.weight": state["output_layer.weight"][:d["vocab"]],
            "model.norm.weight": state["decoder.final_layernorm.weight"]}
     moe = mc.MOE_KINDS[kind].get("moe_layer_freq", [1] * d["layers"]) if kind in mc.MOE_KINDS else [0] * d["layers"]
-    for layer in range(d["layers"]):
+    mtp = sorted({int(k.split(".")[2]) for k in state if k.startswith("mtp.layers.")})
+    moe = [*moe, *(moe[-1:] * len(mtp))]
+    for layer in range(d["layers"] + len(mtp)):
         p = f"model.layers.{layer}."
+        base = f"decoder.layers.{layer}." if layer < d["layers"] else f"mtp.layers.{layer - d['layers']}.transformer_layer."
 
-        def s(name: str, layer: int = layer) -> torch.Tensor:  # a per-layer key, else the layer's slab of the stack
-            key = f"decoder.layers.{layer}.{name}"
-            return state[key] if key in state else state["decoder.layers." + name][layer]
+        def s(name: str, layer: int = layer, base: str = base) -> torch.Tensor:  # a per-layer key, else a stack's slab
+            return state[base + name] if base + name in state else state["decoder.layers." + name][layer]
+
+        if layer >= d["layers"]:  # an MTP layer: its own norms and projection, then a transformer layer like the last
+            mtp_layer = f"mtp.layers.{layer - d['layers']}."
+            for hf_name, mg_name in (("enorm", "enorm"), ("hnorm", "hnorm"), ("eh_proj", "eh_proj"),
+                                     ("shared_head.norm", "final_layernorm")):
+                out[p + f"{hf_name}.weight"] = state[f"{mtp_layer}{mg_name}.weight"]
 
         if kind == "deepseek-v3":  # MLA: one to one, the local spec's norms under their own names
             for hf_name, mg_name in (("q_a_proj", "linear_q_down_proj"), ("q_b_proj", "linear_q_up_proj"),
@@ -123,7 +138,7 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
         out[p + "self_attn.o_proj.weight"] = s("self_attention.linear_proj.weight")
         def gate_up(prefix: str, expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
             """fc1 as [W; V] (whatever the TP), or saved as weight_w and weight_v (singleton shards)."""
-            split = f"decoder.layers.{layer}.{prefix}{'' if expert is None else f'{expert}.'}linear_fc1.weight_w"
+            split = f"{base}{prefix}{'' if expert is None else f'{expert}.'}linear_fc1.weight_w"
             if split in state:
                 return state[split], state[split[:-1] + "v"]
             fc1 = s(prefix + "linear_fc1.weight")

@@ -28,9 +28,12 @@ from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, 
 STACK_PREFIX = "decoder.layers."
 EXPERT_STACK = "mlp.experts.experts."
 """torch_dist's name (under `decoder.layers.`) for the stacked SequentialMLP experts."""
-PER_LAYER_EXPERTS = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(.+)$")
-"""The same stack of one layer, where torch_dist keeps per-layer keys (heterogeneous layers)."""
-PER_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)experts\.(\d+)\.(.+)$")
+_ONE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
+"""A decoder layer by index, or an MTP layer's transformer layer (megatron-core ≤ 0.16 names it
+`transformer_layer`, newer releases `mtp_model_layer`)."""
+PER_LAYER_EXPERTS = re.compile(rf"^({_ONE_LAYER}\.mlp\.experts\.)experts\.(.+)$")
+"""The same stack of one layer, where torch_dist keeps per-layer keys (heterogeneous layers, MTP)."""
+PER_EXPERT = re.compile(rf"^({_ONE_LAYER}\.mlp\.experts\.)experts\.(\d+)\.(.+)$")
 """One expert's param, where torch_dist keeps a key per expert (`singleton_local_shards`)."""
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
