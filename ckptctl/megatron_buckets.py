@@ -48,46 +48,59 @@ COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
 LAYERS = "decoder.layers."
 EMBEDDING = "embedding.word_embeddings.weight"
 
+LAYER = (
+    ("input_layernorm.weight", REPLICATED),
+    ("input_layernorm.bias", REPLICATED),
+    ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
+    ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+    ("self_attention.linear_proj.weight", ROW),
+    ("self_attention.linear_proj.bias", REPLICATED),
+    ("self_attention.linear_qkv.weight", COLUMN),
+    ("self_attention.linear_qkv.bias", COLUMN),
+    ("self_attention.linear_q_proj.weight", COLUMN),
+    ("self_attention.linear_q_down_proj.weight", COLUMN),
+    ("self_attention.linear_q_up_proj.weight", COLUMN),
+    ("self_attention.linear_kv_down_proj.weight", COLUMN),
+    ("self_attention.linear_kv_up_proj.weight", COLUMN),
+    ("self_attention.q_layernorm.weight", REPLICATED),
+    ("self_attention.k_layernorm.weight", REPLICATED),
+    ("self_attention.kv_layernorm.weight", REPLICATED),
+    ("pre_mlp_layernorm.weight", REPLICATED),
+    ("pre_mlp_layernorm.bias", REPLICATED),
+    ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
+    ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
+    ("mlp.linear_fc1.weight", GATED),
+    ("mlp.linear_fc1.bias", GATED),
+    ("mlp.linear_fc2.weight", ROW),
+    ("mlp.linear_fc2.bias", REPLICATED),
+    ("mlp.router.weight", REPLICATED),
+    ("mlp.experts.experts.", (
+        ("linear_fc1.weight", GATED),
+        ("linear_fc1.bias", GATED),
+        ("linear_fc2.weight", ROW),
+        ("linear_fc2.bias", REPLICATED),
+    )),
+    ("mlp.shared_experts.linear_fc1.weight", GATED),
+    ("mlp.shared_experts.linear_fc2.weight", ROW),
+)
+"""A transformer layer of the local spec, its params in registration order (`LOCAL_SPEC`)."""
+MTP_LAYER = (
+    ("enorm.weight", REPLICATED),
+    ("hnorm.weight", REPLICATED),
+    ("eh_proj.weight", COLUMN),
+    *((f"transformer_layer.{name}", kind) for name, kind in LAYER),
+    ("final_layernorm.weight", REPLICATED),
+)
+"""A multi-token prediction layer: its norms and projection, then its transformer layer (saved
+under `transformer_layer.` by megatron-core 0.16 and 0.19.2 alike, though 0.19 names the module
+`mtp_model_layer`), then its final norm."""
 LOCAL_SPEC = (
     (EMBEDDING, COLUMN),
     ("embedding.position_embeddings.weight", REPLICATED),
-    (LAYERS, (
-        ("input_layernorm.weight", REPLICATED),
-        ("input_layernorm.bias", REPLICATED),
-        ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
-        ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
-        ("self_attention.linear_proj.weight", ROW),
-        ("self_attention.linear_proj.bias", REPLICATED),
-        ("self_attention.linear_qkv.weight", COLUMN),
-        ("self_attention.linear_qkv.bias", COLUMN),
-        ("self_attention.linear_q_proj.weight", COLUMN),
-        ("self_attention.linear_q_down_proj.weight", COLUMN),
-        ("self_attention.linear_q_up_proj.weight", COLUMN),
-        ("self_attention.linear_kv_down_proj.weight", COLUMN),
-        ("self_attention.linear_kv_up_proj.weight", COLUMN),
-        ("self_attention.q_layernorm.weight", REPLICATED),
-        ("self_attention.k_layernorm.weight", REPLICATED),
-        ("self_attention.kv_layernorm.weight", REPLICATED),
-        ("pre_mlp_layernorm.weight", REPLICATED),
-        ("pre_mlp_layernorm.bias", REPLICATED),
-        ("mlp.linear_fc1.layer_norm_weight", REPLICATED),
-        ("mlp.linear_fc1.layer_norm_bias", REPLICATED),
-        ("mlp.linear_fc1.weight", GATED),
-        ("mlp.linear_fc1.bias", GATED),
-        ("mlp.linear_fc2.weight", ROW),
-        ("mlp.linear_fc2.bias", REPLICATED),
-        ("mlp.router.weight", REPLICATED),
-        ("mlp.experts.experts.", (
-            ("linear_fc1.weight", GATED),
-            ("linear_fc1.bias", GATED),
-            ("linear_fc2.weight", ROW),
-            ("linear_fc2.bias", REPLICATED),
-        )),
-        ("mlp.shared_experts.linear_fc1.weight", GATED),
-        ("mlp.shared_experts.linear_fc2.weight", ROW),
-    )),
+    (LAYERS, LAYER),
     ("decoder.final_layernorm.weight", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
+    ("mtp.layers.", MTP_LAYER),
     ("output_layer.weight", COLUMN),
 )
 """GPTModel with megatron-core's local spec, params in registration order under their torch_dist
@@ -97,7 +110,8 @@ both norms' own names): the order `named_parameters` gives, which the DDP buffer
 nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys
 `decoder.layers.<l>.…` where layers differ) and, inside it, per expert (SequentialMLP's
 `local_experts.<e>`, saved as stacks [E, …]): expert by expert, each expert's params in its
-order, the shared experts after them. MLA's projections are the local spec's ColumnParallel
+order, the shared experts after them; then per multi-token prediction layer (`mtp.layers.<i>.`,
+on the last pipeline stage). MLA's projections are the local spec's ColumnParallel
 linears (Transformer Engine's down projections are duplicated instead: a bucket of that spec
 does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
 fc2's columns, else column-parallel."""

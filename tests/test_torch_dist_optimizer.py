@@ -103,7 +103,8 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(EXPERT_TP, marks=needs("0.19")),
            pytest.param(TIED_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full))]
+           pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full))]
 
 
 def case_id(case) -> str:
@@ -763,6 +764,29 @@ def test_a_deepseek_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_path):
     other_tp = megatron_optim.load(out, 1, 2, tmp_path / "tp1.pt", kind="deepseek-v3", mcore="0.19")
     assert other_tp["step"] == want["step2"]
     assert other_tp["after_step"] == pytest.approx(want["after_step2"], rel=1e-6)
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_a_deepseek_rewrite_with_a_multi_token_prediction_layer_resumes_with_the_saved_runs_loss(saved, tmp_path):
+    """An MTP layer (its norms, projection, transformer layer and final norm, after the decoder's
+    final norm in registration order, on the last stage), trained with its loss: every rebuilt
+    param state is its weight, and megatron-core resumes the rewrite bit for bit."""
+    from fixtures import megatron_optim
+
+    case = (*DEEPSEEK, ("mtp", 1))
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[case] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 46 and sum(k.startswith("optimizer.state.param.mtp.layers.0.") for k in params) == 18
+    for key, value in params.items():
+        assert torch.equal(value, got[key[len("optimizer.state.param."):]]), key
+    want = torch.load(saved[case] / "loss.pt")
+    resumed = megatron_optim.load(out, 2, 1, tmp_path / "loss.pt", kind="deepseek-v3", mcore="0.19", mtp=1)
+    assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
 
 
 @pytest.mark.full

@@ -28,9 +28,9 @@ from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, 
 STACK_PREFIX = "decoder.layers."
 EXPERT_STACK = "mlp.experts.experts."
 """torch_dist's name (under `decoder.layers.`) for the stacked SequentialMLP experts."""
-_ONE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.(?:transformer_layer|mtp_model_layer))"
-"""A decoder layer by index, or an MTP layer's transformer layer (megatron-core ≤ 0.16 names it
-`transformer_layer`, newer releases `mtp_model_layer`)."""
+_ONE_LAYER = r"(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)"
+"""A decoder layer by index, or an MTP layer's transformer layer (saved as `transformer_layer.` by
+megatron-core 0.16 and 0.19.2 alike, though 0.19 names the module `mtp_model_layer`)."""
 PER_LAYER_EXPERTS = re.compile(rf"^({_ONE_LAYER}\.mlp\.experts\.)experts\.(.+)$")
 """The same stack of one layer, where torch_dist keeps per-layer keys (heterogeneous layers, MTP)."""
 PER_EXPERT = re.compile(rf"^({_ONE_LAYER}\.mlp\.experts\.)experts\.(\d+)\.(.+)$")
