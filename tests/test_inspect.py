@@ -483,6 +483,30 @@ def test_streamed_json_is_json_dumps_text_made_entry_by_entry(capsys) -> None:
     assert made == ["a.weight", "b.bias"]
 
 
+def test_the_indented_encoder_writes_json_dumps_text_for_any_document() -> None:
+    """`--json`'s encoder (flat containers as one piece) writes exactly `json.dumps(indent=2)`'s
+    text: nested dicts and lists, empty ones, scalar and non-str keys, unicode, NaN and the
+    infinities."""
+    import json
+
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from ckptctl.cli.common import indented_json
+
+    scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text()
+    keys = st.text() | st.integers() | st.booleans() | st.none() | st.floats(allow_nan=False)
+    values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+                          | st.dictionaries(keys, inner, max_size=4), max_leaves=30)
+
+    @settings(max_examples=300, deadline=None)
+    @given(values)
+    def same(value) -> None:
+        assert "".join(indented_json(value)) == json.dumps(value, indent=2)
+
+    same()
+
+
 def _save_dim1_splits(rank: int, world_size: int, out: str) -> None:
     """Real DTensors cut on dim 1: FSDP2-style `Shard(1)` on 4 ranks, experts [E, F, D] under
     expert parallelism (dim 0) with FSDP `Shard(1)` on a 2 × 2 mesh, and a Megatron RowParallel

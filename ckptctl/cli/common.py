@@ -107,13 +107,105 @@ def emit_json(doc: Any) -> None:
     """Print one JSON document on stdout (what `--json` promises scripts), written as it is
     encoded: `Streamed` parts are never held whole. The text is `json.dumps(doc, indent=2)`'s."""
     pieces: list[str] = []
-    for piece in json.JSONEncoder(indent=2).iterencode(doc):
+    for piece in indented_json(doc):
         pieces.append(piece)
         if len(pieces) >= _JSON_WRITE_PIECES:
             sys.stdout.write("".join(pieces))
             pieces.clear()
     sys.stdout.write("".join(pieces) + "\n")
     sys.stdout.flush()
+
+
+def _float_text(value: float) -> str:
+    """A float as `json.dumps` writes it (its repr; NaN and the infinities as JavaScript names them)."""
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "Infinity" if value > 0 else "-Infinity"
+    return float.__repr__(value)
+
+
+_SCALAR_TEXT: dict[type, Callable[[Any], str]] = {
+    str: json.encoder.encode_basestring_ascii, int: int.__repr__, float: _float_text,
+    bool: lambda value: "true" if value else "false", type(None): lambda value: "null"}
+"""Each scalar type's JSON text, as `json.dumps` writes it (strings through C's escaper)."""
+
+
+def _scalar(value: Any) -> str:
+    return _SCALAR_TEXT[type(value)](value)
+
+
+def indented_json(value: Any, level: int = 0) -> Iterator[str]:
+    """`json.dumps(value, indent=2)` in pieces, for the types documents hold (dicts with str keys,
+    `Streamed`, lists, tuples, str, int, float, bool, None). The standard library's indented
+    encoder is pure Python and generic; this one writes each flat container (`_flat`: a chunk's
+    record with its offsets, most of a large document) as one piece."""
+    flat = _flat(value, level)
+    if flat is not None:
+        yield flat
+    elif isinstance(value, dict):
+        inner = "\n" + "  " * (level + 1)
+        sep = "{" + inner
+        for key, item in value.items():
+            yield f"{sep}{_key(key)}: "
+            yield from indented_json(item, level + 1)
+            sep = "," + inner
+        yield "\n" + "  " * level + "}"
+    elif isinstance(value, (list, tuple)):
+        inner = "\n" + "  " * (level + 1)
+        sep = "[" + inner
+        for item in value:
+            yield sep
+            yield from indented_json(item, level + 1)
+            sep = "," + inner
+        yield "\n" + "  " * level + "]"
+    else:
+        raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _flat(value: Any, level: int) -> str | None:
+    """The indented text of a scalar, an empty container, a list of scalars, or a dict whose values
+    are those (not a `Streamed` one: never held whole); None for anything deeper."""
+    text = _SCALAR_TEXT.get(type(value))
+    if text is not None:
+        return text(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "[]"
+        if not all(type(item) in _SCALAR_TEXT for item in value):
+            return None
+        inner = "\n" + "  " * (level + 1)
+        return "[" + inner + ("," + inner).join(map(_scalar, value)) + "\n" + "  " * level + "]"
+    if type(value) is dict:
+        if not value:
+            return "{}"
+        inner = "\n" + "  " * (level + 1)
+        parts = []
+        for key, item in value.items():
+            part = _flat(item, level + 1) if type(item) in (list, tuple) else _SCALAR_TEXT.get(type(item), _deep)(item)
+            if part is None:
+                return None
+            parts.append(f"{_key(key)}: {part}")
+        return "{" + inner + ("," + inner).join(parts) + "\n" + "  " * level + "}"
+    if isinstance(value, dict) and not len(value):
+        return "{}"
+    return None
+
+
+def _deep(value: Any) -> None:
+    """A dict value that is neither a scalar nor a list: its dict is not flat."""
+    return None
+
+
+def _key(key: Any) -> str:
+    """A dict key as `json.dumps` writes it: a string, or a scalar key made one."""
+    if type(key) is str:
+        return json.encoder.encode_basestring_ascii(key)
+    text = _SCALAR_TEXT.get(type(key))
+    if text is None:
+        raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
+    return f'"{text(key)}"'
+
 
 
 def device_option() -> Any:
