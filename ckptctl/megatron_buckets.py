@@ -282,7 +282,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
     for optimizer in optimizers:
         held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
         share = _expert_share(ckpt, held, ep) if optimizer.experts else 0
-        split = etp or tp if optimizer.experts else tp
+        split = (etp or tp) if optimizer.experts else tp
         per_stage = split * (ep if optimizer.experts else 1)
         count = per_stage * pp
         groups = sorted({group for chain, group, _, _ in saved if chain == optimizer.chain})

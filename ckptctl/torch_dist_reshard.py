@@ -180,6 +180,10 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     groups = bucket_param_groups(ckpt)
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
+    mtp = next((k for k in sorted(model) if k.startswith("mtp.")), None)
+    if mtp is not None and pipeline.stages > 1:  # its stage then holds a copy of the embedding too
+        raise CheckpointError(ckpt.path, f"{mtp}: multi-token prediction layers under pipeline parallelism are not "
+                                         "rebuilt yet")
     order = registration_order(ckpt, model, tied_copy)
     return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
 
