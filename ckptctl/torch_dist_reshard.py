@@ -213,9 +213,11 @@ def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace,
 
 
 def bucket_param_groups(ckpt: Checkpoint) -> dict[int | None, list]:
-    """Each optimizer's param groups (by `chained_<i>.` index, None without a ChainedOptimizer),
-    which every one of its DP groups' `dp_group_idx_<g>.optimizer` items repeats."""
-    found: dict[int | None, list] = {}
+    """Each optimizer's param groups (by `chained_<i>.` index, None without a ChainedOptimizer):
+    its lowest DP group's, as megatron-core's own `fully_reshardable` save keeps rank 0's. Every
+    DP group's `dp_group_idx_<g>.optimizer` item holds the same groups, in the order its params
+    first meet them (pipeline stages of megatron-core 0.15 differ in that order)."""
+    found: dict[int | None, dict[int, list]] = {}
     with ItemReader(ckpt) as reader:
         for fqn in ckpt.bytes_entries:
             match = GROUPS_ITEM.fullmatch(fqn)
@@ -229,13 +231,20 @@ def bucket_param_groups(ckpt: Checkpoint) -> dict[int | None, list]:
                     and isinstance(value[0].get("param_groups"), list)):
                 raise CheckpointError(ckpt.path, f"{fqn.partition('/')[0]}: no param groups")
             chain = None if match[1] is None else int(match[1])
-            if found.setdefault(chain, value[0]["param_groups"]) != value[0]["param_groups"]:
-                raise CheckpointError(ckpt.path, f"{fqn.partition('/')[0]}: the DP groups of one optimizer saved "
-                                                 "different param groups")
+            found.setdefault(chain, {})[int(match[2])] = value[0]["param_groups"]
     if not found:
         raise CheckpointError(ckpt.path, f"no {TORCH_DIST_BUCKETS}dp_group_idx_<g>.optimizer item: the optimizer's "
                                          "param groups are unknown")
-    return dict(sorted(found.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
+    chosen = {}
+    for chain, by_group in found.items():
+        first = by_group[min(by_group)]
+        for group, groups in sorted(by_group.items()):
+            if sorted(map(repr, groups)) != sorted(map(repr, first)):
+                prefix = "" if chain is None else f"chained_{chain}."
+                raise CheckpointError(ckpt.path, f"{prefix}{TORCH_DIST_BUCKETS}dp_group_idx_{group}.optimizer: the DP "
+                                                 "groups of one optimizer saved different param groups")
+        chosen[chain] = first
+    return dict(sorted(chosen.items(), key=lambda kv: -1 if kv[0] is None else kv[0]))
 
 
 def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_groups: dict[int | None, list] | None

@@ -285,6 +285,33 @@ def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs
                                                "288 bytes entries: 288 equal, 0 differs\n")
 
 
+@needs("0.15")
+@pytest.mark.full
+def test_megatron_core_0_15s_pipelined_states_are_rebuilt_as_its_own_save(saved, tmp_path):
+    """megatron-core 0.15.3 at PP 2 (one bucket per stage): its stages save their param groups in
+    the order their params meet them, so the last stage's differ in order from the first's.
+    Both `dp_reshardable` and `fully_sharded_model_space` rewrite to its own `fully_reshardable`
+    save, tensor for tensor and common state (the first stage's groups, as its save keeps rank
+    0's); 0.15 resumes the rewrite at TP 1 × DP 2 with the saved run's loss."""
+    from fixtures import megatron_optim
+
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+
+    ckpt = saved[("llama", 1, 1, 0, "0.15", ("pp", 2))]
+    want = _load(ckpt / "fully_reshardable")
+    theirs = common_state(open_checkpoint(ckpt / "fully_reshardable")).state
+    for name in ("dp_reshardable", "fully_sharded_model_space"):
+        run = run_cli("reshard", ckpt / name, tmp_path / name, "--verify")
+        assert run.returncode == 0, run.stderr
+        got = _load(tmp_path / name)
+        assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), name
+        assert common_state(open_checkpoint(tmp_path / name)).state == theirs, name
+    loss = torch.load(ckpt / "loss.pt")
+    resumed = megatron_optim.load(tmp_path / "dp_reshardable", 1, 2, tmp_path / "loss.pt", mcore="0.15")
+    assert (resumed["step"], resumed["after_step"]) == (loss["step2"], loss["after_step2"])
+
+
 @needs("0.19")
 @pytest.mark.full
 def test_a_virtual_pipeline_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_path):
@@ -628,6 +655,16 @@ def test_pipeline_stages_other_than_an_even_split_are_refused_naming_why(saved, 
         run = run_cli("reshard", src, tmp_path / "o")
         assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {line}\n"), name
         assert not (tmp_path / "o").exists()
+
+    def other_lr(value):  # the last stage's optimizer with other settings than the first's
+        value[0]["param_groups"][0]["lr"] = 0.5
+        return value
+
+    item = "optimizer.distributed.dp_group_idx_3.optimizer"
+    src = _with_item(saved[PIPELINE] / "dp_reshardable", tmp_path / "lr", f"{item}/shard_0_1", other_lr)
+    run = run_cli("reshard", src, tmp_path / "o")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {item}: the DP groups of one optimizer "
+                                               "saved different param groups\n")
 
 
 @pytest.mark.full
