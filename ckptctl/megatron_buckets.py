@@ -316,8 +316,8 @@ def _stage(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline):
     virtual = pipeline.stages * pipeline.chunks
     if layers % virtual:
         chunks = f" × {pipeline.chunks} model chunks" if pipeline.chunks > 1 else ""
-        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pipeline.stages} pipeline stages{chunks} "
-                                         "(an uneven split is not rebuilt)")
+        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pipeline.stages} pipeline "
+                                         f"stages{chunks} (an uneven split is not rebuilt)")
     per_stage = layers // virtual or 1
 
     def stage(param: LocalParam) -> tuple[int, int]:

@@ -109,7 +109,8 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
     moe = [*moe, *(moe[-1:] * len(mtp))]
     for layer in range(d["layers"] + len(mtp)):
         p = f"model.layers.{layer}."
-        base = f"decoder.layers.{layer}." if layer < d["layers"] else f"mtp.layers.{layer - d['layers']}.transformer_layer."
+        base = (f"decoder.layers.{layer}." if layer < d["layers"]
+                else f"mtp.layers.{layer - d['layers']}.transformer_layer.")
 
         def s(name: str, layer: int = layer, base: str = base) -> torch.Tensor:  # a per-layer key, else a stack's slab
             return state[base + name] if base + name in state else state["decoder.layers." + name][layer]

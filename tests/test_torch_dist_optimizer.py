@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(not mc.available(), reason="megatron-core is not
 class Saved(dict):
     """(model kind, TP, DP, bucket size[, megatron-core version[, (run option, value), …]]) → the
     folder megatron-core saved it in, made when first asked for; run options are
-    `megatron_optim.write`'s (ep, pp, vpp, etp, tied, layers)."""
+    `megatron_optim.write`'s (ep, pp, vpp, etp, tied, layers, mtp)."""
 
     def __init__(self, root) -> None:
         super().__init__()
@@ -142,8 +142,8 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     state = doc["tensors"]["optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight"]
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
-    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "vpp": None, "dp": 2, "ep": 1, "etp": 2, "cp": 1,
-                               "iteration": 1, "problem": None}
+    assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "vpp": None, "dp": 2, "ep": 1,
+                               "etp": 2, "cp": 1, "iteration": 1, "problem": None}
     assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common_state/shard_0_1\)\s*$",
@@ -174,7 +174,8 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
             if rank["expert_dp_rank" if experts else "dp_rank"] or not buffers:
                 continue
             # groups: (PP rank × EP + EP rank) × TP + TP rank, the experts' by their own TP
-            ep, split, at = (record["ep"], record["etp"] or tp, rank["etp_rank"]) if experts else (1, tp, rank["tp_rank"])
+            ep, split, at = ((record["ep"], record["etp"] or tp, rank["etp_rank"]) if experts
+                             else (1, tp, rank["tp_rank"]))
             group = (rank["pp_rank"] * ep + (rank["ep_rank"] if experts else 0)) * split + at
             for index, buffer in enumerate(buffers):
                 params = {p["name"]: p for p in buffer["params"]}
