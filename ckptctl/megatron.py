@@ -14,6 +14,10 @@ from typing import Sequence
 from ckptctl.errors import UsageError
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
+LAYERS = "decoder.layers."
+"""Megatron's decoder layers: torch_dist stacks each param of them under it (`decoder.layers.<name>`
+[L, …]) or keys it per layer (`decoder.layers.<l>.<name>`)."""
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
 BUFFERS = (".mlp.router.expert_bias",)
 """Megatron-Core model tensors that are persistent buffers, not params (the router's aux-loss-free
 load-balancing bias): in no DDP buffer, with no optimizer state or group; a layer stack of them in

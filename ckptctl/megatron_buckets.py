@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ckptctl.errors import CheckpointError
-from ckptctl.megatron import is_expert
+from ckptctl.megatron import LAYERS, WORD_EMBEDDING, is_expert
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor
 
@@ -45,8 +45,6 @@ GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_
 """Each DP group's copy of its optimizer's param groups: (chained optimizer, DP group)."""
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
-LAYERS = "decoder.layers."
-EMBEDDING = "embedding.word_embeddings.weight"
 
 LAYER = (
     ("input_layernorm.weight", REPLICATED),
@@ -95,7 +93,7 @@ MTP_LAYER = (
 under `transformer_layer.` by megatron-core 0.16 and 0.19.2 alike, though 0.19 names the module
 `mtp_model_layer`), then its final norm."""
 LOCAL_SPEC = (
-    (EMBEDDING, COLUMN),
+    (WORD_EMBEDDING, COLUMN),
     ("embedding.position_embeddings.weight", REPLICATED),
     (LAYERS, LAYER),
     ("decoder.final_layernorm.weight", REPLICATED),
@@ -207,8 +205,8 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str], tied_copy: bool =
 
     order = expand("", LOCAL_SPEC, (), None)
     if tied_copy:
-        order = [replace(p, alone=True) if p.key == EMBEDDING else p for p in order]
-        order.append(LocalParam(EMBEDDING, (), COLUMN, copy=True, alone=True))
+        order = [replace(p, alone=True) if p.key == WORD_EMBEDDING else p for p in order]
+        order.append(LocalParam(WORD_EMBEDDING, (), COLUMN, copy=True, alone=True))
     unknown = sorted(model_keys - known)
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"
@@ -270,18 +268,18 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
     rank; an expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP
     `etp`, by default the TP), each holding its EP rank's share of its stage's experts, split by
     the expert TP. Each group has a buffer per model chunk holding params of the optimizer
-    (one param and grad dtype); stages and chunks split the layers evenly (`_stage`)."""
+    (one param and grad dtype); stages and chunks split the layers evenly (`_stages`)."""
     saved = bucket_entries(ckpt)
     chains = {chain for chain, _, _, _ in saved}
     if chains != {o.chain for o in optimizers}:
         raise CheckpointError(ckpt.path, f"dp_reshardable optimizers {sorted(chains, key=str)}, expected "
                                          f"{sorted((o.chain for o in optimizers), key=str)}")
     pp = pipeline.stages
-    stage = _stage(ckpt, order, pipeline)
+    staged = list(zip(order, _stages(ckpt, order, pipeline)))
     out = []
     for optimizer in optimizers:
-        held = [p for p in order if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
-        share = _expert_share(ckpt, held, ep) if optimizer.experts else 0
+        held = [(p, s) for p, s in staged if optimizer.experts is None or is_expert(p.key) == optimizer.experts]
+        share = _expert_share(ckpt, [p for p, _ in held], ep) if optimizer.experts else 0
         split = (etp or tp) if optimizer.experts else tp
         per_stage = split * (ep if optimizer.experts else 1)
         count = per_stage * pp
@@ -293,23 +291,23 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
         for group in groups:
             pp_rank, rest = divmod(group, per_stage)
             ep_rank, tp_rank = divmod(rest, split)
-            ours = [p for p in held if stage(p)[0] == pp_rank
+            ours = [(p, chunk) for p, (rank, chunk) in held if rank == pp_rank
                     and (not optimizer.experts or p.lead[-1] // share == ep_rank)]
-            chunks = sorted({stage(p)[1] for p in ours})  # a chunk without params of the optimizer has no buffer
+            chunks = sorted({chunk for _, chunk in ours})  # a chunk without params of the optimizer has no buffer
             buffers = sorted({b for c, g, b, _ in saved if c == optimizer.chain and g == group})
             if buffers != list(range(len(chunks))):
                 raise CheckpointError(ckpt.path, f"{_prefix(optimizer)}dp_group_idx_{group}: buffers {buffers[:8]}, "
                                                  f"expected one per model chunk holding its params ({len(chunks)}; "
                                                  "several param or grad dtypes are not rebuilt yet)")
             for buffer, chunk in enumerate(chunks):
-                mine = [p for p in ours if stage(p)[1] == chunk]
+                mine = [p for p, c in ours if c == chunk]
                 out += _group_buckets(ckpt, saved, optimizer, group, buffer, tp_rank, mine, split)
     return out
 
 
-def _stage(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline):
-    """Which pipeline stage and model chunk hold a param, as megatron-core splits a GPT model
-    without a custom layout: the layers evenly over the virtual stages (chunk × stages + stage),
+def _stages(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline) -> list[tuple[int, int]]:
+    """The (pipeline stage, model chunk) holding each param of `order`, as megatron-core splits a
+    GPT model without a custom layout: the layers evenly over the virtual stages (chunk × stages + stage),
     the embedding in the first, the final norm and the output layer (or the tied embedding's
     copy) in the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
@@ -319,16 +317,15 @@ def _stage(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline):
         raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pipeline.stages} pipeline "
                                          f"stages{chunks} (an uneven split is not rebuilt)")
     per_stage = layers // virtual or 1
-
-    def stage(param: LocalParam) -> tuple[int, int]:
+    last = (pipeline.stages - 1, pipeline.chunks - 1)
+    out = []
+    for param in order:
         if param.layer is not None:
             chunk, rank = divmod(param.layer // per_stage, pipeline.stages)
-            return rank, chunk
-        if param.key.startswith("embedding.") and not param.copy:
-            return 0, 0
-        return pipeline.stages - 1, pipeline.chunks - 1
-
-    return stage
+            out.append((rank, chunk))
+        else:
+            out.append((0, 0) if param.key.startswith("embedding.") and not param.copy else last)
+    return out
 
 
 def _prefix(optimizer: Optimizer) -> str:

@@ -49,7 +49,7 @@ from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.fsdp_dtensor_names import COMMON_ITEMS, LAYER, SWIGLU_PART, LayerNames, layer_names, optimizer_prefix
 from ckptctl.geometry import full_box
 from ckptctl.layout import analysis, is_layer_stacked, is_optimizer_entry, is_torch_dist_bucket
-from ckptctl.megatron import BUFFERS
+from ckptctl.megatron import BUFFERS, LAYERS, WORD_EMBEDDING
 from ckptctl.megatron_buckets import Window, block_places, bucket_windows, window_view
 from ckptctl.megatron_tp import tp_dp_grid
 from ckptctl.model import Checkpoint
@@ -57,7 +57,6 @@ from ckptctl.placement import Placed, megatron_fsdp
 from ckptctl.plan import ItemWindows, Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
 from ckptctl.torch_dist_reshard import dp_reshardable_buckets, read_common
 
-STACK = "decoder.layers."
 EXPERTS = "mlp.experts.experts."
 STATE_KEY = re.compile(r"^optimizer\.state\.(?:param|exp_avg|exp_avg_sq)\.(?P<key>.+)$")
 """A fully_reshardable state of model key `key`."""
@@ -190,7 +189,7 @@ def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
     padding is not the saved one the job cannot load what is written (heads and query groups:
     `megatron_tp.tp_dp_grid`)."""
     saved = getattr(args, "tensor_model_parallel_size", None)
-    embedding = ckpt.tensors.get("embedding.word_embeddings.weight")
+    embedding = ckpt.tensors.get(WORD_EMBEDDING)
     if tp == saved or embedding is None or not embedding.shape:
         return
     divisor = getattr(args, "make_vocab_size_divisible_by", None) or 128
@@ -250,25 +249,25 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
 def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, key: str) -> list[tuple[tuple[int, ...], str]]:
     """(index along the stacked dims, module name) of each param torch_dist key `key` holds."""
     entry = ckpt.tensors[key]
-    if key.startswith(STACK) and not key[len(STACK)].isdigit():
+    if key.startswith(LAYERS) and not key[len(LAYERS)].isdigit():
         if not is_layer_stacked(entry) or len(entry.shape) < 2:
             raise CheckpointError(ckpt.path, f"{key}: a layer stack [L, …] saved other than a layer per chunk")
-        rest = key[len(STACK):]
+        rest = key[len(LAYERS):]
         if rest.startswith(EXPERTS):
             layers, experts = entry.shape[:2]
-            return [((layer, e), f"{STACK}{layer}.{_expert(args, rest[len(EXPERTS):], e)}")
+            return [((layer, e), f"{LAYERS}{layer}.{_expert(args, rest[len(EXPERTS):], e)}")
                     for layer in range(layers) for e in range(experts)]
-        return [((layer,), f"{STACK}{layer}.{spec.to_module(rest)}") for layer in range(entry.shape[0])]
+        return [((layer,), f"{LAYERS}{layer}.{spec.to_module(rest)}") for layer in range(entry.shape[0])]
     match = LAYER.match(key)
     if match and match["ns"] == "decoder.layers":
         rest = match["rest"]
         if rest.startswith(EXPERTS):
-            inner, head = rest[len(EXPERTS):], f"{STACK}{match['index']}"
+            inner, head = rest[len(EXPERTS):], f"{LAYERS}{match['index']}"
             index, _, param = inner.partition(".")
             if index.isdigit():  # a key per expert (singleton local shards)
                 return [((), f"{head}.{_expert(args, param, int(index))}")]
             return [((e,), f"{head}.{_expert(args, inner, e)}") for e in range(entry.shape[0])]
-        return [((), f"{STACK}{match['index']}.{spec.to_module(rest)}")]
+        return [((), f"{LAYERS}{match['index']}.{spec.to_module(rest)}")]
     return [((), key)]
 
 

@@ -182,18 +182,14 @@ def _flat(value: Any, level: int) -> str | None:
         inner = "\n" + "  " * (level + 1)
         parts = []
         for key, item in value.items():
-            part = _flat(item, level + 1) if type(item) in (list, tuple) else _SCALAR_TEXT.get(type(item), _deep)(item)
+            text = _SCALAR_TEXT.get(type(item))
+            part = text(item) if text is not None else _flat(item, level + 1) if type(item) in (list, tuple) else None
             if part is None:
                 return None
             parts.append(f"{_key(key)}: {part}")
         return "{" + inner + ("," + inner).join(parts) + "\n" + "  " * level + "}"
     if isinstance(value, dict) and not len(value):
         return "{}"
-    return None
-
-
-def _deep(value: Any) -> None:
-    """A dict value that is neither a scalar nor a list: its dict is not flat."""
     return None
 
 
