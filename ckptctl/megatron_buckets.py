@@ -156,10 +156,48 @@ class Bucket:
 @dataclass(frozen=True)
 class Pipeline:
     """How the layers are split: over `stages` pipeline stages, each holding `chunks` model chunks
-    (virtual pipeline parallelism: chunk c of stage s is virtual stage c × stages + s)."""
+    (virtual pipeline parallelism: chunk c of stage s is virtual stage c × stages + s). By default
+    evenly; `first` / `last` fix the layers of the first / last stage (Megatron-LM's
+    `--decoder-first/last-pipeline-num-layers`), `embedding` / `loss` count the embedding / the
+    loss as a layer of the first / last virtual stage (`--account-for-…-in-pipeline-split`)."""
 
     stages: int = 1
     chunks: int = 1
+    first: int | None = None
+    last: int | None = None
+    embedding: bool = False
+    loss: bool = False
+
+    def layer_counts(self, layers: int) -> list[int]:
+        """The layers of each virtual stage, in layer order, as megatron-core's
+        `get_num_layers_to_build` and `get_transformer_layer_offset` split them; ValueError for a
+        split megatron-core refuses too."""
+        stages, chunks = self.stages, self.chunks
+        fixed = [n for n in (self.first, self.last) if n is not None]
+        if fixed:
+            if self.embedding or self.loss:
+                raise ValueError("a first or last stage of its own size with the embedding or loss counted as a layer")
+            middle, rest = layers - sum(fixed), stages - len(fixed)
+            if not rest and chunks > 1:  # megatron-core divides by the middle stages here (and fails)
+                raise ValueError("no middle stage under virtual pipeline parallelism")
+            if middle < 0 or (middle % rest if rest else middle):
+                raise ValueError(f"{middle} layers left over for {rest} middle stages")
+            per_stage = [middle // rest if rest else 0] * stages
+            per_stage[0] = per_stage[0] if self.first is None else self.first
+            per_stage[-1] = per_stage[-1] if self.last is None else self.last
+        else:
+            counted = layers + self.embedding + self.loss
+            if counted % stages:
+                raise ValueError(f"{counted} layers do not divide over {stages} pipeline stages")
+            per_stage = [counted // stages] * stages
+        if any(n % chunks for n in per_stage):
+            raise ValueError(f"stages of {per_stage} layers do not divide into {chunks} model chunks")
+        counts = [per_stage[stage] // chunks for _ in range(chunks) for stage in range(stages)]
+        counts[0] -= self.embedding
+        counts[-1] -= self.loss
+        if min(counts) < 0:
+            raise ValueError("the embedding or loss counted in a virtual stage without a layer")
+        return counts
 
 
 @dataclass(frozen=True)
@@ -268,7 +306,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
     rank; an expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP
     `etp`, by default the TP), each holding its EP rank's share of its stage's experts, split by
     the expert TP. Each group has a buffer per model chunk holding params of the optimizer
-    (one param and grad dtype); stages and chunks split the layers evenly (`_stages`)."""
+    (one param and grad dtype); stages and chunks split the layers as `_stages` says."""
     saved = bucket_entries(ckpt)
     chains = {chain for chain, _, _, _ in saved}
     if chains != {o.chain for o in optimizers}:
@@ -307,21 +345,22 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
 
 def _stages(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline) -> list[tuple[int, int]]:
     """The (pipeline stage, model chunk) holding each param of `order`, as megatron-core splits a
-    GPT model without a custom layout: the layers evenly over the virtual stages (chunk × stages + stage),
-    the embedding in the first, the final norm and the output layer (or the tied embedding's
-    copy) in the last."""
+    GPT model without a custom layout: the layers in order over the virtual stages (chunk ×
+    stages + stage) as `Pipeline.layer_counts` says, the embedding in the first, the final norm
+    and the output layer (or the tied embedding's copy) in the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
-    virtual = pipeline.stages * pipeline.chunks
-    if layers % virtual:
+    try:
+        counts = pipeline.layer_counts(layers)
+    except ValueError as exc:
         chunks = f" × {pipeline.chunks} model chunks" if pipeline.chunks > 1 else ""
-        raise CheckpointError(ckpt.path, f"{layers} layers do not divide over {pipeline.stages} pipeline "
-                                         f"stages{chunks} (an uneven split is not rebuilt)")
-    per_stage = layers // virtual or 1
+        raise CheckpointError(ckpt.path, f"{layers} layers cannot be split over {pipeline.stages} pipeline stages"
+                              f"{chunks} as args say: {exc}") from None
+    virtual = [v for v, n in enumerate(counts) for _ in range(n)]  # each layer's virtual stage
     last = (pipeline.stages - 1, pipeline.chunks - 1)
     out = []
     for param in order:
         if param.layer is not None:
-            chunk, rank = divmod(param.layer // per_stage, pipeline.stages)
+            chunk, rank = divmod(virtual[param.layer], pipeline.stages)
             out.append((rank, chunk))
         else:
             out.append((0, 0) if param.key.startswith("embedding.") and not param.copy else last)

@@ -127,15 +127,9 @@ def _args(ckpt: Checkpoint, common: CommonState) -> argparse.Namespace:
     return args
 
 
-PIPELINE_SPLITS = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-                   "pipeline_model_parallel_layout", "account_for_embedding_in_pipeline_split",
-                   "account_for_loss_in_pipeline_split")
-"""Megatron-LM args that split the layers over pipeline stages other than evenly, in order."""
-
-
 def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, Pipeline, bool]:
     """The TP size and pipeline split of args, and whether the last pipeline stage holds a copy of
-    a tied embedding (a param of its own there); a split other than the even one is refused."""
+    a tied embedding (a param of its own there); a custom layout is refused."""
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     vpp = 1 if vpp is None else vpp
@@ -145,21 +139,34 @@ def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -
             raise _refusal(ckpt, common.where, f"args.{name} is {value!r:.64}")
     if pp == 1:
         return tp, Pipeline(), False
-    split = next((name for name in PIPELINE_SPLITS if getattr(args, name, None) not in (None, False)), None)
+    first, last = (getattr(args, f"decoder_{end}_pipeline_num_layers", None) for end in ("first", "last"))
+    for name, value in (("decoder_first_pipeline_num_layers", first), ("decoder_last_pipeline_num_layers", last)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise _refusal(ckpt, common.where, f"args.{name} is {value!r:.64}")
+    counted = {}
+    for part in ("embedding", "loss"):
+        name = f"account_for_{part}_in_pipeline_split"
+        counted[part] = getattr(args, name, False)
+        if type(counted[part]) is not bool:
+            raise _refusal(ckpt, common.where, f"args.{name} is {counted[part]!r:.64}")
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        raise _refusal(ckpt, common.where, f"args.pipeline_model_parallel_layout is {layout!r:.64}: dp_reshardable "
+                                           "buckets are rebuilt for layers split by stage sizes only")
     layers = getattr(args, "num_layers", None)
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_chunk is not None and not (type(layers) is int and per_chunk == layers / (pp * vpp)):
-        split = "num_layers_per_virtual_pipeline_stage"
-    if getattr(args, "num_virtual_stages_per_pipeline_rank", None) not in (None, vpp):
-        split = "num_virtual_stages_per_pipeline_rank"
-    if split is not None:
-        raise _refusal(ckpt, common.where, f"args.{split} is {getattr(args, split)!r:.64}: dp_reshardable buckets "
-                                           "are rebuilt for layers split evenly over the pipeline stages only")
+    if per_chunk is not None and not (type(layers) is int and per_chunk * pp * vpp == layers + sum(counted.values())):
+        raise _refusal(ckpt, common.where, f"args.num_layers_per_virtual_pipeline_stage is {per_chunk!r:.64}, "
+                                           f"but args.num_layers is {layers!r:.64} at PP {pp} × VPP {vpp}")
+    stages = getattr(args, "num_virtual_stages_per_pipeline_rank", None)
+    if stages not in (None, vpp):
+        raise _refusal(ckpt, common.where, f"args.num_virtual_stages_per_pipeline_rank is {stages!r:.64}, but "
+                                           f"args.virtual_pipeline_model_parallel_size is {vpp}")
     untied = getattr(args, "untie_embeddings_and_output_weights", None)
     if type(untied) is not bool:
         raise _refusal(ckpt, common.where, f"args.untie_embeddings_and_output_weights is {untied!r:.64}: whether "
                                            "the last pipeline stage holds a copy of the embedding is not known")
-    return tp, Pipeline(pp, vpp), not untied
+    return tp, Pipeline(pp, vpp, first, last, **counted), not untied
 
 
 def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:

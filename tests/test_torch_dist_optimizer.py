@@ -93,6 +93,15 @@ EP_PIPELINE = ("qwen3-moe", 1, 2, 1000, "0.19", ("ep", 2), ("pp", 2))
 VIRTUAL_PIPELINE = ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 4))
 """A 4-layer llama at PP 2 with two model chunks per stage (interleaved: layers 0 and 2 on the
 first stage, 1 and 3 on the last), a buffer per chunk, the first chunk's cut in buckets."""
+UNEVEN_PIPELINES = [
+    ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("layers", 4), ("first", 1)),
+    ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 6), ("first", 2)),
+    ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 6), ("count_embedding", True),
+     ("count_loss", True))]
+"""Layers split unevenly over PP 2: layer 0 on the first stage, 1–3 on the last
+(`--decoder-first-pipeline-num-layers 1`); with two model chunks per stage, layers 0 | 1 2 | 3 |
+4 5 over the virtual stages (a first stage of 2); and the embedding and the loss each counted as
+a layer of the first and last virtual stage: layers 0 | 1 2 | 3 4 | 5."""
 EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", ("ep", 2), ("etp", 1))
 """The Qwen3-MoE at TP 2 × DP 2 × EP 2 with an expert TP of 1: the experts whole in each EP rank's
 expert buckets (two expert DP groups)."""
@@ -104,7 +113,9 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(TIED_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full))]
+           pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")),
+           *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
 
 
 def case_id(case) -> str:
@@ -329,6 +340,66 @@ def test_a_virtual_pipeline_rewrite_resumes_with_the_saved_runs_loss(saved, tmp_
     for dp, grid in ((1, dict(pp=2, vpp=2)), (2, {})):
         resumed = megatron_optim.load(out, 1, dp, tmp_path / f"loss{dp}.pt", mcore="0.19", layers=4, **grid)
         assert (resumed["step"], resumed["after_step"]) == (want["step2"], want["after_step2"]), grid
+
+
+def test_pipeline_splits_are_megatron_cores_own():
+    """For every split megatron-core builds (its `TransformerConfig` accepts it, and no stage gets
+    fewer than 0 layers), `Pipeline.layer_counts` gives the split of its own
+    `get_num_layers_to_build` and `get_transformer_layer_offset`, virtual stage by virtual stage
+    (layer counts and offsets): even, uneven and counted splits, with and without virtual stages."""
+    import itertools
+    import warnings
+
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from ckptctl.megatron_buckets import Pipeline
+
+    built = 0
+    for layers, pp, vpp, first, last, embedding, loss in itertools.product(
+            range(1, 13), (2, 3, 4), (1, 2, 3), (None, 1, 2, 4), (None, 1, 2, 3), (False, True), (False, True)):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                config = TransformerConfig(
+                    num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_dtype=torch.float32,
+                    pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                    num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                    account_for_embedding_in_pipeline_split=embedding, account_for_loss_in_pipeline_split=loss)
+            theirs = [(get_transformer_layer_offset(config, chunk if vpp > 1 else None, stage),
+                       get_num_layers_to_build(config, chunk if vpp > 1 else None, stage))
+                      for chunk, stage in itertools.product(range(vpp), range(pp))]
+        except (ValueError, AssertionError, ZeroDivisionError):  # a split megatron-core refuses
+            continue
+        if min(n for _, n in theirs) < 0:
+            continue
+        counts = Pipeline(pp, vpp, first, last, embedding, loss).layer_counts(layers)
+        assert theirs == [(sum(counts[:v]), n) for v, n in enumerate(counts)], (layers, pp, vpp, first, last)
+        built += 1
+    assert built == 344
+
+
+@pytest.mark.parametrize("case", [pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")),
+                                  *(pytest.param(c, marks=(needs("0.19"), pytest.mark.full))
+                                    for c in UNEVEN_PIPELINES[::2])], ids=case_id)
+def test_an_unevenly_pipelined_rewrite_resumes_at_its_grid_and_without_stages_with_the_saved_runs_loss(
+        saved, tmp_path, case):
+    """Layers split unevenly over the stages (their buckets are megatron-core's own:
+    `test_the_rebuilt_bucket_layout_is_megatron_cores_own`): megatron-core resumes the rewrite at
+    the saved grid and split, and at PP 1, bit for bit (at DP 2 under virtual pipeline
+    parallelism, whose schedule ran the batch as two microbatches: the same sums of gradients)."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[case] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    want = torch.load(saved[case] / "loss.pt")
+    grid = dict(case[5:])
+    for name, dp, options in (("saved", 1, grid), ("pp1", grid.get("vpp", 1), {"layers": grid["layers"]})):
+        resumed = megatron_optim.load(out, 1, dp, tmp_path / f"{name}.pt", mcore="0.19", **options)
+        assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+            "fully_reshardable", want["step2"], want["after_step2"]), name
 
 
 @needs("0.19")
@@ -628,22 +699,34 @@ def test_args_of_the_wrong_kind_are_one_line_each(rebuilt, tmp_path):
 
 
 @needs("0.19")
-def test_pipeline_stages_other_than_an_even_split_are_refused_naming_why(saved, tmp_path):
-    """Stages are rebuilt for layers split evenly, with args that say whether the embedding is
-    tied (then the last stage holds a copy of it), and as many DP groups as args' TP × PP say;
-    anything else in args is one line, exit 2, nothing written."""
+def test_pipeline_splits_args_do_not_prove_are_refused_naming_why(saved, tmp_path):
+    """Stages are rebuilt for layers split as args say (evenly, or by stage sizes), with args
+    that say whether the embedding is tied (then the last stage holds a copy of it), and as many
+    DP groups as args' TP × PP say; anything else in args, or a split the saved buckets disagree
+    with, is one line, exit 2, nothing written."""
     where = "common_state/shard_0_1"
+    split = "2 layers cannot be split over 2 pipeline stages"
     cases = [("untie_embeddings_and_output_weights", None, f"{where}: args.untie_embeddings_and_output_weights is "
               "None: whether the last pipeline stage holds a copy of the embedding is not known"),
-             ("decoder_first_pipeline_num_layers", 1, f"{where}: args.decoder_first_pipeline_num_layers is 1: "
-              "dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
+             ("pipeline_model_parallel_layout", "Et|tL", f"{where}: args.pipeline_model_parallel_layout is 'Et|tL': "
+              "dp_reshardable buckets are rebuilt for layers split by stage sizes only"),
+             ("decoder_first_pipeline_num_layers", "1", f"{where}: args.decoder_first_pipeline_num_layers is '1'"),
+             ("account_for_loss_in_pipeline_split", 1, f"{where}: args.account_for_loss_in_pipeline_split is 1"),
              ("pipeline_model_parallel_size", "2", f"{where}: args.pipeline_model_parallel_size is '2'"),
              ("num_layers_per_virtual_pipeline_stage", 3, f"{where}: args.num_layers_per_virtual_pipeline_stage is "
-              "3: dp_reshardable buckets are rebuilt for layers split evenly over the pipeline stages only"),
-             ("virtual_pipeline_model_parallel_size", 3, "2 layers do not divide over 2 pipeline stages × 3 model "
-              "chunks (an uneven split is not rebuilt)"),
-             ("pipeline_model_parallel_size", 4, "2 layers do not divide over 4 pipeline stages (an uneven split is "
-              "not rebuilt)"),
+              "3, but args.num_layers is 2 at PP 2 × VPP 1"),
+             ("num_virtual_stages_per_pipeline_rank", 2, f"{where}: args.num_virtual_stages_per_pipeline_rank is 2, "
+              "but args.virtual_pipeline_model_parallel_size is 1"),
+             ("virtual_pipeline_model_parallel_size", 3, f"{split} × 3 model chunks as args say: stages of [1, 1] "
+              "layers do not divide into 3 model chunks"),
+             ("pipeline_model_parallel_size", 4, "2 layers cannot be split over 4 pipeline stages as args say: "
+              "2 layers do not divide over 4 pipeline stages"),
+             ("account_for_embedding_in_pipeline_split", True, f"{split} as args say: 3 layers do not divide over "
+              "2 pipeline stages"),
+             ("decoder_last_pipeline_num_layers", 3, f"{split} as args say: -1 layers left over for 1 middle stages"),
+             ("decoder_first_pipeline_num_layers", 2, "dp_group_idx_0 bucket 2 is 4672 elements but "
+              "embedding.word_embeddings.weight ends at 8640 in megatron-core's local GPT spec order: another model "
+              "spec or megatron-core version"),
              ("pipeline_model_parallel_size", 1, "dp_group_idx_<g>: groups [0, 1, 2, 3], "
               "expected one per TP rank 0…1")]
     for i, (name, value, line) in enumerate(cases):
