@@ -127,12 +127,13 @@ class LocalParam:
     kind: str
     layer: int | None = None
     copy: bool = False
-    """The last pipeline stage's copy of a tied embedding (its output layer): laid out in its
-    buckets, but its state is the embedding's (megatron-core all-reduces their gradients), whose
-    first-stage copy is the one rebuilt."""
+    """The last pipeline stage's copy of the embedding (a tied embedding's output layer, or the
+    embedding multi-token prediction layers read there): laid out in its buckets, but its state
+    is the embedding's (megatron-core all-reduces their gradients), whose first-stage copy is the
+    one rebuilt."""
     alone: bool = False
-    """In a bucket of its own, closing the one before at its aligned start: either copy of a tied
-    embedding under pipeline parallelism (megatron-core's `shared_embedding`)."""
+    """In a bucket of its own, closing the one before at its aligned start: either copy of an
+    embedding held by two pipeline stages (megatron-core's `shared_embedding`)."""
 
 
 @dataclass(frozen=True)
@@ -221,11 +222,12 @@ def bucket_entries(ckpt: Checkpoint) -> dict[tuple[int | None, int, int, int], d
     return out
 
 
-def registration_order(ckpt: Checkpoint, model_keys: set[str], tied_copy: bool = False) -> list[LocalParam]:
+def registration_order(ckpt: Checkpoint, model_keys: set[str], copy: str | None = None) -> list[LocalParam]:
     """The model's params in megatron-core's registration order (`LOCAL_SPEC`), refusing any
-    model key the spec has no place for (another spec: its order is not known). With
-    `tied_copy` (a tied embedding under pipeline parallelism) the last stage's output layer is
-    the embedding's copy, in the output layer's place."""
+    model key the spec has no place for (another spec: its order is not known). Under pipeline
+    parallelism the last stage may hold a `copy` of the embedding: in the output layer's place
+    ("output": a tied embedding), or in the embedding's, before its layers ("embedding": the one
+    its multi-token prediction layers read)."""
     known: set[str] = set()
 
     def expand(prefix: str, table: tuple, lead: tuple[int, ...], layer: int | None) -> list[LocalParam]:
@@ -242,9 +244,10 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str], tied_copy: bool =
         return out
 
     order = expand("", LOCAL_SPEC, (), None)
-    if tied_copy:
+    if copy is not None:
         order = [replace(p, alone=True) if p.key == WORD_EMBEDDING else p for p in order]
-        order.append(LocalParam(WORD_EMBEDDING, (), COLUMN, copy=True, alone=True))
+        at = len(order) if copy == "output" else 1 + next(i for i, p in enumerate(order) if p.key == WORD_EMBEDDING)
+        order.insert(at, LocalParam(WORD_EMBEDDING, (), COLUMN, copy=True, alone=True))
     unknown = sorted(model_keys - known)
     if unknown:
         raise CheckpointError(ckpt.path, f"{unknown[0]}{f' (and {len(unknown) - 1} more)' if len(unknown) > 1 else ''}"

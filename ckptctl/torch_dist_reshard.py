@@ -188,10 +188,13 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
     mtp = next((k for k in sorted(model) if k.startswith("mtp.")), None)
-    if mtp is not None and pipeline.stages > 1:  # its stage then holds a copy of the embedding too
-        raise CheckpointError(ckpt.path, f"{mtp}: multi-token prediction layers under pipeline parallelism are not "
-                                         "rebuilt yet")
-    order = registration_order(ckpt, model, tied_copy)
+    copy = "output" if tied_copy else None
+    if pipeline.stages > 1 and mtp is not None:  # the last stage's MTP layers read an embedding of its own
+        if tied_copy:  # megatron-core cannot save this (its output layer and that embedding are one key)
+            raise CheckpointError(ckpt.path, f"{mtp}: multi-token prediction layers under pipeline parallelism "
+                                             "with a tied embedding are not rebuilt (megatron-core cannot save them)")
+        copy = "embedding"
+    order = registration_order(ckpt, model, copy)
     return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
 
 
