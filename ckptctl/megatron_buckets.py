@@ -160,7 +160,8 @@ class Pipeline:
     (virtual pipeline parallelism: chunk c of stage s is virtual stage c × stages + s). By default
     evenly; `first` / `last` fix the layers of the first / last stage (Megatron-LM's
     `--decoder-first/last-pipeline-num-layers`), `embedding` / `loss` count the embedding / the
-    loss as a layer of the first / last virtual stage (`--account-for-…-in-pipeline-split`)."""
+    loss as a layer of the first / last virtual stage (`--account-for-…-in-pipeline-split`); or a
+    custom `layout`: each virtual stage's layers (`parse_layout`)."""
 
     stages: int = 1
     chunks: int = 1
@@ -168,6 +169,7 @@ class Pipeline:
     last: int | None = None
     embedding: bool = False
     loss: bool = False
+    layout: tuple[str, ...] | None = None
 
     def layer_counts(self, layers: int) -> list[int]:
         """The layers of each virtual stage, in layer order, as megatron-core's
@@ -175,6 +177,8 @@ class Pipeline:
         split megatron-core refuses too."""
         stages, chunks = self.stages, self.chunks
         fixed = [n for n in (self.first, self.last) if n is not None]
+        if self.layout is not None:
+            return self._layout_counts(layers, bool(fixed) or self.embedding or self.loss)
         if fixed:
             if self.embedding or self.loss:
                 raise ValueError("a first or last stage of its own size with the embedding or loss counted as a layer")
@@ -199,6 +203,52 @@ class Pipeline:
         if min(counts) < 0:
             raise ValueError("the embedding or loss counted in a virtual stage without a layer")
         return counts
+
+    def _layout_counts(self, layers: int, other_split: bool) -> list[int]:
+        """`layer_counts` of a custom layout, which must hold the embedding first and the loss
+        last (where `_stages` puts them), and no multi-token prediction layers (megatron-core
+        0.19 fails to save them in a layout: nothing to prove their place against)."""
+        stages = self.layout
+        if other_split:
+            raise ValueError("a custom layout with stage sizes or the embedding or loss counted as a layer")
+        if len(stages) != self.stages * self.chunks:
+            raise ValueError(f"{len(stages)} virtual stages, not PP {self.stages} × VPP {self.chunks}")
+        flat = "".join(stages)
+        if flat.count("E") != 1 or not stages[0].startswith("E") or flat.count("L") != 1 or not flat.endswith("L"):
+            raise ValueError("the embedding (E) must open the first stage and the loss (L) close the last, once each")
+        if "m" in flat:
+            raise ValueError("multi-token prediction layers (m) in a custom layout are not rebuilt")
+        counts = [stage.count("t") for stage in stages]
+        if sum(counts) != layers:
+            raise ValueError(f"the layout holds {sum(counts)} layers")
+        return counts
+
+
+LAYOUT_CHARS = frozenset("ELtm")
+"""Megatron-LM's layout letters: embedding, loss, transformer (decoder) layer, multi-token prediction layer."""
+MAX_LAYOUT = 1 << 16
+"""Layers and stages a layout may unroll to: a few hundred in any real model."""
+
+
+def parse_layout(text: str) -> tuple[str, ...]:
+    """Each virtual stage's layers in a Megatron-LM `--pipeline-model-parallel-layout` string
+    ("Et*3|(tt|)*29,m|L"): commas are cosmetic, `(…)*n` and then `x*n` repeat, `|` ends a stage;
+    ValueError for another letter or an unrolling over `MAX_LAYOUT`."""
+    text = text.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d{1,6})", r"(.)\*(\d{1,6})"):
+        pieces, at, size = [], 0, 0
+        for m in re.finditer(pattern, text):
+            size += m.start() - at + len(m[1]) * int(m[2])
+            if size > MAX_LAYOUT:
+                raise ValueError(f"it unrolls to more than {MAX_LAYOUT} layers and stages")
+            pieces += [text[at:m.start()], m[1] * int(m[2])]
+            at = m.end()
+        text = "".join(pieces) + text[at:]
+    if len(text) > MAX_LAYOUT:
+        raise ValueError(f"it unrolls to more than {MAX_LAYOUT} layers and stages")
+    if not set(text) <= LAYOUT_CHARS | {"|"}:
+        raise ValueError(f"letters {''.join(sorted(set(text) - LAYOUT_CHARS - {'|'}))!r} are not layers (E, L, t, m)")
+    return tuple(text.split("|"))
 
 
 @dataclass(frozen=True)
@@ -349,8 +399,8 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
 def _stages(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline) -> list[tuple[int, int]]:
     """The (pipeline stage, model chunk) holding each param of `order`, as megatron-core splits a
     GPT model without a custom layout: the layers in order over the virtual stages (chunk ×
-    stages + stage) as `Pipeline.layer_counts` says, the embedding in the first, the final norm
-    and the output layer (or the tied embedding's copy) in the last."""
+    stages + stage) as `Pipeline.layer_counts` says, the embedding in the first, the final norm,
+    the output layer (or the tied embedding's copy) and multi-token prediction layers in the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)
     try:
         counts = pipeline.layer_counts(layers)

@@ -33,7 +33,7 @@ from ckptctl.layout import (
 )
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import (
-    GROUPS_ITEM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, registration_order,
+    GROUPS_ITEM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, parse_layout, registration_order,
 )
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
@@ -128,8 +128,9 @@ def _args(ckpt: Checkpoint, common: CommonState) -> argparse.Namespace:
 
 
 def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> tuple[int, Pipeline, bool]:
-    """The TP size and pipeline split of args, and whether the last pipeline stage holds a copy of
-    a tied embedding (a param of its own there); a custom layout is refused."""
+    """The TP size and pipeline split of args (stage sizes, counted layers or a custom layout),
+    and whether the last pipeline stage holds a copy of a tied embedding (a param of its own
+    there); args of the wrong kind are refused."""
     tp, pp = getattr(args, "tensor_model_parallel_size", None), getattr(args, "pipeline_model_parallel_size", 1)
     vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
     vpp = 1 if vpp is None else vpp
@@ -149,10 +150,14 @@ def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -
         counted[part] = getattr(args, name, False)
         if type(counted[part]) is not bool:
             raise _refusal(ckpt, common.where, f"args.{name} is {counted[part]!r:.64}")
-    layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if layout is not None:
-        raise _refusal(ckpt, common.where, f"args.pipeline_model_parallel_layout is {layout!r:.64}: dp_reshardable "
-                                           "buckets are rebuilt for layers split by stage sizes only")
+    text, layout = getattr(args, "pipeline_model_parallel_layout", None), None
+    if text is not None:
+        if type(text) is not str:
+            raise _refusal(ckpt, common.where, f"args.pipeline_model_parallel_layout is {text!r:.64}, not a string")
+        try:
+            layout = parse_layout(text)
+        except ValueError as exc:
+            raise _refusal(ckpt, common.where, f"args.pipeline_model_parallel_layout {text!r:.64}: {exc}") from None
     layers = getattr(args, "num_layers", None)
     per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if per_chunk is not None and not (type(layers) is int and per_chunk * pp * vpp == layers + sum(counted.values())):
@@ -166,7 +171,7 @@ def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -
     if type(untied) is not bool:
         raise _refusal(ckpt, common.where, f"args.untie_embeddings_and_output_weights is {untied!r:.64}: whether "
                                            "the last pipeline stage holds a copy of the embedding is not known")
-    return tp, Pipeline(pp, vpp, first, last, **counted), not untied
+    return tp, Pipeline(pp, vpp, first, last, **counted, layout=layout), not untied
 
 
 def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:

@@ -102,6 +102,10 @@ UNEVEN_PIPELINES = [
 (`--decoder-first-pipeline-num-layers 1`); with two model chunks per stage, layers 0 | 1 2 | 3 |
 4 5 over the virtual stages (a first stage of 2); and the embedding and the loss each counted as
 a layer of the first and last virtual stage: layers 0 | 1 2 | 3 4 | 5."""
+LAYOUT_PIPELINE = ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 4), ("layout", "E|tt|tt|L"))
+"""A 4-layer llama at PP 2 × VPP 2 in a custom layout (`--pipeline-model-parallel-layout`): the
+embedding alone in the first virtual stage, layers 0 1 | 2 3 in the next two, the final norm and
+the output layer alone in the last."""
 MTP_PIPELINE = ("llama", 1, 1, 0, "0.19", ("pp", 2), ("mtp", 1))
 """A llama with a multi-token prediction layer at PP 2: the last stage holds it and an embedding
 of its own that it reads, in a bucket of its own, as the first stage's is. (megatron-core 0.19.2
@@ -119,6 +123,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")), pytest.param(MTP_PIPELINE, marks=needs("0.19")),
+           pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")),
            pytest.param((*MTP_PIPELINE[:6], ("vpp", 2), ("layers", 4), ("mtp", 1)),
                         marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
@@ -386,12 +391,36 @@ def test_pipeline_splits_are_megatron_cores_own():
     assert built == 344
 
 
+def test_pipeline_layouts_are_read_as_megatron_core_reads_them():
+    """A `--pipeline-model-parallel-layout` string is each virtual stage's layers as megatron-core's
+    own `parse_str_to_list` reads it (repeats, groups, cosmetic commas, empty stages); another
+    letter, or a string that unrolls past the bound, is a ValueError before anything is built."""
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+    from ckptctl.megatron_buckets import MAX_LAYOUT, parse_layout
+
+    letters = {LayerType.embedding: "E", LayerType.loss: "L", LayerType.decoder: "t", LayerType.mtp: "m"}
+    for text in ("Et*3|(tt|)*29,m|L", "E|tt|tt|L", "Et|(t|)*2,tL", "(Et|)*1t*2|L", "E,t,t|t,L", "|Et||tL|",
+                 "(tt|)*3(t|)*2L", "Ettttt*0|L"):
+        stages = PipelineParallelLayerLayout.parse_str_to_list(text)
+        theirs = tuple("".join(letters[t] for t in stage) for stage in stages)
+        assert parse_layout(text) == theirs, text
+    assert parse_layout("Et*3|(tt|)*29,m|L") == ("Ettt", *["tt"] * 29, "m", "L")
+    for text, why in (("Et|tX", "letters 'X' are not layers (E, L, t, m)"),
+                      ("Et*70000|L", f"it unrolls to more than {MAX_LAYOUT} layers and stages"),
+                      ("(t*1000|)*1000", f"it unrolls to more than {MAX_LAYOUT} layers and stages")):
+        with pytest.raises(ValueError) as raised:
+            parse_layout(text)
+        assert str(raised.value) == why, text
+
+
 @pytest.mark.parametrize("case", [pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")),
                                   *(pytest.param(c, marks=(needs("0.19"), pytest.mark.full))
-                                    for c in UNEVEN_PIPELINES[::2])], ids=case_id)
+                                    for c in (*UNEVEN_PIPELINES[::2], LAYOUT_PIPELINE))], ids=case_id)
 def test_an_unevenly_pipelined_rewrite_resumes_at_its_grid_and_without_stages_with_the_saved_runs_loss(
         saved, tmp_path, case):
-    """Layers split unevenly over the stages (their buckets are megatron-core's own:
+    """Layers split unevenly over the stages, or in a custom layout (their buckets are megatron-core's own:
     `test_the_rebuilt_bucket_layout_is_megatron_cores_own`): megatron-core resumes the rewrite at
     the saved grid and split, and at PP 1, bit for bit (at DP 2 under virtual pipeline
     parallelism, whose schedule ran the batch as two microbatches: the same sums of gradients)."""
@@ -720,8 +749,13 @@ def test_pipeline_splits_args_do_not_prove_are_refused_naming_why(saved, tmp_pat
     split = "2 layers cannot be split over 2 pipeline stages"
     cases = [("untie_embeddings_and_output_weights", None, f"{where}: args.untie_embeddings_and_output_weights is "
               "None: whether the last pipeline stage holds a copy of the embedding is not known"),
-             ("pipeline_model_parallel_layout", "Et|tL", f"{where}: args.pipeline_model_parallel_layout is 'Et|tL': "
-              "dp_reshardable buckets are rebuilt for layers split by stage sizes only"),
+             ("pipeline_model_parallel_layout", "Et|tmL", f"{split} as args say: multi-token prediction layers "
+              "(m) in a custom layout are not rebuilt"),
+             ("pipeline_model_parallel_layout", "Et|tx", f"{where}: args.pipeline_model_parallel_layout 'Et|tx': "
+              "letters 'x' are not layers (E, L, t, m)"),
+             ("pipeline_model_parallel_layout", ["Et", "tL"], f"{where}: args.pipeline_model_parallel_layout is "
+              "['Et', 'tL'], not a string"),
+             ("pipeline_model_parallel_layout", "Ettt|L", f"{split} as args say: the layout holds 3 layers"),
              ("decoder_first_pipeline_num_layers", "1", f"{where}: args.decoder_first_pipeline_num_layers is '1'"),
              ("account_for_loss_in_pipeline_split", 1, f"{where}: args.account_for_loss_in_pipeline_split is 1"),
              ("pipeline_model_parallel_size", "2", f"{where}: args.pipeline_model_parallel_size is '2'"),
