@@ -102,6 +102,9 @@ UNEVEN_PIPELINES = [
 (`--decoder-first-pipeline-num-layers 1`); with two model chunks per stage, layers 0 | 1 2 | 3 |
 4 5 over the virtual stages (a first stage of 2); and the embedding and the loss each counted as
 a layer of the first and last virtual stage: layers 0 | 1 2 | 3 4 | 5."""
+BF16 = ("llama", 2, 2, 1000, "0.19", ("bf16", True))
+"""The bucketed run in bf16, as Megatron-LM trains (`--bf16`: the model in a Float16Module, its
+params bf16, the optimizer's fp32 main params in `dtype_(torch.bfloat16, torch.float32)` buffers)."""
 LAYOUT_PIPELINE = ("llama", 1, 1, 1000, "0.19", ("pp", 2), ("vpp", 2), ("layers", 4), ("layout", "E|tt|tt|L"))
 """A 4-layer llama at PP 2 × VPP 2 in a custom layout (`--pipeline-model-parallel-layout`): the
 embedding alone in the first virtual stage, layers 0 1 | 2 3 in the next two, the final norm and
@@ -123,7 +126,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")), pytest.param(MTP_PIPELINE, marks=needs("0.19")),
-           pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")),
+           pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")), pytest.param(BF16, marks=needs("0.19")),
            pytest.param((*MTP_PIPELINE[:6], ("vpp", 2), ("layers", 4), ("mtp", 1)),
                         marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
@@ -279,6 +282,30 @@ def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_lo
     got = megatron_optim.load(out, 1, 4, tmp_path / "loss.pt", kind="qwen3-moe", mcore="0.19", ep=4)
     assert (got["sharding_type"], got["step"], got["after_step"]) == (
         "fully_reshardable", want["step2"], want["after_step2"])
+
+
+@needs("0.19")
+def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_loss(saved, tmp_path):
+    """A bf16 run's buckets hold the optimizer's fp32 main params: the rewrite keeps them fp32,
+    each rounding to its bf16 weight, and megatron-core resumes it at the saved grid bit for bit
+    and at TP 1 (whose bf16 sums round otherwise) to within bf16's precision."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "o"
+    run = run_cli("reshard", saved[BF16] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k[len("optimizer.state.param."):]: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 9
+    for key, main in params.items():
+        assert (main.dtype, got[key].dtype) == (torch.float32, torch.bfloat16), key
+        assert torch.equal(main.to(torch.bfloat16), got[key]), key
+    want = torch.load(saved[BF16] / "loss.pt")
+    same = megatron_optim.load(out, 2, 2, tmp_path / "tp2.pt", mcore="0.19", bucket_size=1000, bf16=True)
+    assert (same["sharding_type"], same["step"], same["after_step"]) == (
+        "fully_reshardable", want["step2"], want["after_step2"])
+    other = megatron_optim.load(out, 1, 2, tmp_path / "tp1.pt", mcore="0.19", bf16=True)
+    assert (other["step"], other["after_step"]) == pytest.approx((want["step2"], want["after_step2"]), rel=1e-4)
 
 
 @needs("0.19")
