@@ -398,7 +398,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
 
 def _stages(ckpt: Checkpoint, order: list[LocalParam], pipeline: Pipeline) -> list[tuple[int, int]]:
     """The (pipeline stage, model chunk) holding each param of `order`, as megatron-core splits a
-    GPT model without a custom layout: the layers in order over the virtual stages (chunk ×
+    GPT model: the layers in order over the virtual stages (chunk ×
     stages + stage) as `Pipeline.layer_counts` says, the embedding in the first, the final norm,
     the output layer (or the tied embedding's copy) and multi-token prediction layers in the last."""
     layers = 1 + max((p.layer for p in order if p.layer is not None), default=-1)

@@ -195,7 +195,7 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
     mtp = next((k for k in sorted(model) if k.startswith("mtp.")), None)
     copy = "output" if tied_copy else None
     if pipeline.stages > 1 and mtp is not None:  # the last stage's MTP layers read an embedding of its own
-        if tied_copy:  # megatron-core cannot save this (its output layer and that embedding are one key)
+        if tied_copy:
             raise CheckpointError(ckpt.path, f"{mtp}: multi-token prediction layers under pipeline parallelism "
                                              "with a tied embedding are not rebuilt (megatron-core cannot save them)")
         copy = "embedding"

@@ -125,7 +125,8 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(VIRTUAL_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(("qwen2", 2, 1, 1000, "0.19"), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")), pytest.param(MTP_PIPELINE, marks=needs("0.19")),
+           pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")),
+           pytest.param(MTP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")), pytest.param(BF16, marks=needs("0.19")),
            pytest.param((*MTP_PIPELINE[:6], ("vpp", 2), ("layers", 4), ("mtp", 1)),
                         marks=(needs("0.19"), pytest.mark.full)),
@@ -442,9 +443,9 @@ def test_pipeline_layouts_are_read_as_megatron_core_reads_them():
         assert str(raised.value) == why, text
 
 
-@pytest.mark.parametrize("case", [pytest.param(UNEVEN_PIPELINES[1], marks=needs("0.19")),
-                                  *(pytest.param(c, marks=(needs("0.19"), pytest.mark.full))
-                                    for c in (*UNEVEN_PIPELINES[::2], LAYOUT_PIPELINE))], ids=case_id)
+@pytest.mark.full
+@pytest.mark.parametrize("case", [pytest.param(c, marks=needs("0.19")) for c in (*UNEVEN_PIPELINES, LAYOUT_PIPELINE)],
+                         ids=case_id)
 def test_an_unevenly_pipelined_rewrite_resumes_at_its_grid_and_without_stages_with_the_saved_runs_loss(
         saved, tmp_path, case):
     """Layers split unevenly over the stages, or in a custom layout (their buckets are megatron-core's own:
