@@ -289,8 +289,13 @@ def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_lo
 def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_loss(saved, tmp_path):
     """A bf16 run's buckets hold the optimizer's fp32 main params: the rewrite keeps them fp32,
     each rounding to its bf16 weight, and megatron-core resumes it at the saved grid bit for bit
-    and at TP 1 (whose bf16 sums round otherwise) to within bf16's precision."""
+    and at TP 1 (whose bf16 sums round otherwise) to within bf16's precision. Its export to HF is
+    the independent mapping of its bf16 weights, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    from fixtures import megatron_core as mc
     from fixtures import megatron_optim
+    from tests.test_torch_dist import megatron_to_hf
 
     out = tmp_path / "o"
     run = run_cli("reshard", saved[BF16] / "dp_reshardable", out, "--verify")
@@ -307,6 +312,15 @@ def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_l
         "fully_reshardable", want["step2"], want["after_step2"])
     other = megatron_optim.load(out, 1, 2, tmp_path / "tp1.pt", mcore="0.19", bf16=True)
     assert (other["step"], other["after_step"]) == pytest.approx((want["step2"], want["after_step2"]), rel=1e-4)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(mc.hf_config("llama")))
+    run = run_cli("export-hf", saved[BF16] / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "config")
+    assert run.returncode == 0, run.stderr
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    mapped = megatron_to_hf(_load(saved[BF16] / "dp_reshardable"), "llama")
+    assert sorted(exported) == sorted(mapped)
+    for name, tensor in mapped.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
 
 
 @needs("0.19")
