@@ -169,7 +169,8 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     assert (state["layout"], state["param"]) == ("layer-stacked", "decoder.layers.mlp.linear_fc1.weight")
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
     assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "vpp": None, "dp": 2, "ep": 1,
-                               "etp": 2, "cp": 1, "iteration": 1, "problem": None}
+                               "etp": 2, "cp": 1, "iteration": 1, "first_stage_layers": None,
+                               "last_stage_layers": None, "pipeline_layout": None, "problem": None}
     assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common_state/shard_0_1\)\s*$",
@@ -455,6 +456,18 @@ def test_pipeline_layouts_are_read_as_megatron_core_reads_them():
         with pytest.raises(ValueError) as raised:
             parse_layout(text)
         assert str(raised.value) == why, text
+
+
+@needs("0.19")
+def test_inspect_names_the_pipeline_split(saved):
+    """An uneven split and a custom layout are named on the Training line and in `--json`."""
+    for case, words, split in ((UNEVEN_PIPELINES[1], "first stage 2 layers", (2, None, None)),
+                               (LAYOUT_PIPELINE, "layout E|tt|tt|L", (None, None, "E|tt|tt|L"))):
+        text = run_cli("inspect", saved[case] / "dp_reshardable").stdout
+        assert re.search(rf"^Training\s+TP 1 × PP 2 × DP 1 \(VPP 2, EP 1, CP 1, {re.escape(words)}\), iteration 1 ",
+                         text, re.M), text
+        doc = json.loads(run_cli("inspect", saved[case] / "dp_reshardable", "--json").stdout)["training"]
+        assert (doc["first_stage_layers"], doc["last_stage_layers"], doc["pipeline_layout"]) == split
 
 
 @pytest.mark.full
@@ -1090,9 +1103,9 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     assert (found.where, found.problem, found.get("tensor_model_parallel_size")) == ("common.pt", None, 2)
     assert found.get("attention_backend") == Opaque(__name__, "AttnBackend", (2,))
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
-    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "vpp": None, "dp": None, "ep": None, "etp": None,
-                               "cp": None,
-                               "iteration": None, "problem": None}
+    assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "vpp": None, "dp": None, "ep": None,
+                               "etp": None, "cp": None, "iteration": None, "first_stage_layers": None,
+                               "last_stage_layers": None, "pipeline_layout": None, "problem": None}
     data = pickle.dumps({"args": Built()}, protocol=2)  # NEWOBJ + BUILD of an unknown class: refused
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:

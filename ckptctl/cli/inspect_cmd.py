@@ -20,6 +20,8 @@ ignores them.
                                                               # torch_dist's DistributedOptimizer format
       "training": null | {"from": "args entry" | "common.pt" | "common_state/shard_0_1",
                           "tp", "pp", "vpp", "dp", "ep", "etp", "cp", "iteration": int | null,
+                          "first_stage_layers", "last_stage_layers": int | null,  # an uneven split
+                          "pipeline_layout": str | null,                         # a custom one
                           "problem": str | null},          # Megatron's saved args, never executed
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
@@ -158,8 +160,11 @@ def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
 TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
                    "vpp": "virtual_pipeline_model_parallel_size",
                    "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
-                   "etp": "expert_tensor_parallel_size", "cp": "context_parallel_size", "iteration": "iteration"}
-"""`training` in the JSON document: Megatron's args by the names Megatron gives them."""
+                   "etp": "expert_tensor_parallel_size", "cp": "context_parallel_size", "iteration": "iteration",
+                   "first_stage_layers": "decoder_first_pipeline_num_layers",
+                   "last_stage_layers": "decoder_last_pipeline_num_layers"}
+"""`training` in the JSON document: Megatron's args by the names Megatron gives them (and
+`pipeline_layout`, its `pipeline_model_parallel_layout` string)."""
 
 
 def _format(ckpt: Checkpoint, training: "TrainingArgs | None") -> str:
@@ -176,16 +181,21 @@ def _training_doc(found: "TrainingArgs | None") -> dict[str, Any] | None:
     if found is None:
         return None
     values = {key: found.get(name) for key, name in TRAINING_FIELDS.items()}
+    layout = found.get("pipeline_model_parallel_layout")
     return {"from": found.where, **{k: v if isinstance(v, int) and not isinstance(v, bool) else None
-                                    for k, v in values.items()}, "problem": found.problem}
+                                    for k, v in values.items()},
+            "pipeline_layout": layout if isinstance(layout, str) else None, "problem": found.problem}
 
 
 def _training_line(doc: dict[str, Any]) -> str:
     if doc["problem"]:
         return f"args in {doc['from']} {doc['problem']}"
     sizes = " × ".join(f"{k.upper()} {doc[k]}" for k in ("tp", "pp", "dp") if doc[k] is not None)
-    more = ", ".join(f"{k.upper()} {doc[k]}" for k in ("vpp", "ep", "etp", "cp")
-                     if doc[k] is not None and not (k == "etp" and doc[k] == doc["tp"]))  # ETP: the TP by default
+    more = [f"{k.upper()} {doc[k]}" for k in ("vpp", "ep", "etp", "cp")
+            if doc[k] is not None and not (k == "etp" and doc[k] == doc["tp"])]  # ETP: the TP by default
+    more += [f"{end} stage {doc[f'{end}_stage_layers']} layers" for end in ("first", "last")
+             if doc[f"{end}_stage_layers"] is not None]
+    more = ", ".join(more + ([f"layout {doc['pipeline_layout']}"] if doc["pipeline_layout"] else []))
     step = f", iteration {doc['iteration']}" if doc["iteration"] is not None else ""
     return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
 
