@@ -11,7 +11,8 @@ DeltaNet (`in_proj` and `conv1d` per TP rank, from grouped and flat HF projectio
 attention and gated shared experts, Gemma's GeGLU fc1 (never split) and its norms after each
 sublayer, Nemotron-H's Mamba `in_proj` and `conv1d` per TP rank, relu² MLP and MoE layers,
 GPT-OSS's sinks, biases and packed experts (de-interleaved, transposed), RowParallel and
-duplicated tensors alike; and export-hf of it gives the HF folder back bit for bit. Skipped
+duplicated tensors alike; and export-hf of it gives the HF folder back bit for bit, as does
+export-hf of megatron-core's own torch_dist save of the model the Bridge filled. Skipped
 without megatron-core and megatron-bridge (`make install` puts them in).
 """
 
@@ -101,16 +102,34 @@ def test_every_tensor_equals_what_megatron_bridge_scatters_to_each_tp_rank(mappe
     assert sorted(n for n, v in ours.items() if isinstance(v, torch.Tensor)) == sorted(seen)
 
 
-def test_export_hf_gives_the_folder_back_bit_for_bit(mapped, tmp_path):
+def _assert_the_reference(folder, ref) -> None:
+    """`folder` holds the reference HF model's tensors, bit for bit."""
     from safetensors.torch import load_file
 
-    _, _, ref, ckpt = mapped
-    tp = FAMILY_TP.get(ref.family, TP)
-    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", ref.folder, "--tp", tp, "--verify")
-    assert run.returncode == 0, run.stderr
     got = {}
-    for path in sorted((tmp_path / "hf").glob("*.safetensors")):
+    for path in sorted(folder.glob("*.safetensors")):
         got.update(load_file(path))
     assert sorted(got) == sorted(ref.state)
     for name, tensor in ref.state.items():
         assert torch.equal(got[name], tensor), name
+
+
+def test_export_hf_gives_the_folder_back_bit_for_bit(mapped, tmp_path):
+    _, _, ref, ckpt = mapped
+    tp = FAMILY_TP.get(ref.family, TP)
+    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", ref.folder, "--tp", tp, "--verify")
+    assert run.returncode == 0, run.stderr
+    _assert_the_reference(tmp_path / "hf", ref)
+
+
+def test_export_hf_of_megatron_cores_torch_dist_save_gives_the_folder_back_bit_for_bit(mapped, tmp_path):
+    """The model the Bridge mapped, saved by megatron-core's own `dist_checkpointing.save`
+    (`fixtures.megatron_bridge`: torch_dist's layer stacks, or per-layer keys where layers differ;
+    experts stacked per layer, biases too; SwiGLU fc1 as `[W_all; V_all]`; GDN's and Mamba's
+    `in_proj` and `conv1d` split into components; the padded vocab), exports to the HF folder it
+    came from."""
+    _, _, ref, ckpt = mapped
+    run = run_cli("export-hf", ckpt.parent / "bridge" / "torch_dist", tmp_path / "hf", "--hf-config", ref.folder,
+                  "--verify")
+    assert run.returncode == 0, run.stderr
+    _assert_the_reference(tmp_path / "hf", ref)

@@ -374,14 +374,14 @@ class MegatronModel:
                     self.entries[f"{expert[1]}local_experts.{expert[2]}.{expert[3]}"] = entry
                     continue
                 layer = PER_LAYER_EXPERTS.match(name)
-                if layer is not None and len(entry.shape) >= 3:
+                if layer is not None and len(entry.shape) >= 2:  # [E, …]: an expert's weight or bias
                     del self.entries[name]
                     self._stack_views(entry, 1, [f"{layer[1]}local_experts.{e}.{layer[2]}"
                                                  for e in range(entry.shape[0])])
                 elif name.startswith(STACK_PREFIX) and is_layer_stacked(entry) and len(entry.shape) >= 2:
                     del self.entries[name]
                     rest = name[len(STACK_PREFIX):]
-                    if rest.startswith(EXPERT_STACK) and len(entry.shape) >= 4:
+                    if rest.startswith(EXPERT_STACK) and len(entry.shape) >= 3:  # [L, E, …]
                         inner, experts = rest[len(EXPERT_STACK):], entry.shape[1]
                         self._stack_views(entry, 2, [f"{STACK_PREFIX}{slab // experts}.mlp.experts.local_experts."
                                                      f"{slab % experts}.{inner}"
