@@ -131,7 +131,8 @@ def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
     seen as [L·R, …]: every slab's rows one after another, the same elements in the same order,
     so each chunk (one slab deep, or whole slabs) is one box of it. `depth` 2 reads a stack of
     stacks [L, E, R, …] (torch_dist experts) as [L·E·R, …] the same way. A chunk cut inside
-    several slabs (torchtitan experts under EP with FSDP `Shard(1)`) is not one box: refused."""
+    several slabs (torchtitan experts under EP with FSDP `Shard(1)`; megatron-core's legacy
+    GroupedMLP, whose chunk holds every local expert's rows of a TP rank) is not one box: refused."""
     lead = entry.shape[:depth + 1]
     rows = math.prod(lead)
     shape = (rows, *entry.shape[depth + 1:])
@@ -141,8 +142,9 @@ def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
         deep = next((i for i in range(depth + 1) if c.sizes[i] != 1), depth)
         if any(c.offsets[i] or c.sizes[i] != lead[i] for i in range(deep + 1, depth + 1)):
             raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim {depth} "
-                                             f"inside {c.sizes[deep]} slabs of the stack (expert parallelism with "
-                                             "FSDP Shard(1)?), which ckptctl cannot read slab by slab yet")
+                                             f"inside {c.sizes[deep]} slabs of the stack (torchtitan's experts under "
+                                             "expert parallelism with FSDP Shard(1), or megatron-core's legacy "
+                                             "GroupedMLP?), which ckptctl cannot read slab by slab yet")
         count = c.sizes[deep] * math.prod(lead[deep + 1:])
         regions.append((c, Box((start, *c.offsets[depth + 1:]), (count, *c.sizes[depth + 1:]))))
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))

@@ -189,7 +189,8 @@ def test_a_stack_chunk_cut_inside_several_slabs_is_refused_by_name():
     with pytest.raises(CheckpointError) as caught:
         layer_stacked_view(entry)
     assert str(caught.value) == ("layers.0.moe.routed_experts.inner_experts.w1_EFD: a chunk at [0, 0, 0] of [2, 8, 4] "
-                                 "cuts dim 1 inside 2 slabs of the stack (expert parallelism with FSDP Shard(1)?), "
+                                 "cuts dim 1 inside 2 slabs of the stack (torchtitan's experts under expert "
+                                 "parallelism with FSDP Shard(1), or megatron-core's legacy GroupedMLP?), "
                                  "which ckptctl cannot read slab by slab yet")
     whole_slabs = TensorEntry(entry.fqn, (2, 16, 4), float32,
                               tuple(Chunk(f"__{r}_0.distcp", 0, 1, (r, 0, 0), (1, 16, 4)) for r in range(2)))

@@ -179,6 +179,22 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
     return out
 
 
+@pytest.mark.full
+def test_legacy_grouped_gemm_experts_are_refused_naming_the_chunk(tmp_path):
+    """megatron-core's legacy GroupedMLP (grouped-GEMM experts without Transformer Engine) saves a
+    TP rank's rows of every local expert as one chunk [1, E, R, H], not a chunk per expert (as
+    SequentialMLP and Transformer Engine's TEGroupedMLP save them): refused by name, nothing written."""
+    mc.write(tmp_path / "ckpt", 2, 1, kind="qwen3-moe-grouped", logits=False)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(mc.hf_config("qwen3-moe-grouped")))
+    run = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "hf", "--hf-config", tmp_path / "config")
+    assert (run.returncode, run.stderr) == (2, (
+        "ckptctl: error: decoder.layers.mlp.experts.experts.linear_fc1.weight: a chunk at [0, 0, 0, 0] of "
+        "[1, 4, 12, 32] cuts dim 2 inside 4 slabs of the stack (torchtitan's experts under expert parallelism "
+        "with FSDP Shard(1), or megatron-core's legacy GroupedMLP?), which ckptctl cannot read slab by slab yet\n"))
+    assert not (tmp_path / "hf").exists()
+
+
 @pytest.mark.parametrize("grid", grids(*GRIDS))
 def test_export_is_the_mapped_megatron_model_and_computes_megatrons_logits(saved, grid):
     from fixtures.make_fixtures import load_with_torch
