@@ -289,9 +289,8 @@ def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_lo
 @needs("0.19")
 def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_loss(saved, tmp_path):
     """A bf16 run's buckets hold the optimizer's fp32 main params: the rewrite keeps them fp32,
-    each rounding to its bf16 weight, and megatron-core resumes it at the saved grid bit for bit
-    and at TP 1 (whose bf16 sums round otherwise) to within bf16's precision. Its export to HF is
-    the independent mapping of its bf16 weights, tensor for tensor."""
+    each rounding to its bf16 weight, and megatron-core resumes it at the saved grid bit for bit.
+    Its export to HF is the independent mapping of its bf16 weights, tensor for tensor."""
     from safetensors.torch import load_file
 
     from fixtures import megatron_core as mc
@@ -311,8 +310,6 @@ def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_l
     same = megatron_optim.load(out, 2, 2, tmp_path / "tp2.pt", mcore="0.19", bucket_size=1000, bf16=True)
     assert (same["sharding_type"], same["step"], same["after_step"]) == (
         "fully_reshardable", want["step2"], want["after_step2"])
-    other = megatron_optim.load(out, 1, 2, tmp_path / "tp1.pt", mcore="0.19", bf16=True)
-    assert (other["step"], other["after_step"]) == pytest.approx((want["step2"], want["after_step2"]), rel=1e-4)
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.json").write_text(json.dumps(mc.hf_config("llama")))
     run = run_cli("export-hf", saved[BF16] / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "config")
@@ -322,6 +319,21 @@ def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_l
     assert sorted(exported) == sorted(mapped)
     for name, tensor in mapped.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(exported[name], tensor), name
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_a_bf16_rewrite_resumes_at_another_tp_within_bf16s_precision(saved, tmp_path):
+    """At TP 1 the bf16 run's sums round otherwise than at its TP 2: megatron-core resumes the
+    rewrite there to within bf16's precision (1.7e-5 measured; megatron-core's own bucketed
+    `fully_reshardable` save of the run, a known fault, misses by 3e-2)."""
+    from fixtures import megatron_optim
+
+    run = run_cli("reshard", saved[BF16] / "dp_reshardable", tmp_path / "o")
+    assert run.returncode == 0, run.stderr
+    want = torch.load(saved[BF16] / "loss.pt")
+    other = megatron_optim.load(tmp_path / "o", 1, 2, tmp_path / "tp1.pt", mcore="0.19", bf16=True)
+    assert (other["step"], other["after_step"]) == pytest.approx((want["step2"], want["after_step2"]), rel=1e-4)
 
 
 @needs("0.19")
