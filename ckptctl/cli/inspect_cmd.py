@@ -191,11 +191,12 @@ def _training_line(doc: dict[str, Any]) -> str:
     if doc["problem"]:
         return f"args in {doc['from']} {doc['problem']}"
     sizes = " × ".join(f"{k.upper()} {doc[k]}" for k in ("tp", "pp", "dp") if doc[k] is not None)
-    more = [f"{k.upper()} {doc[k]}" for k in ("vpp", "ep", "etp", "cp")
-            if doc[k] is not None and not (k == "etp" and doc[k] == doc["tp"])]  # ETP: the TP by default
-    more += [f"{end} stage {doc[f'{end}_stage_layers']} layers" for end in ("first", "last")
-             if doc[f"{end}_stage_layers"] is not None]
-    more = ", ".join(more + ([f"layout {doc['pipeline_layout']}"] if doc["pipeline_layout"] else []))
+    parts = [f"{k.upper()} {doc[k]}" for k in ("vpp", "ep", "etp", "cp")
+             if doc[k] is not None and not (k == "etp" and doc[k] == doc["tp"])]  # ETP: the TP by default
+    parts += [f"{end} stage {doc[f'{end}_stage_layers']} layers" for end in ("first", "last")
+              if doc[f"{end}_stage_layers"] is not None]
+    parts += [f"layout {doc['pipeline_layout']}"] if doc["pipeline_layout"] else []
+    more = ", ".join(parts)
     step = f", iteration {doc['iteration']}" if doc["iteration"] is not None else ""
     return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
 
