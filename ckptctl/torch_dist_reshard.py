@@ -179,7 +179,9 @@ def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Na
     impl = getattr(args, "transformer_impl", None)
     if impl != "local":
         raise _refusal(ckpt, common.where, f"args.transformer_impl is {impl!r}: dp_reshardable buckets are rebuilt "
-                                           "for megatron-core's local spec ('local') only yet")
+                                           "for megatron-core's local spec ('local') only yet; resumed at its grid "
+                                           "with Megatron-LM's --dist-ckpt-optim-fully-reshardable, the run saves a "
+                                           "checkpoint that reshards")
 
 
 def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace

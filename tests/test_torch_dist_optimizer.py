@@ -1082,7 +1082,9 @@ def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
     run = run_cli("reshard", src, tmp_path / "o")
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src / 'common.pt'}: args.transformer_impl is "
                                                "'transformer_engine': dp_reshardable buckets are rebuilt for "
-                                               "megatron-core's local spec ('local') only yet\n")
+                                               "megatron-core's local spec ('local') only yet; resumed at its grid "
+                                               "with Megatron-LM's --dist-ckpt-optim-fully-reshardable, the run saves "
+                                               "a checkpoint that reshards\n")
     assert not (tmp_path / "o").exists()
 
 
