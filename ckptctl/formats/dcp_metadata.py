@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import operator
 import os
 import re
 import stat
@@ -218,10 +219,15 @@ def _check_range(root: Path, file: str, offset: int, length: int, files: dict[st
 
 
 def _located(root: Path, fqn: str, info: Any, files: dict[str, int], where: Path) -> tuple[str, tuple[str, ...]]:
-    """The validated file of a storage entry (its byte range inside it) and its stream transforms."""
-    file = _resolve_file(root, info.relative_path, files, where)
-    _check_range(root, file, info.offset, info.length, files, fqn)
-    return file, tuple(getattr(info, "transform_descriptors", None) or ())
+    """The validated file of a storage entry (its byte range inside it) and its stream transforms
+    (a StorageInfo's fields default to None: an older torch pickles no transforms)."""
+    file = info.relative_path
+    if file not in files:  # a file met before was resolved then
+        file = _resolve_file(root, file, files, where)
+    if info.offset + info.length > files[file]:
+        _check_range(root, file, info.offset, info.length, files, fqn)
+    transforms = info.transform_descriptors
+    return file, tuple(transforms) if transforms else ()
 
 
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
@@ -231,14 +237,15 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
     chunks = []
     seen: set[tuple[int, ...]] = set()
+    rank = len(shape)
     for c in md.chunks:
         offsets, sizes = tuple(c.offsets), tuple(c.sizes)
         if offsets in seen and 0 not in sizes:  # empty chunks of trailing ranks may share their place
             raise CheckpointError(where, f"{fqn}: two chunks at {list(offsets)}")
         seen.add(offsets)
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
+        if len(offsets) != rank or len(sizes) != rank:
             raise CheckpointError(where, f"{fqn}: chunk rank {len(offsets)} does not match shape {list(shape)}")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape)):
+        if not all(map(operator.le, map(operator.add, offsets, sizes), shape)):
             raise CheckpointError(
                 where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
         info = storage.get((fqn, offsets))
