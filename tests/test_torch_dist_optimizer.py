@@ -127,7 +127,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param((*DEEPSEEK, ("mtp", 1)), marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(UNEVEN_PIPELINES[1], marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(MTP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")), pytest.param(BF16, marks=needs("0.19")),
+           pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")), pytest.param(BF16, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param((*MTP_PIPELINE[:6], ("vpp", 2), ("layers", 4), ("mtp", 1)),
                         marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
@@ -287,6 +287,7 @@ def test_an_expert_parallel_rewrite_resumes_at_another_ep_with_the_saved_runs_lo
 
 
 @needs("0.19")
+@pytest.mark.full
 def test_a_bf16_rewrite_keeps_fp32_main_params_and_resumes_with_the_saved_runs_loss(saved, tmp_path):
     """A bf16 run's buckets hold the optimizer's fp32 main params: the rewrite keeps them fp32,
     each rounding to its bf16 weight, and megatron-core resumes it at the saved grid bit for bit.
