@@ -9,6 +9,7 @@ follow torch's classes in `torch.distributed.checkpoint.metadata` and `.filesyst
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, ClassVar
 
 from ckptctl.formats.torch_pickle import Call, Instance, Size, ref
@@ -183,3 +184,69 @@ METADATA_CLASSES: dict[tuple[str, str], Any] = {
     ("torch", "Size"): Size,
 }
 """DCP's global names in `.metadata` → the stand-ins the restricted unpickler builds."""
+
+
+class ChunkColumns:
+    """A tensor's `chunks` as two parallel lists (offsets, sizes) of plain int tuples, in order.
+
+    What `metadata_templates` builds in place of a list of ChunkStorageMetadata records: two
+    list slots a chunk instead of a record, two Sizes and their state, and equal tuples shared."""
+
+    __slots__ = ("offsets", "sizes")
+
+    def __init__(self) -> None:
+        self.offsets: list[tuple[int, ...]] = []
+        self.sizes: list[tuple[int, ...]] = []
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def pairs(self) -> Any:
+        return zip(self.offsets, self.sizes)
+
+
+class StorageColumns:
+    """`storage_data` as a table: per FQN, each entry's chunk offsets (None for a bytes entry) and
+    its (file, byte offset, length) as three integers of one array, files by number.
+
+    Lookups go per tensor (`entries`), so no dict of every (FQN, offsets) key is ever held, and
+    the first entry of a key wins, as in a dict filled by `setdefault`."""
+
+    __slots__ = ("rows", "files", "_file_ids", "transforms")
+
+    def __init__(self) -> None:
+        self.rows: dict[str, tuple[list, Any]] = {}
+        self.files: list[str] = []
+        self._file_ids: dict[str, int] = {}
+        self.transforms: dict[tuple[str, int], tuple[str, ...]] = {}
+
+    def add(self, fqn: str, offsets: tuple[int, ...] | None, file: str, offset: int, length: int,
+            transforms: Any = None) -> None:
+        found = self.rows.get(fqn)
+        if found is None:
+            found = self.rows[fqn] = ([], array("q"))
+        keys, places = found
+        file_id = self._file_ids.get(file)
+        if file_id is None:
+            file_id = self._file_ids[file] = len(self.files)
+            self.files.append(file)
+        if transforms:
+            self.transforms[fqn, len(keys)] = tuple(transforms)
+        keys.append(offsets)
+        places.extend((file_id, offset, length))
+
+    def __len__(self) -> int:
+        return sum(len(keys) for keys, _ in self.rows.values())
+
+    def entries(self, fqn: str) -> dict[tuple[int, ...] | None, tuple[str, int, int, tuple[str, ...]]]:
+        """FQN's entries: offsets → (file, byte offset, length, transforms), the first of a key kept."""
+        found = self.rows.get(fqn)
+        if found is None:
+            return {}
+        keys, places = found
+        files, transforms, out = self.files, self.transforms, {}
+        for row, key in enumerate(keys):
+            if key not in out:
+                at = 3 * row
+                out[key] = (files[places[at]], places[at + 1], places[at + 2], transforms.get((fqn, row), ()))
+        return out

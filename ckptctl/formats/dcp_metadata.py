@@ -22,6 +22,7 @@ from typing import Any
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
 from ckptctl.gc_pause import gc_paused
+from ckptctl.formats.metadata_templates import read_metadata
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
@@ -32,6 +33,8 @@ MEGATRON_MARKER = "metadata.json"
 _MARKER_LIMIT = 1 << 16
 MAX_NUMEL = 1 << 50
 MAX_METADATA_BYTES = 1 << 31
+TEMPLATE_MIN_BYTES = 1 << 16
+"""`.metadata` from this size up is read by `metadata_templates` first (smaller ones C reads at once)."""
 
 
 def _metadata_files(root: Path) -> list[Path]:
@@ -104,6 +107,8 @@ def _load_one(path: Path) -> dcp_classes.Metadata:
             raise CheckpointError(path, f"metadata is implausibly large ({size} bytes)")
         if size == 0:
             raise CheckpointError(path, "corrupt metadata pickle: the file is empty")
+        if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(fd, size)) is not None:
+            return md
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:  # pages are read as the pickle needs them
             return load_metadata_pickle(data)
     except UnsafePickleError as exc:
@@ -121,7 +126,7 @@ class _Merged:
     """The union of one or more metadata files."""
 
     sd_md: dict[str, Any] = field(default_factory=dict)
-    storage: dict[tuple[str, tuple[int, ...] | None], Any] = field(default_factory=dict)
+    storage: dcp_classes.StorageColumns = field(default_factory=dcp_classes.StorageColumns)
     planner: dict[str, Any] = field(default_factory=dict)
     storage_meta: Any = None
     version: str | None = None
@@ -174,16 +179,48 @@ def _merge(paths: list[Path]) -> _Merged:
                     continue
                 seen = known.get(fqn)
                 if seen is None:
-                    seen = known[fqn] = {tuple(c.offsets) for c in first.chunks}
-                added = [c for c in item.chunks if tuple(c.offsets) not in seen]
-                first.chunks.extend(added)
-                seen.update(tuple(c.offsets) for c in added)
+                    first.chunks = _columns(first.chunks)
+                    seen = known[fqn] = set(first.chunks.offsets)
+                for offsets, sizes in _pairs(item.chunks):
+                    if offsets not in seen:
+                        first.chunks.offsets.append(offsets)
+                        first.chunks.sizes.append(sizes)
+                        seen.add(offsets)
         if isinstance(md.planner_data, dict):
             out.planner.update(md.planner_data)
-        for index, info in (md.storage_data or {}).items():
-            offset = None if index.offset is None else tuple(index.offset)
-            out.storage.setdefault((index.fqn, offset), info)
+        _add_storage(out.storage, md.storage_data)
     return out
+
+
+def _pairs(chunks: Any) -> Any:
+    """A tensor's chunks as (offsets, sizes) tuples: from `ChunkColumns` or from a list of records."""
+    if type(chunks) is dcp_classes.ChunkColumns:
+        return chunks.pairs()
+    return ((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
+
+
+def _columns(chunks: Any) -> dcp_classes.ChunkColumns:
+    if type(chunks) is dcp_classes.ChunkColumns:
+        return chunks
+    out = dcp_classes.ChunkColumns()
+    for offsets, sizes in _pairs(chunks):
+        out.offsets.append(offsets)
+        out.sizes.append(sizes)
+    return out
+
+
+def _add_storage(table: dcp_classes.StorageColumns, storage: Any) -> None:
+    """Another file's storage entries after `table`'s (a key already there keeps its first entry)."""
+    if type(storage) is dcp_classes.StorageColumns:
+        for fqn, (keys, places) in storage.rows.items():
+            for row, offsets in enumerate(keys):
+                at = 3 * row
+                table.add(fqn, offsets, storage.files[places[at]], places[at + 1], places[at + 2],
+                          storage.transforms.get((fqn, row)))
+        return
+    for index, info in (storage or {}).items():
+        offsets = None if index.offset is None else tuple(index.offset)
+        table.add(index.fqn, offsets, info.relative_path, info.offset, info.length, info.transform_descriptors)
 
 
 def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path) -> str:
@@ -218,19 +255,19 @@ def _check_range(root: Path, file: str, offset: int, length: int, files: dict[st
         )
 
 
-def _located(root: Path, fqn: str, info: Any, files: dict[str, int], where: Path) -> tuple[str, tuple[str, ...]]:
-    """The validated file of a storage entry (its byte range inside it) and its stream transforms
-    (a StorageInfo's fields default to None: an older torch pickles no transforms)."""
-    file = info.relative_path
+def _located(root: Path, fqn: str, entry: tuple[str, int, int, tuple[str, ...]], files: dict[str, int],
+             where: Path) -> str:
+    """The validated file of a storage entry (file, byte offset, length, transforms): its range lies inside it."""
+    file, offset, length, _ = entry
     if file not in files:  # a file met before was resolved then
         file = _resolve_file(root, file, files, where)
-    if info.offset + info.length > files[file]:
-        _check_range(root, file, info.offset, info.length, files, fqn)
-    transforms = info.transform_descriptors
-    return file, tuple(transforms) if transforms else ()
+    if offset + length > files[file]:
+        _check_range(root, file, offset, length, files, fqn)
+    return file
 
 
-def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str, int], where: Path) -> TensorEntry:
+def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, files: dict[str, int],
+                  where: Path) -> TensorEntry:
     shape = tuple(md.size)
     dtype = md.properties.dtype  # a DType, sizes and offsets integers >= 0: `unpickle` checked them
     if math.prod(shape) > MAX_NUMEL:
@@ -238,8 +275,8 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
     chunks = []
     seen: set[tuple[int, ...]] = set()
     rank = len(shape)
-    for c in md.chunks:
-        offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+    located = storage.entries(fqn)
+    for offsets, sizes in _pairs(md.chunks):
         if offsets in seen and 0 not in sizes:  # empty chunks of trailing ranks may share their place
             raise CheckpointError(where, f"{fqn}: two chunks at {list(offsets)}")
         seen.add(offsets)
@@ -248,14 +285,15 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dict, files: dict[str,
         if not all(map(operator.le, map(operator.add, offsets, sizes), shape)):
             raise CheckpointError(
                 where, f"{fqn}: chunk at {list(offsets)} of size {list(sizes)} lies outside shape {list(shape)}")
-        info = storage.get((fqn, offsets))
-        if info is None:
+        entry = located.get(offsets)
+        if entry is None:
             raise CheckpointError(where, f"{fqn}: chunk at {list(offsets)} has no storage entry")
-        file, transforms = _located(root, fqn, info, files, where)
+        file = _located(root, fqn, entry, files, where)
+        _, offset, length, transforms = entry
         nbytes = math.prod(sizes) * dtype.itemsize
-        if not transforms and info.length < nbytes:
-            raise CheckpointError(root / file, f"{fqn}: item of {info.length} bytes cannot hold {nbytes} bytes of data")
-        chunks.append(Chunk(file, info.offset, info.length, offsets, sizes, transforms))
+        if not transforms and length < nbytes:
+            raise CheckpointError(root / file, f"{fqn}: item of {length} bytes cannot hold {nbytes} bytes of data")
+        chunks.append(Chunk(file, offset, length, offsets, sizes, transforms))
     return TensorEntry(fqn, shape, dtype, tuple(chunks), md.properties)
 
 
@@ -286,11 +324,11 @@ def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
         if isinstance(item, dcp_classes.TensorStorageMetadata):
             tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, where)
         elif isinstance(item, dcp_classes.BytesStorageMetadata):
-            info = storage.get((fqn, None))
-            if info is None:
+            entry = storage.entries(fqn).get(None)
+            if entry is None:
                 raise CheckpointError(where, f"{fqn}: bytes entry has no storage entry")
-            file, transforms = _located(root, fqn, info, files, where)
-            bytes_entries[fqn] = BytesEntry(fqn, file, info.offset, info.length, transforms)
+            file = _located(root, fqn, entry, files, where)
+            bytes_entries[fqn] = BytesEntry(fqn, file, entry[1], entry[2], entry[3])
         else:
             raise CheckpointError(where, f"{fqn}: unknown storage type {type(item).__name__}")
     unreferenced = []

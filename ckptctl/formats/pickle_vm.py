@@ -499,3 +499,8 @@ _DISPATCH: dict[int, Callable[[PickleMachine], Any]] = {
     pickle.LONG_BINGET[0]: PickleMachine._op_long_binget,
     pickle.BINPERSID[0]: PickleMachine._op_binpersid,
 }
+
+
+def opcode_table(cls: type[PickleMachine]) -> dict[int, Callable[[PickleMachine], Any]]:
+    """The opcode → handler table of `cls`: a subclass's overriding handlers in place of the base's."""
+    return {op: getattr(cls, handler.__name__) for op, handler in _DISPATCH.items()}

@@ -270,6 +270,14 @@ def _either(*kinds: type, label: str | None = None) -> Callable[[Any, str], Any]
     return check
 
 
+def _or_columns(columns: type, check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
+    """`check`, or a table `metadata_templates` built in the container's place (it checked each value)."""
+    def either(value: Any, what: str) -> Any:
+        return value if type(value) is columns else check(value, what)
+    _TRIVIAL[either] = frozenset((columns,))
+    return either
+
+
 def _checkpoint_id(value: Any, what: str) -> Any:
     value = _open(value)
     if value is None or type(value) is pathlib.PurePosixPath:
@@ -286,7 +294,7 @@ _METADATA_RECORDS: dict[tuple[str, str], Constructor] = {
     dc.ChunkStorageMetadata.torch_global(): _record(dc.ChunkStorageMetadata, {"offsets": _size, "sizes": _size}),
     dc.TensorStorageMetadata.torch_global(): _record(dc.TensorStorageMetadata, {
         "properties": _of(dc.TensorProperties, "TensorProperties"), "size": _size,
-        "chunks": _list_of(_of(dc.ChunkStorageMetadata, "ChunkStorageMetadata"))}),
+        "chunks": _or_columns(dc.ChunkColumns, _list_of(_of(dc.ChunkStorageMetadata, "ChunkStorageMetadata")))}),
     dc.BytesStorageMetadata.torch_global(): _record(dc.BytesStorageMetadata, {}),
     dc.MetadataIndex.torch_global(): _record(dc.MetadataIndex, {
         "fqn": _str, "offset": _optional(_size), "index": _optional(_int)}),
@@ -305,7 +313,8 @@ _PLAN_RECORDS: dict[tuple[str, str], Constructor] = {
 _METADATA_FIELDS = {
     "state_dict_metadata": _mapping(_str, _either(dc.TensorStorageMetadata, dc.BytesStorageMetadata)),
     "planner_data": _planner_data,
-    "storage_data": _optional(_mapping(_of(dc.MetadataIndex, "MetadataIndex"), _of(dc.StorageInfo, "_StorageInfo"))),
+    "storage_data": _optional(_or_columns(dc.StorageColumns, _mapping(_of(dc.MetadataIndex, "MetadataIndex"),
+                                                                     _of(dc.StorageInfo, "_StorageInfo")))),
     "storage_meta": _optional(_of(dc.StorageMeta, "StorageMeta")),
     "version": _optional(_str)}
 _METADATA_RECORDS[dc.Metadata.torch_global()] = _record(dc.Metadata, _METADATA_FIELDS)
