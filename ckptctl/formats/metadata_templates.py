@@ -106,7 +106,8 @@ def _get(index: int) -> bytes:
 
 
 def _integers(body: bytes) -> tuple[int, ...] | None:
-    """The integers of a matched Size body, None when its tuple opcode disagrees with its count or one is out of range."""
+    """The integers of a matched Size body; None when its tuple opcode disagrees with their count or one is
+    out of range."""
     if body == b")":
         return ()
     values, i, end = [], 1 if body[0] == 0x28 else 0, len(body) - 2  # after MARK; before the tuple op and MEMOIZE
@@ -416,8 +417,8 @@ class TemplateMachine(PickleMachine):
         file = self._string(file_raw, file_length, file_text, MAX_PATH)
         offset, length = _integer(offset), _integer(length)
         offsets = None if body is None else self._size(body)
-        if fqn is None or file is None or offset is None or length is None or (index != b"N" and _integer(index) is None) or (
-                body is not None and offsets is None):
+        if fqn is None or file is None or offset is None or length is None or (body is not None and offsets is None) \
+                or (index != b"N" and _integer(index) is None):
             return False
         self._charge(12 * GET_WEIGHT)
         count, text_at, made = self._count + 2, self._text_at, self._texts_made  # + the index record, its state
