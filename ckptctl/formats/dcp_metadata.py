@@ -188,7 +188,10 @@ def _merge(paths: list[Path]) -> _Merged:
                         seen.add(offsets)
         if isinstance(md.planner_data, dict):
             out.planner.update(md.planner_data)
-        _add_storage(out.storage, md.storage_data)
+        if path is paths[0] and type(md.storage_data) is dcp_classes.StorageColumns:
+            out.storage = md.storage_data  # the first file's table, as `metadata_templates` built it
+        else:
+            _add_storage(out.storage, md.storage_data)
     return out
 
 

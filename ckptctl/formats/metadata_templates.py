@@ -390,6 +390,14 @@ class TemplateMachine(PickleMachine):
         self._texts[raw] = (value, limit)
         return value
 
+    def _batch_target(self) -> Any:
+        """The container an APPENDS / SETITEMS batch under way will fill, while nothing of the batch
+        is on the stack (a matched item then goes straight in, in order); else None."""
+        if self._stack or not self._marks:
+            return None
+        below = self._marks[-1]
+        return below[-1] if below else None
+
     def _template(self, data: bytes, pos: int) -> bool:
         """Match a chunk or a storage entry at `pos`; False (nothing consumed) when neither matches."""
         if self._chunk is not None:
@@ -400,7 +408,12 @@ class TemplateMachine(PickleMachine):
                 if offsets is None or sizes is None:
                     return False
                 self._charge(5 * GET_WEIGHT)
-                self._stack.append(_ChunkPair((offsets, sizes)))
+                target = self._batch_target()
+                if type(target) is dc.ChunkColumns:
+                    target.offsets.append(offsets)
+                    target.sizes.append(sizes)
+                else:
+                    self._stack.append(_ChunkPair((offsets, sizes)))
                 self._count += 8 - (first == b")") - (second == b")")
                 self._pos = match.end()
                 self._matched += 1
@@ -434,8 +447,12 @@ class TemplateMachine(PickleMachine):
             made.append(file)
             count += 1
         self._count = count
-        self._stack.append(_StorageKey((fqn, offsets)))
-        self._stack.append(_StorageRow((file, offset, length)))
+        target = self._batch_target()
+        if type(target) is dc.StorageColumns:
+            target.add(fqn, offsets, file, offset, length)
+        else:
+            self._stack.append(_StorageKey((fqn, offsets)))
+            self._stack.append(_StorageRow((file, offset, length)))
         self._pos = match.end()
         self._matched += 1
         return True
