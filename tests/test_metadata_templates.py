@@ -76,6 +76,19 @@ def test_real_saves_read_as_cs_unpickler_reads_them(name):
     assert _plain(md) == _plain(_oracle(path))
 
 
+@pytest.mark.parametrize("name, chunks, entries, plan_items, matched", [
+    ("megatron_torch_dist", 29, 37, 37, 94), ("megatron_fs_model_space", 152, 160, 160, 405)])
+def test_megatron_cores_save_plans_are_matched_too(name, chunks, entries, plan_items, matched):
+    """megatron-core pickles every rank's save plan beside the metadata (`all_local_plans`), one
+    WriteItem per chunk, referring to the chunk records: those are matched (their state is dropped)."""
+    path = FIXTURES / name / ".metadata"
+    md, machine = _read(path)
+    assert sum(len(item.chunks) for item in md.state_dict_metadata.values() if hasattr(item, "chunks")) == chunks
+    assert len(md.storage_data) == entries
+    assert path.read_bytes().count(metadata_templates._get(machine._named["WriteItem"])) == plan_items - 1
+    assert machine._matched == matched  # all but the first of each kind and a few written otherwise
+
+
 def _save_fsdp2(rank: int, world_size: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -176,10 +189,11 @@ def _outcome(path: Path) -> tuple:
         return "refused", type(exc).__name__
 
 
-def test_mutants_of_a_real_save_read_as_the_oracle_reads_them_or_are_declined(tmp_path):
-    """Bytes of a real `.metadata` changed at random, inside its chunks and storage entries:
-    whatever the templates accept, C's unpickler accepts too, and reads the same."""
-    original = (FIXTURES / "fsdp2_4ranks" / ".metadata").read_bytes()
+@pytest.mark.parametrize("name", ["fsdp2_4ranks", "megatron_torch_dist"])
+def test_mutants_of_a_real_save_read_as_the_oracle_reads_them_or_are_declined(tmp_path, name):
+    """Bytes of a real `.metadata` changed at random, inside its chunks, storage entries and save
+    plans: whatever the templates accept, C's unpickler accepts too, and reads the same."""
+    original = (FIXTURES / name / ".metadata").read_bytes()
     rng = random.Random(1234)
     path = tmp_path / ".metadata"
     accepted = declined = 0

@@ -50,11 +50,13 @@ PLAIN_PER_MATCH = 4
 _CACHE_LIMIT = 1 << 18
 """Entries of each table of decoded bytes; a full table starts again (it only saves work and shares tuples)."""
 
-_KEY_NAMES = frozenset({"offsets", "sizes", "fqn", "index", "offset", "relative_path", "length"})
-_CTORS = {METADATA_GLOBALS[dc.ChunkStorageMetadata.torch_global()]: "ChunkStorageMetadata",
-          METADATA_GLOBALS[("torch", "Size")]: "Size",
-          METADATA_GLOBALS[dc.MetadataIndex.torch_global()]: "MetadataIndex",
-          METADATA_GLOBALS[dc.StorageInfo.torch_global()]: "StorageInfo"}
+_KEY_NAMES = frozenset({"offsets", "sizes", "fqn", "index", "offset", "relative_path", "length",
+                        "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size"})
+_CTORS = {METADATA_GLOBALS[key]: key[1] for key in (
+    dc.ChunkStorageMetadata.torch_global(), ("torch", "Size"), dc.MetadataIndex.torch_global(),
+    dc.StorageInfo.torch_global(), dc.WriteItem.torch_global(), (dc.DCP_PLANNER, "WriteItemType"),
+    dc.TensorWriteData.torch_global(), dc.TensorProperties.torch_global())}
+"""The classes templates name, by their names in torch (`_StorageInfo` included)."""
 
 _INT = (rb"(?:K.|M..|J....|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8}))")
 _BODY = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{0,%d}t\x94)" % MAX_DIMS
@@ -65,6 +67,8 @@ _NEW_OBJECT = rb"\)\x81\x94\}\x94\("
 _STR = rb"(\x8c(.)(.{0,255}?)\x94|h.|j.{4})"
 """A short new string (memoized: its length, its text), or a memo reference."""
 _INT_CAPTURE = rb"(" + _INT + rb")"
+_ANY = rb"(h.|j.{4})"
+"""A memo reference to any value (one a dropped state holds)."""
 
 
 class _Decline(Exception):
@@ -148,6 +152,7 @@ class TemplateMachine(PickleMachine):
         self._text_at, self._texts_made = array("q"), []  # the strings templates memoized: index, value
         self._chunk: re.Pattern | None = None
         self._entry: re.Pattern | None = None
+        self._plan: re.Pattern | None = None
         self._plain = self._matched = 0
 
     # -- input -----------------------------------------------------------------------------
@@ -340,6 +345,8 @@ class TemplateMachine(PickleMachine):
                 re.escape(_get(named["ChunkStorageMetadata"])) + _NEW_OBJECT
                 + re.escape(_get(named["offsets"])) + size + _BODY + _SIZE_TAIL
                 + re.escape(_get(named["sizes"])) + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+        if self._plan is None and _PLAN_NAMES <= named.keys():
+            self._plan = self._plan_pattern()
         if self._entry is None and _ENTRY_NAMES <= named.keys():
             offset = re.escape(_get(named["offset"]))
             self._entry = re.compile(
@@ -347,9 +354,26 @@ class TemplateMachine(PickleMachine):
                 + re.escape(_get(named["fqn"])) + _STR
                 + re.escape(_get(named["index"])) + rb"(N|" + _INT + rb")"
                 + rb"(?:" + offset + re.escape(_get(named["Size"])) + _BODY + _SIZE_TAIL + rb")?ub"
-                + re.escape(_get(named["StorageInfo"])) + _NEW_OBJECT
+                + re.escape(_get(named["_StorageInfo"])) + _NEW_OBJECT
                 + re.escape(_get(named["relative_path"])) + _STR
                 + offset + _INT_CAPTURE + re.escape(_get(named["length"])) + _INT_CAPTURE + rb"ub", re.S)
+
+    def _plan_pattern(self) -> re.Pattern:
+        """megatron-core's save plans (`all_local_plans`): a WriteItem, its MetadataIndex, its type and
+        TensorWriteData, whose fields are memo references (the chunk among them is consumed)."""
+        named = self._named
+
+        def get(name: str) -> bytes:
+            return re.escape(_get(named[name]))
+        return re.compile(
+            get("WriteItem") + _NEW_OBJECT
+            + get("index") + get("MetadataIndex") + _NEW_OBJECT + get("fqn") + _STR + get("index") + rb"(N|" + _INT
+            + rb")(?:" + get("offset") + get("Size") + _BODY + _SIZE_TAIL + rb")?ub"
+            + get("type") + rb"(?:(" + get("WriteItemType") + _INT + _SIZE_TAIL + rb")|" + _ANY + rb")"
+            + get("bytes_io_data") + rb"N" + get("tensor_data")
+            + rb"(?:N|(" + get("TensorWriteData") + _NEW_OBJECT + get("chunk") + _ANY + get("properties")
+            + rb"(?:" + _ANY + rb"|(" + get("TensorProperties") + rb"\)\x81\x94\(" + _ANY + _ANY + rb"[\x88\x89]" + _ANY
+            + rb"[\x88\x89]t\x94b))" + get("size") + _ANY + rb"ub))ub", re.S)
 
     def _size(self, body: bytes) -> tuple[int, ...] | None:
         bodies = self._bodies
@@ -422,7 +446,37 @@ class TemplateMachine(PickleMachine):
             match = self._entry.match(data, pos)
             if match is not None:
                 return self._storage_entry(match)
+        if self._plan is not None:
+            match = self._plan.match(data, pos)
+            if match is not None:
+                return self._plan_item(match)
         return False
+
+    def _plan_item(self, match: re.Match) -> bool:
+        fqn_raw, fqn_length, fqn_text, index, body, type_call, type_get, tensor_data, chunk, properties, \
+            new_properties, dtype, layout, memory_format, size = match.groups()
+        fqn = self._string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
+        if fqn is None or (body is not None and self._size(body) is None) or (
+                index != b"N" and _integer(index) is None):
+            return False
+        for raw in (type_get, chunk, properties, dtype, layout, memory_format, size):
+            if raw is not None and (raw[1] if raw[0] == 0x68 else struct.unpack_from("<I", raw, 1)[0]) >= self._count:
+                return False  # a reference to no value
+        self._charge(16 * GET_WEIGHT)
+        count = self._count + 4  # the item, its MetadataIndex, and their state dicts
+        if fqn_length is not None:
+            self._text_at.append(count)
+            self._texts_made.append(fqn)
+            count += 1
+        if body is not None:
+            count += 2 if body == b")" else 3
+        count += (2 if type_call is not None else 0) + (2 if tensor_data is not None else 0) + (
+            2 if new_properties is not None else 0)  # a call's argument and result; the other records
+        self._count = count
+        self._stack.append(_WRITE_ITEM)
+        self._pos = match.end()
+        self._matched += 1
+        return True
 
     def _storage_entry(self, match: re.Match) -> bool:
         fqn_raw, fqn_length, fqn_text, index, body, file_raw, file_length, file_text, offset, length = match.groups()
@@ -459,8 +513,13 @@ class TemplateMachine(PickleMachine):
 
 
 _CHUNK_NAMES = frozenset({"ChunkStorageMetadata", "Size", "offsets", "sizes"})
-_ENTRY_NAMES = frozenset({"MetadataIndex", "StorageInfo", "Size", "fqn", "index", "offset", "relative_path",
+_ENTRY_NAMES = frozenset({"MetadataIndex", "_StorageInfo", "Size", "fqn", "index", "offset", "relative_path",
                           "length"})
+_PLAN_NAMES = frozenset({"WriteItem", "WriteItemType", "TensorWriteData", "TensorProperties", "MetadataIndex", "Size",
+                         "fqn", "index",
+                         "offset", "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size"})
+_WRITE_ITEM = dc.WriteItem()
+"""What every matched save-plan item reads as: a record whose state is dropped, as `unpickle` drops it."""
 _OPCODES = opcode_table(TemplateMachine)
 
 
