@@ -40,27 +40,29 @@ class SourceTensor:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
     @cached_property
-    def _by_rows(self) -> tuple[list[int], list[int], list[tuple[int, int, int, Chunk, Region, Box]]]:
-        """Chunks as (saved index, first row, row end, chunk, region, bounds) sorted by first row;
-        with each prefix's furthest row end."""
-        bounded = []
-        for i, (chunk, region) in enumerate(self.chunks):
-            bounds = region_bounds(region, self.shape)
-            bounded.append((i, bounds.offsets[0], bounds.offsets[0] + bounds.sizes[0], chunk, region, bounds))
-        bounded.sort(key=lambda e: e[1])
-        starts = [e[1] for e in bounded]
-        furthest = list(itertools.accumulate((e[2] for e in bounded), max))
-        return starts, furthest, bounded
+    def _by_rows(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Chunks sorted by first row: their saved indexes, first rows, row ends, and each prefix's
+        furthest row end (lists of integers, not a record per chunk: a tensor may have thousands)."""
+        shape, bounds = self.shape, []
+        for i, (_, region) in enumerate(self.chunks):
+            box = region_bounds(region, shape)
+            bounds.append((box.offsets[0], box.offsets[0] + box.sizes[0], i))
+        bounds.sort(key=lambda e: e[0])
+        starts = [e[0] for e in bounds]
+        ends = [e[1] for e in bounds]
+        return [e[2] for e in bounds], starts, ends, list(itertools.accumulate(ends, max))
 
     def _near_rows(self, lo: int, hi: int) -> list[tuple[int, int, int, Chunk, Region, Box]]:
-        """`_by_rows` entries whose bounds may meet rows [lo, hi), in saved order (the index leads each entry).
+        """Chunks whose bounds may meet rows [lo, hi), in saved order, as (saved index, first row,
+        row end, chunk, region, bounds).
 
         A bisection instead of a scan: with R ranks, planning a tensor costs R log R, not R².
         """
-        starts, furthest, bounded = self._by_rows
-        near = bounded[bisect.bisect_right(furthest, lo): bisect.bisect_left(starts, hi)]
-        near.sort()
-        return near
+        order, starts, ends, furthest = self._by_rows
+        first, last = bisect.bisect_right(furthest, lo), bisect.bisect_left(starts, hi)
+        near = sorted(zip(order[first:last], starts[first:last], ends[first:last]))
+        chunks, shape = self.chunks, self.shape
+        return [(i, start, end, *chunks[i], region_bounds(chunks[i][1], shape)) for i, start, end in near]
 
     def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds."""

@@ -13,10 +13,11 @@ a subclass) sends the whole metadata through `torch_pickle.dumps`.
 
 from __future__ import annotations
 
+import io
 import pickle
 from itertools import islice
 from struct import Struct
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from ckptctl.dtypes import DType
 from ckptctl.formats import torch_pickle
@@ -64,12 +65,23 @@ class _Outside(Exception):
     """A value `.metadata`'s shape does not have: the whole goes through `torch_pickle`."""
 
 
+def dump(md: Metadata, file: BinaryIO) -> None:
+    """`torch_pickle.dumps(md)`'s bytes written into `file` (a seekable one) a frame at a time, so no
+    copy of the whole pickle is ever held."""
+    start = file.tell()
+    try:
+        _Emitter(file.write).dump(md)
+    except _Outside:
+        file.seek(start)
+        file.truncate()
+        file.write(torch_pickle.dumps(md, protocol=PROTOCOL))
+
+
 def dumps(md: Metadata) -> bytes:
     """`torch_pickle.dumps(md)`, the same bytes, written directly."""
-    try:
-        return _Emitter().dump(md)
-    except _Outside:
-        return torch_pickle.dumps(md, protocol=PROTOCOL)
+    buffer = io.BytesIO()
+    dump(md, buffer)
+    return buffer.getvalue()
 
 
 def _encode_int(value: int) -> bytes:
@@ -98,10 +110,11 @@ SIZE_CODES = STR_CODES = 1 << 16
 
 
 class _Emitter:
-    """One dump: the committed output, the current frame and the memo."""
+    """One dump: where committed frames go (`write`), the current frame and the memo."""
 
-    def __init__(self) -> None:
-        self.out = bytearray(pickle.PROTO + bytes((PROTOCOL,)))
+    def __init__(self, write: Callable[[bytes], Any]) -> None:
+        self.write = write
+        write(pickle.PROTO + bytes((PROTOCOL,)))
         self.frame = bytearray()
         self.memo: dict[int, int] = {}
         """id → memo index, for objects that outlive the dump (md's own and `ref`'s globals)."""
@@ -115,19 +128,18 @@ class _Emitter:
         self.index_heads: dict[int, bytes] = {}
         """id(fqn) → a storage entry's bytes up to its fqn, for fqns memoized before (all chunks of a tensor)."""
 
-    def dump(self, obj: Any) -> bytes:
+    def dump(self, obj: Any) -> None:
         self.save(obj)
         self.frame += pickle.STOP
         self.commit()
-        return bytes(self.out)
 
     # The pickler's bookkeeping ------------------------------------------------------------
 
     def commit(self) -> None:
         """End the current frame (a FRAME opcode unless it is tiny), as `_Framer.commit_frame` does."""
         if len(self.frame) >= FRAME_MIN:
-            self.out += pickle.FRAME + _U64.pack(len(self.frame))
-        self.out += self.frame
+            self.write(pickle.FRAME + _U64.pack(len(self.frame)))
+        self.write(self.frame)
         self.frame = bytearray()
 
     def check(self) -> None:
@@ -189,8 +201,8 @@ class _Emitter:
             self.frame += pickle.SHORT_BINUNICODE + bytes((n,)) + encoded
         elif n > 0xffffffff or n >= FRAME_TARGET:  # `_Framer.write_large_bytes`: outside any frame
             self.commit()
-            self.out += (pickle.BINUNICODE8 + _U64.pack(n) if n > 0xffffffff else pickle.BINUNICODE + _U32.pack(n))
-            self.out += encoded
+            self.write(pickle.BINUNICODE8 + _U64.pack(n) if n > 0xffffffff else pickle.BINUNICODE + _U32.pack(n))
+            self.write(encoded)
         else:
             self.frame += pickle.BINUNICODE + _U32.pack(n) + encoded
         self.memoize(text if keep else None)

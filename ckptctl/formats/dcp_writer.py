@@ -190,6 +190,8 @@ def metadata_pickle(md: Metadata) -> bytes:
 def write_metadata(out: DcpOutput, directory: Path) -> None:
     """Write `.metadata` and the extra files into `directory` (the atomic directory fsyncs them
     before the rename)."""
-    (directory / ".metadata").write_bytes(metadata_pickle(build_metadata(out)))
+    md = build_metadata(out)
+    with open(directory / ".metadata", "wb") as file, gc_paused():
+        dcp_metadata_out.dump(md, file)
     for name, data in out.extra_files.items():
         (directory / name).write_bytes(data)
