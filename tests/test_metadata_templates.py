@@ -232,3 +232,38 @@ def test_a_bad_chunk_is_named_as_before(tmp_path):
     (tmp_path / ".metadata").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"layers\.0\.weight: chunk at \[8, 0\] of size \[2, 6\] lies outside"):
         open_checkpoint(tmp_path)
+
+
+def _opcodes(data: bytes) -> bytes:
+    """A framed pickle's opcodes without its FRAME headers."""
+    out, pos = [data[:2]], 2
+    while pos < len(data):
+        assert data[pos] == 0x95
+        n = int.from_bytes(data[pos + 1:pos + 9], "little")
+        out.append(data[pos + 9:pos + 9 + n])
+        pos += 9 + n
+    return b"".join(out)
+
+
+def _framed(opcodes: bytes) -> bytes:
+    return opcodes[:2] + b"\x95" + (len(opcodes) - 2).to_bytes(8, "little") + opcodes[2:]
+
+
+def test_matched_chunks_a_mark_gives_to_something_else_are_read_plainly(tmp_path):
+    """The first chunk of a list's batch moved into a tuple of its own that is then popped:
+    `MARK chunk TUPLE POP MARK chunk … APPENDS`. C's unpickler drops that chunk; the templates,
+    which put matched chunks straight into their list, decline, and open_checkpoint reads the
+    pickle as C does: the tensor lacks its first chunk."""
+    _torch_pickle(tmp_path, shared=False, fresh_names=True)
+    opcodes = _opcodes((tmp_path / ".metadata").read_bytes())
+    second = opcodes.index(b"]\x94(", opcodes.index(b"layers.1.weight")) + 3  # its first chunk
+    (tmp_path / ".metadata").write_bytes(_framed(opcodes))
+    md, machine = _read(tmp_path / ".metadata")
+    first_chunk = machine._chunk.match(opcodes, second)
+    assert md is not None and first_chunk is not None  # the unchanged pickle is read by templates
+    moved = opcodes[:second] + first_chunk.group(0) + b"t0(" + opcodes[first_chunk.end():]
+    (tmp_path / ".metadata").write_bytes(_framed(moved))
+    assert _read(tmp_path / ".metadata")[0] is None
+    ckpt = open_checkpoint(tmp_path)
+    assert len(ckpt.tensors["layers.1.weight"].chunks) == 299
+    assert ckpt.tensors["layers.1.weight"].chunks[0].offsets == (2, 0)

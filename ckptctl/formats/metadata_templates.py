@@ -154,6 +154,7 @@ class TemplateMachine(PickleMachine):
         self._entry: re.Pattern | None = None
         self._plan: re.Pattern | None = None
         self._plain = self._matched = 0
+        self._direct, self._closing = -1, False  # the MARK depth matched items went straight in at
 
     # -- input -----------------------------------------------------------------------------
 
@@ -242,20 +243,21 @@ class TemplateMachine(PickleMachine):
 
     # -- containers that take matched items ------------------------------------------------
 
-    def _replace_top(self, old: Any, new: Any) -> Any:
+    def _replace(self, old: Any, new: Any, holder: list) -> Any:
+        """`new` in place of container `old`, the last value of `holder` (the stack, or the stack below a MARK)."""
         self._mutable(old, type(old))  # never referenced again since it was made
-        self._stack[-1] = new
+        holder[-1] = new
         index = self._containers.pop(id(old), None)
         if index is not None:
             self._memo[index] = new
         return new
 
-    def _chunks(self, target: Any) -> dc.ChunkColumns:
+    def _chunks(self, target: Any, holder: list | None = None) -> dc.ChunkColumns:
         if type(target) is dc.ChunkColumns:
             return target
         if type(target) is not list:
             raise MalformedPickleError(f"pickle adds chunks to a {type(target).__name__}")
-        columns = self._replace_top(target, dc.ChunkColumns())
+        columns = self._replace(target, dc.ChunkColumns(), self._stack if holder is None else holder)
         for value in target:
             self._add_chunk(columns, value)
         return columns
@@ -284,7 +286,11 @@ class TemplateMachine(PickleMachine):
             self._mutable(target, list).append(value)
 
     def _op_appends(self) -> None:
-        items = [self._finished(v) for v in self._pop_mark()]
+        self._closing = True
+        try:
+            items = [self._finished(v) for v in self._pop_mark()]
+        finally:
+            self._closing = False
         target = self._top()
         if type(target) is dc.ChunkColumns or any(type(v) is _ChunkPair for v in items):
             columns = self._chunks(target)
@@ -310,7 +316,7 @@ class TemplateMachine(PickleMachine):
             target[key] = value
 
     def _storage(self, target: dict) -> dc.StorageColumns:
-        columns = self._replace_top(target, dc.StorageColumns())
+        columns = self._replace(target, dc.StorageColumns(), self._stack)
         for key, value in target.items():
             self._add_entry(columns, key, value)
         return columns
@@ -331,7 +337,11 @@ class TemplateMachine(PickleMachine):
         self._set_items(target if type(target) is dc.StorageColumns else self._mutable(target, dict), [key, value])
 
     def _op_setitems(self) -> None:
-        items = self._pop_mark()
+        self._closing = True
+        try:
+            items = self._pop_mark()
+        finally:
+            self._closing = False
         target = self._top()
         self._set_items(target if type(target) is dc.StorageColumns else self._mutable(target, dict), items)
 
@@ -422,6 +432,18 @@ class TemplateMachine(PickleMachine):
         below = self._marks[-1]
         return below[-1] if below else None
 
+    def _went_in(self) -> None:
+        """A matched item went straight into the batch's container: the MARK must close by APPENDS or
+        SETITEMS (`_pop_mark` declines otherwise: another opcode would have made something else of it)."""
+        self._direct = len(self._marks)
+
+    def _pop_mark(self) -> list[Any]:
+        if self._direct == len(self._marks):
+            if not self._closing:
+                raise _Decline
+            self._direct = -1
+        return super()._pop_mark()
+
     def _template(self, data: bytes, pos: int) -> bool:
         """Match a chunk or a storage entry at `pos`; False (nothing consumed) when neither matches."""
         if self._chunk is not None:
@@ -433,9 +455,12 @@ class TemplateMachine(PickleMachine):
                     return False
                 self._charge(5 * GET_WEIGHT)
                 target = self._batch_target()
+                if type(target) is list and not target:  # a chunk list's first batch: made columns now
+                    target = self._chunks(target, self._marks[-1])
                 if type(target) is dc.ChunkColumns:
                     target.offsets.append(offsets)
                     target.sizes.append(sizes)
+                    self._went_in()
                 else:
                     self._stack.append(_ChunkPair((offsets, sizes)))
                 self._count += 8 - (first == b")") - (second == b")")
@@ -504,6 +529,7 @@ class TemplateMachine(PickleMachine):
         target = self._batch_target()
         if type(target) is dc.StorageColumns:
             target.add(fqn, offsets, file, offset, length)
+            self._went_in()
         else:
             self._stack.append(_StorageKey((fqn, offsets)))
             self._stack.append(_StorageRow((file, offset, length)))
