@@ -119,16 +119,17 @@ def no_fallback(monkeypatch) -> None:
 @pytest.mark.parametrize("case", RESHARDS)
 def test_metadata_is_torch_pickles_bytes_for_every_fixture_reshard(case, fixture_ckpt, monkeypatch):
     """`metadata_pickle` writes exactly what the pure-Python pickler writes, and torch reads it as `md`."""
-    from ckptctl.formats import dcp_writer
+    from ckptctl.formats import dcp_metadata_out, dcp_writer
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.formats.unpickle import load_metadata_pickle
     from ckptctl.reshard import ReshardOptions, plan_reshard
 
     name, options = RESHARDS[case]
-    md = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt(name)), ReshardOptions(**options)))
+    streamed = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt(name)), ReshardOptions(**options)))
+    md = dcp_metadata_out.materialized(streamed)
     expected = torch_pickle.dumps(md)
     no_fallback(monkeypatch)
-    data = dcp_writer.metadata_pickle(md)
+    data = dcp_writer.metadata_pickle(streamed)
     assert data == expected
     theirs = pickle.loads(data)
     assert type(theirs).__module__ == "torch.distributed.checkpoint.metadata"
@@ -231,3 +232,19 @@ def test_big_metadata_is_written_without_importing_torch():
     proc = subprocess.run([sys.executable, "-c", BIG_METADATA_WITHOUT_TORCH], capture_output=True, text=True, cwd=ROOT,
                           timeout=300)
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"entries": 30_000, "torch": []}, proc.stderr
+
+
+def test_streamed_metadata_outside_the_templates_shape_is_torch_pickles_bytes(fixture_ckpt):
+    """A value the direct writer does not write (a float in planner_data) sends the whole metadata
+    through `torch_pickle`, its streamed chunk lists and storage dict made real first."""
+    from ckptctl.formats import dcp_metadata_out, dcp_writer
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.reshard import ReshardOptions, plan_reshard
+
+    streamed = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt("fsdp2_4ranks")),
+                                                      ReshardOptions(world_size=3)))
+    streamed.planner_data = {"model.embed.weight": ("model", 0.5)}
+    assert type(streamed.storage_data) is dcp_metadata_out.StreamedDict
+    assert dcp_writer.metadata_pickle(streamed) == torch_pickle.dumps(dcp_metadata_out.materialized(streamed))
+    theirs = pickle.loads(dcp_writer.metadata_pickle(streamed))
+    assert len(theirs.storage_data) == len(dict(streamed.storage_data.items())) == len(streamed.storage_data) == 87

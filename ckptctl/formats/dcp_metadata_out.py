@@ -17,7 +17,7 @@ import io
 import pickle
 from itertools import islice
 from struct import Struct
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
 from ckptctl.dtypes import DType
 from ckptctl.formats import torch_pickle
@@ -65,6 +65,44 @@ class _Outside(Exception):
     """A value `.metadata`'s shape does not have: the whole goes through `torch_pickle`."""
 
 
+class StreamedList:
+    """A list of records made while the pickle is written, a batch at a time (`make()` yields them in
+    order): a tensor's chunk records, millions at scale, are never all held. Pickled as the list."""
+
+    __slots__ = ("make", "length")
+
+    def __init__(self, make: Callable[[], Iterator[Any]], length: int) -> None:
+        self.make, self.length = make, length
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.make()
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class StreamedDict(StreamedList):
+    """A dict made while the pickle is written: `make()` yields its (key, value) pairs in order."""
+
+    __slots__ = ()
+
+    def items(self) -> Iterator[tuple[Any, Any]]:
+        return self.make()
+
+
+def materialized(md: Metadata) -> Metadata:
+    """`md` with its streamed lists and dicts made real (what `torch_pickle` pickles)."""
+    sd = {}
+    for fqn, item in md.state_dict_metadata.items():
+        if type(item) is TensorStorageMetadata and type(item.chunks) is StreamedList:
+            item = TensorStorageMetadata(item.properties, item.size, list(item.chunks))
+        sd[fqn] = item
+    storage = md.storage_data
+    return Metadata(state_dict_metadata=sd, planner_data=md.planner_data,
+                    storage_data=dict(storage.items()) if type(storage) is StreamedDict else storage,
+                    storage_meta=md.storage_meta, version=md.version)
+
+
 def dump(md: Metadata, file: BinaryIO) -> None:
     """`torch_pickle.dumps(md)`'s bytes written into `file` (a seekable one) a frame at a time, so no
     copy of the whole pickle is ever held."""
@@ -74,7 +112,7 @@ def dump(md: Metadata, file: BinaryIO) -> None:
     except _Outside:
         file.seek(start)
         file.truncate()
-        file.write(torch_pickle.dumps(md, protocol=PROTOCOL))
+        file.write(torch_pickle.dumps(materialized(md), protocol=PROTOCOL))
 
 
 def dumps(md: Metadata) -> bytes:
@@ -224,7 +262,7 @@ class _Emitter:
         self.frame += _TUPLE_CODES[len(values)] if short else pickle.TUPLE
         self.memoize(values if keep else None)
 
-    def save_list(self, items: list) -> None:
+    def save_list(self, items: list | StreamedList) -> None:
         self.frame += pickle.EMPTY_LIST
         self.memoize(items)
         for batch in _batches(items):
@@ -236,7 +274,7 @@ class _Emitter:
                     self.save(item)
             self.frame += pickle.APPENDS if len(batch) > 1 else pickle.APPEND
 
-    def save_dict(self, mapping: dict) -> None:
+    def save_dict(self, mapping: dict | StreamedDict) -> None:
         self.frame += pickle.EMPTY_DICT
         self.memoize(mapping)
         self.save_items(mapping)
@@ -455,4 +493,6 @@ _SAVERS: dict[type, Callable[[_Emitter, Any], None]] = {
     MemoryFormat: _Emitter.save_memory_format,
     TensorProperties: _Emitter.save_properties,
     **{cls: _Emitter.save_record for cls in RECORD_CLASSES},
+    StreamedList: _Emitter.save_list,
+    StreamedDict: _Emitter.save_dict,
 }

@@ -11,12 +11,15 @@ torchrun worker plans its own files' records, and no process holds every record'
 
 from __future__ import annotations
 
+import functools
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 from zlib import crc32
 
 from ckptctl.formats import dcp_metadata_out
+from ckptctl.formats.dcp_metadata_out import StreamedDict, StreamedList
 from ckptctl.formats.dcp_classes import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -148,34 +151,45 @@ def _properties(target: TargetTensor) -> TensorProperties:
 def build_metadata(out: DcpOutput) -> Metadata:
     """The `.metadata` object describing `out` (stand-ins that pickle as torch's own classes).
 
-    A chunk's offsets are one Size for its ChunkStorageMetadata and its MetadataIndex: the
-    pickle is the same (a Size is written out each time), and it is one object less per chunk.
+    Its chunk lists and storage dict are streamed (`dcp_metadata_out.StreamedList`/`StreamedDict`):
+    their records are made as the pickle is written, a batch at a time, from the stream items, so
+    no record per output chunk is ever held. The bytes are those of the same records held.
     """
-    sd_md: dict[str, Any] = {}
-    storage: dict[MetadataIndex, StorageInfo] = {}
-    with gc_paused():  # a few acyclic objects per chunk: the collector would rescan them again and again
+    by_target: dict[str, array] = {fqn: array("q") for fqn in out.targets}
+    for i, item in enumerate(out.stream_items):
+        by_target[item.target.fqn].append(i)
+    items = out.stream_items
+    transforms = {fqn: list(out.bytes_transforms[fqn]) or None for fqn in out.bytes_entries}
+    """Held for the whole dump: the pickler memoizes a list by identity, so none may be freed and its id reused."""
+
+    def chunks(fqn: str) -> Iterator[ChunkStorageMetadata]:
+        for i in by_target[fqn]:
+            box = items[i].box
+            yield ChunkStorageMetadata(size(box.offsets), size(box.sizes))
+
+    def storage() -> Iterator[tuple[MetadataIndex, StorageInfo]]:
         for fqn, copy in out.bytes_entries.items():
-            sd_md[fqn] = BytesStorageMetadata()
-            storage[MetadataIndex(fqn)] = StorageInfo(copy.file, copy.offset, copy.length,
-                                                      list(out.bytes_transforms[fqn]) or None)
-        chunks: dict[str, list[ChunkStorageMetadata]] = {fqn: [] for fqn in out.targets}
-        for item in out.stream_items:
+            yield MetadataIndex(fqn), StorageInfo(copy.file, copy.offset, copy.length, transforms[fqn])
+        counts: dict[str, int] = {}
+        for item in items:
             fqn = item.target.fqn
-            offsets = size(item.box.offsets)
-            tensor_chunks = chunks[fqn]
-            storage[MetadataIndex(fqn, offsets, len(tensor_chunks))] = StorageInfo(item.file, item.offset, item.length)
-            tensor_chunks.append(ChunkStorageMetadata(offsets, size(item.box.sizes)))
-        for fqn, (dtype, shape, copy) in out.literal_tensors.items():
-            origin = size((0,) * len(shape))
-            storage[MetadataIndex(fqn, origin, 0)] = StorageInfo(copy.file, copy.offset, copy.length)
-            sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=False), size(shape),
-                                               [ChunkStorageMetadata(origin, size(shape))])
+            index = counts.get(fqn, 0)
+            counts[fqn] = index + 1
+            yield MetadataIndex(fqn, size(item.box.offsets), index), StorageInfo(item.file, item.offset, item.length)
+        for fqn, (_, shape, copy) in out.literal_tensors.items():
+            yield MetadataIndex(fqn, size((0,) * len(shape)), 0), StorageInfo(copy.file, copy.offset, copy.length)
+
+    sd_md: dict[str, Any] = {fqn: BytesStorageMetadata() for fqn in out.bytes_entries}
+    for fqn, (dtype, shape, copy) in out.literal_tensors.items():
+        sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype, requires_grad=False), size(shape),
+                                           [ChunkStorageMetadata(size((0,) * len(shape)), size(shape))])
     for fqn, target in out.targets.items():
-        sd_md[fqn] = TensorStorageMetadata(_properties(target), size(target.shape), chunks[fqn])
+        sd_md[fqn] = TensorStorageMetadata(_properties(target), size(target.shape),
+                                           StreamedList(functools.partial(chunks, fqn), len(by_target[fqn])))
     return Metadata(
         state_dict_metadata=sd_md,
         planner_data=out.planner_data,
-        storage_data=storage,
+        storage_data=StreamedDict(storage, len(out.bytes_entries) + len(items) + len(out.literal_tensors)),
         storage_meta=StorageMeta(checkpoint_id=None, save_id=None, modules=[]),
         version=DCP_VERSION,
     )
