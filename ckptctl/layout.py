@@ -256,7 +256,7 @@ def find_param(ckpt_or_names: Checkpoint | Collection[str], optimizer_fqn: str) 
 
 def coverage(entry: TensorEntry) -> Coverage:
     """Exact element coverage of `entry` by its chunks."""
-    boxes = [Box(c.offsets, c.sizes) for c in entry.chunks if c.numel > 0]
+    boxes = [Box(offsets, sizes) for offsets, sizes in entry.boxes() if 0 not in sizes]
     covered = union_volume(boxes)
     gaps = entry.numel - covered
     overlaps = sum(b.numel for b in boxes) - covered
@@ -276,21 +276,21 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
     if (param is not None and len(entry.shape) == 1 and len(param.shape) >= 2
             and param.numel == entry.numel):
         return "flat", None
-    chunks = sorted((c for c in entry.chunks if c.numel > 0), key=lambda c: c.offsets)
-    if len(chunks) == 1:
+    boxes = sorted((box for box in entry.boxes() if 0 not in box[1]), key=lambda box: box[0])
+    if len(boxes) == 1:
         return "single", None
-    if not chunks:
+    if not boxes:
         return "irregular", None
     shape = entry.shape
-    if all(c.offsets[1:] == (0,) * (len(shape) - 1) and c.sizes[1:] == shape[1:] for c in chunks):
-        return ("shard0-even" if _is_torch_chunk(shape[0], [(c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks])
+    if all(o[1:] == (0,) * (len(shape) - 1) and s[1:] == shape[1:] for o, s in boxes):
+        return ("shard0-even" if _is_torch_chunk(shape[0], [(o[0], o[0] + s[0]) for o, s in boxes])
                 else "rows-uneven"), None
-    if len(shape) >= 2 and all(c.offsets[2:] == (0,) * (len(shape) - 2) and c.sizes[2:] == shape[2:] for c in chunks):
+    if len(shape) >= 2 and all(o[2:] == (0,) * (len(shape) - 2) and s[2:] == shape[2:] for o, s in boxes):
         widths: dict[int, set[int]] = {}
-        for c in chunks:
-            widths.setdefault(c.offsets[1], set()).add(c.sizes[1])
+        for o, s in boxes:
+            widths.setdefault(o[1], set()).add(s[1])
         if len(widths) > 1 and all(len(w) == 1 for w in widths.values()):
-            all_rows = all(c.offsets[0] == 0 and c.sizes[0] == shape[0] for c in chunks)
+            all_rows = all(o[0] == 0 and s[0] == shape[0] for o, s in boxes)
             return ("shard1" if all_rows else "grid"), len(widths)
     return "irregular", None
 
@@ -304,8 +304,8 @@ def is_layer_stacked(entry: TensorEntry) -> bool:
     `plan.layer_stacked_view` reads layer by layer."""
     whole = entry.shape[1:2]  # a chunk of whole layers spans every row of them
     return bool(entry.shape) and _STACKED.search(entry.fqn) is not None and all(
-        c.sizes[0] == 1 or (bool(whole) and c.offsets[1] == 0 and c.sizes[1:2] == whole)
-        for c in entry.chunks if c.numel)
+        sizes[0] == 1 or (bool(whole) and offsets[1] == 0 and sizes[1:2] == whole)
+        for offsets, sizes in entry.boxes() if 0 not in sizes)
 
 
 def _is_torch_chunk(rows: int, ranges: list[tuple[int, int]]) -> bool:

@@ -15,7 +15,7 @@ def tp_from_geometry(ckpt: Checkpoint) -> int | None:
     seen = set()
     for fqn, entry in ckpt.tensors.items():
         if len(entry.shape) == 2 and parallel_dim(fqn) == 1 and not fqn.split(".")[0].startswith("optim"):
-            cols = {c.offsets[1] for c in entry.chunks if c.numel}
+            cols = {offsets[1] for offsets, sizes in entry.boxes() if 0 not in sizes}
             if cols:
                 seen.add(len(cols))
     return max(seen) if seen else None

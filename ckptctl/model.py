@@ -7,9 +7,11 @@ bytes are), never tensor data: building it reads `.metadata` and file sizes only
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from array import array
+from dataclasses import dataclass, field, replace
+from itertools import islice, starmap
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ckptctl.dtypes import DType, as_dtype
 
@@ -34,6 +36,66 @@ class Chunk:
         return math.prod(self.sizes)
 
 
+class ChunkTable:
+    """A tensor's chunks as columns: each chunk's file by number, byte offset and length in one
+    array, box offsets and sizes as tuples equal ones share. About 40 bytes a chunk instead of a
+    `Chunk` and its integers (about 150): a checkpoint of millions of chunks is read into these,
+    and a `Chunk` is made when one is looked at. A read-only sequence of `Chunk`s."""
+
+    __slots__ = ("_names", "_files", "_places", "_offsets", "_sizes", "_transforms")
+
+    def __init__(self, names: list[str], files: array, places: array, offsets: list[tuple[int, ...]],
+                 sizes: list[tuple[int, ...]], transforms: dict[int, tuple[str, ...]]) -> None:
+        self._names, self._files, self._places = names, files, places  # places: offset, length per chunk
+        self._offsets, self._sizes, self._transforms = offsets, sizes, transforms
+
+    @property
+    def offsets(self) -> list[tuple[int, ...]]:
+        """Each chunk's box offsets, in order (the table's own column: not to be changed)."""
+        return self._offsets
+
+    @property
+    def sizes(self) -> list[tuple[int, ...]]:
+        """Each chunk's box sizes, in order (the table's own column: not to be changed)."""
+        return self._sizes
+
+    def __len__(self) -> int:
+        return len(self._offsets)
+
+    def _chunk(self, i: int) -> Chunk:
+        return Chunk(self._names[self._files[i]], self._places[2 * i], self._places[2 * i + 1], self._offsets[i],
+                     self._sizes[i], self._transforms.get(i, ()))
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return tuple(self._chunk(i) for i in range(*index.indices(len(self))))
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError("chunk index out of range")
+        return self._chunk(index)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        places = self._places
+        chunks = starmap(Chunk, zip(map(self._names.__getitem__, self._files), islice(places, 0, None, 2),
+                                    islice(places, 1, None, 2), self._offsets, self._sizes))
+        if not self._transforms:
+            return chunks
+        return (replace(c, transforms=self._transforms[i]) if i in self._transforms else c
+                for i, c in enumerate(chunks))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (ChunkTable, tuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """A tensor of the state dict: global shape, dtype and the chunks that hold it."""
@@ -41,7 +103,7 @@ class TensorEntry:
     fqn: str
     shape: tuple[int, ...]
     dtype: DType
-    chunks: tuple[Chunk, ...]
+    chunks: tuple[Chunk, ...] | ChunkTable
     properties: Any = None
 
     def __post_init__(self) -> None:
@@ -50,6 +112,13 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def boxes(self) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Each chunk's (offsets, sizes), in order, without making a `Chunk` of a table's row."""
+        chunks = self.chunks
+        if type(chunks) is ChunkTable:
+            return zip(chunks.offsets, chunks.sizes)
+        return ((c.offsets, c.sizes) for c in chunks)
 
     @property
     def itemsize(self) -> int:

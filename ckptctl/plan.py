@@ -17,14 +17,45 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
                               transposed_destination, transposed_source)
-from ckptctl.model import Chunk, TensorEntry
+from ckptctl.model import Chunk, ChunkTable, TensorEntry
+
+
+class BoxedChunks:
+    """A chunk table's chunks, each with its own box (a tensor seen as saved), made when read: a
+    tensor of thousands of chunks holds no pair, box or `Chunk` per chunk. A sequence of
+    (Chunk, Box) pairs, like the tuples other views hold."""
+
+    __slots__ = ("table",)
+
+    def __init__(self, table: ChunkTable) -> None:
+        self.table = table
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return tuple((c, Box(c.offsets, c.sizes)) for c in self.table[index])
+        c = self.table[index]
+        return c, Box(c.offsets, c.sizes)  # the chunk's own tuples: no copy
+
+    def __iter__(self) -> Iterator[tuple[Chunk, Box]]:
+        return ((c, Box(c.offsets, c.sizes)) for c in self.table)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (BoxedChunks, tuple)):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
 
 
 @dataclass(frozen=True)
@@ -34,7 +65,7 @@ class SourceTensor:
     fqn: str
     shape: tuple[int, ...]
     dtype: DType
-    chunks: tuple[tuple[Chunk, Region], ...]
+    chunks: tuple[tuple[Chunk, Region], ...] | BoxedChunks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -44,9 +75,14 @@ class SourceTensor:
         """Chunks sorted by first row: their saved indexes, first rows, row ends, and each prefix's
         furthest row end (lists of integers, not a record per chunk: a tensor may have thousands)."""
         shape, bounds = self.shape, []
-        for i, (_, region) in enumerate(self.chunks):
-            box = region_bounds(region, shape)
-            bounds.append((box.offsets[0], box.offsets[0] + box.sizes[0], i))
+        if type(self.chunks) is BoxedChunks:  # each chunk's own box: read from the table's columns
+            table = self.chunks.table
+            for i, (offsets, sizes) in enumerate(zip(table.offsets, table.sizes)):
+                bounds.append((offsets[0], offsets[0] + sizes[0], i))
+        else:
+            for i, (_, region) in enumerate(self.chunks):
+                box = region_bounds(region, shape)
+                bounds.append((box.offsets[0], box.offsets[0] + box.sizes[0], i))
         bounds.sort(key=lambda e: e[0])
         starts = [e[0] for e in bounds]
         ends = [e[1] for e in bounds]
@@ -61,8 +97,11 @@ class SourceTensor:
         order, starts, ends, furthest = self._by_rows
         first, last = bisect.bisect_right(furthest, lo), bisect.bisect_left(starts, hi)
         near = sorted(zip(order[first:last], starts[first:last], ends[first:last]))
-        chunks, shape = self.chunks, self.shape
-        return [(i, start, end, *chunks[i], region_bounds(chunks[i][1], shape)) for i, start, end in near]
+        chunks, shape, out = self.chunks, self.shape, []
+        for i, start, end in near:
+            chunk, region = chunks[i]
+            out.append((i, start, end, chunk, region, region_bounds(region, shape)))
+        return out
 
     def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds."""
@@ -77,6 +116,11 @@ class SourceTensor:
         if not self.shape:
             return None
         trailing, zeros = self.shape[1:], (0,) * (len(self.shape) - 1)
+        if type(self.chunks) is BoxedChunks:
+            table = self.chunks.table
+            if any(s[1:] != trailing for s in table.sizes) or any(o[1:] != zeros for o in table.offsets):
+                return None
+            return trailing, math.prod(trailing)
         for _, region in self.chunks:
             if not isinstance(region, Box) or region.sizes[1:] != trailing or region.offsets[1:] != zeros:
                 return None
@@ -92,6 +136,8 @@ def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) 
     if flat and (math.prod(shape) != entry.numel or not (len(entry.shape) == 1 or all(
             not any(c.offsets) and tuple(c.sizes) == tuple(entry.shape) for c in entry.chunks))):
         raise ValueError(f"{entry.fqn}: cannot view {list(entry.shape)} as {list(shape)}")
+    if not flat and type(entry.chunks) is ChunkTable:
+        return SourceTensor(entry.fqn, shape, entry.dtype, BoxedChunks(entry.chunks))
     regions = tuple(
         (c, (FlatRange(c.offsets[0], c.sizes[0]) if len(entry.shape) == 1 else FlatRange(0, entry.numel)) if flat
          else Box(c.offsets, c.sizes)) for c in entry.chunks

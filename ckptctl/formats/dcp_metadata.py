@@ -15,6 +15,7 @@ import operator
 import os
 import re
 import stat
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from ckptctl.formats import dcp_classes
 from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.metadata_templates import read_metadata
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
-from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
+from ckptctl.model import BytesEntry, Checkpoint, ChunkTable, TensorEntry
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -270,15 +271,17 @@ def _located(root: Path, fqn: str, entry: tuple[str, int, int, tuple[str, ...]],
 
 
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, files: dict[str, int],
-                  where: Path) -> TensorEntry:
+                  names: list[str], numbers: dict[str, int], where: Path) -> TensorEntry:
+    """The entry of tensor `fqn`, its chunks a `ChunkTable` whose files are numbers into `names`, the
+    checkpoint's data files in the order met (`numbers` inverts it)."""
     shape = tuple(md.size)
     dtype = md.properties.dtype  # a DType, sizes and offsets integers >= 0: `unpickle` checked them
     if math.prod(shape) > MAX_NUMEL:
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
-    chunks = []
     seen: set[tuple[int, ...]] = set()
     rank = len(shape)
     located = storage.entries(fqn)
+    file_ids, places, all_offsets, all_sizes, all_transforms = array("I"), array("q"), [], [], {}
     for offsets, sizes in _pairs(md.chunks):
         if offsets in seen and 0 not in sizes:  # empty chunks of trailing ranks may share their place
             raise CheckpointError(where, f"{fqn}: two chunks at {list(offsets)}")
@@ -296,8 +299,18 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageCol
         nbytes = math.prod(sizes) * dtype.itemsize
         if not transforms and length < nbytes:
             raise CheckpointError(root / file, f"{fqn}: item of {length} bytes cannot hold {nbytes} bytes of data")
-        chunks.append(Chunk(file, offset, length, offsets, sizes, transforms))
-    return TensorEntry(fqn, shape, dtype, tuple(chunks), md.properties)
+        number = numbers.get(file)
+        if number is None:
+            number = numbers[file] = len(names)
+            names.append(file)
+        if transforms:
+            all_transforms[len(all_offsets)] = transforms
+        file_ids.append(number)
+        places.extend((offset, length))
+        all_offsets.append(offsets)
+        all_sizes.append(sizes)
+    return TensorEntry(fqn, shape, dtype, ChunkTable(names, file_ids, places, all_offsets, all_sizes, all_transforms),
+                       md.properties)
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
@@ -321,11 +334,13 @@ def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
     merged = _merge(md_paths)
     sd_md, storage = merged.sd_md, merged.storage
     files: dict[str, int] = {}
+    names: list[str] = []
+    numbers: dict[str, int] = {}
     tensors: dict[str, TensorEntry] = {}
     bytes_entries: dict[str, BytesEntry] = {}
     for fqn, item in sd_md.items():
         if isinstance(item, dcp_classes.TensorStorageMetadata):
-            tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, where)
+            tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, names, numbers, where)
         elif isinstance(item, dcp_classes.BytesStorageMetadata):
             entry = storage.entries(fqn).get(None)
             if entry is None:
