@@ -34,8 +34,11 @@ MEGATRON_MARKER = "metadata.json"
 _MARKER_LIMIT = 1 << 16
 MAX_NUMEL = 1 << 50
 MAX_METADATA_BYTES = 1 << 31
-TEMPLATE_MIN_BYTES = 1 << 16
-"""`.metadata` from this size up is read by `metadata_templates` first (smaller ones C reads at once)."""
+TEMPLATE_MIN_BYTES = 1 << 21
+"""`.metadata` from this size up is read by `metadata_templates` first. Below it C's unpickler is as
+quick or quicker, and holds little: measured 14 ms against 25 ms at 140 KB of a megatron-core save
+of few chunks per tensor (the templates interpret each tensor's header), 1.04 s against 0.40 s at
+8.6 MB of 1,024 chunks per tensor."""
 
 
 def _metadata_files(root: Path) -> list[Path]:
