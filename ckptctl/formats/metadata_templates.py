@@ -309,6 +309,8 @@ class TemplateMachine(PickleMachine):
         pairs = [(self._finished(items[i]), self._finished(items[i + 1])) for i in range(0, len(items), 2)]
         if type(target) is dc.StorageColumns or any(type(key) is _StorageKey for key, _ in pairs):
             if type(target) is dict:
+                if not self._stack or self._stack[-1] is not target:
+                    raise _Decline  # DICT's new dict: C's unpickler makes a dict of records of it
                 target = self._storage(target)
             for key, value in pairs:
                 self._add_entry(target, key, value)
