@@ -53,6 +53,10 @@ def _oracle(path: Path) -> dcp_classes.Metadata:
         return load_metadata_pickle(data)
 
 
+def _oracle_bytes(data: bytes) -> dcp_classes.Metadata:
+    return load_metadata_pickle(data)
+
+
 def _plain(md: dcp_classes.Metadata) -> tuple:
     """Everything a Metadata says, chunks as (offsets, sizes) and storage per FQN, in order."""
     tensors = {}
@@ -271,3 +275,22 @@ def test_matched_chunks_a_mark_gives_to_something_else_are_read_plainly(tmp_path
     ckpt = open_checkpoint(tmp_path)
     assert len(ckpt.tensors["layers.1.weight"].chunks) == 299
     assert ckpt.tensors["layers.1.weight"].chunks[0].offsets == (2, 0)
+
+
+def test_storage_entries_a_dict_opcode_builds_are_read_plainly(tmp_path, monkeypatch):
+    """storage_data written as MARK … DICT (a dict built from its items at once) instead of
+    EMPTY_DICT, MARK … SETITEMS: the same metadata for C's unpickler. The templates, which fill a
+    dict already on the stack, decline, and open_checkpoint reads it as before."""
+    _torch_pickle(tmp_path, shared=False, fresh_names=True)
+    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    expected = open_checkpoint(tmp_path)
+    opcodes = _opcodes((tmp_path / ".metadata").read_bytes())
+    head, tail = b"\x8c\x0cstorage_data\x94}\x94(", b"u\x8c\x0cstorage_meta"
+    assert opcodes.count(head) == opcodes.count(tail) == 1
+    # a None memoized and popped keeps every memo index; the dict is never referenced again
+    rebuilt = opcodes.replace(head, b"\x8c\x0cstorage_data\x94N\x940(").replace(tail, b"d\x8c\x0cstorage_meta")
+    (tmp_path / ".metadata").write_bytes(_framed(rebuilt))
+    assert _plain(_oracle(tmp_path / ".metadata")) == _plain(_oracle_bytes(_framed(opcodes)))
+    assert _read(tmp_path / ".metadata")[0] is None
+    ckpt = open_checkpoint(tmp_path)
+    assert ckpt.tensors == expected.tensors and ckpt.files == expected.files
