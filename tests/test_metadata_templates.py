@@ -294,3 +294,21 @@ def test_storage_entries_a_dict_opcode_builds_are_read_plainly(tmp_path, monkeyp
     assert _read(tmp_path / ".metadata")[0] is None
     ckpt = open_checkpoint(tmp_path)
     assert ckpt.tensors == expected.tensors and ckpt.files == expected.files
+
+
+def test_matched_chunks_of_an_outer_mark_a_tuple_takes_are_read_plainly(tmp_path, monkeypatch):
+    """`MARK chunk1 [] MARK chunk2 APPENDS TUPLE POP MARK chunk3 … APPENDS`: chunk 1 and a list
+    holding chunk 2 become a tuple that is dropped. Matched chunks went straight in at both marks;
+    the inner one closes by APPENDS, the outer by TUPLE: declined, read as C reads it (298 chunks)."""
+    _torch_pickle(tmp_path, shared=False, fresh_names=True)
+    opcodes = _opcodes((tmp_path / ".metadata").read_bytes())
+    start = opcodes.index(b"]\x94(", opcodes.index(b"layers.1.weight")) + 3
+    machine = _read(tmp_path / ".metadata")[1]
+    first = machine._chunk.match(opcodes, start)
+    second = machine._chunk.match(opcodes, first.end())
+    nested = (opcodes[:first.end()] + b"](" + second.group(0) + b"et0(" + opcodes[second.end():])
+    (tmp_path / ".metadata").write_bytes(_framed(nested))
+    assert _read(tmp_path / ".metadata")[0] is None
+    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    chunks = open_checkpoint(tmp_path).tensors["layers.1.weight"].chunks
+    assert len(chunks) == 298 and chunks[0].offsets == (4, 0)

@@ -155,7 +155,8 @@ class TemplateMachine(PickleMachine):
         self._entry: re.Pattern | None = None
         self._plan: re.Pattern | None = None
         self._plain = self._matched = 0
-        self._direct, self._closing = -1, False  # the MARK depth matched items went straight in at
+        self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
+        self._closing = False
 
     # -- input -----------------------------------------------------------------------------
 
@@ -441,13 +442,15 @@ class TemplateMachine(PickleMachine):
     def _went_in(self) -> None:
         """A matched item went straight into the batch's container: the MARK must close by APPENDS or
         SETITEMS (`_pop_mark` declines otherwise: another opcode would have made something else of it)."""
-        self._direct = len(self._marks)
+        depth = len(self._marks)
+        if not self._direct or self._direct[-1] != depth:
+            self._direct.append(depth)
 
     def _pop_mark(self) -> list[Any]:
-        if self._direct == len(self._marks):
+        if self._direct and self._direct[-1] == len(self._marks):
             if not self._closing:
                 raise _Decline
-            self._direct = -1
+            self._direct.pop()
         return super()._pop_mark()
 
     def _template(self, data: bytes, pos: int) -> bool:
