@@ -126,7 +126,7 @@ def layout_dcp(
                 at = sizes.get(file, 0)
                 key = f"{target.fqn}@{list(placed.box.offsets)}"
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
-                items.append(StreamItem(file, at, layout.head, target, placed.box, (), layout.tail, layout.tail_len))
+                items.append(StreamItem(file, at, layout.head, target, placed.box, (), layout, layout.tail_len))
                 sizes[file] = at + layout.length
     return DcpOutput(
         files=dict(sorted(sizes.items())),

@@ -211,6 +211,10 @@ class TorchSaveLayout:
             _U32.pack_into(out, at, id_crc)
         return bytes(out)
 
+    __call__ = tail
+    """A layout is its own `tail` callable: a plan keeps the layout, not a bound method per record
+    (64 bytes each, at a million records)."""
+
 
 def serialization_id(key: str) -> str:
     """A deterministic 40-digit id (torch writes a random one) so equal runs give equal bytes."""
