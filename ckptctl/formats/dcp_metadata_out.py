@@ -35,6 +35,7 @@ from ckptctl.formats.dcp_classes import (
     TensorProperties,
     TensorStorageMetadata,
 )
+from ckptctl.formats.pickle_vm import memo_fetch
 from ckptctl.formats.torch_pickle import Global, Size, ref
 
 PROTOCOL = 4
@@ -199,9 +200,7 @@ class _Emitter:
             memo.popitem()
         self.count = count
 
-    @staticmethod
-    def get(index: int) -> bytes:
-        return pickle.BINGET + bytes((index,)) if index < 256 else pickle.LONG_BINGET + _U32.pack(index)
+    get = staticmethod(memo_fetch)
 
     def gets(self, *objs: Any) -> list[bytes] | None:
         """The fetch of each of `objs`, or None while one is not memoized yet."""

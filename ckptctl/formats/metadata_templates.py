@@ -35,7 +35,7 @@ from typing import Any, Iterator
 from ckptctl.formats import dcp_classes as dc
 from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.pickle_vm import GET_WEIGHT, MAX_MEMO, Constructor, MalformedPickleError, PickleMachine, \
-    opcode_table
+    memo_fetch, opcode_table
 from ckptctl.formats.unpickle import MAX_DIMS, MAX_INT, MAX_NAME, MAX_PATH, METADATA_GLOBALS, _budget, _str
 
 LOOKAHEAD = 1 << 16
@@ -103,11 +103,6 @@ class _StorageRow(tuple):
     """A matched storage value on the stack: (file, byte offset, length)."""
 
     __slots__ = ()
-
-
-def _get(index: int) -> bytes:
-    """The bytes CPython's pickler writes to reference memo entry `index`."""
-    return b"h" + bytes([index]) if index < 256 else b"j" + struct.pack("<I", index)
 
 
 def _integers(body: bytes) -> tuple[int, ...] | None:
@@ -357,23 +352,23 @@ class TemplateMachine(PickleMachine):
     def _learn(self) -> None:
         named = self._named
         if self._chunk is None and _CHUNK_NAMES <= named.keys():
-            size = re.escape(_get(named["Size"]))
+            size = re.escape(memo_fetch(named["Size"]))
             self._chunk = re.compile(
-                re.escape(_get(named["ChunkStorageMetadata"])) + _NEW_OBJECT
-                + re.escape(_get(named["offsets"])) + size + _BODY + _SIZE_TAIL
-                + re.escape(_get(named["sizes"])) + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+                re.escape(memo_fetch(named["ChunkStorageMetadata"])) + _NEW_OBJECT
+                + re.escape(memo_fetch(named["offsets"])) + size + _BODY + _SIZE_TAIL
+                + re.escape(memo_fetch(named["sizes"])) + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
         if self._plan is None and _PLAN_NAMES <= named.keys():
             self._plan = self._plan_pattern()
         if self._entry is None and _ENTRY_NAMES <= named.keys():
-            offset = re.escape(_get(named["offset"]))
+            offset = re.escape(memo_fetch(named["offset"]))
             self._entry = re.compile(
-                re.escape(_get(named["MetadataIndex"])) + _NEW_OBJECT
-                + re.escape(_get(named["fqn"])) + _STR
-                + re.escape(_get(named["index"])) + rb"(N|" + _INT + rb")"
-                + rb"(?:" + offset + re.escape(_get(named["Size"])) + _BODY + _SIZE_TAIL + rb")?ub"
-                + re.escape(_get(named["_StorageInfo"])) + _NEW_OBJECT
-                + re.escape(_get(named["relative_path"])) + _STR
-                + offset + _INT_CAPTURE + re.escape(_get(named["length"])) + _INT_CAPTURE + rb"ub", re.S)
+                re.escape(memo_fetch(named["MetadataIndex"])) + _NEW_OBJECT
+                + re.escape(memo_fetch(named["fqn"])) + _STR
+                + re.escape(memo_fetch(named["index"])) + rb"(N|" + _INT + rb")"
+                + rb"(?:" + offset + re.escape(memo_fetch(named["Size"])) + _BODY + _SIZE_TAIL + rb")?ub"
+                + re.escape(memo_fetch(named["_StorageInfo"])) + _NEW_OBJECT
+                + re.escape(memo_fetch(named["relative_path"])) + _STR
+                + offset + _INT_CAPTURE + re.escape(memo_fetch(named["length"])) + _INT_CAPTURE + rb"ub", re.S)
 
     def _plan_pattern(self) -> re.Pattern:
         """megatron-core's save plans (`all_local_plans`): a WriteItem, its MetadataIndex, its type and
@@ -381,7 +376,7 @@ class TemplateMachine(PickleMachine):
         named = self._named
 
         def get(name: str) -> bytes:
-            return re.escape(_get(named[name]))
+            return re.escape(memo_fetch(named[name]))
         return re.compile(
             get("WriteItem") + _NEW_OBJECT
             + get("index") + get("MetadataIndex") + _NEW_OBJECT + get("fqn") + _STR + get("index") + rb"(N|" + _INT

@@ -501,6 +501,11 @@ _DISPATCH: dict[int, Callable[[PickleMachine], Any]] = {
 }
 
 
+def memo_fetch(index: int) -> bytes:
+    """The opcode CPython's pickler writes to fetch memo entry `index` (BINGET, or LONG_BINGET past 255)."""
+    return pickle.BINGET + bytes((index,)) if index < 256 else pickle.LONG_BINGET + struct.pack("<I", index)
+
+
 def opcode_table(cls: type[PickleMachine]) -> dict[int, Callable[[PickleMachine], Any]]:
     """The opcode → handler table of `cls`: a subclass's overriding handlers in place of the base's."""
     return {op: getattr(cls, handler.__name__) for op, handler in _DISPATCH.items()}
