@@ -67,6 +67,7 @@ _NEW_OBJECT = rb"\)\x81\x94\}\x94\("
 """NEWOBJ of no arguments, memoized, then its state dict, memoized, and the MARK of its items."""
 _STR = rb"(\x8c(.)(.{0,255}?)\x94|h.|j.{4})"
 """A short new string (memoized: its length, its text), or a memo reference."""
+_ONE_INT = re.compile(_INT, re.S)
 _INT_CAPTURE = rb"(" + _INT + rb")"
 _ANY = rb"(h.|j.{4})"
 """A memo reference to any value (one a dropped state holds)."""
@@ -110,25 +111,10 @@ def _integers(body: bytes) -> tuple[int, ...] | None:
     out of range."""
     if body == b")":
         return ()
-    values, i, end = [], 1 if body[0] == 0x28 else 0, len(body) - 2  # after MARK; before the tuple op and MEMOIZE
-    while i < end:
-        op = body[i]
-        if op == 0x4B:  # K
-            values.append(body[i + 1])
-            i += 2
-        elif op == 0x4D:  # M
-            values.append(body[i + 1] | body[i + 2] << 8)
-            i += 3
-        else:
-            n = 4 if op == 0x4A else body[i + 1]  # J, or LONG1's length
-            start = i + 1 if op == 0x4A else i + 2
-            value = int.from_bytes(body[start:start + n], "little", signed=True)
-            if not 0 <= value < MAX_INT:
-                return None
-            values.append(value)
-            i = start + n
+    marked = body[0] == 0x28  # MARK … TUPLE, else the integers then TUPLE1-3
+    values = [_integer(m.group()) for m in _ONE_INT.finditer(body, 1 if marked else 0, len(body) - 2)]
     closing = body[-2]
-    if (closing == 0x74) != (body[0] == 0x28) or (closing != 0x74 and closing - 0x84 != len(values)):
+    if None in values or (closing == 0x74) != marked or (closing != 0x74 and closing - 0x84 != len(values)):
         return None
     return tuple(values) if len(values) <= MAX_DIMS else None
 
