@@ -68,7 +68,7 @@ def _plain(md: dcp_classes.Metadata) -> tuple:
             tensors[fqn] = repr(item)
     storage = dcp_classes.StorageColumns()
     dcp_metadata._add_storage(storage, md.storage_data)
-    rows = {fqn: list(zip(keys, [storage.entries(fqn)[k] for k in keys])) for fqn, (keys, _) in storage.rows.items()}
+    rows = {fqn: list(storage.rows_of(fqn)) for fqn in storage.rows}
     return type(md), tensors, rows, md.planner_data, repr(md.storage_meta), md.version
 
 

@@ -10,7 +10,7 @@ follow torch's classes in `torch.distributed.checkpoint.metadata` and `.filesyst
 from __future__ import annotations
 
 from array import array
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from ckptctl.formats.torch_pickle import Call, Instance, Size, ref
 
@@ -238,15 +238,17 @@ class StorageColumns:
     def __len__(self) -> int:
         return sum(len(keys) for keys, _ in self.rows.values())
 
+    def rows_of(self, fqn: str) -> Iterator[tuple[tuple[int, ...] | None, tuple[str, int, int, tuple[str, ...]]]]:
+        """FQN's entries in order: (offsets, (file, byte offset, length, transforms))."""
+        keys, places = self.rows.get(fqn, ((), ()))
+        files, transforms = self.files, self.transforms
+        for row, key in enumerate(keys):
+            at = 3 * row
+            yield key, (files[places[at]], places[at + 1], places[at + 2], transforms.get((fqn, row), ()))
+
     def entries(self, fqn: str) -> dict[tuple[int, ...] | None, tuple[str, int, int, tuple[str, ...]]]:
         """FQN's entries: offsets → (file, byte offset, length, transforms), the first of a key kept."""
-        found = self.rows.get(fqn)
-        if found is None:
-            return {}
-        keys, places = found
-        files, transforms, out = self.files, self.transforms, {}
-        for row, key in enumerate(keys):
-            if key not in out:
-                at = 3 * row
-                out[key] = (files[places[at]], places[at + 1], places[at + 2], transforms.get((fqn, row), ()))
+        out: dict = {}
+        for key, entry in self.rows_of(fqn):
+            out.setdefault(key, entry)
         return out

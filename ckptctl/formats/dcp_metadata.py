@@ -219,11 +219,9 @@ def _columns(chunks: Any) -> dcp_classes.ChunkColumns:
 def _add_storage(table: dcp_classes.StorageColumns, storage: Any) -> None:
     """Another file's storage entries after `table`'s (a key already there keeps its first entry)."""
     if type(storage) is dcp_classes.StorageColumns:
-        for fqn, (keys, places) in storage.rows.items():
-            for row, offsets in enumerate(keys):
-                at = 3 * row
-                table.add(fqn, offsets, storage.files[places[at]], places[at + 1], places[at + 2],
-                          storage.transforms.get((fqn, row)))
+        for fqn in storage.rows:
+            for offsets, entry in storage.rows_of(fqn):
+                table.add(fqn, offsets, *entry)
         return
     for index, info in (storage or {}).items():
         offsets = None if index.offset is None else tuple(index.offset)
