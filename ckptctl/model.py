@@ -36,7 +36,25 @@ class Chunk:
         return math.prod(self.sizes)
 
 
-class ChunkTable:
+class TupleView:
+    """A read-only sequence whose items are made when read: equal to, hashed and shown as the
+    tuple of its items."""
+
+    __slots__ = ()
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TupleView, tuple)):
+            return tuple(self) == tuple(other)  # type: ignore[arg-type]
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))  # type: ignore[arg-type]
+
+
+class ChunkTable(TupleView):
     """A tensor's chunks as columns: each chunk's file by number, byte offset and length in one
     array, box offsets and sizes as tuples equal ones share. About 40 bytes a chunk instead of a
     `Chunk` and its integers (about 150): a checkpoint of millions of chunks is read into these,
@@ -83,17 +101,6 @@ class ChunkTable:
             return chunks
         return (replace(c, transforms=self._transforms[i]) if i in self._transforms else c
                 for i, c in enumerate(chunks))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (ChunkTable, tuple)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
 
 
 @dataclass(frozen=True)

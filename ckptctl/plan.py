@@ -24,10 +24,10 @@ from ckptctl.errors import CheckpointError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
                               transposed_destination, transposed_source)
-from ckptctl.model import Chunk, ChunkTable, TensorEntry
+from ckptctl.model import Chunk, ChunkTable, TensorEntry, TupleView
 
 
-class BoxedChunks:
+class BoxedChunks(TupleView):
     """A chunk table's chunks, each with its own box (a tensor seen as saved), made when read: a
     tensor of thousands of chunks holds no pair, box or `Chunk` per chunk. A sequence of
     (Chunk, Box) pairs, like the tuples other views hold."""
@@ -48,14 +48,6 @@ class BoxedChunks:
 
     def __iter__(self) -> Iterator[tuple[Chunk, Box]]:
         return ((c, Box(c.offsets, c.sizes)) for c in self.table)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (BoxedChunks, tuple)):
-            return tuple(self) == tuple(other)
-        return NotImplemented
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
 
 
 @dataclass(frozen=True)
