@@ -5,12 +5,13 @@ builds in its memo until the load ends (≈ 2 KB a chunk: the chunk record, its 
 their argument tuples, its state dict, and the same again for its storage key and value), so
 reading it costs gigabytes before a single record is checked.
 
-`TemplateMachine` is `PickleMachine`, the validating interpreter, with two super-instructions
-learned from the pickle itself. Once the interpreter has built one chunk record, or one
-storage entry, the ordinary way, the bytes torch's pickler writes for every further one are
-known up to their integers and new strings: the class and the field names are references to
-memo entries already there. Each later one is matched by one compiled regular expression and
-becomes an (offsets, sizes) pair or a row of `StorageColumns`; the memo entries it made are
+`TemplateMachine` is `PickleMachine`, the validating interpreter, with three super-instructions
+learned from the pickle itself. Once the interpreter has built one chunk record, one storage
+entry, or one of megatron-core's save-plan items the ordinary way, the bytes torch's pickler
+writes for every further one are known up to their integers and new strings: the class and the
+field names are references to memo entries already there. Each later one is matched by one
+compiled regular expression and becomes an (offsets, sizes) pair, a row of `StorageColumns` or
+an inert WriteItem (its state dropped, as `unpickle` drops it); the memo entries it made are
 counted, and only its new strings kept. A list of chunks and the storage dict become
 `ChunkColumns` / `StorageColumns` when the first matched item arrives.
 
@@ -335,38 +336,37 @@ class TemplateMachine(PickleMachine):
 
     # -- templates -------------------------------------------------------------------------
 
+    def _fetch(self, name: str) -> bytes:
+        """The pattern of the memo fetch of `name` (a class or field name this pickle memoized)."""
+        return re.escape(memo_fetch(self._named[name]))
+
     def _learn(self) -> None:
-        named = self._named
+        """Compile each template once the names it fetches are all memoized."""
+        named, get = self._named, self._fetch
         if self._chunk is None and _CHUNK_NAMES <= named.keys():
-            size = re.escape(memo_fetch(named["Size"]))
+            size = get("Size")
             self._chunk = re.compile(
-                re.escape(memo_fetch(named["ChunkStorageMetadata"])) + _NEW_OBJECT
-                + re.escape(memo_fetch(named["offsets"])) + size + _BODY + _SIZE_TAIL
-                + re.escape(memo_fetch(named["sizes"])) + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+                get("ChunkStorageMetadata") + _NEW_OBJECT + get("offsets") + size + _BODY + _SIZE_TAIL
+                + get("sizes") + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+        if self._entry is None and _ENTRY_NAMES <= named.keys():
+            self._entry = re.compile(
+                self._index_pattern() + get("_StorageInfo") + _NEW_OBJECT + get("relative_path") + _STR
+                + get("offset") + _INT_CAPTURE + get("length") + _INT_CAPTURE + rb"ub", re.S)
         if self._plan is None and _PLAN_NAMES <= named.keys():
             self._plan = self._plan_pattern()
-        if self._entry is None and _ENTRY_NAMES <= named.keys():
-            offset = re.escape(memo_fetch(named["offset"]))
-            self._entry = re.compile(
-                re.escape(memo_fetch(named["MetadataIndex"])) + _NEW_OBJECT
-                + re.escape(memo_fetch(named["fqn"])) + _STR
-                + re.escape(memo_fetch(named["index"])) + rb"(N|" + _INT + rb")"
-                + rb"(?:" + offset + re.escape(memo_fetch(named["Size"])) + _BODY + _SIZE_TAIL + rb")?ub"
-                + re.escape(memo_fetch(named["_StorageInfo"])) + _NEW_OBJECT
-                + re.escape(memo_fetch(named["relative_path"])) + _STR
-                + offset + _INT_CAPTURE + re.escape(memo_fetch(named["length"])) + _INT_CAPTURE + rb"ub", re.S)
+
+    def _index_pattern(self) -> bytes:
+        """A MetadataIndex {fqn, index, offset (absent for a bytes entry)}: a storage key, or a save-plan item's."""
+        get = self._fetch
+        return (get("MetadataIndex") + _NEW_OBJECT + get("fqn") + _STR + get("index") + rb"(N|" + _INT + rb")"
+                + rb"(?:" + get("offset") + get("Size") + _BODY + _SIZE_TAIL + rb")?ub")
 
     def _plan_pattern(self) -> re.Pattern:
         """megatron-core's save plans (`all_local_plans`): a WriteItem, its MetadataIndex, its type and
         TensorWriteData, whose fields are memo references (the chunk among them is consumed)."""
-        named = self._named
-
-        def get(name: str) -> bytes:
-            return re.escape(memo_fetch(named[name]))
+        get = self._fetch
         return re.compile(
-            get("WriteItem") + _NEW_OBJECT
-            + get("index") + get("MetadataIndex") + _NEW_OBJECT + get("fqn") + _STR + get("index") + rb"(N|" + _INT
-            + rb")(?:" + get("offset") + get("Size") + _BODY + _SIZE_TAIL + rb")?ub"
+            get("WriteItem") + _NEW_OBJECT + get("index") + self._index_pattern()
             + get("type") + rb"(?:(" + get("WriteItemType") + _INT + _SIZE_TAIL + rb")|" + _ANY + rb")"
             + get("bytes_io_data") + rb"N" + get("tensor_data")
             + rb"(?:N|(" + get("TensorWriteData") + _NEW_OBJECT + get("chunk") + _ANY + get("properties")
@@ -467,6 +467,22 @@ class TemplateMachine(PickleMachine):
                 return self._plan_item(match)
         return False
 
+    def _made(self, index: int, text: str) -> int:
+        """A template's new string memoized at `index` (kept: a later fetch may read it); the next index."""
+        self._text_at.append(index)
+        self._texts_made.append(text)
+        return index + 1
+
+    def _index_memoized(self, index: int, fqn: str, fqn_length: bytes | None, body: bytes | None) -> int:
+        """The memo entries a matched MetadataIndex made from `index` on (its record, state dict, a new
+        fqn, a Size and its argument tuples); the next index."""
+        index += 2
+        if fqn_length is not None:
+            index = self._made(index, fqn)
+        if body is not None:
+            index += 2 if body == b")" else 3
+        return index
+
     def _plan_item(self, match: re.Match) -> bool:
         fqn_raw, fqn_length, fqn_text, index, body, type_call, type_get, tensor_data, chunk, properties, \
             new_properties, dtype, layout, memory_format, size = match.groups()
@@ -478,13 +494,7 @@ class TemplateMachine(PickleMachine):
             if raw is not None and (raw[1] if raw[0] == 0x68 else struct.unpack_from("<I", raw, 1)[0]) >= self._count:
                 return False  # a reference to no value
         self._charge(16 * GET_WEIGHT)
-        count = self._count + 4  # the item, its MetadataIndex, and their state dicts
-        if fqn_length is not None:
-            self._text_at.append(count)
-            self._texts_made.append(fqn)
-            count += 1
-        if body is not None:
-            count += 2 if body == b")" else 3
+        count = self._index_memoized(self._count + 2, fqn, fqn_length, body)  # after the item and its state dict
         count += (2 if type_call is not None else 0) + (2 if tensor_data is not None else 0) + (
             2 if new_properties is not None else 0)  # a call's argument and result; the other records
         self._count = count
@@ -503,19 +513,8 @@ class TemplateMachine(PickleMachine):
                 or (index != b"N" and _integer(index) is None):
             return False
         self._charge(12 * GET_WEIGHT)
-        count, text_at, made = self._count + 2, self._text_at, self._texts_made  # + the index record, its state
-        if fqn_length is not None:
-            text_at.append(count)
-            made.append(fqn)
-            count += 1
-        if body is not None:
-            count += 2 if body == b")" else 3
-        count += 2  # the storage record and its state dict
-        if file_length is not None:
-            text_at.append(count)
-            made.append(file)
-            count += 1
-        self._count = count
+        count = self._index_memoized(self._count, fqn, fqn_length, body) + 2  # + the storage record, its state
+        self._count = self._made(count, file) if file_length is not None else count
         target = self._batch_target()
         if type(target) is dc.StorageColumns:
             target.add(fqn, offsets, file, offset, length)
