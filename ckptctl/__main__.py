@@ -4,6 +4,6 @@ from ckptctl.interrupt import exit_on_interrupt
 
 exit_on_interrupt()  # before the command line's imports: Ctrl-C during start-up is one line too
 
-from ckptctl.cli import main  # noqa: E402
+from ckptctl.cli import run  # noqa: E402
 
-main()
+run()

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import threading
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 MESSAGE = b"ckptctl: interrupted\n"
 EXIT_INTERRUPTED = 130
@@ -29,6 +30,23 @@ def exit_on_interrupt() -> None:
     a program calls `ckptctl.cli.main` from a thread, its own handling stays)."""
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _exit_at_once)
+
+
+def finish(code: object) -> NoReturn:
+    """End the program with `code` (a SystemExit's) once the command has returned.
+
+    Shut-down restores SIGINT's default action, so a Ctrl-C landing then would kill the process
+    by signal: it is ignored instead (the command is done). After an interrupted command the
+    process ends at once: a KeyboardInterrupt that passed through C code running Python source
+    (some extension imports do) would make CPython's shut-down end it by SIGINT, not 130."""
+    if code == EXIT_INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(EXIT_INTERRUPTED)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise SystemExit(code)
 
 
 @contextlib.contextmanager

@@ -9,11 +9,12 @@ progress bars off.
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import typer
 
 from ckptctl.cli import common
-from ckptctl.interrupt import exit_on_interrupt
+from ckptctl.interrupt import exit_on_interrupt, finish
 
 app = typer.Typer(
     name="ckptctl",
@@ -68,3 +69,13 @@ def main(argv: list[str] | None = None) -> None:
         app(args=args, prog_name="ckptctl", standalone_mode=True)
     except SystemExit as exc:
         raise SystemExit(exc.code) from None
+
+
+def run() -> NoReturn:
+    """The `ckptctl` program: `main`, then `interrupt.finish` (a Ctrl-C as the process ends never
+    kills it by signal); `main` is the entry for programs that call ckptctl in-process."""
+    try:
+        main()
+    except SystemExit as exc:
+        finish(exc.code)
+    finish(None)
