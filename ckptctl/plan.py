@@ -17,7 +17,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError
@@ -458,7 +458,7 @@ at a time, each written before the next is planned, and never all held (about 10
 A torchrun worker plans only the records of its own files."""
 
 
-def planned_batches(items: Sequence["StreamItem"], sources: Mapping[str, SourceTensor],
+def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceTensor],
                     max_runs: int = PLAN_RUNS) -> Iterator[list["StreamItem"]]:
     """The records with their copy runs, about `max_runs` runs at a time (a record is never split).
 
@@ -482,10 +482,10 @@ def planned_batches(items: Sequence["StreamItem"], sources: Mapping[str, SourceT
         yield batch
 
 
-def source_bytes(item: "StreamItem", sources: Mapping[str, SourceTensor]) -> int:
-    """The source bytes a record's box reads: its elements at the itemsize of the sources its
-    target's pieces read (one dtype per target, as every planner builds them)."""
-    return item.box.numel * sources[item.target.pieces[0].src].dtype.itemsize if item.target.pieces else 0
+def source_bytes(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> int:
+    """The source bytes a record's `box` of `target` reads: its elements at the itemsize of the
+    sources its target's pieces read (one dtype per target, as every planner builds them)."""
+    return box.numel * sources[target.pieces[0].src].dtype.itemsize if target.pieces else 0
 
 
 @dataclass(frozen=True, slots=True)

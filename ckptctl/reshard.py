@@ -202,7 +202,6 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     check_destination(dst, force, src)
     execute = executor(opts.device, comm.local_rank)
     mine = assign_files(out.files, comm.world_size)[comm.rank]
-    stream_items = [i for i in out.stream_items if i.file in mine]
     copy_items = [c for c in out.copy_items if c.file in mine]
     share_bytes = sum(size for name, size in out.files.items() if name in mine)
     phases = Phases(progress)
@@ -213,7 +212,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
         try:
             execute([], copy_items, sources, files, opts.workers, advance)
-            for batch in planned_batches(stream_items, out.sources):  # this worker's records only
+            for batch in planned_batches(out.records.in_files(mine), out.sources):  # its records only
                 execute(batch, [], sources, files, opts.workers, advance)
         finally:
             files.close()
@@ -243,7 +242,8 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
-        bytes_read=sum(source_bytes(i, out.sources) for i in out.stream_items) + sum(c.length for c in out.copy_items),
+        bytes_read=sum(source_bytes(t, p.box, out.sources) for t, _, p, _, _ in out.records.placed_records())
+        + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
         processes=comm.world_size, device=device,
         # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
