@@ -77,6 +77,11 @@ class ChunkTable(TupleView):
         """Each chunk's box sizes, in order (the table's own column: not to be changed)."""
         return self._sizes
 
+    @property
+    def transformed(self) -> bool:
+        """Whether any chunk's item is transformed (compressed: read by decoding)."""
+        return bool(self._transforms)
+
     def __len__(self) -> int:
         return len(self._offsets)
 

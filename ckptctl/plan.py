@@ -63,6 +63,13 @@ class SourceTensor:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
 
+    @property
+    def transformed(self) -> bool:
+        """Whether any chunk must be decoded to be read (a table answers without a `Chunk` per chunk)."""
+        if type(self.chunks) is BoxedChunks:
+            return self.chunks.table.transformed
+        return any(chunk.transforms for chunk, _ in self.chunks)
+
     @cached_property
     def _by_rows(self) -> tuple[array, array, array, array]:
         """Chunks sorted by first row: their saved indexes, first rows, row ends, and each prefix's
@@ -485,10 +492,10 @@ def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceT
         yield batch
 
 
-def source_bytes(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor]) -> int:
-    """The source bytes a record's `box` of `target` reads: its elements at the itemsize of the
-    sources its target's pieces read (one dtype per target, as every planner builds them)."""
-    return box.numel * sources[target.pieces[0].src].dtype.itemsize if target.pieces else 0
+def source_bytes(target: TargetTensor, numel: int, sources: Mapping[str, SourceTensor]) -> int:
+    """The source bytes `numel` elements of `target` read: at the itemsize of the sources its
+    pieces read (one dtype per target, as every planner builds them)."""
+    return numel * sources[target.pieces[0].src].dtype.itemsize if target.pieces else 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,7 +78,7 @@ def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceT
             transposes = transposes or piece.axes is not None
             computes = computes or bool(target.add) or sources[piece.src].dtype != target.dtype
             read.add(piece.src)
-    decodes = any(chunk.transforms for name in read for chunk, _ in sources[name].chunks)
+    decodes = any(sources[name].transformed for name in read)
     computes = computes or transposes
     if transposes:  # a transposed record's block, its tile span, and the tile rearranged
         block = max(block, TRANSPOSE_BLOCK_BYTES + TILE_SPAN_BYTES)
