@@ -89,26 +89,28 @@ class SourceTensor:
         return (array("q", (e[2] for e in bounds)), array("q", (e[0] for e in bounds)), ends,
                 array("q", itertools.accumulate(ends, max)))
 
-    def _near_rows(self, lo: int, hi: int) -> list[tuple[int, int, int, Chunk, Region, Box]]:
+    def rows_near(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, as (saved index, first row,
-        row end, chunk, region, bounds).
+        row end).
 
         A bisection instead of a scan: with R ranks, planning a tensor costs R log R, not R².
         """
         order, starts, ends, furthest = self._by_rows
         first, last = bisect.bisect_right(furthest, lo), bisect.bisect_left(starts, hi)
-        near = sorted(zip(order[first:last], starts[first:last], ends[first:last]))
-        chunks, shape, out = self.chunks, self.shape, []
-        for i, start, end in near:
-            chunk, region = chunks[i]
-            out.append((i, start, end, chunk, region, region_bounds(region, shape)))
-        return out
+        return sorted(zip(order[first:last], starts[first:last], ends[first:last]))
+
+    def chunk(self, index: int) -> Chunk:
+        """Saved chunk `index` (a table's row made a `Chunk` without its box)."""
+        if type(self.chunks) is BoxedChunks:
+            return self.chunks.table[index]
+        return self.chunks[index][0]
 
     def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds."""
-        if not self.shape:
-            return [(c, r, region_bounds(r, self.shape)) for c, r in self.chunks]
-        return [(c, r, b) for _, _, _, c, r, b in self._near_rows(lo, hi)]
+        chunks, shape = self.chunks, self.shape
+        if not shape:
+            return [(c, r, region_bounds(r, shape)) for c, r in chunks]
+        return [(c, r, region_bounds(r, shape)) for c, r in (chunks[i] for i, _, _ in self.rows_near(lo, hi))]
 
     @cached_property
     def whole_rows(self) -> tuple[tuple[int, ...], int] | None:
@@ -415,12 +417,12 @@ def _plan_rows(box: Box, piece: Piece, src: SourceTensor, row: int, reads: list[
     if hi <= lo or not row:
         return
     first = box.offsets[0] + shift  # the source row that lands on the box's first row
-    for _, start, stop, chunk, _, _ in src._near_rows(lo, hi):
+    for i, start, stop in src.rows_near(lo, hi):
         a = start if start > lo else lo
         b = stop if stop < hi else hi
         if a < b:
             runs = _one_run((a - start) * row, (a - first) * row, (b - a) * row)
-            reads.append(SourceRead(src.fqn, chunk, src.dtype, runs))
+            reads.append(SourceRead(src.fqn, src.chunk(i), src.dtype, runs))
 
 
 @functools.lru_cache(maxsize=1 << 16)
