@@ -61,12 +61,15 @@ def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceT
     """Memory writing `targets` adds to a process that already holds its plan.
 
     Each worker's block buffers (two: its block and, on cast or gathered paths, a span
-    scratch), the cache of decoded items when some must be decoded, and torch itself when
+    scratch), the buffer small records are assembled in and the read-ahead windows on small
+    source items, the cache of decoded items when some must be decoded, and torch itself when
     the run imports it: to cast, add, decode zstd items or drive a GPU (whose driver's own
     host memory is not counted). Told from the targets' pieces and their sources, before any
     record's copy runs are planned.
     """
-    from ckptctl.engine.cpu import BLOCK_BYTES, DECODED_CACHE_BYTES, TILE_SPAN_BYTES, TRANSPOSE_BLOCK_BYTES
+    from ckptctl.engine.cpu import (BLOCK_BYTES, COALESCE_BYTES, DECODED_CACHE_BYTES, TILE_SPAN_BYTES,
+                                    TRANSPOSE_BLOCK_BYTES)
+    from ckptctl.formats.dcp_items import READ_AHEAD, READ_WINDOWS
 
     block = BLOCK_BYTES
     if device == "cuda":
@@ -82,5 +85,5 @@ def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceT
     computes = computes or transposes
     if transposes:  # a transposed record's block, its tile span, and the tile rearranged
         block = max(block, TRANSPOSE_BLOCK_BYTES + TILE_SPAN_BYTES)
-    return (workers * 2 * block + (DECODED_CACHE_BYTES if decodes else 0)
+    return (workers * 2 * block + COALESCE_BYTES + READ_WINDOWS * READ_AHEAD + (DECODED_CACHE_BYTES if decodes else 0)
             + (TORCH_RSS_BYTES if decodes or computes or device == "cuda" else 0))

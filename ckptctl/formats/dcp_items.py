@@ -67,8 +67,9 @@ MAX_TEMPLATE_ITEM = 1 << 16
 READ_AHEAD_MIN, READ_AHEAD = 1 << 15, 1 << 19
 """Bytes read at once, first and at most, where small items are read front to back in a file (a
 reshard of tiny chunks reads each rank file's items in order): one `pread` a window, not one an item."""
-READ_WINDOWS = 8
-"""Read-ahead windows kept per thread (one per source file being read front to back)."""
+READ_WINDOWS = 4
+"""Read-ahead windows kept (one per source file being read front to back: a rank file's records
+read two when halving the world size)."""
 MAX_TEMPLATES = 4096
 """Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
 
@@ -150,7 +151,8 @@ class ItemReader:
         self._safetensors_headers: dict[tuple[str, int], dict] = {}
         self._templates: dict[tuple[Any, tuple[int, ...], int], _Template] = {}
         self._paths: dict[str, Path] = {}
-        self._windows = threading.local()  # per thread: file -> (start, bytes, end of the last item read)
+        self._windows: dict[str, tuple[int, bytes, int]] = {}  # file -> (start, bytes, end of the last item read)
+        self._windows_lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
@@ -207,23 +209,22 @@ class ItemReader:
         return whole[template.data_start:template.data_start + template.nbytes]
 
     def _item_bytes(self, chunk: Chunk) -> memoryview:
-        """A small item's bytes (fewer at the end of its file), from this thread's window on its file
-        when the window holds them. A read that starts where the file's last one ended reads ahead,
-        twice as far as the last time up to READ_AHEAD (as the kernel's read-ahead grows); any
-        other reads the item alone."""
-        windows = getattr(self._windows, "by_file", None)
-        if windows is None:
-            windows = self._windows.by_file = {}
+        """A small item's bytes (fewer at the end of its file), from the window on its file when the
+        window holds them. A read that starts where the file's last one ended reads ahead, twice as
+        far as the last time up to READ_AHEAD (as the kernel's read-ahead grows); any other reads
+        the item alone. Windows are shared by the threads: READ_WINDOWS × READ_AHEAD bytes at most."""
         start, end = chunk.offset, chunk.offset + chunk.length
-        at, data, last_end = windows.get(chunk.file, (0, b"", -1))
-        if at <= start and end <= at + len(data):
-            windows[chunk.file] = (at, data, end)
-            return memoryview(data)[start - at:end - at]
+        with self._windows_lock:
+            at, data, last_end = self._windows.get(chunk.file, (0, b"", -1))
+            if at <= start and end <= at + len(data):
+                self._windows[chunk.file] = (at, data, end)
+                return memoryview(data)[start - at:end - at]
         size = min(READ_AHEAD, max(2 * len(data), READ_AHEAD_MIN)) if start == last_end else 0
         data = os.pread(self.fd(chunk.file), max(chunk.length, size), start)
-        if chunk.file not in windows and len(windows) >= READ_WINDOWS:
-            windows.clear()
-        windows[chunk.file] = (start, data, end)
+        with self._windows_lock:
+            if chunk.file not in self._windows and len(self._windows) >= READ_WINDOWS:
+                self._windows.clear()
+            self._windows[chunk.file] = (start, data, end)
         return memoryview(data)[:chunk.length]
 
     def _path(self, file: str) -> Path:
