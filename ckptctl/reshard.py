@@ -12,10 +12,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import executor, resolve_device, working_bytes
+from ckptctl.engine import helper
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType, cast_dtype
@@ -200,27 +201,49 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
     the plan used; default as reshard sees the source), and time the run into `report`."""
     check_destination(dst, force, src)
+    device = resolve_device(opts.device)
     execute = executor(opts.device, comm.local_rank)
     mine = assign_files(out.files, comm.world_size)[comm.rank]
-    copy_items = [c for c in out.copy_items if c.file in mine]
     share_bytes = sum(size for name, size in out.files.items() if name in mine)
     phases = Phases(progress)
     sources = ChunkSource(ckpt)
+    metadata_written = False
 
-    def write_share(tmp: Path, names: frozenset[str]) -> None:
-        advance = phases.start("writing", share_bytes)
+    def write_files(tmp: Path, names: frozenset[str], advance: Callable[[int], None]) -> None:
         files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
         try:
-            execute([], copy_items, sources, files, opts.workers, advance)
-            for batch in planned_batches(out.records.in_files(mine), out.sources):  # its records only
+            execute([], [c for c in out.copy_items if c.file in names], sources, files, opts.workers, advance)
+            for batch in planned_batches(out.records.in_files(names), out.sources):  # its records only
                 execute(batch, [], sources, files, opts.workers, advance)
         finally:
             files.close()
+
+    def write_share(tmp: Path, names: frozenset[str]) -> None:
+        nonlocal metadata_written
+        advance = phases.start("writing", share_bytes)
+        theirs = helper.share({n: out.files[n] for n in names}) \
+            if comm.world_size == 1 and device == "cpu" and helper.wanted(len(out.records)) else frozenset()
+        if theirs:  # a second core: the helper writes .metadata and some files meanwhile
+
+            def helper_work(report: Callable[[int], None]) -> None:
+                write_metadata(out, tmp)
+                write_files(tmp, theirs, report)
+
+            running = helper.start(helper_work, advance)
+            try:
+                write_files(tmp, names - theirs, advance)
+                running.join()
+            finally:
+                running.stop()
+            metadata_written = True
+        else:
+            write_files(tmp, names, advance)
         phases.stop()
         report.write_bytes = share_bytes
 
     def finish(tmp: Path) -> None:
-        write_metadata(out, tmp)
+        if not metadata_written:
+            write_metadata(out, tmp)
         if verify:
             verify_dcp(ckpt, sources, out, tmp, opts.workers,
                        phases.start("verifying", sum(t.nbytes for t in out.targets.values())), views)
