@@ -13,7 +13,6 @@ pools do not survive a fork), no run threads started yet, Linux.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import struct
@@ -136,6 +135,8 @@ def _run_helper(work: Callable[[Callable[[int], None]], None], fd: int) -> NoRet
 
 def _die_with_parent() -> None:
     """Ask Linux to kill this process when the run ends, however it ends."""
+    import ctypes  # here: only a helper needs it
+
     parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -53,6 +53,7 @@ class DcpOutput:
 
     files: dict[str, int]
     records: DcpRecords
+    """The target chunks' records, each made when written (`DcpRecords.in_files`)."""
     copy_items: list[CopyItem]
     targets: dict[str, TargetTensor]
     bytes_entries: dict[str, CopyItem]
@@ -152,13 +153,13 @@ class DcpRecords:
                 k += 1
         return order, spans
 
-    def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, str, int]]:
-        """(target, index of the chunk in its target, the chunk, file, offset) of every record in
-        planning order, none made."""
+    def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, int]]:
+        """(target, index of the chunk in its target, the chunk, offset in its rank's file) of every
+        record in planning order, none made."""
         offsets = iter(self._offsets)
         for target, placed in zip(self.targets, self.placed):
             for j, p in enumerate(placed):
-                yield target, j, p, self._files[p.rank], next(offsets)
+                yield target, j, p, next(offsets)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -234,7 +235,7 @@ def build_metadata(out: DcpOutput) -> Metadata:
     def storage() -> Iterator[tuple[MetadataIndex, StorageInfo]]:
         for fqn, copy in out.bytes_entries.items():
             yield MetadataIndex(fqn), StorageInfo(copy.file, copy.offset, copy.length, transforms[fqn])
-        for target, index, p, _, offset in records.placed_records():
+        for target, index, p, offset in records.placed_records():
             # a file name made per entry, as the records were: one shared string would pickle as memo references
             yield (MetadataIndex(target.fqn, size(p.box.offsets), index),
                    StorageInfo(rank_file(p.rank), offset, _record_length(target.dtype, p.box.sizes)))
