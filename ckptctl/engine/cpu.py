@@ -491,11 +491,13 @@ def write_small_records(items: Iterable[StreamItem], sources: ChunkSource, files
                         progress: Callable[[int], None]) -> None:
     """Records smaller than a block, each file's front to back: records that follow one another
     in a file are assembled side by side and written together, COALESCE_BYTES at a time, and
-    their source items, which follow one another too, are read ahead (`ItemReader.small_data`).
-    A million tiny chunks: a write and a read or two per record were a third of the time."""
-    buf = memoryview(bytearray(COALESCE_BYTES))
+    their source items, which follow one another too in a plain reshard, are read ahead
+    (`ItemReader.small_data`). A million tiny chunks: a write and a read or two per record were
+    a third of the time."""
+    ordered = sorted(items, key=lambda i: (i.file, i.offset))
+    buf = memoryview(bytearray(min(COALESCE_BYTES, sum(i.length for i in ordered))))  # holds any one record
     file, start, used = "", 0, 0
-    for item in sorted(items, key=lambda i: (i.file, i.offset)):
+    for item in ordered:
         size = item.length
         if item.file != file or item.offset != start + used or used + size > len(buf):
             if used:

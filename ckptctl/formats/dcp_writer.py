@@ -11,9 +11,7 @@ torchrun worker plans its own files' records, and no process holds every record'
 
 from __future__ import annotations
 
-import bisect
 import functools
-import itertools
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,11 +95,10 @@ class DcpOutput:
 
 
 class DcpRecords:
-    """Every target chunk's record, held as its place in its rank file only: one integer a record,
-    not a `StreamItem`, its layout and its file name (about 0.5 KB each, a gigabyte at a million
-    records). Records are made when read, each file's front to back (`in_files`: a torchrun
-    worker makes only its own files'); `placed_records` gives them in planning order (target by
-    target), the order of `.metadata`."""
+    """Every target chunk's record in planning order (target by target, the order of `.metadata`),
+    held as its place in its rank file only: one integer a record, not a `StreamItem`, its layout
+    and its file name (about 0.5 KB each, a gigabyte at a million records). Records are made when
+    read (`in_files`: a torchrun worker or a helper makes only its own files')."""
 
     def __init__(self, targets: Sequence[TargetTensor], placements: Mapping[str, Sequence[Placed]],
                  offsets: array, files: Mapping[int, str]) -> None:
@@ -109,7 +106,6 @@ class DcpRecords:
         self.placed = [placements[t.fqn] for t in self.targets]
         self._offsets = offsets
         self._files = files  # rank → its file's name, one string for all its records
-        self._target_starts = array("q", itertools.accumulate(map(len, self.placed), initial=0))
 
     def __len__(self) -> int:
         return len(self._offsets)
@@ -118,44 +114,17 @@ class DcpRecords:
         return self.in_files(None)
 
     def in_files(self, names: Container[str] | None) -> Iterator[StreamItem]:
-        """The records of files `names` (all with None), made as they are read, file by file and
-        each front to back: consecutive records then read their sources front to back too."""
-        order, spans = self._by_file()
-        starts = self._target_starts
-        for rank, (lo, hi) in spans.items():
-            file = self._files[rank]
-            if names is not None and file not in names:
-                continue
-            for k in order[lo:hi]:
-                t = bisect.bisect_right(starts, k) - 1
-                target, placed = self.targets[t], self.placed[t][k - starts[t]]
+        """The records of files `names` (all with None), made as they are read."""
+        for target, _, placed, offset in self.placed_records():
+            file = self._files[placed.rank]
+            if names is None or file in names:
                 key = f"{target.fqn}@{list(placed.box.offsets)}"  # the item's serialization id: equal runs, equal bytes
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
-                yield StreamItem(file, self._offsets[k], layout.head, target, placed.box, (), layout, layout.tail_len)
-
-    def _by_file(self) -> tuple[array, dict[int, tuple[int, int]]]:
-        """Record numbers (planning order) sorted by rank, stably, and each rank's span of them."""
-        counts: dict[int, int] = {}
-        for placed in self.placed:
-            for p in placed:
-                counts[p.rank] = counts.get(p.rank, 0) + 1
-        spans, at = {}, 0
-        for rank in sorted(counts):
-            spans[rank] = (at, at + counts[rank])
-            at += counts[rank]
-        fill = {rank: lo for rank, (lo, _) in spans.items()}
-        order = array("q", bytes(8 * at))
-        k = 0
-        for placed in self.placed:
-            for p in placed:
-                order[fill[p.rank]] = k
-                fill[p.rank] += 1
-                k += 1
-        return order, spans
+                yield StreamItem(file, offset, layout.head, target, placed.box, (), layout, layout.tail_len)
 
     def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, int]]:
         """(target, index of the chunk in its target, the chunk, offset in its rank's file) of every
-        record in planning order, none made."""
+        record, none made."""
         offsets = iter(self._offsets)
         for target, placed in zip(self.targets, self.placed):
             for j, p in enumerate(placed):
@@ -220,7 +189,7 @@ def build_metadata(out: DcpOutput) -> Metadata:
     """The `.metadata` object describing `out` (stand-ins that pickle as torch's own classes).
 
     Its chunk lists and storage dict are streamed (`dcp_metadata_out.StreamedList`/`StreamedDict`):
-    their records are made as the pickle is written, a batch at a time, from the stream items, so
+    their records are made as the pickle is written, a batch at a time, from the placements, so
     no record per output chunk is ever held. The bytes are those of the same records held.
     """
     records = out.records
