@@ -462,17 +462,19 @@ def missing_elements(box: Box, reads: Sequence[Read]) -> int:
     return box.numel - total
 
 
-PLAN_RUNS = 1 << 15
-"""Copy runs planned at once. A tensor split on dim 1 (Megatron TP) needs a run per row and
-chunk, and a checkpoint of a thousand ranks millions of records: their runs are planned a batch
-at a time, each written before the next is planned, and never all held (a tiny record and its
-runs, about 600 bytes: 32,768 runs keep a batch near 10 MB, and 163,840 tiny chunks resharded
-peak at 88 MB instead of 132 MB with 262,144). A torchrun worker plans only its own files' records."""
+PLAN_RUNS, PLAN_RECORDS = 1 << 18, 1 << 14
+"""Copy runs, and records, planned at once. A tensor split on dim 1 (Megatron TP) needs a run per
+row and chunk, and a checkpoint of a thousand ranks millions of records: their runs are planned
+a batch at a time, each written before the next is planned, and never all held (about 100 bytes
+a run; a tiny record and its runs about 600: 16,384 of them keep a batch near 10 MB, and 163,840
+tiny chunks resharded peak at 88 MB instead of 132 MB with batches of 131,072). A torchrun
+worker plans only its own files' records."""
 
 
 def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceTensor],
-                    max_runs: int = PLAN_RUNS) -> Iterator[list["StreamItem"]]:
-    """The records with their copy runs, about `max_runs` runs at a time (a record is never split).
+                    max_runs: int = PLAN_RUNS, max_records: int = PLAN_RECORDS) -> Iterator[list["StreamItem"]]:
+    """The records with their copy runs, about `max_runs` runs or `max_records` records at a time
+    (a record is never split).
 
     Each batch is planned with the collector paused (`gc_pause`): a few acyclic objects per
     record, which would otherwise make it rescan the checkpoint's metadata again and again
@@ -487,7 +489,7 @@ def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceT
                 batch.append(item.planned(reads))
                 for read in reads:
                     runs += read.run_count
-                if runs >= max_runs:
+                if runs >= max_runs or len(batch) >= max_records:
                     break
         if not batch:
             return
