@@ -223,13 +223,13 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         advance = phases.start("writing", share_bytes)
         theirs = helper.share({n: out.files[n] for n in names}) \
             if comm.world_size == 1 and device == "cpu" and helper.wanted(len(out.records)) else frozenset()
-        if theirs:  # a second core: the helper writes .metadata and some files meanwhile
 
-            def helper_work(report: Callable[[int], None]) -> None:
-                write_metadata(out, tmp)
-                write_files(tmp, theirs, report)
+        def helper_work(report: Callable[[int], None]) -> None:
+            write_metadata(out, tmp)
+            write_files(tmp, theirs, report)
 
-            running = helper.start(helper_work, advance)
+        running = helper.start(helper_work, advance) if theirs else None
+        if running is not None:  # a second core: the helper writes .metadata and its files meanwhile
             try:
                 write_files(tmp, names - theirs, advance)
                 running.join()

@@ -124,3 +124,18 @@ def test_the_helpers_share_is_the_last_files_near_two_fifths_of_the_bytes():
     assert helper.share({f"__{r}_0.distcp": 10 for r in range(10)}) == {f"__{r}_0.distcp" for r in (6, 7, 8, 9)}
     assert helper.share({"a": 100}) == frozenset()  # one file: no helper
     assert helper.share({"a": 1, "b": 100}) == {"b"}
+
+
+def test_a_run_that_cannot_fork_writes_alone(fixture_ckpt, tmp_path, monkeypatch):
+    import errno
+
+    def no_fork():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(helper, "wanted", lambda records: True)
+    monkeypatch.setattr(os, "fork", no_fork)
+    assert helper.start(lambda report: None, lambda n: None) is None
+    src = fixture_ckpt("fsdp2_4ranks")
+    reshard(src, tmp_path / "alone", ReshardOptions(world_size=3, sync=False))
+    _cli_reshard(src, tmp_path / "cli", "0")
+    assert _tree(tmp_path / "alone") == _tree(tmp_path / "cli")

@@ -92,10 +92,16 @@ class Helper:
         self._relay.join()
 
 
-def start(work: Callable[[Callable[[int], None]], None], progress: Callable[[int], None]) -> Helper:
-    """Fork a helper that runs `work(report)`; `report(nbytes)` reaches `progress` in this process."""
+def start(work: Callable[[Callable[[int], None]], None], progress: Callable[[int], None]) -> Helper | None:
+    """Fork a helper that runs `work(report)`; `report(nbytes)` reaches `progress` in this process.
+    None when the system cannot fork now (out of processes or memory): the run does the work."""
     read_end, write_end = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read_end)
+        os.close(write_end)
+        return None
     if pid == 0:
         os.close(read_end)
         _run_helper(work, write_end)
