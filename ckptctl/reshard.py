@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
-from ckptctl.engine import executor, resolve_device, working_bytes
-from ckptctl.engine import helper
+from ckptctl.engine import executor, helper, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
 from ckptctl.dtypes import DType, cast_dtype

@@ -8,7 +8,7 @@ error through a pipe. The helper never returns into the caller's code: it ends w
 `os._exit`, so none of the run's `finally` clauses (the atomic directory's clean-up) runs in
 it, nor are the run's unflushed output buffers written twice. It ignores Ctrl-C (the run stops
 it) and dies with the run. Forked only where that is safe: torch not imported (its thread
-pools do not survive a fork), no run threads started yet, Linux.
+pools do not survive a fork), before the run starts its worker threads, Linux.
 """
 
 from __future__ import annotations
