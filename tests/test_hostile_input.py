@@ -392,8 +392,8 @@ def test_bytes_entry_claiming_2_gib_is_refused_before_allocating(tmp_path: Path)
 
 
 def test_sigint_during_start_up_is_one_line_and_130(tmp_path: Path) -> None:
-    """SIGINT once `python -m ckptctl` runs, at a few moments of its start-up or shut-down: exit 130 and
-    one line.
+    """SIGINT once `python -m ckptctl` runs, at a few moments of its start-up: exit 130 and one line,
+    or, once the command has finished, its own status; never death by signal.
     (A signal that lands while the interpreter itself starts, before ckptctl's code runs, is
     Python's to report; the delays start after that.)"""
     import signal
