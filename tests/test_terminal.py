@@ -89,6 +89,19 @@ def test_reshard_at_a_terminal_draws_writing_then_verifying_bars_and_one_rate(sr
     assert re.search(r"\(writing (" + RATE + ")", last).group(1) == bar_rate  # the same bytes over the same clock
 
 
+def test_reshard_with_a_helper_process_at_a_terminal_looks_the_same(src, tmp_path):
+    """The helper (forked here from one record up) adds its bytes to the one bar and prints nothing."""
+    run = run_in_terminal("reshard", src, tmp_path / "o", "-n", "3", env={"CKPTCTL_HELPER_MIN_RECORDS": "1"},
+                          columns=WIDE)
+    assert run.returncode == 0
+    assert_no_traceback(run.plain)
+    writing = [line for line in run.screen.splitlines() if line.startswith("writing")]
+    assert len(writing) == 1 and re.search(rf"━ 116\.5/116\.5 kB {RATE}\s+\d:\d\d:\d\d$", writing[0])
+    assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 4 files\) in \d+\.\d\ds \(writing {RATE}\), "
+                        r"peak RSS \d+\.\d MB", final_line(run.screen)), final_line(run.screen)
+    assert len(run.screen.strip().splitlines()) == 2  # the bar and the final line, nothing from the helper
+
+
 def test_reshard_dry_run_at_a_terminal_prints_the_plan_and_writes_nothing(src, tmp_path):
     run = run_in_terminal("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", columns=WIDE)
     assert run.returncode == 0
