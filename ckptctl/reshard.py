@@ -219,9 +219,9 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
         nonlocal metadata_written
-        advance = phases.start("writing", share_bytes)
         theirs = helper.share({n: out.files[n] for n in names}) \
             if comm.world_size == 1 and device == "cpu" and helper.wanted(len(out.records)) else frozenset()
+        advance = phases.start("writing", share_bytes)
 
         def helper_work(report: Callable[[int], None]) -> None:
             write_metadata(out, tmp)

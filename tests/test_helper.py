@@ -139,3 +139,12 @@ def test_a_run_that_cannot_fork_writes_alone(fixture_ckpt, tmp_path, monkeypatch
     reshard(src, tmp_path / "alone", ReshardOptions(world_size=3, sync=False))
     _cli_reshard(src, tmp_path / "cli", "0")
     assert _tree(tmp_path / "alone") == _tree(tmp_path / "cli")
+
+
+def test_a_threshold_that_is_not_a_number_is_one_line_and_exit_2(fixture_ckpt, tmp_path):
+    env = {**os.environ, helper.MIN_RECORDS_ENV: "lots"}
+    done = subprocess.run([sys.executable, "-m", "ckptctl", "reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "o",
+                           "-n", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr) == (
+        2, "ckptctl: error: CKPTCTL_HELPER_MIN_RECORDS must be a whole number (got 'lots')\n")
+    assert list(tmp_path.iterdir()) == []
