@@ -96,6 +96,7 @@ def start(work: Callable[[Callable[[int], None]], None], progress: Callable[[int
     """Fork a helper that runs `work(report)`; `report(nbytes)` reaches `progress` in this process.
     None when the system cannot fork now (out of processes or memory): the run does the work."""
     read_end, write_end = os.pipe()
+    run = os.getpid()
     try:
         pid = os.fork()
     except OSError:
@@ -104,7 +105,7 @@ def start(work: Callable[[Callable[[int], None]], None], progress: Callable[[int
         return None
     if pid == 0:
         os.close(read_end)
-        _run_helper(work, write_end)
+        _run_helper(work, write_end, run)
     os.close(write_end)
     errors: list[str] = []
     relay = threading.Thread(target=_relay, args=(read_end, progress, errors), name="ckptctl-helper", daemon=True)
@@ -112,11 +113,11 @@ def start(work: Callable[[Callable[[int], None]], None], progress: Callable[[int
     return Helper(pid, relay, errors)
 
 
-def _run_helper(work: Callable[[Callable[[int], None]], None], fd: int) -> NoReturn:
+def _run_helper(work: Callable[[Callable[[int], None]], None], fd: int, run: int) -> NoReturn:
     status = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops the helper
-        _die_with_parent()
+        _die_with(run)
         pending = 0
 
         def report(nbytes: int) -> None:
@@ -140,16 +141,15 @@ def _run_helper(work: Callable[[Callable[[int], None]], None], fd: int) -> NoRet
     os._exit(status)
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this process when the run ends, however it ends."""
+def _die_with(run: int) -> None:
+    """Ask Linux to kill this process when the run (process `run`) ends, however it ends."""
     import ctypes  # here: only a helper needs it
 
-    parent = os.getppid()
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         return
-    if os.getppid() != parent:  # the run ended before the request
+    if os.getppid() != run:  # the run ended before the request
         os._exit(1)
 
 
@@ -162,6 +162,13 @@ def _relay(fd: int, progress: Callable[[int], None], errors: list[str]) -> None:
                 return
             size = _U64.unpack_from(head, 1)[0]
             if head[:1] == _PROGRESS:
-                progress(size)
+                try:
+                    progress(size)
+                except Exception:  # noqa: BLE001 - a display; the pipe must still be drained or the helper blocks
+                    progress = _no_progress
             else:
                 errors.append(pipe.read(size).decode("utf-8", "replace"))
+
+
+def _no_progress(nbytes: int) -> None:
+    """What the relay reports to once the run's progress display failed."""
