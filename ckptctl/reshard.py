@@ -201,7 +201,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     the plan used; default as reshard sees the source), and time the run into `report`."""
     check_destination(dst, force, src)
     device = resolve_device(opts.device)
-    execute = executor(opts.device, comm.local_rank)
+    execute = executor(device, comm.local_rank)
     mine = assign_files(out.files, comm.world_size)[comm.rank]
     share_bytes = sum(size for name, size in out.files.items() if name in mine)
     phases = Phases(progress)

@@ -217,7 +217,7 @@ def test_cuda_add_matches_cpu(special_ckpt, tmp_path, device, dtype):
     """A target's `add` (HF's GDN norm = gamma + 1) on the device gives the CPU's bytes, NaNs included."""
     ckpt = open_checkpoint(special_ckpt)
     out = plan_reshard(ckpt, ReshardOptions(world_size=2, dtype=dtype))
-    planned = [i for batch in planned_batches(out.records, out.sources) for i in batch]
+    planned = [i for batch in planned_batches(out.records.in_files(out.files), out.sources) for i in batch]
     items = [dataclasses.replace(i, target=dataclasses.replace(i.target, add=1.0))
              if i.target.dtype.is_floating_point else i for i in planned]
     for name, run in (("cpu", cpu.execute), ("cuda", cuda.execute)):

@@ -180,7 +180,7 @@ def test_torchrun_worker_failure_fails_the_run_and_leaves_no_output(fixture_ckpt
     ckpt = open_checkpoint(src)
     out = plan_reshard(ckpt, ReshardOptions(world_size=5))
     shares = assign_files(out.files, 2)
-    planned = [i for batch in planned_batches(out.records, out.sources) for i in batch]
+    planned = [i for batch in planned_batches(out.records.in_files(out.files), out.sources) for i in batch]
     chunks = {rank: {(r.chunk.file, r.chunk.offset, r.chunk.length) for i in planned
                      if i.file in shares[rank] for r in i.reads} for rank in (0, 1)}
     file, offset, length = sorted(chunks[1] - chunks[0])[0]  # read by worker 1 only

@@ -110,14 +110,11 @@ class DcpRecords:
     def __len__(self) -> int:
         return len(self._offsets)
 
-    def __iter__(self) -> Iterator[StreamItem]:
-        return self.in_files(None)
-
-    def in_files(self, names: Container[str] | None) -> Iterator[StreamItem]:
-        """The records of files `names` (all with None), made as they are read."""
+    def in_files(self, names: Container[str]) -> Iterator[StreamItem]:
+        """The records of files `names`, made as they are read."""
         for target, _, placed, offset in self.placed_records():
             file = self._files[placed.rank]
-            if names is None or file in names:
+            if file in names:
                 key = f"{target.fqn}@{list(placed.box.offsets)}"  # the item's serialization id: equal runs, equal bytes
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
                 yield StreamItem(file, offset, layout.head, target, placed.box, (), layout, layout.tail_len)
