@@ -31,11 +31,13 @@ class UsageError(CkptctlError):
 
 
 class IncompleteCheckpointError(CkptctlError):
-    """The source has coverage or consistency problems and the command would lose data."""
+    """The source has coverage or consistency problems and the command would lose data.
+    `allowable` when the command has `--allow-incomplete` (reshard): the message then names it."""
 
-    def __init__(self, path: str | Path, problems: list[str]) -> None:
+    def __init__(self, path: str | Path, problems: list[str], allowable: bool = True) -> None:
         self.path = str(path)
         self.problems = problems
         first = problems[0] if problems else "unknown problem"
         more = f" (+{len(problems) - 1} more; see `ckptctl inspect --check`)" if len(problems) > 1 else ""
-        super().__init__(f"{self.path}: refusing incomplete checkpoint: {first}{more}; pass --allow-incomplete to go on")
+        hint = "; pass --allow-incomplete to go on" if allowable else ""
+        super().__init__(f"{self.path}: refusing incomplete checkpoint: {first}{more}{hint}")

@@ -365,3 +365,23 @@ def test_a_full_disk_fails_with_one_line_naming_the_file_and_leaves_nothing(fixt
     assert (result.returncode, result.stderr) == (
         2, f"ckptctl: error: {out / 'hf' / 'model.safetensors'}: cannot write: File too large\n")
     assert list(out.iterdir()) == []
+
+
+def test_export_hf_refuses_a_gap_without_offering_an_option_it_lacks(fixture_ckpt, tmp_path):
+    """export-hf has no --allow-incomplete: its refusal of rows in no saved chunk does not name one."""
+    from dataclasses import replace
+
+    from ckptctl.errors import IncompleteCheckpointError
+    from ckptctl.export_hf import ExportOptions, check_coverage, plan_export
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.hf.base import load_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "raw", "architectures": ["Sequential"]}))
+    ckpt = open_checkpoint(fixture_ckpt("fsdp2_4ranks"))
+    export = plan_export(ckpt, load_hf_config(tmp_path), ExportOptions(arch="raw", name_check=False))
+    view = export.sources["model.mlp.fc1.weight"]  # [12, 8] fp32 in four row chunks
+    sources = {**export.sources, view.fqn: replace(view, chunks=tuple(view.chunks)[1:])}
+    with pytest.raises(IncompleteCheckpointError) as err:
+        check_coverage(ckpt, export.targets.values(), sources)
+    assert str(err.value) == (f"{ckpt.path}: refusing incomplete checkpoint: mlp.fc1.weight: 24 elements of "
+                              f"model.mlp.fc1.weight rows 0..12 are in no saved chunk")
