@@ -17,6 +17,7 @@ before the directory is put in place.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -28,16 +29,17 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
-from ckptctl.engine import executor, resolve_device
-from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes
-from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.engine import resolve_device
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes
+from ckptctl.engine.dist import LOCAL, Comm
+from ckptctl.engine.output import write_output
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import TORCH_DIST, open_checkpoint
-from ckptctl.formats.safetensors_out import SafetensorsFile, layout_file, stream_items, write_index
+from ckptctl.formats.safetensors_out import SafetensorsFile, file_records, item_boxes, layout_file, write_index
 from ckptctl.geometry import full_box, region_blocks, union_volume
 from ckptctl.hf.automodel import AUTOMODEL, native_expert_names
 from ckptctl.hf.base import (
@@ -58,7 +60,8 @@ from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
+from ckptctl.output_plan import OutputPlan
+from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
 from ckptctl.selection import refuse_empty_selection, selected
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -141,10 +144,18 @@ class ExportPlan:
             names.add(GENERATION_CONFIG_NAME)
         return sorted(names)
 
-    def file_items(self, file: SafetensorsFile) -> list[StreamItem]:
-        """The records of one file with their copy runs. Planned a file at a time: a RowParallel
-        tensor needs a run per row and TP chunk, too many to hold for a whole large model."""
-        return stream_items(file, [self.targets[n] for n in self.file_targets[file.name]], self.sources)
+    def output_plan(self) -> OutputPlan:
+        """The export as the engine writes it: each file's header, its tensors' row blocks (each
+        checked whole as its runs are planned), then the index, config and side files."""
+        def records(names: Container[str]) -> Iterator[StreamItem]:
+            for f in self.files:
+                if f.name in names:
+                    yield from file_records(f, [self.targets[n] for n in self.file_targets[f.name]])
+
+        count = sum(len(item_boxes(t.shape, t.dtype.itemsize)) for t in self.targets.values())
+        headers = [CopyItem("", 0, len(f.header), f.name, 0, f.header) for f in self.files]
+        return OutputPlan({f.name: f.size for f in self.files}, records, count, self.sources, headers,
+                          finish=functools.partial(write_side_files, self), whole_records=True)
 
 
 @dataclass
@@ -605,10 +616,6 @@ def export_hf(
     ckpt = open_checkpoint(src)
     plan = plan_export(ckpt, cfg, opts)
     check_destination(dst, force, src)
-    execute = executor(opts.device, comm.local_rank)
-    sizes = {f.name: f.size for f in plan.files}
-    mine = assign_files(sizes, comm.world_size)[comm.rank]
-    share_bytes = sum(f.size for f in plan.files if f.name in mine)
     phases = Phases(progress)
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
@@ -618,33 +625,20 @@ def export_hf(
     )
     sources = ChunkSource(ckpt)
 
-    def write_share(tmp: Path, names: frozenset[str]) -> None:
-        advance = phases.start("writing", share_bytes)
-        files = OutputFiles(tmp, {n: size for n, size in sizes.items() if n in names}, opts.sync)
-        try:
-            for f in plan.files:
-                if f.name in names:
-                    files.write(f.name, f.header, 0)
-                    execute(plan.file_items(f), [], sources, files, max(1, opts.workers), advance)
-        finally:
-            files.close()
+    def verify_output(tmp: Path) -> None:
+        advance = phases.start("verifying", plan.data_bytes)
+        for f in plan.files:
+            verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+        check_written_names(plan, tmp)
+        check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
+                             max(1, opts.workers))
         phases.stop()
-        report.write_bytes = share_bytes
-
-    def finish(tmp: Path) -> None:
-        write_side_files(plan, tmp)
-        if verify:
-            advance = phases.start("verifying", plan.data_bytes)
-            for f in plan.files:
-                verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
-            check_written_names(plan, tmp)
-            check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
-                                 max(1, opts.workers))
-            phases.stop()
-            report.verified = True
+        report.verified = True
 
     try:
-        write_atomically(dst, force, sizes, write_share, finish, comm, opts.sync)
+        report.write_bytes = write_output(plan.output_plan(), dst, sources, phases, device=report.device,
+                                          workers=opts.workers, force=force, sync=opts.sync, comm=comm,
+                                          verify=verify_output if verify else None)
     finally:
         sources.close()
     report.finish(phases, started)

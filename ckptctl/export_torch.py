@@ -13,6 +13,7 @@ fsynced and renamed into place, so a run that dies leaves no OUT.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import time
@@ -24,7 +25,8 @@ from typing import Any, Sequence
 from ckptctl.atomic import atomic_file, lands_in
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
-from ckptctl.engine.cpu import ChunkSource, OutputFiles, assemble_bytes, run_on_threads
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes, run_on_threads
+from ckptctl.engine.output import write_files
 from ckptctl.engine.crc import crc32
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
@@ -35,8 +37,8 @@ from ckptctl.formats.torch_save_out import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import union_volume
 from ckptctl.model import Checkpoint
-from ckptctl.plan import (SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, planned_batches,
-                          source_view)
+from ckptctl.output_plan import OutputPlan
+from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
 from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.verify import check_decoded_source, row_blocks, tensor_read_back
@@ -69,6 +71,14 @@ class ExportTorchPlan:
     @property
     def tensor_bytes(self) -> int:
         return sum(t.nbytes for t in self.targets)
+
+    def output_plan(self, sync: bool) -> OutputPlan:
+        """The archive as the engine writes it: its head, each tensor's record, then the trailing
+        records and the central directory, which need the records' CRCs."""
+        file = self.file
+        return OutputPlan({file.name: file.size}, lambda names: file.items if file.name in names else (),
+                          len(file.items), self.sources, [CopyItem("", 0, len(file.head), file.name, 0, file.head)],
+                          finish=functools.partial(file.write_trailer, sync=sync), finish_reads_records=True)
 
 
 @dataclass
@@ -169,16 +179,11 @@ def export_torch(
         report = ExportTorchReport(src=str(src), out=str(out), tensors=len(plan.targets), values=len(values),
                                    bytes_written=plan.file.size, device=resolve_device(opts.device))
         phases = Phases(progress)
+        output = plan.output_plan(opts.sync)
         with atomic_file(out, force, opts.sync) as tmp:
             advance = phases.start("writing", plan.file.size)
-            files = OutputFiles(tmp.parent, {tmp.name: plan.file.size}, opts.sync)
-            try:
-                files.write(tmp.name, plan.file.head, 0)
-                for batch in planned_batches(plan.file.items, plan.sources):
-                    execute(batch, [], chunks, files, max(1, opts.workers), advance)
-                files.write(tmp.name, plan.file.trailer(), plan.file.trailer_at)
-            finally:
-                files.close()
+            write_files(output, tmp.parent, {tmp.name}, execute, chunks, max(1, opts.workers), opts.sync, advance)
+            output.finish(tmp.parent)
             phases.stop()
             report.write_bytes = plan.file.size
             if verify:

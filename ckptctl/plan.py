@@ -21,7 +21,7 @@ from functools import cached_property
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.errors import CheckpointError
+from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
                               transposed_destination, transposed_source)
@@ -471,10 +471,10 @@ tiny chunks resharded peak at 88 MB instead of 132 MB with batches of 131,072). 
 worker plans only its own files' records."""
 
 
-def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceTensor],
+def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceTensor], whole: bool = False,
                     max_runs: int = PLAN_RUNS, max_records: int = PLAN_RECORDS) -> Iterator[list["StreamItem"]]:
     """The records with their copy runs, about `max_runs` runs or `max_records` records at a time
-    (a record is never split).
+    (a record is never split). With `whole`, a record its runs do not cover is refused.
 
     Each batch is planned with the collector paused (`gc_pause`): a few acyclic objects per
     record, which would otherwise make it rescan the checkpoint's metadata again and again
@@ -486,6 +486,8 @@ def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceT
         with gc_paused():
             for item in pending:
                 reads = plan_box(item.target, item.box, sources)
+                if whole:
+                    refuse_gap(item.target, item.box, reads)
                 batch.append(item.planned(reads))
                 for read in reads:
                     runs += read.run_count
@@ -494,6 +496,16 @@ def planned_batches(items: Iterable["StreamItem"], sources: Mapping[str, SourceT
         if not batch:
             return
         yield batch
+
+
+def refuse_gap(target: TargetTensor, box: Box, reads: Sequence[Read]) -> None:
+    """IncompleteCheckpointError, naming the sources, when `reads` leave elements of `box` unwritten
+    (no command goes on past this: it checks what an analysis of coverage already passed)."""
+    gap = missing_elements(box, reads)
+    if gap:
+        srcs = ", ".join(sorted({p.src for p in target.pieces}))
+        raise IncompleteCheckpointError(srcs, [f"{target.fqn}: {gap} elements of rows {box.offsets[:1]}+"
+                                               f"{box.sizes[:1]} are in no saved chunk"], allowable=False)
 
 
 def source_bytes(target: TargetTensor, numel: int, sources: Mapping[str, SourceTensor]) -> int:

@@ -12,21 +12,22 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
-from ckptctl.engine import executor, helper, resolve_device, working_bytes
-from ckptctl.engine.cpu import ChunkSource, OutputFiles
-from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.engine import resolve_device, working_bytes
+from ckptctl.engine.cpu import ChunkSource
+from ckptctl.engine.dist import LOCAL, Comm
+from ckptctl.engine.output import write_output
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp, write_metadata
+from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.layout import analysis, source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming
-from ckptctl.plan import SourceTensor, TargetTensor, identity_target, planned_batches, source_bytes
+from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_bytes
 from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
@@ -200,57 +201,19 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
     the plan used; default as reshard sees the source), and time the run into `report`."""
     check_destination(dst, force, src)
-    device = resolve_device(opts.device)
-    execute = executor(device, comm.local_rank)
-    mine = assign_files(out.files, comm.world_size)[comm.rank]
-    share_bytes = sum(size for name, size in out.files.items() if name in mine)
-    phases = Phases(progress)
     sources = ChunkSource(ckpt)
-    metadata_written = False
 
-    def write_files(tmp: Path, names: frozenset[str], advance: Callable[[int], None]) -> None:
-        files = OutputFiles(tmp, {n: size for n, size in out.files.items() if n in names}, opts.sync)
-        try:
-            execute([], [c for c in out.copy_items if c.file in names], sources, files, opts.workers, advance)
-            for batch in planned_batches(out.records.in_files(names), out.sources):  # its records only
-                execute(batch, [], sources, files, opts.workers, advance)
-        finally:
-            files.close()
-
-    def write_share(tmp: Path, names: frozenset[str]) -> None:
-        nonlocal metadata_written
-        theirs = helper.share({n: out.files[n] for n in names}) \
-            if comm.world_size == 1 and device == "cpu" and helper.wanted(len(out.records)) else frozenset()
-        advance = phases.start("writing", share_bytes)
-
-        def helper_work(report: Callable[[int], None]) -> None:
-            write_metadata(out, tmp)
-            write_files(tmp, theirs, report)
-
-        running = helper.start(helper_work, advance) if theirs else None
-        if running is not None:  # a second core: the helper writes .metadata and its files meanwhile
-            try:
-                write_files(tmp, names - theirs, advance)
-                running.join()
-            finally:
-                running.stop()
-            metadata_written = True
-        else:
-            write_files(tmp, names, advance)
+    def verify_output(tmp: Path) -> None:
+        verify_dcp(ckpt, sources, out, tmp, opts.workers,
+                   phases.start("verifying", sum(t.nbytes for t in out.targets.values())), views)
         phases.stop()
-        report.write_bytes = share_bytes
+        report.verified = True
 
-    def finish(tmp: Path) -> None:
-        if not metadata_written:
-            write_metadata(out, tmp)
-        if verify:
-            verify_dcp(ckpt, sources, out, tmp, opts.workers,
-                       phases.start("verifying", sum(t.nbytes for t in out.targets.values())), views)
-            phases.stop()
-            report.verified = True
-
+    phases = Phases(progress)
     try:
-        write_atomically(dst, force, out.files, write_share, finish, comm, opts.sync)
+        report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
+                                          workers=opts.workers, force=force, sync=opts.sync, comm=comm,
+                                          verify=verify_output if verify else None)
     finally:
         sources.close()
     report.finish(phases, started)

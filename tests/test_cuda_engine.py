@@ -144,7 +144,7 @@ def device(request, monkeypatch) -> str:
         return "cuda"
     monkeypatch.setattr(cuda, "RUNTIME", HostRuntime())
     monkeypatch.setattr(cuda, "default_device", lambda local_rank=0: torch.device("cpu"))
-    monkeypatch.setattr("ckptctl.reshard.executor", lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
+    monkeypatch.setattr("ckptctl.engine.output.executor", lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
     monkeypatch.setattr("ckptctl.reshard.resolve_device", lambda dev: dev)
     return "cuda"
 
@@ -234,7 +234,7 @@ def test_cuda_add_matches_cpu(special_ckpt, tmp_path, device, dtype):
 
 def test_identity_blocks_on_host_match_too(special_ckpt, tmp_path, monkeypatch, device):
     a = run_engine(special_ckpt, 3, torch.bfloat16, "cpu", tmp_path / "cpu")
-    monkeypatch.setattr("ckptctl.reshard.executor", lambda device, rank=0: lambda *a, **k: cuda.execute(
+    monkeypatch.setattr("ckptctl.engine.output.executor", lambda device, rank=0: lambda *a, **k: cuda.execute(
         *a, **k, identity_on_gpu=False))
     b = run_engine(special_ckpt, 3, torch.bfloat16, device, tmp_path / "cuda")
     same_files(a, b)

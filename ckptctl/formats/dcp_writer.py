@@ -2,11 +2,11 @@
 
 `layout_dcp` decides, before any byte moves, which file and byte range every output item
 gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
-workers can write items in any order and in parallel. Each record's copy runs are planned
-only when it is about to be written (`plan.planned_batches`, from `DcpOutput.sources`): a
-torchrun worker plans its own files' records, and no process holds every record's runs.
-`write_metadata` then writes the `.metadata` pickle, naming torch's own metadata classes
-(`dcp_classes`).
+workers can write items in any order and in parallel. `DcpOutput.output_plan` hands it to the
+engine as an `OutputPlan`: each record is made, and its copy runs planned, only when it is about
+to be written, so a torchrun worker makes its own files' records and no process holds every
+record's runs. `write_metadata` writes the `.metadata` pickle last, naming torch's own metadata
+classes (`dcp_classes`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from ckptctl.dtypes import DType
 from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.torch_zip import TorchSaveLayout, serialization_id
 from ckptctl.model import BytesEntry
+from ckptctl.output_plan import OutputPlan
 from ckptctl.placement import Placed
 from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor
 
@@ -70,6 +71,12 @@ class DcpOutput:
     @property
     def total_bytes(self) -> int:
         return sum(self.files.values())
+
+    def output_plan(self) -> OutputPlan:
+        """This output as the engine writes it: the copies and records, then `.metadata` and the
+        extra files, which need the plan alone (a helper process may write them meanwhile)."""
+        return OutputPlan(self.files, self.records.in_files, len(self.records), self.sources, self.copy_items,
+                          finish=functools.partial(write_metadata, self))
 
     def append_literal(self, fqn: str, data: bytes) -> None:
         """Write `data` as bytes entry `fqn` at the end of rank 0's file (a rewritten entry)."""

@@ -5,7 +5,7 @@ byte ranges; padded to 8 bytes) and the tensors' raw row-major bytes. Tensors ar
 in the order safetensors' own writer uses (dtype, widest first, then name), so every
 tensor's data starts at a multiple of its item size. Everything about a file is known
 before any data moves, so each tensor becomes `StreamItem`s (raw records,
-`tail=None`) at fixed offsets that the CPU engine fills in any order and in parallel,
+`tail=None`) at fixed offsets that the engine fills in any order and in parallel,
 without ever holding a whole tensor, let alone a whole shard (`verify.verify_safetensors_file`
 re-reads a written file in row blocks through safetensors' own lazy reader).
 """
@@ -17,12 +17,12 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from ckptctl.dtypes import DType, as_dtype
-from ckptctl.errors import CheckpointError, IncompleteCheckpointError
+from ckptctl.errors import CheckpointError
 from ckptctl.geometry import Box, full_box, rows_box
-from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, missing_elements, plan_box
+from ckptctl.plan import StreamItem, TargetTensor
 
 WRITE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
                "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
@@ -90,22 +90,14 @@ def item_boxes(shape: tuple[int, ...], itemsize: int, item_bytes: int = ITEM_BYT
     return [rows_box(shape, r, min(shape[0], r + step)) for r in range(0, shape[0], step)]
 
 
-def stream_items(file: SafetensorsFile, targets: Sequence[TargetTensor], sources: Mapping[str, SourceTensor],
-                 item_bytes: int = ITEM_BYTES) -> list[StreamItem]:
-    """Every raw record of `file`: row blocks of each target with the source runs that fill them."""
-    items = []
+def file_records(file: SafetensorsFile, targets: Sequence[TargetTensor], item_bytes: int = ITEM_BYTES
+                 ) -> Iterator[StreamItem]:
+    """Every raw record of `file`: row blocks of each target, their copy runs not yet planned."""
     for target in targets:
         row = math.prod(target.shape[1:]) * target.dtype.itemsize if target.shape else 0
         for box in item_boxes(target.shape, target.dtype.itemsize, item_bytes):
-            reads = plan_box(target, box, sources)
-            gap = missing_elements(box, reads)
-            if gap:
-                srcs = ", ".join(sorted({p.src for p in target.pieces}))
-                raise IncompleteCheckpointError(srcs, [f"{target.fqn}: {gap} elements of rows "
-                                                       f"{box.offsets[:1]}+{box.sizes[:1]} are in no saved chunk"])
             offset = file.offsets[target.fqn] + (box.offsets[0] * row if box.offsets else 0)
-            items.append(StreamItem(file.name, offset, b"", target, box, reads, tail=None))
-    return items
+            yield StreamItem(file.name, offset, b"", target, box, (), tail=None)
 
 
 def write_index(path: Path, total_parameters: int, total_size: int, weight_map: Mapping[str, str]) -> None:

@@ -20,14 +20,16 @@ import argparse
 import collections
 import hashlib
 import io
+import os
 import pickle
 import zipfile
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ckptctl.dtypes import DTYPES
-from ckptctl.errors import CheckpointError
+from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.torch_pickle import Size, dumps
 from ckptctl.formats.torch_zip import (
     ALIGNMENT, MARKER_RECORDS, TRAILING_VERSION, _ZIP64_LIMIT, _Entry, _central_record, _descriptor, _local_header,
@@ -322,6 +324,23 @@ class TorchSaveFile:
         start = self.trailer_at + len(self.trailing)
         zip64 = any(e.zip64 for e in entries)  # every entry is, when zip64 was forced
         return self.trailing + directory + end_of_directory(len(entries), start, len(directory), zip64)
+
+    def write_trailer(self, directory: Path, sync: bool = True) -> None:
+        """Write `trailer()` into the file in `directory`, once every record is (fsynced with `sync`)."""
+        path = directory / self.name
+        data, at = memoryview(self.trailer()), self.trailer_at
+        try:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                while data:
+                    n = os.pwrite(fd, data, at)
+                    data, at = data[n:], at + n
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise OutputError(path, f"cannot write: {exc.strerror or exc}") from None
 
 
 def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence[TargetTensor],

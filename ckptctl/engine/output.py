@@ -1,0 +1,83 @@
+"""Write any `OutputPlan`: atomically, a share per torchrun worker, with a helper process where it pays.
+
+Every writing command ends here once it has its plan: the output directory is filled under a
+temporary name (`engine.dist.write_atomically`), each worker writes its share of the files
+(the copies, then its records, planned a batch at a time), the plan's `finish` writes what comes
+last, the caller's `verify` reads the result back, and only then does the directory take its
+name. A plain run with many records on a CPU with a second core forks one helper
+(`engine.helper`) that runs `finish` (when it does not need the records' CRCs) and writes the
+last files while the run writes the rest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable, Container
+
+from ckptctl.engine import Execute, executor, helper
+from ckptctl.engine.cpu import ChunkSource, OutputFiles
+from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
+from ckptctl.output_plan import OutputPlan
+from ckptctl.plan import planned_batches
+from ckptctl.progress import Phases
+
+
+def write_files(plan: OutputPlan, directory: Path, names: Container[str], execute: Execute, chunks: ChunkSource,
+                workers: int, sync: bool, advance: Callable[[int], None]) -> None:
+    """Write the named files of `plan` into `directory`: their copies, then their records."""
+    files = OutputFiles(directory, {n: size for n, size in plan.files.items() if n in names}, sync)
+    try:
+        execute([], [c for c in plan.copies if c.file in names], chunks, files, workers, advance)
+        for batch in planned_batches(plan.records(names), plan.sources, plan.whole_records):
+            execute(batch, [], chunks, files, workers, advance)
+    finally:
+        files.close()
+
+
+def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phases, *, device: str, workers: int,
+                 force: bool, sync: bool, comm: Comm = LOCAL,
+                 verify: Callable[[Path], None] | None = None) -> int:
+    """Fill directory `dst` with `plan` atomically; `verify(tmp)` checks the whole output before
+    it takes its name. Returns the bytes this worker wrote.
+
+    Collective under torchrun: every worker calls it with the same plan and writes its share of
+    the files; rank 0 runs `finish` and `verify` once every worker succeeded.
+    """
+    execute = executor(device, comm.local_rank)
+    workers = max(1, workers)
+    mine = assign_files(plan.files, comm.world_size)[comm.rank]
+    finished = False
+
+    def write_share(tmp: Path, names: frozenset[str]) -> None:
+        nonlocal finished
+        alone = comm.world_size == 1 and device == "cpu"
+        theirs = helper.share({n: plan.files[n] for n in names}) \
+            if alone and helper.wanted(plan.record_count) else frozenset()
+        early = plan.finish is not None and not plan.finish_reads_records
+        advance = phases.start("writing", plan.share_bytes(names))
+
+        def helper_work(report: Callable[[int], None]) -> None:
+            if early:
+                plan.finish(tmp)
+            write_files(plan, tmp, theirs, execute, chunks, workers, sync, report)
+
+        running = helper.start(helper_work, advance) if theirs else None
+        if running is not None:  # a second core: the helper writes `finish`'s files and its share meanwhile
+            try:
+                write_files(plan, tmp, names - theirs, execute, chunks, workers, sync, advance)
+                running.join()
+            finally:
+                running.stop()
+            finished = early
+        else:
+            write_files(plan, tmp, names, execute, chunks, workers, sync, advance)
+        phases.stop()
+
+    def finish(tmp: Path) -> None:
+        if not finished and plan.finish is not None:
+            plan.finish(tmp)
+        if verify is not None:
+            verify(tmp)
+
+    write_atomically(dst, force, plan.files, write_share, finish, comm, sync)
+    return plan.share_bytes(mine)
