@@ -37,7 +37,10 @@ class OutputPlan:
     an archive's central directory), once every record of every file is written."""
     finish_reads_records: bool = False
     """Whether `finish` needs what writing the records computed (a torch.save archive's CRCs).
-    If not, a helper process may run it while the records are written."""
+    If not, a helper process or the first torchrun worker runs it while the records are written."""
+    finish_load: int = 0
+    """What `finish` costs, in bytes of the files that take as long to write: the process that runs
+    it while the others write takes that much less of the files."""
     whole_records: bool = False
     """Whether every record is checked, as its runs are planned, to be covered by them (where no
     analysis of the source's coverage came before, or as a second check of a mapping)."""

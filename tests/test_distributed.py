@@ -28,6 +28,7 @@ from ckptctl.engine.dist import (
 from ckptctl.errors import CheckpointError, CkptctlError
 from ckptctl.export_hf import ExportOptions, export_hf
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.dcp_writer import metadata_load
 from ckptctl.plan import planned_batches
 from ckptctl.reshard import ReshardOptions, plan_reshard, reshard
 from fixtures.gloo import run_ranks
@@ -71,6 +72,15 @@ def test_shares_are_whole_files_largest_first_onto_least_loaded():
     assert shares == [frozenset({"b"}), frozenset({"c", "a", "f"}), frozenset({"d", "e"})]  # loads 70, 55, 60
     assert sorted(n for s in shares for n in s) == sorted(sizes)
     assert assign_files(dict(reversed(list(sizes.items()))), 3) == shares  # order-independent
+
+
+def test_rank_0_takes_fewer_files_for_the_metadata_it_writes_meanwhile():
+    sizes = {f"__{r}_0.distcp": 10 for r in range(8)}
+    assert [len(s) for s in assign_files(sizes, 2, lead_load=20)] == [3, 5]  # loads 20 + 30, 50
+    assert [len(s) for s in assign_files(sizes, 2)] == [4, 4]
+    assert metadata_load(1_280_000, 430_000_000) == 85_283_749  # a fifth of a million tiny records' bytes
+    assert metadata_load(300, 2_200_000_000) == 2_386_980  # next to nothing of a model's
+    assert metadata_load(0, 0) == 0
 
 
 def test_one_worker_gets_everything_and_extra_workers_get_nothing():

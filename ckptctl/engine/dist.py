@@ -131,15 +131,17 @@ def distributed_from_env(backend: str = "gloo", timeout_s: float | None = None) 
             dist.destroy_process_group()
 
 
-def assign_files(sizes: Mapping[str, int], world_size: int) -> list[frozenset[str]]:
+def assign_files(sizes: Mapping[str, int], world_size: int, lead_load: int = 0) -> list[frozenset[str]]:
     """Whole files per worker, balanced by bytes: largest first onto the least-loaded worker.
+    Rank 0 starts loaded with `lead_load` bytes (the work it does besides: writing `.metadata`).
 
     Deterministic: ties in size break by name, ties in load by rank, so every worker
     computes the same assignment from the same plan.
     """
     if world_size < 1:
         raise ValueError("world_size must be at least 1")
-    heap = [(0, rank) for rank in range(world_size)]
+    heap = [(lead_load if rank == 0 else 0, rank) for rank in range(world_size)]
+    heapq.heapify(heap)
     shares: list[set[str]] = [set() for _ in range(world_size)]
     for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
         load, rank = heapq.heappop(heap)
@@ -179,16 +181,17 @@ def write_atomically(
     finish: Callable[[Path], None],
     comm: Comm = LOCAL,
     sync: bool = True,
+    lead_load: int = 0,
 ) -> frozenset[str]:
     """Fill DST atomically: each worker writes its share of `sizes`' files, then rank 0 runs `finish`.
 
     `write_share(tmp, names)` writes (and fsyncs) the named files into the shared temporary
     directory; `finish(tmp)` runs on rank 0 once every worker succeeded, to write what must
     come last (`.metadata`, `index.json`) or verify; with `sync` rank 0 fsyncs the whole tree
-    before the rename. Returns this worker's share.
+    before the rename. Returns this worker's share (`assign_files`, rank 0 loaded with `lead_load`).
     Collective: every worker calls it with the same `sizes`.
     """
-    shares = assign_files(sizes, comm.world_size)
+    shares = assign_files(sizes, comm.world_size, lead_load)
     mine = shares[comm.rank]
     if comm.world_size == 1:
         with atomic_directory(dst, force, sync=sync) as tmp:

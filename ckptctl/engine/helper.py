@@ -27,9 +27,6 @@ MIN_RECORDS = 20_000
 tiny records resharded: 2.3 s alone, 1.6 s with a helper)."""
 MIN_RECORDS_ENV = "CKPTCTL_HELPER_MIN_RECORDS"
 """Overrides MIN_RECORDS (0: never fork a helper)."""
-SHARE = 0.4
-"""The helper's share of the output bytes: it also writes `.metadata`, which at a million tiny
-records takes about a fifth of the records' time."""
 _PROGRESS_BYTES = 1 << 20
 _PROGRESS, _ERROR = b"P", b"E"
 _U64 = struct.Struct("<Q")
@@ -50,10 +47,11 @@ def wanted(records: int) -> bool:
             and "torch" not in sys.modules and len(os.sched_getaffinity(0)) >= 2)
 
 
-def share(sizes: Mapping[str, int]) -> frozenset[str]:
-    """The helper's files: the last ones by name, about SHARE of the bytes (never all of them)."""
+def share(sizes: Mapping[str, int], load: int = 0) -> frozenset[str]:
+    """The helper's files: the last ones by name, never all of them, about half the bytes less
+    `load` (what the work it does besides costs in bytes of files: `OutputPlan.finish_load`)."""
     names = sorted(sizes)
-    target, taken, mine = SHARE * sum(sizes.values()), 0, []
+    target, taken, mine = (sum(sizes.values()) - load) / 2, 0, []
     for name in reversed(names[1:]):
         if taken >= target:
             break

@@ -4,9 +4,10 @@ Every writing command ends here once it has its plan: the output directory is fi
 temporary name (`engine.dist.write_atomically`), each worker writes its share of the files
 (the copies, then its records, planned a batch at a time), the plan's `finish` writes what comes
 last, the caller's `verify` reads the result back, and only then does the directory take its
-name. A plain run with many records on a CPU with a second core forks one helper
-(`engine.helper`) that runs `finish` (when it does not need the records' CRCs) and writes the
-last files while the run writes the rest.
+name. When `finish` does not need the records' CRCs it runs while the files are written, by the
+process that takes a smaller share of them for it (`OutputPlan.finish_load`): under torchrun the
+first worker; in a plain run with many records on a CPU with a second core, a forked helper
+(`engine.helper`) that writes the last files while the run writes the rest.
 """
 
 from __future__ import annotations
@@ -41,19 +42,23 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
     it takes its name. Returns the bytes this worker wrote.
 
     Collective under torchrun: every worker calls it with the same plan and writes its share of
-    the files; rank 0 runs `finish` and `verify` once every worker succeeded.
+    the files; rank 0 runs `verify` (and `finish`, unless it ran first) once every worker succeeded.
     """
     execute = executor(device, comm.local_rank)
     workers = max(1, workers)
-    mine = assign_files(plan.files, comm.world_size)[comm.rank]
+    early = plan.finish is not None and not plan.finish_reads_records
+    lead_load = plan.finish_load if early and comm.world_size > 1 else 0
+    mine = assign_files(plan.files, comm.world_size, lead_load)[comm.rank]
     finished = False
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
         nonlocal finished
+        if lead_load and comm.is_lead:  # while the others write: its share is the smaller for it
+            plan.finish(tmp)
+            finished = True
         alone = comm.world_size == 1 and device == "cpu"
-        theirs = helper.share({n: plan.files[n] for n in names}) \
+        theirs = helper.share({n: plan.files[n] for n in names}, plan.finish_load if early else 0) \
             if alone and helper.wanted(plan.record_count) else frozenset()
-        early = plan.finish is not None and not plan.finish_reads_records
         advance = phases.start("writing", plan.share_bytes(names))
 
         def helper_work(report: Callable[[int], None]) -> None:
@@ -79,5 +84,5 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
         if verify is not None:
             verify(tmp)
 
-    write_atomically(dst, force, plan.files, write_share, finish, comm, sync)
+    write_atomically(dst, force, plan.files, write_share, finish, comm, sync, lead_load)
     return plan.share_bytes(mine)
