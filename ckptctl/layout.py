@@ -55,9 +55,8 @@ as the param of an optimizer state; `other` for the rest.
 from __future__ import annotations
 
 import re
-
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptctl.gc_pause import gc_paused
@@ -375,8 +374,19 @@ def analysis(ckpt: Checkpoint) -> Analysis:
     return found
 
 
-def analyze(ckpt: Checkpoint) -> Analysis:
-    """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt`."""
+@dataclass(frozen=True)
+class _Context:
+    """What every tensor's analysis reads of the whole checkpoint: which entries are optimizer states of
+    which params, and the model's key prefix."""
+
+    stacked: bool
+    states: dict[str, StateName]
+    param_of: dict[str, str | None]
+    params: set[str]
+    model_prefix: str | None
+
+
+def _context(ckpt: Checkpoint) -> _Context:
     names = ckpt.tensors.keys()
     stacked = ckpt.megatron_backend == "torch_dist"
     split = split_torch_dist_state if stacked else split_optimizer_fqn
@@ -386,25 +396,57 @@ def analyze(ckpt: Checkpoint) -> Analysis:
     params = {p for p in param_of.values() if p is not None}
     seen = Counter(_model_prefix(f) for f in names if not is_optimizer_entry(f) and not _bookkeeping(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
+    return _Context(stacked, states, param_of, params, model_prefix)
 
-    reports: list[TensorReport] = []
-    problems: list[Problem] = []
-    for fqn, entry in ckpt.tensors.items():
-        param_fqn = param_of.get(fqn)
-        param = ckpt.tensors[param_fqn] if param_fqn else None
-        layout, parts = _torch_dist_layout(entry, param) if stacked else classify_layout(entry, param)
-        cov = coverage(entry)
-        reports.append(TensorReport(fqn, layout, parts, cov, _group(fqn, model_prefix, params), param_fqn))
-        problems.extend(_coverage_problems(fqn, cov, entry.numel))
-        if param is not None and layout != "model-space" and (
-                problem := _state_problem(entry, param, states[fqn].state)):
-            problems.append(problem)
+
+Finding = tuple[TensorReport, list[Problem]]
+"""One tensor's report and problems."""
+
+
+def tensor_findings(ckpt: Checkpoint, fqns: Iterable[str]) -> list[Finding]:
+    """The analysis of tensors `fqns` of `ckpt`, in that order: each depends on the whole checkpoint
+    only through `_context`, so workers may share the tensors out (`engine.dist.shared_analysis`)."""
+    context = _context(ckpt)
+    return [_finding(ckpt, fqn, context) for fqn in fqns]
+
+
+def shared_findings(ckpt: Checkpoint, rank: int, world_size: int) -> list[Finding]:
+    """Worker `rank`'s share of the tensors' analysis: every `world_size`-th tensor from its rank."""
+    return tensor_findings(ckpt, list(ckpt.tensors)[rank::world_size])
+
+
+def analyze_shares(ckpt: Checkpoint, shares: Sequence[Sequence[Finding]]) -> Analysis:
+    """`analyze(ckpt)` from every worker's `shared_findings`, indexed by rank."""
+    k = len(shares)
+    return analyze(ckpt, [shares[i % k][i // k] for i in range(len(ckpt.tensors))])
+
+
+def _finding(ckpt: Checkpoint, fqn: str, context: _Context) -> Finding:
+    entry = ckpt.tensors[fqn]
+    param_fqn = context.param_of.get(fqn)
+    param = ckpt.tensors[param_fqn] if param_fqn else None
+    layout, parts = _torch_dist_layout(entry, param) if context.stacked else classify_layout(entry, param)
+    cov = coverage(entry)
+    problems = _coverage_problems(fqn, cov, entry.numel)
+    if param is not None and layout != "model-space" and (
+            problem := _state_problem(entry, param, context.states[fqn].state)):
+        problems.append(problem)
+    return TensorReport(fqn, layout, parts, cov, _group(fqn, context.model_prefix, context.params), param_fqn), problems
+
+
+def analyze(ckpt: Checkpoint, findings: Sequence[Finding] | None = None) -> Analysis:
+    """Coverage, layout, grouping and cross-entry consistency of every tensor of `ckpt` (given
+    `findings`, every tensor's in checkpoint order, only what spans them is computed)."""
+    context = _context(ckpt)
+    if findings is None:
+        findings = [_finding(ckpt, fqn, context) for fqn in ckpt.tensors]
+    reports = [report for report, _ in findings]
+    problems = [problem for _, found in findings for problem in found]
     problems.extend(Problem(fqn, "rank-conflict", message) for fqn, message in ckpt.rank_conflicts.items())
-
     model_seen = Counter(_model_prefix(r.fqn) for r in reports if r.group == "model")
-    optim_seen = Counter(state.prefix for state in states.values())
+    optim_seen = Counter(state.prefix for state in context.states.values())
     groups = Counter(r.group for r in reports)
-    groups.update(_group(f, model_prefix, params) for f in ckpt.bytes_entries)
+    groups.update(_group(f, context.model_prefix, context.params) for f in ckpt.bytes_entries)
     return Analysis(
         reports=reports,
         problems=problems,
@@ -413,7 +455,7 @@ def analyze(ckpt: Checkpoint) -> Analysis:
         groups={g: groups.get(g, 0) for g in ("model", "optimizer", "other")},
         dtypes=dict(sorted(Counter(e.dtype_name for e in ckpt.tensors.values()).items())),
         layouts=dict(sorted(Counter(r.layout for r in reports).items())),
-        optimizer_format=torch_dist_optimizer_format(names) if stacked else None,
+        optimizer_format=torch_dist_optimizer_format(ckpt.tensors.keys()) if context.stacked else None,
     )
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from ckptctl.atomic import check_destination
 from ckptctl.engine import resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource
-from ckptctl.engine.dist import LOCAL, Comm
+from ckptctl.engine.dist import LOCAL, Comm, shared_analysis
 from ckptctl.engine.output import write_output
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import IncompleteCheckpointError, UsageError
@@ -184,6 +184,7 @@ def reshard(
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
+    shared_analysis(ckpt, comm)  # under torchrun each worker analyses a share of the tensors
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
     out, views, world_size = _planned(ckpt, opts)
     report = new_report(ckpt, out, src, dst, world_size, opts, dry_run, comm)

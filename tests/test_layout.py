@@ -327,3 +327,20 @@ def test_300k_overlapping_one_element_wide_chunks_are_analysed_in_bounded_time(s
     start = time.monotonic()
     assert coverage(e) == want
     assert time.monotonic() - start <= 10.0
+
+
+@pytest.mark.parametrize("name", ["broken_plain_optim", "megatron_tp2_dp2", "megatron_torch_dist"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_an_analysis_shared_out_among_workers_is_the_whole_analysis(fixture_ckpt, name, workers) -> None:
+    """torchrun workers each analyse every K-th tensor (`engine.dist.shared_analysis`): put back
+    together, reports and problems are those of one process, in the same order."""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.layout import analyze, analyze_shares, shared_findings
+
+    ckpt = open_checkpoint(fixture_ckpt(name))
+    whole = analyze(ckpt)
+    shares = [shared_findings(ckpt, rank, workers) for rank in range(workers)]
+    assert sorted(len(s) for s in shares) != [0] * workers
+    assert analyze_shares(ckpt, shares) == whole
+    if name == "broken_plain_optim":
+        assert [p.kind for p in whole.problems] == ["data-loss", "data-loss"]

@@ -28,6 +28,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ckptctl.atomic import atomic_directory
 from ckptctl.errors import CkptctlError, UsageError
+from ckptctl.gc_pause import gc_paused
+from ckptctl.layout import analyze_shares, shared_findings
+from ckptctl.model import Checkpoint
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 12 * 3600
@@ -148,6 +151,28 @@ def assign_files(sizes: Mapping[str, int], world_size: int, lead_load: int = 0) 
         shares[rank].add(name)
         heapq.heappush(heap, (load + size, rank))
     return [frozenset(s) for s in shares]
+
+
+def shared_analysis(ckpt: Checkpoint, comm: Comm) -> None:
+    """Analyse `ckpt` once across the workers: each its share of the tensors (every K-th), all of
+    them gathered by every worker and kept with the checkpoint, where `layout.analysis` finds it.
+    Collective; a worker's failure fails every worker with its message."""
+    if comm.world_size == 1 or "analysis" in ckpt.derived:
+        return
+    with gc_paused():
+        try:
+            mine: tuple[str, Any] = ("ok", shared_findings(ckpt, comm.rank, comm.world_size))
+        except Exception as exc:  # noqa: BLE001 - reported to every worker, then re-raised
+            error, mine = exc, ("error", _status(exc))
+        else:
+            error = None
+        shares = comm.all_gather(mine)
+        if error is not None:
+            raise error
+        failed = [(rank, payload) for rank, (state, payload) in enumerate(shares) if state != "ok"]
+        if failed:
+            raise WorkerFailedError(*failed[0], quiet=not comm.is_lead)
+        ckpt.derived["analysis"] = analyze_shares(ckpt, [findings for _, findings in shares])
 
 
 def _status(exc: BaseException) -> str:
