@@ -228,8 +228,7 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
-        bytes_read=sum(source_bytes(t, sum(p.box.numel for p in placed), out.sources)
-                       for t, placed in zip(out.records.targets, out.records.placed))
+        bytes_read=sum(source_bytes(t, numel, out.sources) for t, numel in out.records.target_elements())
         + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
         processes=comm.world_size, device=device,

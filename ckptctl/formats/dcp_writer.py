@@ -124,8 +124,8 @@ class DcpRecords:
 
     def __init__(self, targets: Sequence[TargetTensor], placements: Mapping[str, Sequence[Placed]],
                  offsets: array, files: Mapping[int, str]) -> None:
-        self.targets = list(targets)
-        self.placed = [placements[t.fqn] for t in self.targets]
+        self._targets = list(targets)
+        self._placed = [placements[t.fqn] for t in self._targets]
         self._offsets = offsets
         self._files = files  # rank → its file's name, one string for all its records
 
@@ -141,11 +141,20 @@ class DcpRecords:
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
                 yield StreamItem(file, offset, layout.head, target, placed.box, (), layout, layout.tail_len)
 
+    def placements(self) -> dict[str, Sequence[Placed]]:
+        """Each target's chunks as placed, by name."""
+        return dict(zip((t.fqn for t in self._targets), self._placed))
+
+    def target_elements(self) -> Iterator[tuple[TargetTensor, int]]:
+        """Each target with the elements its records hold (all of it, unless placed in part)."""
+        for target, placed in zip(self._targets, self._placed):
+            yield target, sum(p.box.numel for p in placed)
+
     def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, int]]:
         """(target, index of the chunk in its target, the chunk, offset in its rank's file) of every
         record, none made."""
         offsets = iter(self._offsets)
-        for target, placed in zip(self.targets, self.placed):
+        for target, placed in zip(self._targets, self._placed):
             for j, p in enumerate(placed):
                 yield target, j, p, next(offsets)
 
@@ -212,7 +221,7 @@ def build_metadata(out: DcpOutput) -> Metadata:
     no record per output chunk is ever held. The bytes are those of the same records held.
     """
     records = out.records
-    placed = dict(zip((t.fqn for t in records.targets), records.placed))
+    placed = records.placements()
     transforms = {fqn: list(out.bytes_transforms[fqn]) or None for fqn in out.bytes_entries}
     """Held for the whole dump: the pickler memoizes a list by identity, so none may be freed and its id reused."""
 
