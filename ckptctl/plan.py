@@ -28,10 +28,56 @@ from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy
 from ckptctl.model import Chunk, ChunkTable, TensorEntry, TupleView
 
 
-class BoxedChunks(TupleView):
+class SourceChunks(TupleView):
+    """A source's chunks, each paired with the region of the source it holds: a read-only sequence
+    of (Chunk, Region). Planning asks it for what it needs (a chunk, row bounds, whether all are
+    whole rows or any is transformed), which a table answers from its columns, without a pair per
+    chunk."""
+
+    __slots__ = ()
+
+    def chunk(self, index: int) -> Chunk:
+        return self[index][0]
+
+    @property
+    def transformed(self) -> bool:
+        """Whether any chunk must be decoded to be read."""
+        return any(chunk.transforms for chunk, _ in self)
+
+    def row_bounds(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        """Each chunk's first row and row end in a source of `shape`, in saved order."""
+        for _, region in self:
+            box = region_bounds(region, shape)
+            yield box.offsets[0], box.offsets[0] + box.sizes[0]
+
+    def whole_rows(self, shape: tuple[int, ...]) -> bool:
+        """Whether every chunk is a box of whole rows of a source of `shape` (as FSDP2's Shard(0) saves)."""
+        trailing, zeros = shape[1:], (0,) * (len(shape) - 1)
+        return all(isinstance(region, Box) and region.sizes[1:] == trailing and region.offsets[1:] == zeros
+                   for _, region in self)
+
+
+class RegionChunks(SourceChunks):
+    """Chunks paired with any regions (boxes, or flat item ranges of an optimizer buffer), held as pairs."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: Iterable[tuple[Chunk, Region]]) -> None:
+        self.pairs = tuple(pairs)
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        return self.pairs[index]
+
+    def __iter__(self) -> Iterator[tuple[Chunk, Region]]:
+        return iter(self.pairs)
+
+
+class BoxedChunks(SourceChunks):
     """A chunk table's chunks, each with its own box (a tensor seen as saved), made when read: a
-    tensor of thousands of chunks holds no pair, box or `Chunk` per chunk. A sequence of
-    (Chunk, Box) pairs, like the tuples other views hold."""
+    tensor of thousands of chunks holds no pair, box or `Chunk` per chunk."""
 
     __slots__ = ("table",)
 
@@ -50,41 +96,49 @@ class BoxedChunks(TupleView):
     def __iter__(self) -> Iterator[tuple[Chunk, Box]]:
         return ((c, Box(c.offsets, c.sizes)) for c in self.table)
 
+    def chunk(self, index: int) -> Chunk:
+        return self.table[index]
+
+    @property
+    def transformed(self) -> bool:
+        return self.table.transformed
+
+    def row_bounds(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+        return ((offsets[0], offsets[0] + sizes[0]) for offsets, sizes in zip(self.table.offsets, self.table.sizes))
+
+    def whole_rows(self, shape: tuple[int, ...]) -> bool:
+        trailing, zeros = shape[1:], (0,) * (len(shape) - 1)
+        table = self.table
+        return all(s[1:] == trailing for s in table.sizes) and all(o[1:] == zeros for o in table.offsets)
+
 
 @dataclass(frozen=True)
 class SourceTensor:
-    """A checkpoint tensor in its logical shape, each chunk paired with the region it holds."""
+    """A checkpoint tensor in its logical shape, each chunk paired with the region it holds
+    (given as pairs, they are held as `RegionChunks`)."""
 
     fqn: str
     shape: tuple[int, ...]
     dtype: DType
-    chunks: tuple[tuple[Chunk, Region], ...] | BoxedChunks
+    chunks: SourceChunks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+        if not isinstance(self.chunks, SourceChunks):
+            object.__setattr__(self, "chunks", RegionChunks(self.chunks))
 
     @property
     def transformed(self) -> bool:
-        """Whether any chunk must be decoded to be read (a table answers without a `Chunk` per chunk)."""
-        if type(self.chunks) is BoxedChunks:
-            return self.chunks.table.transformed
-        return any(chunk.transforms for chunk, _ in self.chunks)
+        """Whether any chunk must be decoded to be read."""
+        return self.chunks.transformed
 
     @cached_property
     def _by_rows(self) -> tuple[array, array, array, array]:
         """Chunks sorted by first row: their saved indexes, first rows, row ends, and each prefix's
         furthest row end (arrays of integers, 32 bytes a chunk, kept while the view lives: a
         tensor may have thousands of chunks, a checkpoint millions)."""
-        shape, bounds = self.shape, []
-        if type(self.chunks) is BoxedChunks:  # each chunk's own box: read from the table's columns
-            table = self.chunks.table
-            for i, (offsets, sizes) in enumerate(zip(table.offsets, table.sizes)):
-                bounds.append((offsets[0], offsets[0] + sizes[0], i))
-        else:
-            for i, (_, region) in enumerate(self.chunks):
-                box = region_bounds(region, shape)
-                bounds.append((box.offsets[0], box.offsets[0] + box.sizes[0], i))
-        bounds.sort(key=lambda e: e[0])
+        bounds = sorted(((lo, hi, i) for i, (lo, hi) in enumerate(self.chunks.row_bounds(self.shape))),
+                        key=lambda e: e[0])
         ends = array("q", (e[1] for e in bounds))
         return (array("q", (e[2] for e in bounds)), array("q", (e[0] for e in bounds)), ends,
                 array("q", itertools.accumulate(ends, max)))
@@ -101,9 +155,7 @@ class SourceTensor:
 
     def chunk(self, index: int) -> Chunk:
         """Saved chunk `index` (a table's row made a `Chunk` without its box)."""
-        if type(self.chunks) is BoxedChunks:
-            return self.chunks.table[index]
-        return self.chunks[index][0]
+        return self.chunks.chunk(index)
 
     def chunks_in_rows(self, lo: int, hi: int) -> list[tuple[Chunk, Region, Box]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, with their bounds."""
@@ -116,18 +168,9 @@ class SourceTensor:
     def whole_rows(self) -> tuple[tuple[int, ...], int] | None:
         """(trailing dims, elements per row) when every chunk is a box of whole rows, as FSDP2's
         Shard(0) saves; else None. Such chunks are planned with integer arithmetic on rows."""
-        if not self.shape:
+        if not self.shape or not self.chunks.whole_rows(self.shape):
             return None
-        trailing, zeros = self.shape[1:], (0,) * (len(self.shape) - 1)
-        if type(self.chunks) is BoxedChunks:
-            table = self.chunks.table
-            if any(s[1:] != trailing for s in table.sizes) or any(o[1:] != zeros for o in table.offsets):
-                return None
-            return trailing, math.prod(trailing)
-        for _, region in self.chunks:
-            if not isinstance(region, Box) or region.sizes[1:] != trailing or region.offsets[1:] != zeros:
-                return None
-        return trailing, math.prod(trailing)
+        return self.shape[1:], math.prod(self.shape[1:])
 
 
 def source_view(entry: TensorEntry, logical_shape: Sequence[int] | None = None) -> SourceTensor:
