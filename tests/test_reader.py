@@ -220,3 +220,24 @@ def test_ranks_that_disagree_about_an_entry_are_a_problem(per_rank_ckpt: Path, t
     exported = run_cli("export-hf", per_rank_ckpt, tmp_path / "hf", "--hf-config", tmp_path, "--arch", "raw",
                        "--no-name-check")
     assert exported.returncode == 2 and message in exported.stderr and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("name", ["fsdp2_4ranks", "megatron_tp2_dp2", "megatron_torch_dist", "flat_optim", "zstd",
+                                  "broken_plain_optim"])
+def test_tensors_checked_a_column_at_a_time_equal_those_checked_chunk_by_chunk(name, fixture_ckpt, monkeypatch):
+    """A tensor saved as torch saves one is checked a column at a time; the checkpoint read is the
+    one read chunk by chunk (every chunk's file, place and box, the files in the same order)."""
+    from ckptctl.formats import dcp_metadata
+
+    fast = open_checkpoint(fixture_ckpt(name))
+    taken: list[str] = []
+    column = dcp_metadata._table_in_order
+    monkeypatch.setattr(dcp_metadata, "_table_in_order", lambda *args: taken.append(args[1]) or None)
+    slow = open_checkpoint(fixture_ckpt(name))
+    assert fast.tensors == slow.tensors and fast.files == slow.files
+    assert [list(e.chunks) for e in fast.tensors.values()] == [list(e.chunks) for e in slow.tensors.values()]
+    monkeypatch.setattr(dcp_metadata, "_table_in_order", lambda *args: taken.append(column(*args)))
+    open_checkpoint(fixture_ckpt(name))
+    assert len(taken) == 2 * len(fast.tensors)
+    in_order = [t for t in taken[len(fast.tensors):] if t is not None]
+    assert in_order if name != "zstd" else not in_order  # a transformed entry is checked chunk by chunk

@@ -212,13 +212,14 @@ class StorageColumns:
     Lookups go per tensor (`entries`), so no dict of every (FQN, offsets) key is ever held, and
     the first entry of a key wins, as in a dict filled by `setdefault`."""
 
-    __slots__ = ("rows", "files", "_file_ids", "transforms")
+    __slots__ = ("rows", "files", "_file_ids", "transforms", "transformed")
 
     def __init__(self) -> None:
         self.rows: dict[str, tuple[list, Any]] = {}
         self.files: list[str] = []
         self._file_ids: dict[str, int] = {}
         self.transforms: dict[tuple[str, int], tuple[str, ...]] = {}
+        self.transformed: set[str] = set()  # the names with a transformed entry
 
     def add(self, fqn: str, offsets: tuple[int, ...] | None, file: str, offset: int, length: int,
             transforms: Any = None) -> None:
@@ -232,6 +233,7 @@ class StorageColumns:
             self.files.append(file)
         if transforms:
             self.transforms[fqn, len(keys)] = tuple(transforms)
+            self.transformed.add(fqn)
         keys.append(offsets)
         places.extend((file_id, offset, length))
 

@@ -271,14 +271,70 @@ def _located(root: Path, fqn: str, entry: tuple[str, int, int, tuple[str, ...]],
     return file
 
 
-def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, files: dict[str, int],
-                  names: list[str], numbers: dict[str, int], where: Path) -> TensorEntry:
+@dataclass
+class _StorageFiles:
+    """The storage table's files met so far, by their number in it: their number among the
+    checkpoint's files and their size."""
+
+    number: dict[int, int] = field(default_factory=dict)
+    size: dict[int, int] = field(default_factory=dict)
+
+
+def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunks: Any,
+                    storage: dcp_classes.StorageColumns, known: _StorageFiles, files: dict[str, int],
+                    names: list[str], numbers: dict[str, int], where: Path) -> ChunkTable | None:
+    """The chunk table of a tensor saved as torch saves one: its storage entries one per chunk, in
+    the chunks' order, none transformed. Each check of `_tensor_entry` is made a column at a time;
+    None when one fails (or the entries are in another order), and `_tensor_entry` then finds and
+    names the fault chunk by chunk."""
+    if fqn in storage.transformed:
+        return None
+    columns = _columns(chunks)  # as read by templates; made of the records C's unpickler built
+    offsets, sizes = columns.offsets, columns.sizes
+    keys, places = storage.rows.get(fqn, (None, None))
+    if keys != offsets or not offsets or len(set(offsets)) != len(offsets):
+        return None
+    rank = len(shape)
+    if {*map(len, offsets), *map(len, sizes)} != {rank}:
+        return None
+    for d in range(rank):  # every chunk inside the shape
+        if max(map(operator.add, map(operator.itemgetter(d), offsets), map(operator.itemgetter(d), sizes))) > shape[d]:
+            return None
+    ids, starts, lengths = places[0::3], places[1::3], places[2::3]
+    if any(map(operator.lt, lengths, map(dtype.itemsize.__mul__, map(math.prod, sizes)))):
+        return None  # an item too short for its chunk's data
+    met = known.number
+    for file_id in [i for i in dict.fromkeys(ids) if i not in met]:  # each file once, in the order met
+        file = storage.files[file_id]
+        if file not in files:
+            try:
+                file = _resolve_file(root, file, files, where)
+            except CheckpointError:
+                return None  # named where the chunks come to it in order
+        number = numbers.get(file)
+        if number is None:
+            number = numbers[file] = len(names)
+            names.append(file)
+        met[file_id], known.size[file_id] = number, files[file]
+    if any(map(operator.gt, map(operator.add, starts, lengths), map(known.size.__getitem__, ids))):
+        return None  # an item past its file's end
+    spans = array("q", bytes(16 * len(offsets)))
+    spans[0::2], spans[1::2] = starts, lengths
+    return ChunkTable(names, array("I", map(met.__getitem__, ids)), spans, list(offsets), list(sizes), {})
+
+
+def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, known: _StorageFiles,
+                  files: dict[str, int], names: list[str], numbers: dict[str, int], where: Path) -> TensorEntry:
     """The entry of tensor `fqn`, its chunks a `ChunkTable` whose files are numbers into `names`, the
-    checkpoint's data files in the order met (`numbers` inverts it)."""
+    checkpoint's data files in the order met (`numbers` inverts it). A tensor saved as torch saves one
+    is checked a column at a time (`_table_in_order`), any other chunk by chunk."""
     shape = tuple(md.size)
     dtype = md.properties.dtype  # a DType, sizes and offsets integers >= 0: `unpickle` checked them
     if math.prod(shape) > MAX_NUMEL:
         raise CheckpointError(where, f"{fqn}: implausible shape {list(shape)}")
+    table = _table_in_order(root, fqn, shape, dtype, md.chunks, storage, known, files, names, numbers, where)
+    if table is not None:
+        return TensorEntry(fqn, shape, dtype, table, md.properties)
     seen: set[tuple[int, ...]] = set()
     rank = len(shape)
     located = storage.entries(fqn)
@@ -337,11 +393,12 @@ def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
     files: dict[str, int] = {}
     names: list[str] = []
     numbers: dict[str, int] = {}
+    known = _StorageFiles()
     tensors: dict[str, TensorEntry] = {}
     bytes_entries: dict[str, BytesEntry] = {}
     for fqn, item in sd_md.items():
         if isinstance(item, dcp_classes.TensorStorageMetadata):
-            tensors[fqn] = _tensor_entry(root, fqn, item, storage, files, names, numbers, where)
+            tensors[fqn] = _tensor_entry(root, fqn, item, storage, known, files, names, numbers, where)
         elif isinstance(item, dcp_classes.BytesStorageMetadata):
             entry = storage.entries(fqn).get(None)
             if entry is None:
