@@ -257,7 +257,7 @@ def union_volume(boxes: Sequence[Box]) -> int:
         return factor
     spans = [tuple((b.offsets[d], b.offsets[d] + b.sizes[d]) for d in varying) for b in boxes]
     if len(varying) == 1:
-        return factor * _interval_union([s[0] for s in spans])
+        return factor * interval_union([s[0] for s in spans])
     if len(varying) == 2:
         return factor * _area_union([(*s[0], *s[1]) for s in spans])
     cuts = sorted({s[0][0] for s in spans} | {s[0][1] for s in spans})
@@ -269,7 +269,7 @@ def union_volume(boxes: Sequence[Box]) -> int:
     return factor * total
 
 
-def _interval_union(spans: Sequence[tuple[int, int]]) -> int:
+def interval_union(spans: Sequence[tuple[int, int]]) -> int:
     """Length covered by half-open intervals."""
     total, end = 0, None
     for lo, hi in sorted(spans):

@@ -54,13 +54,15 @@ as the param of an optimizer state; `other` for the rest.
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptctl.gc_pause import gc_paused
-from ckptctl.geometry import Box, chunk_rows, union_volume
+from ckptctl.geometry import Box, chunk_rows, interval_union, union_volume
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import SourceTensor, source_view
 
@@ -253,12 +255,34 @@ def find_param(ckpt_or_names: Checkpoint | Collection[str], optimizer_fqn: str) 
     return None
 
 
+def whole_row_spans(entry: TensorEntry) -> list[tuple[int, int]] | None:
+    """The row ranges of the non-empty chunks, sorted, when every chunk is a box of whole rows of
+    a tensor with elements (FSDP2's Shard(0), a million times in a large checkpoint); else None.
+    Told from the boxes' columns, without a `Box` per chunk."""
+    shape = entry.shape
+    if not shape or entry.numel == 0:
+        return None
+    boxes = list(entry.boxes())
+    offsets, sizes = [o for o, _ in boxes], [s for _, s in boxes]
+    tail = operator.itemgetter(slice(1, None))
+    zeros = (0,) * (len(shape) - 1)
+    if not all(map(zeros.__eq__, map(tail, offsets))) or not all(map(shape[1:].__eq__, map(tail, sizes))):
+        return None
+    return sorted((o[0], o[0] + s[0]) for o, s in boxes if s[0])
+
+
 def coverage(entry: TensorEntry) -> Coverage:
-    """Exact element coverage of `entry` by its chunks."""
-    boxes = [Box(offsets, sizes) for offsets, sizes in entry.boxes() if 0 not in sizes]
-    covered = union_volume(boxes)
+    """Exact element coverage of `entry` by its chunks (by their row ranges when they are whole rows)."""
+    spans = whole_row_spans(entry)
+    if spans is not None:
+        row = math.prod(entry.shape[1:])
+        covered = interval_union(spans) * row
+        overlaps = sum(hi - lo for lo, hi in spans) * row - covered
+    else:
+        boxes = [Box(offsets, sizes) for offsets, sizes in entry.boxes() if 0 not in sizes]
+        covered = union_volume(boxes)
+        overlaps = sum(b.numel for b in boxes) - covered
     gaps = entry.numel - covered
-    overlaps = sum(b.numel for b in boxes) - covered
     status = "+".join(s for s, n in (("gaps", gaps), ("overlaps", overlaps)) if n) or "complete"
     return Coverage(status, covered, gaps, overlaps)
 
@@ -275,6 +299,9 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
     if (param is not None and len(entry.shape) == 1 and len(param.shape) >= 2
             and param.numel == entry.numel):
         return "flat", None
+    spans = whole_row_spans(entry)
+    if spans is not None and len(spans) > 1:
+        return ("shard0-even" if _is_torch_chunk(entry.shape[0], spans) else "rows-uneven"), None
     boxes = sorted((box for box in entry.boxes() if 0 not in box[1]), key=lambda box: box[0])
     if len(boxes) == 1:
         return "single", None

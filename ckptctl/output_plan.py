@@ -33,8 +33,9 @@ class OutputPlan:
     copies: Sequence[CopyItem] = ()
     """Bytes written verbatim: headers, bytes entries, records kept as they were."""
     finish: Callable[[Path], None] | None = None
-    """Writes into the output directory what comes last (`.metadata`, `index.json`, side files,
-    an archive's central directory), once every record of every file is written."""
+    """Writes into the output directory what the records do not hold (`.metadata`, `index.json`,
+    side files, an archive's central directory): before the output takes its name, and after the
+    records only where it reads them (`finish_reads_records`)."""
     finish_reads_records: bool = False
     """Whether `finish` needs what writing the records computed (a torch.save archive's CRCs).
     If not, a helper process or the first torchrun worker runs it while the records are written."""
@@ -44,10 +45,6 @@ class OutputPlan:
     whole_records: bool = False
     """Whether every record is checked, as its runs are planned, to be covered by them (where no
     analysis of the source's coverage came before, or as a second check of a mapping)."""
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.files.values())
 
     def share_bytes(self, names: Container[str]) -> int:
         """The bytes of the named files."""

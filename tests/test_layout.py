@@ -21,6 +21,7 @@ from ckptctl.layout import (
     is_layer_stacked,
     split_optimizer_fqn,
 )
+from ckptctl.geometry import Box
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry
 
 Boxes = list[tuple[tuple[int, ...], tuple[int, ...]]]
@@ -344,3 +345,22 @@ def test_an_analysis_shared_out_among_workers_is_the_whole_analysis(fixture_ckpt
     assert analyze_shares(ckpt, shares) == whole
     if name == "broken_plain_optim":
         assert [p.kind for p in whole.problems] == ["data-loss", "data-loss"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 12).flatmap(lambda n: st.tuples(st.just(n), st.lists(
+    st.tuples(st.integers(0, n), st.integers(0, n)).map(sorted).map(tuple), min_size=1, max_size=6))))
+def test_whole_row_coverage_counts_what_the_box_union_counts(case) -> None:
+    """Whole-row chunks are covered and labelled from their row ranges; the counts are those of the
+    exact union of their boxes, gaps and overlaps included."""
+    from ckptctl.geometry import union_volume
+    from ckptctl.layout import whole_row_spans
+
+    n_rows, cuts = case
+    tensor = rows("w", (n_rows, 3), cuts)
+    assert whole_row_spans(tensor) == sorted((a, b) for a, b in cuts if b > a)
+    boxes = [Box(o, s) for o, s in tensor.boxes() if 0 not in s]
+    covered = union_volume(boxes)
+    assert coverage(tensor) == Coverage(coverage(tensor).status, covered, n_rows * 3 - covered,
+                                        sum(b.numel for b in boxes) - covered)
+    assert whole_row_spans(entry("w", (4, 3), [((0, 0), (4, 2)), ((0, 2), (4, 1))])) is None  # split on dim 1

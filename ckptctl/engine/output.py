@@ -47,13 +47,14 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
     execute = executor(device, comm.local_rank)
     workers = max(1, workers)
     early = plan.finish is not None and not plan.finish_reads_records
-    lead_load = plan.finish_load if early and comm.world_size > 1 else 0
+    lead_finishes = early and comm.world_size > 1
+    lead_load = plan.finish_load if lead_finishes else 0
     mine = assign_files(plan.files, comm.world_size, lead_load)[comm.rank]
     finished = False
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
         nonlocal finished
-        if lead_load and comm.is_lead:  # while the others write: its share is the smaller for it
+        if lead_finishes and comm.is_lead:  # while the others write: its share is the smaller for it
             plan.finish(tmp)
             finished = True
         alone = comm.world_size == 1 and device == "cpu"
