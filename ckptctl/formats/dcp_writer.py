@@ -5,8 +5,9 @@ gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file
 workers can write items in any order and in parallel. `DcpOutput.output_plan` hands it to the
 engine as an `OutputPlan`: each record is made, and its copy runs planned, only when it is about
 to be written, so a torchrun worker makes its own files' records and no process holds every
-record's runs. `write_metadata` writes the `.metadata` pickle last, naming torch's own metadata
-classes (`dcp_classes`).
+record's runs. `write_metadata` writes the `.metadata` pickle, naming torch's own metadata
+classes (`dcp_classes`), from the plan alone: while the records are written, by the process that
+takes fewer of them for it (`metadata_load`).
 """
 
 from __future__ import annotations
