@@ -58,7 +58,7 @@ import math
 import operator
 import re
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptctl.gc_pause import gc_paused
@@ -430,16 +430,12 @@ Finding = tuple[TensorReport, list[Problem]]
 """One tensor's report and problems."""
 
 
-def tensor_findings(ckpt: Checkpoint, fqns: Iterable[str]) -> list[Finding]:
-    """The analysis of tensors `fqns` of `ckpt`, in that order: each depends on the whole checkpoint
-    only through `_context`, so workers may share the tensors out (`engine.dist.shared_analysis`)."""
-    context = _context(ckpt)
-    return [_finding(ckpt, fqn, context) for fqn in fqns]
-
-
 def shared_findings(ckpt: Checkpoint, rank: int, world_size: int) -> list[Finding]:
-    """Worker `rank`'s share of the tensors' analysis: every `world_size`-th tensor from its rank."""
-    return tensor_findings(ckpt, list(ckpt.tensors)[rank::world_size])
+    """Worker `rank`'s share of the tensors' analysis: every `world_size`-th tensor from its rank.
+    Each depends on the whole checkpoint only through `_context`, so torchrun workers share the
+    tensors out (`engine.dist.shared_analysis`)."""
+    context = _context(ckpt)
+    return [_finding(ckpt, fqn, context) for fqn in list(ckpt.tensors)[rank::world_size]]
 
 
 def analyze_shares(ckpt: Checkpoint, shares: Sequence[Sequence[Finding]]) -> Analysis:
@@ -458,7 +454,8 @@ def _finding(ckpt: Checkpoint, fqn: str, context: _Context) -> Finding:
     if param is not None and layout != "model-space" and (
             problem := _state_problem(entry, param, context.states[fqn].state)):
         problems.append(problem)
-    return TensorReport(fqn, layout, parts, cov, _group(fqn, context.model_prefix, context.params), param_fqn), problems
+    group = _group(fqn, context.model_prefix, context.params)
+    return TensorReport(fqn, layout, parts, cov, group, param_fqn), problems
 
 
 def analyze(ckpt: Checkpoint, findings: Sequence[Finding] | None = None) -> Analysis:

@@ -144,7 +144,8 @@ def device(request, monkeypatch) -> str:
         return "cuda"
     monkeypatch.setattr(cuda, "RUNTIME", HostRuntime())
     monkeypatch.setattr(cuda, "default_device", lambda local_rank=0: torch.device("cpu"))
-    monkeypatch.setattr("ckptctl.engine.output.executor", lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
+    monkeypatch.setattr("ckptctl.engine.output.executor",
+                        lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
     monkeypatch.setattr("ckptctl.reshard.resolve_device", lambda dev: dev)
     return "cuda"
 

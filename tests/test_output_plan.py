@@ -89,5 +89,5 @@ def test_whole_records_refuses_a_record_its_runs_leave_short(fixture_ckpt, tmp_p
     with pytest.raises(IncompleteCheckpointError) as err:
         for _ in planned_batches(plan.records(plan.files), plan.sources, plan.whole_records):
             pass
-    assert str(err.value) == ("model.mlp.fc1.weight: refusing incomplete checkpoint: mlp.fc1.weight: 48 elements of rows "
-                              "(0,)+(12,) are in no saved chunk")
+    assert str(err.value) == ("model.mlp.fc1.weight: refusing incomplete checkpoint: mlp.fc1.weight: 48 elements "
+                              "of rows (0,)+(12,) are in no saved chunk")
