@@ -341,7 +341,7 @@ def test_an_analysis_shared_out_among_workers_is_the_whole_analysis(fixture_ckpt
     ckpt = open_checkpoint(fixture_ckpt(name))
     whole = analyze(ckpt)
     shares = [shared_findings(ckpt, rank, workers) for rank in range(workers)]
-    assert sorted(len(s) for s in shares) != [0] * workers
+    assert sum(map(len, shares)) == len(ckpt.tensors) and all(shares)  # every tensor once, every worker some
     assert analyze_shares(ckpt, shares) == whole
     if name == "broken_plain_optim":
         assert [p.kind for p in whole.problems] == ["data-loss", "data-loss"]
@@ -363,4 +363,11 @@ def test_whole_row_coverage_counts_what_the_box_union_counts(case) -> None:
     covered = union_volume(boxes)
     assert coverage(tensor) == Coverage(coverage(tensor).status, covered, n_rows * 3 - covered,
                                         sum(b.numel for b in boxes) - covered)
-    assert whole_row_spans(entry("w", (4, 3), [((0, 0), (4, 2)), ((0, 2), (4, 1))])) is None  # split on dim 1
+
+
+def test_chunks_split_on_another_dim_have_no_row_spans() -> None:
+    from ckptctl.layout import whole_row_spans
+
+    assert whole_row_spans(entry("w", (4, 3), [((0, 0), (4, 2)), ((0, 2), (4, 1))])) is None
+    assert whole_row_spans(entry("w", (4, 3), [((0, 0), (4, 3))])) == [(0, 4)]
+    assert whole_row_spans(entry("s", (), [((), ())])) is None

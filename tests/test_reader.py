@@ -230,7 +230,7 @@ def test_tensors_checked_a_column_at_a_time_equal_those_checked_chunk_by_chunk(n
     from ckptctl.formats import dcp_metadata
 
     fast = open_checkpoint(fixture_ckpt(name))
-    taken: list[str] = []
+    taken: list = []  # the tensors asked for, then the tables made
     column = dcp_metadata._table_in_order
     monkeypatch.setattr(dcp_metadata, "_table_in_order", lambda *args: taken.append(args[1]) or None)
     slow = open_checkpoint(fixture_ckpt(name))
