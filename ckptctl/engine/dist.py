@@ -24,13 +24,15 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 from ckptctl.atomic import atomic_directory
 from ckptctl.errors import CkptctlError, UsageError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.layout import analyze_shares, shared_findings
 from ckptctl.model import Checkpoint
+
+T = TypeVar("T")
 
 BACKENDS = ("gloo", "nccl")
 DEFAULT_TIMEOUT_S = 12 * 3600
@@ -160,42 +162,29 @@ def shared_analysis(ckpt: Checkpoint, comm: Comm) -> None:
     if comm.world_size == 1 or "analysis" in ckpt.derived:
         return
     with gc_paused():
-        try:
-            mine: tuple[str, Any] = ("ok", shared_findings(ckpt, comm.rank, comm.world_size))
-        except Exception as exc:  # noqa: BLE001 - reported to every worker, then re-raised
-            error, mine = exc, ("error", _status(exc))
-        else:
-            error = None
-        shares = comm.all_gather(mine)
-        if error is not None:
-            raise error
-        failed = [(rank, payload) for rank, (state, payload) in enumerate(shares) if state != "ok"]
-        if failed:
-            raise WorkerFailedError(*failed[0], quiet=not comm.is_lead)
-        ckpt.derived["analysis"] = analyze_shares(ckpt, [findings for _, findings in shares])
+        shares = _gathered(comm, lambda: shared_findings(ckpt, comm.rank, comm.world_size))
+        ckpt.derived["analysis"] = analyze_shares(ckpt, shares)
 
 
 def _status(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, CkptctlError) else f"{type(exc).__name__}: {exc}"
 
 
-def _gather_failures(comm: Comm, error: Exception | None) -> None:
-    """Raise on every worker if any worker failed: its own error where it failed, else the first failure."""
-    statuses = comm.all_gather(None if error is None else _status(error))
+def _gathered(comm: Comm, fn: Callable[[], T]) -> list[T]:
+    """`fn()` on every worker, every worker's result gathered by all, indexed by rank. If any worker
+    failed, every worker raises: its own error where it failed, else the first failure."""
+    try:
+        mine, error = ("ok", fn()), None
+    except Exception as exc:  # noqa: BLE001 - reported to every worker, then re-raised
+        mine, error = ("error", _status(exc)), exc
+    results = comm.all_gather(mine)
     if error is not None:
         raise error
-    failed = [(rank, s) for rank, s in enumerate(statuses) if s is not None]
+    failed = [(rank, payload) for rank, (state, payload) in enumerate(results) if state != "ok"]
     if failed:
         rank, message = failed[0]
         raise WorkerFailedError(rank, message, quiet=not comm.is_lead)
-
-
-def _attempt(fn: Callable[[], None]) -> Exception | None:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - reported to every worker, then re-raised
-        return exc
-    return None
+    return [payload for _, payload in results]
 
 
 def write_atomically(
@@ -237,7 +226,7 @@ def _lead(dst: Path, force: bool, mine: frozenset[str], write_share: Callable[[P
         with atomic_directory(dst, force, tag="dist", sync=sync) as tmp:
             comm.broadcast(("ok", str(tmp)))
             phase = "write"
-            _gather_failures(comm, _attempt(lambda: write_share(tmp, mine)))
+            _gathered(comm, lambda: write_share(tmp, mine))
             phase = "finish"
             finish(tmp)
     except Exception as exc:
@@ -257,7 +246,7 @@ def _follow(mine: frozenset[str], write_share: Callable[[Path, frozenset[str]], 
         raise WorkerFailedError(0, payload, quiet=True)
     tmp = Path(payload)
     try:
-        _gather_failures(comm, _attempt(lambda: write_share(tmp, mine)))
+        _gathered(comm, lambda: write_share(tmp, mine))
     except Exception:
         comm.barrier()  # wait until rank 0 removed the temporary directory
         raise
