@@ -32,9 +32,10 @@ class UsageError(CkptctlError):
 
 class IncompleteCheckpointError(CkptctlError):
     """The source has coverage or consistency problems and the command would lose data.
-    `allowable` when the command has `--allow-incomplete` (reshard): the message then names it."""
+    `allowable` where the command can go on anyway (reshard's `--allow-incomplete`): the message
+    then names the option."""
 
-    def __init__(self, path: str | Path, problems: list[str], allowable: bool = True) -> None:
+    def __init__(self, path: str | Path, problems: list[str], allowable: bool = False) -> None:
         self.path = str(path)
         self.problems = problems
         first = problems[0] if problems else "unknown problem"

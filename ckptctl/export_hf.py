@@ -460,7 +460,7 @@ def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: M
                 problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {want.offsets[0]}.."
                                 f"{want.ends[0]} are in no saved chunk")
     if problems:
-        raise IncompleteCheckpointError(ckpt.path, problems, allowable=False)
+        raise IncompleteCheckpointError(ckpt.path, problems)
 
 
 def shard(targets: dict[str, TargetTensor], max_shard_size: int):

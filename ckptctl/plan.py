@@ -548,7 +548,7 @@ def refuse_gap(target: TargetTensor, box: Box, reads: Sequence[Read]) -> None:
     if gap:
         srcs = ", ".join(sorted({p.src for p in target.pieces}))
         raise IncompleteCheckpointError(srcs, [f"{target.fqn}: {gap} elements of rows {box.offsets[:1]}+"
-                                               f"{box.sizes[:1]} are in no saved chunk"], allowable=False)
+                                               f"{box.sizes[:1]} are in no saved chunk"])
 
 
 def source_bytes(target: TargetTensor, numel: int, sources: Mapping[str, SourceTensor]) -> int:

@@ -97,7 +97,7 @@ def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
     """The source's data-loss problems; raises unless `allow`."""
     problems = [p.message for p in analysis(ckpt).problems]
     if problems and not allow:
-        raise IncompleteCheckpointError(ckpt.path, problems)
+        raise IncompleteCheckpointError(ckpt.path, problems, allowable=True)
     return problems
 
 
