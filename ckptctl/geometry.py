@@ -9,6 +9,7 @@ runs of elements that are contiguous on both sides — that is what `copy_runs` 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -113,6 +114,14 @@ def transposed_order(axes: Sequence[int | None], src_rank: int) -> tuple[int, ..
     block by it, then reshape to the destination block (which only drops or adds unit dims)."""
     kept = tuple(a for a in axes if a is not None)
     return kept + tuple(a for a in range(src_rank) if a not in kept)
+
+
+def whole_rows(shape: tuple[int, ...], offsets: Sequence[tuple[int, ...]], sizes: Sequence[tuple[int, ...]]) -> bool:
+    """Whether every box (`offsets[i]`, `sizes[i]`) holds whole rows of `shape` (FSDP2's Shard(0)):
+    told from the columns with `map`, a million boxes without a Python step each."""
+    tail = operator.itemgetter(slice(1, None))
+    return all(map(((0,) * (len(shape) - 1)).__eq__, map(tail, offsets))) and all(
+        map(tuple(shape[1:]).__eq__, map(tail, sizes)))
 
 
 def chunk_rows(rows: int, parts: int) -> list[tuple[int, int]]:

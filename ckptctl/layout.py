@@ -55,14 +55,13 @@ as the param of an optimizer state; `other` for the rest.
 from __future__ import annotations
 
 import math
-import operator
 import re
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptctl.gc_pause import gc_paused
-from ckptctl.geometry import Box, chunk_rows, interval_union, union_volume
+from ckptctl.geometry import Box, chunk_rows, interval_union, union_volume, whole_rows
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.plan import SourceTensor, source_view
 
@@ -263,17 +262,17 @@ def whole_row_spans(entry: TensorEntry) -> list[tuple[int, int]] | None:
     if not shape or entry.numel == 0:
         return None
     boxes = list(entry.boxes())
-    offsets, sizes = [o for o, _ in boxes], [s for _, s in boxes]
-    tail = operator.itemgetter(slice(1, None))
-    zeros = (0,) * (len(shape) - 1)
-    if not all(map(zeros.__eq__, map(tail, offsets))) or not all(map(shape[1:].__eq__, map(tail, sizes))):
+    if not whole_rows(shape, [o for o, _ in boxes], [s for _, s in boxes]):
         return None
     return sorted((o[0], o[0] + s[0]) for o, s in boxes if s[0])
 
 
 def coverage(entry: TensorEntry) -> Coverage:
     """Exact element coverage of `entry` by its chunks (by their row ranges when they are whole rows)."""
-    spans = whole_row_spans(entry)
+    return _coverage(entry, whole_row_spans(entry))
+
+
+def _coverage(entry: TensorEntry, spans: list[tuple[int, int]] | None) -> Coverage:
     if spans is not None:
         row = math.prod(entry.shape[1:])
         covered = interval_union(spans) * row
@@ -292,6 +291,12 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
 
     `param` is the model param of an optimizer state (needed to recognise `flat`).
     """
+    return _classify_layout(entry, param, whole_row_spans(entry))
+
+
+def _classify_layout(entry: TensorEntry, param: TensorEntry | None,
+                     spans: list[tuple[int, int]] | None) -> tuple[str, int | None]:
+    """`classify_layout`, given the entry's `whole_row_spans` (worked out once per tensor)."""
     if not entry.shape:
         return "scalar", None
     if entry.numel == 0:
@@ -299,7 +304,6 @@ def classify_layout(entry: TensorEntry, param: TensorEntry | None = None) -> tup
     if (param is not None and len(entry.shape) == 1 and len(param.shape) >= 2
             and param.numel == entry.numel):
         return "flat", None
-    spans = whole_row_spans(entry)
     if spans is not None and len(spans) > 1:
         return ("shard0-even" if _is_torch_chunk(entry.shape[0], spans) else "rows-uneven"), None
     boxes = sorted((box for box in entry.boxes() if 0 not in box[1]), key=lambda box: box[0])
@@ -448,8 +452,9 @@ def _finding(ckpt: Checkpoint, fqn: str, context: _Context) -> Finding:
     entry = ckpt.tensors[fqn]
     param_fqn = context.param_of.get(fqn)
     param = ckpt.tensors[param_fqn] if param_fqn else None
-    layout, parts = _torch_dist_layout(entry, param) if context.stacked else classify_layout(entry, param)
-    cov = coverage(entry)
+    spans = whole_row_spans(entry)
+    layout, parts = _torch_dist_layout(entry, param) if context.stacked else _classify_layout(entry, param, spans)
+    cov = _coverage(entry, spans)
     problems = _coverage_problems(fqn, cov, entry.numel)
     if param is not None and layout != "model-space" and (
             problem := _state_problem(entry, param, context.states[fqn].state)):

@@ -24,7 +24,7 @@ from ckptctl.dtypes import DType, as_dtype
 from ckptctl.errors import CheckpointError, IncompleteCheckpointError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import (Box, FlatRange, Region, Run, box_flat_ranges, copy_runs, flat_boxes, region_bounds,
-                              transposed_destination, transposed_source)
+                              transposed_destination, transposed_source, whole_rows)
 from ckptctl.model import Chunk, ChunkTable, TensorEntry, TupleView
 
 
@@ -107,9 +107,7 @@ class BoxedChunks(SourceChunks):
         return ((offsets[0], offsets[0] + sizes[0]) for offsets, sizes in zip(self.table.offsets, self.table.sizes))
 
     def whole_rows(self, shape: tuple[int, ...]) -> bool:
-        trailing, zeros = shape[1:], (0,) * (len(shape) - 1)
-        table = self.table
-        return all(s[1:] == trailing for s in table.sizes) and all(o[1:] == zeros for o in table.offsets)
+        return whole_rows(shape, self.table.offsets, self.table.sizes)
 
 
 @dataclass(frozen=True)
