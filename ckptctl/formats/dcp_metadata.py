@@ -320,7 +320,7 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
         return None  # an item past its file's end
     spans = array("q", bytes(16 * len(offsets)))
     spans[0::2], spans[1::2] = starts, lengths
-    return ChunkTable(names, array("I", map(met.__getitem__, ids)), spans, list(offsets), list(sizes), {})
+    return ChunkTable(names, array("I", map(met.__getitem__, ids)), spans, offsets, sizes, {})  # the columns kept
 
 
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, known: _StorageFiles,
