@@ -116,6 +116,10 @@ cannot save it with `bucket_size` buckets: its plan fails validation, as for a t
 EXPERT_TP = ("qwen3-moe", 2, 2, 1000, "0.19", ("ep", 2), ("etp", 1))
 """The Qwen3-MoE at TP 2 × DP 2 × EP 2 with an expert TP of 1: the experts whole in each EP rank's
 expert buckets (two expert DP groups)."""
+OPTIMIZER_INSTANCES = ("llama", 1, 4, 1000, "0.19", ("instances", 2))
+"""A llama at DP 4 with two distributed optimizer instances (`--num-distributed-optimizer-instances
+2`): each instance shards the optimizer over two DP ranks and one instance saves it, so its
+buckets are padded and cut for two ranks although args say DP 4."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
@@ -130,6 +134,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(LAYOUT_PIPELINE, marks=needs("0.19")), pytest.param(BF16, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param((*MTP_PIPELINE[:6], ("vpp", 2), ("layers", 4), ("mtp", 1)),
                         marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(OPTIMIZER_INSTANCES, marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
 
 
@@ -170,7 +175,8 @@ def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     assert doc["prefixes"]["optimizer"] == ["optimizer.state."]
     assert doc["training"] == {"from": "common_state/shard_0_1", "tp": 2, "pp": 1, "vpp": None, "dp": 2, "ep": 1,
                                "etp": 2, "cp": 1, "iteration": 1, "first_stage_layers": None,
-                               "last_stage_layers": None, "pipeline_layout": None, "problem": None}
+                               "last_stage_layers": None, "optimizer_instances": 1, "pipeline_layout": None,
+                               "problem": None}
     assert doc["megatron_core"] == {"versions": "0.19 or newer", "evidence": "common state in the common_state/shard_0_1 item"}
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 1, CP 1\), iteration 1 \(args in common_state/shard_0_1\)\s*$",
@@ -361,6 +367,39 @@ def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs
     run = run_cli("diff", tmp_path / "from-buckets", tmp_path / "from-rewrite")
     assert (run.returncode, run.stdout) == (0, "68 tensors: 68 equal, 0 close, 0 differs; "
                                                "288 bytes entries: 288 equal, 0 differs\n")
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_a_rewrite_of_several_optimizer_instances_is_megatron_cores_own_and_resumes_at_other_grids(saved, tmp_path):
+    """DP 4 in two distributed optimizer instances: inspect names them; the buckets (one instance's,
+    for two ranks; their layout is megatron-core's own: `test_the_rebuilt_bucket_layout_is_megatron_cores_own`)
+    rebuild the run's state, every param state its weight, which megatron-core resumes at DP 4 in
+    one instance and at TP 2 × DP 2 bit for bit; converted to Megatron-FSDP in place they are the
+    conversion of the rewrite. (megatron-core 0.19.2's own fully_reshardable save of this run is
+    not its state: 7 of 9 param states are not their weights, and it resumes with another loss.)"""
+    from fixtures import megatron_optim
+
+    ckpt, out = saved[OPTIMIZER_INSTANCES], tmp_path / "o"
+    text = run_cli("inspect", ckpt / "dp_reshardable").stdout
+    assert re.search(r"^Training\s+TP 1 × PP 1 × DP 4 \(EP 1, CP 1, 2 distributed optimizer instances\), "
+                     r"iteration 1 \(args in common_state/shard_0_1\)\s*$", text, re.M)
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 9 and all(torch.equal(v, got[k[len("optimizer.state.param."):]]) for k, v in params.items())
+    loss = torch.load(ckpt / "loss.pt")
+    for tp, dp in ((1, 4), (2, 2)):
+        resumed = megatron_optim.load(out, tp, dp, tmp_path / f"loss{tp}{dp}.pt", mcore="0.19")
+        assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+            "fully_reshardable", loss["step2"], loss["after_step2"]), (tp, dp)
+    for name, src in (("from-buckets", ckpt / "dp_reshardable"), ("from-rewrite", out)):
+        run = run_cli("reshard", src, tmp_path / name, "--layout", "megatron-fsdp", "--dp", "4")
+        assert run.returncode == 0, run.stderr
+    run = run_cli("diff", tmp_path / "from-buckets", tmp_path / "from-rewrite")
+    assert run.returncode == 0 and re.fullmatch(r"(\d+) tensors: \1 equal, 0 close, 0 differs; "
+                                                r"(\d+) bytes entries: \2 equal, 0 differs\n", run.stdout), run.stdout
 
 
 @needs("0.15")
@@ -1128,7 +1167,8 @@ def test_args_holding_unknown_classes_are_read_as_inert_names(tmp_path):
     doc = json.loads(run_cli("inspect", src, "--json").stdout)
     assert doc["training"] == {"from": "common.pt", "tp": 2, "pp": None, "vpp": None, "dp": None, "ep": None,
                                "etp": None, "cp": None, "iteration": None, "first_stage_layers": None,
-                               "last_stage_layers": None, "pipeline_layout": None, "problem": None}
+                               "last_stage_layers": None, "optimizer_instances": None, "pipeline_layout": None,
+                               "problem": None}
     data = pickle.dumps({"args": Built()}, protocol=2)  # NEWOBJ + BUILD of an unknown class: refused
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as archive:

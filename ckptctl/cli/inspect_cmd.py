@@ -162,9 +162,11 @@ TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_par
                    "dp": "data_parallel_size", "ep": "expert_model_parallel_size",
                    "etp": "expert_tensor_parallel_size", "cp": "context_parallel_size", "iteration": "iteration",
                    "first_stage_layers": "decoder_first_pipeline_num_layers",
-                   "last_stage_layers": "decoder_last_pipeline_num_layers"}
+                   "last_stage_layers": "decoder_last_pipeline_num_layers",
+                   "optimizer_instances": "num_distributed_optimizer_instances"}
 """`training` in the JSON document: Megatron's args by the names Megatron gives them (and
-`pipeline_layout`, its `pipeline_model_parallel_layout` string)."""
+`pipeline_layout`, its `pipeline_model_parallel_layout` string). With several distributed
+optimizer instances each shards its state over DP / instances ranks, and one instance saves it."""
 
 
 def _format(ckpt: Checkpoint, training: "TrainingArgs | None") -> str:
@@ -196,6 +198,8 @@ def _training_line(doc: dict[str, Any]) -> str:
     parts += [f"{end} stage {doc[f'{end}_stage_layers']} layers" for end in ("first", "last")
               if doc[f"{end}_stage_layers"] is not None]
     parts += [f"layout {doc['pipeline_layout']}"] if doc["pipeline_layout"] else []
+    instances = doc["optimizer_instances"]
+    parts += [f"{instances} distributed optimizer instances"] if instances is not None and instances > 1 else []
     more = ", ".join(parts)
     step = f", iteration {doc['iteration']}" if doc["iteration"] is not None else ""
     return f"{sizes or 'sizes not saved'}{f' ({more})' if more else ''}{step} (args in {doc['from']})"
