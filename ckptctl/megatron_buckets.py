@@ -8,7 +8,8 @@ and not which param lies where. That map is rebuilt here the way megatron-core's
 (`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
 closing where its saved length ends. Each param's range is then its TP-local block, placed
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
-two row blocks of torch_dist's `[W_all; V_all]`). Under expert parallelism megatron-core chains
+two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet `in_proj` or `conv1d`, saved
+in parts, as each part's row block of its own key). Under expert parallelism megatron-core chains
 two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
 rank, each of those holding its EP rank's share of every layer's experts. Under pipeline
 parallelism each stage has its own buffers (DP groups PP rank × those): the first stage the
@@ -46,11 +47,32 @@ GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_
 
 COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
 
+
+@dataclass(frozen=True)
+class Split:
+    """A column-parallel param megatron-core saves in parts, `<key>.<part>` each (its
+    `_split_tensor_factory`): a TP rank's block is each part's block in turn (GDN's `in_proj`
+    `[q_t; k_t; v_t; z_t; β_t; α_t]`), and part p's rows go to rows t of `<key>.<p>`."""
+
+    parts: tuple[str, ...]
+
+
+GDN_IN_PROJ = Split(("query", "key", "value", "z", "beta", "alpha"))
+GDN_CONV1D = Split(("query", "key", "value"))
+
 LAYER = (
     ("input_layernorm.weight", REPLICATED),
     ("input_layernorm.bias", REPLICATED),
     ("self_attention.linear_qkv.layer_norm_weight", REPLICATED),
     ("self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+    ("self_attention.in_proj.layer_norm_weight", REPLICATED),
+    ("self_attention.dt_bias", COLUMN),
+    ("self_attention.A_log", COLUMN),
+    ("self_attention.in_proj.weight", GDN_IN_PROJ),
+    ("self_attention.conv1d.weight", GDN_CONV1D),
+    ("self_attention.conv1d.bias", GDN_CONV1D),
+    ("self_attention.out_norm.weight", REPLICATED),
+    ("self_attention.out_proj.weight", ROW),
     ("self_attention.linear_proj.weight", ROW),
     ("self_attention.linear_proj.bias", REPLICATED),
     ("self_attention.linear_qkv.weight", COLUMN),
@@ -112,7 +134,10 @@ order, the shared experts after them; then per multi-token prediction layer (`mt
 on the last pipeline stage). MLA's projections are the local spec's ColumnParallel
 linears (Transformer Engine's down projections are duplicated instead: a bucket of that spec
 does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
-fc2's columns, else column-parallel."""
+fc2's columns, else column-parallel. A Gated DeltaNet layer (the local spec's layer with
+megatron-core's GatedDeltaNet as its attention) registers its input norm (saved as
+`in_proj.layer_norm_weight`), `dt_bias`, `A_log`, `in_proj` and `conv1d` (`Split`), `out_norm`
+and `out_proj`."""
 _INDEX = re.compile(r"(\d+)\.")
 
 
@@ -287,6 +312,10 @@ def registration_order(ckpt: Checkpoint, model_keys: set[str], copy: str | None 
             if isinstance(kind, tuple):
                 for i, (inner_lead, inner_prefix) in enumerate(_indices(ckpt, key, kind, lead, model_keys)):
                     out += expand(inner_prefix, kind, inner_lead, i if key == LAYERS else layer)
+            elif isinstance(kind, Split):
+                if all(k in model_keys for k in part_keys(key, kind)):
+                    known.update(part_keys(key, kind))
+                    out.append(LocalParam(key, lead, kind, layer))
             elif key in model_keys:
                 known.add(key)
                 gated = kind == GATED and _swiglu(ckpt, key.rpartition("linear_fc1.")[0])
@@ -328,9 +357,15 @@ def _indices(ckpt: Checkpoint, key: str, table: tuple, lead: tuple[int, ...], mo
 
 
 def _leaves(table: tuple, prefix: str) -> list[str]:
-    """Every key a nested table names under `prefix` (its nested tables' keys included)."""
+    """Every key a nested table names under `prefix` (its nested tables' keys and split params' parts included)."""
     return [leaf for name, kind in table
-            for leaf in (_leaves(kind, prefix + name) if isinstance(kind, tuple) else [prefix + name])]
+            for leaf in (_leaves(kind, prefix + name) if isinstance(kind, tuple) else
+                         part_keys(prefix + name, kind) if isinstance(kind, Split) else [prefix + name])]
+
+
+def part_keys(key: str, split: Split) -> list[str]:
+    """The keys a split param is saved under."""
+    return [f"{key}.{part}" for part in split.parts]
 
 
 def _swiglu(ckpt: Checkpoint, prefix: str) -> bool:
@@ -339,8 +374,20 @@ def _swiglu(ckpt: Checkpoint, prefix: str) -> bool:
     return fc1 is not None and fc2 is not None and fc1.shape[-2] == 2 * fc2.shape[-1]
 
 
-def local_shape(entry: TensorEntry, param: LocalParam, tp: int) -> tuple[int, ...]:
-    """The TP-local shape of `param` (one layer of a stack) at TP size `tp`."""
+def local_shape(ckpt: Checkpoint, param: LocalParam, tp: int) -> tuple[int, ...]:
+    """The TP-local shape of `param` (one layer of a stack) at TP size `tp`; a split param's, its
+    parts' blocks one after another."""
+    if isinstance(param.kind, Split):
+        parts = [ckpt.tensors[key] for key in part_keys(param.key, param.kind)]
+        shapes = [entry.shape[len(param.lead):] for entry in parts]
+        if not shapes[0] or any(shape[1:] != shapes[0][1:] for shape in shapes):
+            raise CheckpointError(ckpt.path, f"{param.key}: parts {param.kind.parts} of shapes "
+                                             f"{[list(shape) for shape in shapes]} do not stack as rows")
+        for entry, shape in zip(parts, shapes):
+            if shape[0] % tp:
+                raise CheckpointError(entry.fqn, f"dim 0 of {list(shape)} does not divide by TP {tp}")
+        return (sum(shape[0] // tp for shape in shapes), *shapes[0][1:])
+    entry = ckpt.tensors[param.key]
     shape = entry.shape[len(param.lead):]
     dim = {COLUMN: 0, GATED: 0, ROW: 1}.get(param.kind)
     if dim is None or len(shape) <= dim:
@@ -456,7 +503,7 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
                 cursor = start
                 break
             next_param += 1
-            cursor = start + math.prod(local_shape(ckpt.tensors[param.key], param, tp))
+            cursor = start + math.prod(local_shape(ckpt, param, tp))
             placed.append((param, start, cursor))
             if param.alone:
                 break
@@ -513,7 +560,7 @@ class Window:
 def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket]) -> list[Window]:
     """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only, a
     tied embedding's on the first pipeline stage only."""
-    return [Window(param, bucket.tp_rank, local_shape(ckpt.tensors[param.key], param, bucket.tp), start, end,
+    return [Window(param, bucket.tp_rank, local_shape(ckpt, param, bucket.tp), start, end,
                    bucket.entries)
             for bucket in buckets for param, start, end in bucket.params
             if not (param.kind == REPLICATED and bucket.tp_rank) and not param.copy]
@@ -549,6 +596,26 @@ def block_places(window: Window, rows: int) -> list[tuple[tuple[int, ...], tuple
     return [(zero, tuple(at), shape)]
 
 
+def keyed_places(ckpt: Checkpoint, window: Window
+                 ) -> list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """`block_places` with the key of the tensor each place is in (one layer and expert of it):
+    the param's own, or for a split param each part's, whose rows of the block go to rows t of
+    `<key>.<part>`."""
+    param, lead = window.param, len(window.param.lead)
+    if not isinstance(param.kind, Split):
+        entry = ckpt.tensors[param.key]
+        rows = entry.shape[lead] if len(entry.shape) > lead else 0
+        return [(param.key, *place) for place in block_places(window, rows)]
+    out, row, rest = [], 0, window.shape[1:]
+    tail = tuple(0 for _ in rest)
+    tp = sum(ckpt.tensors[key].shape[lead] for key in part_keys(param.key, param.kind)) // window.shape[0]
+    for key in part_keys(param.key, param.kind):
+        rows = ckpt.tensors[key].shape[lead] // tp
+        out.append((key, (row, *tail), (window.tp_rank * rows, *tail), (rows, *rest)))
+        row += rows
+    return out
+
+
 def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket]) -> tuple[list[TargetTensor], dict[str, SourceTensor]]:
     """`optimizer.state.<state>.<key>` for every param and Adam state, shaped like the param, with
     the window views of the buckets its pieces read (keyed by view name), in its bucket's dtype."""
@@ -557,16 +624,15 @@ def model_space_targets(ckpt: Checkpoint, buckets: list[Bucket]) -> tuple[list[T
     views: dict[str, SourceTensor] = {}
     items: dict[str, ItemWindows] = {}
     for window in bucket_windows(ckpt, buckets):
-        param = window.param
-        entry = ckpt.tensors[param.key]
-        units, lead = tuple(0 for _ in param.lead), param.lead
-        places = block_places(window, entry.shape[len(lead)] if len(entry.shape) > len(lead) else 0)
+        units, lead = tuple(0 for _ in window.param.lead), window.param.lead
+        places = keyed_places(ckpt, window)
         for state, saved in window.entries.items():
             name, views[name] = window_view(window, state, items, units=True)
-            target = f"optimizer.state.{state}.{param.key}"
-            dtypes[target] = saved.dtype
-            pieces.setdefault(target, []).extend(
-                Piece(name, (*units, *src), (*lead, *dst), (*(1 for _ in lead), *sizes)) for src, dst, sizes in places)
+            for key, src, dst, sizes in places:
+                target = f"optimizer.state.{state}.{key}"
+                dtypes[target] = saved.dtype
+                pieces.setdefault(target, []).append(
+                    Piece(name, (*units, *src), (*lead, *dst), (*(1 for _ in lead), *sizes)))
     targets = []
     for fqn, parts in pieces.items():
         entry = ckpt.tensors[fqn.split(".", 3)[3]]

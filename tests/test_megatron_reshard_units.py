@@ -270,3 +270,30 @@ def test_converting_to_torch_dist_refuses_what_it_cannot_name(tmp_path):
     plain = ROOT / "fixtures" / "data" / "fsdp2_4ranks"
     assert refused(plain) == (f"ckptctl: error: {plain}: no Megatron args item: not a Megatron-FSDP fsdp_dtensor "
                               "checkpoint (the model spec and dtype are unknown)\n")
+
+
+def test_a_split_params_tp_block_is_each_parts_block_in_turn():
+    """GDN's `in_proj` at TP 2, saved as six parts: TP rank 1's block is 52 rows ([q_1; k_1; v_1;
+    z_1; β_1; α_1] of 8, 8, 16, 16, 2, 2 rows), each part's rows going to rows 1 of its own key."""
+    from ckptctl.errors import CheckpointError
+    from ckptctl.megatron_buckets import GDN_IN_PROJ, LocalParam, Window, keyed_places, local_shape
+    from ckptctl.model import Checkpoint, TensorEntry
+
+    key = "decoder.layers.0.self_attention.in_proj.weight"
+    rows = dict(query=16, key=16, value=32, z=32, beta=4, alpha=4)
+    ckpt = Checkpoint(Path("c"), {f"{key}.{p}": TensorEntry(f"{key}.{p}", (n, 32), "float32", ())
+                                  for p, n in rows.items()}, {}, {})
+    param = LocalParam(key, (), GDN_IN_PROJ, 0)
+    assert local_shape(ckpt, param, 2) == (52, 32)
+    window = Window(param, 1, (52, 32), 0, 52 * 32, {})
+    assert keyed_places(ckpt, window) == [
+        (f"{key}.query", (0, 0), (8, 0), (8, 32)), (f"{key}.key", (8, 0), (8, 0), (8, 32)),
+        (f"{key}.value", (16, 0), (16, 0), (16, 32)), (f"{key}.z", (32, 0), (16, 0), (16, 32)),
+        (f"{key}.beta", (48, 0), (2, 0), (2, 32)), (f"{key}.alpha", (50, 0), (2, 0), (2, 32))]
+    with pytest.raises(CheckpointError, match=rf"^{key}.beta: dim 0 of \[4, 32\] does not divide by TP 8$"):
+        local_shape(ckpt, param, 8)
+    ckpt.tensors[f"{key}.z"] = TensorEntry(f"{key}.z", (32, 16), "float32", ())
+    with pytest.raises(CheckpointError, match=r"in_proj.weight: parts \('query', .*\) of shapes \[\[16, 32\], "
+                                              r"\[16, 32\], \[32, 32\], \[32, 16\], \[4, 32\], \[4, 32\]\] "
+                                              r"do not stack as rows$"):
+        local_shape(ckpt, param, 2)
