@@ -8,8 +8,8 @@ and not which param lies where. That map is rebuilt here the way megatron-core's
 (`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
 closing where its saved length ends. Each param's range is then its TP-local block, placed
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
-two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet `in_proj` or `conv1d`, saved
-in parts, as each part's row block of its own key). Under expert parallelism megatron-core chains
+two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet or Mamba `in_proj` or `conv1d`,
+saved in parts, as each part's row block of its own key). Under expert parallelism megatron-core chains
 two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
 rank, each of those holding its EP rank's share of every layer's experts. Under pipeline
 parallelism each stage has its own buffers (DP groups PP rank × those): the first stage the
@@ -59,6 +59,8 @@ class Split:
 
 GDN_IN_PROJ = Split(("query", "key", "value", "z", "beta", "alpha"))
 GDN_CONV1D = Split(("query", "key", "value"))
+MAMBA_IN_PROJ = Split(("z", "x", "B", "C", "dt"))
+MAMBA_CONV1D = Split(("x", "B", "C"))
 
 LAYER = (
     ("input_layernorm.weight", REPLICATED),
@@ -73,6 +75,15 @@ LAYER = (
     ("self_attention.conv1d.bias", GDN_CONV1D),
     ("self_attention.out_norm.weight", REPLICATED),
     ("self_attention.out_proj.weight", ROW),
+    ("mixer.conv1d.weight", MAMBA_CONV1D),
+    ("mixer.conv1d.bias", MAMBA_CONV1D),
+    ("mixer.dt_bias", COLUMN),
+    ("mixer.A_log", COLUMN),
+    ("mixer.D", COLUMN),
+    ("mixer.in_proj.weight", MAMBA_IN_PROJ),
+    ("mixer.norm.weight", COLUMN),
+    ("mixer.out_proj.weight", ROW),
+    ("norm.weight", REPLICATED),
     ("self_attention.linear_proj.weight", ROW),
     ("self_attention.linear_proj.bias", REPLICATED),
     ("self_attention.linear_qkv.weight", COLUMN),
@@ -120,6 +131,7 @@ LOCAL_SPEC = (
     (LAYERS, LAYER),
     ("decoder.final_layernorm.weight", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
+    ("decoder.final_norm.weight", REPLICATED),
     ("mtp.layers.", MTP_LAYER),
     ("output_layer.weight", COLUMN),
 )
@@ -137,7 +149,10 @@ does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its row
 fc2's columns, else column-parallel. A Gated DeltaNet layer (the local spec's layer with
 megatron-core's GatedDeltaNet as its attention) registers its input norm (saved as
 `in_proj.layer_norm_weight`), `dt_bias`, `A_log`, `in_proj` and `conv1d` (`Split`), `out_norm`
-and `out_proj`."""
+and `out_proj`. MambaModel's hybrid stack (`decoder.final_norm`) has a layer per letter of its
+pattern, each one of a Mamba layer (its mixer's `conv1d` weight and bias, `dt_bias`, `A_log`, `D`,
+`in_proj`, its gated norm, `out_proj`, then the layer's `norm`), an attention layer or an MLP
+layer, whose params this table names too."""
 _INDEX = re.compile(r"(\d+)\.")
 
 

@@ -126,6 +126,12 @@ DeltaNet linear attention (`in_proj` and `conv1d` saved in parts, `in_proj.weigh
 layer 1 gated softmax attention; per-layer keys."""
 GDN_TP = ("qwen3-next", 2, 1, 0, "0.19")
 """The same model at TP 2, one bucket per buffer: each TP block of `in_proj` is its six parts'."""
+MAMBA_BUCKETS = ("nemotron-h", 1, 2, 1000, "0.19")
+"""A Nemotron-H-like MambaModel at DP 2 with 1,000-element buckets (megatron-core 0.19.2): a Mamba
+layer (`mixer.in_proj` and `mixer.conv1d` saved in parts, `in_proj.weight.z` …), an attention
+layer and an MLP layer; per-layer keys."""
+MAMBA_TP = ("nemotron-h", 2, 1, 0, "0.19")
+"""The same model at TP 2, one bucket per buffer."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
@@ -143,6 +149,8 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(OPTIMIZER_INSTANCES, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(GDN_BUCKETS, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(GDN_TP, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(MAMBA_BUCKETS, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(MAMBA_TP, marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
 
 
@@ -444,6 +452,36 @@ def test_gated_deltanet_buckets_rebuild_megatron_cores_own_save_and_resume_with_
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: decoder.layers.0.self_attention.in_proj."
                                                "layer_norm_weight: GDN or Mamba projections are not converted to "
                                                "fsdp_dtensor yet\n")
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_mamba_buckets_rebuild_megatron_cores_own_save_and_resume_with_the_saved_runs_loss(saved, tmp_path):
+    """Mamba layers' buckets (their layout is megatron-core's own:
+    `test_the_rebuilt_bucket_layout_is_megatron_cores_own`): at TP 2 the rewrite is megatron-core's
+    own fully_reshardable save bit for bit, each TP block of `in_proj` and `conv1d` split into its
+    parts' keys; from DP 2 with buckets megatron-core resumes the rewrite at its grid and at TP 2
+    with the saved run's loss bit for bit. Megatron-FSDP conversion refuses Mamba by name."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "tp2"
+    run = run_cli("reshard", saved[MAMBA_TP] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(saved[MAMBA_TP] / "fully_reshardable")
+    parts = [k for k in got if k.startswith("optimizer.state.exp_avg.decoder.layers.0.mixer.in_proj.weight.")]
+    assert sorted(k.rsplit(".", 1)[1] for k in parts) == sorted(["z", "x", "B", "C", "dt"])
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    src, out = saved[MAMBA_BUCKETS] / "dp_reshardable", tmp_path / "o"
+    run = run_cli("reshard", src, out, "--verify")
+    assert run.returncode == 0, run.stderr
+    loss = torch.load(saved[MAMBA_BUCKETS] / "loss.pt")
+    for tp, dp in ((1, 2), (2, 1)):
+        resumed = megatron_optim.load(out, tp, dp, tmp_path / f"loss{tp}{dp}.pt", kind="nemotron-h", mcore="0.19")
+        assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+            "fully_reshardable", loss["step2"], loss["after_step2"]), (tp, dp)
+    run = run_cli("reshard", src, tmp_path / "fsdp", "--layout", "megatron-fsdp", "--dp", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: decoder.layers.0.mixer.conv1d.weight.x: "
+                                               "Mamba mixers are not converted to fsdp_dtensor yet\n")
 
 
 @needs("0.15")
