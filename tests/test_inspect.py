@@ -537,3 +537,21 @@ def test_dim1_splits_are_tp_only_where_the_megatron_rules_say_row_parallel(tmp_p
     }
     table = run_cli("inspect", tmp_path / "ckpt").stdout
     assert "shard1 (dim 1 in 4)" in table and "grid (dim 1 in 2)" in table and "tp-dp-grid (tp 2)" in table
+
+
+def test_chunk_records_are_written_as_json_dumps_writes_them():
+    """`--json` writes chunk records with a formatter of its own (millions of them make most of a
+    large document): the text is `json.dumps(indent=2)`'s at any depth, for 0-d chunks, shared
+    boxes, names that need escaping and transforms, and the table's records are the same values."""
+    from ckptctl.cli.common import indented_json
+    from ckptctl.cli.inspect_cmd import _Chunks
+    from ckptctl.model import Chunk
+
+    chunks = [Chunk("__0_0.distcp", 0, 1705, (), ()), Chunk('dir "ü"/__1_0.distcp', 17, 9, (0, 4), (3, 4)),
+              Chunk("__1_0.distcp", 26, 9, (3, 4), (3, 4), ("zstd",)), Chunk("__1_0.distcp", 35, 9, (6, 4), (3, 4))]
+    records = [{"file": c.file, "offset": c.offset, "length": c.length, "offsets": list(c.offsets),
+                "sizes": list(c.sizes), "transforms": list(c.transforms)} for c in chunks]
+    for doc, want in (({"t": {"a": {"chunks": _Chunks(chunks)}}}, {"t": {"a": {"chunks": records}}}),
+                      (_Chunks(chunks), records), ({"chunks": _Chunks(())}, {"chunks": []})):
+        assert "".join(indented_json(doc)) == json.dumps(want, indent=2)
+    assert list(_Chunks(chunks)) == records

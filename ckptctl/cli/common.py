@@ -100,18 +100,33 @@ class Streamed(dict):
         return (value for _, value in self._items())
 
 
-_JSON_WRITE_PIECES = 4096
+class Fragment:
+    """JSON text its maker writes for the level it is put at (`pieces(level)`), for a part of a
+    document so uniform and so large that one formatter beats the generic encoder (a tensor's
+    chunk records). Its text must be what `json.dumps(..., indent=2)` writes for the value."""
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: Callable[[int], Iterator[str]]) -> None:
+        self.pieces = pieces
+
+
+_JSON_WRITE_CHARS = 1 << 20
+"""Encoded text gathered before a write: small pieces are joined, and never much more is held."""
 
 
 def emit_json(doc: Any) -> None:
     """Print one JSON document on stdout (what `--json` promises scripts), written as it is
     encoded: `Streamed` parts are never held whole. The text is `json.dumps(doc, indent=2)`'s."""
     pieces: list[str] = []
+    held = 0
     for piece in indented_json(doc):
         pieces.append(piece)
-        if len(pieces) >= _JSON_WRITE_PIECES:
+        held += len(piece)
+        if held >= _JSON_WRITE_CHARS:
             sys.stdout.write("".join(pieces))
             pieces.clear()
+            held = 0
     sys.stdout.write("".join(pieces) + "\n")
     sys.stdout.flush()
 
@@ -131,7 +146,8 @@ _SCALAR_TEXT: dict[type, Callable[[Any], str]] = {
 """Each scalar type's JSON text, as `json.dumps` writes it (strings through C's escaper)."""
 
 
-def _scalar(value: Any) -> str:
+def json_scalar(value: Any) -> str:
+    """A scalar's JSON text, as `json.dumps` writes it."""
     return _SCALAR_TEXT[type(value)](value)
 
 
@@ -143,6 +159,8 @@ def indented_json(value: Any, level: int = 0) -> Iterator[str]:
     flat = _flat(value, level)
     if flat is not None:
         yield flat
+    elif isinstance(value, Fragment):
+        yield from value.pieces(level)
     elif isinstance(value, dict):
         inner = "\n" + "  " * (level + 1)
         sep = "{" + inner
@@ -175,7 +193,7 @@ def _flat(value: Any, level: int) -> str | None:
         if not all(type(item) in _SCALAR_TEXT for item in value):
             return None
         inner = "\n" + "  " * (level + 1)
-        return "[" + inner + ("," + inner).join(map(_scalar, value)) + "\n" + "  " * level + "]"
+        return "[" + inner + ("," + inner).join(map(json_scalar, value)) + "\n" + "  " * level + "]"
     if type(value) is dict:
         if not value:
             return "{}"

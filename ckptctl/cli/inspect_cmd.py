@@ -55,14 +55,16 @@ FQNs; the summary counts always describe the whole checkpoint.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import Streamed, emit_json, human_bytes, run_guarded, stdout
+from ckptctl.cli.common import Fragment, Streamed, emit_json, human_bytes, json_scalar, run_guarded, stdout
 from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport, analysis
@@ -86,9 +88,53 @@ def _console() -> Console:
     return stdout() if stdout().is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
 
 
-def _chunk_doc(chunk: Chunk) -> dict[str, Any]:
-    return {"file": chunk.file, "offset": chunk.offset, "length": chunk.length,
-            "offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "transforms": list(chunk.transforms)}
+_CHUNKS_PER_PIECE = 1024
+
+
+class _Chunks(Fragment):
+    """A tensor's chunks in the document: a record each for `--chunks`' lines (iterated), their
+    JSON text for `--json` (`_chunk_records`)."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, chunks: Sequence[Chunk]) -> None:
+        super().__init__(functools.partial(_chunk_records, chunks))
+        self.chunks = chunks
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return ({"file": c.file, "offset": c.offset, "length": c.length, "offsets": list(c.offsets),
+                 "sizes": list(c.sizes), "transforms": list(c.transforms)} for c in self.chunks)
+
+
+def _chunk_records(chunks: Sequence[Chunk], level: int) -> Iterator[str]:
+    """A tensor's `chunks` list as `json.dumps(..., indent=2)` writes it at `level`: one record per
+    chunk, {"file", "offset", "length", "offsets", "sizes", "transforms"}. Millions of chunks
+    make most of a large document; each box tuple's and name's text is made once (chunks share them)."""
+    if not chunks:
+        yield "[]"
+        return
+    item, field, number, close = ("\n" + "  " * (level + k) for k in (1, 2, 3, 0))
+    texts: dict[Any, str] = {}
+
+    def listed(values: tuple) -> str:
+        text = texts.get(values)
+        if text is None:
+            text = texts[values] = ("[" + number + ("," + number).join(map(json_scalar, values)) + field + "]"
+                                    if values else "[]")
+        return text
+
+    names: dict[str, str] = {}
+    pieces, sep = [], "[" + item
+    for c in chunks:
+        name = names.get(c.file) or names.setdefault(c.file, json_scalar(c.file))
+        pieces.append(f'{sep}{{{field}"file": {name},{field}"offset": {c.offset},{field}"length": {c.length},'
+                      f'{field}"offsets": {listed(c.offsets)},{field}"sizes": {listed(c.sizes)},'
+                      f'{field}"transforms": {listed(tuple(c.transforms))}{item}}}')
+        sep = "," + item
+        if len(pieces) >= _CHUNKS_PER_PIECE:
+            yield "".join(pieces)
+            pieces.clear()
+    yield "".join(pieces) + close + "]"
 
 
 def shown_layout(report: TensorReport) -> str:
@@ -112,7 +158,7 @@ def _tensor_doc(ckpt: Checkpoint, report: TensorReport) -> dict[str, Any]:
         "group": report.group, "layout": layout, "dim1_parts": report.dim1_parts,
         "tp_degree": report.dim1_parts if layout == "tp-dp-grid" else None, "param": report.param,
         "coverage": {"status": cov.status, "covered": cov.covered, "gaps": cov.gaps, "overlaps": cov.overlaps},
-        "chunks": [_chunk_doc(c) for c in entry.chunks],
+        "chunks": _Chunks(entry.chunks),
     }
 
 
