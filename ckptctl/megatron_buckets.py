@@ -8,14 +8,14 @@ and not which param lies where. That map is rebuilt here the way megatron-core's
 (`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
 closing where its saved length ends. Each param's range is then its TP-local block, placed
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
-two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet or Mamba `in_proj` or `conv1d`,
-saved in parts, as each part's row block of its own key). Under expert parallelism megatron-core chains
-two optimizers (`chained_<i>.` entries): the dense one per TP rank, the experts' per EP × TP
-rank, each of those holding its EP rank's share of every layer's experts. Under pipeline
-parallelism each stage has its own buffers (DP groups PP rank × those): the first stage the
-embedding and its share of the layers, the last its share, the final norm and the output layer;
-under virtual pipeline parallelism each of a stage's model chunks has a buffer of its own
-(`gbuf_idx_<chunk>`), holding the layers of its virtual stage.
+two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet or Mamba `in_proj` or
+`conv1d`, saved in parts, as each part's row block of its own key). Under expert parallelism
+megatron-core chains two optimizers (`chained_<i>.` entries): the dense one per TP rank, the
+experts' per EP × TP rank, each of those holding its EP rank's share of every layer's experts.
+Under pipeline parallelism each stage has its own buffers (DP groups PP rank × those): the first
+stage the embedding and its share of the layers, the last its share, the final norm and the
+output layer; under virtual pipeline parallelism each of a stage's model chunks has a buffer of
+its own (`gbuf_idx_<chunk>`), holding the layers of its virtual stage.
 
 Nothing here is taken on trust: every bucket must end exactly at its last param, and every
 saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside
@@ -565,6 +565,8 @@ class Window:
 
     param: LocalParam
     tp_rank: int
+    tp: int
+    """The TP size its param is split by."""
     shape: tuple[int, ...]
     """The block's TP-local shape."""
     start: int
@@ -575,7 +577,7 @@ class Window:
 def bucket_windows(ckpt: Checkpoint, buckets: list[Bucket]) -> list[Window]:
     """Every param block the buckets hold, once: a replicated param's copy on TP rank 0 only, a
     tied embedding's on the first pipeline stage only."""
-    return [Window(param, bucket.tp_rank, local_shape(ckpt, param, bucket.tp), start, end,
+    return [Window(param, bucket.tp_rank, bucket.tp, local_shape(ckpt, param, bucket.tp), start, end,
                    bucket.entries)
             for bucket in buckets for param, start, end in bucket.params
             if not (param.kind == REPLICATED and bucket.tp_rank) and not param.copy]
@@ -623,9 +625,8 @@ def keyed_places(ckpt: Checkpoint, window: Window
         return [(param.key, *place) for place in block_places(window, rows)]
     out, row, rest = [], 0, window.shape[1:]
     tail = tuple(0 for _ in rest)
-    tp = sum(ckpt.tensors[key].shape[lead] for key in part_keys(param.key, param.kind)) // window.shape[0]
     for key in part_keys(param.key, param.kind):
-        rows = ckpt.tensors[key].shape[lead] // tp
+        rows = ckpt.tensors[key].shape[lead] // window.tp
         out.append((key, (row, *tail), (window.tp_rank * rows, *tail), (rows, *rest)))
         row += rows
     return out

@@ -285,7 +285,7 @@ def test_a_split_params_tp_block_is_each_parts_block_in_turn():
                                   for p, n in rows.items()}, {}, {})
     param = LocalParam(key, (), GDN_IN_PROJ, 0)
     assert local_shape(ckpt, param, 2) == (52, 32)
-    window = Window(param, 1, (52, 32), 0, 52 * 32, {})
+    window = Window(param, 1, 2, (52, 32), 0, 52 * 32, {})
     assert keyed_places(ckpt, window) == [
         (f"{key}.query", (0, 0), (8, 0), (8, 32)), (f"{key}.key", (8, 0), (8, 0), (8, 32)),
         (f"{key}.value", (16, 0), (16, 0), (16, 32)), (f"{key}.z", (32, 0), (16, 0), (16, 32)),
