@@ -201,8 +201,16 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
             raise CheckpointError(ckpt.path, f"{mtp}: multi-token prediction layers under pipeline parallelism "
                                              "with a tied embedding are not rebuilt (megatron-core cannot save them)")
         copy = "embedding"
+    if pipeline.stages > 1 and HYBRID_FINAL_NORM in model:
+        raise CheckpointError(ckpt.path, f"{HYBRID_FINAL_NORM}: a hybrid (Mamba) stack under pipeline parallelism "
+                                         "is not rebuilt yet (megatron-core splits it by its pattern's '|' "
+                                         "segments, not as a GPT decoder)")
     order = registration_order(ckpt, model, copy)
     return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
+
+
+HYBRID_FINAL_NORM = "decoder.final_norm.weight"
+"""The final norm of megatron-core's hybrid stack (MambaModel), `decoder.final_layernorm` in a GPT decoder."""
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

@@ -483,6 +483,18 @@ def test_mamba_buckets_rebuild_megatron_cores_own_save_and_resume_with_the_saved
     assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: decoder.layers.0.mixer.conv1d.weight.x: "
                                                "Mamba mixers are not converted to fsdp_dtensor yet\n")
 
+    def pipelined(state):
+        state[0]["args"].pipeline_model_parallel_size = 2
+        return state
+
+    src = _with_item(src, tmp_path / "pp2", "common_state/shard_0_1", pipelined)  # its stages: not known
+    run = run_cli("reshard", src, tmp_path / "o2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: decoder.final_norm.weight: "
+                                               "a hybrid (Mamba) stack under pipeline parallelism is not rebuilt yet "
+                                               "(megatron-core splits it by its pattern's '|' segments, not as a GPT "
+                                               "decoder)\n")
+    assert not (tmp_path / "o2").exists()
+
 
 @needs("0.15")
 @pytest.mark.full
