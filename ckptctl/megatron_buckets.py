@@ -62,6 +62,9 @@ GDN_CONV1D = Split(("query", "key", "value"))
 MAMBA_IN_PROJ = Split(("z", "x", "B", "C", "dt"))
 MAMBA_CONV1D = Split(("x", "B", "C"))
 
+HYBRID_FINAL_NORM = "decoder.final_norm.weight"
+"""The final norm of megatron-core's hybrid stack (MambaModel): `decoder.final_layernorm` in a GPT decoder."""
+
 LAYER = (
     ("input_layernorm.weight", REPLICATED),
     ("input_layernorm.bias", REPLICATED),
@@ -131,7 +134,7 @@ LOCAL_SPEC = (
     (LAYERS, LAYER),
     ("decoder.final_layernorm.weight", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
-    ("decoder.final_norm.weight", REPLICATED),
+    (HYBRID_FINAL_NORM, REPLICATED),
     ("mtp.layers.", MTP_LAYER),
     ("output_layer.weight", COLUMN),
 )

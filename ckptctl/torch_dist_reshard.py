@@ -33,7 +33,8 @@ from ckptctl.layout import (
 )
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import (
-    GROUPS_ITEM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, parse_layout, registration_order,
+    GROUPS_ITEM, HYBRID_FINAL_NORM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, parse_layout,
+    registration_order,
 )
 from ckptctl.megatron_fragments import fragment_targets
 from ckptctl.model import Checkpoint, file_rank
@@ -207,10 +208,6 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
                                          "segments, not as a GPT decoder)")
     order = registration_order(ckpt, model, copy)
     return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
-
-
-HYBRID_FINAL_NORM = "decoder.final_norm.weight"
-"""The final norm of megatron-core's hybrid stack (MambaModel), `decoder.final_layernorm` in a GPT decoder."""
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

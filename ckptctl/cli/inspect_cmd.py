@@ -89,6 +89,7 @@ def _console() -> Console:
 
 
 _CHUNKS_PER_PIECE = 1024
+"""Chunk records joined into one piece of text (a tensor of a million chunks is never one string)."""
 
 
 class _Chunks(Fragment):
