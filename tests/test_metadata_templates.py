@@ -143,12 +143,12 @@ def test_open_checkpoint_is_the_same_either_way(fsdp2_save, monkeypatch):
     assert [c.sizes for c in norm.chunks] == [(1,), (1,), (1,), (0,)]
 
 
-def _torch_pickle(tmp_path: Path, shared: bool, fresh_names: bool) -> Path:
+def _torch_pickle(tmp_path: Path, shared: bool, fresh_names: bool, stem: str = "layers") -> Path:
     """torch's own classes, pickled as FileSystemWriter pickles them: 3 tensors × 300 chunks."""
     props = TensorProperties(dtype=torch.bfloat16)
     sd, storage = {}, {}
     for t in range(3):
-        fqn = f"layers.{t}.weight"
+        fqn = f"{stem}.{t}.weight"
         chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 5])) for r in range(300)]
         sd[fqn] = TensorStorageMetadata(props, torch.Size([600, 5]), chunks)
         for r, chunk in enumerate(chunks):
@@ -171,6 +171,15 @@ def test_torch_classes_pickled_read_as_cs_unpickler_reads_them(tmp_path, fresh_n
     assert md is not None and machine._matched == 2 * 900 - 2  # the first chunk and entry are read plainly
     assert _plain(md) == _plain(_oracle(path))
     assert type(md.storage_data) is dcp_classes.StorageColumns
+
+
+def test_names_holding_the_memoize_byte_are_matched_whole(tmp_path):
+    """Storage keys whose fresh names hold the byte a memoized string ends with (UTF-8 'Ô' is C3 94):
+    the template's string ends at the right one, and every entry after the first is matched."""
+    path = _torch_pickle(tmp_path, shared=False, fresh_names=True, stem="layersÔ")
+    md, machine = _read(path)
+    assert md is not None and machine._matched == 2 * 900 - 2
+    assert _plain(md) == _plain(_oracle(path))
 
 
 def test_storage_keys_that_share_a_chunks_offsets_are_declined_and_read_plainly(tmp_path):

@@ -212,30 +212,38 @@ class StorageColumns:
     Lookups go per tensor (`entries`), so no dict of every (FQN, offsets) key is ever held, and
     the first entry of a key wins, as in a dict filled by `setdefault`."""
 
-    __slots__ = ("rows", "files", "_file_ids", "transforms", "transformed")
+    __slots__ = ("rows", "files", "file_ids", "transforms", "transformed")
 
     def __init__(self) -> None:
         self.rows: dict[str, tuple[list, Any]] = {}
         self.files: list[str] = []
-        self._file_ids: dict[str, int] = {}
+        self.file_ids: dict[str, int] = {}  # each file's number (`file_id` numbers a new one)
         self.transforms: dict[tuple[str, int], tuple[str, ...]] = {}
         self.transformed: set[str] = set()  # the names with a transformed entry
 
     def add(self, fqn: str, offsets: tuple[int, ...] | None, file: str, offset: int, length: int,
             transforms: Any = None) -> None:
-        found = self.rows.get(fqn)
-        if found is None:
-            found = self.rows[fqn] = ([], array("q"))
-        keys, places = found
-        file_id = self._file_ids.get(file)
-        if file_id is None:
-            file_id = self._file_ids[file] = len(self.files)
-            self.files.append(file)
+        keys, places = self.rows_for(fqn)
         if transforms:
             self.transforms[fqn, len(keys)] = tuple(transforms)
             self.transformed.add(fqn)
         keys.append(offsets)
-        places.extend((file_id, offset, length))
+        places.extend((self.file_id(file), offset, length))
+
+    def rows_for(self, fqn: str) -> tuple[list, Any]:
+        """FQN's columns to append to: its keys, and its places three integers an entry."""
+        found = self.rows.get(fqn)
+        if found is None:
+            found = self.rows[fqn] = ([], array("q"))
+        return found
+
+    def file_id(self, file: str) -> int:
+        """The number of data file `file` in this table (numbered as met)."""
+        found = self.file_ids.get(file)
+        if found is None:
+            found = self.file_ids[file] = len(self.files)
+            self.files.append(file)
+        return found
 
     def __len__(self) -> int:
         return sum(len(keys) for keys, _ in self.rows.values())

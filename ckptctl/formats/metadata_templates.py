@@ -41,6 +41,8 @@ from ckptctl.formats.unpickle import MAX_DIMS, MAX_INT, MAX_NAME, MAX_PATH, META
 
 LOOKAHEAD = 1 << 16
 """Bytes kept ahead of the interpreter: more than any matched record (its strings are at most 255 bytes)."""
+RUN_MARGIN = 1 << 12
+"""A run of matched records stops this near the end of the bytes held, for the main loop to refill."""
 BLOCK = 1 << 22
 """Bytes of frames joined per refill."""
 MAX_FRAME = 1 << 24
@@ -130,6 +132,7 @@ class TemplateMachine(PickleMachine):
         self._named: dict[str, int] = {}  # a template's class or field name → its memo index
         self._containers: dict[int, int] = {}  # id of a list or dict kept in the memo → its index
         self._bodies: dict[bytes, tuple[int, ...] | None] = {}
+        self._ints: dict[bytes, int | None] = {}  # decoded indices and lengths of storage entries
         self._strings: dict[str, str] = {}
         self._texts: dict[bytes, tuple[str, int]] = {}
         self._text_at, self._texts_made = array("q"), []  # the strings templates memoized: index, value
@@ -439,33 +442,137 @@ class TemplateMachine(PickleMachine):
         if self._chunk is not None:
             match = self._chunk.match(data, pos)
             if match is not None:
-                first, second = match.group(1, 2)
-                offsets, sizes = self._size(first), self._size(second)
-                if offsets is None or sizes is None:
-                    return False
-                self._charge(5 * GET_WEIGHT)
-                target = self._batch_target()
-                if type(target) is list and not target:  # a chunk list's first batch: made columns now
-                    target = self._chunks(target, self._marks[-1])
-                if type(target) is dc.ChunkColumns:
-                    target.offsets.append(offsets)
-                    target.sizes.append(sizes)
-                    self._went_in()
-                else:
-                    self._stack.append(_ChunkPair((offsets, sizes)))
-                self._count += 8 - (first == b")") - (second == b")")
-                self._pos = match.end()
-                self._matched += 1
-                return True
+                return self._chunk_run(match)
         if self._entry is not None:
             match = self._entry.match(data, pos)
             if match is not None:
-                return self._storage_entry(match)
+                return self._entry_run(match)
         if self._plan is not None:
             match = self._plan.match(data, pos)
             if match is not None:
                 return self._plan_item(match)
         return False
+
+    def _run_stop(self) -> int:
+        """Where a run of matched records stops, so that the main loop refills before the next one."""
+        return self._end - RUN_MARGIN if self._more else self._end
+
+    def _chunk_run(self, match: re.Match) -> bool:
+        """The chunk record `match` found, and every one right after it while they go straight into a
+        batch's chunk columns, decoded in one loop (the per-record work is most of reading a big
+        `.metadata`). Outside such a batch the one record goes onto the stack. False, nothing consumed,
+        when the first is not a chunk this reader takes."""
+        target = self._batch_target()
+        into = type(target) is dc.ChunkColumns or (type(target) is list and not target)
+        data, stop, pattern = self._data, self._run_stop(), self._chunk.match
+        bodies, size, count, n, pos = self._bodies, self._size, self._count, 0, self._pos
+        offsets_column = sizes_column = None
+        while True:
+            first, second = match.group(1, 2)
+            offsets, sizes = bodies.get(first, bodies), bodies.get(second, bodies)
+            if offsets is bodies:
+                offsets = size(first)
+            if sizes is bodies:
+                sizes = size(second)
+            if offsets is None or sizes is None:
+                break
+            count += 8 - (first == b")") - (second == b")")
+            n += 1
+            pos = match.end()
+            if not into:
+                self._stack.append(_ChunkPair((offsets, sizes)))
+                break
+            if offsets_column is None:  # a chunk list's first batch: made columns now
+                target = self._chunks(target, self._marks[-1]) if type(target) is list else target
+                offsets_column, sizes_column = target.offsets, target.sizes
+            offsets_column.append(offsets)
+            sizes_column.append(sizes)
+            match = pattern(data, pos) if pos < stop else None
+            if match is None:
+                break
+        return self._consumed(n, 5, count, pos, into)
+
+    def _entry_run(self, match: re.Match) -> bool:
+        """The storage entry `match` found, and every one right after it while they go straight into the
+        storage columns, decoded in one loop (as `_chunk_run`); outside such a batch the one entry goes
+        onto the stack. False, nothing consumed, when the first is not an entry this reader takes."""
+        target = self._batch_target()
+        into = type(target) is dc.StorageColumns
+        data, stop, pattern = self._data, self._run_stop(), self._entry.match
+        texts, bodies, string, size = self._texts, self._bodies, self._string, self._size
+        ints, cached = self._ints, self._cached_integer
+        text_at, texts_made = self._text_at, self._texts_made
+        file_ids = target.file_ids if into else None
+        count, n, pos, fqn_now, keys, places = self._count, 0, self._pos, None, None, None
+        while True:
+            fqn_raw, fqn_length, fqn_text, index, body, file_raw, file_length, file_text, offset, length_raw = \
+                match.groups()
+            known = texts.get(fqn_raw)
+            fqn = known[0] if known is not None and known[1] == MAX_NAME else \
+                string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
+            known = texts.get(file_raw)
+            file = known[0] if known is not None and known[1] == MAX_PATH else \
+                string(file_raw, file_length, file_text, MAX_PATH)
+            offsets = None if body is None else bodies.get(body, bodies)
+            if offsets is bodies:
+                offsets = size(body)
+            offset = int.from_bytes(offset[1:], "little", signed=True) if offset[0] == 0x4A else _integer(offset)
+            length = ints.get(length_raw, ints)
+            if length is ints:
+                length = cached(length_raw)
+            if index != b"N" and ints.get(index, ints) is ints:
+                cached(index)
+            if fqn is None or file is None or offset is None or offset < 0 or length is None \
+                    or (body is not None and offsets is None) or (index != b"N" and ints[index] is None):
+                break
+            count += 2  # the memo entries, as `_index_memoized` counts them: the index record, its state
+            if fqn_length is not None:
+                text_at.append(count)
+                texts_made.append(fqn)
+                count += 1
+            if body is not None:
+                count += 2 if body == b")" else 3  # a Size, its argument tuple (none for an empty one), the body
+            count += 2  # the storage record and its state dict
+            if file_length is not None:
+                text_at.append(count)
+                texts_made.append(file)
+                count += 1
+            n += 1
+            pos = match.end()
+            if not into:
+                self._stack.append(_StorageKey((fqn, offsets)))
+                self._stack.append(_StorageRow((file, offset, length)))
+                break
+            if fqn is not fqn_now:
+                keys, places = target.rows_for(fqn)
+                fqn_now = fqn
+            file_id = file_ids.get(file)
+            keys.append(offsets)
+            places.extend((target.file_id(file) if file_id is None else file_id, offset, length))
+            match = pattern(data, pos) if pos < stop else None
+            if match is None:
+                break
+        return self._consumed(n, 12, count, pos, into)
+
+    def _cached_integer(self, raw: bytes) -> int | None:
+        """`_integer` of a field whose few values repeat (an index, a length), remembered."""
+        ints = self._ints
+        if len(ints) > _CACHE_LIMIT:
+            ints.clear()
+        value = ints[raw] = _integer(raw)
+        return value
+
+    def _consumed(self, n: int, fetches: int, count: int, pos: int, into: bool) -> bool:
+        """Account for `n` matched records of `fetches` memo references each, the memo count after
+        them and where they end; True when there was one."""
+        if not n:
+            return False
+        self._charge(fetches * GET_WEIGHT * n)
+        if into:
+            self._went_in()
+        self._count, self._pos = count, pos
+        self._matched += n
+        return True
 
     def _made(self, index: int, text: str) -> int:
         """A template's new string memoized at `index` (kept: a later fetch may read it); the next index."""
@@ -499,29 +606,6 @@ class TemplateMachine(PickleMachine):
             2 if new_properties is not None else 0)  # a call's argument and result; the other records
         self._count = count
         self._stack.append(_WRITE_ITEM)
-        self._pos = match.end()
-        self._matched += 1
-        return True
-
-    def _storage_entry(self, match: re.Match) -> bool:
-        fqn_raw, fqn_length, fqn_text, index, body, file_raw, file_length, file_text, offset, length = match.groups()
-        fqn = self._string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
-        file = self._string(file_raw, file_length, file_text, MAX_PATH)
-        offset, length = _integer(offset), _integer(length)
-        offsets = None if body is None else self._size(body)
-        if fqn is None or file is None or offset is None or length is None or (body is not None and offsets is None) \
-                or (index != b"N" and _integer(index) is None):
-            return False
-        self._charge(12 * GET_WEIGHT)
-        count = self._index_memoized(self._count, fqn, fqn_length, body) + 2  # + the storage record, its state
-        self._count = self._made(count, file) if file_length is not None else count
-        target = self._batch_target()
-        if type(target) is dc.StorageColumns:
-            target.add(fqn, offsets, file, offset, length)
-            self._went_in()
-        else:
-            self._stack.append(_StorageKey((fqn, offsets)))
-            self._stack.append(_StorageRow((file, offset, length)))
         self._pos = match.end()
         self._matched += 1
         return True
