@@ -14,6 +14,7 @@ from typing import NoReturn
 import typer
 
 from ckptctl.cli import common
+from ckptctl.gc_pause import freeze_after_pauses
 from ckptctl.interrupt import exit_on_interrupt, finish
 
 app = typer.Typer(
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def run() -> NoReturn:
     """The `ckptctl` program: `main`, then `interrupt.finish` (a Ctrl-C as the process ends never
-    kills it by signal); `main` is the entry for programs that call ckptctl in-process."""
+    kills it by signal); `main` is the entry for programs that call ckptctl in-process. This
+    process runs the one command, so the objects its phases build are frozen (`gc_pause`)."""
+    freeze_after_pauses()
     try:
         main()
     except SystemExit as exc:
