@@ -132,6 +132,12 @@ layer (`mixer.in_proj` and `mixer.conv1d` saved in parts, `in_proj.weight.z` …
 layer and an MLP layer; per-layer keys."""
 MAMBA_TP = ("nemotron-h", 2, 1, 0, "0.19")
 """The same model at TP 2, one bucket per buffer."""
+CONTEXT_PARALLEL = ("llama", 1, 2, 1000, "0.19", ("cp", 2))
+"""A llama at DP 2 × CP 2 with 1,000-element buckets (megatron-core 0.19.2): its DDP buffers and
+optimizer shard over the four DP × CP ranks, so each bucket is padded and cut for four; its step
+takes set gradients (`fixtures.megatron_optim.write`: the local attention refuses CP on CPU)."""
+CONTEXT_PARALLEL_TP = ("llama", 2, 1, 0, "0.19", ("cp", 2))
+"""The same at TP 2 × CP 2, one bucket per buffer."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
@@ -151,6 +157,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(GDN_TP, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(MAMBA_BUCKETS, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(MAMBA_TP, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(CONTEXT_PARALLEL, marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
 
 
@@ -416,6 +423,39 @@ def test_a_rewrite_of_several_optimizer_instances_is_megatron_cores_own_and_resu
     run = run_cli("diff", tmp_path / "from-buckets", tmp_path / "from-rewrite")
     assert run.returncode == 0 and re.fullmatch(r"(\d+) tensors: \1 equal, 0 close, 0 differs; "
                                                 r"(\d+) bytes entries: \2 equal, 0 differs\n", run.stdout), run.stdout
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_context_parallel_buckets_are_rebuilt_as_megatron_cores_own_save(saved, tmp_path):
+    """Under context parallelism the buckets are padded and cut for DP × CP ranks (their layout is
+    megatron-core's own: `test_the_rebuilt_bucket_layout_is_megatron_cores_own`): at TP 2 × CP 2 the
+    rewrite is megatron-core's own fully_reshardable save tensor for tensor, with the same common
+    state, and megatron-core loads it at TP 2 × DP 2 without CP and steps as from its own save; at
+    DP 2 × CP 2 with buckets every rebuilt param state is its weight."""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+    from fixtures import megatron_optim
+
+    ckpt, out = saved[CONTEXT_PARALLEL_TP], tmp_path / "tp2"
+    text = run_cli("inspect", ckpt / "dp_reshardable").stdout
+    assert re.search(r"^Training\s+TP 2 × PP 1 × DP 1 \(EP 1, CP 2\), iteration 1 ", text, re.M)
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(ckpt / "fully_reshardable")
+    assert len(want) == 36 and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
+    assert mine == theirs and mine["args"].context_parallel_size == 2
+    resumed = [megatron_optim.load(src, 2, 2, tmp_path / f"loss-{src.name}.pt", mcore="0.19")
+               for src in (out, ckpt / "fully_reshardable")]
+    assert [(r["sharding_type"], r["step"], r["after_step"]) for r in resumed] == [
+        ("fully_reshardable", resumed[1]["step"], resumed[1]["after_step"])] * 2
+    out = tmp_path / "buckets"
+    run = run_cli("reshard", saved[CONTEXT_PARALLEL] / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load(out)
+    params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
+    assert len(params) == 9 and all(torch.equal(v, got[k[len("optimizer.state.param."):]]) for k, v in params.items())
 
 
 SPLIT_PARAMS = {
