@@ -101,6 +101,10 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     args = common.state.get("args")
     if not isinstance(args, argparse.Namespace):
         raise CheckpointError(ckpt.path, f"{common.where}: no Megatron args: the model spec is unknown")
+    cp = getattr(args, "context_parallel_size", None)
+    if cp not in (None, 1):
+        raise CheckpointError(ckpt.path, f"args.context_parallel_size is {cp!r:.64}: Megatron-FSDP shards a "
+                                         "context-parallel run over DP × CP ranks, not converted to fsdp_dtensor yet")
     spec = layer_names(ckpt, args)
     if type(getattr(args, "swiglu", None)) is not bool:
         raise CheckpointError(ckpt.path, f"args.swiglu is {getattr(args, 'swiglu', None)!r:.64}: whether fc1 is gated "
@@ -429,7 +433,7 @@ def _common_items(ckpt: Checkpoint, common: CommonState, args: argparse.Namespac
         marked.expert_tensor_parallel_size = tp  # the experts' TP followed the TP (Megatron-LM's default)
     if getattr(marked, "data_parallel_size", None) is not None:
         marked.data_parallel_size = dp
-    if getattr(marked, "world_size", None) is not None and getattr(args, "context_parallel_size", 1) in (None, 1):
+    if getattr(marked, "world_size", None) is not None:
         marked.world_size = tp * dp
     items: dict[str, Any] = {"args": marked}
     for name in CARRIED:

@@ -432,7 +432,8 @@ def test_context_parallel_buckets_are_rebuilt_as_megatron_cores_own_save(saved, 
     megatron-core's own: `test_the_rebuilt_bucket_layout_is_megatron_cores_own`): at TP 2 × CP 2 the
     rewrite is megatron-core's own fully_reshardable save tensor for tensor, with the same common
     state, and megatron-core loads it at TP 2 × DP 2 without CP and steps as from its own save; at
-    DP 2 × CP 2 with buckets every rebuilt param state is its weight."""
+    DP 2 × CP 2 with buckets every rebuilt param state is its weight. The conversion to Megatron-FSDP,
+    which shards such a run over DP × CP ranks, refuses it by name."""
     from ckptctl.formats.dcp_metadata import open_checkpoint
     from ckptctl.formats.megatron_args import common_state
     from fixtures import megatron_optim
@@ -450,12 +451,16 @@ def test_context_parallel_buckets_are_rebuilt_as_megatron_cores_own_save(saved, 
                for src in (out, ckpt / "fully_reshardable")]
     assert [(r["sharding_type"], r["step"], r["after_step"]) for r in resumed] == [
         ("fully_reshardable", resumed[1]["step"], resumed[1]["after_step"])] * 2
-    out = tmp_path / "buckets"
-    run = run_cli("reshard", saved[CONTEXT_PARALLEL] / "dp_reshardable", out, "--verify")
+    src, out = saved[CONTEXT_PARALLEL] / "dp_reshardable", tmp_path / "buckets"
+    run = run_cli("reshard", src, out, "--verify")
     assert run.returncode == 0, run.stderr
     got = _load(out)
     params = {k: v for k, v in got.items() if k.startswith("optimizer.state.param.")}
     assert len(params) == 9 and all(torch.equal(v, got[k[len("optimizer.state.param."):]]) for k, v in params.items())
+    run = run_cli("reshard", src, tmp_path / "fsdp", "--layout", "megatron-fsdp", "--dp", "2")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: args.context_parallel_size is 2: Megatron-FSDP "
+                                               "shards a context-parallel run over DP × CP ranks, not converted to "
+                                               "fsdp_dtensor yet\n")
 
 
 SPLIT_PARAMS = {
