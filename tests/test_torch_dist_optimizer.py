@@ -184,6 +184,21 @@ def _load(path):
     return {k: v for k, v in load_with_torch(path).items() if isinstance(v, torch.Tensor)}
 
 
+def _rewritten_as_its_own(ckpt, out) -> tuple[dict, dict]:
+    """`reshard --verify` of run `ckpt`'s dp_reshardable save into `out`, asserted to be megatron-core's
+    own fully_reshardable save of the run tensor for tensor, with the same common state; both returned."""
+    from ckptctl.formats.dcp_metadata import open_checkpoint
+    from ckptctl.formats.megatron_args import common_state
+
+    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(ckpt / "fully_reshardable")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
+    assert mine == theirs
+    return got, mine
+
+
 @needs("0.19")
 def test_inspect_names_the_optimizer_format_and_labels_buckets(saved):
     ckpt = saved[BUCKETS]
@@ -254,19 +269,11 @@ def test_an_expert_parallel_rewrite_is_megatron_cores_own(saved, tmp_path):
     equals megatron-core's own `fully_reshardable` save of the run tensor for tensor, with the
     same common state (each optimizer's param groups). The conversion to Megatron-FSDP refuses
     it by name."""
-    from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.formats.megatron_args import common_state
-
     ckpt = saved[EXPERT_PARALLEL]
     doc = json.loads(run_cli("inspect", ckpt / "dp_reshardable", "--json").stdout)
     assert (doc["optimizer_format"], doc["groups"]["optimizer"], doc["training"]["ep"]) == ("dp_reshardable", 102, 2)
-    out = tmp_path / "o"
-    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
-    assert run.returncode == 0, run.stderr
-    got, want = _load(out), _load(ckpt / "fully_reshardable")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
-    assert mine == theirs and list(mine["optimizer"]) == [0, 1]
+    _, common = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    assert list(common["optimizer"]) == [0, 1]
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("qwen3-moe")))
     for name in ("dp_reshardable", "fully_reshardable"):  # chained entries are the optimizer's, not the model's
@@ -285,17 +292,9 @@ def test_experts_with_a_tp_of_their_own_are_rebuilt_as_megatron_cores_own_save(s
     """An expert TP of 1 under TP 2: the experts' buckets hold whole experts; the rewrite equals
     megatron-core's own `fully_reshardable` save tensor for tensor, with the same common state.
     (Before, it was refused: "experts with a TP of their own are not rebuilt yet".)"""
-    from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.formats.megatron_args import common_state
-
     ckpt = saved[EXPERT_TP]
-    out = tmp_path / "o"
-    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
-    assert run.returncode == 0, run.stderr
-    got, want = _load(out), _load(ckpt / "fully_reshardable")
-    assert len(want) == 48 and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
-    assert mine == theirs and mine["args"].expert_tensor_parallel_size == 1
+    got, common = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    assert len(got) == 48 and common["args"].expert_tensor_parallel_size == 1
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout  # the expert TP named where it is not the TP
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 2 \(EP 2, ETP 1, CP 1\), iteration 1 ", text, re.M)
 
@@ -434,19 +433,13 @@ def test_context_parallel_buckets_are_rebuilt_as_megatron_cores_own_save(saved, 
     state, and megatron-core loads it at TP 2 × DP 2 without CP and steps as from its own save; at
     DP 2 × CP 2 with buckets every rebuilt param state is its weight. The conversion to Megatron-FSDP,
     which shards such a run over DP × CP ranks, refuses it by name."""
-    from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.formats.megatron_args import common_state
     from fixtures import megatron_optim
 
     ckpt, out = saved[CONTEXT_PARALLEL_TP], tmp_path / "tp2"
     text = run_cli("inspect", ckpt / "dp_reshardable").stdout
     assert re.search(r"^Training\s+TP 2 × PP 1 × DP 1 \(EP 1, CP 2\), iteration 1 ", text, re.M)
-    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
-    assert run.returncode == 0, run.stderr
-    got, want = _load(out), _load(ckpt / "fully_reshardable")
-    assert len(want) == 36 and sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    mine, theirs = (common_state(open_checkpoint(p)).state for p in (out, ckpt / "fully_reshardable"))
-    assert mine == theirs and mine["args"].context_parallel_size == 2
+    got, common = _rewritten_as_its_own(ckpt, out)
+    assert len(got) == 36 and common["args"].context_parallel_size == 2
     resumed = [megatron_optim.load(src, 2, 2, tmp_path / f"loss-{src.name}.pt", mcore="0.19")
                for src in (out, ckpt / "fully_reshardable")]
     assert [(r["sharding_type"], r["step"], r["after_step"]) for r in resumed] == [
@@ -693,16 +686,9 @@ def test_a_pipelined_rewrite_with_one_bucket_is_megatron_cores_own_and_resumes_a
     common state; megatron-core resumes it at its grid and at DP 2 × PP 1 bit for bit."""
     from fixtures import megatron_optim
 
-    from ckptctl.formats.dcp_metadata import open_checkpoint
-    from ckptctl.formats.megatron_args import common_state
-
     ckpt = saved[("llama", 1, 1, 0, "0.19", ("pp", 2), *options)]
     out = tmp_path / "o"
-    run = run_cli("reshard", ckpt / "dp_reshardable", out, "--verify")
-    assert run.returncode == 0, run.stderr
-    got, want = _load(out), _load(ckpt / "fully_reshardable")
-    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
-    assert common_state(open_checkpoint(out)).state == common_state(open_checkpoint(ckpt / "fully_reshardable")).state
+    _rewritten_as_its_own(ckpt, out)
     loss = torch.load(ckpt / "loss.pt")
     grid = dict(options)
     for dp, pp in ((1, 2), (2, 1)):
