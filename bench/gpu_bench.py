@@ -25,9 +25,9 @@ def digest(path: Path) -> dict[str, str]:
 def main() -> None:
     import torch
 
-    from ckptctl import reshard as reshard_mod
+    from ckptctl import ReshardOptions, reshard
     from ckptctl.dtypes import CAST_CHOICES
-    from ckptctl.engine import cuda
+    from ckptctl.engine import cuda, output
     from ckptctl.engine.dist import launch_local
     from fixtures.gloo import run_ranks
 
@@ -48,28 +48,28 @@ def main() -> None:
 
         cuda.RUNTIME = HostRuntime()
         gpu = torch.device("cpu")
-        reshard_mod.resolve_device = lambda d: "cpu" if d == "cpu" else "cuda"
-        reshard_mod.executor = lambda d, r=0: (functools.partial(cuda.execute, device=gpu) if d == "cuda"
-                                               else __import__("ckptctl.engine.cpu").engine.cpu.execute)
+        sys.modules["ckptctl.reshard"].resolve_device = lambda d: "cpu" if d == "cpu" else "cuda"
+        output.executor = lambda d, r=0: (functools.partial(cuda.execute, device=gpu) if d == "cuda"
+                                          else __import__("ckptctl.engine.cpu").engine.cpu.execute)
         torch.cuda.get_device_name = lambda i: "fake"
     else:
         torch.cuda.init()
         torch.empty(1, device="cuda")  # CUDA context outside the timings (a CLI run pays ~1 s once)
 
-    real_executor = reshard_mod.executor
+    real_executor = output.executor
 
     def run(device: str, dtype: str, workers: int, dst: Path) -> tuple[float, int]:
         shutil.rmtree(dst, ignore_errors=True)
         if device == "cuda-hostid":
-            reshard_mod.executor = lambda d, r=0: functools.partial(cuda.execute, device=gpu, identity_on_gpu=False)
+            output.executor = lambda d, r=0: functools.partial(cuda.execute, device=gpu, identity_on_gpu=False)
         try:
-            opts = reshard_mod.ReshardOptions(world_size=3, dtype=CAST_CHOICES[dtype],
-                                              device="cuda" if device.startswith("cuda") else "cpu", workers=workers)
+            opts = ReshardOptions(world_size=3, dtype=CAST_CHOICES[dtype],
+                                  device="cuda" if device.startswith("cuda") else "cpu", workers=workers)
             start = time.perf_counter()
-            report = reshard_mod.reshard(src, dst, opts)
+            report = reshard(src, dst, opts)
             seconds = time.perf_counter() - start
         finally:
-            reshard_mod.executor = real_executor
+            output.executor = real_executor
         return seconds, report.bytes_written
 
     cases = [("cpu", "keep", 4), ("cpu", "keep", 8), ("cuda", "keep", 4), ("cuda", "keep", 8), ("cuda-hostid", "keep", 4),

@@ -19,6 +19,8 @@ first use, so `import ckptctl` stays as cheap as the command line's start-up.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 __version__ = "0.1.0"
@@ -63,3 +65,16 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
+
+
+class _Api(types.ModuleType):
+    """The package as a module whose API functions keep their names: importing submodule
+    `ckptctl.reshard` (by `ckptctl.ReshardOptions`, or by another module) would otherwise set the
+    package's `reshard` to that module, and `ckptctl.reshard(...)` after it would call a module."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if not (isinstance(value, types.ModuleType) and _API.get(name) == value.__name__):
+            super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Api

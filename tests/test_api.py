@@ -19,7 +19,8 @@ SCRIPT = textwrap.dedent('''
     src, dst = sys.argv[1], sys.argv[2]
     lazy = sorted(m for m in ("torch", "rich", "typer") if m in sys.modules)
     ckpt = ckptctl.open_checkpoint(src)
-    report = ckptctl.reshard(src, dst, ckptctl.ReshardOptions(world_size=3, include=["model.*"]), verify=True)
+    opts = ckptctl.ReshardOptions(world_size=3, include=["model.*"])  # imports the module named like the function
+    report = ckptctl.reshard(src, dst, opts, verify=True)
     compared = ckptctl.diff(src, dst)
     saved = ckptctl.export_torch(src, dst + ".pt", ckptctl.ExportTorchOptions(include=["model.*"]))
     try:
@@ -74,3 +75,14 @@ def test_the_api_names_are_listed_and_documented():
         value = getattr(ckptctl, name)
         if callable(value):
             assert value.__doc__, name
+
+
+def test_each_function_is_itself_after_every_module_is_imported():
+    """`ckptctl.reshard` is the function even once submodule `ckptctl.reshard` is imported (by
+    `ckptctl.ReshardOptions`, or by another module), which would otherwise put the module in its place."""
+    script = ("import importlib, types, ckptctl\n"
+              "for module in sorted(set(ckptctl._API.values())): importlib.import_module(module)\n"
+              "print(sorted(n for n in ckptctl.__all__ if isinstance(getattr(ckptctl, n), types.ModuleType)))\n"
+              "print(sorted(n for n in ckptctl._API if n in ckptctl._API.values() or f'ckptctl.{n}' in ckptctl._API.values()))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert result.stdout.splitlines() == ["[]", "['diff', 'export_hf', 'export_torch', 'import_hf', 'reshard']"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import filecmp
+import importlib
 import json
 import warnings
 from pathlib import Path
@@ -146,7 +147,7 @@ def device(request, monkeypatch) -> str:
     monkeypatch.setattr(cuda, "default_device", lambda local_rank=0: torch.device("cpu"))
     monkeypatch.setattr("ckptctl.engine.output.executor",
                         lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
-    monkeypatch.setattr("ckptctl.reshard.resolve_device", lambda dev: dev)
+    monkeypatch.setattr(importlib.import_module("ckptctl.reshard"), "resolve_device", lambda dev: dev)  # the module
     return "cuda"
 
 
