@@ -92,9 +92,12 @@ TORCH_DIST_BUCKETS = "optimizer.distributed."
 """Where torch_dist's `dp_reshardable` format keeps its DP bucket buffers (after `chained_<i>.`
 for each optimizer of a ChainedOptimizer)."""
 
+TORCH_DIST_MASTERS = "optimizer.state.param."
+"""The fully_reshardable format's fp32 master copy of each param (`<this><key>`, shaped like it)."""
+
 TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS),
                       ("fully_sharded_model_space", "optimizer.state.fp32_param."),
-                      ("fully_reshardable", "optimizer.state.param."))
+                      ("fully_reshardable", TORCH_DIST_MASTERS))
 """Megatron-Core's DistributedOptimizer formats (`distrib_optim_sharding_type`) and the keys each saves."""
 
 SCALAR_STATES = frozenset({"step"})

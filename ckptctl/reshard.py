@@ -206,7 +206,8 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
 
     def verify_output(tmp: Path) -> None:
         verify_dcp(ckpt, sources, out, tmp, opts.workers,
-                   phases.start("verifying", sum(t.nbytes for t in out.targets.values())), views)
+                   phases.start("verifying", sum(t.nbytes for t in (*out.targets.values(), *out.masters.values()))),
+                   views)
         phases.stop()
         report.verified = True
 

@@ -29,7 +29,8 @@ from ckptctl.formats.megatron_args import (
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import Box
 from ckptctl.layout import (
-    TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, analysis, is_optimizer_entry, is_torch_dist_bucket, source_tensors,
+    TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, TORCH_DIST_MASTERS, analysis, is_optimizer_entry, is_torch_dist_bucket,
+    source_tensors,
 )
 from ckptctl.megatron import BUFFERS
 from ckptctl.megatron_buckets import (
@@ -83,6 +84,8 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     elif rewritten_item:
         out.append_literal(COMMON_STATE, new_common)
     out.extra_files = extra
+    out.masters = {t.fqn: identity_target(views[t.fqn.removeprefix(TORCH_DIST_MASTERS)]) for t in rebuilt
+                   if t.fqn.startswith(TORCH_DIST_MASTERS)}
     return out, views
 
 

@@ -126,6 +126,8 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     views: dict[str, SourceTensor] = {}
     targets: list[TargetTensor] = []
     placements: dict[str, list[Placed]] = {}
+    model = _Stacked(ckpt, False)
+    masters: dict[str, TargetTensor] = {}  # weights rebuilt from buckets, and each as torch_dist saved it
     for p in params:
         made = [(f"model.module.{p.name}", "param")]
         if states:
@@ -134,7 +136,8 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
         for fqn, state in made:
             targets.append(source.target(fqn, state, p, views))
             placements[fqn] = placed
-    model = _Stacked(ckpt, False)
+        if isinstance(source, _Buckets):
+            masters[made[0][0]] = model.target(_saved_as(p), "param", p, views)
     for b in buffers:  # whole on every rank, saved once
         fqn = f"model.module.{b.name}"
         targets.append(model.target(fqn, "param", b, views))
@@ -159,7 +162,15 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
             out.append_literal_tensor(fqn, float32, (), struct.pack("<f", step))
             planner[fqn] = _path(fqn, prefix)
     out.planner_data = planner
+    out.masters = masters
     return out, views, tp * dp
+
+
+def _saved_as(p: _Param) -> str:
+    """Where torch_dist saved `p`: its key, index in the key's stacked dims and, for a SwiGLU half, rows."""
+    lead = f"[{', '.join(map(str, p.lead))}]" if p.lead else ""
+    rows = f" rows {p.row}:{p.row + p.shape[0]}" if p.shape != p.owner_shape else ""
+    return f"{p.key}{lead}{rows}"
 
 
 def refuse_options(opts: Any) -> None:

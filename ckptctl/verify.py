@@ -62,11 +62,12 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
 
 def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written: Path, workers: int = 1,
                advance: Advance | None = None, views: Mapping[str, SourceTensor] | None = None) -> None:
-    """Raise CheckpointError unless every tensor and bytes entry at `written` equals its source.
+    """Raise CheckpointError unless every tensor and bytes entry at `written` equals its source,
+    and every master copy the plan rebuilt its weight (`check_master`).
 
     `views` are the source views the targets' pieces address (default: each tensor as reshard
     sees it). Tensors are checked on `workers` threads (reads and hashing release the GIL);
-    `advance` counts each checked tensor's output bytes.
+    `advance` counts each checked tensor's output bytes, and each master's weight's.
     """
 
     src_sources = views if views is not None else source_tensors(src)
@@ -89,6 +90,13 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
         check_decoded_source(src, out.targets, src_sources, dcp_read_back(dst, dst_chunks, dst_sources), written,
                              workers)
+
+        def check_pair(pair: tuple[str, TargetTensor]) -> None:
+            check_master(*pair, (src_sources, src_chunks), (dst_sources, dst_chunks), written)
+            if advance is not None:
+                advance(pair[1].nbytes)
+
+        run_on_threads(list(out.masters.items()), check_pair, workers, "ckptctl-verify")
         for fqn, copy in out.bytes_entries.items():
             entry = dst.bytes_entries.get(fqn)
             if entry is None:
@@ -99,6 +107,26 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                 raise CheckpointError(written, f"{fqn}: verification failed (bytes entry differs)")
     finally:
         dst_chunks.close()
+
+
+def check_master(master: str, weight: TargetTensor, src: tuple[Mapping[str, SourceTensor], ChunkSource],
+                 dst: tuple[Mapping[str, SourceTensor], ChunkSource], written: Path) -> None:
+    """Raise unless output tensor `master`, cast to its weight's dtype, is `weight` (read from the
+    source) bit for bit.
+
+    A DistributedOptimizer copies its fp32 masters into the weights after each step, so a save
+    holds both: where a master was laid out from buckets or fragments whose map the checkpoint
+    does not record (params of one size in another order pass every structural check), equality
+    with the weight is the proof the map was right, and with it the Adam states laid out alike.
+    """
+    got = dst[0][master]
+    if got.shape != weight.shape:
+        raise CheckpointError(written, f"{master}: shaped {list(got.shape)}, its param {weight.fqn} "
+                                       f"{list(weight.shape)}")
+    if tensor_digest(identity_target(got, dtype=weight.dtype), *dst) != tensor_digest(weight, *src):
+        raise CheckpointError(written, f"{master}: verification failed (the rebuilt master copy, cast to "
+                                       f"{weight.dtype.name}, is not its param {weight.fqn}: the source's optimizer "
+                                       "state was not laid out as rebuilt)")
 
 
 ITEM_OVERHEAD_BYTES = 1 << 20

@@ -1232,6 +1232,39 @@ def test_another_spec_order_is_refused(saved, monkeypatch):
         mb.layout_buckets(ckpt, mb.registration_order(ckpt, model), 2)
 
 
+@needs("0.19")
+@pytest.mark.parametrize("layout", ["fsdp2", "megatron-fsdp"])
+def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_path, monkeypatch, layout):
+    """The two norms of a layer swapped in the registration order: of one size, they swap places
+    and every structural check passes, so the rewrite (torch_dist's own layout, or Megatron-FSDP's)
+    runs; `--verify` finds a rebuilt master copy unequal to the weight saved beside it, and nothing
+    is left at DST."""
+    import ckptctl
+    from ckptctl import megatron_buckets as mb
+    from ckptctl.errors import CheckpointError
+
+    layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
+    names = [name for name, _ in layer]
+    attn, mlp = (names.index(f"{n}.layer_norm_weight") for n in ("self_attention.linear_qkv", "mlp.linear_fc1"))
+    swapped = list(layer)
+    swapped[attn], swapped[mlp] = layer[mlp], layer[attn]
+    monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, tuple(swapped) if n == "decoder.layers." else k)
+                                                for n, k in mb.LOCAL_SPEC))
+    src, opts = saved[BUCKETS] / "dp_reshardable", ckptctl.ReshardOptions(None, layout=layout, dp=2)
+    if layout == "fsdp2":  # torch_dist rewritten at its own layout
+        opts = ckptctl.ReshardOptions(None)
+    ckptctl.reshard(src, tmp_path / "unverified", opts)
+    with pytest.raises(CheckpointError) as err:
+        ckptctl.reshard(src, tmp_path / "o", opts, verify=True)
+    norm = r"decoder\.layers\.(self_attention\.linear_qkv|mlp\.linear_fc1)\.layer_norm_weight"
+    master, param = (rf"optimizer\.state\.param\.{norm}", norm) if layout == "fsdp2" else \
+        (r"model\.module\.decoder\.layers\.[01]\.(input|pre_mlp)_layernorm\.weight", rf"{norm}\[[01]\]")
+    assert re.fullmatch(rf"{master}: verification failed \(the rebuilt master copy, cast to float32, is not its "
+                        rf"param {param}: the source's optimizer state was not laid out as rebuilt\)",
+                        err.value.reason), err.value.reason
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.full
 def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
     import shutil

@@ -82,6 +82,11 @@ class DcpOutput:
     literal_tensors: dict[str, tuple[DType, tuple[int, ...], CopyItem]] = field(default_factory=dict)
     """Tensors no source holds (torch Adam's per-param step in a converted checkpoint), each one
     record built when planned: fqn → dtype, shape and the record, written as a copy item."""
+    masters: dict[str, TargetTensor] = field(default_factory=dict)
+    """Master copies laid out from a map the source does not record (a DistributedOptimizer's
+    fp32 params out of its buckets or fragments) → the weight each must equal once cast to the
+    weight's dtype, read from the source views: `--verify` checks them, proving that map by the
+    checkpoint's own values."""
 
     @property
     def total_bytes(self) -> int:
