@@ -35,11 +35,8 @@ def gc_paused() -> Iterator[None]:
     gc.disable()
     try:
         yield
-    except BaseException:
+        if _freeze and was_enabled:  # only after a phase that succeeded
+            gc.freeze()
+    finally:
         if was_enabled:
             gc.enable()
-        raise
-    if was_enabled:
-        if _freeze:
-            gc.freeze()
-        gc.enable()
