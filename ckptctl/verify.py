@@ -60,6 +60,21 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
     return digest.hexdigest()
 
 
+class Digests:
+    """`tensor_digest` of one side's tensors (the source views, or the output's), each taken once:
+    the master check compares tensors the copy check has hashed already."""
+
+    def __init__(self, sources: Mapping[str, SourceTensor], chunks: ChunkSource) -> None:
+        self.sources, self.chunks = sources, chunks
+        self._taken: dict[TargetTensor, str] = {}
+
+    def __call__(self, target: TargetTensor) -> str:
+        found = self._taken.get(target)
+        if found is None:
+            found = self._taken[target] = tensor_digest(target, self.sources, self.chunks)
+        return found
+
+
 def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written: Path, workers: int = 1,
                advance: Advance | None = None, views: Mapping[str, SourceTensor] | None = None) -> None:
     """Raise CheckpointError unless every tensor and bytes entry at `written` equals its source,
@@ -79,10 +94,10 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
         if missing is not None:
             raise CheckpointError(written, f"{missing}: missing from the output")
 
+        source, output = Digests(src_sources, src_chunks), Digests(dst_sources, dst_chunks)
+
         def check(fqn: str) -> None:
-            want = tensor_digest(out.targets[fqn], src_sources, src_chunks)
-            got = tensor_digest(identity_target(dst_sources[fqn]), dst_sources, dst_chunks)
-            if want != got:
+            if source(out.targets[fqn]) != output(identity_target(dst_sources[fqn])):
                 raise CheckpointError(written, f"{fqn}: verification failed (output differs from the source)")
             if advance is not None:
                 advance(out.targets[fqn].nbytes)
@@ -92,7 +107,7 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
                              workers)
 
         def check_pair(pair: tuple[str, TargetTensor]) -> None:
-            check_master(*pair, (src_sources, src_chunks), (dst_sources, dst_chunks), written)
+            check_master(*pair, source, output, written)
             if advance is not None:
                 advance(pair[1].nbytes)
 
@@ -109,8 +124,7 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
         dst_chunks.close()
 
 
-def check_master(master: str, weight: TargetTensor, src: tuple[Mapping[str, SourceTensor], ChunkSource],
-                 dst: tuple[Mapping[str, SourceTensor], ChunkSource], written: Path) -> None:
+def check_master(master: str, weight: TargetTensor, source: Digests, output: Digests, written: Path) -> None:
     """Raise unless output tensor `master`, cast to its weight's dtype, is `weight` (read from the
     source) bit for bit.
 
@@ -119,11 +133,11 @@ def check_master(master: str, weight: TargetTensor, src: tuple[Mapping[str, Sour
     does not record (params of one size in another order pass every structural check), equality
     with the weight is the proof the map was right, and with it the Adam states laid out alike.
     """
-    got = dst[0][master]
+    got = output.sources[master]
     if got.shape != weight.shape:
         raise CheckpointError(written, f"{master}: shaped {list(got.shape)}, its param {weight.fqn} "
                                        f"{list(weight.shape)}")
-    if tensor_digest(identity_target(got, dtype=weight.dtype), *dst) != tensor_digest(weight, *src):
+    if output(identity_target(got, dtype=weight.dtype)) != source(weight):
         raise CheckpointError(written, f"{master}: verification failed (the rebuilt master copy, cast to "
                                        f"{weight.dtype.name}, is not its param {weight.fqn}: the source's optimizer "
                                        "state was not laid out as rebuilt)")
