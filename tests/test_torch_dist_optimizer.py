@@ -1250,9 +1250,8 @@ def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_
     swapped[attn], swapped[mlp] = layer[mlp], layer[attn]
     monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, tuple(swapped) if n == "decoder.layers." else k)
                                                 for n, k in mb.LOCAL_SPEC))
-    src, opts = saved[BUCKETS] / "dp_reshardable", ckptctl.ReshardOptions(None, layout=layout, dp=2)
-    if layout == "fsdp2":  # torch_dist rewritten at its own layout
-        opts = ckptctl.ReshardOptions(None)
+    src = saved[BUCKETS] / "dp_reshardable"
+    opts = ckptctl.ReshardOptions(None) if layout == "fsdp2" else ckptctl.ReshardOptions(None, layout=layout, dp=2)
     ckptctl.reshard(src, tmp_path / "unverified", opts)
     with pytest.raises(CheckpointError) as err:
         ckptctl.reshard(src, tmp_path / "o", opts, verify=True)
