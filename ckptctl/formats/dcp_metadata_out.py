@@ -155,8 +155,10 @@ class _Emitter:
         self.write = write
         write(pickle.PROTO + bytes((PROTOCOL,)))
         self.frame = bytearray()
-        self.memo: dict[int, int] = {}
-        """id → memo index, for objects that outlive the dump (md's own and `ref`'s globals)."""
+        self.memo: dict[int, tuple[int, Any]] = {}
+        """id → (memo index, the object), as pickle's own memo: holding the object keeps its id from
+        being reused by another while the dump runs (a freed temporary's id taken by the next one
+        would fetch the wrong value)."""
         self.count = 0
         """Memo entries so far, `torch_pickle`'s temporaries included."""
         self.chunk_template: tuple[bytes, bytes] | None = None
@@ -190,13 +192,13 @@ class _Emitter:
         """MEMOIZE; `obj` when it outlives the dump, None for a `torch_pickle` temporary (never fetched)."""
         self.frame += pickle.MEMOIZE
         if obj is not None:
-            self.memo[id(obj)] = self.count
+            self.memo[id(obj)] = (self.count, obj)
         self.count += 1
 
     def rollback(self, count: int) -> None:
         """Forget the memo entries from index `count` on (a template that did not fit, to be redone)."""
         memo = self.memo
-        while memo and next(reversed(memo.values())) >= count:
+        while memo and next(reversed(memo.values()))[0] >= count:
             memo.popitem()
         self.count = count
 
@@ -205,7 +207,7 @@ class _Emitter:
     def gets(self, *objs: Any) -> list[bytes] | None:
         """The fetch of each of `objs`, or None while one is not memoized yet."""
         found = [self.memo.get(id(o)) for o in objs]
-        return None if None in found else [self.get(i) for i in found]
+        return None if None in found else [self.get(i) for i, _ in found]
 
     # One save per value, as torch_pickle's pickler does ----------------------------------------
 
@@ -213,9 +215,9 @@ class _Emitter:
         self.check()
         kind = type(obj)
         if kind in _MEMOIZED:
-            index = self.memo.get(id(obj))
-            if index is not None:
-                self.frame += self.get(index)
+            known = self.memo.get(id(obj))
+            if known is not None:
+                self.frame += self.get(known[0])
                 return
         saver = _SAVERS.get(kind)
         if saver is None:
@@ -255,7 +257,7 @@ class _Emitter:
         for v in values:
             self.save(v)
         if keep and id(values) in self.memo:  # it contains itself (through a list or dict)
-            fetch = self.get(self.memo[id(values)])
+            fetch = self.get(self.memo[id(values)][0])
             self.frame += (pickle.POP * len(values) if short else pickle.POP_MARK) + fetch
             return
         self.frame += _TUPLE_CODES[len(values)] if short else pickle.TUPLE
@@ -381,9 +383,9 @@ class _Emitter:
         """A str's fetch, or its bytes (memoizing it); None for a non-str or a long one."""
         if type(text) is not str:
             return None
-        index = self.memo.get(id(text))
-        if index is not None:
-            return self.get(index)
+        known = self.memo.get(id(text))
+        if known is not None:
+            return self.get(known[0])
         code = self.str_codes.get(text)
         if code is None:
             encoded = text.encode("utf-8", "surrogatepass")
@@ -392,7 +394,7 @@ class _Emitter:
             code = pickle.SHORT_BINUNICODE + bytes((len(encoded),)) + encoded + pickle.MEMOIZE
             if len(self.str_codes) < STR_CODES:
                 self.str_codes[text] = code
-        self.memo[id(text)] = self.count
+        self.memo[id(text)] = (self.count, text)
         self.count += 1
         return code
 

@@ -140,8 +140,7 @@ class DcpRecords:
 
     def in_files(self, names: Container[str]) -> Iterator[StreamItem]:
         """The records of files `names`, made as they are read."""
-        for target, _, placed, offset in self.placed_records():
-            file = self._files[placed.rank]
+        for target, _, placed, file, offset in self.placed_records():
             if file in names:
                 key = f"{target.fqn}@{list(placed.box.offsets)}"  # the item's serialization id: equal runs, equal bytes
                 layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
@@ -156,13 +155,13 @@ class DcpRecords:
         for target, placed in zip(self._targets, self._placed):
             yield target, sum(p.box.numel for p in placed)
 
-    def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, int]]:
-        """(target, index of the chunk in its target, the chunk, offset in its rank's file) of every
-        record, none made."""
-        offsets = iter(self._offsets)
+    def placed_records(self) -> Iterator[tuple[TargetTensor, int, Placed, str, int]]:
+        """(target, index of the chunk in its target, the chunk, its rank's file, offset in that
+        file) of every record, none made. A rank's file name is one string for all its records."""
+        offsets, files = iter(self._offsets), self._files
         for target, placed in zip(self._targets, self._placed):
             for j, p in enumerate(placed):
-                yield target, j, p, next(offsets)
+                yield target, j, p, files[p.rank], next(offsets)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -238,10 +237,10 @@ def build_metadata(out: DcpOutput) -> Metadata:
     def storage() -> Iterator[tuple[MetadataIndex, StorageInfo]]:
         for fqn, copy in out.bytes_entries.items():
             yield MetadataIndex(fqn), StorageInfo(copy.file, copy.offset, copy.length, transforms[fqn])
-        for target, index, p, offset in records.placed_records():
-            # a file name made per entry, as the records were: one shared string would pickle as memo references
+        for target, index, p, file, offset in records.placed_records():
+            # one name a file, as torch's writer shares it: pickled once, then fetched from the memo
             yield (MetadataIndex(target.fqn, size(p.box.offsets), index),
-                   StorageInfo(rank_file(p.rank), offset, _record_length(target.dtype, p.box.sizes)))
+                   StorageInfo(file, offset, _record_length(target.dtype, p.box.sizes)))
         for fqn, (_, shape, copy) in out.literal_tensors.items():
             yield MetadataIndex(fqn, size((0,) * len(shape)), 0), StorageInfo(copy.file, copy.offset, copy.length)
 
