@@ -65,8 +65,10 @@ class ChunkSource:
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self.reader = ItemReader(ckpt)
-        self._records: dict[tuple[str, int], RawRecord | None] = {}
-        self._decoded: dict[tuple[str, int], bytes] = {}
+        self._records: dict[tuple[str, str, int], RawRecord | None] = {}
+        """(fqn, file, offset) → where the chunk's bytes are: the fqn too, since a SAFETENSORS-format
+        DCP records every tensor of a file at the same offset (its blob's start)."""
+        self._decoded: dict[tuple[str, str, int], bytes] = {}
         self._decoded_bytes = 0
         self._lock = threading.Lock()
 
@@ -76,7 +78,7 @@ class ChunkSource:
     def record(self, fqn: str, chunk: Chunk) -> RawRecord | None:
         """Where the chunk's bytes are; remembered for the chunks read lately (a record's blocks,
         neighbouring records), not for all: a checkpoint may have millions."""
-        key = (chunk.file, chunk.offset)
+        key = (fqn, chunk.file, chunk.offset)
         try:
             return self._records[key]
         except KeyError:
@@ -88,7 +90,7 @@ class ChunkSource:
         return record
 
     def decoded(self, fqn: str, chunk: Chunk) -> memoryview:
-        key = (chunk.file, chunk.offset)
+        key = (fqn, chunk.file, chunk.offset)
         with self._lock:
             data = self._decoded.get(key)
         if data is None:
@@ -106,7 +108,7 @@ class ChunkSource:
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
-        if (chunk.file, chunk.offset) not in self._records:  # a small item like a validated one: one read
+        if (fqn, chunk.file, chunk.offset) not in self._records:  # a small item like a validated one: one read
             data = self.reader.small_data(self.ckpt.tensors[fqn], chunk)
             if data is not None:
                 out[:] = data[byte_start:byte_start + len(out)]
@@ -155,9 +157,9 @@ def read_spans(segs: list[_Segment], max_bytes: int | None = None) -> Iterator[t
     A span covers at most `max_bytes` (default BLOCK_BYTES) of its source.
     """
     cap = BLOCK_BYTES if max_bytes is None else max_bytes
-    by_chunk: dict[tuple[str, int], list[_Segment]] = {}
+    by_chunk: dict[tuple[str, str, int], list[_Segment]] = {}
     for s in segs:
-        by_chunk.setdefault((s.read.chunk.file, s.read.chunk.offset), []).append(s)
+        by_chunk.setdefault((s.read.fqn, s.read.chunk.file, s.read.chunk.offset), []).append(s)
     for group in by_chunk.values():
         isz = group[0].read.dtype.itemsize
         group.sort(key=lambda s: s.src)
