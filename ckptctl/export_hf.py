@@ -58,8 +58,9 @@ from ckptctl.megatron import MODEL_PREFIXES
 from ckptctl.megatron_tp import resolve_tp, tp_from_geometry
 from ckptctl.model import Checkpoint, dtype_name
 from ckptctl.wording import counted
+from ckptctl.output_check import check_safetensors
 from ckptctl.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
-from ckptctl.progress import Phases, ProgressObserver, RunTiming
+from ckptctl.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.output_plan import OutputPlan
 from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
 from ckptctl.selection import refuse_empty_selection, selected
@@ -637,12 +638,19 @@ def export_hf(
 
     try:
         report.write_bytes = write_output(plan.output_plan(), dst, sources, phases, device=report.device,
-                                          workers=opts.workers, force=force, sync=opts.sync, comm=comm,
+                                          workers=opts.workers, force=force, sync=opts.sync,
+                                          check=timed_check(report, functools.partial(check_export, ckpt, plan)), comm=comm,
                                           verify=verify_output if verify else None)
     finally:
         sources.close()
     report.finish(phases, started)
     return report
+
+
+def check_export(ckpt: Checkpoint, plan: ExportPlan, folder: Path) -> None:
+    """The check every export passes before it takes its name (`output_check.check_safetensors`)."""
+    check_safetensors(ckpt, folder, {f.name: [plan.targets[n] for n in plan.file_targets[f.name]] for f in plan.files},
+                      plan.sources, plan.weight_map, INDEX_NAME)
 
 
 def safetensors_read_back(folder: Path, plan: ExportPlan) -> ReadBack:

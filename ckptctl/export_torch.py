@@ -39,8 +39,9 @@ from ckptctl.geometry import union_volume
 from ckptctl.model import Checkpoint
 from ckptctl.output_plan import OutputPlan
 from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
-from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming
+from ckptctl.progress import Advance, Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.selection import refuse_empty_selection, selected
+from ckptctl.output_check import check_torch_save
 from ckptctl.verify import check_decoded_source, row_blocks, tensor_read_back
 
 _LOCAL_HEADER_BYTES = 30
@@ -186,6 +187,8 @@ def export_torch(
             output.finish(tmp.parent)
             phases.stop()
             report.write_bytes = plan.file.size
+            timed_check(report, check_torch_save)(
+                ckpt, tmp, out, {f"{plan.file.archive}/data/{i}": t for i, t in enumerate(plan.targets)}, plan.sources)
             if verify:
                 verify_torch_save(tmp, out, plan, chunks, max(1, opts.workers),
                                   phases.start("verifying", plan.tensor_bytes))

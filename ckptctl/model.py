@@ -77,6 +77,11 @@ class ChunkTable(TupleView):
         """Each chunk's box sizes, in order (the table's own column: not to be changed)."""
         return self._sizes
 
+    def columns(self) -> tuple[list[str], array, array]:
+        """The file names, each chunk's file by number, and each chunk's byte offset and length in
+        turn (the table's own columns, not to be changed): every storage place without a `Chunk`."""
+        return self._names, self._files, self._places
+
     @property
     def transformed(self) -> bool:
         """Whether any chunk's item is transformed (compressed: read by decoding)."""

@@ -98,6 +98,8 @@ class RunTiming:
     """Bytes this process wrote (its share under torchrun) in `write_seconds`."""
     write_seconds: float = 0.0
     verify_seconds: float = 0.0
+    check_seconds: float = 0.0
+    """What reading the output back before it took its name cost (`output_check`, every run)."""
     verified: bool = False
     peak_rss_bytes: int = 0
     processes: int = 1
@@ -113,6 +115,18 @@ class RunTiming:
         self.seconds = time.perf_counter() - started
         self.write_seconds, self.verify_seconds = phases.seconds("writing"), phases.seconds("verifying")
         self.peak_rss_bytes = peak_rss_bytes()
+
+
+def timed_check(report: RunTiming, check: Callable[..., None]) -> Callable[..., None]:
+    """`check`, its seconds added to `report.check_seconds` each time it runs."""
+    def run(*args: object) -> None:
+        began = time.perf_counter()
+        try:
+            check(*args)
+        finally:
+            report.check_seconds += time.perf_counter() - began
+
+    return run
 
 
 def _ignore(nbytes: int) -> None:

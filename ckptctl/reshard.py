@@ -26,11 +26,12 @@ from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.layout import analysis, source_tensors
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2
-from ckptctl.progress import Phases, ProgressObserver, RunTiming
+from ckptctl.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_bytes
 from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
+from ckptctl.output_check import check_dcp
 from ckptctl.verify import verify_dcp
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
@@ -214,7 +215,8 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     phases = Phases(progress)
     try:
         report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
-                                          workers=opts.workers, force=force, sync=opts.sync, comm=comm,
+                                          workers=opts.workers, force=force, sync=opts.sync,
+                                          check=timed_check(report, lambda tmp: check_dcp(ckpt, out, tmp, views)), comm=comm,
                                           verify=verify_output if verify else None)
     finally:
         sources.close()

@@ -175,7 +175,7 @@ def tensor_read_back(tensor_of: Callable[[str], Any]) -> ReadBack:
 
     def read(target: TargetTensor, box: Box) -> bytes:
         got = tensor_of(target.fqn)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
-        return _raw_bytes(torch.as_tensor(got))
+        return raw_bytes(torch.as_tensor(got))
 
     return read
 
@@ -214,7 +214,7 @@ def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], s
                 dst = piece.destination(both)
                 if piece.axes is not None:
                     block = block.permute(transposed_order(piece.axes, block.dim())).reshape(dst.sizes)
-                want = _raw_bytes(_as_target(block, target))
+                want = raw_bytes(_as_target(block, target))
                 pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape,
                                                                    target.shape)]
                 got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
@@ -274,7 +274,7 @@ def _cast(tensor: Any, dtype: Any) -> Any:
     return out
 
 
-def _raw_bytes(tensor: Any) -> bytes:
+def raw_bytes(tensor: Any) -> bytes:
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -250,7 +250,8 @@ def timing_summary(report: RunTiming) -> str:
 def timing_json(report: RunTiming) -> dict[str, Any]:
     """The timing fields every writing command's `--json` shares."""
     return {"seconds": round(report.seconds, 6), "write_seconds": round(report.write_seconds, 6),
-            "verify_seconds": round(report.verify_seconds, 6), "bytes_per_s": round(report.bytes_per_s, 3),
+            "verify_seconds": round(report.verify_seconds, 6), "check_seconds": round(report.check_seconds, 6),
+            "bytes_per_s": round(report.bytes_per_s, 3),
             "gb_per_s": round(report.bytes_per_s / 1e9, 6), "peak_rss_bytes": report.peak_rss_bytes}
 
 

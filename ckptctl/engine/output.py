@@ -36,13 +36,15 @@ def write_files(plan: OutputPlan, directory: Path, names: Container[str], execut
 
 
 def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phases, *, device: str, workers: int,
-                 force: bool, sync: bool, comm: Comm = LOCAL,
+                 force: bool, sync: bool, check: Callable[[Path], None], comm: Comm = LOCAL,
                  verify: Callable[[Path], None] | None = None) -> int:
-    """Fill directory `dst` with `plan` atomically; `verify(tmp)` checks the whole output before
-    it takes its name. Returns the bytes this worker wrote.
+    """Fill directory `dst` with `plan` atomically; `check(tmp)` reads the whole output back
+    before it takes its name (every run), `verify(tmp)` compares every byte (when asked).
+    Returns the bytes this worker wrote.
 
     Collective under torchrun: every worker calls it with the same plan and writes its share of
-    the files; rank 0 runs `verify` (and `finish`, unless it ran first) once every worker succeeded.
+    the files; rank 0 runs `check` and `verify` (and `finish`, unless it ran first) once every
+    worker succeeded.
     """
     execute = executor(device, comm.local_rank)
     workers = max(1, workers)
@@ -82,6 +84,7 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
     def finish(tmp: Path) -> None:
         if not finished and plan.finish is not None:
             plan.finish(tmp)
+        check(tmp)
         if verify is not None:
             verify(tmp)
 

@@ -1,0 +1,563 @@
+"""The check every output passes before it takes its name, whatever the options.
+
+`--verify` compares every byte; this is what no run skips. The output is re-read by readers
+that are not the writer — the project's `.metadata` reader, the safetensors header as JSON,
+Python's `zipfile` over a torch.save archive — and checked as a structure: every entry
+inside its file, a file's entries tiling it exactly, every tensor's chunks covering it, the
+names, shapes and dtypes those of the plan. A structure can be perfect and its bytes wrong
+(a source item read at another item's place), so each tensor's first and last elements are
+compared too, on both sides read by `ItemElements`: Python's own `zipfile` and `pickle`
+locate an item's bytes, not ckptctl's item reader that the copy used.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import pickletools
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from ckptctl.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
+from ckptctl.engine.cpu import assemble_bytes
+from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
+from ckptctl.formats.dcp_writer import DcpOutput
+from ckptctl.geometry import Box
+from ckptctl.layout import coverage
+from ckptctl.model import Checkpoint, Chunk, ChunkTable, TensorEntry
+from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+
+MAX_PICKLE = 1 << 16
+"""Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
+MAX_HEADER = 100 << 20
+"""Largest safetensors header read here (the format's own limit)."""
+MAX_LAYOUTS = 4096
+"""Distinct `data.pkl`s remembered (with what they say) by one reader."""
+BYTES_SAMPLE = 4096
+"""Bytes of a bytes entry compared at each end."""
+_PICKLE_OPS = frozenset({
+    "PROTO", "FRAME", "GLOBAL", "STACK_GLOBAL", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET",
+    "MARK", "BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1", "TUPLE", "TUPLE1",
+    "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "BINPERSID", "NEWFALSE", "NEWTRUE", "NONE", "REDUCE", "STOP"})
+"""The opcodes a tensor's `data.pkl` is made of: no dict or set is built, so no key is hashed."""
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: DType | None
+    numel: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor as its `data.pkl` describes it: a view of storage record `key`."""
+
+    key: str
+    dtype: DType
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_numel: int
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Layout:
+    dtype = rest[2] if len(rest) >= 3 and isinstance(rest[2], DType) else getattr(storage, "dtype", None)
+    if not (isinstance(storage, _StorageRef) and isinstance(dtype, DType) and _ints(offset, *size, *stride)
+            and len(size) == len(stride)):
+        raise ValueError("not a tensor record")
+    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), storage.numel)
+
+
+def _ints(*values: Any) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+_STORAGE_CLASS = "storage class"
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Python's own unpickler, told torch's names for what they are: a record's layout, never a tensor."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module in ("torch", "torch.storage") and name.endswith("Storage"):
+            return (_STORAGE_CLASS, name)
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
+                and type(pid[4]) is int and isinstance(pid[1], tuple) and pid[1][0] == _STORAGE_CLASS):
+            raise pickle.UnpicklingError("not a storage reference")
+        return _StorageRef(pid[2], BY_STORAGE.get(pid[1][1]), pid[4])
+
+
+def tensor_layout(pickled: bytes) -> _Layout:
+    """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
+    opcodes a tensor record uses (checked first: nothing else is built)."""
+    if len(pickled) > MAX_PICKLE:
+        raise ValueError(f"data.pkl of {len(pickled)} bytes")
+    for op, _, _ in pickletools.genops(pickled):
+        if op.name not in _PICKLE_OPS:
+            raise ValueError(f"opcode {op.name} in a tensor record")
+    layout = _TensorPickle(io.BytesIO(pickled)).load()
+    if not isinstance(layout, _Layout):
+        raise ValueError("data.pkl holds no tensor")
+    return layout
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a file (what `zipfile` reads an item through)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = max(0, (0, self.pos, self.length)[whence] + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = os.pread(self.fd, max(0, min(len(buffer), self.length - self.pos)), self.start + self.pos)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """Where a chunk's elements lie: `start` is element 0's byte in the file, row-major from there."""
+
+    start: int
+
+
+class ItemElements:
+    """A checkpoint's chunks read element by element, located without ckptctl's item reader:
+    torch.save items by `zipfile` and Python's unpickler, SAFETENSORS-format items and
+    safetensors folders by their JSON header, transformed items decoded by torch. It serves
+    `read_into` as the engine's `ChunkSource` does, so a sample is assembled (cast, shifted,
+    transposed) by the same steps as the copy from reads that are not the copy's."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._places: dict[tuple[str, str, int], _Dense | bytes] = {}
+        self._layouts: dict[bytes, _Layout] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def _fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = open_regular(self.ckpt.path / file)
+        return self._fds[file]
+
+    def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
+        place = self._place(self.ckpt.tensors[fqn], chunk)
+        if isinstance(place, bytes):
+            out[:] = place[byte_start:byte_start + len(out)]
+            return
+        data = os.pread(self._fd(chunk.file), len(out), place.start + byte_start)
+        if len(data) != len(out):
+            raise CheckpointError(self.ckpt.path / chunk.file, f"{fqn}: short read at byte {place.start + byte_start}")
+        out[:] = data
+
+    def _place(self, entry: TensorEntry, chunk: Chunk) -> _Dense | bytes:
+        key = (entry.fqn, chunk.file, chunk.offset)
+        place = self._places.get(key)
+        if place is None:
+            try:
+                place = self._places[key] = self._locate(entry, chunk)
+            except (ValueError, KeyError, TypeError, IndexError, struct.error, zipfile.BadZipFile,
+                    pickle.UnpicklingError, EOFError, RecursionError) as exc:
+                raise CheckpointError(self.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {entry.fqn}: "
+                                                                   f"cannot be read back ({exc})") from None
+        return place
+
+    def _locate(self, entry: TensorEntry, chunk: Chunk) -> _Dense | bytes:
+        if chunk.transforms:
+            from ckptctl.verify import decode_source_item, raw_bytes
+
+            return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
+        fd = self._fd(chunk.file)
+        if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
+            start, info = _safetensors_record(fd, 0, entry.fqn)
+            if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
+                raise ValueError("its safetensors record is another tensor")
+            row = entry.itemsize * _prod(entry.shape[1:])
+            return _Dense(start + (chunk.offsets[0] * row if entry.shape else 0))
+        if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":  # a SAFETENSORS-format item: its blob's record
+            start, info = _safetensors_record(fd, chunk.offset, entry.fqn)
+            if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
+                raise ValueError("its safetensors record is another tensor")
+            return _Dense(start)
+        with zipfile.ZipFile(io.BufferedReader(_Slice(fd, chunk.offset, chunk.length))) as archive:
+            pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+            pickled = archive.read(pkl)
+            layout = self._layouts.get(pickled)
+            if layout is None:
+                layout = tensor_layout(pickled)
+                if len(self._layouts) < MAX_LAYOUTS:  # a sharded tensor's items repeat a few pickles
+                    self._layouts[pickled] = layout
+            record = archive.getinfo(pkl.filename[:-len("data.pkl")] + f"data/{layout.key}")
+        if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
+                or record.file_size != layout.storage_numel * entry.itemsize:
+            raise ValueError("its record is another tensor")
+        head = os.pread(fd, 30, chunk.offset + record.header_offset)
+        if head[:4] != b"PK\x03\x04":
+            raise ValueError("no local header where the central directory says")
+        name_len, extra_len = struct.unpack("<HH", head[26:30])
+        data = chunk.offset + record.header_offset + 30 + name_len + extra_len
+        if data + record.file_size > chunk.offset + chunk.length:
+            raise ValueError("its record runs past the item")
+        if layout.stride == _row_major(layout.size) or _prod(layout.size) <= 1:
+            return _Dense(data + layout.offset * entry.itemsize)
+        from ckptctl.verify import decode_source_item, raw_bytes  # a strided view: torch lays it out
+
+        return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
+
+
+def _prod(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(size):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _safetensors_header(fd: int, at: int) -> tuple[dict, int]:
+    """The JSON header of the safetensors blob at byte `at`, and where its data starts."""
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, at))
+    if n > MAX_HEADER:
+        raise ValueError(f"safetensors header of {n} bytes")
+    header = json.loads(os.pread(fd, n, at + 8))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not an object")
+    return header, at + 8 + n
+
+
+def _safetensors_record(fd: int, at: int, name: str) -> tuple[int, dict]:
+    header, data = _safetensors_header(fd, at)
+    info = header[name]
+    begin, _ = info["data_offsets"]
+    return data + int(begin), info
+
+
+# --------------------------------------------------------------------------------------
+# Samples: each tensor's first and last elements
+# --------------------------------------------------------------------------------------
+
+
+def _ends(shape: tuple[int, ...]) -> list[Box]:
+    """One-element boxes at a tensor's first and last elements (none for an empty tensor)."""
+    if _prod(shape) == 0:
+        return []
+    first = Box(tuple(0 for _ in shape), tuple(1 for _ in shape))
+    last = Box(tuple(n - 1 for n in shape), tuple(1 for _ in shape))
+    return [first] if first == last else [first, last]
+
+
+def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor], elements: ItemElements) -> bytes:
+    return bytes(assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), elements))
+
+
+def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], source: ItemElements,
+                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> int:
+    """Compare each target's first and last elements, assembled from `sources` read by `source`,
+    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it). Returns the
+    number of elements compared."""
+    count = 0
+    for target in targets:
+        for box in _ends(target.shape):
+            want = _sample(target, box, sources, source)
+            if written(target, box) != want:
+                raise CheckpointError(shown(target.fqn), f"{target.fqn}: element {list(box.offsets)} of "
+                                                         f"{list(target.shape)} differs from the source's")
+            count += 1
+    return count
+
+
+# --------------------------------------------------------------------------------------
+# DCP outputs (reshard, import-hf)
+# --------------------------------------------------------------------------------------
+
+
+def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str, SourceTensor] | None = None) -> None:
+    """Raise CheckpointError unless the DCP directory `written` is the checkpoint `out` plans,
+    read back by the project's `.metadata` reader and the independent item reads."""
+    dst = open_checkpoint(written)
+    _check_dcp_structure(dst, out, written)
+    source, output = ItemElements(src), ItemElements(dst)
+    try:
+        from ckptctl.layout import source_tensors
+
+        sources = views if views is not None else source_tensors(src)
+        dst_views: dict[str, SourceTensor] = {}
+
+        def read_back(target: TargetTensor, box: Box) -> bytes:
+            view = dst_views.get(target.fqn)
+            if view is None:
+                view = dst_views[target.fqn] = source_view(dst.tensors[target.fqn])
+            return _sample(identity_target(view), box, dst_views, output)
+
+        def file_of(fqn: str) -> Path:
+            return written / next(iter(dst.tensors[fqn].chunks)).file
+
+        compare_samples(out.targets.values(), sources, source, read_back, file_of)
+        for fqn, copy in out.bytes_entries.items():
+            _check_bytes_entry(src, copy, dst, fqn, source, output, written)
+    finally:
+        source.close()
+        output.close()
+
+
+def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
+    planned = {**{f: (t.shape, t.dtype) for f, t in out.targets.items()},
+               **{f: (shape, dtype) for f, (dtype, shape, _) in out.literal_tensors.items()}}
+    for fqn, (shape, dtype) in planned.items():
+        entry = dst.tensors.get(fqn)
+        if entry is None:
+            raise CheckpointError(written / ".metadata", f"{fqn}: missing")
+        if entry.shape != tuple(shape) or entry.dtype != dtype:
+            raise CheckpointError(written / ".metadata", f"{fqn}: {entry.dtype_name} {list(entry.shape)} instead of "
+                                                         f"{dtype.name} {list(shape)}")
+    extra = next((f for f in (*dst.tensors, *dst.bytes_entries) if f not in planned and f not in out.bytes_entries),
+                 None)
+    if extra is not None:
+        raise CheckpointError(written / ".metadata", f"{extra}: not in the plan")
+    lost = next((f for f in out.bytes_entries if f not in dst.bytes_entries), None)
+    if lost is not None:
+        raise CheckpointError(written / ".metadata", f"{lost}: bytes entry missing")
+    for fqn, entry in dst.tensors.items():
+        cov = coverage(entry)
+        if not cov.complete:
+            raise CheckpointError(written / ".metadata", f"{fqn}: its chunks do not cover it exactly "
+                                                         f"({cov.gaps} elements missing, {cov.overlaps} twice)")
+    check_tiling(written, dst.files, _extents(dst))
+
+
+def _extents(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
+    """Every storage entry's (offset, end, fqn), by file."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, entry in ckpt.tensors.items():
+        chunks = entry.chunks
+        if type(chunks) is ChunkTable:
+            names, files, places = chunks.columns()
+            for i, f in enumerate(files):
+                at = places[2 * i]
+                by_file.setdefault(names[f], []).append((at, at + places[2 * i + 1], fqn))
+        else:
+            for c in chunks:
+                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, fqn))
+    for fqn, b in ckpt.bytes_entries.items():
+        by_file.setdefault(b.file, []).append((b.offset, b.offset + b.length, fqn))
+    return by_file
+
+
+def check_tiling(folder: Path, sizes: Mapping[str, int], extents: Mapping[str, list[tuple[int, int, str]]],
+                 start: Mapping[str, int] | None = None) -> None:
+    """Raise unless each file's entries, sorted, follow one another from `start` (0) to its size,
+    without gap or overlap, and every file holds some. Entries that share one place (tensors of
+    a SAFETENSORS-format file recorded at its blob) count once."""
+    for name, size in sizes.items():
+        spans = sorted(set((a, b) for a, b, _ in extents.get(name, ())))
+        if not spans:
+            raise CheckpointError(folder / name, "no entry lies in it")
+        at = (start or {}).get(name, 0)
+        for a, b in spans:
+            if a != at:
+                fqn = next(f for x, y, f in extents[name] if (x, y) == (a, b))
+                what = "overlaps the entry before it" if a < at else f"leaves bytes {at}..{a} unused"
+                raise CheckpointError(folder / name, f"{fqn} at bytes {a}..{b} {what}")
+            at = b
+        if at != size:
+            raise CheckpointError(folder / name, f"is {size} bytes but its entries end at byte {at}")
+
+
+def _check_bytes_entry(src: Checkpoint, copy: Any, dst: Checkpoint, fqn: str, source: ItemElements,
+                       output: ItemElements, written: Path) -> None:
+    entry = dst.bytes_entries[fqn]
+    if entry.length != copy.length:
+        raise CheckpointError(written / entry.file, f"{fqn}: {entry.length} bytes instead of {copy.length}")
+    n = min(BYTES_SAMPLE, copy.length)
+    spans = [(0, n), (copy.length - n, n)]
+    for at, length in spans:
+        want = copy.data[at:at + length] if copy.data is not None else \
+            os.pread(source._fd(copy.src_file), length, copy.src_offset + at)
+        if os.pread(output._fd(entry.file), length, entry.offset + at) != want:
+            raise CheckpointError(written / entry.file, f"{fqn}: bytes entry differs from the source's")
+
+
+# --------------------------------------------------------------------------------------
+# safetensors outputs (export-hf)
+# --------------------------------------------------------------------------------------
+
+
+def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterable[TargetTensor]],
+                      sources: Mapping[str, SourceTensor], weight_map: Mapping[str, str] | None,
+                      index_name: str) -> None:
+    """Raise CheckpointError unless each written safetensors file's header, re-parsed, names its
+    planned tensors with their dtypes and shapes at offsets that tile its data, the index (when
+    sharded) names every tensor once in the file that holds it, and each tensor's first and last
+    elements are the source's."""
+    source = ItemElements(src)
+    try:
+        for name, targets in files.items():
+            path = folder / name
+            fd = open_regular(path)
+            try:
+                _check_safetensors_file(path, fd, list(targets), sources, source)
+            finally:
+                os.close(fd)
+        if weight_map is not None:
+            _check_index(folder / index_name, files)
+    finally:
+        source.close()
+
+
+def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], sources: Mapping[str, SourceTensor],
+                            source: ItemElements) -> None:
+    size = os.fstat(fd).st_size
+    try:
+        header, data = _safetensors_header(fd, 0)
+        if (header.get("__metadata__") or {}).get("format") != "pt":
+            raise ValueError("its header metadata lacks format=pt")
+        records = {k: v for k, v in header.items() if k != "__metadata__"}
+        if sorted(records) != sorted(t.fqn for t in targets):
+            raise ValueError("its header names other tensors than planned")
+        extents, places = [], {}
+        for target in targets:
+            info = records[target.fqn]
+            begin, end = (int(v) for v in info["data_offsets"])
+            if BY_SAFETENSORS.get(info["dtype"]) != target.dtype or tuple(info["shape"]) != target.shape \
+                    or end - begin != target.nbytes:
+                raise ValueError(f"{target.fqn}: header says {info['dtype']} {info['shape']}, planned "
+                                 f"{target.dtype.name} {list(target.shape)}")
+            extents.append((data + begin, data + end, target.fqn))
+            places[target.fqn] = data + begin
+    except (ValueError, KeyError, TypeError, struct.error, RecursionError) as exc:
+        raise CheckpointError(path, f"cannot be read back ({exc})") from None
+    check_tiling(path.parent, {path.name: size}, {path.name: extents}, {path.name: data})
+
+    def read_back(target: TargetTensor, box: Box) -> bytes:
+        index = sum(o * s for o, s in zip(box.offsets, _row_major(target.shape)))
+        return os.pread(fd, target.dtype.itemsize, places[target.fqn] + index * target.dtype.itemsize)
+
+    compare_samples(targets, sources, source, read_back, lambda _: path)
+
+
+def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
+    try:
+        with open(path, "rb") as handle:
+            doc = json.loads(handle.read(MAX_HEADER))
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointError(path, f"cannot be read back ({exc})") from None
+    held = {t.fqn: name for name, targets in files.items() for t in targets}
+    if weight_map != held:
+        fqn = next(f for f in sorted({*held, *weight_map}) if weight_map.get(f) != held.get(f))
+        raise CheckpointError(path, f"{fqn}: mapped to {weight_map.get(fqn)!r}, held by {held.get(fqn)!r}")
+
+
+# --------------------------------------------------------------------------------------
+# torch.save outputs (export-torch)
+# --------------------------------------------------------------------------------------
+
+
+def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[str, TargetTensor],
+                     sources: Mapping[str, SourceTensor]) -> None:
+    """Raise CheckpointError (naming `shown`) unless the archive's central directory, read by
+    `zipfile`, matches its local records, which follow one another up to the directory, and each
+    tensor's record (`records`: record name → its tensor) holds its planned bytes with the
+    source's first and last elements."""
+    fd = open_regular(path)
+    source = ItemElements(src)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            with zipfile.ZipFile(io.BufferedReader(_Slice(fd, 0, size))) as archive:
+                infos = archive.infolist()
+                directory = archive.start_dir
+            extents, places = [], {}
+            for info in infos:
+                head = os.pread(fd, 30, info.header_offset)
+                if head[:4] != b"PK\x03\x04":
+                    raise ValueError(f"{info.filename}: no local header where the central directory says")
+                name_len, extra_len = struct.unpack("<HH", head[26:30])
+                local = os.pread(fd, name_len + extra_len, info.header_offset + 30)
+                if local[:name_len].decode("utf-8", "replace") != info.filename \
+                        or info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{info.filename}: its local header names another record or compresses it")
+                data = info.header_offset + 30 + name_len + extra_len
+                end = data + info.file_size
+                if info.flag_bits & 0x8:
+                    end += _descriptor(fd, end, _has_zip64(local[name_len:]))
+                extents.append((info.header_offset, end, info.filename))
+                places[info.filename] = (data, info.file_size)
+        except (ValueError, zipfile.BadZipFile, struct.error, OSError, EOFError) as exc:
+            raise CheckpointError(shown, f"cannot be read back ({exc})") from None
+        spans = {shown.name: extents + [(directory, size, "the central directory")]}
+        check_tiling(shown.parent, {shown.name: size}, spans)
+        for name, target in records.items():
+            place = places.get(name)
+            if place is None or place[1] != target.nbytes:
+                raise CheckpointError(shown, f"{target.fqn}: record {name} missing or of another size")
+
+        by_fqn = {t.fqn: places[name][0] for name, t in records.items()}
+
+        def read_back(target: TargetTensor, box: Box) -> bytes:
+            index = sum(o * s for o, s in zip(box.offsets, _row_major(target.shape)))
+            return os.pread(fd, target.dtype.itemsize, by_fqn[target.fqn] + index * target.dtype.itemsize)
+
+        compare_samples(records.values(), sources, source, read_back, lambda _: shown)
+    finally:
+        source.close()
+        os.close(fd)
+
+
+def _descriptor(fd: int, at: int, zip64: bool) -> int:
+    """The length of the data descriptor at byte `at`: CRC and both sizes, after an optional signature."""
+    signed = os.pread(fd, 4, at) == b"PK\x07\x08"
+    return (4 if signed else 0) + (20 if zip64 else 12)
+
+
+def _has_zip64(extra: bytes) -> bool:
+    """Whether a local header's extra field holds a zip64 record (its sizes are then 8 bytes)."""
+    at = 0
+    while at + 4 <= len(extra):
+        kind, length = struct.unpack("<HH", extra[at:at + 4])
+        if kind == 0x0001:
+            return True
+        at += 4 + length
+    return False
