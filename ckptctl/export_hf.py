@@ -46,7 +46,7 @@ from ckptctl.hf.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
 )
-from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
+from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
 from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
@@ -322,6 +322,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
     sources = {fqn: model.source_view(fqn) for fqn in used_fqns}
     targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
+    if expected is not None:
+        check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     check_coverage(ckpt, targets.values(), sources)
     split = shard(targets, parse_size(opts.max_shard_size))
     files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
@@ -377,6 +379,22 @@ def all_zero(chunks: ChunkSource, view: SourceTensor) -> bool:
         for at in range(view.dtype.itemsize - 1, len(data), view.dtype.itemsize):
             data[at] &= 0x7F
     return not any(data)
+
+
+def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targets: Mapping[str, TargetTensor],
+                 tensors: Mapping[str, Any], prefix: str) -> None:
+    """Refuse an output tensor whose shape is not the one transformers' model for the config has
+    (a checkpoint of 130 vocab rows under `vocab_size` 128: the folder would not load), naming the
+    source tensor, its shape and the config keys of the sizes it lacks."""
+    wrong = expected.misshapen({name: t.shape for name, t in targets.items()})
+    if not wrong:
+        return
+    name, got, want = wrong[0]
+    sources = tensors[name].sources
+    what = sources[0] if tuple(sources) == (prefix + name,) else f"{name} (from {', '.join(sources)})"
+    more = f"+{counted(len(wrong) - 1, 'more tensor')}; " if len(wrong) > 1 else ""
+    raise CheckpointError(ckpt.path, shape_problem(what, got, want, expected.model_class, cfg.path, cfg.data)
+                          + f" ({more}wrong --hf-config?)")
 
 
 def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | None:

@@ -39,7 +39,8 @@ from ckptctl.hf.rules import Family
 from ckptctl.hf.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_elements,
 )
-from ckptctl.hf.expected import ExpectedNames, expected_names, shown, transformers_available
+from ckptctl.hf.expected import (ExpectedNames, expected_names, shape_problem, shown, sizing_keys,
+                                  transformers_available)
 from ckptctl.hf.experts import stacked_parts
 from ckptctl.hf.llama import EMBED, OUTPUT
 from ckptctl.hf.torchtitan import EMBED as TT_EMBED
@@ -186,6 +187,19 @@ def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool, in_me
     return {name: source for name, source in sorted(expected.tied.items()) if name not in names and source in names}
 
 
+def check_shapes(ckpt: Checkpoint, expected: ExpectedNames, src: Path, config: dict[str, Any]) -> None:
+    """Refuse a folder tensor whose shape is not the one transformers' model for its config.json
+    has (130 embedding rows under `vocab_size` 128: the model would not load the import), naming
+    it, its shape and the config keys of the sizes it lacks."""
+    wrong = expected.misshapen({name: entry.shape for name, entry in ckpt.tensors.items()})
+    if wrong:
+        name, got, want = wrong[0]
+        more = f"+{counted(len(wrong) - 1, 'more tensor')}; " if len(wrong) > 1 else ""
+        path = (src.parent if src.is_file() else src) / CONFIG_NAME
+        raise CheckpointError(ckpt.path, shape_problem(name, got, want, expected.model_class, path, config)
+                              + f" ({more}is config.json this model's?)")
+
+
 def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]:
     """Open the folder, check its names and plan the whole DCP output. Reads headers only."""
     if opts.to not in TARGETS:
@@ -209,6 +223,8 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
         if expected is not None and opts.to == "megatron-fsdp" and config is not None:
             expected = expected.allowing(mtp_prefixes(ckpt, config, opts))
         tied = check_names(ckpt, expected, narrowed, opts.to == "fsdp2") if expected else {}
+        if expected is not None and config is not None:
+            check_shapes(ckpt, expected, src, config)
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
         elif opts.to == "torchtitan":
@@ -381,8 +397,9 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
                                          f"lacks: {shown(absent)}")
     for name, tensor in hf.items():
         if tuple(tensor.shape) != views[name].shape:
+            keys = sizing_keys(cfg.data, views[name].shape, tensor.shape)
             raise CheckpointError(ckpt.path, f"{name}: shape {list(views[name].shape)}, the config implies "
-                                             f"{list(tensor.shape)}")
+                                             f"{list(tensor.shape)}{f' ({keys})' if keys else ''}")
         logical = getattr(tensor, "logical_shape", None)
         if logical is not None:  # read in the shape its pieces are in (GPT-OSS's interleaved experts)
             views[name] = source_view(ckpt.tensors[name], logical)

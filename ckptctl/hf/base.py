@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.hf.expected import sizing_keys
 from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
@@ -592,6 +593,7 @@ def check_shape(hf: HFTensor, expected: Sequence[int], cfg: HFConfig) -> HFTenso
     """Refuse a tensor whose assembled shape is not what the config implies."""
     if tuple(hf.shape) != tuple(expected):
         srcs = ", ".join(hf.sources)
+        keys = sizing_keys(cfg.data, hf.shape, expected)
         raise CheckpointError(srcs, f"gives {hf.name} shape {list(hf.shape)} but {cfg.path.name} implies "
-                                    f"{list(expected)} (wrong --hf-config?)")
+                                    f"{list(expected)} ({keys + '; ' if keys else ''}wrong --hf-config?)")
     return hf

@@ -12,7 +12,10 @@ not required. transformers 5 holds some weights in another form in memory than o
 (MoE experts fused as `mlp.experts.gate_up_proj`, written per expert); the names are those
 `save_pretrained` writes (its own `revert_weight_conversion` on the meta state dict), and
 an output wholly in the in-memory form (a `fully_shard`ed transformers model's DCP) is
-checked against that form instead: transformers loads both.
+checked against that form instead: transformers loads both. Each name's shape is kept too
+(`ExpectedNames.shapes`): a weight of another shape than the config's model has is refused,
+since transformers would not load it (or, worse, a check that only counts names would pass
+a 130-row embedding for a 128-token vocab).
 
 transformers is optional and costs seconds to import (torch, then the model code), so it
 is imported only here, only when an export asks for the check; the answer is kept in a
@@ -31,16 +34,16 @@ import os
 import re
 import tempfile
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.errors import UsageError
 
 CACHE_ENV = "CKPTCTL_CACHE_DIR"
 """Where the expected names are cached (default `$XDG_CACHE_HOME/ckptctl`, else `~/.cache/ckptctl`);
 `off` disables the cache."""
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 SHOWN = 3
 """Names listed in a refusal before `(+N more)`."""
 
@@ -63,6 +66,8 @@ class ExpectedNames:
     beyond: tuple[str, ...] = ()
     """Prefixes of names the family defines past the model class (DeepSeek-V3's MTP layers, which
     transformers skips on load and inference engines read): allowed, not required."""
+    shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    """Each name's shape, in both forms (saved and in memory), in the model's own order."""
 
     def for_output(self, names: Iterable[str]) -> "ExpectedNames":
         """The form to check `names` against: the in-memory one when some name is only in it."""
@@ -82,6 +87,52 @@ class ExpectedNames:
         """The required names, sorted, that are not among `names`."""
         have = set(names)
         return sorted(self.required - have)
+
+    def misshapen(self, shapes: Mapping[str, Sequence[int]]) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+        """(name, shape given, shape the model has) of each of `shapes` the model has in another
+        shape, in the model's order; names it has no shape for (`beyond`) are not judged."""
+        return [(name, tuple(shapes[name]), want) for name, want in self.shapes.items()
+                if name in shapes and tuple(shapes[name]) != want]
+
+
+def shape_problem(what: str, got: Sequence[int], want: Sequence[int], model_class: str, config_path: Any,
+                  config: Mapping[str, Any]) -> str:
+    """`what is [130, 32], but CFG has vocab_size=128: a LlamaForCausalLM wants [128, 32]`: the
+    config keys named are those whose value is a size the tensor should have and has not."""
+    keys = sizing_keys(config, got, want)
+    if keys:
+        return f"{what} is {list(got)}, but {config_path} has {keys}: a {model_class} wants {list(want)}"
+    return f"{what} is {list(got)}, but a {model_class} of {config_path} wants {list(want)}"
+
+
+SIZE_WORDS = ("size", "dim", "heads", "experts", "rank", "layers", "groups", "kernel")
+"""Words in the names of config keys that size weights (`vocab_size`, `head_dim`,
+`num_key_value_heads`, `n_routed_experts`, `kv_lora_rank`, `n_groups`, `conv_kernel` …)."""
+NOT_SIZES = ("max_", "position", "per_tok")
+"""… and in those that do not, though they hold a count (`max_position_embeddings`,
+`num_experts_per_tok`, `max_window_layers`)."""
+
+
+def sizing_keys(config: Mapping[str, Any], got: Sequence[int], want: Sequence[int]) -> str:
+    """The config keys that size weights (`SIZE_WORDS`; a sub-config's as `text_config.vocab_size`)
+    whose value is a wanted size the tensor lacks, as `key=value, …`; '' when none is (a size the
+    config implies as a product, `num_attention_heads × head_dim`, or another number of dims)."""
+    if len(got) != len(want):
+        return ""
+    sizes = {w for g, w in zip(got, want) if g != w}
+    found = []
+    for key, value in config.items():
+        if isinstance(value, dict):
+            found += [(f"{key}.{k}", v) for k, v in value.items() if _sizes(k, v, sizes)]
+        elif _sizes(key, value, sizes):
+            found.append((key, value))
+    return ", ".join(f"{key}={value}" for key, value in found)
+
+
+def _sizes(key: str, value: Any, sizes: set[int]) -> bool:
+    """Whether config `key` sizes weights and its value is one of `sizes`."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value in sizes
+            and any(w in key for w in SIZE_WORDS) and not any(w in key for w in NOT_SIZES))
 
 
 def shown(names: list[str]) -> str:
@@ -148,6 +199,7 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
             raise UsageError(f"transformers {version} cannot build a model for {what} ({first}): {hint}") from None
     state = model.state_dict()
     names = set(state)
+    shapes = {n: tuple(t.shape) for n, t in state.items()}
     tied = _tied(model, names)
     optional = {n for n in names if _matches(n, getattr(model, "_keys_to_ignore_on_load_missing", None))
                 or _matches(n, getattr(model, "_keys_to_ignore_on_save", None))}
@@ -159,9 +211,11 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
         pass
     else:
         with _quiet():
-            saved = frozenset(revert_weight_conversion(model, {n: state[n] for n in in_memory}))
+            reverted = revert_weight_conversion(model, {n: state[n] for n in in_memory})
+        saved = frozenset(reverted)
+        shapes.update((n, tuple(t.shape)) for n, t in reverted.items() if hasattr(t, "shape"))
     return ExpectedNames(type(model).__name__, saved, frozenset(optional - set(tied)), tied, version,
-                         in_memory if in_memory != saved else frozenset())
+                         in_memory if in_memory != saved else frozenset(), shapes=shapes)
 
 
 def _tied(model: Any, names: set[str]) -> dict[str, str]:
@@ -213,7 +267,8 @@ def _read_cache(key: str, version: str) -> ExpectedNames | None:
         names = ExpectedNames(str(data["model_class"]), frozenset(map(str, data["required"])),
                               frozenset(map(str, data["optional"])),
                               {str(k): str(v) for k, v in data["tied"].items()}, version,
-                              frozenset(map(str, data["in_memory"])))
+                              frozenset(map(str, data["in_memory"])),
+                              shapes={str(k): tuple(int(n) for n in v) for k, v in data["shapes"].items()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return names
@@ -225,7 +280,8 @@ def _write_cache(key: str, names: ExpectedNames) -> None:
     if folder is None:
         return
     data = {"model_class": names.model_class, "required": sorted(names.required), "optional": sorted(names.optional),
-            "tied": dict(sorted(names.tied.items())), "in_memory": sorted(names.in_memory)}
+            "tied": dict(sorted(names.tied.items())), "in_memory": sorted(names.in_memory),
+            "shapes": {k: list(v) for k, v in names.shapes.items()}}
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
