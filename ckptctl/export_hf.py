@@ -43,7 +43,7 @@ from ckptctl.formats.safetensors_out import SafetensorsFile, file_records, item_
 from ckptctl.geometry import full_box, region_blocks, union_volume
 from ckptctl.hf.automodel import AUTOMODEL, native_expert_names
 from ckptctl.hf.base import (
-    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, generation_config, generative, is_model_key,
+    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
@@ -93,6 +93,9 @@ class ExportOptions:
     drop_expert_bias: bool = False
     """Leave out torchtitan's load-balancing expert bias even when it is not zero (the HF model
     routes without one)."""
+    drop_tied_head: bool = False
+    """Leave out a trained output head the config ties to the embeddings even when it differs
+    from them (the HF model's head is then the embeddings)."""
 
 
 @dataclass
@@ -269,7 +272,9 @@ def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str])
 
 
 def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportPlan:
-    """Targets, shards, headers and the output config. Reads metadata (and `args`) only."""
+    """Targets, shards, headers and the output config. Reads metadata (and `args`), and the data
+    only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
+    to the embeddings."""
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -293,6 +298,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         skipped = [n for n in model.unused() if n.startswith(SKIPPED_PREFIXES)]
         if skipped:
             ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
+    if ctx.tied_heads:
+        ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ctx.tied_heads, opts.drop_tied_head, None))
     if ctx.zero_only:
         ctx.notes.append(left_out_expert_bias(ckpt, model, ctx.zero_only, cfg, opts.drop_expert_bias))
     if not tensors:
@@ -310,7 +317,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
                          "read them)")
     if expected is not None:
         expected = expected.allowing(mtp)
-        tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None, ctx.notes)
+        ties = model_ties(tensors, expected)
+        if ties:
+            ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ties, opts.drop_tied_head, expected))
+        tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None)
     selected = False
     if opts.include or opts.exclude:
         kept, notes = select(sorted(tensors), opts.include, opts.exclude)
@@ -381,6 +391,77 @@ def all_zero(chunks: ChunkSource, view: SourceTensor) -> bool:
     return not any(data)
 
 
+COMPARED_BYTES = 16 << 20
+"""Bytes of each tensor held at once while two are compared (`equal_tensors`)."""
+
+
+def model_ties(tensors: dict[str, Any], expected: ExpectedNames) -> list[TiedHead]:
+    """The tensors transformers' model class ties to another one the output also holds, taken out
+    of `tensors` (`left_out_tied_heads` proves each equal to its source, or refuses)."""
+    ties = []
+    for name, source in sorted(expected.for_output(tensors).tied.items()):
+        if name in tensors and source in tensors:
+            ties.append(TiedHead(tensors.pop(name), source, None))
+    return ties
+
+
+def left_out_tied_heads(ckpt: Checkpoint, model: MegatronModel, cfg: HFConfig, tensors: Mapping[str, Any],
+                        heads: Sequence[TiedHead], drop: bool, expected: ExpectedNames | None) -> list[str]:
+    """The notes for the trained heads a tying config leaves out (`ExportContext.tied_heads`), once
+    each is proven equal, bit for bit, to the tensor it is tied to (read block by block), or
+    dropped on purpose (`--drop-tied-head`). A head that differs is refused: the HF model's head
+    would be the embeddings, not the one trained."""
+    def named(hf: Any) -> str:
+        return ", ".join(hf.sources)
+
+    if drop:
+        return [f"{named(t.head)} not exported (--drop-tied-head): the config ties it to {named(tensors[t.tied_to])}"
+                for t in heads if t.tied_to in tensors]
+    notes = []
+    chunks = ChunkSource(ckpt)
+    try:
+        for tie in heads:
+            if tie.tied_to not in tensors:  # the family refuses or the name check reports it missing
+                continue
+            head, source = tie.head, tensors[tie.tied_to]
+            a, b = (t.target(ckpt.tensors[t.sources[0]].dtype) for t in (head, source))
+            views = {fqn: model.source_view(fqn) for fqn in (*head.sources, *source.sources)}
+            how = ("" if a.shape == b.shape and a.dtype == b.dtype else
+                   f" (shape {list(a.shape)}, not {list(b.shape)})" if a.shape != b.shape else
+                   f" (dtype {dtype_name(a.dtype)}, not {dtype_name(b.dtype)})")
+            if how or not equal_tensors(chunks, a, b, views):
+                if tie.key is None:
+                    why = f"a {expected.model_class if expected else 'model'} of {cfg.path} ties them"
+                elif tie.key in cfg.data:
+                    why = f"{cfg.path} has {tie.key}={json.dumps(cfg.data[tie.key])}"
+                else:
+                    why = f"{cfg.path} ties them ({tie.key} is true by default)"
+                raise CheckpointError(ckpt.path, f"{named(head)} differs from {named(source)}{how}, but {why} (pass "
+                                                 "--drop-tied-head to drop the trained head on purpose)")
+            notes.append(f"{named(head)} not exported: the config ties it to {named(source)}, which it equals")
+    finally:
+        chunks.close()
+    return notes
+
+
+def equal_tensors(chunks: ChunkSource, a: TargetTensor, b: TargetTensor, views: Mapping[str, SourceTensor]) -> bool:
+    """Whether two targets of one shape and dtype hold the same bytes, compared row block by row
+    block (`COMPARED_BYTES` each), stopping at the first that differs; elements no chunk holds are
+    refused, never taken for equal."""
+    for box in item_boxes(a.shape, a.dtype.itemsize, COMPARED_BYTES):
+        blocks = []
+        for target in (a, b):
+            reads = plan_box(target, box, views)
+            if missing_elements(box, reads):
+                raise CheckpointError(", ".join(dict.fromkeys(p.src for p in target.pieces)),
+                                      "has elements no saved chunk holds: cannot tell whether it equals the tensor "
+                                      "the config ties it to")
+            blocks.append(assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks))
+        if blocks[0] != blocks[1]:
+            return False
+    return True
+
+
 def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targets: Mapping[str, TargetTensor],
                  tensors: Mapping[str, Any], prefix: str) -> None:
     """Refuse an output tensor whose shape is not the one transformers' model for the config has
@@ -411,16 +492,12 @@ def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | 
     return expected_names(output_config(cfg, None))
 
 
-def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNames, megatron: bool,
-                notes: list[str]) -> dict[str, Any]:
-    """Refuse an output with a name the model has no place for or without a weight it needs; drop
-    (with a note) tied parameters whose source is written: transformers restores them from it."""
+def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNames, megatron: bool
+                ) -> dict[str, Any]:
+    """Refuse an output with a name the model has no place for or without a weight it needs (tied
+    parameters whose source is written were left out before: `model_ties`)."""
     out = dict(tensors)
     expected = expected.for_output(out)
-    for name, source in sorted(expected.tied.items()):
-        if name in out and source in out:
-            del out[name]
-            notes.append(f"{name} not exported: {expected.model_class} ties it to {source}")
     cls = expected.model_class
     unclaimed = expected.unclaimed(out)
     if unclaimed:

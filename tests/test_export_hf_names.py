@@ -143,7 +143,7 @@ def test_a_checkpoint_missing_one_weight_is_refused_and_no_name_check_writes_it(
     res = run_cli("export-hf", ckpt, dst, "--hf-config", qwen3.folder, "--no-name-check", "--json")
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["notes"] == [
-        "model.lm_head.weight not exported: the config ties lm_head to the embeddings",
+        "model.lm_head.weight not exported: the config ties it to model.model.embed_tokens.weight, which it equals",
         "tensor names not checked (--no-name-check): the output may not load"]
     assert sorted(read_safetensors(dst)) == sorted(set(qwen3.state) - {"model.layers.1.mlp.up_proj.weight"})
 
@@ -154,7 +154,8 @@ def test_a_whole_hf_named_checkpoint_exports_verifies_and_loads_with_equal_logit
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout)
     assert summary["verified"] and summary["arch"] == "raw"
-    assert summary["notes"] == ["model.lm_head.weight not exported: the config ties lm_head to the embeddings"]
+    assert summary["notes"] == ["model.lm_head.weight not exported: the config ties it to "
+                                "model.model.embed_tokens.weight, which it equals"]
     assert sorted(read_safetensors(tmp_path / "dst")) == sorted(qwen3.state)
     model = load_hf(tmp_path / "dst")
     assert torch.equal(logits(model, 90), logits(qwen3.model, 90))

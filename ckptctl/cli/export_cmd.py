@@ -152,6 +152,10 @@ def export_hf_command(
     drop_expert_bias: bool = typer.Option(False, "--drop-expert-bias",
                                           help="Leave out torchtitan's load-balancing expert bias even when it is "
                                                "not zero (the HF model routes without one: routing changes)."),
+    drop_tied_head: bool = typer.Option(False, "--drop-tied-head",
+                                        help="Leave out a trained output head (lm_head) the config ties to the "
+                                             "embeddings even when it differs from them (by default it must equal "
+                                             "them bit for bit: the HF model's head is the embeddings)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     device: str = device_option(),
@@ -172,7 +176,7 @@ def export_hf_command(
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check,
-                             drop_expert_bias=drop_expert_bias)
+                             drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.export_hf import export_hf, preview_export

@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
@@ -499,6 +499,33 @@ class MegatronModel:
         return sorted(n for n in (*self.entries, *self.layer_views) if n not in self.used)
 
 
+class Exported(Protocol):
+    """An HF tensor a family makes (`HFTensor`, `raw.RawTensor`, …): its name, the source tensors
+    it reads, and its rows as a target of the copy plan."""
+
+    name: str
+
+    @property
+    def sources(self) -> tuple[str, ...]: ...
+
+    def target(self, dtype: DType) -> TargetTensor: ...
+
+
+@dataclass(frozen=True)
+class TiedHead:
+    """A trained output head of the checkpoint that the config ties to another HF tensor (the
+    embeddings), so the HF model has no tensor for it: it may be left out only when it is that
+    tensor bit for bit (export-hf compares them, and refuses otherwise), or on purpose
+    (`--drop-tied-head`). A head the checkpoint does not hold needs no entry."""
+
+    head: Exported
+    """The head as the HF tensor it would be (a Megatron output layer's vocab rows only)."""
+    tied_to: str
+    """The HF name of the tensor it is tied to."""
+    key: str | None
+    """The config key that ties them (`tie_word_embeddings`); None: transformers' model class does."""
+
+
 @dataclass
 class ExportContext:
     """What a family's `to_hf` reads: the config, the Megatron model and the training TP sizes."""
@@ -511,6 +538,9 @@ class ExportContext:
     zero_only: list[str] = field(default_factory=list)
     """Source tensors the family claims but leaves out of the HF model, which is only right when
     they are all zero (torchtitan's expert bias): the export proves it or refuses."""
+    tied_heads: list[TiedHead] = field(default_factory=list)
+    """Output heads the family claims but leaves out because the config ties them, which is only
+    right when each equals the tensor it is tied to: the export proves it or refuses."""
 
     def tp(self) -> int:
         if self.tp_value is None:

@@ -195,5 +195,6 @@ NEMOTRON_H = Family("nemotron-h", ("nemotron_h",), dims,
                     (Block(MAMBA, is_mamba), Block(ATTENTION, is_attention), Block(MLP, is_mlp), Block(MOE, is_moe),
                      Block(EXPERT, is_moe, per_expert=True)),
                     (Same("backbone.norm_f.weight", ("decoder.final_norm.weight",), ("hidden",), DUPLICATED),
-                     VocabRows("lm_head.weight", "output_layer.weight", tied_by="tie_word_embeddings")),
+                     VocabRows("lm_head.weight", "output_layer.weight", tied_by="tie_word_embeddings",
+                               tied_to="backbone.embeddings.weight")),
                     hf_layer="backbone.layers.{L}.")

@@ -2,7 +2,8 @@
 
 `get_state_dict` puts the model under `model.`; that one prefix is stripped when every
 model key has it, and each tensor is exported whole, unchanged. Optimizer state and other
-non-model entries are left out; with tied embeddings `lm_head.weight` is not written.
+non-model entries are left out; with tied embeddings `lm_head.weight` is not written (export-hf
+first proves it equal to the embeddings, `base.TiedHead`).
 """
 
 from __future__ import annotations
@@ -10,11 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.dtypes import DType
-from ckptctl.hf.base import ExportContext, is_model_key
+from ckptctl.hf.base import ExportContext, TiedHead, is_model_key
 from ckptctl.model import Checkpoint
 from ckptctl.plan import Piece, TargetTensor
 
 PREFIX = "model."
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+TIE_KEY = "tie_word_embeddings"
 
 
 def raw_prefix(ckpt: Checkpoint) -> str:
@@ -47,12 +50,12 @@ class RawFamily:
 
     def to_hf(self, ctx: ExportContext) -> dict[str, RawTensor]:
         m = ctx.model
-        tied = ctx.config.flag("tie_word_embeddings", False)
+        tied = ctx.config.flag(TIE_KEY, False)
         out: dict[str, RawTensor] = {}
         for name, entry in sorted(m.entries.items()):
             m.used.add(name)
-            if tied and name == "lm_head.weight" and "model.embed_tokens.weight" in m.entries:
-                ctx.notes.append(f"{entry.fqn} not exported: the config ties lm_head to the embeddings")
+            if tied and name == HEAD and EMBED in m.entries:
+                ctx.tied_heads.append(TiedHead(RawTensor(name, entry.fqn, entry.shape), EMBED, TIE_KEY))
                 continue
             out[name] = RawTensor(name, entry.fqn, entry.shape)
         return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from ckptctl.errors import CheckpointError, UsageError
-from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes, check_shape
+from ckptctl.hf.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes, TiedHead, check_shape
 from ckptctl.megatron import SWIGLU_PARTS
 
 COLUMN, ROW, DUPLICATED = "column", "row", "duplicated"
@@ -136,12 +136,14 @@ class Same:
 class VocabRows:
     """Embedding or output layer: Megatron pads the vocab rows (to a multiple of 128·TP by
     default); the HF tensor has `vocab_size` rows. With `tied_by` set, a config that ties it
-    (default `tie_default`) has no HF tensor for it, and a Megatron one is left unexported."""
+    (default `tie_default`) to `tied_to` has no HF tensor for it, and a Megatron one is left
+    unexported once export-hf has proven its vocab rows equal to `tied_to`'s (`base.TiedHead`)."""
 
     hf: str
     mg: str
     tied_by: str | None = None
     tie_default: bool = False
+    tied_to: str = "model.embed_tokens.weight"
 
     def tied(self, cfg: HFConfig) -> bool:
         return self.tied_by is not None and cfg.flag(self.tied_by, self.tie_default)
@@ -151,8 +153,9 @@ class VocabRows:
         name = at.name("mg", self.mg)
         if self.tied(cfg):
             if m.has(name):
-                m.used.add(name)
-                ctx.notes.append(f"{m.prefix}{name} not exported: the config ties {self.hf} to the embeddings")
+                view = m.view(name)
+                rows = view.take(0, dims.size("vocab")) if view.rows >= dims.size("vocab") else view
+                ctx.tied_heads.append(TiedHead(HFTensor(at.name("hf", self.hf), (rows,)), self.tied_to, self.tied_by))
             return
         if self.tied_by is not None and not m.has(name):
             raise CheckpointError(m.ckpt.path, f"no {m.prefix}{name} but {cfg.path.name} has {self.tied_by} "

@@ -9,7 +9,8 @@ fused `wqkv`, it saves them split as `qkv_linear.wq/wk/wv` (a state-dict hook).
 llama3 alone reorders rows: its RoPE rotates interleaved pairs where HF's rotates halves,
 so within each head HF row `j·d/2 + i` is torchtitan row `2i + j` (j = 0, 1; the adapter's
 `_permute`) for q_proj and k_proj: the tensor read as row pairs, two transposed pieces per head. Qwen3 rotates as HF does: rows stay. torchtitan saves
-`lm_head.weight` even when it ties it to the embeddings; a tied config does not export it.
+`lm_head.weight` even when it ties it to the embeddings; a tied config does not export it (once
+export-hf has proven it equal to the embeddings, `base.TiedHead`).
 
 Qwen3's MoE layers (`qwen3_moe` configs) keep the experts stacked: `w1_EFD`, `w3_EFD`
 [E, F, D] and `w2_EDF` [E, D, F]; expert e of HF (`mlp.experts.<e>.gate_proj` [F, D] …) is
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ckptctl.hf.base import (DeinterleavedRows, ExportContext, HFConfig, HFTensor, MegatronModel, RowView, Shapes,
-                             is_model_key)
+                             TiedHead, is_model_key)
 from ckptctl.hf.deepseek_v3 import first_k_dense
 from ckptctl.hf.qwen3_moe import is_sparse
 from ckptctl.hf.rules import HF_LAYER, Attention, put
@@ -145,8 +146,8 @@ class TorchtitanFamily:
                 self.experts(ctx, layer, expected, out)
         if cfg.flag("tie_word_embeddings"):
             if m.has(OUTPUT):
-                m.used.add(OUTPUT)
-                ctx.notes.append(f"{m.prefix}{OUTPUT} not exported: the config ties lm_head to the embeddings")
+                ctx.tied_heads.append(TiedHead(HFTensor("lm_head.weight", (m.view(OUTPUT),)),
+                                               "model.embed_tokens.weight", "tie_word_embeddings"))
         else:
             put(out, HFTensor("lm_head.weight", (m.view(OUTPUT),)), expected["lm_head.weight"], cfg)
         return out
