@@ -45,13 +45,23 @@ class _DcpRecord:
                 setattr(cls, name, None)
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and vars(other) == vars(self)
+        """Equal fields, a field left out (read as None) equal to one set to None: torch leaves out
+        a bytes entry's key offset and a storage entry's absent transforms, older torch others."""
+        return type(other) is type(self) and _set_fields(other) == _set_fields(self)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
+    def pickled_state(self) -> dict[str, Any]:
+        """The state torch pickles for the record: its fields as set, in order."""
+        return dict(vars(self))
+
     def __torch_pickle__(self) -> Instance:
-        return Instance(ref(*self.torch_global()), dict(vars(self)))
+        return Instance(ref(*self.torch_global()), self.pickled_state())
+
+
+def _set_fields(record: _DcpRecord) -> dict[str, Any]:
+    return {k: v for k, v in vars(record).items() if v is not None}
 
 
 class Metadata(_DcpRecord):
@@ -89,12 +99,15 @@ class BytesStorageMetadata(_DcpRecord):
 class MetadataIndex(_DcpRecord):
     """Keys `storage_data`; hashable, like DCP's frozen dataclass."""
 
-    FIELDS = ("fqn", "offset", "index")
+    FIELDS = ("fqn", "index", "offset")
 
     def __init__(self, fqn: str | None = None, offset: Size | None = None, index: int | None = None) -> None:
+        """Set as torch's `__init__` sets them: `index`, then `offset` only when there is one (a
+        bytes entry's key has none), so the state pickles in torch's order with torch's fields."""
         self.fqn = fqn
-        self.offset = offset
         self.index = index
+        if offset is not None:
+            self.offset = offset
 
     def __hash__(self) -> int:
         return hash((self.fqn, self.offset))
@@ -113,6 +126,10 @@ class StorageInfo(_DcpRecord):
         self.offset = offset
         self.length = length
         self.transform_descriptors = transform_descriptors
+
+    def pickled_state(self) -> dict[str, Any]:
+        """As torch's `_StorageInfo.__getstate__`: the fields that are not None."""
+        return {k: v for k, v in vars(self).items() if v is not None}
 
 
 class SavePlan(_DcpRecord):

@@ -58,8 +58,8 @@ RECORD_CLASSES = {c: ref(*c.torch_global()) for c in (
     Metadata, StorageMeta, ChunkStorageMetadata, TensorStorageMetadata, BytesStorageMetadata, MetadataIndex,
     StorageInfo)}
 OFFSETS, SIZES = ChunkStorageMetadata.FIELDS
-FQN, OFFSET, INDEX = MetadataIndex.FIELDS
-PATH, _, LENGTH, TRANSFORMS = StorageInfo.FIELDS
+FQN, INDEX, OFFSET = MetadataIndex.FIELDS
+PATH, _, LENGTH, _ = StorageInfo.FIELDS
 
 
 class _Outside(Exception):
@@ -330,7 +330,7 @@ class _Emitter:
         self.check()
         self.frame += pickle.EMPTY_DICT
         self.memoize()
-        self.save_items(vars(record))
+        self.save_items(record.pickled_state())
         self.frame += pickle.BUILD
 
     def save_properties(self, properties: TensorProperties) -> None:
@@ -421,27 +421,33 @@ class _Emitter:
         return template[0] + offsets_code + template[1] + sizes_code + _END_STATE
 
     def storage_code(self, key: MetadataIndex, info: StorageInfo) -> bytes | None:
-        """A storage entry MetadataIndex {fqn, offset, index} → StorageInfo {relative_path, offset,
-        length, transform_descriptors=None}, once the classes and field names are memoized."""
+        """A storage entry as torch pickles it: MetadataIndex {fqn, index, offset (a tensor's
+        only)} → StorageInfo {relative_path, offset, length} (its transform descriptors left out,
+        as torch leaves out a None field), once the classes and field names are memoized."""
         template = self.storage_template
         if template is None:
-            fetches = self.gets(RECORD_CLASSES[MetadataIndex], FQN, OFFSET, INDEX, RECORD_CLASSES[StorageInfo], PATH,
-                                LENGTH, TRANSFORMS)
+            fetches = self.gets(RECORD_CLASSES[MetadataIndex], FQN, INDEX, OFFSET, RECORD_CLASSES[StorageInfo], PATH,
+                                LENGTH)
             if fetches is None:
                 return None
-            index_cls, fqn_key, offset_key, index_key, info_cls, path_key, length_key, transforms_key = fetches
+            index_cls, fqn_key, index_key, offset_key, info_cls, path_key, length_key = fetches
             template = self.storage_template = (
-                index_cls + _NEW_STATE + fqn_key, offset_key, index_key,
-                _END_STATE + info_cls + _NEW_STATE + path_key, offset_key, length_key,
-                transforms_key + pickle.NONE + _END_STATE)
+                index_cls + _NEW_STATE + fqn_key, index_key, offset_key,
+                _END_STATE + info_cls + _NEW_STATE + path_key, offset_key, length_key, _END_STATE)
         key_state, info_state = key.__dict__, info.__dict__
-        if len(key_state) != 3 or len(info_state) != 4:
+        if len(info_state) != 4 or info.transform_descriptors is not None:
             return None
-        (k_fqn, fqn), (k_offset, offset), (k_index, index) = key_state.items()
-        (k_path, path), (k_offset2, at), (k_length, length), (k_transforms, transforms) = info_state.items()
+        if len(key_state) == 3:
+            (k_fqn, fqn), (k_index, index), (k_offset, offset) = key_state.items()
+        elif len(key_state) == 2:  # a bytes entry's key
+            (k_fqn, fqn), (k_index, index) = key_state.items()
+            k_offset, offset = OFFSET, None
+        else:
+            return None
+        (k_path, path), (k_offset2, at), (k_length, length), _ = info_state.items()
         if (k_fqn is not FQN or k_offset is not OFFSET or k_index is not INDEX or k_path is not PATH
-                or k_offset2 is not OFFSET or k_length is not LENGTH or k_transforms is not TRANSFORMS
-                or transforms is not None or type(at) is not int or type(length) is not int):
+                or k_offset2 is not OFFSET or k_length is not LENGTH or type(at) is not int
+                or type(length) is not int or type(index) not in (int, type(None))):
             return None
         self.count += 2
         head = self.index_heads.get(id(fqn))
@@ -453,18 +459,20 @@ class _Emitter:
             head = template[0] + fqn_code + template[1]
             if known:  # a rollback keeps it
                 self.index_heads[id(fqn)] = head
-        if offset is None and index is None:  # a bytes entry's
-            offset_code = index_code = pickle.NONE
-        elif type(index) is int:
-            offset_code, index_code = self.size_code(offset), _int_code(index)
+        index_code = pickle.NONE if index is None else _int_code(index)
+        if offset is None:
+            offset_code = b""
         else:
-            return None
+            size = self.size_code(offset)
+            if size is None:
+                return None
+            offset_code = template[2] + size
         self.count += 2
         path_code = self.str_code(path)
-        if offset_code is None or path_code is None:
+        if path_code is None:
             return None
-        return b"".join((head, offset_code, template[2], index_code, template[3], path_code, template[4],
-                         _int_code(at), template[5], _int_code(length), template[6]))
+        return b"".join((head, index_code, offset_code, template[3], path_code, template[4], _int_code(at),
+                         template[5], _int_code(length), template[6]))
 
 
 def _batches(items: Any) -> Any:
