@@ -722,12 +722,12 @@ def export_hf(
     sources = ChunkSource(ckpt)
 
     def verify_output(tmp: Path) -> None:
-        advance = phases.start("verifying", plan.data_bytes)
+        advance = phases.start("verifying", 2 * plan.data_bytes)
         for f in plan.files:
             verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
         check_written_names(plan, tmp)
         check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
-                             max(1, opts.workers))
+                             max(1, opts.workers), advance)
         phases.stop()
         report.verified = True
 

@@ -191,7 +191,7 @@ def export_torch(
                 ckpt, tmp, out, {f"{plan.file.archive}/data/{i}": t for i, t in enumerate(plan.targets)}, plan.sources)
             if verify:
                 verify_torch_save(tmp, out, plan, chunks, max(1, opts.workers),
-                                  phases.start("verifying", plan.tensor_bytes))
+                                  phases.start("verifying", 2 * plan.tensor_bytes))
                 phases.stop()
                 report.verified = True
     finally:
@@ -241,7 +241,7 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
         os.close(fd)
     loaded_by_fqn = {target.fqn: tensor for target, tensor in zip(plan.targets, tensors)}
     check_decoded_source(chunks.ckpt, {t.fqn: t for t in plan.targets}, plan.sources,
-                         tensor_read_back(loaded_by_fqn.__getitem__), shown, workers)
+                         tensor_read_back(loaded_by_fqn.__getitem__), shown, workers, advance)
 
 
 def _record_place(fd: int, infos: dict[str, zipfile.ZipInfo], name: str, shown: Path) -> tuple[int, int]:

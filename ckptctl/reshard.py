@@ -32,7 +32,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.output_check import check_dcp
-from ckptctl.verify import verify_dcp
+from ckptctl.verify import verified_bytes, verify_dcp
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
     from ckptctl.megatron_reshard import MegatronRequest
@@ -207,7 +207,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
 
     def verify_output(tmp: Path) -> None:
         verify_dcp(ckpt, sources, out, tmp, opts.workers,
-                   phases.start("verifying", sum(t.nbytes for t in (*out.targets.values(), *out.masters.values()))),
+                   phases.start("verifying", verified_bytes(out)),
                    views)
         phases.stop()
         report.verified = True

@@ -6,12 +6,12 @@ so verification of any size costs a block of memory per worker, and compares val
 
 That comparison reads the source through the same `ChunkSource` the copy used: a mistake
 in locating a source item's bytes would be made twice and agree with itself. So
-`check_decoded_source` also reads every source item's bytes and decodes them with the
-formats' own loaders (`torch.load(weights_only=True)` for torch.save items, after torch's
-stream transforms; `safetensors.torch.load` for SAFETENSORS-format checkpoints), never
-with ckptctl's item reader, and compares each decoded chunk (cast as asked) with the
-same box read back from the output. Every item is checked, one item per worker at a
-time: memory is a few times the largest source item, never the model.
+`check_decoded_source` also reads every source chunk as its format's own reader lays it out
+(torch's loader finds a torch.save item's record and view, without reading the data; a
+safetensors header its record; stream-transformed items are decoded whole by torch), never
+through ckptctl's item reader, and compares it block by block (cast as asked) with the same
+elements read back from the output. Memory is a few blocks per worker, never an item, and
+every block counts in the verifying bar.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ import json
 import math
 import os
 import struct
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
+from ckptctl.engine.cpu import ChunkSource, Stopped, assemble_bytes, run_on_threads, stopping
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_items import ItemReader
+from ckptctl.dtypes import BY_SAFETENSORS
+from ckptctl.formats.dcp_items import MAX_SAFETENSORS_HEADER, ItemReader
+from ckptctl.formats.file_window import window
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
@@ -39,12 +42,17 @@ from ckptctl.progress import Advance
 from ckptctl.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 
 
+VERIFY_BLOCK_BYTES = 4 << 20
+"""Bytes of a tensor each worker assembles and hashes at once, on each side: with the decoded
+blocks, verification adds a few tens of megabytes to the run (and torch), whatever the model."""
+
+
 def row_blocks(shape: tuple[int, ...], itemsize: int) -> list[Box]:
-    """Boxes of whole rows covering `shape` in order, each about ASSEMBLE_BYTES."""
+    """Boxes of whole rows covering `shape` in order, each about VERIFY_BLOCK_BYTES."""
     if not shape or shape[0] == 0:
         return [full_box(shape)]
     row = math.prod(shape[1:]) * itemsize
-    step = max(1, ASSEMBLE_BYTES // max(row, 1))
+    step = max(1, VERIFY_BLOCK_BYTES // max(row, 1))
     return [rows_box(shape, r, min(shape[0], r + step)) for r in range(0, shape[0], step)]
 
 
@@ -56,6 +64,8 @@ def tensor_digest(target: TargetTensor, sources: Mapping[str, SourceTensor], chu
     """
     digest = hashlib.sha256()
     for box in row_blocks(target.shape, target.dtype.itemsize):
+        if stopping():
+            raise Stopped
         digest.update(assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks))
     return digest.hexdigest()
 
@@ -82,7 +92,8 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
 
     `views` are the source views the targets' pieces address (default: each tensor as reshard
     sees it). Tensors are checked on `workers` threads (reads and hashing release the GIL);
-    `advance` counts each checked tensor's output bytes, and each master's weight's.
+    `advance` counts each checked tensor's output bytes twice (hashed, then compared with the
+    decoded source), and each master's weight's: `verified_bytes(out)` in all.
     """
 
     src_sources = views if views is not None else source_tensors(src)
@@ -104,7 +115,7 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
 
         run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
         check_decoded_source(src, out.targets, src_sources, dcp_read_back(dst, dst_chunks, dst_sources), written,
-                             workers)
+                             workers, advance)
 
         def check_pair(pair: tuple[str, TargetTensor]) -> None:
             check_master(*pair, source, output, written)
@@ -180,63 +191,158 @@ def tensor_read_back(tensor_of: Callable[[str], Any]) -> ReadBack:
     return read
 
 
-def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], sources: Mapping[str, SourceTensor],
-                         read_back: ReadBack, shown: Path, workers: int = 1) -> int:
-    """Compare every block every target takes from every saved source chunk, decoded by torch
-    (or safetensors) from the item's bytes and cast (and shifted) as the target asks, with
-    the same elements read back from the output: whole copies, fused splits, re-blocked TP
-    shards and flat optimizer buffers alike. `sources` are the views the targets' pieces use.
+DECODED_BLOCK_BYTES = 4 << 20
+"""Bytes of a source chunk decoded and compared at once by one worker (`check_decoded_source`):
+verification holds a few blocks per worker, never a whole item."""
 
-    Each source chunk is decoded once, on one of `workers` threads. Raises CheckpointError
-    naming `shown` on the first difference or undecodable item; returns the number of source
-    chunks checked.
+
+def check_decoded_source(src: Checkpoint, targets: Mapping[str, TargetTensor], sources: Mapping[str, SourceTensor],
+                         read_back: ReadBack, shown: Path, workers: int = 1, advance: Advance | None = None) -> int:
+    """Compare every block every target takes from every saved source chunk, decoded by the
+    item's own format's reader (torch's loader for a torch.save item, safetensors' for a
+    safetensors record) and cast (and shifted) as the target asks, with the same elements
+    read back from the output: whole copies, fused splits, re-blocked TP shards and flat
+    optimizer buffers alike. `sources` are the views the targets' pieces use.
+
+    A chunk is decoded in blocks of DECODED_BLOCK_BYTES, each a job of one of `workers`
+    threads (so memory is a few blocks per worker, and a stop ends the run within a block);
+    `advance` counts the output bytes each compares. Raises CheckpointError naming `shown` on
+    the first difference or undecodable item; returns the number of source chunks checked.
     """
-    blocks: dict[tuple[str, int], list[tuple[TargetTensor, Piece]]] = {}
+    uses: dict[tuple[str, int], list[tuple[TargetTensor, Piece]]] = {}
     for target in targets.values():
         for piece in target.pieces:
             view = sources[piece.src]
             wanted = piece.source_box
             for index, (chunk, region) in enumerate(view.chunks):
                 if chunk.numel and region_bounds(region, view.shape).intersect(wanted) is not None:
-                    blocks.setdefault((piece.src, index), []).append((target, piece))
+                    uses.setdefault((piece.src, index), []).append((target, piece))
+    jobs = [(key, first, part) for key in uses
+            for first, part in _chunk_blocks(sources[key[0]], key[1], DECODED_BLOCK_BYTES)]
 
-    def check(job: tuple[tuple[str, int], list[tuple[TargetTensor, Piece]]]) -> None:
-        (fqn, index), uses = job
+    def check(job: tuple[tuple[str, int], int, Box]) -> None:
+        (fqn, index), first, part = job
         view = sources[fqn]
-        chunk, region = view.chunks[index]
-        decoded = decode_source_item(src, src.tensors[view.fqn], chunk, files)
-        for part, values in _decoded_parts(decoded, region, view.shape):
-            for target, piece in uses:
-                both = part.intersect(piece.source_box)
-                if both is None:
-                    continue
-                block = values[_slices(both, part.offsets)]
-                dst = piece.destination(both)
-                if piece.axes is not None:
-                    block = block.permute(transposed_order(piece.axes, block.dim())).reshape(dst.sizes)
-                want = raw_bytes(_as_target(block, target))
-                pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape,
-                                                                   target.shape)]
-                got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
-                if got != want:
-                    raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at "
-                                                 f"{list(chunk.offsets)} of {view.fqn}, decoded by torch from {chunk.file}, "
-                                                 "differs from the output)")
+        chunk, _ = view.chunks[index]
+        values = decoded.elements(src.tensors[view.fqn], chunk, first, part.numel).reshape(part.sizes)
+        for target, piece in uses[(fqn, index)]:
+            both = part.intersect(piece.source_box)
+            if both is None:
+                continue
+            block = values[_slices(both, part.offsets)]
+            dst = piece.destination(both)
+            if piece.axes is not None:
+                block = block.permute(transposed_order(piece.axes, block.dim())).reshape(dst.sizes)
+            want = raw_bytes(_as_target(block, target))
+            pieces = [read_back(target, b) for b in _boxes_in(dst, target.logical_shape or target.shape,
+                                                               target.shape)]
+            got = pieces[0] if len(pieces) == 1 else b"".join(pieces)  # one box when the shapes agree: no copy
+            if got != want:
+                raise CheckpointError(shown, f"{target.fqn}: verification failed (the chunk at "
+                                             f"{list(chunk.offsets)} of {view.fqn}, decoded by torch from {chunk.file}, "
+                                             "differs from the output)")
+            if advance is not None:
+                advance(len(want))
 
-    with ItemReader(src) as files:
-        run_on_threads(list(blocks.items()), check, workers, "ckptctl-verify-decoded")
-    return len(blocks)
+    decoded = DecodedChunks(src)
+    try:
+        run_on_threads(jobs, check, workers, "ckptctl-verify-decoded")
+    finally:
+        decoded.close()
+    return len(uses)
 
 
-def _decoded_parts(decoded: Any, region: Region, shape: tuple[int, ...]) -> list[tuple[Box, Any]]:
-    """A decoded chunk as boxes of the source view with their values: the chunk itself, or a
-    flat (1-D item-coordinate) chunk cut into row-contiguous boxes of the view's shape."""
+def decoded_bytes(targets: Mapping[str, TargetTensor]) -> int:
+    """What `check_decoded_source` counts: every target's bytes, each compared once."""
+    return sum(t.nbytes for t in targets.values())
+
+
+def verified_bytes(out: DcpOutput) -> int:
+    """What `verify_dcp` counts: every target hashed and compared with the decoded source, and
+    every master's weight."""
+    return 2 * decoded_bytes(out.targets) + sum(t.nbytes for t in out.masters.values())
+
+
+def _chunk_blocks(view: SourceTensor, index: int, block_bytes: int) -> list[tuple[int, Box]]:
+    """Chunk `index` of `view` as boxes of the view, each contiguous in the chunk's element order
+    and of about `block_bytes` at most, with its first element's index in the chunk: the chunk's
+    own box cut along its first long dim, or a flat (1-D item-coordinate) chunk cut into
+    row-contiguous boxes of the view's shape first."""
+    chunk, region = view.chunks[index]
     if isinstance(region, Box):
-        return [(region, decoded.reshape(region.sizes))]  # a layer stack's chunk has one more (unit) dim
-    items = decoded.reshape(-1)  # a flat buffer's chunk, or rows read as the item range they hold
-    lo, hi = max(region.start, 0), min(region.end, math.prod(shape))  # a window of a bucket sees part of a chunk
-    return [(box, items[first - region.start:first - region.start + box.numel].reshape(box.sizes))
-            for first, box in flat_boxes(shape, lo, hi)]
+        parts = [(0, region)]
+    else:  # a flat buffer's chunk, or rows read as the item range they hold
+        lo, hi = max(region.start, 0), min(region.end, math.prod(view.shape))  # a window of a bucket sees part of it
+        parts = [(first - region.start, box) for first, box in flat_boxes(view.shape, lo, hi)]
+    most = max(1, block_bytes // max(1, view.dtype.itemsize))
+    out = []
+    for first, box in parts:
+        dim = next((d for d, n in enumerate(box.sizes) if n > 1), None)
+        if dim is None or box.numel <= most:
+            out.append((first, box))
+            continue
+        row = math.prod(box.sizes[dim + 1:])
+        step = max(1, most // row)
+        for a in range(0, box.sizes[dim], step):
+            n = min(step, box.sizes[dim] - a)
+            offsets = box.offsets[:dim] + (box.offsets[dim] + a,) + box.offsets[dim + 1:]
+            out.append((first + a * row, Box(offsets, box.sizes[:dim] + (n,) + box.sizes[dim + 1:])))
+    return out
+
+
+class DecodedChunks:
+    """Source chunks read as their format's own reader lays them out, a block of elements at a
+    time: a torch.save item's record and view (storage offset, strides) as torch's loader finds
+    them (`torch.load(map_location="meta")`: no data read), once per distinct `data.pkl`; a
+    SAFETENSORS-format record or a safetensors folder's tensor by its header. An item torch lays
+    out otherwise (strided, big-endian, stream-transformed) is decoded whole by torch."""
+
+    def __init__(self, src: Checkpoint) -> None:
+        self.src = src
+        self._files = ItemReader(src)  # lends its open descriptors only
+        self._places: dict[tuple[str, str, int], Any] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._files.close()
+
+    def elements(self, entry: TensorEntry, chunk: Chunk, first: int, count: int) -> Any:
+        """Elements [first, first + count) of the chunk, in its row-major order, as a 1-D tensor."""
+        import torch
+
+        key = (entry.fqn, chunk.file, chunk.offset)
+        with self._lock:
+            place = self._places.get(key)
+        if place is None:
+            place = self._locate(entry, chunk)
+            with self._lock:
+                if len(self._places) >= MAX_TORCH_LAYOUTS:
+                    self._places.clear()
+                self._places[key] = place
+        if isinstance(place, torch.Tensor):
+            return place.reshape(-1)[first:first + count]
+        isz = entry.itemsize
+        data = bytearray(os.pread(self._files.fd(chunk.file), count * isz, place + first * isz))
+        if len(data) != count * isz:
+            raise CheckpointError(self.src.path / chunk.file, f"item at byte {chunk.offset}: short read")
+        return torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)
+
+    def _locate(self, entry: TensorEntry, chunk: Chunk) -> Any:
+        """Where the chunk's dense bytes start in its file, or the chunk decoded whole."""
+        path = self.src.path / chunk.file
+        if chunk.transforms:
+            return decode_source_item(self.src, entry, chunk, self._files)
+        fd = self._files.fd(chunk.file)
+        if self.src.safetensors_folder:
+            return _safetensors_folder_rows(path, entry, chunk)
+        if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":
+            return _safetensors_record_start(fd, chunk, entry, path, os.fstat(fd).st_size)
+        try:
+            start = _torch_record_start(fd, chunk, entry)
+        except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
+            raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
+                                        f"({type(exc).__name__})") from None
+        return start if start is not None else decode_source_item(self.src, entry, chunk, self._files)
 
 
 def _slices(box: Box, origin: tuple[int, ...]) -> tuple[slice, ...]:
@@ -281,31 +387,28 @@ def raw_bytes(tensor: Any) -> bytes:
 
 
 def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files: ItemReader | None = None) -> Any:
-    """A source chunk as torch or safetensors decode its item's bytes (not ckptctl's item reader:
-    `files`, when given, only lends its open descriptors, one per file instead of one per item)."""
+    """A torch.save item decoded whole by torch, its stream transforms undone first (not by
+    ckptctl's item reader: `files`, when given, only lends its open descriptors)."""
     import torch
 
     path = src.path / chunk.file
-    if src.safetensors_folder:
-        return _load_safetensors_rows(path, entry, chunk)
     fd = files.fd(chunk.file) if files is not None else open_regular(path)
     try:
         raw = os.pread(fd, chunk.length, chunk.offset)
-        if len(raw) != chunk.length:
-            raise CheckpointError(path, f"item at byte {chunk.offset}: short read")
-        if chunk.transforms:
-            raw = _undo_transforms(raw, chunk, entry, path)
-        if raw[:4] == b"PK\x03\x04":
-            try:
-                tensor = _torch_load(raw)
-            except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
-                raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
-                                            f"({type(exc).__name__})") from None
-        else:
-            tensor = _load_safetensors_record(fd, chunk, entry.fqn, path, os.fstat(fd).st_size)
     finally:
         if files is None:
             os.close(fd)
+    if len(raw) != chunk.length:
+        raise CheckpointError(path, f"item at byte {chunk.offset}: short read")
+    if chunk.transforms:
+        raw = _undo_transforms(raw, chunk, entry, path)
+    if raw[:4] != b"PK\x03\x04":
+        raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: not a torch.save archive")
+    try:
+        tensor = _torch_load(raw)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
+        raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
+                                    f"({type(exc).__name__})") from None
     if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype.torch:
         raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch decodes it as another tensor "
                                     "than the metadata names")
@@ -361,55 +464,83 @@ def _undo_transforms(raw: bytes, chunk: Chunk, entry: TensorEntry, path: Path) -
     return data
 
 
-def _load_safetensors_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> Any:
-    """The rows `chunk` covers of a tensor of a safetensors model folder, as the safetensors
-    library reads them by name (its slicing reads those rows only)."""
-    from safetensors import safe_open
-
-    name = entry.fqn
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            if entry.shape:
-                start = chunk.offsets[0]
-                tensor = handle.get_slice(name)[start:start + chunk.sizes[0]]
-            else:
-                tensor = handle.get_tensor(name)
-    except Exception as exc:  # noqa: BLE001 - safetensors refuses with its own error types
-        raise CheckpointError(path, f"{name}: safetensors cannot load it for verification "
-                                    f"({type(exc).__name__})") from None
-    if tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype.torch:
-        raise CheckpointError(path, f"{name}: safetensors decodes it as another tensor than its header names")
-    return tensor
+_META_LAYOUTS: dict[bytes, tuple[str, Any, tuple[int, ...], bool, int]] = {}
+"""`data.pkl` bytes → (storage record, dtype, size, contiguous, storage offset) as torch's loader
+lays the tensor out (`map_location="meta"`: no data read), for items of the same pickle."""
 
 
-def _load_safetensors_record(fd: int, chunk: Chunk, fqn: str, path: Path, file_size: int) -> Any:
-    """A SAFETENSORS-format item (its offset is its blob's start): the record named `fqn`, handed to
-    safetensors as a one-tensor file made of the blob's own header entry and bytes."""
-    from safetensors.torch import load
+def _torch_record_start(fd: int, chunk: Chunk, entry: TensorEntry) -> int | None:
+    """Where a torch.save item's tensor data starts in its file, found by torch: its zip read by
+    torch's C++ reader (`get_record_offset`), its view by `torch.load` to the meta device. None
+    when torch would not read it as dense little-endian bytes (it is then decoded whole)."""
+    import torch
 
-    bad = CheckpointError(path, f"item at byte {chunk.offset}: neither a torch.save archive nor a safetensors record "
-                                f"of {fqn}")
-    head = os.pread(fd, 8, chunk.offset)
+    item = window(fd, chunk.offset, chunk.length)
+    reader = torch._C.PyTorchFileReader(item)
+    if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
+        return None
+    pickled = reader.get_record("data.pkl")
+    layout = _META_LAYOUTS.get(pickled)
+    if layout is None:
+        item.seek(0)
+        tensor = torch.load(item, map_location="meta", weights_only=True)
+        records = [n for n in reader.get_all_records() if n.startswith("data/")]
+        if not isinstance(tensor, torch.Tensor) or len(records) != 1:
+            return None
+        layout = (records[0], tensor.dtype, tuple(tensor.shape), tensor.is_contiguous(), tensor.storage_offset())
+        if len(_META_LAYOUTS) < MAX_TORCH_LAYOUTS:
+            _META_LAYOUTS[pickled] = layout
+    record, dtype, size, contiguous, offset = layout
+    if size != chunk.sizes or dtype != entry.dtype.torch:
+        raise CheckpointError(entry.fqn, f"item at byte {chunk.offset}: torch decodes it as another tensor than "
+                                         "the metadata names")
+    if not contiguous:
+        return None
+    start = reader.get_record_offset(record) + offset * entry.itemsize
+    if start + chunk.numel * entry.itemsize > chunk.length:
+        raise ValueError("record runs past the item")
+    return chunk.offset + start
+
+
+def _safetensors_start(fd: int, at: int, name: str, path: Path, file_size: int) -> tuple[int, dict]:
+    """(where tensor `name`'s data starts, its header entry) in the safetensors blob at byte `at`,
+    as the header says, the range checked against the file."""
+    bad = CheckpointError(path, f"blob at byte {at}: no safetensors record of {name} to verify against")
+    head = os.pread(fd, 8, at)
     if len(head) != 8:
         raise bad
     (n,) = struct.unpack("<Q", head)
-    if n > min(file_size - chunk.offset - 8, 16 << 20):
+    if n > min(file_size - at - 8, MAX_SAFETENSORS_HEADER):
         raise bad
     try:
-        info = json.loads(os.pread(fd, n, chunk.offset + 8))[fqn]
+        info = json.loads(os.pread(fd, n, at + 8))[name]
         start, end = (int(v) for v in info["data_offsets"])
-        one = json.dumps({fqn: {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [0, end - start]}})
     except (ValueError, KeyError, TypeError, RecursionError):
         raise bad from None
-    data_at = chunk.offset + 8 + n + start
-    if not 0 <= start <= end or data_at + (end - start) > file_size:
+    if not 0 <= start <= end or at + 8 + n + end > file_size:
         raise bad
-    blob = struct.pack("<Q", len(one)) + one.encode() + os.pread(fd, end - start, data_at)
+    return at + 8 + n + start, info
+
+
+def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: Path, file_size: int) -> int:
+    """A SAFETENSORS-format item (its offset is its blob's start): where its record's data starts."""
+    start, info = _safetensors_start(fd, chunk.offset, entry.fqn, path, file_size)
+    if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
+        raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: its safetensors record is another "
+                                    "tensor than the metadata names")
+    return start
+
+
+def _safetensors_folder_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> int:
+    """A safetensors model file's tensor: where the rows `chunk` covers start."""
+    fd = open_regular(path)
     try:
-        return load(blob)[fqn]
-    except Exception as exc:  # noqa: BLE001 - safetensors refuses with its own error types
-        raise CheckpointError(path, f"item at byte {chunk.offset}: safetensors cannot load {fqn} for verification "
-                                    f"({type(exc).__name__})") from None
+        start, info = _safetensors_start(fd, 0, entry.fqn, path, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
+        raise CheckpointError(path, f"{entry.fqn}: its header names another tensor than the checkpoint's")
+    return start + (chunk.offsets[0] * math.prod(entry.shape[1:]) * entry.itemsize if entry.shape else 0)
 
 
 # --------------------------------------------------------------------------------------
@@ -491,7 +622,9 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
     shape = tuple(reader.get(0).get_slice(name).get_shape())
     if shape != target.shape:
         raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
-    for box in item_boxes(target.shape, target.dtype.itemsize, ASSEMBLE_BYTES):
+    for box in item_boxes(target.shape, target.dtype.itemsize, VERIFY_BLOCK_BYTES):
+        if stopping():
+            raise Stopped
         want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
         handle = reader.get(len(want))
         got = handle.get_tensor(name) if not target.shape else \

@@ -612,13 +612,27 @@ def execute(
                    "ckptctl", meanwhile=lambda: write_small_records(small, sources, files, progress))
 
 
+_STOPPING = threading.Event()
+
+
+class Stopped(Exception):
+    """Raised in a worker thread that saw `stopping()`: the run it belongs to has already failed."""
+
+
+def stopping() -> bool:
+    """Whether a `run_on_threads` run is stopping (a failure, or Ctrl-C): long items check it
+    between blocks and raise `Stopped`, so the run ends within a block, not an item."""
+    return _STOPPING.is_set()
+
+
 def run_on_threads(items: Sequence[T], run: Callable[[T], object], workers: int, name: str,
                    meanwhile: Callable[[], object] | None = None) -> None:
     """`run` every item in order, on `workers` threads (inline for one), and `meanwhile` on the
     calling thread as they run; the first failure is raised.
 
-    A failure or an interrupt (Ctrl-C) cancels the items not yet started: the run stops once
-    the items in progress end, instead of working through the whole queue first.
+    A failure or an interrupt (Ctrl-C) cancels the items not yet started and tells the ones in
+    progress to stop (`stopping`): the run ends once they reach their next block, instead of
+    working through the whole queue first.
     """
     if workers <= 1 or not items:
         if meanwhile is not None:
@@ -634,7 +648,11 @@ def run_on_threads(items: Sequence[T], run: Callable[[T], object], workers: int,
             for fut in futures:
                 fut.result()
         except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
+            _STOPPING.set()
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+            finally:
+                _STOPPING.clear()
             raise
 
 

@@ -1,0 +1,43 @@
+"""Part of an open file as a file: what a format's own reader (zipfile, torch's) reads an item through.
+
+A DCP item is a whole archive at (offset, length) inside a rank file; readers that take a file
+object find its central directory from its end, so they are handed the item's bytes alone, read
+with positioned reads (threads share the descriptor), never copied out first.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+
+class FileWindow(io.RawIOBase):
+    """Bytes [start, start + length) of open file `fd`, as a read-only, seekable file."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = max(0, (0, self.pos, self.length)[whence] + pos)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        data = os.pread(self.fd, max(0, min(len(buffer), self.length - self.pos)), self.start + self.pos)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def window(fd: int, start: int, length: int) -> io.BufferedReader:
+    """`FileWindow` buffered, as readers expect a file to be."""
+    return io.BufferedReader(FileWindow(fd, start, length))
