@@ -29,6 +29,7 @@ from ckptctl.engine.cpu import assemble_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
+from ckptctl.formats.file_window import window
 from ckptctl.geometry import Box
 from ckptctl.layout import coverage
 from ckptctl.model import Checkpoint, Chunk, ChunkTable, TensorEntry
@@ -54,6 +55,8 @@ class _StorageRef:
     key: str
     dtype: DType | None
     numel: int
+    """Elements of a typed storage; bytes of an `UntypedStorage` (torch names new dtypes so)."""
+    untyped: bool
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class _Layout:
     offset: int
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    storage_numel: int
+    storage_bytes: int
 
 
 def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Layout:
@@ -73,7 +76,8 @@ def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _
     if not (isinstance(storage, _StorageRef) and isinstance(dtype, DType) and _ints(offset, *size, *stride)
             and len(size) == len(stride)):
         raise ValueError("not a tensor record")
-    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), storage.numel)
+    nbytes = storage.numel if storage.untyped else storage.numel * dtype.itemsize
+    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
 
 
 def _ints(*values: Any) -> bool:
@@ -101,7 +105,8 @@ class _TensorPickle(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
                 and type(pid[4]) is int and isinstance(pid[1], tuple) and pid[1][0] == _STORAGE_CLASS):
             raise pickle.UnpicklingError("not a storage reference")
-        return _StorageRef(pid[2], BY_STORAGE.get(pid[1][1]), pid[4])
+        untyped = pid[1][1] == "UntypedStorage"
+        return _StorageRef(pid[2], None if untyped else BY_STORAGE.get(pid[1][1]), pid[4], untyped)
 
 
 def tensor_layout(pickled: bytes) -> _Layout:
@@ -118,37 +123,28 @@ def tensor_layout(pickled: bytes) -> _Layout:
     return layout
 
 
-class _Slice(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, as a file (what `zipfile` reads an item through)."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = max(0, (0, self.pos, self.length)[whence] + pos)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        data = os.pread(self.fd, max(0, min(len(buffer), self.length - self.pos)), self.start + self.pos)
-        buffer[:len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
 @dataclass(frozen=True)
 class _Dense:
     """Where a chunk's elements lie: `start` is element 0's byte in the file, row-major from there."""
 
     start: int
+
+
+@dataclass(frozen=True)
+class _Strided:
+    """A chunk saved as a strided view of its storage: element (i, j, …) at byte `start` +
+    (i·stride[0] + j·stride[1] + …) × itemsize."""
+
+    start: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def byte(self, index: int, itemsize: int) -> int:
+        at = 0
+        for n, step in zip(reversed(self.size), reversed(self.stride)):
+            index, i = divmod(index, n)
+            at += i * step
+        return self.start + at * itemsize
 
 
 class ItemElements:
@@ -161,7 +157,7 @@ class ItemElements:
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self._fds: dict[str, int] = {}
-        self._places: dict[tuple[str, str, int], _Dense | bytes] = {}
+        self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._layouts: dict[bytes, _Layout] = {}
 
     def close(self) -> None:
@@ -179,12 +175,17 @@ class ItemElements:
         if isinstance(place, bytes):
             out[:] = place[byte_start:byte_start + len(out)]
             return
-        data = os.pread(self._fd(chunk.file), len(out), place.start + byte_start)
+        fd, isz = self._fd(chunk.file), self.ckpt.tensors[fqn].itemsize
+        if isinstance(place, _Strided):  # element by element: a sample is a few
+            data = b"".join(os.pread(fd, isz, place.byte(k, isz)) for k in range(byte_start // isz,
+                                                                               (byte_start + len(out)) // isz))
+        else:
+            data = os.pread(fd, len(out), place.start + byte_start)
         if len(data) != len(out):
-            raise CheckpointError(self.ckpt.path / chunk.file, f"{fqn}: short read at byte {place.start + byte_start}")
+            raise CheckpointError(self.ckpt.path / chunk.file, f"{fqn}: short read at byte {byte_start}")
         out[:] = data
 
-    def _place(self, entry: TensorEntry, chunk: Chunk) -> _Dense | bytes:
+    def _place(self, entry: TensorEntry, chunk: Chunk) -> _Dense | _Strided | bytes:
         key = (entry.fqn, chunk.file, chunk.offset)
         place = self._places.get(key)
         if place is None:
@@ -196,7 +197,7 @@ class ItemElements:
                                                                    f"cannot be read back ({exc})") from None
         return place
 
-    def _locate(self, entry: TensorEntry, chunk: Chunk) -> _Dense | bytes:
+    def _locate(self, entry: TensorEntry, chunk: Chunk) -> _Dense | _Strided | bytes:
         if chunk.transforms:
             from ckptctl.verify import decode_source_item, raw_bytes
 
@@ -213,7 +214,7 @@ class ItemElements:
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
                 raise ValueError("its safetensors record is another tensor")
             return _Dense(start)
-        with zipfile.ZipFile(io.BufferedReader(_Slice(fd, chunk.offset, chunk.length))) as archive:
+        with zipfile.ZipFile(window(fd, chunk.offset, chunk.length)) as archive:
             pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
             pickled = archive.read(pkl)
             layout = self._layouts.get(pickled)
@@ -221,9 +222,11 @@ class ItemElements:
                 layout = tensor_layout(pickled)
                 if len(self._layouts) < MAX_LAYOUTS:  # a sharded tensor's items repeat a few pickles
                     self._layouts[pickled] = layout
-            record = archive.getinfo(pkl.filename[:-len("data.pkl")] + f"data/{layout.key}")
+            prefix = pkl.filename[:-len("data.pkl")]
+            record = archive.getinfo(prefix + f"data/{layout.key}")
+            little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
         if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
-                or record.file_size != layout.storage_numel * entry.itemsize:
+                or record.file_size != layout.storage_bytes:
             raise ValueError("its record is another tensor")
         head = os.pread(fd, 30, chunk.offset + record.header_offset)
         if head[:4] != b"PK\x03\x04":
@@ -232,9 +235,14 @@ class ItemElements:
         data = chunk.offset + record.header_offset + 30 + name_len + extra_len
         if data + record.file_size > chunk.offset + chunk.length:
             raise ValueError("its record runs past the item")
-        if layout.stride == _row_major(layout.size) or _prod(layout.size) <= 1:
+        last = layout.offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride))
+        if _prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
+            raise ValueError("its view runs past its storage")
+        if little and (layout.stride == _row_major(layout.size) or _prod(layout.size) <= 1):
             return _Dense(data + layout.offset * entry.itemsize)
-        from ckptctl.verify import decode_source_item, raw_bytes  # a strided view: torch lays it out
+        if little:
+            return _Strided(data + layout.offset * entry.itemsize, layout.size, layout.stride)
+        from ckptctl.verify import decode_source_item, raw_bytes  # big-endian: torch swaps its bytes
 
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
 
@@ -318,26 +326,33 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
     _check_dcp_structure(dst, out, written)
     source, output = ItemElements(src), ItemElements(dst)
     try:
-        from ckptctl.layout import source_tensors
+        if views is None:
+            from ckptctl.layout import source_tensors
 
-        sources = views if views is not None else source_tensors(src)
-        dst_views: dict[str, SourceTensor] = {}
+            views = out.sources or source_tensors(src)
+        held: dict[str, str] = {}
 
         def read_back(target: TargetTensor, box: Box) -> bytes:
-            view = dst_views.get(target.fqn)
-            if view is None:
-                view = dst_views[target.fqn] = source_view(dst.tensors[target.fqn])
-            return _sample(identity_target(view), box, dst_views, output)
+            entry = dst.tensors[target.fqn]
+            chunk = _chunk_holding(entry, box.offsets)
+            held[target.fqn] = chunk.file
+            view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
+            return _sample(identity_target(view), box, {view.fqn: view}, output)
 
-        def file_of(fqn: str) -> Path:
-            return written / next(iter(dst.tensors[fqn].chunks)).file
-
-        compare_samples(out.targets.values(), sources, source, read_back, file_of)
+        compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn])
         for fqn, copy in out.bytes_entries.items():
             _check_bytes_entry(src, copy, dst, fqn, source, output, written)
     finally:
         source.close()
         output.close()
+
+
+def _chunk_holding(entry: TensorEntry, point: tuple[int, ...]) -> Chunk:
+    """The chunk of `entry` whose box holds element `point` (the structure check proved there is one)."""
+    for i, (offsets, sizes) in enumerate(entry.boxes()):
+        if all(o <= p < o + n for o, p, n in zip(offsets, point, sizes)):
+            return entry.chunks[i]
+    raise CheckpointError(entry.fqn, f"no chunk holds element {list(point)}")
 
 
 def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
@@ -506,7 +521,7 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     try:
         size = os.fstat(fd).st_size
         try:
-            with zipfile.ZipFile(io.BufferedReader(_Slice(fd, 0, size))) as archive:
+            with zipfile.ZipFile(window(fd, 0, size)) as archive:
                 infos = archive.infolist()
                 directory = archive.start_dir
             extents, places = [], {}

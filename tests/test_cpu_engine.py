@@ -207,8 +207,9 @@ def test_small_items_read_front_to_back_are_read_ahead(tmp_path, monkeypatch):
     length = open_checkpoint(tmp_path / "src").tensors["w00"].chunks[0].length
     window = dcp_items.READ_AHEAD_MIN
     # each output rank's pass over the 64 items: one item alone, then windows of 32, 64 and 128 KB
-    # (the first item's validation reads its zip records, each shorter than the item)
-    assert [n for n in reads if n >= length] == [length, window, 2 * window, 4 * window] * 2
+    # (the first item's validation reads its zip records, each shorter than the item); the
+    # output's check reads items of its own after the copy
+    assert [n for n in reads if n >= length][:8] == [length, window, 2 * window, 4 * window] * 2
     loaded = {k: torch.zeros(4, 16) for k in state}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
