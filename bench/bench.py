@@ -24,12 +24,14 @@ which is what ckptctl does (fsync before the atomic rename).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import random
 import shutil
 import statistics
 import subprocess
+import tempfile
 import sys
 import time
 from pathlib import Path
@@ -190,17 +192,22 @@ def tree_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of a command; raises on failure."""
+def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int, float | None]:
+    """Wall seconds, peak RSS (bytes) and, for a ckptctl command (run with --json), the seconds its
+    check of the output before the rename took; raises on failure."""
     start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
-    return seconds, usage.ru_maxrss * 1024
+    with tempfile.TemporaryFile() as report:
+        proc = subprocess.Popen(cmd, stdout=report, stderr=subprocess.PIPE, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - start
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{err[-2000:]}")
+        report.seek(0)
+        text = report.read().decode(errors="replace")
+    check = json.loads(text).get("check_seconds") if "--json" in cmd and text.strip() else None
+    return seconds, usage.ru_maxrss * 1024, check
 
 
 def contenders(src: Path, hf_src: Path, am_src: Path, out: Path,
@@ -288,10 +295,12 @@ def main() -> None:
     for warm in (src, hf_src, am_src):  # warm the cache
         subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
-    runs = {name: spec for name, spec in contenders(src, hf_src, am_src, out, hf_config).items()
+    runs = {name: ([*cmd, "--json"] if name.startswith("ckptctl") else cmd, target)  # --json: its check's seconds
+            for name, (cmd, target) in contenders(src, hf_src, am_src, out, hf_config).items()
             if not args.only or any(s in name for s in args.only)}
     times: dict[str, list[float]] = {n: [] for n in runs}
     rss: dict[str, int] = {n: 0 for n in runs}
+    checks: dict[str, list[float]] = {n: [] for n in runs}
     written: dict[str, int] = {}
     failed: dict[str, str] = {}
     for rep in range(args.reps):
@@ -304,12 +313,14 @@ def main() -> None:
             shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
             os.sync()
             try:
-                seconds, peak = timed(cmd)
+                seconds, peak, check = timed(cmd)
             except RuntimeError as exc:
                 failed[name] = str(exc).splitlines()[-1]
                 continue
             times[name].append(seconds)
             rss[name] = max(rss[name], peak)
+            if check is not None:
+                checks[name].append(check)
             written[name] = tree_bytes(target)
             print(f"  rep {rep + 1}: {name}: {seconds:.2f}s", flush=True)
     base = statistics.median(times["cp -r"]) if times.get("cp -r") else None
@@ -322,8 +333,9 @@ def main() -> None:
           f"{AM_HIDDEN}] x {AM_LAYERS} layers): {am_bytes / 1e9:.2f} GB; its rows are also given against {AM_COPY!r}")
     print(f"source: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
-    print("| contender | median s | fastest s | ratio to cp -r (medians) | ratio (fastest) | GB/s written | peak RSS MB |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| contender | median s | fastest s | ratio to cp -r (medians) | ratio (fastest) | GB/s written | peak RSS MB "
+          "| output check s (share) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name in runs:
         if name in failed:
             print(f"| {name} | failed: {failed[name][:80]} | | | | | |")
@@ -335,8 +347,10 @@ def main() -> None:
         if other is not None:
             ratio += f" ({med / statistics.median(times[other]):.2f} to {other})"
             ratio_min += f" ({min(times[name]) / min(times[other]):.2f})"
+        check = statistics.median(checks[name]) if checks[name] else None
+        shown = f"{check:.3f} ({check / med:.1%})" if check is not None else "-"
         print(f"| {name} | {med:.2f} | {min(times[name]):.2f} | {ratio} | {ratio_min} | {written[name] / med / 1e9:.2f} "
-              f"| {rss[name] / 1e6:.0f} |")
+              f"| {rss[name] / 1e6:.0f} | {shown} |")
     shutil.rmtree(out, ignore_errors=True)
 
 

@@ -19,11 +19,13 @@ same checkpoint, the time per chunk, and the peak RSS (wait4). `--torchrun` adds
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -88,17 +90,22 @@ def checkpoint(ranks: int, tensors: int) -> Path:
     return path
 
 
-def measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
-    """(wall seconds, peak RSS MB over the command's processes) of one run after an untimed sync."""
+def measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, float, float | None]:
+    """(wall seconds, peak RSS MB over the command's processes, the seconds a writing ckptctl run
+    with --json spent checking its output before the rename) of one run after an untimed sync."""
     os.sync()
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    err = proc.stderr.read().decode() if proc.stderr else ""
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{err[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    with tempfile.TemporaryFile() as report:
+        proc = subprocess.Popen(cmd, stdout=report, stderr=subprocess.PIPE, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - started
+        err = proc.stderr.read().decode() if proc.stderr else ""
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise SystemExit(f"{' '.join(map(str, cmd))} failed:\n{err[-2000:]}")
+        report.seek(0)
+        text = report.read().decode(errors="replace")
+    check = json.loads(text).get("check_seconds") if "--json" in cmd and "reshard" in cmd else None
+    return wall, usage.ru_maxrss / 1024, check
 
 
 def contenders(src: Path, ranks: int, torchrun: bool) -> list[tuple[str, list[str], dict[str, str] | None]]:
@@ -109,13 +116,13 @@ def contenders(src: Path, ranks: int, torchrun: bool) -> list[tuple[str, list[st
         ("ckptctl inspect --check", CKPTCTL + ["inspect", "--check", str(src)], None),
         ("ckptctl inspect --json", CKPTCTL + ["inspect", "--json", str(src)], None),
         ("ckptctl reshard --dry-run", CKPTCTL + ["reshard", "--dry-run", str(src), str(dst), "-n", str(world)], None),
-        ("ckptctl reshard", CKPTCTL + ["reshard", str(src), str(dst), "-n", str(world), "--force"], None),
+        ("ckptctl reshard", CKPTCTL + ["reshard", str(src), str(dst), "-n", str(world), "--force", "--json"], None),
     ]
     if torchrun:
         launcher = str(Path(PY).with_name("torchrun"))
         rows.append(("torchrun -nproc 2 ckptctl reshard",
                      [launcher, "--standalone", "--nproc-per-node", "2", "-m", "ckptctl", "reshard", str(src), str(dst),
-                      "-n", str(world), "--force"], None))
+                      "-n", str(world), "--force", "--json"], None))
     return rows
 
 
@@ -131,23 +138,26 @@ def main() -> None:
         generate(CACHE / f"scale_{ranks}x{tensors}", ranks, tensors)
         return
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
-    print("| checkpoint | contender | median s | vs torch read_metadata | µs per chunk | peak RSS MB |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| checkpoint | contender | median s | vs torch read_metadata | µs per chunk | peak RSS MB "
+          "| output check s (share) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for size in args.sizes.split(","):
         ranks, tensors = (int(v) for v in PRESETS.get(size, size).split("x"))
         src = checkpoint(ranks, tensors)
         chunks = ranks * tensors
         rows = contenders(src, ranks, args.torchrun)
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in rows}
+        results: dict[str, list[tuple[float, float, float | None]]] = {name: [] for name, _, _ in rows}
         for _ in range(args.repeat):
             for name, cmd, env in rows:
                 results[name].append(measured(cmd, env))
-        base = statistics.median(w for w, _ in results["torch read_metadata"])
+        base = statistics.median(w for w, _, _ in results["torch read_metadata"])
         for name, _, _ in rows:
-            wall = statistics.median(w for w, _ in results[name])
-            rss = max(r for _, r in results[name])
+            wall = statistics.median(w for w, _, _ in results[name])
+            rss = max(r for _, r, _ in results[name])
+            checks = [c for _, _, c in results[name] if c is not None]
+            check = f"{statistics.median(checks):.2f} ({statistics.median(checks) / wall:.1%})" if checks else "-"
             print(f"| {ranks}×{tensors} = {chunks:,} chunks | {name} | {wall:.2f} | {wall / base:.2f} | "
-                  f"{wall / chunks * 1e6:.1f} | {rss:.0f} |", flush=True)
+                  f"{wall / chunks * 1e6:.1f} | {rss:.0f} | {check} |", flush=True)
         shutil.rmtree(CACHE / f"{src.name}.out", ignore_errors=True)
 
 

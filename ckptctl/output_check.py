@@ -322,7 +322,7 @@ def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, Sourc
 def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str, SourceTensor] | None = None) -> None:
     """Raise CheckpointError unless the DCP directory `written` is the checkpoint `out` plans,
     read back by the project's `.metadata` reader and the independent item reads."""
-    dst = open_checkpoint(written)
+    dst = open_checkpoint(written, written_here=True)
     _check_dcp_structure(dst, out, written)
     source, output = ItemElements(src), ItemElements(dst)
     try:

@@ -103,7 +103,7 @@ def open_regular(path: Path) -> int:
     return fd
 
 
-def _load_one(path: Path) -> dcp_classes.Metadata:
+def _load_one(path: Path, written_here: bool = False) -> dcp_classes.Metadata:
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
@@ -114,7 +114,7 @@ def _load_one(path: Path) -> dcp_classes.Metadata:
         if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(fd, size)) is not None:
             return md
         with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:  # pages are read as the pickle needs them
-            return load_metadata_pickle(data)
+            return load_metadata_pickle(data, written_here)
     except UnsafePickleError as exc:
         raise CheckpointError(path, f"hostile or foreign pickle: {exc}") from None
     except MalformedPickleError as exc:
@@ -150,7 +150,7 @@ def _kind(item: Any) -> str:
     return "a tensor" if isinstance(item, dcp_classes.TensorStorageMetadata) else "bytes"
 
 
-def _merge(paths: list[Path]) -> _Merged:
+def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
     """Union of per-rank metadata files (DCP without collectives writes one per rank).
 
     A key two ranks both saved at the same offsets (a plain tensor) keeps the lowest
@@ -163,7 +163,7 @@ def _merge(paths: list[Path]) -> _Merged:
     origin: dict[str, str] = {}
     known: dict[str, set[tuple]] = {}  # chunk offsets per tensor so far: each file adds only its own
     for path in paths:
-        md = _load_one(path)
+        md = _load_one(path, written_here)
         out.storage_meta = out.storage_meta or md.storage_meta
         out.version = getattr(md, "version", None) or out.version
         out.mcore_metadata |= type(md) is dcp_classes.MCoreMetadata
@@ -370,8 +370,11 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageCol
                        md.properties)
 
 
-def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Describe the checkpoint at `path` from its metadata; raises CheckpointError on bad input."""
+def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> Checkpoint:
+    """Describe the checkpoint at `path` from its metadata; raises CheckpointError on bad input.
+
+    `written_here`: an output this process has just written (`output_check`), whose keys need no
+    scan for hash bombs; every other check is made."""
     root = Path(path)
     if not root.exists():
         raise CheckpointError(root, "no such file or directory")
@@ -380,15 +383,15 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     backend = megatron_backend(root)
     md_paths = _metadata_files(root)
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
-        ckpt = _checkpoint(root, md_paths)
+        ckpt = _checkpoint(root, md_paths, written_here)
     ckpt.megatron_backend = backend
     return ckpt
 
 
-def _checkpoint(root: Path, md_paths: list[Path]) -> Checkpoint:
+def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False) -> Checkpoint:
     """The checkpoint `md_paths` (its metadata files) describe, their entries checked."""
     where = md_paths[0]
-    merged = _merge(md_paths)
+    merged = _merge(md_paths, written_here)
     sd_md, storage = merged.sd_md, merged.storage
     files: dict[str, int] = {}
     names: list[str] = []

@@ -570,11 +570,13 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _run(data: Any, globals_: dict[tuple[str, str], Any],
-         persistent: Callable[[Any], Any] | None = None) -> Any:
+         persistent: Callable[[Any], Any] | None = None, guard: bool = True) -> Any:
     """The value the pickle leaves, from C's unpickler; a pickle it cannot run is diagnosed by the interpreter.
 
-    `hash_guard` first refuses a pickle whose dict keys C's own hashing could not survive."""
-    check_key_hashing(data, globals_, _Source)
+    `hash_guard` first refuses a pickle whose dict keys C's own hashing could not survive (unless
+    `guard` is False: a pickle this process wrote itself, its keys names and DCP's own records)."""
+    if guard:
+        check_key_hashing(data, globals_, _Source)
     unpickler = _Unpickler(data, globals_, persistent)
     try:
         return unpickler.load()
@@ -591,12 +593,13 @@ def _run(data: Any, globals_: dict[tuple[str, str], Any],
     raise MalformedPickleError(f"pickle rejected ({fault})")
 
 
-def load_metadata_pickle(data: Any) -> dc.Metadata:
-    """Unpickle `.metadata` (bytes, or an mmap of the file) allowing only DCP's own metadata classes."""
+def load_metadata_pickle(data: Any, written_here: bool = False) -> dc.Metadata:
+    """Unpickle `.metadata` (bytes, or an mmap of the file) allowing only DCP's own metadata classes;
+    `written_here` skips the hash-bomb scan for a `.metadata` this process has just written."""
     token = _CURRENT.set(_Budget(len(data)))
     try:
         with gc_paused():
-            md = _finished(_run(data, METADATA_GLOBALS), _METADATA_KINDS)
+            md = _finished(_run(data, METADATA_GLOBALS, guard=not written_here), _METADATA_KINDS)
     finally:
         _CURRENT.reset(token)
     if type(md) not in _METADATA_KINDS:
