@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping
 from ckptctl.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
 from ckptctl.engine.cpu import assemble_bytes
 from ckptctl.errors import CheckpointError
+from ckptctl.formats.dcp_items import MAX_ZIP_READ
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.file_window import window
@@ -214,7 +215,7 @@ class ItemElements:
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
                 raise ValueError("its safetensors record is another tensor")
             return _Dense(start)
-        with zipfile.ZipFile(window(fd, chunk.offset, chunk.length)) as archive:
+        with zipfile.ZipFile(window(fd, chunk.offset, chunk.length, MAX_ZIP_READ)) as archive:
             pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
             pickled = archive.read(pkl)
             layout = self._layouts.get(pickled)
@@ -521,7 +522,7 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     try:
         size = os.fstat(fd).st_size
         try:
-            with zipfile.ZipFile(window(fd, 0, size)) as archive:
+            with zipfile.ZipFile(window(fd, 0, size, MAX_ZIP_READ)) as archive:
                 infos = archive.infolist()
                 directory = archive.start_dir
             extents, places = [], {}

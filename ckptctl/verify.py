@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 from ckptctl.engine.cpu import ChunkSource, Stopped, assemble_bytes, run_on_threads, stopping
 from ckptctl.errors import CheckpointError
 from ckptctl.dtypes import BY_SAFETENSORS
-from ckptctl.formats.dcp_items import MAX_SAFETENSORS_HEADER, ItemReader
+from ckptctl.formats.dcp_items import MAX_SAFETENSORS_HEADER, MAX_ZIP_READ, ItemReader
 from ckptctl.formats.file_window import window
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
@@ -475,7 +475,7 @@ def _torch_record_start(fd: int, chunk: Chunk, entry: TensorEntry) -> int | None
     when torch would not read it as dense little-endian bytes (it is then decoded whole)."""
     import torch
 
-    item = window(fd, chunk.offset, chunk.length)
+    item = window(fd, chunk.offset, chunk.length, MAX_ZIP_READ)
     reader = torch._C.PyTorchFileReader(item)
     if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
         return None

@@ -24,6 +24,7 @@ from typing import IO, Any
 from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_metadata import open_regular
+from ckptctl.formats.file_window import FileWindow
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
 
@@ -100,45 +101,6 @@ class RawRecord:
     path: Path
     byte_offset: int
     nbytes: int
-
-
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start+length) of an open file."""
-
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self._fd, self._start, self._length, self._pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._length}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        """At most what is left of the window, and never more than MAX_ZIP_READ at once: a zip
-        directory that declares a huge size cannot make the reader allocate it."""
-        left = max(0, self._length - self._pos)
-        n = left if size is None or size < 0 else min(size, left)
-        if n > MAX_ZIP_READ:
-            raise zipfile.BadZipFile(f"zip structure of {n} bytes is implausibly large")
-        data = os.pread(self._fd, n, self._start + self._pos)
-        self._pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(0, min(len(buffer), self._length - self._pos))
-        data = os.pread(self._fd, n, self._start + self._pos)
-        buffer[: len(data)] = data
-        self._pos += len(data)
-        return len(data)
 
 
 class ItemReader:
@@ -237,7 +199,7 @@ class ItemReader:
                            ) -> RawRecord | None:
         fd = self.fd(chunk.file)
         try:
-            archive = zipfile.ZipFile(_Window(fd, chunk.offset, chunk.length))
+            archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length, MAX_ZIP_READ))
             names = {info.filename: info for info in archive.infolist()}
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import io
 import os
+import zipfile
 from typing import Any
 
 
 class FileWindow(io.RawIOBase):
-    """Bytes [start, start + length) of open file `fd`, as a read-only, seekable file."""
+    """Bytes [start, start + length) of open file `fd`, as a read-only, seekable file. With
+    `max_read`, a larger single read is refused: a zip directory declaring a huge size cannot
+    make its reader allocate it."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+    def __init__(self, fd: int, start: int, length: int, max_read: int | None = None) -> None:
+        self.fd, self.start, self.length, self.pos, self.max_read = fd, start, length, 0, max_read
 
     def readable(self) -> bool:
         return True
@@ -31,13 +34,24 @@ class FileWindow(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
+    def read(self, size: int = -1) -> bytes:
+        n = max(0, self.length - self.pos) if size is None or size < 0 else size
+        buffer = bytearray(self._allowed(n))
+        return bytes(buffer[:self.readinto(buffer)])
+
     def readinto(self, buffer: Any) -> int:
-        data = os.pread(self.fd, max(0, min(len(buffer), self.length - self.pos)), self.start + self.pos)
+        data = os.pread(self.fd, max(0, min(self._allowed(len(buffer)), self.length - self.pos)),
+                        self.start + self.pos)
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)
 
+    def _allowed(self, n: int) -> int:
+        if self.max_read is not None and min(n, self.length - self.pos) > self.max_read:
+            raise zipfile.BadZipFile(f"zip structure of {n} bytes is implausibly large")
+        return n
 
-def window(fd: int, start: int, length: int) -> io.BufferedReader:
+
+def window(fd: int, start: int, length: int, max_read: int | None = None) -> io.BufferedReader:
     """`FileWindow` buffered, as readers expect a file to be."""
-    return io.BufferedReader(FileWindow(fd, start, length))
+    return io.BufferedReader(FileWindow(fd, start, length, max_read))
