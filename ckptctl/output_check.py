@@ -6,8 +6,9 @@ Python's `zipfile` over a torch.save archive — and checked as a structure: eve
 inside its file, a file's entries tiling it exactly, every tensor's chunks covering it, the
 names, shapes and dtypes those of the plan. A structure can be perfect and its bytes wrong
 (a source item read at another item's place), so each tensor's first and last elements are
-compared too, on both sides read by `ItemElements`: Python's own `zipfile` and `pickle`
-locate an item's bytes, not ckptctl's item reader that the copy used.
+compared too: the source's read by `ItemElements` (Python's own `zipfile` and `pickle` locate
+an item's bytes, not ckptctl's item reader that the copy used), the output's by the project's
+reader (a DCP output), its header's offsets (safetensors) or its central directory (torch.save).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from ckptctl.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
-from ckptctl.engine.cpu import assemble_bytes
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import MAX_ZIP_READ
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
@@ -166,7 +167,7 @@ class ItemElements:
             os.close(fd)
         self._fds.clear()
 
-    def _fd(self, file: str) -> int:
+    def fd(self, file: str) -> int:
         if file not in self._fds:
             self._fds[file] = open_regular(self.ckpt.path / file)
         return self._fds[file]
@@ -176,7 +177,7 @@ class ItemElements:
         if isinstance(place, bytes):
             out[:] = place[byte_start:byte_start + len(out)]
             return
-        fd, isz = self._fd(chunk.file), self.ckpt.tensors[fqn].itemsize
+        fd, isz = self.fd(chunk.file), self.ckpt.tensors[fqn].itemsize
         if isinstance(place, _Strided):  # element by element: a sample is a few
             data = b"".join(os.pread(fd, isz, place.byte(k, isz)) for k in range(byte_start // isz,
                                                                                (byte_start + len(out)) // isz))
@@ -203,7 +204,7 @@ class ItemElements:
             from ckptctl.verify import decode_source_item, raw_bytes
 
             return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
-        fd = self._fd(chunk.file)
+        fd = self.fd(chunk.file)
         if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
             start, info = _safetensors_record(fd, 0, entry.fqn)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
@@ -325,7 +326,7 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
     read back by the project's `.metadata` reader and the independent item reads."""
     dst = open_checkpoint(written, written_here=True)
     _check_dcp_structure(dst, out, written)
-    source, output = ItemElements(src), ItemElements(dst)
+    source, output = ItemElements(src), ChunkSource(dst)  # the output read back by the project's reader
     try:
         if views is None:
             from ckptctl.layout import source_tensors
@@ -342,7 +343,7 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
 
         compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn])
         for fqn, copy in out.bytes_entries.items():
-            _check_bytes_entry(src, copy, dst, fqn, source, output, written)
+            _check_bytes_entry(copy, dst, fqn, source, output, written)
     finally:
         source.close()
         output.close()
@@ -419,8 +420,8 @@ def check_tiling(folder: Path, sizes: Mapping[str, int], extents: Mapping[str, l
             raise CheckpointError(folder / name, f"is {size} bytes but its entries end at byte {at}")
 
 
-def _check_bytes_entry(src: Checkpoint, copy: Any, dst: Checkpoint, fqn: str, source: ItemElements,
-                       output: ItemElements, written: Path) -> None:
+def _check_bytes_entry(copy: Any, dst: Checkpoint, fqn: str, source: ItemElements, output: ChunkSource,
+                       written: Path) -> None:
     entry = dst.bytes_entries[fqn]
     if entry.length != copy.length:
         raise CheckpointError(written / entry.file, f"{fqn}: {entry.length} bytes instead of {copy.length}")
@@ -428,8 +429,8 @@ def _check_bytes_entry(src: Checkpoint, copy: Any, dst: Checkpoint, fqn: str, so
     spans = [(0, n), (copy.length - n, n)]
     for at, length in spans:
         want = copy.data[at:at + length] if copy.data is not None else \
-            os.pread(source._fd(copy.src_file), length, copy.src_offset + at)
-        if os.pread(output._fd(entry.file), length, entry.offset + at) != want:
+            os.pread(source.fd(copy.src_file), length, copy.src_offset + at)
+        if os.pread(output.reader.fd(entry.file), length, entry.offset + at) != want:
             raise CheckpointError(written / entry.file, f"{fqn}: bytes entry differs from the source's")
 
 
