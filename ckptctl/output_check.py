@@ -350,10 +350,16 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
 
 
 def _chunk_holding(entry: TensorEntry, point: tuple[int, ...]) -> Chunk:
-    """The chunk of `entry` whose box holds element `point` (the structure check proved there is one)."""
+    """The chunk of `entry` whose box holds element `point` (the structure check proved there is
+    one). A tensor's first and last elements are usually in its first and last chunks: those are
+    tried first, then every chunk (a scan per sample of every tensor is millions of boxes at scale)."""
+    chunks = entry.chunks
+    for chunk in (chunks[0], chunks[-1]) if len(chunks) else ():
+        if all(o <= p < o + n for o, p, n in zip(chunk.offsets, point, chunk.sizes)):
+            return chunk
     for i, (offsets, sizes) in enumerate(entry.boxes()):
         if all(o <= p < o + n for o, p, n in zip(offsets, point, sizes)):
-            return entry.chunks[i]
+            return chunks[i]
     raise CheckpointError(entry.fqn, f"no chunk holds element {list(point)}")
 
 
