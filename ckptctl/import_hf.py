@@ -26,7 +26,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, Iterable, Sequence, cast
 
 from ckptctl.dtypes import DType, cast_dtype, float32
 from ckptctl.engine.dist import LOCAL, Comm
@@ -240,8 +240,17 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
         else:
             tp, dp = opts.grid()
             placements = {t.fqn: megatron_fsdp(t.shape, t.fqn[len(prefix):], tp, dp) for t in kept}
-        output = layout_dcp(kept, placements, views, [], None)
+        output = layout_dcp(kept, placements, views, [], saved_paths((t.fqn for t in kept), prefix))
     return ckpt, ImportPlan(output, views, expected.model_class if expected else None, notes)
+
+
+def saved_paths(fqns: Iterable[str], prefix: str) -> dict[str, tuple[str, ...]]:
+    """Each output name's path in the nested state dict (`planner_data`), as `dcp.save` records
+    it: under `model.` the state dict is `{"model": model.state_dict()}`, each name the path
+    ("model", its key); without a prefix each name is a key of its own. torch's
+    `dcp_to_torch_save`, and ckptctl's export-torch, nest the state dict by these paths."""
+    head = prefix[:prefix.index(".")] if "." in prefix else None
+    return {fqn: (head, fqn[len(head) + 1:]) if head else (fqn,) for fqn in fqns}
 
 
 def in_memory_only(expected: ExpectedNames) -> list[str]:

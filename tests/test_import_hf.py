@@ -287,11 +287,20 @@ def references(tmp_path_factory):
     return References(tmp_path_factory.mktemp("refs"))
 
 
+def loaded_flat(path) -> dict:
+    """An output as torch's own `dcp_to_torch_save` nests it — `{"model": {"module.…": …}}`, as
+    Megatron-FSDP's own saves record their paths — with its names flat again."""
+    from fixtures.make_fixtures import load_with_torch
+
+    nested = load_with_torch(path)
+    assert list(nested) == ["model"]
+    return {"model." + name: value for name, value in nested["model"].items()}
+
+
 @pytest.mark.parametrize("family, tp, dp, storage", MEGATRON_CASES)
 def test_megatron_import_equals_the_independent_mapping_and_exports_back_bit_exactly(references, tmp_path, family,
                                                                                      tp, dp, storage):
     from fixtures import hf_models
-    from fixtures.make_fixtures import load_with_torch
 
     ref = references[family]
     out = tmp_path / "mg"
@@ -300,7 +309,7 @@ def test_megatron_import_equals_the_independent_mapping_and_exports_back_bit_exa
                   "--make-vocab-size-divisible-by", VOCAB_MULTIPLE, *args)
     assert run.returncode == 0, run.stderr
     want = hf_models.to_megatron(ref, tp, fc1=storage, gdn=storage, vocab_multiple=VOCAB_MULTIPLE)
-    got = load_with_torch(out)
+    got = loaded_flat(out)
     assert sorted(got) == sorted("model.module." + n for n in want)
     vocab = ref.config.vocab_size
     for name, (tensor, _) in want.items():
@@ -323,12 +332,11 @@ def test_mixtral_imports_as_megatron_bridges_mixtral_mapping_lays_it_out_and_exp
     to `block_sparse_moe.gate`, each expert's fc1 to `w1` (gate) and `w3` (up) with the SwiGLU
     mapping (TP-blocked `[w1_0; w3_0; w1_1; w3_1]` at TP 2), fc2 to `w2`: checked here by hand."""
     from fixtures import hf_models
-    from fixtures.make_fixtures import load_with_torch
 
     ref = hf_models.reference("mixtral", tmp_path / "ref", seed=5)
     run = run_cli("import-hf", ref.folder, tmp_path / "mg", "--to", "megatron-fsdp", "--tp", 2, "--dp", 1, "--verify")
     assert run.returncode == 0, run.stderr
-    got, hf = load_with_torch(tmp_path / "mg"), ref.state
+    got, hf = loaded_flat(tmp_path / "mg"), ref.state
     layer, expert = "model.module.decoder.layers.1.", "model.layers.1.block_sparse_moe.experts.2."
     w1, w3 = hf[expert + "w1.weight"].chunk(2), hf[expert + "w3.weight"].chunk(2)
     assert torch.equal(got[layer + "mlp.experts.linear_fc1.weight2"], torch.cat([w1[0], w3[0], w1[1], w3[1]]))
@@ -347,7 +355,6 @@ def test_a_gelu_gated_fc1_is_reblocked_on_a_tp_change_and_never_split(references
     with `--split-fused` must re-block it (a plain row split would give rank 0 all of W) and keep
     it fused."""
     from fixtures import hf_models
-    from fixtures.make_fixtures import load_with_torch
 
     ref = references["llama"]
     gelu = tmp_path / "gelu"
@@ -361,7 +368,7 @@ def test_a_gelu_gated_fc1_is_reblocked_on_a_tp_change_and_never_split(references
                   "--source-tp", 1, "--split-fused", "--hf-config", gelu)
     assert run.returncode == 0, run.stderr
     want = hf_models.to_megatron(ref, 2, vocab_multiple=VOCAB_MULTIPLE)
-    got = load_with_torch(tmp_path / "tp2")
+    got = loaded_flat(tmp_path / "tp2")
     assert sorted(got) == sorted("model.module." + n for n in want)
     fc1 = "decoder.layers.1.mlp.linear_fc1.weight"
     gate, up = ref.state["model.layers.1.mlp.gate_proj.weight"], ref.state["model.layers.1.mlp.up_proj.weight"]

@@ -70,7 +70,8 @@ def mapped(request, tmp_path_factory):
     run = run_cli("import-hf", ref.folder, root / "ckpt", "--to", "megatron-fsdp", "--tp", tp, "--dp", 1, "--verify")
     assert run.returncode == 0, run.stderr
     ranks = [torch.load(root / "bridge" / f"rank{t}.pt") for t in range(tp)]
-    return ranks, load_with_torch(root / "ckpt"), ref, root / "ckpt"
+    nested = load_with_torch(root / "ckpt")  # {"model": {"module.…": …}}, as Megatron-FSDP's saves nest
+    return ranks, {"model." + name: value for name, value in nested["model"].items()}, ref, root / "ckpt"
 
 
 def saved_name(name: str, ours: dict) -> str:

@@ -80,7 +80,7 @@ def test_reshard_at_a_terminal_draws_writing_then_verifying_bars_and_one_rate(sr
     verifying = [line for line in screen if line.startswith("verifying")]
     assert len(writing) == 1 and len(verifying) == 1  # one bar per phase, each left at its end state
     assert re.search(rf"━ 116\.5/116\.5 kB {RATE}\s+\d:\d\d:\d\d$", writing[0])
-    assert re.search(r"━ 3\.8/3\.8 kB", verifying[0])
+    assert re.search(r"━ 7\.7/7\.7 kB", verifying[0])  # the tensors' 3.8 kB twice: hashed, then decoded and compared
     assert any(re.match(r"writing\s+━+ 0\.0/116\.5 kB", f) for f in run.frames)  # the bar was drawn from 0
     last = final_line(run.screen)
     assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 4 files\) in \d+\.\d\ds \(writing ({RATE}), "
