@@ -5,8 +5,9 @@ that are not the writer — the project's `.metadata` reader, the safetensors he
 Python's `zipfile` over a torch.save archive — and checked as a structure: every entry
 inside its file, a file's entries tiling it exactly, every tensor's chunks covering it, the
 names, shapes and dtypes those of the plan. A structure can be perfect and its bytes wrong
-(a source item read at another item's place), so each tensor's first and last elements are
-compared too: the source's read by `ItemElements` (Python's own `zipfile` and `pickle` locate
+(a source item read at another item's place, a shard written at another's), so each tensor's
+first and last elements, and the first element of a DCP output's chunks, are compared too: the
+source's read by `ItemElements` (Python's own `zipfile` and `pickle` locate
 an item's bytes, not ckptctl's item reader that the copy used), the output's by the project's
 reader (a DCP output), its header's offsets (safetensors) or its central directory (torch.save).
 """
@@ -301,13 +302,14 @@ def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor],
 
 
 def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], source: ItemElements,
-                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> int:
-    """Compare each target's first and last elements, assembled from `sources` read by `source`,
-    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it). Returns the
-    number of elements compared."""
+                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path],
+                    more: Callable[[TargetTensor], Iterable[Box]] = lambda _: ()) -> int:
+    """Compare each target's first and last elements, and the one-element boxes `more(target)`,
+    assembled from `sources` read by `source`, with `written(target, box)`; raise naming
+    `shown(fqn)` (the file that holds it). Returns the number of elements compared."""
     count = 0
     for target in targets:
-        for box in _ends(target.shape):
+        for box in (*_ends(target.shape), *more(target)):
             want = _sample(target, box, sources, source)
             if written(target, box) != want:
                 raise CheckpointError(shown(target.fqn), f"{target.fqn}: element {list(box.offsets)} of "
@@ -333,20 +335,55 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
 
             views = out.sources or source_tensors(src)
         held: dict[str, str] = {}
+        starts = _chunk_starts(dst, CHUNK_SAMPLES)
 
         def read_back(target: TargetTensor, box: Box) -> bytes:
             entry = dst.tensors[target.fqn]
-            chunk = _chunk_holding(entry, box.offsets)
+            chunk = starts.get((target.fqn, box.offsets)) or _chunk_holding(entry, box.offsets)
             held[target.fqn] = chunk.file
             view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
             return _sample(identity_target(view), box, {view.fqn: view}, output)
 
-        compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn])
+        def chunk_firsts(target: TargetTensor) -> list[Box]:
+            ones = tuple(1 for _ in target.shape)
+            return [Box(at, ones) for (_, at) in starts.get(target.fqn, ()) if any(at)]  # (0, …): an end already
+
+        compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn],
+                        chunk_firsts)
         for fqn, copy in out.bytes_entries.items():
             _check_bytes_entry(copy, dst, fqn, source, output, written)
     finally:
         source.close()
         output.close()
+
+
+CHUNK_SAMPLES = 4096
+"""Output chunks whose first element the check compares besides each tensor's ends: all of them
+up to this many, else this many spread evenly over the output (a shard written at another's
+place, or read from another source item, shows at its first element)."""
+
+
+def _chunk_starts(ckpt: Checkpoint, budget: int) -> dict[Any, Any]:
+    """The chunks sampled at their first element: (fqn, first element) → chunk, and fqn → the
+    list of its sampled (fqn, first element) keys, every `stride`-th non-empty chunk of the output."""
+    total = sum(len(e.chunks) for e in ckpt.tensors.values() if e.numel)
+    stride = max(1, -(-total // budget))
+    picked: dict[Any, Any] = {}
+    seen = 0
+    for fqn, entry in ckpt.tensors.items():
+        if not entry.numel or not entry.shape:
+            continue
+        n = len(entry.chunks)
+        first = (-seen) % stride
+        keys = []
+        for i in range(first, n, stride):
+            chunk = entry.chunks[i]
+            if chunk.numel:
+                picked[(fqn, chunk.offsets)] = chunk
+                keys.append((fqn, chunk.offsets))
+        picked[fqn] = keys
+        seen += n
+    return picked
 
 
 def _chunk_holding(entry: TensorEntry, point: tuple[int, ...]) -> Chunk:

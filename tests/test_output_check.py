@@ -71,6 +71,28 @@ def test_a_wrong_element_is_named_with_its_file(resharded) -> None:
     assert str(caught.value) == f"{dst / file}: model.mlp.fc1.weight: element [0, 0] of [12, 8] differs from the source's"
 
 
+def test_a_shard_written_at_another_shards_place_is_named(tmp_path: Path) -> None:
+    """Two middle shards of a tensor exchanged (records written at each other's places): a
+    well-formed output whose ends are right, caught at the first element of each output chunk."""
+    src = open_checkpoint(SRC)
+    out = plan_reshard(src, ReshardOptions(world_size=6))
+    dst = tmp_path / "out"
+    assert run_cli("reshard", SRC, dst, "-n", 6, "--no-sync").returncode == 0
+    entry = open_checkpoint(dst).tensors["model.mlp.fc1.weight"]  # 12 rows: 2 a rank
+    first, second = entry.chunks[2], entry.chunks[3]
+    assert first.length == second.length and first.file != second.file
+    a = (dst / first.file).read_bytes()[first.offset:first.offset + first.length]
+    b = (dst / second.file).read_bytes()[second.offset:second.offset + second.length]
+    for chunk, data in ((first, b), (second, a)):
+        with open(dst / chunk.file, "r+b") as handle:
+            handle.seek(chunk.offset)
+            handle.write(data)
+    with pytest.raises(CheckpointError) as caught:
+        check_dcp(src, out, dst)
+    assert str(caught.value) == f"{dst / first.file}: model.mlp.fc1.weight: element [4, 0] of [12, 8] differs from " \
+                                "the source's"
+
+
 def test_a_truncated_file_is_refused_by_the_reader(resharded) -> None:
     src, out, dst = resharded
     size = (dst / "__2_0.distcp").stat().st_size
