@@ -33,7 +33,7 @@ from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.atomic import check_destination
 from ckptctl.engine import resolve_device
-from ckptctl.engine.cpu import ChunkSource, assemble_bytes
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.engine.output import write_output
 from ckptctl.dtypes import DType, cast_dtype
@@ -429,7 +429,7 @@ def left_out_tied_heads(ckpt: Checkpoint, model: MegatronModel, cfg: HFConfig, t
             how = ("" if a.shape == b.shape and a.dtype == b.dtype else
                    f" (shape {list(a.shape)}, not {list(b.shape)})" if a.shape != b.shape else
                    f" (dtype {dtype_name(a.dtype)}, not {dtype_name(b.dtype)})")
-            if how or not equal_tensors(chunks, a, b, views):
+            if how or not equal_tensors(chunks, a, b, views, COMPARED_BYTES):
                 if tie.key is None:
                     why = f"a {expected.model_class if expected else 'model'} of {cfg.path} ties them"
                 elif tie.key in cfg.data:
@@ -442,24 +442,6 @@ def left_out_tied_heads(ckpt: Checkpoint, model: MegatronModel, cfg: HFConfig, t
     finally:
         chunks.close()
     return notes
-
-
-def equal_tensors(chunks: ChunkSource, a: TargetTensor, b: TargetTensor, views: Mapping[str, SourceTensor]) -> bool:
-    """Whether two targets of one shape and dtype hold the same bytes, compared row block by row
-    block (`COMPARED_BYTES` each), stopping at the first that differs; elements no chunk holds are
-    refused, never taken for equal."""
-    for box in item_boxes(a.shape, a.dtype.itemsize, COMPARED_BYTES):
-        blocks = []
-        for target in (a, b):
-            reads = plan_box(target, box, views)
-            if missing_elements(box, reads):
-                raise CheckpointError(", ".join(dict.fromkeys(p.src for p in target.pieces)),
-                                      "has elements no saved chunk holds: cannot tell whether it equals the tensor "
-                                      "the config ties it to")
-            blocks.append(assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks))
-        if blocks[0] != blocks[1]:
-            return False
-    return True
 
 
 def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targets: Mapping[str, TargetTensor],

@@ -26,9 +26,10 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Sequence, cast
+from typing import Any, Iterable, Mapping, Sequence, cast
 
 from ckptctl.dtypes import DType, cast_dtype, float32
+from ckptctl.engine.cpu import ChunkSource, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
@@ -225,6 +226,8 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
         tied = check_names(ckpt, expected, narrowed, opts.to == "fsdp2") if expected else {}
         if expected is not None and config is not None:
             check_shapes(ckpt, expected, src, config)
+        if expected is not None:
+            refuse_differing_ties(ckpt, expected, views, src, config)
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
         elif opts.to == "torchtitan":
@@ -251,6 +254,32 @@ def saved_paths(fqns: Iterable[str], prefix: str) -> dict[str, tuple[str, ...]]:
     `dcp_to_torch_save`, and ckptctl's export-torch, nest the state dict by these paths."""
     head = prefix[:prefix.index(".")] if "." in prefix else None
     return {fqn: (head, fqn[len(head) + 1:]) if head else (fqn,) for fqn in fqns}
+
+
+TIES_COMPARED_BYTES = 16 << 20
+"""Bytes of each of two tied tensors held at once while they are compared."""
+
+
+def refuse_differing_ties(ckpt: Checkpoint, expected: ExpectedNames, views: Mapping[str, SourceTensor], src: Path,
+                          config: dict[str, Any] | None) -> None:
+    """A folder that holds both tensors its model ties (`lm_head.weight` and the embeddings of a
+    tying config) must hold them equal: the model keeps one tensor for both, and a load would take
+    either silently. Compared block by block; a difference is refused, naming both and the key."""
+    pairs = [(n, s) for n, s in sorted(expected.tied.items()) if n in ckpt.tensors and s in ckpt.tensors]
+    if not pairs:
+        return
+    chunks = ChunkSource(ckpt)
+    try:
+        for name, source in pairs:
+            a, b = identity_target(views[name]), identity_target(views[source])
+            if a.shape == b.shape and a.dtype == b.dtype and equal_tensors(chunks, a, b, views, TIES_COMPARED_BYTES):
+                continue
+            why = (f"{src / CONFIG_NAME} has tie_word_embeddings=true" if (config or {}).get("tie_word_embeddings")
+                   else f"a {expected.model_class} of {src / CONFIG_NAME} ties them")
+            raise CheckpointError(src, f"{name} differs from {source}, but {why}: the model holds one tensor for "
+                                       "both (is config.json this model's?)")
+    finally:
+        chunks.close()
 
 
 def in_memory_only(expected: ExpectedNames) -> list[str]:

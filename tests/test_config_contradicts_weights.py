@@ -195,3 +195,32 @@ def test_an_hf_folder_whose_embeddings_are_not_vocab_size_rows_is_refused_by_imp
                           f"{folder / 'config.json'} has vocab_size={VOCAB}: a LlamaForCausalLM wants [{VOCAB}, 32] "
                           f"(is config.json this model's?)\n")
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("to", ["fsdp2", "torchtitan"])
+def test_an_hf_folder_holding_a_head_that_differs_from_the_embeddings_it_is_tied_to_is_refused_by_import(
+        llama, tmp_path, to):
+    """An untied save under a tying config: the model keeps one tensor for both, and a load would
+    take either silently."""
+    folder = tmp_path / "hf"
+    shutil.copytree(llama.folder, folder)
+    config_folder(llama, folder, tie_word_embeddings=True)
+    res = run_cli("import-hf", folder, tmp_path / "dst", "-n", "2", "--to", to)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == (f"ckptctl: error: {folder}: lm_head.weight differs from model.embed_tokens.weight, but "
+                          f"{folder / 'config.json'} has tie_word_embeddings=true: the model holds one tensor for "
+                          "both (is config.json this model's?)\n")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_an_hf_folder_holding_a_tied_head_equal_to_the_embeddings_is_imported(llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hf"
+    shutil.copytree(llama.folder, folder)
+    config_folder(llama, folder, tie_word_embeddings=True)
+    state = load_file(folder / "model.safetensors")
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    res = run_cli("import-hf", folder, tmp_path / "dst", "-n", "2")
+    assert res.returncode == 0, res.stderr

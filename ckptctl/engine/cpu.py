@@ -24,9 +24,11 @@ from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp_items import ItemReader, RawRecord
+from ckptctl.formats.safetensors_out import item_boxes
 from ckptctl.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.model import Checkpoint, Chunk
-from ckptctl.plan import CopyItem, SourceRead, StreamItem, TransposedRead, missing_elements
+from ckptctl.plan import (CopyItem, SourceRead, SourceTensor, StreamItem, TargetTensor, TransposedRead, missing_elements,
+                          plan_box)
 
 T = TypeVar("T")
 
@@ -654,6 +656,25 @@ def run_on_threads(items: Sequence[T], run: Callable[[T], object], workers: int,
             finally:
                 _STOPPING.clear()
             raise
+
+
+def equal_tensors(chunks: ChunkSource, a: TargetTensor, b: TargetTensor, views: Mapping[str, SourceTensor],
+                  block_bytes: int) -> bool:
+    """Whether two targets of one shape and dtype hold the same bytes, compared row block by row
+    block (`block_bytes` each), stopping at the first that differs; elements no chunk holds are
+    refused, never taken for equal (a tied head checked against the tensor it is tied to)."""
+    for box in item_boxes(a.shape, a.dtype.itemsize, block_bytes):
+        blocks = []
+        for target in (a, b):
+            reads = plan_box(target, box, views)
+            if missing_elements(box, reads):
+                raise CheckpointError(", ".join(dict.fromkeys(p.src for p in target.pieces)),
+                                      "has elements no saved chunk holds: cannot tell whether it equals the tensor "
+                                      "the config ties it to")
+            blocks.append(assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks))
+        if blocks[0] != blocks[1]:
+            return False
+    return True
 
 
 def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
