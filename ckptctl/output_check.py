@@ -14,8 +14,10 @@ reader (a DCP output), its header's offsets (safetensors) or its central directo
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -33,15 +35,14 @@ from ckptctl.formats.dcp_items import MAX_ZIP_READ
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.file_window import window
-from ckptctl.geometry import Box
+from ckptctl.formats.safetensors_in import MAX_HEADER_BYTES, blob_header
+from ckptctl.geometry import Box, strides
 from ckptctl.layout import coverage
 from ckptctl.model import Checkpoint, Chunk, ChunkTable, TensorEntry
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
 
 MAX_PICKLE = 1 << 16
 """Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
-MAX_HEADER = 100 << 20
-"""Largest safetensors header read here (the format's own limit)."""
 MAX_LAYOUTS = 4096
 """Distinct `data.pkl`s remembered (with what they say) by one reader."""
 BYTES_SAMPLE = 4096
@@ -210,7 +211,7 @@ class ItemElements:
             start, info = _safetensors_record(fd, 0, entry.fqn)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
                 raise ValueError("its safetensors record is another tensor")
-            row = entry.itemsize * _prod(entry.shape[1:])
+            row = entry.itemsize * math.prod(entry.shape[1:])
             return _Dense(start + (chunk.offsets[0] * row if entry.shape else 0))
         if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":  # a SAFETENSORS-format item: its blob's record
             start, info = _safetensors_record(fd, chunk.offset, entry.fqn)
@@ -231,17 +232,13 @@ class ItemElements:
         if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
                 or record.file_size != layout.storage_bytes:
             raise ValueError("its record is another tensor")
-        head = os.pread(fd, 30, chunk.offset + record.header_offset)
-        if head[:4] != b"PK\x03\x04":
-            raise ValueError("no local header where the central directory says")
-        name_len, extra_len = struct.unpack("<HH", head[26:30])
-        data = chunk.offset + record.header_offset + 30 + name_len + extra_len
+        data, _ = _local_record(fd, chunk.offset, record)
         if data + record.file_size > chunk.offset + chunk.length:
             raise ValueError("its record runs past the item")
         last = layout.offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride))
-        if _prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
+        if math.prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
             raise ValueError("its view runs past its storage")
-        if little and (layout.stride == _row_major(layout.size) or _prod(layout.size) <= 1):
+        if little and (layout.stride == strides(layout.size) or math.prod(layout.size) <= 1):
             return _Dense(data + layout.offset * entry.itemsize)
         if little:
             return _Strided(data + layout.offset * entry.itemsize, layout.size, layout.stride)
@@ -250,34 +247,9 @@ class ItemElements:
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
 
 
-def _prod(values: Iterable[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
-
-
-def _row_major(size: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(size):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _safetensors_header(fd: int, at: int) -> tuple[dict, int]:
-    """The JSON header of the safetensors blob at byte `at`, and where its data starts."""
-    (n,) = struct.unpack("<Q", os.pread(fd, 8, at))
-    if n > MAX_HEADER:
-        raise ValueError(f"safetensors header of {n} bytes")
-    header = json.loads(os.pread(fd, n, at + 8))
-    if not isinstance(header, dict):
-        raise ValueError("safetensors header is not an object")
-    return header, at + 8 + n
-
-
 def _safetensors_record(fd: int, at: int, name: str) -> tuple[int, dict]:
-    header, data = _safetensors_header(fd, at)
+    """Where tensor `name`'s data starts in the safetensors blob at byte `at`, and its header entry."""
+    header, data = blob_header(fd, at, os.fstat(fd).st_size)
     info = header[name]
     begin, _ = info["data_offsets"]
     return data + int(begin), info
@@ -290,7 +262,7 @@ def _safetensors_record(fd: int, at: int, name: str) -> tuple[int, dict]:
 
 def _ends(shape: tuple[int, ...]) -> list[Box]:
     """One-element boxes at a tensor's first and last elements (none for an empty tensor)."""
-    if _prod(shape) == 0:
+    if math.prod(shape) == 0:
         return []
     first = Box(tuple(0 for _ in shape), tuple(1 for _ in shape))
     last = Box(tuple(n - 1 for n in shape), tuple(1 for _ in shape))
@@ -336,17 +308,18 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
             views = out.sources or source_tensors(src)
         held: dict[str, str] = {}
         starts = _chunk_starts(dst, CHUNK_SAMPLES)
+        sampled = {(fqn, c.offsets): c for fqn, chunks in starts.items() for c in chunks}
 
         def read_back(target: TargetTensor, box: Box) -> bytes:
             entry = dst.tensors[target.fqn]
-            chunk = starts.get((target.fqn, box.offsets)) or _chunk_holding(entry, box.offsets)
+            chunk = sampled.get((target.fqn, box.offsets)) or _chunk_holding(entry, box.offsets)
             held[target.fqn] = chunk.file
             view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
             return _sample(identity_target(view), box, {view.fqn: view}, output)
 
         def chunk_firsts(target: TargetTensor) -> list[Box]:
             ones = tuple(1 for _ in target.shape)
-            return [Box(at, ones) for (_, at) in starts.get(target.fqn, ()) if any(at)]  # (0, …): an end already
+            return [Box(c.offsets, ones) for c in starts.get(target.fqn, ()) if any(c.offsets)]  # (0, …): an end
 
         compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn],
                         chunk_firsts)
@@ -363,26 +336,19 @@ up to this many, else this many spread evenly over the output (a shard written a
 place, or read from another source item, shows at its first element)."""
 
 
-def _chunk_starts(ckpt: Checkpoint, budget: int) -> dict[Any, Any]:
-    """The chunks sampled at their first element: (fqn, first element) → chunk, and fqn → the
-    list of its sampled (fqn, first element) keys, every `stride`-th non-empty chunk of the output."""
+def _chunk_starts(ckpt: Checkpoint, budget: int) -> dict[str, list[Chunk]]:
+    """The chunks sampled at their first element, by tensor: every `stride`-th non-empty chunk of
+    the output, all of them when it has at most `budget`."""
     total = sum(len(e.chunks) for e in ckpt.tensors.values() if e.numel)
     stride = max(1, -(-total // budget))
-    picked: dict[Any, Any] = {}
+    picked: dict[str, list[Chunk]] = {}
     seen = 0
     for fqn, entry in ckpt.tensors.items():
         if not entry.numel or not entry.shape:
             continue
-        n = len(entry.chunks)
-        first = (-seen) % stride
-        keys = []
-        for i in range(first, n, stride):
-            chunk = entry.chunks[i]
-            if chunk.numel:
-                picked[(fqn, chunk.offsets)] = chunk
-                keys.append((fqn, chunk.offsets))
-        picked[fqn] = keys
-        seen += n
+        chunks = entry.chunks
+        picked[fqn] = [c for i in range((-seen) % stride, len(chunks), stride) if (c := chunks[i]).numel]
+        seen += len(chunks)
     return picked
 
 
@@ -508,7 +474,7 @@ def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], so
                             source: ItemElements) -> None:
     size = os.fstat(fd).st_size
     try:
-        header, data = _safetensors_header(fd, 0)
+        header, data = blob_header(fd, 0, size)
         if (header.get("__metadata__") or {}).get("format") != "pt":
             raise ValueError("its header metadata lacks format=pt")
         records = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -528,17 +494,19 @@ def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], so
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     check_tiling(path.parent, {path.name: size}, {path.name: extents}, {path.name: data})
 
-    def read_back(target: TargetTensor, box: Box) -> bytes:
-        index = sum(o * s for o, s in zip(box.offsets, _row_major(target.shape)))
-        return os.pread(fd, target.dtype.itemsize, places[target.fqn] + index * target.dtype.itemsize)
+    compare_samples(targets, sources, source, functools.partial(_dense_element, fd, places), lambda _: path)
 
-    compare_samples(targets, sources, source, read_back, lambda _: path)
+
+def _dense_element(fd: int, starts: Mapping[str, int], target: TargetTensor, box: Box) -> bytes:
+    """The element at `box` of a tensor stored whole, row-major, from byte `starts[target.fqn]` of `fd`."""
+    index = sum(o * s for o, s in zip(box.offsets, strides(target.shape)))
+    return os.pread(fd, target.dtype.itemsize, starts[target.fqn] + index * target.dtype.itemsize)
 
 
 def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
     try:
         with open(path, "rb") as handle:
-            doc = json.loads(handle.read(MAX_HEADER))
+            doc = json.loads(handle.read(MAX_HEADER_BYTES))
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
@@ -571,18 +539,12 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
                 directory = archive.start_dir
             extents, places = [], {}
             for info in infos:
-                head = os.pread(fd, 30, info.header_offset)
-                if head[:4] != b"PK\x03\x04":
-                    raise ValueError(f"{info.filename}: no local header where the central directory says")
-                name_len, extra_len = struct.unpack("<HH", head[26:30])
-                local = os.pread(fd, name_len + extra_len, info.header_offset + 30)
-                if local[:name_len].decode("utf-8", "replace") != info.filename \
-                        or info.compress_type != zipfile.ZIP_STORED:
-                    raise ValueError(f"{info.filename}: its local header names another record or compresses it")
-                data = info.header_offset + 30 + name_len + extra_len
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{info.filename}: compressed")
+                data, extra = _local_record(fd, 0, info)
                 end = data + info.file_size
                 if info.flag_bits & 0x8:
-                    end += _descriptor(fd, end, _has_zip64(local[name_len:]))
+                    end += _descriptor(fd, end, _has_zip64(extra))
                 extents.append((info.header_offset, end, info.filename))
                 places[info.filename] = (data, info.file_size)
         except (ValueError, zipfile.BadZipFile, struct.error, OSError, EOFError) as exc:
@@ -595,15 +557,24 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
                 raise CheckpointError(shown, f"{target.fqn}: record {name} missing or of another size")
 
         by_fqn = {t.fqn: places[name][0] for name, t in records.items()}
-
-        def read_back(target: TargetTensor, box: Box) -> bytes:
-            index = sum(o * s for o, s in zip(box.offsets, _row_major(target.shape)))
-            return os.pread(fd, target.dtype.itemsize, by_fqn[target.fqn] + index * target.dtype.itemsize)
-
-        compare_samples(records.values(), sources, source, read_back, lambda _: shown)
+        compare_samples(records.values(), sources, source, functools.partial(_dense_element, fd, by_fqn),
+                        lambda _: shown)
     finally:
         source.close()
         os.close(fd)
+
+
+def _local_record(fd: int, base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:
+    """Where record `info`'s data starts in the file (its archive begins at byte `base`), as its
+    local header, which must name it, places it; and that header's extra field."""
+    head = os.pread(fd, 30, base + info.header_offset)
+    if head[:4] != b"PK\x03\x04":
+        raise ValueError(f"{info.filename}: no local header where the central directory says")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    local = os.pread(fd, name_len + extra_len, base + info.header_offset + 30)
+    if local[:name_len].decode("utf-8", "replace") != info.filename:
+        raise ValueError(f"{info.filename}: its local header names another record")
+    return base + info.header_offset + 30 + name_len + extra_len, local[name_len:]
 
 
 def _descriptor(fd: int, at: int, zip64: bool) -> int:

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 import os
-import struct
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -29,13 +27,14 @@ from typing import Any, Callable, Mapping
 from ckptctl.engine.cpu import ChunkSource, Stopped, assemble_bytes, run_on_threads, stopping
 from ckptctl.errors import CheckpointError
 from ckptctl.dtypes import BY_SAFETENSORS
-from ckptctl.formats.dcp_items import MAX_SAFETENSORS_HEADER, MAX_ZIP_READ, ItemReader
+from ckptctl.formats.dcp_items import MAX_ZIP_READ, ItemReader
 from ckptctl.formats.file_window import window
+from ckptctl.formats.safetensors_in import blob_header
 from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
 from ckptctl.layout import source_tensors
-from ckptctl.geometry import (Box, Region, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box,
+from ckptctl.geometry import (Box, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box,
                               transposed_order)
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
@@ -506,20 +505,15 @@ def _safetensors_start(fd: int, at: int, name: str, path: Path, file_size: int) 
     """(where tensor `name`'s data starts, its header entry) in the safetensors blob at byte `at`,
     as the header says, the range checked against the file."""
     bad = CheckpointError(path, f"blob at byte {at}: no safetensors record of {name} to verify against")
-    head = os.pread(fd, 8, at)
-    if len(head) != 8:
-        raise bad
-    (n,) = struct.unpack("<Q", head)
-    if n > min(file_size - at - 8, MAX_SAFETENSORS_HEADER):
-        raise bad
     try:
-        info = json.loads(os.pread(fd, n, at + 8))[name]
+        header, data = blob_header(fd, at, file_size)
+        info = header[name]
         start, end = (int(v) for v in info["data_offsets"])
     except (ValueError, KeyError, TypeError, RecursionError):
         raise bad from None
-    if not 0 <= start <= end or at + 8 + n + end > file_size:
+    if not 0 <= start <= end or data + end > file_size:
         raise bad
-    return at + 8 + n + start, info
+    return data + start, info
 
 
 def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: Path, file_size: int) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,22 @@ def folder_files(path: Path) -> dict[Path, list[str] | None]:
             raise CheckpointError(full, f"listed by {index.name} but missing")
         files.setdefault(full, []).append(name)
     return {file: names for file, names in files.items()}
+
+
+def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
+    """The JSON header of the safetensors blob at byte `at` of open file `fd` (a model file's is at
+    0; a SAFETENSORS-format DCP file's after its bytes items), and where the blob's data starts.
+    ValueError when there is no header of a plausible length, or it is not a JSON object."""
+    head = os.pread(fd, 8, at)
+    if len(head) != 8:
+        raise ValueError(f"no safetensors header at byte {at}")
+    (length,) = struct.unpack("<Q", head)
+    if length > min(file_size - at - 8, MAX_HEADER_BYTES):
+        raise ValueError(f"safetensors header of {length} bytes at byte {at}")
+    header = json.loads(os.pread(fd, length, at + 8))
+    if not isinstance(header, dict):
+        raise ValueError("safetensors header is not a JSON object")
+    return header, at + 8 + length
 
 
 def read_header(file: Path) -> dict[str, StoredTensor]:
