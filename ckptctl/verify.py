@@ -24,7 +24,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ckptctl.engine.cpu import ChunkSource, Stopped, assemble_bytes, run_on_threads, stopping
+from ckptctl.engine.cpu import (DECODED_CACHE_BYTES, ChunkSource, Stopped, assemble_bytes, run_on_threads,
+                                stopping)
 from ckptctl.errors import CheckpointError
 from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.formats.dcp_items import MAX_ZIP_READ, ItemReader
@@ -300,6 +301,8 @@ class DecodedChunks:
         self.src = src
         self._files = ItemReader(src)  # lends its open descriptors only
         self._places: dict[tuple[str, str, int], Any] = {}
+        self._decoded_bytes = 0
+        """Bytes of the whole decoded chunks `_places` holds: at most DECODED_CACHE_BYTES."""
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -314,10 +317,13 @@ class DecodedChunks:
             place = self._places.get(key)
         if place is None:
             place = self._locate(entry, chunk)
-            with self._lock:
-                if len(self._places) >= MAX_TORCH_LAYOUTS:
+            size = place.nbytes if isinstance(place, torch.Tensor) else 0
+            with self._lock:  # a chunk's blocks are jobs in a row: its decoded whole is kept for them, not for ever
+                if len(self._places) >= MAX_TORCH_LAYOUTS or self._decoded_bytes + size > DECODED_CACHE_BYTES:
                     self._places.clear()
+                    self._decoded_bytes = 0
                 self._places[key] = place
+                self._decoded_bytes += size
         if isinstance(place, torch.Tensor):
             return place.reshape(-1)[first:first + count]
         isz = entry.itemsize
