@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import io
 import json
+import operator
 import os
-import re
 import struct
 import threading
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.errors import CheckpointError
@@ -50,6 +50,20 @@ _ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error,
 
 
 @dataclass(frozen=True, slots=True)
+class _Fixed:
+    """Bytes that must equal a validated item's outside its holes: the kept runs, taken out by one
+    `itemgetter` of slices and compared as one tuple (in C: a few slices and compares an item,
+    and nothing to compile when a template is made)."""
+
+    length: int
+    runs: Callable[[bytes], Any] | None
+    want: Any
+
+    def matches(self, data: bytes) -> bool:
+        return len(data) == self.length and (self.runs is None or self.runs(data) == self.want)
+
+
+@dataclass(frozen=True, slots=True)
 class _Template:
     """A fully validated item and the byte ranges that may differ in another item of the same
     structure: the tensor bytes, CRC-32 fields, the serialization id. An item whose other bytes
@@ -58,9 +72,9 @@ class _Template:
 
     data_start: int
     nbytes: int
-    whole: re.Pattern[bytes] | None  # a small item whole, variable fields and data as wildcards: one match, in C
-    head: re.Pattern[bytes] | None  # a larger one's bytes before the tensor data...
-    tail: re.Pattern[bytes] | None  # ...and after it
+    whole: _Fixed | None  # a small item whole, the tensor bytes a hole: read and compared at once
+    head: _Fixed | None  # a larger one's bytes before the tensor data...
+    tail: _Fixed | None  # ...and after it
 
 
 MAX_TEMPLATE_ITEM = 1 << 16
@@ -75,23 +89,20 @@ MAX_TEMPLATES = 4096
 """Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
 
 
-def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> bytes:
-    """A regular expression (source) matching `data` (the item's bytes from offset `base`)
-    with any bytes in `holes`: literal runs around fixed-length wildcards."""
-    parts, at = [], 0
+def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> _Fixed:
+    """What another item must hold where this one holds `data` (its bytes from offset `base`):
+    the same bytes outside `holes`."""
+    runs, at = [], 0
     for start, stop in sorted((a - base, b - base) for a, b in holes if base <= a and b - base <= len(data)):
         if start > at:
-            parts.append(re.escape(data[at:start]))
-        if stop > max(at, start):
-            parts.append(_any(stop - max(at, start)))
+            runs.append(slice(at, start))
         at = max(at, stop)
     if at < len(data):
-        parts.append(re.escape(data[at:]))
-    return b"".join(parts)
-
-
-def _any(n: int) -> bytes:
-    return b"(?s:.{%d})" % n
+        runs.append(slice(at, len(data)))
+    if not runs:
+        return _Fixed(len(data), None, None)
+    getter = operator.itemgetter(*runs)
+    return _Fixed(len(data), getter, getter(bytes(data)))
 
 
 @dataclass(frozen=True)
@@ -165,10 +176,10 @@ class ItemReader:
         template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
         if template is None or template.whole is None:
             return None
-        whole = self._item_bytes(chunk)
-        if template.whole.fullmatch(whole) is None:
+        whole = bytes(self._item_bytes(chunk))
+        if not template.whole.matches(whole):
             return None
-        return whole[template.data_start:template.data_start + template.nbytes]
+        return memoryview(whole)[template.data_start:template.data_start + template.nbytes]
 
     def _item_bytes(self, chunk: Chunk) -> memoryview:
         """A small item's bytes (fewer at the end of its file), from the window on its file when the
@@ -273,19 +284,19 @@ class ItemReader:
         data_end = data_start + nbytes
         head = os.pread(fd, data_start, chunk.offset)
         tail = os.pread(fd, tail_len, chunk.offset + data_end)
-        head_source, tail_source = _kept(head, 0, holes), _kept(tail, data_end, holes)
         if chunk.length <= MAX_TEMPLATE_ITEM:
-            return _Template(data_start, nbytes, re.compile(head_source + _any(nbytes) + tail_source), None, None)
-        return _Template(data_start, nbytes, None, re.compile(head_source), re.compile(tail_source))
+            whole = head + bytes(nbytes) + tail
+            return _Template(data_start, nbytes, _kept(whole, 0, [*holes, (data_start, data_end)]), None, None)
+        return _Template(data_start, nbytes, None, _kept(head, 0, holes), _kept(tail, data_end, holes))
 
     def _matches(self, template: _Template, chunk: Chunk) -> bool:
         """Whether the item holds the template's bytes everywhere but its variable fields and data."""
         fd = self.fd(chunk.file)
         if template.whole is not None:
-            return template.whole.fullmatch(os.pread(fd, chunk.length, chunk.offset)) is not None
+            return template.whole.matches(os.pread(fd, chunk.length, chunk.offset))
         data_end = template.data_start + template.nbytes
-        return template.head.fullmatch(os.pread(fd, template.data_start, chunk.offset)) is not None \
-            and template.tail.fullmatch(os.pread(fd, chunk.length - data_end, chunk.offset + data_end)) is not None
+        return template.head.matches(os.pread(fd, template.data_start, chunk.offset)) \
+            and template.tail.matches(os.pread(fd, chunk.length - data_end, chunk.offset + data_end))
 
     def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
                     folder: str) -> bool:
