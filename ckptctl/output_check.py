@@ -22,6 +22,7 @@ import os
 import pickle
 import pickletools
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -274,14 +275,13 @@ def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor],
 
 
 def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], source: ItemElements,
-                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path],
-                    more: Callable[[TargetTensor], Iterable[Box]] = lambda _: ()) -> int:
-    """Compare each target's first and last elements, and the one-element boxes `more(target)`,
-    assembled from `sources` read by `source`, with `written(target, box)`; raise naming
-    `shown(fqn)` (the file that holds it). Returns the number of elements compared."""
+                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> int:
+    """Compare each target's first and last elements, assembled from `sources` read by `source`,
+    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it). Returns the
+    number of elements compared."""
     count = 0
     for target in targets:
-        for box in (*_ends(target.shape), *more(target)):
+        for box in _ends(target.shape):
             want = _sample(target, box, sources, source)
             if written(target, box) != want:
                 raise CheckpointError(shown(target.fqn), f"{target.fqn}: element {list(box.offsets)} of "
@@ -298,36 +298,91 @@ def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, Sourc
 def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str, SourceTensor] | None = None) -> None:
     """Raise CheckpointError unless the DCP directory `written` is the checkpoint `out` plans,
     read back by the project's `.metadata` reader and the independent item reads."""
-    dst = open_checkpoint(written, written_here=True)
-    _check_dcp_structure(dst, out, written)
-    source, output = ItemElements(src), ChunkSource(dst)  # the output read back by the project's reader
-    try:
+    DcpCheck(src, out, views)(written)
+
+
+class DcpCheck:
+    """`check_dcp` in two halves. What the output's samples must hold comes from the source alone,
+    so `start` reads it in a thread while the output is written (a run's writing mostly waits on
+    the disk); calling the check with the written directory re-reads it and compares. Without
+    `start`, the call does both."""
+
+    def __init__(self, src: Checkpoint, out: DcpOutput, views: Mapping[str, SourceTensor] | None = None) -> None:
         if views is None:
             from ckptctl.layout import source_tensors
 
             views = out.sources or source_tensors(src)
-        held: dict[str, str] = {}
-        starts = _chunk_starts(dst, CHUNK_SAMPLES)
-        sampled = {(fqn, c.offsets): c for fqn, chunks in starts.items() for c in chunks}
+        self.src, self.out, self.views = src, out, views
+        self.samples = _planned_samples(out, CHUNK_SAMPLES)
+        self._wants: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._source = ItemElements(src)
+        self._thread: threading.Thread | None = None
+        self._stopping = self._closed = False
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
 
-        def read_back(target: TargetTensor, box: Box) -> bytes:
-            entry = dst.tensors[target.fqn]
-            chunk = sampled.get((target.fqn, box.offsets)) or _chunk_holding(entry, box.offsets)
-            held[target.fqn] = chunk.file
-            view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
-            return _sample(identity_target(view), box, {view.fqn: view}, output)
+    def start(self) -> None:
+        """Read the samples' source elements in a background thread (after any fork of the run)."""
+        self._thread = threading.Thread(target=self._read_wants, name="ckptctl-check", daemon=True)
+        self._thread.start()
 
-        def chunk_firsts(target: TargetTensor) -> list[Box]:
-            ones = tuple(1 for _ in target.shape)
-            return [Box(c.offsets, ones) for c in starts.get(target.fqn, ()) if any(c.offsets)]  # (0, …): an end
+    def close(self) -> None:
+        """Stop the thread, without waiting for a sample it is reading (a run stopped by Ctrl-C or
+        an error answers at once), and close the source files: now, or as the thread ends."""
+        self._stopping = True
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._close_source()
 
-        compare_samples(out.targets.values(), views, source, read_back, lambda fqn: written / held[fqn],
-                        chunk_firsts)
-        for fqn, copy in out.bytes_entries.items():
-            _check_bytes_entry(copy, dst, fqn, source, output, written)
-    finally:
-        source.close()
-        output.close()
+    def _close_source(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._source.close()
+
+    def _read_wants(self) -> None:
+        try:
+            for target, box, _ in self.samples:
+                if self._stopping:
+                    return
+                self._wants[(target.fqn, box.offsets)] = _sample(target, box, self.views, self._source)
+        except BaseException as exc:  # noqa: BLE001 - raised by the check, in the run's thread
+            self._failure = exc
+        finally:
+            with self._lock:
+                if self._stopping:
+                    self._close_source()
+
+    def __call__(self, written: Path) -> None:
+        try:
+            if self._thread is not None:
+                self._thread.join()
+                if self._failure is not None:
+                    raise self._failure
+            self._compare(written)
+        finally:
+            self.close()
+
+    def _compare(self, written: Path) -> None:
+        dst = open_checkpoint(written, written_here=True)
+        _check_dcp_structure(dst, self.out, written)
+        output = ChunkSource(dst)  # the output read back by the project's reader
+        try:
+            for target, box, index in self.samples:
+                want = self._wants.get((target.fqn, box.offsets))
+                if want is None:
+                    want = _sample(target, box, self.views, self._source)
+                entry = dst.tensors[target.fqn]
+                chunk = entry.chunks[index] if index is not None and index < len(entry.chunks) else None
+                if chunk is None or chunk.offsets != box.offsets:  # not the planned chunk, as read back
+                    chunk = _chunk_holding(entry, box.offsets)
+                view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
+                if _sample(identity_target(view), box, {view.fqn: view}, output) != want:
+                    raise CheckpointError(written / chunk.file, f"{target.fqn}: element {list(box.offsets)} of "
+                                                                f"{list(target.shape)} differs from the source's")
+            for fqn, copy in self.out.bytes_entries.items():
+                _check_bytes_entry(copy, dst, fqn, self._source, output, written)
+        finally:
+            output.close()
 
 
 CHUNK_SAMPLES = 4096
@@ -336,20 +391,25 @@ up to this many, else this many spread evenly over the output (a shard written a
 place, or read from another source item, shows at its first element)."""
 
 
-def _chunk_starts(ckpt: Checkpoint, budget: int) -> dict[str, list[Chunk]]:
-    """The chunks sampled at their first element, by tensor: every `stride`-th non-empty chunk of
-    the output, all of them when it has at most `budget`."""
-    total = sum(len(e.chunks) for e in ckpt.tensors.values() if e.numel)
+def _planned_samples(out: DcpOutput, budget: int) -> list[tuple[TargetTensor, Box, int | None]]:
+    """The one-element boxes compared: each target's first and last elements, and the first
+    element of every `stride`-th planned chunk (all of them when the plan has at most `budget`),
+    with that chunk's index among its target's (None for an end: its chunk is searched)."""
+    placements = out.records.placements()
+    total = sum(len(placements.get(fqn, ())) for fqn, t in out.targets.items() if math.prod(t.shape))
     stride = max(1, -(-total // budget))
-    picked: dict[str, list[Chunk]] = {}
+    samples: list[tuple[TargetTensor, Box, int | None]] = []
     seen = 0
-    for fqn, entry in ckpt.tensors.items():
-        if not entry.numel or not entry.shape:
+    for fqn, target in out.targets.items():
+        samples += [(target, box, None) for box in _ends(target.shape)]
+        if not math.prod(target.shape):
             continue
-        chunks = entry.chunks
-        picked[fqn] = [c for i in range((-seen) % stride, len(chunks), stride) if (c := chunks[i]).numel]
-        seen += len(chunks)
-    return picked
+        placed = placements.get(fqn, ())
+        ones = tuple(1 for _ in target.shape)
+        samples += [(target, Box(p.box.offsets, ones), i) for i in range((-seen) % stride, len(placed), stride)
+                    if math.prod((p := placed[i]).box.sizes) and any(p.box.offsets)]  # (0, …) is an end
+        seen += len(placed)
+    return samples
 
 
 def _chunk_holding(entry: TensorEntry, point: tuple[int, ...]) -> Chunk:

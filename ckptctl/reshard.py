@@ -31,7 +31,7 @@ from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_byt
 from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
-from ckptctl.output_check import check_dcp
+from ckptctl.output_check import DcpCheck
 from ckptctl.verify import verified_bytes, verify_dcp
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
@@ -213,12 +213,14 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         report.verified = True
 
     phases = Phases(progress)
+    check = DcpCheck(ckpt, out, views)
     try:
         report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
                                           workers=opts.workers, force=force, sync=opts.sync,
-                                          check=timed_check(report, lambda tmp: check_dcp(ckpt, out, tmp, views)), comm=comm,
+                                          check=timed_check(report, check), start_check=check.start, comm=comm,
                                           verify=verify_output if verify else None)
     finally:
+        check.close()
         sources.close()
     report.finish(phases, started)
 

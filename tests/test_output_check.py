@@ -21,7 +21,7 @@ from ckptctl.export_hf import ExportOptions, plan_export
 from ckptctl.export_torch import ExportTorchOptions, archive_name, plan_export_torch, read_values
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.hf.base import load_hf_config
-from ckptctl.output_check import check_dcp, check_safetensors, check_tiling, check_torch_save
+from ckptctl.output_check import DcpCheck, check_dcp, check_safetensors, check_tiling, check_torch_save
 from ckptctl.reshard import ReshardOptions, plan_reshard
 from tests.conftest import FIXTURES, run_cli
 
@@ -91,6 +91,46 @@ def test_a_shard_written_at_another_shards_place_is_named(tmp_path: Path) -> Non
         check_dcp(src, out, dst)
     assert str(caught.value) == f"{dst / first.file}: model.mlp.fc1.weight: element [4, 0] of [12, 8] differs from " \
                                 "the source's"
+
+
+def test_source_samples_read_ahead_in_a_thread_are_compared_the_same(resharded) -> None:
+    """A run starts the check's source reads while it writes: the samples it took then are what
+    the written output is compared with, and a wrong element is named as without the thread."""
+    src, out, dst = resharded
+    check = DcpCheck(src, out)
+    check.start()
+    check._thread.join()
+    assert len(check._wants) == len({(t.fqn, b.offsets) for t, b, _ in check.samples}) > 2 * len(out.targets)
+    file, at = _first_element_byte(dst, "model.mlp.fc1.weight")
+    _flip(dst / file, at)
+    with pytest.raises(CheckpointError) as caught:
+        check(dst)
+    assert str(caught.value) == f"{dst / file}: model.mlp.fc1.weight: element [0, 0] of [12, 8] differs from the source's"
+    assert check._closed
+
+
+def test_a_source_item_the_thread_cannot_read_fails_the_check(resharded, tmp_path: Path) -> None:
+    """The thread's error is the check's: raised when the run calls it, naming the source item."""
+    _, out, dst = resharded
+    broken = tmp_path / "src"
+    shutil.copytree(SRC, broken)
+    with open(broken / "__0_0.distcp", "r+b") as handle:
+        handle.write(b"XX")  # the first item's local header signature
+    check = DcpCheck(open_checkpoint(broken), out)
+    check.start()
+    with pytest.raises(CheckpointError, match=r"__0_0\.distcp: item at byte 0: .*: cannot be read back"):
+        check(dst)
+
+
+def test_closing_a_started_check_does_not_wait_for_its_thread(resharded) -> None:
+    """A run stopped while writing (Ctrl-C, an error) closes the check at once: the thread stops
+    at its next sample and closes the source files itself."""
+    src, out, _ = resharded
+    check = DcpCheck(src, out)
+    check.start()
+    check.close()
+    check._thread.join(5)
+    assert not check._thread.is_alive() and check._closed and not check._source._fds
 
 
 def test_a_truncated_file_is_refused_by_the_reader(resharded) -> None:

@@ -37,10 +37,12 @@ def write_files(plan: OutputPlan, directory: Path, names: Container[str], execut
 
 def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phases, *, device: str, workers: int,
                  force: bool, sync: bool, check: Callable[[Path], None], comm: Comm = LOCAL,
-                 verify: Callable[[Path], None] | None = None) -> int:
+                 verify: Callable[[Path], None] | None = None, start_check: Callable[[], None] | None = None) -> int:
     """Fill directory `dst` with `plan` atomically; `check(tmp)` reads the whole output back
     before it takes its name (every run), `verify(tmp)` compares every byte (when asked).
-    Returns the bytes this worker wrote.
+    `start_check()`, where given, begins in a thread what the check can read before the output
+    exists; the process that checks calls it once any helper is forked (a thread must not be
+    running across the fork). Returns the bytes this worker wrote.
 
     Collective under torchrun: every worker calls it with the same plan and writes its share of
     the files; rank 0 runs `check` and `verify` (and `finish`, unless it ran first) once every
@@ -70,6 +72,8 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
             write_files(plan, tmp, theirs, execute, chunks, workers, sync, report)
 
         running = helper.start(helper_work, advance) if theirs else None
+        if start_check is not None and comm.is_lead:
+            start_check()
         if running is not None:  # a second core: the helper writes `finish`'s files and its share meanwhile
             try:
                 write_files(plan, tmp, names - theirs, execute, chunks, workers, sync, advance)
