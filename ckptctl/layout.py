@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from ckptctl.gc_pause import gc_paused
 from ckptctl.geometry import Box, chunk_rows, interval_union, union_volume, whole_rows
 from ckptctl.model import Checkpoint, TensorEntry
+from ckptctl.optimizer_states import expected_shape, is_scalar
 from ckptctl.plan import SourceTensor, source_view
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
@@ -99,9 +100,6 @@ TORCH_DIST_FORMATS = (("dp_reshardable", TORCH_DIST_BUCKETS),
                       ("fully_sharded_model_space", "optimizer.state.fp32_param."),
                       ("fully_reshardable", TORCH_DIST_MASTERS))
 """Megatron-Core's DistributedOptimizer formats (`distrib_optim_sharding_type`) and the keys each saves."""
-
-SCALAR_STATES = frozenset({"step"})
-"""Per-param states that are one number whatever the param (0-d, or `[1]` in some optimizers)."""
 
 _WRAPPER = "module."
 
@@ -375,9 +373,20 @@ def _fmt_shape(shape: tuple[int, ...]) -> str:
 
 
 def _state_problem(state: TensorEntry, param: TensorEntry, state_name: str) -> Problem | None:
-    """A per-param state must hold as many elements as its param (flat or in the param's shape)."""
-    if not state.shape or state_name in SCALAR_STATES:
+    """A per-param state must hold as many elements as its param (flat or in the param's shape), or
+    be of the smaller shape its optimizer gives it by design (Adafactor's factored moments)."""
+    if not state.shape or is_scalar(state_name):
         return None
+    factored = expected_shape(state_name, param.shape)
+    if factored is not None:
+        if state.shape == factored:
+            return None
+        lost = state.numel < math.prod(factored)
+        return Problem(state.fqn, "data-loss" if lost else "shape-mismatch", (
+            f"{state.fqn}: saved {_fmt_shape(state.shape)} but {state_name} of param {param.fqn} "
+            f"{_fmt_shape(param.shape)} is {_fmt_shape(factored)}" + (
+                ": optimizer state was saved as a plain per-rank tensor and DCP kept one rank's copy (data loss)"
+                if lost else "")))
     if state.numel != param.numel:
         return Problem(state.fqn, "data-loss", (
             f"{state.fqn}: saved {_fmt_shape(state.shape)} ({state.numel} elements) but param {param.fqn} is "
