@@ -32,6 +32,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.output_check import DcpCheck
+from ckptctl.rank_state import refuse_dp_change
 from ckptctl.verify import verified_bytes, verify_dcp
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
@@ -159,6 +160,7 @@ def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
                                            properties=ckpt.tensors[fqn].properties))
     placements = {t.fqn: fsdp2(t.shape, opts.world_size) for t in targets}
     kept_bytes = [e for f, e in ckpt.bytes_entries.items() if selected(f, opts.include, opts.exclude)]
+    refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, opts.include, opts.exclude), opts.world_size)
     planner = None
     if isinstance(ckpt.planner_data, dict):
         keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}

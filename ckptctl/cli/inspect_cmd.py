@@ -26,6 +26,8 @@ ignores them.
       "metadata_files": [".metadata"] | ["__0.metadata", ...],
       "total_bytes": int, "files": {name: bytes},              # every data file, in rank order
       "unreferenced_files": [name],                           # data files no entry points to
+      "rank_state": [{"kind": str, "entries": [fqn], "dp": int}],  # per-DP-rank training state:
+                                                              # kept by a reshard at the same DP only
       "groups": {"model": n, "optimizer": n, "other": n},     # all entries, tensors and bytes
       "dtypes": {"float32": n, ...},                          # tensors per dtype
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
@@ -69,6 +71,7 @@ from ckptctl.errors import UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.layout import Analysis, TensorReport, analysis
 from ckptctl.model import Checkpoint, Chunk
+from ckptctl.rank_state import rank_states
 from ckptctl.wording import counted
 
 if TYPE_CHECKING:  # rich is imported when a table is rendered, not at start-up
@@ -183,6 +186,8 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "total_bytes": ckpt.total_bytes,
         "files": dict(ckpt.files),
         "unreferenced_files": list(ckpt.unreferenced_files),
+        "rank_state": [{"kind": r.kind, "entries": list(r.fqns), "dp": r.ranks}
+                       for r in rank_states(ckpt.bytes_entries)],
         "groups": analysis.groups,
         "dtypes": analysis.dtypes,
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
@@ -294,6 +299,12 @@ def _unreferenced_warning(doc: dict[str, Any]) -> str:
     return f"{counted(len(names), 'data file')} that no entry points to ({shown}): left by another save? Loading ignores them"
 
 
+def _rank_state_line(state: dict[str, Any]) -> str:
+    first, last = state["entries"][0], state["entries"][-1]
+    shown = first if first == last else f"{first} … {last}"
+    return f"{shown}: {state['kind']} of DP {state['dp']}, kept by a reshard to DP {state['dp']} only"
+
+
 def _print_summary(doc: dict[str, Any]) -> None:
     from rich.table import Table
     from rich.text import Text
@@ -316,6 +327,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),
         *(("", line) for line in _file_lines(files)),
         *((("Unreferenced", _unreferenced_warning(doc)),) if doc["unreferenced_files"] else ()),
+        *(("Per-rank state", _rank_state_line(r)) for r in doc["rank_state"]),
         ("Entries", _counts(doc["groups"])),
         ("Dtypes", _counts(doc["dtypes"])),
         ("Layouts", _counts(doc["layouts"])),
