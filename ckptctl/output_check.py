@@ -448,7 +448,32 @@ def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None
         if not cov.complete:
             raise CheckpointError(written / ".metadata", f"{fqn}: its chunks do not cover it exactly "
                                                          f"({cov.gaps} elements missing, {cov.overlaps} twice)")
-    check_tiling(written, dst.files, _extents(dst))
+    ends = _ends_in_order(dst)
+    if ends is None or any(ends.get(name) != size for name, size in dst.files.items()) or len(ends) != len(dst.files):
+        check_tiling(written, dst.files, _extents(dst))  # finds and names the fault, or passes another order
+
+
+def _ends_in_order(ckpt: Checkpoint) -> dict[str, int] | None:
+    """Each file's end when, in `.metadata`'s order, every storage entry starts where its file's
+    previous one ended (from 0), as the writer places them; None at the first that does not
+    (`check_tiling` then sorts them all). One pass over the columns, no tuple per entry."""
+    ends: dict[str, int] = {}
+    for entry in ckpt.tensors.values():
+        chunks = entry.chunks
+        if type(chunks) is not ChunkTable:
+            spans = [(c.file, c.offset, c.length) for c in chunks]
+        else:
+            names, files, places = chunks.columns()
+            spans = zip(map(names.__getitem__, files), places[::2], places[1::2])
+        for file, offset, length in spans:
+            if ends.get(file, 0) != offset:
+                return None
+            ends[file] = offset + length
+    for entry in ckpt.bytes_entries.values():
+        if ends.get(entry.file, 0) != entry.offset:
+            return None
+        ends[entry.file] = entry.offset + entry.length
+    return ends
 
 
 def _extents(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
