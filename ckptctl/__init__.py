@@ -21,7 +21,10 @@ from __future__ import annotations
 import importlib
 import sys
 import types
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time: it is most of this module's import cost
+if TYPE_CHECKING:
+    from typing import Any
 
 __version__ = "0.1.0"
 

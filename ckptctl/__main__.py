@@ -1,9 +1,5 @@
-"""`python -m ckptctl` (also what `torchrun -m ckptctl` runs)."""
+"""`python -m ckptctl` (also what `torchrun -m ckptctl` runs); `ckptctl.cli` takes Ctrl-C over first."""
 
-from ckptctl.interrupt import exit_on_interrupt
-
-exit_on_interrupt()  # before the command line's imports: Ctrl-C during start-up is one line too
-
-from ckptctl.cli import run  # noqa: E402
+from ckptctl.cli import run
 
 run()

@@ -5,6 +5,12 @@ the final table can surface anywhere (inside an import, during shutdown) and end
 traceback or a silent death by signal. Outside a command's body there is nothing to clean
 up, so the handler ends the process at once; `during_body` hands Ctrl-C back to Python as
 KeyboardInterrupt while work that must clean up (temporary output, worker threads) runs.
+
+The console script imports `ckptctl.cli`, whose first statement installs the handler; this
+module imports little beyond what the interpreter's start-up has loaded (`signal`; no typing,
+no threading), so the handler is in place about a millisecond after that start-up (`site`)
+ends. A SIGINT before that is the interpreter's: death by signal before it installs its own
+handler, then its start-up error or a KeyboardInterrupt traceback.
 """
 
 from __future__ import annotations
@@ -13,23 +19,37 @@ import contextlib
 import os
 import signal
 import sys
-import threading
-from typing import Iterator, NoReturn
+
+TYPE_CHECKING = False  # typing (and threading) would delay the handler by milliseconds of imports
+if TYPE_CHECKING:
+    from typing import Iterator, NoReturn
 
 MESSAGE = b"ckptctl: interrupted\n"
 EXIT_INTERRUPTED = 130
 
 
 def _exit_at_once(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C while the line is written adds none
     os.write(2, MESSAGE)
     os._exit(EXIT_INTERRUPTED)
 
 
+_ELSEWHERE = object()
+"""What `_set_handler` returns outside the main thread."""
+
+
+def _set_handler(handler: object) -> object:
+    """Install `handler` for SIGINT and return the previous one; `_ELSEWHERE`, changing nothing, outside
+    the main thread (as when a program calls `ckptctl.cli.main` from a thread: its own handling stays)."""
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:  # "signal only works in main thread of the main interpreter"
+        return _ELSEWHERE
+
+
 def exit_on_interrupt() -> None:
-    """From now on Ctrl-C prints one line and exits 130 (in the main thread; elsewhere, as when
-    a program calls `ckptctl.cli.main` from a thread, its own handling stays)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _exit_at_once)
+    """From now on Ctrl-C prints one line and exits 130 (in the main thread)."""
+    _set_handler(_exit_at_once)
 
 
 def finish(code: object) -> NoReturn:
@@ -44,8 +64,7 @@ def finish(code: object) -> NoReturn:
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
         os._exit(EXIT_INTERRUPTED)
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_handler(signal.SIG_IGN)
     raise SystemExit(code)
 
 
@@ -53,10 +72,10 @@ def finish(code: object) -> NoReturn:
 def during_body() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt inside the block (so `finally` clauses clean up), and ends
     the process at once again after it."""
-    if threading.current_thread() is not threading.main_thread():
+    previous = _set_handler(signal.default_int_handler)
+    if previous is _ELSEWHERE:
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:

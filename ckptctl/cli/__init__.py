@@ -8,14 +8,17 @@ progress bars off.
 
 from __future__ import annotations
 
-import sys
-from typing import NoReturn
-
-import typer
-
-from ckptctl.cli import common
-from ckptctl.gc_pause import freeze_after_pauses
 from ckptctl.interrupt import exit_on_interrupt, finish
+
+exit_on_interrupt()  # the console script's first import: Ctrl-C while typer and the rest load is one line too
+
+import sys  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import typer  # noqa: E402
+
+from ckptctl.cli import common  # noqa: E402
+from ckptctl.gc_pause import freeze_after_pauses  # noqa: E402
 
 app = typer.Typer(
     name="ckptctl",
