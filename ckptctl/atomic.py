@@ -26,7 +26,7 @@ import shutil
 import socket
 import stat
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from ckptctl.errors import OutputError, PathError, UsageError
 
@@ -184,11 +184,15 @@ def _identity(path: Path) -> tuple[int, int] | None:
 def physical_ancestry(path: Path) -> list[tuple[int, int]]:
     """(st_dev, st_ino) of `path` (links followed) and of every directory above it as the kernel
     walks `..`: what a path really is, whatever symlinks or bind mounts it was reached through.
-    Starts at the nearest existing ancestor when `path` does not exist."""
+    Starts at the nearest existing ancestor when `path` does not exist; a file is followed by the
+    directories above where it really lies (`file/..` is no path)."""
     path = Path(path) if Path(path).is_absolute() else Path.cwd() / path  # `..` left for the kernel
     while _identity(path) is None and path != path.parent:
         path = path.parent
     chain: list[tuple[int, int]] = []
+    if not path.is_dir() and (ident := _identity(path)) is not None:
+        chain.append(ident)
+        path = Path(os.path.realpath(path)).parent
     here = str(path)
     while (ident := _identity(Path(here))) is not None and ident not in chain:
         chain.append(ident)
@@ -213,12 +217,27 @@ def holds(path: Path, src: Path) -> bool:
     return ident is not None and ident in physical_ancestry(src)
 
 
-def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
-    """Refuse an existing DST unless forced, and a DST that is (or contains, or lies in) the source,
-    by device and inode: a DST reached through a symlink or bind mount into the source is refused."""
+def overlapped_input(dst: Path, inputs: Iterable[Path]) -> Path | None:
+    """The first of `inputs` (files or directories) that writing or replacing `dst` would touch:
+    `dst` is one of them or a directory above one, or lies inside one, by device and inode (so
+    also through a symlink or bind mount). None when `dst` touches none."""
+    for path in inputs:
+        if lands_in(dst, Path(path)) or holds(dst, Path(path)):
+            return Path(path)
+    return None
+
+
+def check_destination(dst: Path, force: bool, src: Path | None = None, inputs: Iterable[Path] = ()) -> None:
+    """Refuse an existing DST unless forced, and a DST that is (or contains, or lies in) the source
+    or is (or contains) another input the command reads (`inputs`), by device and inode: a DST
+    reached through a symlink or bind mount into the source is refused. A file source's folder
+    is not the source: DST may lie beside it."""
     dst = Path(dst)
-    if src is not None and (lands_in(dst, Path(src)) or holds(dst, Path(src))):
+    if src is not None and overlapped_input(dst, [Path(src)]) is not None:
         raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
+    read = overlapped_input(dst, inputs)
+    if read is not None:
+        raise UsageError(f"{dst}: destination overlaps {read}, which this run reads; the source is never modified")
     if os.path.lexists(dst) and not force:
         raise UsageError(f"{dst}: destination exists (pass --force to replace it)")
     if os.path.lexists(dst) and not dst.is_symlink() and not dst.is_dir():
