@@ -14,6 +14,13 @@ killed process still leaves DST absent or complete, but a crash of the machine m
 
 `--force` over a DST that is a symbolic link replaces the link itself; its target is
 never written into or removed.
+
+The source holds still, or nothing is put in place: while a command runs (`recorded_reads`),
+each source file it opens is noted with its device, inode, size and modification time
+(`note_read`: one fstat), and just before the output is renamed into place every one is
+stat'ed again; one that differs fails the run (`refuse_changed_reads`), so an output never
+mixes two versions of a file that was rewritten in place or replaced while it was read.
+The same record lets `check_destination` refuse a DST over any file the run has read.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ import secrets
 import shutil
 import socket
 import stat
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ckptctl.errors import OutputError, PathError, UsageError
+from ckptctl.errors import CheckpointError, OutputError, PathError, UsageError
 
 _TMP_MARK = ".ckptctl-tmp-"
 _OWNER_MARK = ".ckptctl-owner-"
@@ -229,13 +237,13 @@ def overlapped_input(dst: Path, inputs: Iterable[Path]) -> Path | None:
 
 def check_destination(dst: Path, force: bool, src: Path | None = None, inputs: Iterable[Path] = ()) -> None:
     """Refuse an existing DST unless forced, and a DST that is (or contains, or lies in) the source
-    or is (or contains) another input the command reads (`inputs`), by device and inode: a DST
-    reached through a symlink or bind mount into the source is refused. A file source's folder
-    is not the source: DST may lie beside it."""
+    or is (or contains) another input the command reads (`inputs`, and every file it has read so
+    far: `read_paths`), by device and inode: a DST reached through a symlink or bind mount into
+    the source is refused. A file source's folder is not the source: DST may lie beside it."""
     dst = Path(dst)
     if src is not None and overlapped_input(dst, [Path(src)]) is not None:
         raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
-    read = overlapped_input(dst, inputs)
+    read = overlapped_input(dst, [*inputs, *read_paths()])
     if read is not None:
         raise UsageError(f"{dst}: destination overlaps {read}, which this run reads; the source is never modified")
     if os.path.lexists(dst) and not force:
@@ -266,6 +274,7 @@ def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -
         yield tmp
         if sync:
             fsync_tree(tmp)
+        refuse_changed_reads(tmp)
         if os.path.lexists(dst):
             if not force:
                 raise UsageError(f"{dst}: destination appeared while writing (pass --force to replace it)")
@@ -309,6 +318,7 @@ def atomic_file(out: Path, force: bool, sync: bool = True) -> Iterator[Path]:
     tmp = folder / out.name
     try:
         yield tmp
+        refuse_changed_reads(folder)
         if os.path.lexists(out) and not force:
             raise UsageError(f"{out}: output appeared while writing (pass --force to replace it)")
         os.replace(tmp, out)
@@ -336,3 +346,69 @@ def _within(path: str | os.PathLike, folder: Path) -> bool:
 def _as_seen(path: str | os.PathLike, tmp: Path, dst: Path) -> Path:
     """A path inside the temporary directory, named as the user will look for it: inside DST."""
     return dst / Path(path).relative_to(tmp) if _within(path, tmp) else Path(path)
+
+
+_reads_lock = threading.Lock()
+_reads: dict[str, tuple[str, tuple[int, int, int, int]]] | None = None
+"""While a command runs: each source file it opened (by absolute path) → the path as it was opened
+and what the file was then (`_seen`); None when no command runs."""
+_commands = 0
+
+
+@contextlib.contextmanager
+def recorded_reads() -> Iterator[None]:
+    """Note the files opened from here to the block's end (`note_read`) for the checks before the
+    output's rename; a command's function wears it as a decorator (`@recorded_reads()`). Nested
+    commands share the outermost record. Outside any, nothing is noted (inspect, diff, a library
+    caller's `open_checkpoint`): a long-lived process keeps no record of what it read."""
+    global _reads, _commands
+    with _reads_lock:
+        _commands += 1
+        if _commands == 1:
+            _reads = {}
+    try:
+        yield
+    finally:
+        with _reads_lock:
+            _commands -= 1
+            if _commands == 0:
+                _reads = None
+
+
+def _seen(info: os.stat_result) -> tuple[int, int, int, int]:
+    return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
+
+
+def note_read(path: str | os.PathLike, fd: int) -> None:
+    """Note source file `path`, just opened as `fd`, as it is now (kept from its first opening on)."""
+    if _reads is None:
+        return
+    seen = _seen(os.fstat(fd))
+    with _reads_lock:
+        if _reads is not None:
+            _reads.setdefault(os.path.abspath(path), (os.fspath(path), seen))
+
+
+def read_paths() -> list[Path]:
+    """The files noted so far by the running command (none outside `recorded_reads`)."""
+    with _reads_lock:
+        return [Path(shown) for shown, _ in (_reads or {}).values()]
+
+
+def refuse_changed_reads(skip: Path | None = None) -> None:
+    """CheckpointError naming the first noted file (outside `skip`: the output's own temporary
+    directory, which verification reads) that is no longer what it was when it was opened:
+    another inode, size or modification time, or gone."""
+    with _reads_lock:
+        noted = list((_reads or {}).items())
+    skip = Path(os.path.abspath(skip)) if skip is not None else None
+    for path, (shown, seen) in noted:
+        if skip is not None and _within(path, skip):
+            continue
+        try:
+            now = _seen(os.stat(path))
+        except OSError:
+            now = None
+        if now != seen:
+            raise CheckpointError(shown, "changed while it was read (rewritten, replaced or resized since it was "
+                                         "opened); no output is written")

@@ -31,7 +31,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
 
-from ckptctl.atomic import check_destination
+from ckptctl.atomic import check_destination, recorded_reads
 from ckptctl.engine import resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
@@ -672,6 +672,7 @@ def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -
     )
 
 
+@recorded_reads()
 def export_hf(
     src: Path,
     dst: Path,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ckptctl.atomic import atomic_file, lands_in
+from ckptctl.atomic import atomic_file, lands_in, recorded_reads
 from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, run_on_threads
@@ -155,6 +155,7 @@ def check_output(out: Path, force: bool, src: Path) -> None:
         raise UsageError(f"{out}: output exists (pass --force to replace it)")
 
 
+@recorded_reads()
 def export_torch(
     src: Path,
     out: Path,

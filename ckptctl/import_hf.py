@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence, cast
 from ckptctl.dtypes import DType, cast_dtype, float32
 from ckptctl.engine.cpu import ChunkSource, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
+from ckptctl.atomic import recorded_reads
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.formats.safetensors_in import open_safetensors_folder
@@ -457,6 +458,7 @@ def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig
     return targets
 
 
+@recorded_reads()
 def import_hf(
     src: str | os.PathLike,
     dst: str | os.PathLike,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from ckptctl.atomic import check_destination
+from ckptctl.atomic import check_destination, recorded_reads
 from ckptctl.engine import resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.dist import LOCAL, Comm, shared_analysis
@@ -168,6 +168,7 @@ def _plan_fsdp2(ckpt: Checkpoint, opts: ReshardOptions) -> DcpOutput:
     return layout_dcp(targets, placements, sources, kept_bytes, planner)
 
 
+@recorded_reads()
 def reshard(
     src: str | os.PathLike,
     dst: str | os.PathLike,

@@ -1,24 +1,32 @@
-"""The source is never modified, whatever DST is.
+"""The source is never modified, whatever DST is, and never changes under a run unnoticed.
 
 DST over a file source (its own file, the folder holding it, a folder above) or over a file the
 run reads (`--hf-config`'s config.json) is refused by every writing command before anything is
-moved, the source files byte-identical after; DST beside a file source is fine.
+moved, the source files byte-identical after; DST beside a file source is fine. A source file
+rewritten in place or replaced while a reshard writes (the run frozen with SIGSTOP once it holds
+the data file open, so the change lands mid-run every time) fails the run with one line naming
+the file and leaves no DST, without `--verify`.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import FIXTURES, run_cli
+from tests.conftest import FIXTURES, ROOT, run_cli
 from tests.test_hostile_input import copy_fixture, snapshot
 
 OVERLAP = "destination overlaps the source {src}; the source is never modified"
+CHANGED = "changed while it was read (rewritten, replaced or resized since it was opened); no output is written"
 
 
 def hf_folder(root: Path) -> Path:
@@ -108,3 +116,109 @@ def test_export_torch_over_a_source_file_is_refused(tmp_path: Path, name: str) -
     assert (result.returncode, result.stderr) == (
         2, f"ckptctl: error: {src / name}: output is inside the source {src}; the source is never modified\n")
     assert snapshot(src) == before
+
+
+# -- a source that changes during the run ----------------------------------------------------------------
+
+BIG_ELEMENTS = 8 << 20
+"""32 MB of float32: the reshard's copy and fsync outlast the moment it takes to stop it."""
+
+
+@pytest.fixture(scope="module")
+def big_source(tmp_path_factory) -> Path:
+    """A single-file DCP checkpoint of one 32 MB tensor, saved by torch's own dcp.save."""
+    import torch.distributed.checkpoint as dcp
+
+    src = tmp_path_factory.mktemp("big") / "src"
+    dcp.save({"w": torch.arange(BIG_ELEMENTS, dtype=torch.float32)}, checkpoint_id=src, no_dist=True)
+    return src
+
+
+def _holds_open(pid: int, target: str) -> bool:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def stopped_while_reading(args: list, data_file: Path, dst: Path) -> subprocess.Popen | None:
+    """`python -m ckptctl ARGS` stopped (SIGSTOP) as soon as it holds `data_file` open, before DST
+    exists; None when the run got past its rename before it could be stopped."""
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    target = os.path.realpath(data_file)
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        if _holds_open(proc.pid, target):
+            proc.send_signal(signal.SIGSTOP)
+            if not dst.exists():
+                return proc
+            break
+        time.sleep(0.0002)
+    proc.send_signal(signal.SIGCONT)
+    proc.communicate(timeout=60)
+    return None
+
+
+def rewrite_in_place(path: Path) -> None:
+    """Other bytes in the middle of `path`, written into the same inode: same size, new mtime."""
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        block = fh.read(4096)
+        fh.seek(-len(block), os.SEEK_CUR)
+        fh.write(bytes(b ^ 0xFF for b in block))
+
+
+def replace_by_a_copy(path: Path) -> None:
+    """The same bytes under the same name, as a new inode (a writer that saves and renames)."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_bytes(path.read_bytes())
+    os.replace(fresh, path)
+
+
+@pytest.mark.parametrize("name,change", [("__0_0.distcp", rewrite_in_place), (".metadata", rewrite_in_place),
+                                         ("__0_0.distcp", replace_by_a_copy)],
+                         ids=["data-rewritten", "metadata-rewritten", "data-replaced"])
+def test_a_source_file_changed_mid_run_fails_the_run_and_leaves_no_dst(tmp_path: Path, big_source: Path, name,
+                                                                       change) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for part in big_source.iterdir():
+        (src / part.name).write_bytes(part.read_bytes())
+    if name == ".metadata":  # the same bytes again: only the modification time says it was written
+        change = lambda path: path.write_bytes(path.read_bytes())  # noqa: E731
+    dst = tmp_path / "dst"
+    for _ in range(5):
+        proc = stopped_while_reading(["reshard", src, dst, "-n", "2", "-q"], src / "__0_0.distcp", dst)
+        if proc is not None:
+            break
+        shutil.rmtree(dst)
+    else:
+        pytest.fail("every run got past its rename before it could be stopped")
+    time.sleep(0.01)  # a later modification time than the one the run saw, on coarse clocks too
+    change(src / name)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (2, f"ckptctl: error: {src / name}: {CHANGED}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path: Path) -> None:
+    """What one command read is forgotten when it ends: a library caller that reshards, changes
+    the source, and reshards again gets the new source, no error."""
+    import ckptctl
+
+    src = copy_fixture(tmp_path)
+    ckptctl.reshard(src, tmp_path / "a", ckptctl.ReshardOptions(world_size=2))
+    data = sorted(src.glob("*.distcp"))[0]
+    replace_by_a_copy(data)
+    ckptctl.reshard(src, tmp_path / "b", ckptctl.ReshardOptions(world_size=2))
+    assert ckptctl.diff(tmp_path / "a", tmp_path / "b").equal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "src"]

@@ -11,7 +11,7 @@ The output stays atomic across workers: rank 0 creates the temporary directory a
 broadcasts its name, every worker writes (and fsyncs) its files, the workers gather each
 other's status, and only when all succeeded does rank 0 write `.metadata`/`index.json` and
 rename the directory into place. A failure anywhere fails every worker with its message
-and leaves no DST.
+and leaves no DST; a source file changed since a worker opened it is such a failure.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.atomic import atomic_directory
+from ckptctl.atomic import atomic_directory, refuse_changed_reads
 from ckptctl.errors import CkptctlError, UsageError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.layout import analyze_shares, shared_findings
@@ -245,8 +245,13 @@ def _follow(mine: frozenset[str], write_share: Callable[[Path, frozenset[str]], 
     if state != "ok":
         raise WorkerFailedError(0, payload, quiet=True)
     tmp = Path(payload)
+
+    def share() -> None:
+        write_share(tmp, mine)
+        refuse_changed_reads(tmp)  # what this worker read; rank 0 checks its own before the rename
+
     try:
-        _gathered(comm, lambda: write_share(tmp, mine))
+        _gathered(comm, share)
     except Exception:
         comm.barrier()  # wait until rank 0 removed the temporary directory
         raise

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptctl.atomic import note_read
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
 from ckptctl.gc_pause import gc_paused
@@ -100,6 +101,7 @@ def open_regular(path: Path) -> int:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise CheckpointError(path, "not a regular file")
+    note_read(path, fd)
     return fd
 
 
