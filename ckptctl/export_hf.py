@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
-import shutil
 import threading
 import time
 from collections import Counter
@@ -47,6 +47,7 @@ from ckptctl.hf.base import (
     load_hf_config, megatron_prefix,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
+from ckptctl.hf.files import MAX_COPIED_BYTES, copy_regular, open_bounded
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
 from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
@@ -344,6 +345,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     out_dtype = opts.dtype or (floating.most_common(1)[0][0] if floating else None)
     config = output_config(cfg, out_dtype)
     ref_files = cfg.ref_files()
+    for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
+        os.close(open_bounded(path, MAX_COPIED_BYTES)[0])
     copied = {p.name for p in ref_files}
     derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
     return ExportPlan(
@@ -758,6 +761,6 @@ def write_side_files(plan: ExportPlan, out: Path) -> None:
         (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")
     for path in plan.ref_files:
         try:
-            shutil.copyfile(path, out / path.name)
+            copy_regular(path, out / path.name)
         except OSError as exc:
             raise UsageError(f"{path}: cannot copy ({exc.strerror or exc})") from exc

@@ -20,7 +20,6 @@ the in-memory form, which needs a conversion import-hf does not make.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -39,7 +38,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.hf.registry import FAMILIES, family_for_model_type
 from ckptctl.hf.rules import Family
 from ckptctl.hf.base import (
-    ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, reversed_pieces, uncovered_elements,
+    ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, read_config, reversed_pieces, uncovered_elements,
 )
 from ckptctl.hf.expected import (ExpectedNames, expected_names, shape_problem, shown, sizing_keys,
                                   transformers_available)
@@ -137,15 +136,9 @@ class ImportPlan:
 def folder_config(src: Path) -> dict[str, Any] | None:
     """The folder's `config.json` (beside a single `.safetensors` file), or None when there is none."""
     path = (src.parent if src.is_file() else src) / CONFIG_NAME
-    if not path.is_file():
+    if not os.path.lexists(path):  # whatever else it is, `read_config` names it
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(path, f"not a readable JSON config ({type(exc).__name__})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(path, "not a JSON object (is this a config.json?)")
-    return data
+    return read_config(path)
 
 
 def expected_for(src: Path, config: dict[str, Any] | None, name_check: bool) -> ExpectedNames | None:

@@ -13,7 +13,6 @@ import-hf plans and streams it with the engine every other command uses.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -22,10 +21,28 @@ from pathlib import Path
 
 from ckptctl.dtypes import BY_SAFETENSORS, DType
 from ckptctl.errors import CheckpointError
+from ckptctl.hf.files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, open_bounded, parse_json,
+                              read_json_object)
 from ckptctl.model import Checkpoint, Chunk, TensorEntry, dtype_name
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
+MAX_DIMS = 64
+"""Dims a tensor may have (a model's have at most 5)."""
+MAX_TENSORS_PER_FILE = 1 << 18
+"""Tensors one file may list (a 1T-parameter model has about 100,000 in all its files together)."""
+MAX_TENSORS = 1 << 19
+"""Tensors a folder may hold in all its files."""
+FREE_TENSORS = 1 << 12
+MIN_MEAN_TENSOR_BYTES = 64
+"""Past FREE_TENSORS (empty ones, tiny norms of a test model) a file's tensors must average this
+many bytes: 1.6 million empty tensors listed over no data are no model."""
+VALUES_PER_TENSOR = 32
+"""JSON values a header may hold per tensor it may list: about 10 (dtype, offsets, a few dims, the
+entry itself), and as many again in a DCP file's `__metadata__` sharding info."""
+METADATA_VALUES = 1 << 16
+"""… and for `__metadata__` (string to string)."""
+SHOWN_NAME = 200
 CHUNK_BYTES = 64 << 20
 """A tensor is seen as chunks of whole rows of about this size: `--verify` decodes one chunk at a
 time (safetensors' own slicing), never a whole embedding."""
@@ -48,30 +65,38 @@ class StoredTensor:
 
 def folder_files(path: Path) -> dict[Path, list[str] | None]:
     """The files of a safetensors folder, each with the names its index assigns it (None: all it holds)."""
-    if path.is_file():
+    if not path.is_dir():
         return {path: None}
     indexes = sorted(path.glob("*.safetensors.index.json"))
     if len(indexes) > 1:
         raise CheckpointError(path, f"several safetensors indexes ({', '.join(p.name for p in indexes)})")
-    if not indexes:
-        return {p: None for p in sorted(path.glob("*.safetensors")) if p.is_file()}
+    if not indexes:  # a FIFO or device among them is refused when its header is read
+        return {p: None for p in sorted(path.glob("*.safetensors")) if not p.is_dir()}
     index = indexes[0]
-    try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
-        raise CheckpointError(index, f"not a safetensors index ({type(exc).__name__})") from None
+    weight_map = read_json_object(index, "safetensors index", MAX_INDEX_BYTES, MAX_INDEX_VALUES).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(index, "not a safetensors index (no weight_map of names to files)")
     files: dict[Path, list[str]] = {}
     for name, file in weight_map.items():
         parts = Path(file).parts
         if not parts or Path(file).is_absolute() or ".." in parts:
-            raise CheckpointError(index, f"{name}: file {file!r} is outside the folder")
+            raise CheckpointError(index, f"{shown_name(name)}: file {file[:SHOWN_NAME]!r} is outside the folder")
         full = path / file
-        if not full.is_file():
+        if not os.path.lexists(full):
             raise CheckpointError(full, f"listed by {index.name} but missing")
         files.setdefault(full, []).append(name)
     return {file: names for file, names in files.items()}
+
+
+def plausible_tensors(data_size: int) -> int:
+    """The most tensors a safetensors file of `data_size` bytes of data may list."""
+    return min(MAX_TENSORS_PER_FILE, FREE_TENSORS + data_size // MIN_MEAN_TENSOR_BYTES)
+
+
+def header_values(data_size: int) -> int:
+    """The most JSON values the header of a file of `data_size` bytes of data may hold
+    (`hf.files.parse_json`): `plausible_tensors` entries of a few dims each."""
+    return plausible_tensors(data_size) * VALUES_PER_TENSOR + METADATA_VALUES
 
 
 def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
@@ -84,48 +109,67 @@ def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
     (length,) = struct.unpack("<Q", head)
     if length > min(file_size - at - 8, MAX_HEADER_BYTES):
         raise ValueError(f"safetensors header of {length} bytes at byte {at}")
-    header = json.loads(os.pread(fd, length, at + 8))
+    header = parse_json(os.pread(fd, length, at + 8), header_values(file_size - at - 8 - length))
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
     return header, at + 8 + length
 
 
 def read_header(file: Path) -> dict[str, StoredTensor]:
-    """Every tensor of a safetensors file, checked against the file's size; CheckpointError if malformed."""
+    """Every tensor of a safetensors file, checked against the file's size; CheckpointError if
+    malformed or implausible (a FIFO or device, a header longer than MAX_HEADER_BYTES, more
+    tensors than `plausible_tensors`, more dims than MAX_DIMS)."""
+    fd, size = open_bounded(file)
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as fh:
-            head = fh.read(8)
-            (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-            if length is None or length > min(size - 8, MAX_HEADER_BYTES):
-                raise CheckpointError(file, "not a safetensors file (no header of a plausible length)")
-            header = json.loads(fh.read(length))
+        head = os.pread(fd, 8, 0)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+        if length is None or length > min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(file, "not a safetensors file (no header of a plausible length)")
+        raw = os.pread(fd, length, 8)
     except OSError as exc:
         raise CheckpointError(file, f"cannot read: {exc.strerror or exc}") from None
-    except (ValueError, RecursionError):
+    finally:
+        os.close(fd)
+    data_start, data_size = 8 + length, size - 8 - length
+    try:
+        header = parse_json(raw, header_values(data_size))
+    except ImplausibleJson as exc:
+        raise CheckpointError(file, f"implausible safetensors header ({exc} for {data_size} bytes of data)") from None
+    except ValueError:
         raise CheckpointError(file, "not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(file, "not a safetensors file (header is not a JSON object)")
-    data_start, data_size = 8 + length, size - 8 - length
+    count = len(header) - ("__metadata__" in header)
+    if count > plausible_tensors(data_size):
+        raise CheckpointError(file, f"implausible safetensors header ({count} tensors in {data_size} bytes of data)")
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            code, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-            ok = isinstance(code, str) and all(type(d) is int and d >= 0 for d in (*shape, begin, end))
+            code, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            ok = isinstance(code, str) and isinstance(shape, list) and all(
+                type(d) is int and d >= 0 for d in (*shape[:MAX_DIMS + 1], begin, end))
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise CheckpointError(file, f"{name}: malformed header entry")
+            raise CheckpointError(file, f"{shown_name(name)}: malformed header entry")
+        if len(shape) > MAX_DIMS:
+            raise CheckpointError(file, f"{shown_name(name)}: {len(shape)} dims (a tensor has at most {MAX_DIMS})")
         dtype = BY_SAFETENSORS.get(code)
         if dtype is None:
-            raise CheckpointError(file, f"{name}: unsupported dtype {code!r}")
+            raise CheckpointError(file, f"{shown_name(name)}: unsupported dtype {code[:32]!r}")
+        shape = tuple(shape)
         if end - begin != math.prod(shape) * dtype.itemsize or end > data_size:
-            raise CheckpointError(file, f"{name}: bytes {begin}..{end} do not hold {dtype_name(dtype)} "
+            raise CheckpointError(file, f"{shown_name(name)}: bytes {begin}..{end} do not hold {dtype_name(dtype)} "
                                         f"{list(shape)} inside the file")
         out[name] = StoredTensor(name, shape, dtype, file, data_start + begin)
     return out
+
+
+def shown_name(name: str) -> str:
+    """A tensor name as an error line shows it: as it is when short and printable, else its start, quoted."""
+    return name if len(name) <= SHOWN_NAME and name.isprintable() else repr(name[:SHOWN_NAME]) + "…"
 
 
 def stored_tensors(path: Path) -> dict[str, StoredTensor]:
@@ -133,11 +177,13 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
     stored: dict[str, StoredTensor] = {}
     for file, names in folder_files(path).items():
         header = read_header(file)
+        if len(stored) + len(header) > MAX_TENSORS:
+            raise CheckpointError(path, f"implausible model folder (more than {MAX_TENSORS} tensors)")
         for name in names if names is not None else header:
             if name in stored:
-                raise CheckpointError(file, f"{name}: also in {stored[name].file.name}")
+                raise CheckpointError(file, f"{shown_name(name)}: also in {stored[name].file.name}")
             if name not in header:
-                raise CheckpointError(file, f"{name}: listed by the index but not in this file")
+                raise CheckpointError(file, f"{shown_name(name)}: listed by the index but not in this file")
             stored[name] = header[name]
     return stored
 
@@ -161,13 +207,13 @@ def open_safetensors_folder(path: Path) -> Checkpoint:
     says so)."""
     if not path.exists():
         raise CheckpointError(path, "no such file or directory")
-    if path.is_file() and path.suffix != ".safetensors":
+    if not path.is_dir() and path.suffix != ".safetensors":
         raise CheckpointError(path, "not a safetensors model folder or .safetensors file")
     stored = stored_tensors(path)
     if not stored:
         raise CheckpointError(path, "no safetensors tensors here (a Hugging Face model folder has "
                                     "model.safetensors or *.safetensors shards)")
-    root = path.parent if path.is_file() else path
+    root = path if path.is_dir() else path.parent
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     for name, st in sorted(stored.items()):

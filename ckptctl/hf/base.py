@@ -10,8 +10,8 @@ of one source tensor. `HFTensor.target()` turns the concatenation of views into 
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.expected import sizing_keys
+from ckptctl.hf.files import read_json_object
 from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
@@ -95,13 +96,15 @@ class HFConfig:
         return total // part
 
     def ref_files(self) -> list[Path]:
-        """Tokenizer / generation-config files to copy from the REF folder (none for a bare config file)."""
+        """Tokenizer / generation-config files to copy from the REF folder (none for a bare config file);
+        folders are not files to copy, anything else is (`export_hf.write_side_files` refuses a
+        FIFO, a device or a giant file)."""
         if self.folder is None:
             return []
         found: dict[str, Path] = {}
         for pattern in COPIED_REF_FILES:
             for path in sorted(self.folder.glob(pattern)):
-                if path.is_file() and path.name != "config.json":
+                if not path.is_dir() and path.name != "config.json":  # a FIFO or device is refused when copied
                     found.setdefault(path.name, path)
         return [found[name] for name in sorted(found)]
 
@@ -119,15 +122,14 @@ def load_hf_config(ref: str | Path) -> HFConfig:
     path = ref
     if ref.is_dir():
         folder, path = ref, ref / "config.json"
-        if not path.is_file():
+        if not os.path.lexists(path):  # whatever else it is, `read_config` names it
             raise UsageError(f"{ref}: no config.json in this folder ({hint})")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise UsageError(f"{path}: not a readable JSON config ({exc})") from exc
-    if not isinstance(data, dict):
-        raise UsageError(f"{path}: not a JSON object (is this a config.json?)")
-    return HFConfig(path, data, folder)
+    return HFConfig(path, read_config(path), folder)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A model's `config.json` (`hf.files.read_json_object`)."""
+    return read_json_object(path, "config")
 
 
 # --------------------------------------------------------------------------------------
