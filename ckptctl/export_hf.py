@@ -47,6 +47,7 @@ from ckptctl.hf.base import (
     load_hf_config, megatron_prefix,
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
+from ckptctl.hf.config_bounds import refuse_unbacked_counts
 from ckptctl.hf.files import MAX_COPIED_BYTES, copy_regular, open_bounded
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
@@ -281,6 +282,9 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     if not model.entries:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = isinstance(family, RawFamily)
+    if opts.name_check or not raw:  # a model or family rules are built of the config
+        refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
+                               "wrong --hf-config?")
     if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:

@@ -37,6 +37,7 @@ from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.gc_pause import gc_paused
 from ckptctl.hf.registry import FAMILIES, family_for_model_type
 from ckptctl.hf.rules import Family
+from ckptctl.hf.config_bounds import refuse_unbacked_counts
 from ckptctl.hf.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, read_config, reversed_pieces, uncovered_elements,
 )
@@ -208,6 +209,9 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
             raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
     config = folder_config(src)
     ckpt = open_safetensors_folder(src)
+    if config is not None and (opts.name_check or opts.to != "fsdp2"):  # a model or family rules are built of it
+        refuse_unbacked_counts(config, ckpt.path / CONFIG_NAME, {n: e.shape for n, e in ckpt.tensors.items()},
+                               src, "is config.json this model's?")
     expected = expected_for(src, config, opts.name_check)
     notes: list[str] = []
     if expected is None:

@@ -1,9 +1,9 @@
 """Hostile Hugging Face inputs: one error line, exit 2, in bounded time and memory.
 
 A FIFO, a device or a giant sparse file where a config, index or tokenizer file should be;
-JSON nested 100,000 deep; safetensors headers listing absurd dims or tensor counts.
-Real parts: a folder written by transformers' `save_pretrained`, its DCP import as the
-export source, the CLI run as a user runs it.
+JSON nested 100,000 deep; safetensors headers listing absurd dims or tensor counts; a
+700-byte config claiming 20,000 layers. Real parts: a folder written by transformers'
+`save_pretrained`, its DCP import as the export source, the CLI run as a user runs it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import os
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,18 @@ def test_a_header_listing_many_empty_tensors_over_no_data_is_refused(tmp_path, c
     file = write_safetensors(tmp_path / "hf" / "model.safetensors", json.dumps(header).encode(), b"")
     res = run_cli("import-hf", file.parent, tmp_path / "dst", "-n", "1", "--no-name-check", timeout=60)
     assert error(res) == f"ckptctl: error: {file}: {line}\n"
+
+
+def test_a_config_claiming_20000_layers_is_refused_before_a_model_is_built(folder, ckpt, tmp_path):
+    src = copy_of(folder, tmp_path / "hf", num_hidden_layers=20_000)
+    config = src / "config.json"
+    started = time.monotonic()
+    res = run_cli("import-hf", src, tmp_path / "dst", "-n", "1", timeout=120)
+    assert error(res) == (f"ckptctl: error: {config}: num_hidden_layers=20000, but the weights in {src} hold at most "
+                          "2 layers (is config.json this model's?)\n")
+    for arch in ("raw", "auto"):
+        res = run_cli("export-hf", ckpt, tmp_path / "dst", "--hf-config", src, "--arch", arch, timeout=120)
+        assert error(res) == (f"ckptctl: error: {config}: num_hidden_layers=20000, but the weights in {ckpt} hold "
+                              "at most 2 layers (wrong --hf-config?)\n")
+    assert time.monotonic() - started < 60  # three runs; building the model took 60 s for one
+    assert not (tmp_path / "dst").exists()
