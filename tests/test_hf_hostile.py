@@ -1,8 +1,9 @@
-"""Hostile Hugging Face inputs: one error line, exit 2, in bounded time and memory.
+"""Hostile Hugging Face inputs: one error line, exit 2, in bounded time and memory; no code of theirs ever runs.
 
 A FIFO, a device or a giant sparse file where a config, index or tokenizer file should be;
 JSON nested 100,000 deep; safetensors headers listing absurd dims or tensor counts; a
-700-byte config claiming 20,000 layers. Real parts: a folder written by transformers'
+700-byte config claiming 20,000 layers; a config whose `auto_map` names a canary module in
+the folder, with "y" waiting on stdin. Real parts: a folder written by transformers'
 `save_pretrained`, its DCP import as the export source, the CLI run as a user runs it.
 """
 
@@ -12,6 +13,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,9 +21,11 @@ import pytest
 
 from ckptctl.errors import CheckpointError
 from ckptctl.hf.files import MAX_JSON_DEPTH, read_json_object
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 
 transformers = pytest.importorskip("transformers")
+
+AUTO_MAP_LINE = "has an auto_map: it names custom model code, and ckptctl never runs code from a model folder"
 
 
 @pytest.fixture(scope="module")
@@ -167,4 +171,38 @@ def test_a_config_claiming_20000_layers_is_refused_before_a_model_is_built(folde
         assert error(res) == (f"ckptctl: error: {config}: num_hidden_layers=20000, but the weights in {ckpt} hold "
                               "at most 2 layers (wrong --hf-config?)\n")
     assert time.monotonic() - started < 60  # three runs; building the model took 60 s for one
+    assert not (tmp_path / "dst").exists()
+
+
+def run_with_stdin(*args: str | Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The CLI as `run_cli` runs it, with "y" answering any prompt on stdin and `env` added."""
+    return subprocess.run([sys.executable, "-m", "ckptctl", *map(str, args)], input="y\n", capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env={**os.environ, **env})
+
+
+def test_an_auto_map_config_is_refused_and_its_canary_module_never_imported(folder, ckpt, tmp_path):
+    src = copy_of(folder, tmp_path / "hf", model_type="canary", architectures=["CanaryModel"],
+                  auto_map={"AutoConfig": "canary.CanaryConfig", "AutoModelForCausalLM": "canary.CanaryModel"})
+    marker = tmp_path / "IMPORTED"
+    (src / "canary.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class CanaryConfig(LlamaConfig):\n    model_type = 'canary'\n"
+        "class CanaryModel(LlamaForCausalLM):\n    config_class = CanaryConfig\n")
+    trusting = subprocess.run([sys.executable, "-c", "import sys, transformers; transformers.AutoConfig."
+                               "from_pretrained(sys.argv[1], trust_remote_code=True)", str(src)],
+                              capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                                "HF_HOME": str(tmp_path / "trusting")})
+    assert trusting.returncode == 0 and marker.exists(), trusting.stderr  # the canary is live: trusted, it runs
+    marker.unlink()
+    home = tmp_path / "hf-home"
+    line = f"ckptctl: error: {src / 'config.json'}: {AUTO_MAP_LINE}\n"
+    for args in (("import-hf", src, tmp_path / "dst", "-n", "1"),
+                 ("export-hf", ckpt, tmp_path / "dst", "--hf-config", src),
+                 ("export-hf", ckpt, tmp_path / "dst", "--hf-config", src / "config.json")):
+        for json_out in ((), ("--json",)):
+            res = run_with_stdin(*args, *json_out, env={"HF_HOME": str(home)})
+            assert (res.returncode, res.stdout, res.stderr) == (2, "", line)
+    assert not marker.exists()
+    assert not (home / "modules").exists()
     assert not (tmp_path / "dst").exists()

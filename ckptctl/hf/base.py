@@ -128,8 +128,14 @@ def load_hf_config(ref: str | Path) -> HFConfig:
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    """A model's `config.json` (`hf.files.read_json_object`)."""
-    return read_json_object(path, "config")
+    """A model's `config.json` (`hf.files.read_json_object`), refused when it has an `auto_map`
+    (at its top or in a sub-config): that names Python code in the model folder or on the Hub,
+    which transformers would import, and no checkpoint's code is ever run."""
+    data = read_json_object(path, "config")
+    if "auto_map" in data or any(isinstance(v, dict) and "auto_map" in v for v in data.values()):
+        raise CheckpointError(path, "has an auto_map: it names custom model code, and ckptctl never runs code "
+                                    "from a model folder")
+    return data
 
 
 # --------------------------------------------------------------------------------------

@@ -176,6 +176,8 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
     architectures = config.get("architectures") or []
     what = f"model_type {model_type!r}" + (f" ({', '.join(map(str, architectures))})" if architectures else "")
     hint = "cannot check the tensor names (--no-name-check writes them unchecked; the output may not load)"
+    if "auto_map" in config:  # `hf.base.read_config` refused it already; never reaches transformers
+        raise UsageError(f"{what}: the config has an auto_map (custom model code), and ckptctl never runs it")
     if model_type not in CONFIG_MAPPING:
         raise UsageError(f"transformers {version} has no model for {what}: {hint}")
     cls = None
@@ -191,7 +193,7 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
             hf_config = config_class.from_dict(data)
             with torch.device("meta"):
                 if cls is None:
-                    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+                    model = transformers.AutoModelForCausalLM.from_config(hf_config, trust_remote_code=False)
                 else:
                     model = cls(hf_config)
         except Exception as exc:  # transformers raises ValueError, KeyError, TypeError … for configs it rejects
