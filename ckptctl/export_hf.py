@@ -50,6 +50,7 @@ from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, sh
 from ckptctl.hf.config_bounds import refuse_unbacked_counts
 from ckptctl.hf.files import MAX_COPIED_BYTES, copy_regular, open_bounded
 from ckptctl.hf.foreign import foreign_reason
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
 from ckptctl.hf.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
                                   torchtitan_prefix)
@@ -98,6 +99,8 @@ class ExportOptions:
     drop_tied_head: bool = False
     """Leave out a trained output head the config ties to the embeddings even when it differs
     from them (the HF model's head is then the embeddings)."""
+    hub_timeout: float = DEFAULT_HUB_TIMEOUT
+    """Seconds a Hub id's config may take to download, connecting and reading (`--hub-timeout`)."""
 
 
 @dataclass
@@ -667,7 +670,7 @@ def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> t
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at)."""
-    plan = plan_export(open_checkpoint(src), load_hf_config(ref), opts)
+    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
                for name, t in sorted(plan.targets.items())]
@@ -698,7 +701,7 @@ def export_hf(
     index, config and side files.
     """
     started = time.perf_counter()
-    cfg = load_hf_config(ref)
+    cfg = load_hf_config(ref, opts.hub_timeout)
     ckpt = open_checkpoint(src)
     plan = plan_export(ckpt, cfg, opts)
     check_destination(dst, force, src, [cfg.path, *plan.ref_files])

@@ -3,14 +3,16 @@
 A FIFO, a device or a giant sparse file where a config, index or tokenizer file should be;
 JSON nested 100,000 deep; safetensors headers listing absurd dims or tensor counts; a
 700-byte config claiming 20,000 layers; a config whose `auto_map` names a canary module in
-the folder, with "y" waiting on stdin. Real parts: a folder written by transformers'
-`save_pretrained`, its DCP import as the export source, the CLI run as a user runs it.
+the folder, with "y" waiting on stdin; a Hub that accepts connections and never answers.
+Real parts: a folder written by transformers' `save_pretrained`, its DCP import as the
+export source, the CLI run as a user runs it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -206,3 +208,20 @@ def test_an_auto_map_config_is_refused_and_its_canary_module_never_imported(fold
     assert not marker.exists()
     assert not (home / "modules").exists()
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_hub_that_accepts_and_never_answers_is_given_up_at_the_deadline(ckpt, tmp_path):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(16)  # the kernel completes each connection; nobody ever reads or answers
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0"}
+        started = time.monotonic()
+        res = run_with_stdin("export-hf", ckpt, tmp_path / "dst", "--hf-config", "no-such-org/no-such-model",
+                             "--hub-timeout", "1.5", env=env)
+        elapsed = time.monotonic() - started
+    assert error(res) == (
+        f"ckptctl: error: --hf-config no-such-org/no-such-model: not a local path, and not in the Hugging Face cache "
+        f"({tmp_path / 'hf-home' / 'hub'}), and the Hugging Face Hub ({endpoint}) did not send it within 1.5 s "
+        "(connecting and reading; --hub-timeout sets the wait); pass a local folder (or its config.json)\n")
+    assert 1.5 <= elapsed < 15, elapsed

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 import typer
 
 from ckptctl.errors import CkptctlError
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
 from ckptctl.progress import Phase, RunTiming
 
@@ -231,6 +232,13 @@ def no_sync_option() -> Any:
     """`--no-sync`, shared by every command that writes an output directory."""
     return typer.Option(False, "--no-sync", help="Skip fsync before the atomic rename (as cp does): faster, and a killed "
                         "run still leaves DST absent or complete, but a machine crash may not.")
+
+
+def hub_timeout_option() -> Any:
+    """`--hub-timeout`, shared by every command that takes a Hugging Face Hub model id."""
+    return typer.Option(DEFAULT_HUB_TIMEOUT, "--hub-timeout", metavar="SECONDS", min=0.001,
+                        help="How long a Hub model id's config may take to download, connecting and reading, "
+                             "before the command gives up (a cached one is not downloaded).")
 
 
 def dist_backend_option() -> Any:

@@ -11,8 +11,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say, stdout,
-    timing_json, timing_summary,
+    device_option, dist_backend_option, emit_json, human_bytes, hub_timeout_option, no_sync_option, run_distributed,
+    say, stdout, timing_json, timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.engine.dist import Comm
@@ -158,6 +158,7 @@ def export_hf_command(
                                              "them bit for bit: the HF model's head is the embeddings)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
+    hub_timeout: float = hub_timeout_option(),
     device: str = device_option(),
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
@@ -176,7 +177,7 @@ def export_hf_command(
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check,
-                             drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head)
+                             drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.export_hf import export_hf, preview_export

@@ -21,7 +21,7 @@ from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.expected import sizing_keys
 from ckptctl.hf.files import read_json_object
-from ckptctl.hf.hub import looks_like_repo_id, resolve_repo
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT, looks_like_repo_id, resolve_repo
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.layout import is_layer_stacked, is_optimizer_entry
@@ -109,15 +109,16 @@ class HFConfig:
         return [found[name] for name in sorted(found)]
 
 
-def load_hf_config(ref: str | Path) -> HFConfig:
+def load_hf_config(ref: str | Path, hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> HFConfig:
     """REF is an HF model folder holding `config.json`, the config file itself, or a Hub model id
-    (`Qwen/Qwen3-8B`, when no such path exists: taken from the Hugging Face cache, else downloaded)."""
+    (`Qwen/Qwen3-8B`, when no such path exists: taken from the Hugging Face cache, else downloaded
+    within `hub_timeout` seconds)."""
     ref = Path(ref)
     hint = "--hf-config wants a Hugging Face model folder, its config.json, or a Hub model id"
     if not ref.exists():
         if not looks_like_repo_id(str(ref)):
             raise UsageError(f"{ref}: no such file or directory ({hint})")
-        ref = resolve_repo(str(ref), ("config.json", *COPIED_REF_FILES))
+        ref = resolve_repo(str(ref), ("config.json", *COPIED_REF_FILES), hub_timeout)
     folder = None
     path = ref
     if ref.is_dir():

@@ -4,18 +4,26 @@ Only the small files an export needs (config, generation config, tokenizer files
 fetched, never weights. The local Hugging Face cache (`HF_HUB_CACHE`, by default
 `~/.cache/huggingface/hub`) is tried first, so a model downloaded once (by transformers,
 `hf download`, or an earlier run) needs no network; otherwise huggingface_hub downloads
-into that cache, unless `HF_HUB_OFFLINE` is set. Every failure is one line naming the id
-and what to do.
+into that cache, unless `HF_HUB_OFFLINE` is set. A download has one deadline for all it
+does (`--hub-timeout`, connecting and reading, retries included): huggingface_hub's own
+per-request timeouts and retries added up to minutes against a host that accepts nothing.
+Every failure is one line naming the id and what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
+import threading
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from ckptctl.errors import UsageError
+
+DEFAULT_HUB_TIMEOUT = 20.0
+"""Seconds a Hub download may take in all (`--hub-timeout`)."""
+T = TypeVar("T")
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
@@ -26,9 +34,9 @@ def looks_like_repo_id(text: str) -> bool:
         and not text.endswith((".", "-"))
 
 
-def resolve_repo(repo_id: str, patterns: Sequence[str]) -> Path:
+def resolve_repo(repo_id: str, patterns: Sequence[str], timeout: float = DEFAULT_HUB_TIMEOUT) -> Path:
     """The local snapshot folder of Hub model `repo_id` holding the files matching `patterns`
-    (a `config.json` among them): from the cache, else downloaded."""
+    (a `config.json` among them): from the cache, else downloaded within `timeout` seconds."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
 
@@ -48,9 +56,19 @@ def resolve_repo(repo_id: str, patterns: Sequence[str]) -> Path:
             return partial
         raise UsageError(f"{where} not in the Hugging Face cache ({cache}); HF_HUB_OFFLINE is set, so it cannot be "
                          f"downloaded: unset it, or pass a local folder (or its config.json)")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise UsageError(f"--hub-timeout must be a positive number of seconds (got {timeout})")
     try:
         with _quiet_downloads():
-            return _with_config(Path(snapshot_download(repo_id, allow_patterns=list(patterns))), repo_id)
+            folder = _within(timeout, lambda: snapshot_download(repo_id, allow_patterns=list(patterns),
+                                                                etag_timeout=timeout))
+        return _with_config(Path(folder), repo_id)
+    except _Deadline:
+        if partial is not None:
+            return partial
+        raise UsageError(f"{where} not in the Hugging Face cache ({cache}), and the Hugging Face Hub "
+                         f"({constants.ENDPOINT}) did not send it within {timeout:g} s (connecting and reading; "
+                         f"--hub-timeout sets the wait); pass a local folder (or its config.json)") from None
     except UsageError:
         raise
     except RepositoryNotFoundError:  # also gated repositories
@@ -61,6 +79,33 @@ def resolve_repo(repo_id: str, patterns: Sequence[str]) -> Path:
             return partial
         raise UsageError(f"{where} not in the Hugging Face cache ({cache}), and it cannot be downloaded "
                          f"({_first_line(exc)}); pass a local folder (or its config.json)") from None
+
+
+class _Deadline(Exception):
+    """A download given up at its deadline (`_within`)."""
+
+
+def _within(seconds: float, fn: Callable[[], T]) -> T:
+    """`fn()` run in a daemon thread, given up after `seconds` (`_Deadline`): no socket option
+    bounds a whole download, retries included. The thread is left to its own timeouts; it never
+    keeps the process from exiting."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller's thread as it is
+            outcome.append((False, exc))
+
+    worker = threading.Thread(target=run, name="ckptctl-hub-download", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if not outcome:
+        raise _Deadline
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 @contextlib.contextmanager
