@@ -5,7 +5,7 @@ run reads (`--hf-config`'s config.json) is refused by every writing command befo
 moved, the source files byte-identical after; DST beside a file source is fine. A source file
 rewritten in place or replaced while a reshard writes (the run frozen with SIGSTOP once it holds
 the data file open, so the change lands mid-run every time) fails the run with one line naming
-the file and leaves no DST, without `--verify`.
+the file and leaves no DST, without `--verify`; under torchrun too (every worker frozen).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import ckptctl
+from ckptctl.engine.dist import torchrun_command
 from tests.conftest import FIXTURES, ROOT, run_cli
 from tests.test_hostile_input import copy_fixture, snapshot
 
@@ -213,8 +215,6 @@ def test_a_source_file_changed_mid_run_fails_the_run_and_leaves_no_dst(tmp_path:
 def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path: Path) -> None:
     """What one command read is forgotten when it ends: a library caller that reshards, changes
     the source, and reshards again gets the new source, no error."""
-    import ckptctl
-
     src = copy_fixture(tmp_path)
     ckptctl.reshard(src, tmp_path / "a", ckptctl.ReshardOptions(world_size=2))
     data = sorted(src.glob("*.distcp"))[0]
@@ -222,3 +222,47 @@ def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path:
     ckptctl.reshard(src, tmp_path / "b", ckptctl.ReshardOptions(world_size=2))
     assert ckptctl.diff(tmp_path / "a", tmp_path / "b").equal
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "src"]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_a_source_file_changed_while_torchrun_workers_write_fails_the_run(tmp_path: Path, big_source: Path) -> None:
+    """Under torchrun every worker checks what it read: the run fails with the line, no DST."""
+    src = tmp_path / "src"
+    ckptctl.reshard(big_source, src, ckptctl.ReshardOptions(world_size=2))  # two data files of 16 MB
+    dst, data = tmp_path / "dst", src / "__1_0.distcp"
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(torchrun_command(2, ["-q", "reshard", src, dst, "-n", "2"]), env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    target, workers = os.path.realpath(data), []
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and not workers and time.monotonic() < deadline:
+        if any(_holds_open(pid, target) for pid in _descendants(proc.pid)):
+            workers = _descendants(proc.pid)
+            for pid in workers:
+                os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.0002)
+    assert workers and not dst.exists(), "the workers got past the rename before they could be stopped"
+    time.sleep(0.01)
+    rewrite_in_place(data)
+    for pid in workers:
+        os.kill(pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert [line for line in err.splitlines() if line.startswith("ckptctl: ")] == [f"ckptctl: error: {data}: {CHANGED}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
