@@ -285,15 +285,15 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     if not model.entries:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = isinstance(family, RawFamily)
-    if opts.name_check or not raw:  # a model or family rules are built of the config
-        refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
-                               "wrong --hf-config?")
     if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:
         tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
     else:
         tp, etp = resolve_tps(ckpt, model, opts.tp)
+    if opts.name_check or not raw:  # a model or family rules are built of the config
+        refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
+                               "wrong --hf-config?")
     ctx = ExportContext(cfg, model, tp, etp)
     tensors = family.to_hf(ctx)
     if not raw:

@@ -119,10 +119,10 @@ def test_a_config_nested_100000_deep_is_one_line(ckpt, tmp_path):
 
 
 def test_json_nesting_is_read_up_to_the_limit_and_refused_past_it(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text('{"a": ' + "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1) + "}")
-    assert read_json_object(path, "config") == {"a": json.loads("[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1))}
-    path.write_text('{"a": ' + "[" * MAX_JSON_DEPTH + "]" * MAX_JSON_DEPTH + "}")
+    path, deepest = tmp_path / "config.json", "[" * (MAX_JSON_DEPTH - 1) + "]" * (MAX_JSON_DEPTH - 1)
+    path.write_text('{"a": ' + deepest + "}")
+    assert read_json_object(path, "config") == {"a": json.loads(deepest)}
+    path.write_text('{"a": [' + deepest + "]}")
     with pytest.raises(CheckpointError, match=r"not a readable JSON config \(nested deeper than 64 levels\)$"):
         read_json_object(path, "config")
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
 
 from ckptctl.errors import CheckpointError
+from ckptctl.wording import counted
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 """Config keys holding the number of decoder layers (GPT-2 and others spell it `n_layer`)."""
@@ -66,8 +67,8 @@ def refuse_unbacked_counts(config: Mapping[str, Any], config_path: Path, shapes:
     layers, largest = weight_capacity(shapes)
     for shown, count, of_layers in _counts(config):
         if of_layers and count > layers:
-            raise CheckpointError(config_path, f"{shown}, but the weights in {weights} hold at most {layers} "
-                                               f"layers ({hint})")
+            raise CheckpointError(config_path, f"{shown}, but the weights in {weights} hold at most "
+                                               f"{counted(layers, 'layer')} ({hint})")
         if not of_layers and count > max(layers, largest):
             raise CheckpointError(config_path, f"{shown}, but the weights in {weights} hold at most "
-                                               f"{max(layers, largest)} experts ({hint})")
+                                               f"{counted(max(layers, largest), 'expert')} ({hint})")
