@@ -36,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ckptctl.errors import CheckpointError, OutputError, PathError, UsageError
+from ckptctl.errors import CheckpointError, CkptctlError, OutputError, PathError, UsageError
 
 _TMP_MARK = ".ckptctl-tmp-"
 _OWNER_MARK = ".ckptctl-owner-"
@@ -271,7 +271,8 @@ def atomic_directory(dst: Path, force: bool, tag: str = "", sync: bool = True) -
     except OSError as exc:
         raise OutputError(exc.filename or dst, f"cannot create: {exc.strerror or exc}") from None
     try:
-        yield tmp
+        with changed_reads_first(tmp):
+            yield tmp
         if sync:
             fsync_tree(tmp)
         refuse_changed_reads(tmp)
@@ -317,7 +318,8 @@ def atomic_file(out: Path, force: bool, sync: bool = True) -> Iterator[Path]:
         raise OutputError(exc.filename or out, f"cannot create: {exc.strerror or exc}") from None
     tmp = folder / out.name
     try:
-        yield tmp
+        with changed_reads_first(folder):
+            yield tmp
         refuse_changed_reads(folder)
         if os.path.lexists(out) and not force:
             raise UsageError(f"{out}: output appeared while writing (pass --force to replace it)")
@@ -412,3 +414,14 @@ def refuse_changed_reads(skip: Path | None = None) -> None:
         if now != seen:
             raise CheckpointError(shown, "changed while it was read (rewritten, replaced or resized since it was "
                                          "opened); no output is written")
+
+
+@contextlib.contextmanager
+def changed_reads_first(skip: Path) -> Iterator[None]:
+    """A body's error stands only if no source file changed: a changed one explains it (an output
+    sample that differs from the source, an item that no longer reads) and is named instead."""
+    try:
+        yield
+    except CkptctlError:
+        refuse_changed_reads(skip)
+        raise

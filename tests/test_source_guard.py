@@ -212,6 +212,26 @@ def test_a_source_file_changed_mid_run_fails_the_run_and_leaves_no_dst(tmp_path:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_an_hf_file_changed_mid_import_fails_the_run_and_leaves_no_dst(tmp_path: Path, name: str) -> None:
+    """import-hf: the folder's config.json and weights are checked as DCP files are."""
+    folder = tmp_path / "HF"
+    folder.mkdir()
+    save_file({"model.embed_tokens.weight": torch.arange(BIG_ELEMENTS, dtype=torch.float32).reshape(-1, 1024)},
+              folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    dst = tmp_path / "dst"
+    proc = stopped_while_reading(["import-hf", folder, dst, "-n", "2", "--no-name-check", "-q"],
+                                 folder / "model.safetensors", dst)
+    assert proc is not None, "the run got past its rename before it could be stopped"
+    time.sleep(0.01)
+    rewrite_in_place(folder / name)
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (2, f"ckptctl: error: {folder / name}: {CHANGED}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["HF"]
+
+
 def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path: Path) -> None:
     """What one command read is forgotten when it ends: a library caller that reshards, changes
     the source, and reshards again gets the new source, no error."""

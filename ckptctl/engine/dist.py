@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.atomic import atomic_directory, refuse_changed_reads
+from ckptctl.atomic import atomic_directory, changed_reads_first, refuse_changed_reads
 from ckptctl.errors import CkptctlError, UsageError
 from ckptctl.gc_pause import gc_paused
 from ckptctl.layout import analyze_shares, shared_findings
@@ -246,9 +246,10 @@ def _follow(mine: frozenset[str], write_share: Callable[[Path, frozenset[str]], 
         raise WorkerFailedError(0, payload, quiet=True)
     tmp = Path(payload)
 
-    def share() -> None:
-        write_share(tmp, mine)
-        refuse_changed_reads(tmp)  # what this worker read; rank 0 checks its own before the rename
+    def share() -> None:  # what this worker read is checked too; rank 0 checks its own before the rename
+        with changed_reads_first(tmp):
+            write_share(tmp, mine)
+        refuse_changed_reads(tmp)
 
     try:
         _gathered(comm, share)
