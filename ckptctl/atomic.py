@@ -235,15 +235,15 @@ def overlapped_input(dst: Path, inputs: Iterable[Path]) -> Path | None:
     return None
 
 
-def check_destination(dst: Path, force: bool, src: Path | None = None, inputs: Iterable[Path] = ()) -> None:
+def check_destination(dst: Path, force: bool, src: Path | None = None) -> None:
     """Refuse an existing DST unless forced, and a DST that is (or contains, or lies in) the source
-    or is (or contains) another input the command reads (`inputs`, and every file it has read so
-    far: `read_paths`), by device and inode: a DST reached through a symlink or bind mount into
-    the source is refused. A file source's folder is not the source: DST may lie beside it."""
+    or is (or contains) a file the command has read so far (`read_paths`: export-hf's config and
+    the side files it copies), by device and inode: a DST reached through a symlink or bind mount
+    into the source is refused. A file source's folder is not the source: DST may lie beside it."""
     dst = Path(dst)
     if src is not None and overlapped_input(dst, [Path(src)]) is not None:
         raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
-    read = overlapped_input(dst, [*inputs, *read_paths()])
+    read = overlapped_input(dst, read_paths())
     if read is not None:
         raise UsageError(f"{dst}: destination overlaps {read}, which this run reads; the source is never modified")
     if os.path.lexists(dst) and not force:

@@ -704,7 +704,7 @@ def export_hf(
     cfg = load_hf_config(ref, opts.hub_timeout)
     ckpt = open_checkpoint(src)
     plan = plan_export(ckpt, cfg, opts)
-    check_destination(dst, force, src, [cfg.path, *plan.ref_files])
+    check_destination(dst, force, src)
     phases = Phases(progress)
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
