@@ -433,7 +433,8 @@ def torch_save_archive(pickled: bytes, compress: int = zipfile.ZIP_STORED) -> by
     (b"\x80\x02c__builtin__\nbytes\nJ\x00\x00\x00@\x85R.", zipfile.ZIP_STORED,
      "refuses builtins.bytes with arguments"),  # bytes(2**30): a gigabyte on the pickle's say-so
     (b"\x80\x02K\x01.", zipfile.ZIP_DEFLATED, "not a torch.save archive"),
-    (b"\x80\x02X\x10\x00\x00\x00ab.", zipfile.ZIP_STORED, "unreadable (EOFError)"),  # truncated
+    (b"\x80\x02X\x10\x00\x00\x00ab.", zipfile.ZIP_STORED,
+     "corrupt pickle: pickle data truncated (needs 16 bytes, 3 left)"),  # truncated
 ])
 def test_hostile_values_are_refused_without_running_anything(pickled, compress, reason):
     from ckptctl.dtypes import DTYPES

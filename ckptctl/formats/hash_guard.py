@@ -14,7 +14,14 @@ call that nothing can interrupt, so the restricted unpicklers run this guard fir
   first unpickled by C's unpickler in a forked child with inert stand-ins for the globals
   (it hashes the same keys the real load would): a child that dies by a signal or misses
   a deadline proportional to the pickle's size means the pickle is refused. A pickle the
-  child cannot finish for other reasons is left to the real load to diagnose.
+  child cannot finish for other reasons is left to the real load to diagnose. The child may
+  allocate `probe_allowance(size)` bytes beyond what the process holds, and its stack may have
+  held `MAX_STACK` values at most: a pickle that needs more (millions of empty lists or memo
+  references in a few megabytes, a bytearray of a terabyte) is never handed to the real load
+  (`PickleTooCostly`), which would build the same values.
+
+The interpreters (`pickle_vm`) build their values themselves, so they check each key before
+hashing it (`KeyGuard`) against the same limits.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import gc
 import os
 import pickle
 import pickletools
+import resource
 import select
 import signal
+import sys
 from typing import Any, Callable
 
-from ckptctl.formats.pickle_vm import Constructor, MalformedPickleError
+from ckptctl.formats.pickle_vm import MAX_STACK, Constructor, MalformedPickleError
 
 SCAN_LIMIT = 1 << 16
 """Pickles up to this size are scanned in process; larger ones are probed in a child."""
@@ -40,6 +49,15 @@ PROBE_SECONDS_PER_MB = 0.5
 """The child's deadline: C's unpickler reads a real `.metadata` at more than 20 MB/s (ten
 times the deadline's rate), a small one in milliseconds."""
 
+PROBE_BASE_BYTES = 64 << 20
+PROBE_BYTES_PER_BYTE = 12
+"""What the child may allocate: real `.metadata` costs C's unpickler 4 to 7 bytes a byte (measured
+on one-chunk-per-tensor saves of 4.7 MB), a pickle of empty lists 72."""
+
+MAX_STACK_BYTES = 2 * MAX_STACK * 8
+"""The most C's unpickler may have allocated for its stack: `pickle_vm.MAX_STACK` pointers, twice
+over for its growth by halves."""
+
 _TUPLE_OPS = {"EMPTY_TUPLE": 0, "TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 _PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
@@ -47,6 +65,49 @@ _PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 
 def _refuse(why: str) -> MalformedPickleError:
     return MalformedPickleError(f"{why}: tuples nested or shared so that hashing a dict key would crash or hang")
+
+
+class PickleTooCostly(Exception):
+    """The probe child ran out of its allowance: C's unpickler would build more than the pickle's
+    size allows (or ask for a buffer no file holds). The caller lets the interpreter name the fault."""
+
+
+def probe_allowance(size: int) -> int:
+    """Bytes the probe child may allocate for a pickle of `size` bytes."""
+    return PROBE_BASE_BYTES + PROBE_BYTES_PER_BYTE * size
+
+
+class KeyGuard:
+    """Checks, before an interpreter hashes it, that a dict key or set member is of bounded hashing
+    cost: at most `MAX_KEY_NODES` tuples, frozensets and their items, and all keys of one load
+    together within a budget proportional to the pickle's size (as `_scan` counts them)."""
+
+    __slots__ = ("left", "inside")
+
+    def __init__(self, size: int, inside: Callable[[Any], Any] | None = None) -> None:
+        self.left = 4 * size + MAX_KEY_NODES
+        self.inside = inside
+        """Items a hashable value other than a tuple or frozenset hashes (an inert opaque call's arguments)."""
+
+    def check(self, key: Any) -> None:
+        kind = type(key)
+        if kind is str or kind is int:
+            return
+        nodes, todo = 0, [key]
+        while todo:
+            item = todo.pop()
+            nodes += 1
+            if nodes > MAX_KEY_NODES:
+                raise _refuse(f"a dict key or set member made of more than {MAX_KEY_NODES} tuples")
+            if isinstance(item, (tuple, frozenset)):
+                todo.extend(item)
+            elif self.inside is not None and type(item) is not str:
+                more = self.inside(item)
+                if more is not None:
+                    todo.append(more)
+        self.left -= nodes
+        if self.left < 0:
+            raise _refuse("dict keys that together hash more tuples than the pickle's size allows")
 
 
 class _Unscanned(Exception):
@@ -174,6 +235,8 @@ class _Probe(pickle.Unpickler):
 
 def _probe(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[Any], Any]) -> None:
     deadline = PROBE_SECONDS + PROBE_SECONDS_PER_MB * len(data) / (1 << 20)
+    held = _address_space()
+    limit = held + probe_allowance(len(data)) if held else 0
     probe = _Probe(source(data), globals_)  # made before the fork: the child imports and allocates nothing new
     done_r, done_w = os.pipe()  # closes when the child exits, however it exits
     pid = os.fork()
@@ -185,7 +248,14 @@ def _probe(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[An
             quiet = os.open(os.devnull, os.O_WRONLY)
             os.dup2(quiet, 2)
             gc.disable()
+            hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+            if limit and (hard == resource.RLIM_INFINITY or limit < hard):
+                resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
             probe.load()
+            if _stack_bytes(probe) > MAX_STACK_BYTES:
+                code = _OVER_ALLOWANCE
+        except MemoryError:
+            code = _OVER_ALLOWANCE
         except BaseException:  # noqa: BLE001 - any other failure is the real load's to report
             code = 1
         os._exit(code)
@@ -203,3 +273,26 @@ def _probe(data: Any, globals_: dict[tuple[str, str], Any], source: Callable[[An
             os.waitpid(pid, 0)
     if os.WIFSIGNALED(status):
         raise _refuse(f"unpickling kills the interpreter (signal {os.WTERMSIG(status)})")
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == _OVER_ALLOWANCE:
+        raise PickleTooCostly
+
+
+_OVER_ALLOWANCE = 3
+
+
+def _stack_bytes(unpickler: pickle.Unpickler) -> int:
+    """Bytes C's unpickler allocated for its stack, which it keeps at the most it held (0 where the
+    interpreter does not tell): a real pickle holds one batch of items there."""
+    for held in gc.get_referents(unpickler):
+        if type(held).__name__ == "Pdata":
+            return sys.getsizeof(held)
+    return 0
+
+
+def _address_space() -> int:
+    """This process's virtual size in bytes (0 where /proc cannot tell: the child then runs unlimited)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -19,9 +19,9 @@ from typing import Any
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import read_small
-from ckptctl.formats.torch_pickle import Call, ref
-from ckptctl.formats.torch_save_out import STORAGE, decode_value, encode_value
-from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.formats.torch_pickle import Call, Global, ref
+from ckptctl.formats.torch_save_out import CorruptValueError, decode_value, encode_value
+from ckptctl.formats.unpickle import STORAGE, UnsafePickleError
 from ckptctl.model import Checkpoint
 
 COMMON = "common.pt"
@@ -46,18 +46,21 @@ def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
 @dataclass(frozen=True)
 class Opaque:
     """A value of a class no allow-list knows, kept as its global's name and arguments (never
-    built); `encode_value` pickles it again as that call. A tensor (its storage) cannot be."""
+    built; None: the global itself, named as a value); `encode_value` pickles it again as that call
+    (or reference). A tensor (its storage) cannot be."""
 
     module: str
     name: str
-    args: tuple
+    args: tuple | None
 
     def __repr__(self) -> str:
-        return f"{self.module}.{self.name}{self.args!r}"
+        return f"{self.module}.{self.name}{'' if self.args is None else repr(self.args)}"
 
-    def __torch_pickle__(self) -> Call:
+    def __torch_pickle__(self) -> Call | Global:
         if self.name == STORAGE and not self.module:
             raise UnsafePickleError("holds a tensor, which is not written back")
+        if self.args is None:
+            return ref(self.module, self.name)
         return Call(ref(self.module, self.name), self.args)
 
 
@@ -125,10 +128,14 @@ def megatron_core_versions(ckpt: Checkpoint) -> tuple[str, str] | None:
 
 def common_state(ckpt: Checkpoint) -> CommonState | None:
     """The common state, decoded: unknown classes (0.19's enum members in args) stay inert `Opaque`
-    values. Raises UnsafePickleError for a pickle that would have to run something."""
+    values. Raises UnsafePickleError for a pickle that would have to run something, CheckpointError
+    naming the file for a damaged or hostile one."""
     where = common_where(ckpt)
     if where == COMMON:
-        return CommonState(COMMON, decode_value(common_bytes(ckpt), opaque=Opaque))
+        try:
+            return CommonState(COMMON, decode_value(common_bytes(ckpt), opaque=Opaque))
+        except CorruptValueError as exc:
+            raise CheckpointError(ckpt.path / COMMON, str(exc)) from None
     if where == COMMON_STATE:
         value = decoded_item(ckpt, COMMON_STATE)
         return CommonState(COMMON_STATE, value[0] if isinstance(value, list) and len(value) == 1 else value)
@@ -146,13 +153,17 @@ def common_bytes(ckpt: Checkpoint, name: str = COMMON) -> bytes:
 
 def decoded_item(ckpt: Checkpoint, fqn: str, reader: ItemReader | None = None) -> Any:
     """Bytes entry `fqn`'s value, decoded without torch (unknown classes as `Opaque`); pass the
-    `reader` of a loop over many items, so that each file is opened once."""
+    `reader` of a loop over many items, so that each file is opened once. A damaged or hostile
+    pickle is a CheckpointError naming the item's file."""
     entry = ckpt.bytes_entries[fqn]
     if reader is None:
         with ItemReader(ckpt) as own:
             return decoded_item(ckpt, fqn, own)
-    return decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms),
-                        opaque=Opaque)
+    try:
+        return decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms),
+                            opaque=Opaque)
+    except CorruptValueError as exc:
+        raise CheckpointError(ckpt.path / entry.file, f"bytes entry {fqn} at byte {entry.offset}: {exc}") from None
 
 
 def _found(where: str, value: Any, pick) -> TrainingArgs | None:

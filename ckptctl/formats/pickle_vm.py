@@ -17,7 +17,9 @@ It also bounds what a pickle can cost. Lengths are checked against the bytes tha
 left before anything is read; every value built costs one unit of a budget, and a memo
 reference costs what the referenced value would cost written out again, so a pickle that
 repeats one chunk two million times by reference is as expensive as two million chunks.
-It never recurses, whatever the nesting.
+Values waiting on the stack are bounded too (`MAX_STACK`): a real pickle holds one batch of
+items there, a padded one millions. It never recurses, whatever the nesting, and hashes a dict
+key only after the caller's `keys` check has passed it (`hash_guard.KeyGuard`).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ MAX_STRING = 1 << 20
 """Longest str or bytes value accepted (a relative path, a name; never tensor data)."""
 MAX_LONG_BYTES = 16
 MAX_MEMO = 1 << 26
+MAX_STACK = 1 << 17
+"""Values the stack may hold at once, below every MARK included: pickle's own writer batches
+1,000 items, and nesting adds one a level."""
 GET_WEIGHT = 2
 """A memo reference is charged as writing its value out again would cost: at least two bytes a value."""
 
@@ -71,19 +76,25 @@ class PickleMachine:
     """Runs one pickle held in `data` (bytes, or an mmap of a regular file, so a huge or sparse
     file costs no memory until read). `globals_` maps (module, name) to Constructors or immutable
     constants; `persistent` resolves BINPERSID ids (None: refused); memo references may cost
-    `budget` values in all."""
+    `budget` values in all; `keys` checks each dict key before it is hashed (raising to refuse it)."""
 
     def __init__(self, data: Any, globals_: dict[tuple[str, str], Any], budget: int,
-                 persistent: Callable[[Any], Any] | None = None, record_types: tuple[type, ...] = ()) -> None:
+                 persistent: Callable[[Any], Any] | None = None, record_types: tuple[type, ...] = (),
+                 keys: Callable[[Any], None] | None = None) -> None:
         self._data, self._pos, self._end = data, 0, len(data)
         self._globals, self._persistent = globals_, persistent
         self._budget = budget
         self._records = record_types
         self._stack: list[Any] = []
         self._marks: list[list[Any]] = []
+        self._held = 0  # values on the stacks below the MARKs
+        self._keys = keys
+        self._proto = 0
         self._memo: dict[int, Any] = {}
         self._sealed: set[int] = set()
         self._costs: dict[int, int] = {}
+
+    _opcodes: dict[int, Callable[[PickleMachine], Any]]
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -157,6 +168,7 @@ class PickleMachine:
             raise MalformedPickleError("pickle pops a mark that is not there")
         items = self._stack
         self._stack = self._marks.pop()
+        self._held -= len(self._stack)
         return items
 
     def _pop(self) -> Any:
@@ -170,6 +182,8 @@ class PickleMachine:
         return self._stack[-1]
 
     def _push(self, value: Any) -> None:
+        if len(self._stack) + self._held >= MAX_STACK:
+            raise _stack_full()
         self._stack.append(value)
 
     @staticmethod
@@ -196,7 +210,7 @@ class PickleMachine:
 
     def load(self) -> Any:
         """Run the pickle to its STOP and return the (finished) value it leaves."""
-        data, end, dispatch = self._data, self._end, _DISPATCH
+        data, end, dispatch = self._data, self._end, self._opcodes
         while True:
             pos = self._pos
             if pos >= end:
@@ -211,12 +225,16 @@ class PickleMachine:
             if handler(self):
                 if self._marks:
                     raise MalformedPickleError("pickle stops inside a mark")
-                return self._finished(self._pop())
+                value = self._finished(self._pop())
+                if self._stack:
+                    raise MalformedPickleError(f"pickle leaves {len(self._stack)} values beside the one it returns")
+                return value
 
     # -- opcodes ---------------------------------------------------------------------------
 
     def _op_proto(self) -> None:
-        if self._read(1)[0] > 5:
+        self._proto = self._read(1)[0]
+        if self._proto > 5:
             raise MalformedPickleError("unsupported pickle protocol")
 
     def _op_frame(self) -> None:
@@ -228,6 +246,9 @@ class PickleMachine:
         return True
 
     def _op_mark(self) -> None:
+        self._held += len(self._stack)
+        if self._held + len(self._marks) >= MAX_STACK:
+            raise _stack_full()
         self._marks.append(self._stack)
         self._stack = []
 
@@ -336,8 +357,11 @@ class PickleMachine:
     def _set_items(self, target: dict, items: list[Any]) -> None:
         if len(items) % 2:
             raise MalformedPickleError("odd number of dict items")
+        keys = self._keys
         for i in range(0, len(items), 2):
             key = self._finished(items[i])
+            if keys is not None:
+                keys(key)
             try:
                 target[key] = self._finished(items[i + 1])
             except TypeError:
@@ -428,6 +452,8 @@ class PickleMachine:
             if isinstance(value, (list, dict)):
                 self._sealed.add(id(value))
             self._charge(GET_WEIGHT * self._cost(value))
+        if len(self._stack) + self._held >= MAX_STACK:
+            raise _stack_full()
         self._stack.append(value)
 
     def _op_binget(self) -> None:
@@ -441,6 +467,10 @@ class PickleMachine:
         if self._persistent is None:
             raise UnsafePickleError("refuses persistent references")
         self._push(self._persistent(pid))
+
+
+def _stack_full() -> MalformedPickleError:
+    return MalformedPickleError(f"pickle holds more than {MAX_STACK} values on its stack at once")
 
 
 def _what(value: Any) -> str:
@@ -499,6 +529,10 @@ _DISPATCH: dict[int, Callable[[PickleMachine], Any]] = {
     pickle.LONG_BINGET[0]: PickleMachine._op_long_binget,
     pickle.BINPERSID[0]: PickleMachine._op_binpersid,
 }
+
+
+PickleMachine._opcodes = _DISPATCH
+"""The opcode table `load` runs (a subclass that knows more opcodes sets its own)."""
 
 
 def memo_fetch(index: int) -> bytes:

@@ -15,27 +15,23 @@ namespaces), which are pickled again, as torch would pickle them, into `data.pkl
 
 from __future__ import annotations
 
-import _compat_pickle
 import argparse
-import collections
 import hashlib
 import io
 import os
-import pickle
 import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from ckptctl.dtypes import DTYPES
 from ckptctl.errors import CheckpointError, OutputError
-from ckptctl.formats.torch_pickle import Size, dumps
+from ckptctl.formats.torch_pickle import dumps
 from ckptctl.formats.torch_zip import (
     ALIGNMENT, MARKER_RECORDS, TRAILING_VERSION, _ZIP64_LIMIT, _Entry, _central_record, _descriptor, _local_header,
     end_of_directory, serialization_id, tensor_reduce,
 )
-from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_value_pickle
 from ckptctl.geometry import full_box
 from ckptctl.plan import StreamItem, TargetTensor
 
@@ -144,88 +140,16 @@ def state_pickle(tree: dict, where: str) -> tuple[bytes, list[TargetTensor]]:
 # Non-tensor values -------------------------------------------------------------------------------
 
 
-def _encode(text: Any, encoding: Any = None) -> bytes:
-    """`_codecs.encode(str, 'latin1')`: how protocol-2 pickles spell a bytes object."""
-    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
-        raise UnsafePickleError("refuses _codecs.encode other than str to latin1")
-    return text.encode("latin1")
-
-
-def _bytes(*args: Any) -> bytes:
-    if args:  # `bytes(n)` would allocate n bytes on the pickle's say-so
-        raise UnsafePickleError("refuses builtins.bytes with arguments")
-    return b""
-
-
-def _bytearray(*args: Any) -> bytearray:
-    if args and not isinstance(args[0], (bytes, bytearray)):
-        raise UnsafePickleError("refuses builtins.bytearray of a non-bytes argument")
-    return bytearray(*args[:1])
-
-
-VALUE_GLOBALS: dict[tuple[str, str], Any] = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("builtins", "complex"): complex,
-    ("builtins", "bytes"): _bytes,
-    ("builtins", "bytearray"): _bytearray,
-    ("_codecs", "encode"): _encode,
-    ("argparse", "Namespace"): argparse.Namespace,  # Megatron's `args`
-    ("torch", "Size"): Size,
-    **{("torch", name): dtype for name, dtype in DTYPES.items()},
-}
-"""Globals a non-tensor value may name: the plain types torch's `weights_only` loader accepts,
-and argparse.Namespace. Each builds a value and runs nothing else; dtypes and sizes are
-ckptctl's stand-ins, which pickle again as torch's."""
 LOAD_SAFE_GLOBALS = (argparse.Namespace, bytes, frozenset)
-"""Of those, what `torch.load(weights_only=True)` must be told to allow (`safe_globals`): its
-default list lacks them (`bytes` is how an empty bytes object pickles)."""
+"""Of the globals a value may name (`unpickle.VALUE_GLOBALS`), what `torch.load(weights_only=True)`
+must be told to allow (`safe_globals`): its default list lacks them (`bytes` is how an empty bytes
+object pickles)."""
 
 
-class _ValueUnpickler(pickle._Unpickler):  # the Python unpickler: its BUILD can be restricted
-    """Builds a value from allow-listed globals only; refuses tensors (persistent storages) and
-    setting the state of anything but an argparse.Namespace (so no shared stand-in is altered)."""
-
-    dispatch = dict(pickle._Unpickler.dispatch)
-
-    def __init__(self, file: Any, opaque: Any = None) -> None:
-        super().__init__(file)
-        self.opaque = opaque
-
-    def find_class(self, module: str, name: str) -> Any:
-        if self.proto < 3 and self.fix_imports:  # protocol 2 spells `builtins` as `__builtin__`
-            if (module, name) in _compat_pickle.NAME_MAPPING:
-                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-            elif module in _compat_pickle.IMPORT_MAPPING:
-                module = _compat_pickle.IMPORT_MAPPING[module]
-        if module == "torch._utils" and name.startswith("_rebuild") and self.opaque is None:
-            raise UnsafePickleError("holds a tensor")
-        try:
-            return VALUE_GLOBALS[(module, name)]
-        except KeyError:
-            if self.opaque is None:
-                raise UnsafePickleError(f"refuses global {module}.{name}") from None
-        opaque = self.opaque
-        return lambda *args: opaque(module, name, args)  # built by REDUCE only: NEWOBJ and BUILD refuse it
-
-    def persistent_load(self, pid: Any) -> Any:
-        if self.opaque is None:
-            raise UnsafePickleError("holds a tensor")
-        return self.opaque("", STORAGE, ())  # its bytes are never read
-
-    def _load_build(self) -> None:
-        state = self.stack.pop()
-        inst = self.stack[-1]
-        if type(inst) is not argparse.Namespace or type(state) is not dict or not all(type(k) is str for k in state):
-            raise UnsafePickleError(f"refuses to set the state of a {type(inst).__name__}")
-        vars(inst).update(state)
-
-    dispatch[pickle.BUILD[0]] = _load_build
-
-
-STORAGE = "storage"
-"""The name an `opaque` value of a tensor's storage gets (with no module)."""
+class CorruptValueError(UnsafePickleError):
+    """A non-tensor value's pickle is damaged or hostile (a key too costly to hash, nesting too deep,
+    more values than its size allows): an UnsafePickleError, so that whoever refuses a value that
+    cannot be decoded refuses this one too, and one that can name the file says what is wrong."""
 
 
 def decode_value(raw: bytes, opaque: Any = None) -> Any:
@@ -233,7 +157,8 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
 
     With `opaque` (a class taking a global's module, name and REDUCE arguments), a global off the list
     becomes an inert `opaque` value instead of a refusal, and so does a tensor (its storage
-    never read). Raises UnsafePickleError saying why when the value cannot be built that way.
+    never read). Raises UnsafePickleError saying why when the value cannot be built that way, and
+    its CorruptValueError when the pickle is damaged or hostile (`unpickle.load_value_pickle`).
     """
     try:
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
@@ -241,9 +166,11 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
             if len(pkl) != 1 or pkl[0].compress_type != zipfile.ZIP_STORED:  # torch stores; no inflating bombs
                 raise UnsafePickleError("not a torch.save archive")
             data = archive.read(pkl[0])
-        return _ValueUnpickler(io.BytesIO(data), opaque).load()
+        return load_value_pickle(data, opaque)
     except UnsafePickleError:
         raise
+    except MalformedPickleError as exc:
+        raise CorruptValueError(f"corrupt pickle: {exc}") from None
     except zipfile.BadZipFile as exc:
         raise UnsafePickleError(f"not a torch.save archive ({exc})") from None
     except Exception as exc:  # noqa: BLE001 - hostile bytes raise anything; they cost one message

@@ -29,10 +29,19 @@ C's unpickler says little about a broken pickle (no positions, no declared lengt
 when it fails on its own (not on one of ckptctl's checks) the pickle is run again through
 `pickle_vm.PickleMachine`, the pure-Python interpreter, which names the fault. Its reads are
 capped (`_Source`), so a declared length never makes C read or copy more than a frame.
+
+Every other pickled value a checkpoint holds (`common.pt`, the `common_state` item, Megatron's
+`args`, any bytes entry) is read by the interpreter itself (`load_value_pickle`): plain
+containers and the few value types `VALUE_GLOBALS` allows, each dict key and set member checked
+by `hash_guard.KeyGuard` before it is hashed, the stack and memo references within the budget,
+and the value's nesting within `MAX_DEPTH`.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import argparse
+import collections
 import contextvars
 import pathlib
 import pickle
@@ -43,7 +52,7 @@ from ckptctl.dtypes import BY_STORAGE, DTYPES, DType
 from ckptctl.formats import dcp_classes as dc
 from ckptctl.formats.dcp_classes import Layout, MemoryFormat
 from ckptctl.gc_pause import gc_paused
-from ckptctl.formats.hash_guard import check_key_hashing
+from ckptctl.formats.hash_guard import KeyGuard, PickleTooCostly, check_key_hashing
 from ckptctl.formats.pickle_vm import (
     GET_WEIGHT,
     MAX_STRING,
@@ -51,11 +60,12 @@ from ckptctl.formats.pickle_vm import (
     MalformedPickleError,
     PickleMachine,
     UnsafePickleError,
+    opcode_table,
 )
 from ckptctl.formats.torch_pickle import Size
 
 __all__ = ["MalformedPickleError", "UnsafePickleError", "load_metadata_pickle", "load_tensor_record_spec",
-           "TensorRecordSpec"]
+           "TensorRecordSpec", "load_value_pickle"]
 
 MAX_DIMS = 64
 MAX_INT = 1 << 62
@@ -575,21 +585,28 @@ def _run(data: Any, globals_: dict[tuple[str, str], Any],
 
     `hash_guard` first refuses a pickle whose dict keys C's own hashing could not survive (unless
     `guard` is False: a pickle this process wrote itself, its keys names and DCP's own records)."""
-    if guard:
-        check_key_hashing(data, globals_, _Source)
-    unpickler = _Unpickler(data, globals_, persistent)
     try:
-        return unpickler.load()
-    except (UnsafePickleError, MalformedPickleError):
-        raise
-    except Exception as exc:  # C's own complaint (UnpicklingError, EOFError, OverflowError, ...) or _OverRead
-        fault = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-    finally:
-        del unpickler  # lets go of the input (an mmap cannot close while C holds a slice of it)
+        if guard:
+            check_key_hashing(data, globals_, _Source)
+    except PickleTooCostly:  # C would build more than the size allows: never handed to it
+        fault = None
+    else:
+        unpickler = _Unpickler(data, globals_, persistent)
+        try:
+            return unpickler.load()
+        except (UnsafePickleError, MalformedPickleError):
+            raise
+        except Exception as exc:  # C's own complaint (UnpicklingError, EOFError, OverflowError, ...) or _OverRead
+            fault = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        finally:
+            del unpickler  # lets go of the input (an mmap cannot close while C holds a slice of it)
     try:
-        PickleMachine(data, globals_, _budget(len(data)), persistent=persistent, record_types=_RECORD_TYPES).load()
+        PickleMachine(data, globals_, _budget(len(data)), persistent=persistent, record_types=_RECORD_TYPES,
+                      keys=KeyGuard(len(data)).check).load()
     except (UnsafePickleError, MalformedPickleError) as exc:
         raise exc from None
+    if fault is None:
+        raise MalformedPickleError("pickle needs more memory to unpickle than its size allows")
     raise MalformedPickleError(f"pickle rejected ({fault})")
 
 
@@ -714,3 +731,259 @@ def load_tensor_record_spec(data: bytes) -> TensorRecordSpec:
     if type(spec) is not TensorRecordSpec:
         raise UnsafePickleError("item is not a single tensor")
     return spec
+
+
+# Non-tensor values -------------------------------------------------------------------------------
+
+MAX_DEPTH = 100
+"""Containers a non-tensor value may nest (Megatron's args and common state: a handful); what
+reads a value (a repr, the pickler that writes it again) recurses once a level."""
+_KEYS: contextvars.ContextVar[KeyGuard | None] = contextvars.ContextVar("ckptctl_value_keys", default=None)
+
+
+def _hashed(members: Any, what: str) -> list:
+    """`members` (a list or tuple) once each has passed the load's key guard: about to be hashed."""
+    if type(members) not in (list, tuple):
+        raise MalformedPickleError(f"{what} needs a list, not {_what_type(members)}")
+    guard = _KEYS.get()
+    for member in members:
+        guard.check(member)
+    return list(members)
+
+
+def _what_type(value: Any) -> str:
+    return f"a {type(value).__name__}"
+
+
+def _set_of(kind: type) -> Callable[[tuple], Any]:
+    def make(args: tuple) -> Any:
+        if args == ():
+            return kind()
+        if len(args) != 1:
+            raise MalformedPickleError(f"builtins.{kind.__name__} called with {len(args)} arguments")
+        try:
+            return kind(_hashed(args[0], f"builtins.{kind.__name__}"))
+        except TypeError:
+            raise MalformedPickleError(f"unhashable member of a {kind.__name__}") from None
+    return make
+
+
+def _ordered_dict(args: tuple) -> collections.OrderedDict:
+    if args in ((), ([],)):
+        return collections.OrderedDict()
+    if len(args) != 1 or type(args[0]) is not list or not all(type(p) in (list, tuple) and len(p) == 2
+                                                             for p in args[0]):
+        raise MalformedPickleError("collections.OrderedDict needs a list of pairs")
+    _hashed([p[0] for p in args[0]], "collections.OrderedDict")
+    try:
+        return collections.OrderedDict(args[0])
+    except TypeError:
+        raise MalformedPickleError("unhashable dict key of an OrderedDict") from None
+
+
+def _complex(args: tuple) -> complex:
+    if len(args) > 2 or any(type(a) not in (int, float) for a in args):
+        raise UnsafePickleError("refuses builtins.complex other than of numbers")
+    return complex(*args)
+
+
+def _encode(args: tuple) -> bytes:
+    """`_codecs.encode(str, 'latin1')`: how protocol-2 pickles spell a bytes object."""
+    if len(args) not in (1, 2) or type(args[0]) is not str or args[1:] not in ((), ("latin1",), ("latin-1",)):
+        raise UnsafePickleError("refuses _codecs.encode other than str to latin1")
+    try:
+        return args[0].encode("latin1")
+    except UnicodeEncodeError:
+        raise MalformedPickleError("_codecs.encode of a string that is not latin1") from None
+
+
+def _bytes(args: tuple) -> bytes:
+    if args:  # `bytes(n)` would allocate n bytes on the pickle's say-so
+        raise UnsafePickleError("refuses builtins.bytes with arguments")
+    return b""
+
+
+def _bytearray(args: tuple) -> bytearray:
+    if args and type(args[0]) not in (bytes, bytearray):
+        raise UnsafePickleError("refuses builtins.bytearray of a non-bytes argument")
+    return bytearray(*args[:1])
+
+
+def _namespace(state: Any) -> argparse.Namespace:
+    if state is None:
+        return argparse.Namespace()
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise UnsafePickleError("refuses to set the state of a Namespace other than by a dict of names")
+    out = argparse.Namespace()
+    vars(out).update(state)
+    return out
+
+
+def _value_size(args: tuple) -> Size:
+    if len(args) != 1 or type(args[0]) not in (tuple, list) or len(args[0]) > MAX_DIMS \
+            or any(type(v) is not int for v in args[0]):
+        raise MalformedPickleError("torch.Size needs one tuple of at most 64 integers")
+    return Size(args[0])
+
+
+VALUE_GLOBALS: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): Constructor("collections.OrderedDict", call=_ordered_dict),
+    ("builtins", "set"): Constructor("builtins.set", call=_set_of(set)),
+    ("builtins", "frozenset"): Constructor("builtins.frozenset", call=_set_of(frozenset)),
+    ("builtins", "complex"): Constructor("builtins.complex", call=_complex),
+    ("builtins", "bytes"): Constructor("builtins.bytes", call=_bytes),
+    ("builtins", "bytearray"): Constructor("builtins.bytearray", call=_bytearray),
+    ("_codecs", "encode"): Constructor("_codecs.encode", call=_encode),
+    ("argparse", "Namespace"): Constructor("argparse.Namespace", from_state=_namespace),  # Megatron's `args`
+    ("torch", "Size"): Constructor("torch.Size", call=_value_size),
+    **_DTYPE_GLOBALS,
+}
+"""Globals a non-tensor value may name: the plain types torch's `weights_only` loader accepts,
+and argparse.Namespace. Each builds a value and runs nothing else; dtypes and sizes are
+ckptctl's stand-ins, which pickle again as torch's."""
+STORAGE = "storage"
+"""The name an `opaque` value of a tensor's storage gets (with no module)."""
+
+
+class _ValueMachine(PickleMachine):
+    """The interpreter for a non-tensor value: `VALUE_GLOBALS`, sets and frozensets (protocol 4's
+    opcodes), an OrderedDict filled like a dict, and with `opaque` any other global as an inert
+    call of it (REDUCE only) and a tensor's storage as an inert `opaque` storage."""
+
+    def __init__(self, data: bytes, opaque: Any, guard: KeyGuard) -> None:
+        super().__init__(data, VALUE_GLOBALS, _budget(len(data)), persistent=self._storage, keys=guard.check)
+        self._opaque = opaque
+        self._bare: dict[int, tuple[Constructor, str, str]] = {}  # an opaque global's Constructor → its names
+
+    def _global(self, module: str, name: str) -> None:
+        if self._proto < 3:  # protocol 2 spells `builtins` as `__builtin__`
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        found = VALUE_GLOBALS.get((module, name))
+        if found is not None:
+            self._push(found)
+            return
+        opaque = self._opaque
+        if opaque is None:
+            if module == "torch._utils" and name.startswith("_rebuild"):
+                raise UnsafePickleError("holds a tensor")
+            raise UnsafePickleError(f"refuses global {module[:200]}.{name[:200]}")
+        ctor = Constructor(f"{module}.{name}", call=lambda args: opaque(module, name, args))
+        self._bare[id(ctor)] = (ctor, module, name)
+        self._push(ctor)
+
+    def _finished(self, value: Any) -> Any:
+        """A value as PickleMachine finishes it; an opaque global used as a value (a storage type in a
+        tensor's storage reference, a function in args) becomes an inert `opaque` reference to it."""
+        if type(value) is Constructor:
+            bare = self._bare.get(id(value))
+            if bare is not None:
+                return self._opaque(bare[1], bare[2], None)
+        return PickleMachine._finished(value)
+
+    def _bytes(self, n: int) -> None:  # a value's strings and bytes are bounded by the pickle alone
+        self._push(self._read(n))
+
+    def _read_text(self, n: int) -> str:
+        try:
+            return str(self._read(n), "utf-8", "surrogatepass")  # as pickle writes a str
+        except UnicodeDecodeError:
+            raise MalformedPickleError("string is not UTF-8") from None
+
+    def _storage(self, pid: Any) -> Any:
+        if self._opaque is None:
+            raise UnsafePickleError("holds a tensor")
+        return self._opaque("", STORAGE, ())  # its bytes are never read
+
+    def _op_newobj(self) -> None:
+        ctor = self._stack[-2] if len(self._stack) >= 2 else None
+        if type(ctor) is Constructor and ctor.from_state is None:
+            raise UnsafePickleError(f"refuses to create an instance of {ctor.name[:400]}")
+        super()._op_newobj()
+
+    def _mutable(self, target: Any, kind: type) -> Any:
+        if kind is dict and type(target) is collections.OrderedDict:
+            return super()._mutable(target, collections.OrderedDict)
+        return super()._mutable(target, kind)
+
+    def _op_empty_set(self) -> None:
+        self._push(set())
+
+    def _op_additems(self) -> None:
+        items = [self._finished(v) for v in self._pop_mark()]
+        target = self._mutable(self._top(), set)
+        try:
+            target.update(_hashed(items, "a set"))
+        except TypeError:
+            raise MalformedPickleError("unhashable member of a set") from None
+
+    def _op_frozenset(self) -> None:
+        items = [self._finished(v) for v in self._pop_mark()]
+        try:
+            self._push(frozenset(_hashed(items, "a frozenset")))
+        except TypeError:
+            raise MalformedPickleError("unhashable member of a frozenset") from None
+
+
+_ValueMachine._opcodes = {**opcode_table(_ValueMachine), pickle.EMPTY_SET[0]: _ValueMachine._op_empty_set,
+                          pickle.ADDITEMS[0]: _ValueMachine._op_additems,
+                          pickle.FROZENSET[0]: _ValueMachine._op_frozenset}
+
+
+def _opaque_inside(opaque: Any) -> Callable[[Any], Any] | None:
+    """What the key guard walks into for an `opaque` value (its arguments, hashed with it)."""
+    if opaque is None:
+        return None
+    return lambda item: item.args if type(item) is opaque else None
+
+
+def _check_depth(value: Any) -> None:
+    """Refuse a value nested deeper than `MAX_DEPTH` (shared parts walked once: no cycles can be made)."""
+    depth_of: dict[int, int] = {}
+    todo: list[tuple[Any, bool]] = [(value, False)]
+    while todo:
+        item, done = todo.pop()
+        key = id(item)
+        if done:
+            children = _children(item)
+            depth = 1 + max((depth_of.get(id(c), 0) for c in children), default=0)
+            if depth > MAX_DEPTH:
+                raise MalformedPickleError(f"value nested more than {MAX_DEPTH} containers deep")
+            depth_of[key] = depth
+            continue
+        if key in depth_of or not _children(item):
+            continue
+        todo.append((item, True))
+        todo.extend((c, False) for c in _children(item) if id(c) not in depth_of)
+
+
+def _children(item: Any) -> Any:
+    kind = type(item)
+    if kind in (list, tuple, set, frozenset):
+        return item
+    if kind is dict or kind is collections.OrderedDict:
+        return [*item.keys(), *item.values()]
+    if kind is argparse.Namespace:
+        return list(vars(item).values())
+    args = getattr(item, "args", None) if kind.__module__ != "builtins" else None
+    return args if type(args) is tuple else ()
+
+
+def load_value_pickle(data: bytes, opaque: Any = None) -> Any:
+    """The value a non-tensor entry's `data.pkl` holds, built by the interpreter from `VALUE_GLOBALS`
+    only (with `opaque`, a class taking a global's module, name and REDUCE arguments, any other global
+    or tensor storage becomes an inert `opaque` value). Raises UnsafePickleError for a value that
+    would need code to be built, MalformedPickleError for a damaged or hostile one (a key too costly
+    to hash, nesting past `MAX_DEPTH`, more values than the size allows)."""
+    guard = KeyGuard(len(data), inside=_opaque_inside(opaque))
+    token = _KEYS.set(guard)
+    try:
+        with gc_paused():
+            machine = _ValueMachine(data, opaque, guard)
+            value = machine.load()
+            _check_depth(value)
+    finally:
+        _KEYS.reset(token)
+    return value
