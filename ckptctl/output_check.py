@@ -92,6 +92,14 @@ def _ints(*values: Any) -> bool:
 _STORAGE_CLASS = "storage class"
 
 
+def _empty_ordered_dict(*args: Any) -> OrderedDict:
+    """A tensor record's backward hooks: always empty. Items to fill it with would be hashed, in C,
+    whatever they cost (a key of 2^61 tuples shared through the memo never finishes)."""
+    if args:
+        raise pickle.UnpicklingError("OrderedDict built with arguments")
+    return OrderedDict()
+
+
 class _TensorPickle(pickle.Unpickler):
     """Python's own unpickler, told torch's names for what they are: a record's layout, never a tensor."""
 
@@ -99,7 +107,7 @@ class _TensorPickle(pickle.Unpickler):
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
             return _rebuild
         if module == "collections" and name == "OrderedDict":
-            return OrderedDict
+            return _empty_ordered_dict
         if module in ("torch", "torch.storage") and name.endswith("Storage"):
             return (_STORAGE_CLASS, name)
         if module == "torch" and name in DTYPES:
