@@ -1,11 +1,17 @@
 """Structured fuzzer: opcode-level mutations of the real fixtures' pickles and item zips.
 
-Each example copies a committed fixture, mutates its `.metadata` pickle at the opcode level
+Each example copies a committed fixture and mutates its `.metadata` pickle at the opcode level
 (swapped globals, wrong types, huge lengths, deep nesting, BUILD after any value, dict
-keys CPython's tuple hashing cannot survive) or one
-item's zip headers, and runs it through `open_checkpoint`, the analysis, locating every
-chunk and a small reshard. Only ckptctl's own errors may escape, each example stays within
-a time bound, and a canary global that would create a file is never called.
+keys CPython's tuple hashing cannot survive, millions of values padding the stack, a
+BYTEARRAY8 of a terabyte), one item's zip headers, or one pickled value where the checkpoint
+keeps it (`common.pt`, Megatron-FSDP's `args` entry, a DCP bytes entry: the value's own
+`data.pkl`, mutated the same way, with hash bombs in dict keys and frozensets among the
+edits). `.metadata` and item examples run through `open_checkpoint`, the analysis, locating
+every chunk and a small reshard; value examples through every decoder of pickled values
+(`training_args`, `common_state`, `checkpoint_args`, `decode_value`, each bytes entry) and
+writing the decoded values back. Only ckptctl's own errors (and a value's documented
+refusal, UnsafePickleError) may escape, each example stays within a time bound, and a canary
+global that would create a file is never called.
 
 `python -m tests.fuzz_inputs [EXAMPLES]` runs a campaign in a fresh process (what
 `make fuzz` calls with many examples, and tests/test_fuzz_inputs.py with a few): after a
@@ -15,6 +21,8 @@ the process's peak by more than `MAX_EXTRA_RSS_MB`.
 
 from __future__ import annotations
 
+import io
+import pickle
 import pickletools
 import resource
 import shutil
@@ -22,6 +30,7 @@ import struct
 import sys
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -31,6 +40,9 @@ from hypothesis import strategies as st
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.megatron_args import checkpoint_args, common_state, decoded_item, training_args
+from ckptctl.formats.torch_save_out import decode_value, encode_value
+from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.layout import analysis
 from ckptctl.reshard import ReshardOptions, reshard
 
@@ -54,12 +66,30 @@ _VALUES = [
     b"X\x03\x00\x00\x00../", b"X\x05\x00\x00\x00a\x00b.c", b"\x8d" + struct.pack("<Q", 1 << 40),
     b"\x8e" + struct.pack("<Q", (1 << 64) - 1), b"]" * 3000 + b"a" * 2999, b"h\x00", b"j\x00\x00\x01\x00",
     b"X\x0e\x00\x00\x00touch " + b"/tmp/c" + b"\x85R",
+    b"\x96" + struct.pack("<Q", 1 << 40),  # BYTEARRAY8 of a terabyte: C allocates it before reading
+    b"]" * 150_000, b"h\x00" * 150_000, b"N" * 150_000,  # more values on the stack than any real pickle holds
 ]
-_HASH_BOMBS = [  # dict keys CPython cannot hash: 2^60 tuples through the memo; 200,000 nested tuples
-    b"})q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(60)) + b"h<K\x01s0",
+_SHARED = b")q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(60))
+_HASH_BOMBS = [  # dict keys and set members CPython cannot hash: 2^61 tuples through the memo; 200,000 nested
+    b"}" + _SHARED + b"h<K\x01s0",
     b"})" + b"\x85" * 200_000 + b"K\x01s0",
+    _SHARED + b"(h<\x910",  # FROZENSET: C hashes its members
+    b"\x8f(" + _SHARED + b"h<\x900",  # EMPTY_SET, ADDITEMS
+    b"}" + _SHARED + b"c__builtin__\nfrozenset\n]h<a\x85RK\x01s0",  # a frozenset key, as protocol 2 writes one
+    b"}" + b")q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(13)) + b"h\x0dK\x01s0",
+    b"]" * 100_000 + b"a" * 99_999 + b"0",  # a value nested 100,000 lists deep
 ]
 _CANARY_CALL = b"cposix\nsystem\nX" + struct.pack("<I", len(f"touch {CANARY}")) + f"touch {CANARY}".encode() + b"\x85R"
+_VALUE_GLOBALS = [
+    b"c__builtin__\nfrozenset\n", b"c__builtin__\nset\n", b"ccollections\nOrderedDict\n", b"cargparse\nNamespace\n",
+    b"c_codecs\nencode\n", b"c__builtin__\nbytearray\n", b"ctorch._utils\n_rebuild_tensor_v2\n",
+    b"cenum\nEnum\n", b"c__builtin__\ngetattr\n",
+]
+VALUE_PLACES = (("megatron_torch_dist", "common.pt"), ("megatron_fs_model_space", "common.pt"),
+                ("megatron_tp2_dp2", "args"), ("flat_optim", "iteration"))
+"""Where the fixtures keep pickled values: a file beside the DCP ones, or a DCP bytes entry."""
+_LENGTH = 0x5A5A5A5A
+"""The placeholder length a bytes entry's template `.metadata` gives it (`_templates`)."""
 
 
 def _ops(data: bytes) -> list[int]:
@@ -88,6 +118,31 @@ def metadata_mutation(draw: st.DrawFn, data: bytes) -> bytes:
             out = out[:at] + draw(st.sampled_from(_HASH_BOMBS)) + out[at:]
         elif kind == "byte":
             out = out[:at] + bytes([draw(st.integers(0, 255))]) + out[at + 1:]
+        else:
+            out = out[:at] + _CANARY_CALL + out[at:]
+    return out
+
+
+@st.composite
+def value_mutation(draw: st.DrawFn, data: bytes) -> bytes:
+    """A pickled value's `data.pkl` with one to three opcode-level edits (hash bombs and other values'
+    globals among them)."""
+    positions = _ops(data)
+    out = data
+    for _ in range(draw(st.integers(1, 3))):
+        at = min(draw(st.sampled_from(positions)), len(out) - 1)
+        kind = draw(st.sampled_from(["insert", "replace", "truncate", "byte", "canary", "hash", "build"]))
+        if kind in ("insert", "replace"):
+            piece = draw(st.sampled_from(_VALUES + _GLOBALS + _VALUE_GLOBALS))
+            out = out[:at] + piece + out[at + (kind == "replace"):]
+        elif kind == "truncate":
+            out = out[:at]
+        elif kind == "byte":
+            out = out[:at] + bytes([draw(st.integers(0, 255))]) + out[at + 1:]
+        elif kind == "hash":
+            out = out[:at] + draw(st.sampled_from(_HASH_BOMBS)) + out[at:]
+        elif kind == "build":
+            out = out[:at] + b"}X\x08\x00\x00\x00itemsizeK\x01sb" + out[at:]
         else:
             out = out[:at] + _CANARY_CALL + out[at:]
     return out
@@ -123,6 +178,33 @@ def exercise(src: Path, work: Path) -> None:
         pass
 
 
+def exercise_values(src: Path, work: Path) -> None:
+    """Every decoder of a pickled value, and writing the decoded values back: only CkptctlError, or a
+    value's refusal (UnsafePickleError), may come out."""
+    for decode in (training_args, common_state, checkpoint_args):
+        try:
+            ckpt = open_checkpoint(src)
+            found = decode(ckpt)
+            state = getattr(found, "state", None)
+            if state is not None:
+                encode_value(state)
+        except (CkptctlError, UnsafePickleError):
+            pass
+    try:
+        ckpt = open_checkpoint(src)
+        with ItemReader(ckpt) as reader:
+            for fqn, entry in ckpt.bytes_entries.items():
+                for decode in (lambda: decode_value(reader.read_item_bytes(entry.file, entry.offset, entry.length,
+                                                                           entry.transforms)),
+                               lambda: decoded_item(ckpt, fqn, reader)):
+                    try:
+                        encode_value(decode())
+                    except UnsafePickleError:
+                        pass
+    except CkptctlError:
+        pass
+
+
 def _one(name: str, file: str | None = None, data: bytes = b"") -> None:
     """Fixture `name` with `file` replaced by `data` (none replaced without a file) through `exercise`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +220,83 @@ def _one(name: str, file: str | None = None, data: bytes = b"") -> None:
     if _baseline_rss_mb:
         grew = peak_rss_mb() - _baseline_rss_mb[0]
         assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+
+
+def _value_one(place: tuple[str, str], pickled: bytes) -> None:
+    """The fixture of `place` with its pickled value's `data.pkl` made `pickled`, through `exercise_values`."""
+    name, where = place
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        src = work / "src"
+        shutil.copytree(FIXTURES / name, src)
+        archive = _archive(_originals()[place][0], pickled)
+        if where == "common.pt":
+            (src / where).write_bytes(archive)
+        else:
+            template, file = _templates()[place]
+            with open(src / file, "ab") as f:
+                f.write(archive)
+            (src / ".metadata").write_bytes(template.replace(b"J" + struct.pack("<i", _LENGTH),
+                                                             b"J" + struct.pack("<i", len(archive))))
+        started = time.monotonic()
+        exercise_values(src, work)
+        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
+    assert not CANARY.exists(), "a pickle ran code"
+    if _baseline_rss_mb:
+        grew = peak_rss_mb() - _baseline_rss_mb[0]
+        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+
+
+def _archive(original: bytes, pickled: bytes) -> bytes:
+    """`original` (a torch.save archive) with its `data.pkl` made `pickled`."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(original)) as old, zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as new:
+        for info in old.infolist():
+            new.writestr(info.filename, pickled if info.filename.endswith("/data.pkl") else old.read(info))
+    return buf.getvalue()
+
+
+_CACHE: dict[str, dict] = {}
+
+
+def _originals() -> dict[tuple[str, str], tuple[bytes, bytes]]:
+    """Each place's torch.save archive as the fixture holds it, and its data.pkl."""
+    if "originals" not in _CACHE:
+        out = {}
+        for place in VALUE_PLACES:
+            name, where = place
+            if where == "common.pt":
+                archive = (FIXTURES / name / where).read_bytes()
+            else:
+                ckpt = open_checkpoint(FIXTURES / name)
+                entry = ckpt.bytes_entries[where]
+                with ItemReader(ckpt) as reader:
+                    archive = reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms)
+            with zipfile.ZipFile(io.BytesIO(archive)) as z:
+                out[place] = archive, z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+        _CACHE["originals"] = out
+    return _CACHE["originals"]
+
+
+def _templates() -> dict[tuple[str, str], tuple[bytes, str]]:
+    """For each bytes-entry place: the fixture's `.metadata` with the entry moved to the end of its file
+    (pickled by torch's own classes, the test side's trusted reader), its length `_LENGTH`."""
+    if "templates" not in _CACHE:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        out = {}
+        for place in VALUE_PLACES:
+            name, where = place
+            if where == "common.pt":
+                continue
+            md = pickle.loads((FIXTURES / name / ".metadata").read_bytes())
+            info = md.storage_data[MetadataIndex(where)]
+            info.offset, info.length = (FIXTURES / name / info.relative_path).stat().st_size, _LENGTH
+            data = pickle.dumps(md, protocol=2)
+            assert data.count(b"J" + struct.pack("<i", _LENGTH)) == 1
+            out[place] = data, info.relative_path
+        _CACHE["templates"] = out
+    return _CACHE["templates"]
 
 
 def peak_rss_mb() -> float:
@@ -167,16 +326,35 @@ def fuzz_items(examples: int) -> None:
     _campaign(examples, "__0_0.distcp", item_mutation)
 
 
+def fuzz_values(examples: int) -> None:
+    """Mutated pickled values in every place the fixtures keep one."""
+    originals = _originals()
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(VALUE_PLACES).flatmap(
+        lambda p: st.tuples(st.just(p), value_mutation(originals[p][1]))))
+    def run(case: tuple[tuple[str, str], bytes]) -> None:
+        _value_one(*case)
+
+    run()
+
+
 def main(argv: list[str]) -> None:
     examples = int(argv[0]) if argv else 2000
     CANARY.unlink(missing_ok=True)
+    started = time.monotonic()
     for name in NAMES:  # imports, caches and allocator pools settle before the baseline
         _one(name)
+    for place, (_, pickled) in _originals().items():
+        _value_one(place, pickled)
     _baseline_rss_mb.append(peak_rss_mb())
     fuzz_metadata(examples)
     fuzz_items(examples)
-    print(f"fuzz: {2 * examples} examples, only ckptctl errors, canary untouched, "
-          f"peak RSS {peak_rss_mb():.0f} MB (baseline {_baseline_rss_mb[0]:.0f} MB)")
+    fuzz_values(examples)
+    print(f"fuzz: {3 * examples} examples (.metadata, item zips, pickled values), only ckptctl errors, "
+          f"canary untouched, peak RSS {peak_rss_mb():.0f} MB (baseline {_baseline_rss_mb[0]:.0f} MB), "
+          f"{time.monotonic() - started:.0f} s")
 
 
 if __name__ == "__main__":
