@@ -46,10 +46,13 @@ class Box:
 
 @dataclass(frozen=True, slots=True)
 class FlatRange:
-    """Elements [start, start+length) of a tensor's row-major item index."""
+    """Elements [start, start+length) of a tensor's row-major item index, held by a chunk from
+    its element `skip` on (a chunk that holds several ranges of a view, as a stack's chunk cut
+    inside several slabs does, is paired with each; otherwise 0: the range is the chunk)."""
 
     start: int
     length: int
+    skip: int = 0
 
     @property
     def numel(self) -> int:
@@ -229,7 +232,7 @@ def copy_runs(part: Box, src: Region, src_shape: Sequence[int], dst: Box, shift:
         g = _offset(line, src_origin, src_steps)
         lo, hi = max(g, src.start), min(g + run_len, src.end)
         if lo < hi:
-            _append(runs, Run(lo - src.start, d + (lo - g), hi - lo))
+            _append(runs, Run(lo - src.start + src.skip, d + (lo - g), hi - lo))
     return runs
 
 

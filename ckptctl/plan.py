@@ -221,24 +221,34 @@ class ItemWindows:
 def layer_stacked_view(entry: TensorEntry, depth: int = 1) -> SourceTensor:
     """A stack [L, R, …] (a Megatron-Core torch_dist layer stack, torchtitan's grouped experts)
     seen as [L·R, …]: every slab's rows one after another, the same elements in the same order,
-    so each chunk (one slab deep, or whole slabs) is one box of it. `depth` 2 reads a stack of
+    so a chunk one slab deep, or of whole slabs, is one box of it. `depth` 2 reads a stack of
     stacks [L, E, R, …] (torch_dist experts) as [L·E·R, …] the same way. A chunk cut inside
-    several slabs (torchtitan experts under EP with FSDP `Shard(1)`; megatron-core's legacy
-    GroupedMLP, whose chunk holds every local expert's rows of a TP rank) is not one box: refused."""
+    several slabs (torchtitan's experts under expert parallelism with FSDP `Shard(1)`,
+    megatron-core's legacy GroupedMLP, whose chunk holds every local expert's rows of a TP rank)
+    holds a run of rows of each slab: whole rows, it is paired with each run, a flat range of
+    the view read from its place in the chunk; cut on a trailing dim too, it is refused."""
     lead = entry.shape[:depth + 1]
     rows = math.prod(lead)
     shape = (rows, *entry.shape[depth + 1:])
-    regions = []
+    row = math.prod(shape[1:])
+    regions: list[tuple[Chunk, Region]] = []
     for c in entry.chunks:
         start = sum(o * math.prod(lead[i + 1:]) for i, o in enumerate(c.offsets[:depth + 1]))
         deep = next((i for i in range(depth + 1) if c.sizes[i] != 1), depth)
-        if any(c.offsets[i] or c.sizes[i] != lead[i] for i in range(deep + 1, depth + 1)):
-            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim {depth} "
-                                             f"inside {c.sizes[deep]} slabs of the stack (torchtitan's experts under "
-                                             "expert parallelism with FSDP Shard(1), or megatron-core's legacy "
-                                             "GroupedMLP?), which ckptctl cannot read slab by slab yet")
-        count = c.sizes[deep] * math.prod(lead[deep + 1:])
-        regions.append((c, Box((start, *c.offsets[depth + 1:]), (count, *c.sizes[depth + 1:]))))
+        cut = next((i for i in range(depth, deep, -1) if c.offsets[i] or c.sizes[i] != lead[i]), None)
+        if cut is None:
+            count = c.sizes[deep] * math.prod(lead[deep + 1:])
+            regions.append((c, Box((start, *c.offsets[depth + 1:]), (count, *c.sizes[depth + 1:]))))
+            continue
+        if c.offsets[depth + 1:] != (0,) * (len(shape) - 1) or c.sizes[depth + 1:] != shape[1:]:
+            raise CheckpointError(entry.fqn, f"a chunk at {list(c.offsets)} of {list(c.sizes)} cuts dim {cut} "
+                                             f"inside {math.prod(c.sizes[:cut])} slabs of the stack and its rows "
+                                             "too, which ckptctl cannot read slab by slab yet")
+        run = c.sizes[cut] * math.prod(lead[cut + 1:]) * row  # one slab's share: contiguous in the view
+        for k, outer in enumerate(itertools.product(*(range(o, o + n) for o, n in zip(c.offsets[:cut],
+                                                                                        c.sizes[:cut])))):
+            first = sum(o * math.prod(lead[i + 1:]) for i, o in enumerate((*outer, c.offsets[cut])))
+            regions.append((c, FlatRange(first * row, run, k * run)))
     return SourceTensor(entry.fqn, shape, entry.dtype, tuple(regions))
 
 
@@ -432,7 +442,8 @@ def _plan_transposed(box: Box, piece: Piece, src: SourceTensor, reads: list[Read
         if bounds.intersect(wanted) is None:
             continue
         blocks = [(0, region)] if isinstance(region, Box) else [
-            (first - region.start, block) for first, block in flat_boxes(src.shape, region.start, region.end)]
+            (first - region.start + region.skip, block) for first, block in flat_boxes(src.shape, region.start,
+                                                                                        region.end)]
         for skip, block in blocks:
             part = block.intersect(wanted)
             if part is None or part.numel == 0:

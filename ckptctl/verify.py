@@ -273,7 +273,7 @@ def _chunk_blocks(view: SourceTensor, index: int, block_bytes: int) -> list[tupl
         parts = [(0, region)]
     else:  # a flat buffer's chunk, or rows read as the item range they hold
         lo, hi = max(region.start, 0), min(region.end, math.prod(view.shape))  # a window of a bucket sees part of it
-        parts = [(first - region.start, box) for first, box in flat_boxes(view.shape, lo, hi)]
+        parts = [(first - region.start + region.skip, box) for first, box in flat_boxes(view.shape, lo, hi)]
     most = max(1, block_bytes // max(1, view.dtype.itemsize))
     out = []
     for first, box in parts:

@@ -181,18 +181,69 @@ def test_union_volume_counts_every_covered_element_once(boxes):
     assert union_volume(boxes) == len(covered)
 
 
-def test_a_stack_chunk_cut_inside_several_slabs_is_refused_by_name():
+@st.composite
+def stack_grids(draw):
+    """A stack [L, R, T] (depth 1) or [L, E, R, T] (depth 2) cut into a grid of chunks on any of
+    its stacked dims (each cut in up to three parts), its trailing dim whole."""
+    depth = draw(st.sampled_from((1, 2)))
+    lead = tuple(draw(st.integers(1, 4)) for _ in range(depth + 1))
+    shape = (*lead, draw(st.integers(1, 3)))
+    cuts = []
+    for n in lead:
+        inner = sorted(draw(st.sets(st.integers(1, n - 1), max_size=2))) if n > 1 else []
+        edges = [0, *inner, n]
+        cuts.append([(a, b - a) for a, b in zip(edges, edges[1:])])
+    boxes = [Box((*(o for o, _ in pick), 0), (*(n for _, n in pick), shape[-1])) for pick in itertools.product(*cuts)]
+    return depth, shape, boxes
+
+
+@settings(max_examples=200, deadline=None)
+@given(stack_grids())
+def test_a_stack_read_slab_by_slab_pairs_each_chunk_with_the_rows_it_holds(grid):
+    """Every (chunk, region) of the view is the chunk's elements: a box of the [L·R, T] rows, or
+    (a chunk cut inside several slabs) a flat range read from element `skip` of the chunk; the
+    regions tile the view exactly once."""
+    depth, shape, boxes = grid
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    chunks = tuple(Chunk("__0_0.distcp", 0, 1, b.offsets, b.sizes) for b in boxes)
+    view = layer_stacked_view(TensorEntry("stack", shape, float32, chunks), depth)
+    flat = full.reshape(view.shape).reshape(-1)
+    seen = torch.zeros(flat.numel(), dtype=torch.int64)
+    for chunk, region in view.chunks:
+        held = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))].reshape(-1)
+        if isinstance(region, FlatRange):
+            assert torch.equal(held[region.skip:region.skip + region.length], flat[region.start:region.end])
+            seen[region.start:region.end] += 1
+        else:
+            part = full.reshape(view.shape)[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))]
+            assert torch.equal(held, part.reshape(-1))
+            seen.view(view.shape)[tuple(slice(o, o + n) for o, n in zip(region.offsets, region.sizes))] += 1
+    assert bool((seen == 1).all())
+
+
+def test_a_stack_chunk_cut_inside_several_slabs_plans_each_slabs_rows_from_its_place():
     """torchtitan experts [E, F, D] under EP with FSDP `Shard(1)`: a chunk two experts deep and
-    half of F wide is not one box of the [E·F, D] rows."""
+    half of F wide holds rows 0..8 of each expert; expert 1's rows come from its element 32."""
     chunks = tuple(Chunk(f"__{r}_0.distcp", 0, 1, (0, 8 * r, 0), (2, 8, 4)) for r in range(2))
     entry = TensorEntry("layers.0.moe.routed_experts.inner_experts.w1_EFD", (2, 16, 4), float32, chunks)
-    with pytest.raises(CheckpointError) as caught:
-        layer_stacked_view(entry)
-    assert str(caught.value) == ("layers.0.moe.routed_experts.inner_experts.w1_EFD: a chunk at [0, 0, 0] of [2, 8, 4] "
-                                 "cuts dim 1 inside 2 slabs of the stack (torchtitan's experts under expert "
-                                 "parallelism with FSDP Shard(1), or megatron-core's legacy GroupedMLP?), "
-                                 "which ckptctl cannot read slab by slab yet")
+    view = layer_stacked_view(entry)
+    assert [(c.offsets, region) for c, region in view.chunks] == [
+        ((0, 0, 0), FlatRange(0, 32, 0)), ((0, 0, 0), FlatRange(64, 32, 32)),
+        ((0, 8, 0), FlatRange(32, 32, 0)), ((0, 8, 0), FlatRange(96, 32, 32))]
+    expert1 = TargetTensor("e1", (16, 4), float32, (Piece(entry.fqn, (16, 0), (0, 0), (16, 4)),))
+    reads = plan_box(expert1, Box((0, 0), (16, 4)), {entry.fqn: view})
+    assert [(r.chunk.offsets, [(run.src, run.dst, run.length) for run in r.runs]) for r in reads] == [
+        ((0, 0, 0), [(32, 0, 32)]), ((0, 8, 0), [(32, 32, 32)])]
     whole_slabs = TensorEntry(entry.fqn, (2, 16, 4), float32,
                               tuple(Chunk(f"__{r}_0.distcp", 0, 1, (r, 0, 0), (1, 16, 4)) for r in range(2)))
     assert [region for _, region in layer_stacked_view(whole_slabs).chunks] == [
         Box((0, 0), (16, 4)), Box((16, 0), (16, 4))]
+
+
+def test_a_stack_chunk_cut_inside_several_slabs_and_its_rows_is_refused_by_name():
+    chunks = tuple(Chunk(f"__{r}_0.distcp", 0, 1, (0, 8 * (r // 2), 2 * (r % 2)), (2, 8, 2)) for r in range(4))
+    entry = TensorEntry("w1_EFD", (2, 16, 4), float32, chunks)
+    with pytest.raises(CheckpointError) as caught:
+        layer_stacked_view(entry)
+    assert str(caught.value) == ("w1_EFD: a chunk at [0, 0, 0] of [2, 8, 2] cuts dim 1 inside 2 slabs of the "
+                                 "stack and its rows too, which ckptctl cannot read slab by slab yet")

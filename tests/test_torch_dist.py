@@ -19,6 +19,7 @@ import re
 import pytest
 import torch
 
+from ckptctl.formats.dcp_metadata import open_checkpoint
 from fixtures import megatron_core as mc
 from tests.conftest import run_cli
 
@@ -180,19 +181,25 @@ def megatron_to_hf(state: dict, kind: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.full
-def test_legacy_grouped_gemm_experts_are_refused_naming_the_chunk(tmp_path):
+def test_legacy_grouped_gemm_experts_export_slab_by_slab(tmp_path):
     """megatron-core's legacy GroupedMLP (grouped-GEMM experts without Transformer Engine) saves a
     TP rank's rows of every local expert as one chunk [1, E, R, H], not a chunk per expert (as
-    SequentialMLP and Transformer Engine's TEGroupedMLP save them): refused by name, nothing written."""
+    SequentialMLP and Transformer Engine's TEGroupedMLP save them): each expert's rows are read
+    from their place in the chunk, and the export is the mapped model torch's own loader reads."""
+    from fixtures.make_fixtures import load_with_torch
+    from safetensors.torch import load_file
+
     mc.write(tmp_path / "ckpt", 2, 1, kind="qwen3-moe-grouped", logits=False)
+    fc1 = open_checkpoint(tmp_path / "ckpt").tensors["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert {(c.offsets[:3], c.sizes[:3]) for c in fc1.chunks} >= {((0, 0, 0), (1, 4, 12))}
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.json").write_text(json.dumps(mc.hf_config("qwen3-moe-grouped")))
-    run = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "hf", "--hf-config", tmp_path / "config")
-    assert (run.returncode, run.stderr) == (2, (
-        "ckptctl: error: decoder.layers.mlp.experts.experts.linear_fc1.weight: a chunk at [0, 0, 0, 0] of "
-        "[1, 4, 12, 32] cuts dim 2 inside 4 slabs of the stack (torchtitan's experts under expert parallelism "
-        "with FSDP Shard(1), or megatron-core's legacy GroupedMLP?), which ckptctl cannot read slab by slab yet\n"))
-    assert not (tmp_path / "hf").exists()
+    run = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "hf", "--hf-config", tmp_path / "config", "--verify")
+    assert run.returncode == 0, run.stderr
+    want = megatron_to_hf(load_with_torch(tmp_path / "ckpt"), "qwen3-moe-grouped")
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert [name for name, tensor in want.items() if not torch.equal(got[name], tensor)] == []
 
 
 @pytest.mark.parametrize("grid", grids(*GRIDS))
