@@ -28,6 +28,7 @@ from tests.conftest import FIXTURES, ROOT, run_cli
 from tests.test_hostile_input import copy_fixture, snapshot
 
 OVERLAP = "destination overlaps the source {src}; the source is never modified"
+CKPTCTL = [sys.executable, "-m", "ckptctl"]
 CHANGED = "changed while it was read (rewritten, replaced or resized since it was opened); no output is written"
 
 
@@ -150,98 +151,32 @@ def _holds_open(pid: int, target: str) -> bool:
     return False
 
 
-def stopped_while_reading(args: list, data_file: Path, dst: Path) -> subprocess.Popen | None:
-    """`python -m ckptctl ARGS` stopped (SIGSTOP) as soon as it holds `data_file` open, before DST
-    exists; None when the run got past its rename before it could be stopped."""
-    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+def stopped_while_reading(argv: list, data_file: Path, dst: Path) -> tuple[subprocess.Popen, list[int]] | None:
+    """`argv` started, and it and every process it started stopped (SIGSTOP) as soon as one of them
+    holds `data_file` open, before DST exists: the process and the pids to continue. None when the
+    run got past its rename before it could be stopped."""
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}  # torchrun's workers talk over loopback
+    proc = subprocess.Popen([str(a) for a in argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
     target = os.path.realpath(data_file)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while proc.poll() is None and time.monotonic() < deadline:
-        if _holds_open(proc.pid, target):
-            proc.send_signal(signal.SIGSTOP)
+        tree = [proc.pid, *_descendants(proc.pid)]
+        if any(_holds_open(pid, target) for pid in tree):
+            for pid in tree:
+                os.kill(pid, signal.SIGSTOP)
             if not dst.exists():
-                return proc
+                return proc, tree
+            _continue(tree)
             break
         time.sleep(0.0002)
-    proc.send_signal(signal.SIGCONT)
-    proc.communicate(timeout=60)
+    proc.communicate(timeout=120)
     return None
 
 
-def rewrite_in_place(path: Path) -> None:
-    """Other bytes in the middle of `path`, written into the same inode: same size, new mtime."""
-    with open(path, "r+b") as fh:
-        fh.seek(path.stat().st_size // 2)
-        block = fh.read(4096)
-        fh.seek(-len(block), os.SEEK_CUR)
-        fh.write(bytes(b ^ 0xFF for b in block))
-
-
-def replace_by_a_copy(path: Path) -> None:
-    """The same bytes under the same name, as a new inode (a writer that saves and renames)."""
-    fresh = path.with_name(path.name + ".new")
-    fresh.write_bytes(path.read_bytes())
-    os.replace(fresh, path)
-
-
-@pytest.mark.parametrize("name,change", [("__0_0.distcp", rewrite_in_place), (".metadata", rewrite_in_place),
-                                         ("__0_0.distcp", replace_by_a_copy)],
-                         ids=["data-rewritten", "metadata-rewritten", "data-replaced"])
-def test_a_source_file_changed_mid_run_fails_the_run_and_leaves_no_dst(tmp_path: Path, big_source: Path, name,
-                                                                       change) -> None:
-    src = tmp_path / "src"
-    src.mkdir()
-    for part in big_source.iterdir():
-        (src / part.name).write_bytes(part.read_bytes())
-    if name == ".metadata":  # the same bytes again: only the modification time says it was written
-        change = lambda path: path.write_bytes(path.read_bytes())  # noqa: E731
-    dst = tmp_path / "dst"
-    for _ in range(5):
-        proc = stopped_while_reading(["reshard", src, dst, "-n", "2", "-q"], src / "__0_0.distcp", dst)
-        if proc is not None:
-            break
-        shutil.rmtree(dst, ignore_errors=True)
-    else:
-        pytest.fail("every run got past its rename before it could be stopped")
-    time.sleep(0.01)  # a later modification time than the one the run saw, on coarse clocks too
-    change(src / name)
-    proc.send_signal(signal.SIGCONT)
-    _, err = proc.communicate(timeout=120)
-    assert (proc.returncode, err) == (2, f"ckptctl: error: {src / name}: {CHANGED}\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
-
-
-@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
-def test_an_hf_file_changed_mid_import_fails_the_run_and_leaves_no_dst(tmp_path: Path, name: str) -> None:
-    """import-hf: the folder's config.json and weights are checked as DCP files are."""
-    folder = tmp_path / "HF"
-    folder.mkdir()
-    save_file({"model.embed_tokens.weight": torch.arange(BIG_ELEMENTS, dtype=torch.float32).reshape(-1, 1024)},
-              folder / "model.safetensors")
-    (folder / "config.json").write_text('{"model_type": "llama"}')
-    dst = tmp_path / "dst"
-    proc = stopped_while_reading(["import-hf", folder, dst, "-n", "2", "--no-name-check", "-q"],
-                                 folder / "model.safetensors", dst)
-    assert proc is not None, "the run got past its rename before it could be stopped"
-    time.sleep(0.01)
-    rewrite_in_place(folder / name)
-    proc.send_signal(signal.SIGCONT)
-    _, err = proc.communicate(timeout=120)
-    assert (proc.returncode, err) == (2, f"ckptctl: error: {folder / name}: {CHANGED}\n")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["HF"]
-
-
-def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path: Path) -> None:
-    """What one command read is forgotten when it ends: a library caller that reshards, changes
-    the source, and reshards again gets the new source, no error."""
-    src = copy_fixture(tmp_path)
-    ckptctl.reshard(src, tmp_path / "a", ckptctl.ReshardOptions(world_size=2))
-    data = sorted(src.glob("*.distcp"))[0]
-    replace_by_a_copy(data)
-    ckptctl.reshard(src, tmp_path / "b", ckptctl.ReshardOptions(world_size=2))
-    assert ckptctl.diff(tmp_path / "a", tmp_path / "b").equal
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "src"]
+def _continue(pids: list[int]) -> None:
+    for pid in pids:
+        os.kill(pid, signal.SIGCONT)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -261,28 +196,103 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def rewrite_in_place(path: Path) -> None:
+    """Other bytes in the middle of `path`, written into the same inode: same size, new mtime."""
+    with open(path, "r+b") as fh:
+        fh.seek(path.stat().st_size // 2)
+        block = fh.read(4096)
+        fh.seek(-len(block), os.SEEK_CUR)
+        fh.write(bytes(b ^ 0xFF for b in block))
+
+
+def replace_by_a_copy(path: Path) -> None:
+    """The same bytes under the same name, as a new inode (a writer that saves and renames)."""
+    fresh = path.with_name(path.name + ".new")
+    fresh.write_bytes(path.read_bytes())
+    os.replace(fresh, path)
+
+
+def assert_caught_mid_run(argv: list, source: Path, watched: Path, changed: Path, change, dst: Path,
+                          torchrun: bool = False) -> None:
+    """Run `argv`, stop it once it holds `watched` open, `change(changed)`, let it go on: it fails
+    with the one line naming `changed` and leaves nothing beside the source (under torchrun, the
+    one ckptctl line among the launcher's).
+
+    A run stopped between opening `watched` and noting it (an fstat: microseconds) reads only
+    the changed file, so when `changed` is `watched` it may end well, its output then equal to
+    the changed source; that run is made again, and one of five must be caught."""
+    for _ in range(5):
+        stopped = stopped_while_reading(argv, watched, dst)
+        if stopped is None:
+            shutil.rmtree(dst, ignore_errors=True)
+            continue
+        proc, tree = stopped
+        time.sleep(0.01)  # a later modification time than the one the run saw, on coarse clocks too
+        change(changed)
+        _continue(tree)
+        _, err = proc.communicate(timeout=120)
+        if proc.returncode == 0 and changed == watched:
+            assert ckptctl.diff(source, dst).equal
+            shutil.rmtree(dst)
+            continue
+        line = f"ckptctl: error: {changed}: {CHANGED}"
+        if torchrun:
+            assert proc.returncode != 0 and [x for x in err.splitlines() if x.startswith("ckptctl: ")] == [line]
+        else:
+            assert (proc.returncode, err) == (2, line + "\n")
+        assert sorted(p.name for p in dst.parent.iterdir()) == [source.name]
+        return
+    pytest.fail("no run was stopped once it had noted the file")
+
+
+def same_bytes_again(path: Path) -> None:
+    """The same bytes written again: only the modification time says it was written."""
+    path.write_bytes(path.read_bytes())
+
+
+@pytest.mark.parametrize("name,change", [("__0_0.distcp", rewrite_in_place), (".metadata", same_bytes_again),
+                                         ("__0_0.distcp", replace_by_a_copy)],
+                         ids=["data-rewritten", "metadata-rewritten", "data-replaced"])
+def test_a_source_file_changed_mid_run_fails_the_run_and_leaves_no_dst(tmp_path: Path, big_source: Path, name,
+                                                                       change) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for part in big_source.iterdir():
+        (src / part.name).write_bytes(part.read_bytes())
+    dst = tmp_path / "dst"
+    assert_caught_mid_run(CKPTCTL + ["reshard", src, dst, "-n", "2", "-q"], src, src / "__0_0.distcp", src / name,
+                          change, dst)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors"])
+def test_an_hf_file_changed_mid_import_fails_the_run_and_leaves_no_dst(tmp_path: Path, name: str) -> None:
+    """import-hf: the folder's config.json and weights are checked as DCP files are."""
+    folder = tmp_path / "HF"
+    folder.mkdir()
+    save_file({"model.embed_tokens.weight": torch.arange(BIG_ELEMENTS, dtype=torch.float32).reshape(-1, 1024)},
+              folder / "model.safetensors")
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    dst = tmp_path / "dst"
+    assert_caught_mid_run(CKPTCTL + ["import-hf", folder, dst, "-n", "2", "--no-name-check", "-q"], folder,
+                          folder / "model.safetensors", folder / name, rewrite_in_place, dst)
+
+
+def test_a_source_changed_between_two_runs_of_one_process_is_read_anew(tmp_path: Path) -> None:
+    """What one command read is forgotten when it ends: a library caller that reshards, changes
+    the source, and reshards again gets the new source, no error."""
+    src = copy_fixture(tmp_path)
+    ckptctl.reshard(src, tmp_path / "a", ckptctl.ReshardOptions(world_size=2))
+    data = sorted(src.glob("*.distcp"))[0]
+    replace_by_a_copy(data)
+    ckptctl.reshard(src, tmp_path / "b", ckptctl.ReshardOptions(world_size=2))
+    assert ckptctl.diff(tmp_path / "a", tmp_path / "b").equal
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "src"]
+
+
 def test_a_source_file_changed_while_torchrun_workers_write_fails_the_run(tmp_path: Path, big_source: Path) -> None:
     """Under torchrun every worker checks what it read: the run fails with the line, no DST."""
     src = tmp_path / "src"
     ckptctl.reshard(big_source, src, ckptctl.ReshardOptions(world_size=2))  # two data files of 16 MB
     dst, data = tmp_path / "dst", src / "__1_0.distcp"
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(torchrun_command(2, ["-q", "reshard", src, dst, "-n", "2"]), env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    target, workers = os.path.realpath(data), []
-    deadline = time.monotonic() + 120
-    while proc.poll() is None and not workers and time.monotonic() < deadline:
-        if any(_holds_open(pid, target) for pid in _descendants(proc.pid)):
-            workers = _descendants(proc.pid)
-            for pid in workers:
-                os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.0002)
-    assert workers and not dst.exists(), "the workers got past the rename before they could be stopped"
-    time.sleep(0.01)
-    rewrite_in_place(data)
-    for pid in workers:
-        os.kill(pid, signal.SIGCONT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert [line for line in err.splitlines() if line.startswith("ckptctl: ")] == [f"ckptctl: error: {data}: {CHANGED}"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    assert_caught_mid_run(torchrun_command(2, ["-q", "reshard", src, dst, "-n", "2"]), src, data, data,
+                          rewrite_in_place, dst, torchrun=True)
