@@ -5,7 +5,7 @@ start-up, imports, option parsing and the work. ckptctl's handler is installed b
 statement of `ckptctl.cli`, the module the console script imports; before that the signal is
 the interpreter's, and only these outcomes are allowed for it: death by SIGINT with nothing
 written (before the interpreter installed its own handler), the interpreter's own start-up
-failure while `site` runs, or a KeyboardInterrupt whose traceback stops short of ckptctl's
+failure (while `site` runs, or the standard streams are set up before it), or a KeyboardInterrupt whose traceback stops short of ckptctl's
 handler (in ckptctl's package `__init__`, in `ckptctl.interrupt`'s imports, in `ckptctl.cli`
 at its import of `ckptctl.interrupt` or the call that installs the handler). A traceback
 anywhere else fails, as a stray line on stderr does.
@@ -42,7 +42,7 @@ def before_the_handler(returncode: int, err: str) -> bool:
     """Whether the outcome is the interpreter's, the signal having landed before ckptctl's handler."""
     if (returncode, err) == (-signal.SIGINT, ""):
         return True
-    if returncode == 1 and err.startswith("Fatal Python error: init_import_site: Failed to import the site module"):
+    if returncode == 1 and re.match(r"Fatal Python error: init_\w+: ", err):  # site, or the streams before it
         return True
     if returncode != -signal.SIGINT or not err.startswith("Traceback") or not err.endswith("KeyboardInterrupt\n"):
         return False
