@@ -27,6 +27,7 @@ from ckptctl.dtypes import DType, cast_dtype
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.hf.base import is_model_key, load_hf_config
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.hf.nemotron_h import Mamba
 from ckptctl.hf.qwen3_next import GatedDeltaNet
 from ckptctl.layout import MODEL_PREFIXES, analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
@@ -96,11 +97,13 @@ class MegatronRequest:
     include: tuple[str, ...] = ()
     exclude: tuple[str, ...] = ()
     dtype: DType | None = None
+    hub_timeout: float = DEFAULT_HUB_TIMEOUT
 
     @classmethod
     def parse(cls, *, layout: str, world_size: int | None, tp: int | None, dp: int | None, source_tp: int | None,
               split_fused: bool, fuse: bool, flat_optimizer: bool, hf_config: Path | None, include: Sequence[str],
-              exclude: Sequence[str], dtype: DType | None) -> "MegatronRequest":
+              exclude: Sequence[str], dtype: DType | None,
+              hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> "MegatronRequest":
         """Refuse option combinations that cannot work (one line each), whatever the checkpoint."""
         if layout not in LAYOUTS:
             raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)}, torch-dist (got {layout!r})")
@@ -122,7 +125,7 @@ class MegatronRequest:
         elif dp is None and world_size is None:
             raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
         return cls(layout, world_size, tp, dp, source_tp, SPLIT if split_fused else FUSE if fuse else KEEP,
-                   flat_optimizer, hf_config, tuple(include), tuple(exclude), dtype)
+                   flat_optimizer, hf_config, tuple(include), tuple(exclude), dtype, hub_timeout)
 
 
 def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:
@@ -192,7 +195,7 @@ def readable_args(ckpt: Checkpoint) -> argparse.Namespace | None:
         return None
 
 
-def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
+def model_dims(ckpt: Checkpoint, hf_config: Path | None, hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> ModelDims:
     """GDN and Mamba sizes and fc1 gating from `--hf-config` (preferred) or the checkpoint's `args`:
     gating from the config's family where ckptctl knows it (its rules say whether fc1 is gated),
     else from `hidden_act`; saved split only when SiLU-gated."""
@@ -202,7 +205,7 @@ def model_dims(ckpt: Checkpoint, hf_config: Path | None) -> ModelDims:
     mamba: Mamba | None = None
     origins = []
     if hf_config is not None:
-        cfg = load_hf_config(hf_config)
+        cfg = load_hf_config(hf_config, hub_timeout)
         act = _lookup(cfg.data, "hidden_act") or _lookup(cfg.data, "hidden_activation")
         family = family_for_model_type(str(_lookup(cfg.data, "model_type")))
         if act is not None:
@@ -345,7 +348,7 @@ class MegatronPlanner:
 
     def dims(self) -> ModelDims:
         if self._dims is None:
-            self._dims = model_dims(self.ckpt, self.req.hf_config)
+            self._dims = model_dims(self.ckpt, self.req.hf_config, self.req.hub_timeout)
         return self._dims
 
     def component_rows(self, fqn: str, kind: str) -> tuple[int, ...] | None:

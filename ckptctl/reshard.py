@@ -29,6 +29,7 @@ from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_bytes
 from ckptctl.gc_pause import gc_paused
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.resources import peak_rss_bytes
 from ckptctl.selection import refuse_empty_selection, selected
 from ckptctl.output_check import DcpCheck
@@ -59,6 +60,8 @@ class ReshardOptions:
     fuse: bool = False
     flat_optimizer: bool = False
     hf_config: Path | None = None
+    hub_timeout: float = DEFAULT_HUB_TIMEOUT
+    """Seconds a Hub model id's config may take to download (`--hf-config`)."""
     device: str = "auto"
     sync: bool = True
     """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
@@ -76,7 +79,8 @@ class ReshardOptions:
         return MegatronRequest.parse(layout=self.layout, world_size=self.world_size, tp=self.tp, dp=self.dp,
                                      source_tp=self.source_tp, split_fused=self.split_fused, fuse=self.fuse,
                                      flat_optimizer=self.flat_optimizer, hf_config=self.hf_config,
-                                     include=self.include, exclude=self.exclude, dtype=self.dtype)
+                                     include=self.include, exclude=self.exclude, dtype=self.dtype,
+                                     hub_timeout=self.hub_timeout)
 
 
 @dataclass

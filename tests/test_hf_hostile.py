@@ -23,7 +23,7 @@ import pytest
 
 from ckptctl.errors import CheckpointError
 from ckptctl.hf.files import MAX_JSON_DEPTH, read_json_object
-from tests.conftest import ROOT, run_cli
+from tests.conftest import FIXTURES, ROOT, run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -210,14 +210,16 @@ def test_an_auto_map_config_is_refused_and_its_canary_module_never_imported(fold
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_hub_that_accepts_and_never_answers_is_given_up_at_the_deadline(ckpt, tmp_path):
+@pytest.mark.parametrize("command", ["export-hf", "reshard"])
+def test_a_hub_that_accepts_and_never_answers_is_given_up_at_the_deadline(ckpt, tmp_path, command):
+    src, options = (ckpt, ()) if command == "export-hf" else (FIXTURES / "megatron_tp2_dp2", ("--split-fused", "-n", "2"))
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
         server.listen(16)  # the kernel completes each connection; nobody ever reads or answers
         endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
         env = {"HF_HOME": str(tmp_path / "hf-home"), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0"}
         started = time.monotonic()
-        res = run_with_stdin("export-hf", ckpt, tmp_path / "dst", "--hf-config", "no-such-org/no-such-model",
+        res = run_with_stdin(command, src, tmp_path / "dst", *options, "--hf-config", "no-such-org/no-such-model",
                              "--hub-timeout", "1.5", env=env)
         elapsed = time.monotonic() - started
     assert error(res) == (

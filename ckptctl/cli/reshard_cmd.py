@@ -14,6 +14,7 @@ from ckptctl.cli.common import (
     dist_backend_option,
     emit_json,
     human_bytes,
+    hub_timeout_option,
     no_sync_option,
     run_distributed,
     say,
@@ -80,6 +81,7 @@ def reshard_command(
                                         "(1-D, item coordinates) as CPU-offloaded Megatron-FSDP saves them."),
     hf_config: Optional[Path] = typer.Option(None, "--hf-config", help="HF model folder, its config.json, or a Hub model id, giving the model "
                                              "dims a split needs (GDN heads/dims, hidden_act); default: args."),
+    hub_timeout: float = hub_timeout_option(),
 ) -> None:
     """Rewrite a checkpoint as FSDP2 would save it at --world-size ranks, streaming and bit-exact.
 
@@ -92,7 +94,8 @@ def reshard_command(
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
                               device=device, sync=not no_sync, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
-                              split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config)
+                              split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config,
+                              hub_timeout=hub_timeout)
         return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                        comm=comm)
 
