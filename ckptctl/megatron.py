@@ -8,6 +8,7 @@ computed here once in global row coordinates (never from a local shard's size).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -102,3 +103,62 @@ def is_expert(name: str) -> bool:
     """Routed-expert params (expert tensor parallel, not the dense TP)."""
     return ".mlp.experts." in name or name.startswith("mlp.experts.")
 
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """One Megatron module name that megatron-core releases spell two ways: `old` until a
+    release, `new` from `since` on. Rules, bucket tables and component names are written in the
+    old spelling (megatron-core's torch_dist keys keep it in every release); a name in the new
+    spelling is read as the old one (`canonical`), and an output for a release that uses it is
+    written in it (`respelled`)."""
+
+    old: str
+    new: str
+    since: tuple[int, int]
+
+    def pattern(self, spelling: str) -> re.Pattern[str]:
+        return re.compile(rf"(?:^|(?<=\.)){re.escape(spelling)}(?=\.|$)")
+
+
+SPELLINGS = (Spelling("mixer.conv1d.weight", "mixer.conv1d_weight", (0, 19)),
+             Spelling("mixer.conv1d.bias", "mixer.conv1d_bias", (0, 19)))
+"""megatron-core 0.19's MambaMixer registers its conv as parameters of its own (`conv1d_weight`,
+`conv1d_bias`; 0.16's was an `nn.Conv1d`, `conv1d.weight`): a module's `state_dict()` names
+(Megatron-FSDP's fsdp_dtensor saves, Megatron-Bridge's mappings) follow the release, while its
+`sharded_state_dict()` maps them back to `conv1d.weight` / `.bias`, so torch_dist keys do not."""
+CURRENT_RELEASE = (0, 19)
+"""The megatron-core release an output is spelled for unless told otherwise (import-hf `--megatron-core`)."""
+_OLD = [(s, s.pattern(s.old)) for s in SPELLINGS]
+_NEW = [(s, s.pattern(s.new)) for s in SPELLINGS]
+
+
+def canonical(name: str) -> str:
+    """`name` (a param, a saved component of one, or an optimizer state naming one) in the spelling
+    rules are written in."""
+    for spelling, pattern in _NEW:
+        if spelling.new in name:
+            name = pattern.sub(spelling.old, name)
+    return name
+
+
+def respelled(name: str, release: tuple[int, int]) -> str:
+    """Rule-spelled `name` as megatron-core `release` names the module (`Spelling.since`)."""
+    for spelling, pattern in _OLD:
+        if release >= spelling.since and spelling.old in name:
+            name = pattern.sub(spelling.new, name)
+    return name
+
+
+def spellings(name: str) -> tuple[str, ...]:
+    """Rule-spelled `name` in every spelling a release gives it, its own first."""
+    return tuple(dict.fromkeys((name, *(respelled(name, s.since) for s in SPELLINGS))))
+
+
+def parse_release(text: str) -> tuple[int, int]:
+    """A megatron-core release `MAJOR.MINOR[.PATCH…]` as (major, minor); UsageError otherwise."""
+    found = re.fullmatch(r"(\d{1,4})\.(\d{1,4})(?:\.\w{1,16})*", text.strip())
+    if found is None:
+        example = ".".join(map(str, CURRENT_RELEASE))
+        raise UsageError(f"--megatron-core takes a release such as {example} (got {text!r})")
+    return int(found[1]), int(found[2])

@@ -22,7 +22,7 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.expected import sizing_keys
 from ckptctl.hf.files import read_json_object
 from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT, looks_like_repo_id, resolve_repo
-from ckptctl.megatron import MODEL_PREFIXES, RowBlock, select_rows, tp_blocked_split
+from ckptctl.megatron import MODEL_PREFIXES, RowBlock, canonical, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.layout import is_layer_stacked, is_optimizer_entry
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, row_groups_view, source_view
@@ -351,7 +351,9 @@ def megatron_prefix(ckpt: Checkpoint) -> str | None:
 
 
 class MegatronModel:
-    """The model tensors of a Megatron checkpoint by name without prefix; remembers which were used.
+    """The model tensors of a Megatron checkpoint by name without prefix, spelled as the rules
+    spell them (`megatron.canonical`: 0.19's `mixer.conv1d_weight` is `mixer.conv1d.weight`
+    here, its entry's fqn the saved name); remembers which were used.
 
     A torch_dist checkpoint keeps each layer-wise parameter as one layer stack
     (`decoder.layers.<name>` [L, …]): it is seen here as L tensors `decoder.layers.<l>.<name>`,
@@ -366,10 +368,15 @@ class MegatronModel:
     def __init__(self, ckpt: Checkpoint, prefix: str) -> None:
         self.ckpt = ckpt
         self.prefix = prefix
-        self.entries: dict[str, TensorEntry] = {
-            fqn[len(prefix):]: entry for fqn, entry in ckpt.tensors.items()
-            if fqn.startswith(prefix) and is_model_key(fqn)
-        }
+        self.entries: dict[str, TensorEntry] = {}
+        for fqn, entry in ckpt.tensors.items():
+            if fqn.startswith(prefix) and is_model_key(fqn):
+                name = canonical(fqn[len(prefix):])
+                if name in self.entries:
+                    raise CheckpointError(ckpt.path, f"holds both {self.entries[name].fqn} and {fqn}, two "
+                                                     "megatron-core releases' names of one parameter: which one is "
+                                                     "the model's is not guessed")
+                self.entries[name] = entry
         self.layer_views: dict[str, RowView] = {}
         """Per-layer name → its rows of a torch_dist layer stack."""
         self.stacks: dict[str, int] = {}

@@ -3,8 +3,10 @@
 Each export-hf / import-hf family is registered here by name. The Megatron families' rules
 also declare each Megatron tensor's TP kind (`rules.COLUMN`, `ROW`, `DUPLICATED`, or a
 fused kind): `megatron_tp_kind` answers from those declarations (and `MEGATRON_ONLY`, names
-Megatron-Core saves that no HF family maps), so placement and reshard split a tensor over
-TP only as a rule says, and a name no rule knows is None: theirs to refuse.
+Megatron-Core saves that no HF family maps), in each spelling a megatron-core release gives a
+name (`megatron.SPELLINGS`: 0.19's Mamba `mixer.conv1d_weight` as 0.16's `mixer.conv1d.weight`),
+so placement and reshard split a tensor over TP only as a rule says, and a name no rule knows
+is None: theirs to refuse.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ckptctl.hf.qwen3_next import QWEN3_NEXT
 from ckptctl.hf.raw import RAW
 from ckptctl.hf.rules import COLUMN, DUPLICATED, MG_LAYER, ROW, Family
 from ckptctl.hf.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
-from ckptctl.megatron import FUSED_PARTS
+from ckptctl.megatron import FUSED_PARTS, spellings
 
 FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2,
                                 GEMMA3, NEMOTRON_H, GPT_OSS, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3,
@@ -64,6 +66,8 @@ def _megatron_kinds() -> tuple[re.Pattern[str], tuple[str, ...]]:
                     raise AssertionError(f"{name}: TP kinds {declared[name]} and {kind} in the rules")
     for name, kind in MEGATRON_ONLY:
         declared.setdefault(name, kind)
+    for name, kind in list(declared.items()):  # every release's spelling of it (`megatron.SPELLINGS`)
+        declared.update((other, kind) for other in spellings(name))
     kinds = tuple(dict.fromkeys(declared.values()))
     groups = "|".join(f"(?P<k{i}>{'|'.join(_pattern(n) for n, k in declared.items() if k == kind)})"
                       for i, kind in enumerate(kinds))
