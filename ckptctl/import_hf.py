@@ -48,6 +48,7 @@ from ckptctl.hf.llama import EMBED, OUTPUT
 from ckptctl.hf.torchtitan import EMBED as TT_EMBED
 from ckptctl.hf.torchtitan import OUTPUT as TT_OUTPUT
 from ckptctl.hf.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
+from ckptctl.megatron import CURRENT_RELEASE, SPELLINGS, parse_release, respelled
 from ckptctl.model import Checkpoint
 from ckptctl.placement import fsdp2, megatron_fsdp
 from ckptctl.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
@@ -84,6 +85,13 @@ class ImportOptions:
     dp: int | None = None
     split_fused: bool = False
     vocab_multiple: int = VOCAB_MULTIPLE
+    megatron_core: str | None = None
+    """megatron-fsdp: the megatron-core release that loads the output (its module names,
+    `megatron.SPELLINGS`); None: the current release (`megatron.CURRENT_RELEASE`)."""
+
+    @property
+    def release(self) -> tuple[int, int]:
+        return CURRENT_RELEASE if self.megatron_core is None else parse_release(self.megatron_core)
 
     @property
     def output_prefix(self) -> str:
@@ -201,8 +209,8 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
     if opts.to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)} (got {opts.to!r})")
     if opts.to != "megatron-fsdp":
-        if opts.tp is not None or opts.dp is not None or opts.split_fused:
-            raise UsageError("--tp, --dp and --split-fused are for --to megatron-fsdp")
+        if opts.tp is not None or opts.dp is not None or opts.split_fused or opts.megatron_core is not None:
+            raise UsageError("--tp, --dp, --split-fused and --megatron-core are for --to megatron-fsdp")
         if opts.world_size is None:
             raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
         if opts.world_size < 1:
@@ -370,10 +378,26 @@ def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: d
     spec = MegatronSpec(tp, opts.split_fused, -(-vocab // multiple) * multiple, frozenset(ckpt.tensors))
     targets = rule_targets(ckpt, views, cfg, family, family.megatron_shapes(cfg, spec), tp,
                            {EMBED: vocab, OUTPUT: vocab}, expected, opts, notes)
+    targets = respelled_targets(targets, opts, notes)
     if spec.padded_vocab > vocab:
         notes.append(f"vocab padded from {vocab} to {spec.padded_vocab} rows with zeros (a multiple of "
                      f"{opts.vocab_multiple} × TP {tp}, as Megatron pads it)")
     return targets
+
+
+def respelled_targets(targets: list[TargetTensor], opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
+    """The Megatron tensors named as the release `--megatron-core` names its modules (rules spell
+    them as the older releases do, `megatron.SPELLINGS`), with a note of the names a release decides."""
+    release = opts.release
+    at = ".".join(map(str, release))
+    for since in sorted({s.since for s in SPELLINGS}):
+        used = [s for s in SPELLINGS if s.since == since and any(t.fqn.endswith(s.old) for t in targets)]
+        if used:
+            chosen, other = ("new", "old") if release >= since else ("old", "new")
+            notes.append(f"{', '.join(getattr(s, chosen) for s in used)} written as megatron-core {at} names them "
+                         f"({', '.join(getattr(s, other) for s in used)} {'before' if chosen == 'new' else 'from'} "
+                         f"{'.'.join(map(str, since))}; --megatron-core RELEASE)")
+    return [replace(t, fqn=respelled(t.fqn, release)) for t in targets]
 
 
 def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,

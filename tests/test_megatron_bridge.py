@@ -77,6 +77,7 @@ def mapped(request, tmp_path_factory):
 def saved_name(name: str, ours: dict) -> str:
     name = SEQUENTIAL_EXPERT.sub(r"mlp.experts.\2.\3\1", name)
     name = name.replace(".transformer_layer.", ".mtp_model_layer.")  # megatron-core 0.16's MTP decoder layer
+    name = re.sub(r"\.mixer\.conv1d\.(weight|bias)$", r".mixer.conv1d_\1", name)  # and its Mamba conv module
     for local, saved in LOCAL_SPEC_NAMES:
         if name.endswith(local) and "model.module." + name[: -len(local)] + saved in ours:
             return "model.module." + name[: -len(local)] + saved

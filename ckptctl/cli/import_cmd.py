@@ -52,6 +52,11 @@ def import_hf_command(
                                                         "/ --tp)."),
     split_fused: bool = typer.Option(False, "--split-fused", help="megatron-fsdp: write SwiGLU fc1 as weight_w/_v "
                                                                   "and GDN in_proj/conv1d as .query/.key/…"),
+    megatron_core: Optional[str] = typer.Option(None, "--megatron-core", metavar="RELEASE",
+                                                help="megatron-fsdp: the megatron-core release that loads the output, "
+                                                     "whose module names it gets (default 0.19, the current one: "
+                                                     "Mamba's conv as mixer.conv1d_weight/_bias; before 0.19 "
+                                                     "mixer.conv1d.weight/.bias)."),
     vocab_multiple: int = typer.Option(128, "--make-vocab-size-divisible-by",
                                        help="megatron-fsdp: pad the vocab to a multiple of this × TP, as Megatron "
                                             "does (its option of the same name)."),
@@ -93,7 +98,7 @@ def import_hf_command(
         opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
                              exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check, arch=arch, tp=tp, dp=dp,
-                             split_fused=split_fused, vocab_multiple=vocab_multiple)
+                             split_fused=split_fused, vocab_multiple=vocab_multiple, megatron_core=megatron_core)
         return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm)
 
     def show(report: ImportReport) -> None:
