@@ -87,8 +87,9 @@ BY_SAFETENSORS: dict[str, DType] = {d.safetensors: d for d in _TABLE if d.safete
 
 float32, float16, bfloat16 = DTYPES["float32"], DTYPES["float16"], DTYPES["bfloat16"]
 
-CAST_CHOICES: dict[str, DType | None] = {"keep": None, "bf16": bfloat16, "fp16": float16, "fp32": float32}
-"""`--dtype` values: the dtype floating tensors are cast to (`keep`: none)."""
+CAST_CHOICES: dict[str, DType | None] = {"keep": None, "bf16": bfloat16, "fp16": float16, "fp32": float32,
+                                         "bfloat16": bfloat16, "float16": float16, "float32": float32}
+"""`--dtype` values: the dtype floating tensors are cast to (`keep`: none), by its short or torch name."""
 
 
 def as_dtype(value: Any) -> DType:

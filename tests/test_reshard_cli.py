@@ -178,7 +178,7 @@ def test_incomplete_source_is_refused_with_the_diagnosis(fixture_ckpt, tmp_path)
     (["reshard", "/nonexistent/ckpt", "OUT", "-n", "2"], "ckptctl: error: /nonexistent/ckpt: no such file or directory\n"),
     (["reshard", "SRC", "OUT", "-n", "0"], "ckptctl: error: --world-size must be at least 1 (got 0)\n"),
     (["reshard", "SRC", "OUT", "-n", "2", "--dtype", "int8"],
-     "ckptctl: error: --dtype must be one of keep, bf16, fp16, fp32 (got 'int8')\n"),
+     "ckptctl: error: --dtype must be one of keep, bf16, fp16, fp32, bfloat16, float16, float32 (got 'int8')\n"),
 ])
 def test_bad_invocations_fail_with_one_line(src, tmp_path, argv, message):
     argv = [str(src) if a == "SRC" else str(tmp_path / "o") if a == "OUT" else a for a in argv]

@@ -18,13 +18,16 @@ from typing import NoReturn  # noqa: E402
 import typer  # noqa: E402
 
 from ckptctl.cli import common  # noqa: E402
+from ckptctl.cli.help import Command, Group  # noqa: E402
 from ckptctl.gc_pause import freeze_after_pauses  # noqa: E402
 
 app = typer.Typer(
     name="ckptctl",
+    cls=Group,
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -36,13 +39,13 @@ def _print_version(value: bool) -> None:
     if value:
         from ckptctl import __version__
 
-        sys.stdout.write(f"ckptctl {__version__}\n")
+        common.write_out(f"ckptctl {__version__}\n")
         raise typer.Exit()
 
 
 @app.callback()
 def _root(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+    version: bool = typer.Option(False, "-V", "--version", callback=_print_version, is_eager=True,
                                  help="Print the version and exit."),
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors (accepted anywhere on the line)."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bars (accepted anywhere on the line; "
@@ -57,6 +60,9 @@ def _root(
 
 def _register() -> None:
     from ckptctl.cli import commands  # noqa: F401  (each module adds its command to `app`)
+
+    for info in app.registered_commands:  # every command's help flows, its usage reads SRC DST
+        info.cls = Command
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import typer
 
+from ckptctl.cli.help import completes
+from ckptctl.dtypes import CAST_CHOICES
 from ckptctl.errors import CkptctlError
 from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
@@ -25,12 +27,34 @@ EXIT_BAD_INPUT = 2
 T = TypeVar("T")
 
 
+def reader_gone() -> None:
+    """stdout's reader has closed the pipe (`ckptctl inspect CKPT | head -1`): what is left to
+    print goes nowhere, and the command ends with the status its work earns, not an error."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def write_out(text: str) -> None:
+    """Text on stdout, flushed; a closed pipe is no error (`reader_gone`)."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_gone()
+
+
 @functools.cache
 def stdout() -> Console:
-    """The rich console on stdout, made (and rich imported) on first use: start-up stays short."""
+    """The rich console on stdout, made (and rich imported) on first use: start-up stays short.
+    A closed pipe is no error (`reader_gone`), where rich would exit 1."""
     from rich.console import Console
 
-    return Console(soft_wrap=True)
+    class Stdout(Console):
+        def on_broken_pipe(self) -> None:
+            reader_gone()
+
+    return Stdout(soft_wrap=True)
 
 
 @functools.cache
@@ -125,11 +149,10 @@ def emit_json(doc: Any) -> None:
         pieces.append(piece)
         held += len(piece)
         if held >= _JSON_WRITE_CHARS:
-            sys.stdout.write("".join(pieces))
+            write_out("".join(pieces))
             pieces.clear()
             held = 0
-    sys.stdout.write("".join(pieces) + "\n")
-    sys.stdout.flush()
+    write_out("".join(pieces) + "\n")
 
 
 def _float_text(value: float) -> str:
@@ -226,6 +249,13 @@ def _key(key: Any) -> str:
 def device_option() -> Any:
     """`--device`, shared by every command that executes a copy plan."""
     return typer.Option("auto", "--device", help="auto|cpu|cuda: where blocks are assembled and cast (auto = cuda when available).")
+
+
+def dtype_option() -> Any:
+    """`--dtype`, shared by every command that writes tensors."""
+    return typer.Option("keep", "--dtype", metavar="DTYPE", autocompletion=completes(*CAST_CHOICES),
+                        help="Cast floating tensors to bf16 (or bfloat16), fp16 (float16) or fp32 (float32); "
+                             "keep: no cast.")
 
 
 def no_sync_option() -> Any:

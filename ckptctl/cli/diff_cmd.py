@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import ProgressDisplay, emit_json, progress_wanted, run_guarded, say, stdout
+from ckptctl.cli.common import ProgressDisplay, emit_json, progress_wanted, run_guarded, say, stdout, write_out
 from ckptctl.model import dtype_name
 from ckptctl.wording import counted
 
@@ -169,10 +169,8 @@ def detail(e: EntryDiff) -> str:
 def _print_text(report: DiffReport) -> None:
     shown = [e for e in (*report.tensors, *report.bytes_entries) if e.status != "equal"]
     if not sys.stdout.isatty():  # a pipe: plain lines, rich never imported
-        sys.stdout.write("".join(f"{e.name}: {e.status}" + (f": {d}" if (d := detail(e)) else "") + "\n"
-                                 for e in shown))
-        sys.stdout.write(summary_line(report) + "\n")
-        sys.stdout.flush()
+        write_out("".join(f"{e.name}: {e.status}" + (f": {d}" if (d := detail(e)) else "") + "\n"
+                          for e in shown) + summary_line(report) + "\n")
         return
     if shown:
         from rich.table import Table
@@ -204,7 +202,9 @@ def diff_command(
 ) -> None:
     """Compare two checkpoints tensor by tensor (DCP or safetensors, any layout); exit 1 if they differ.
 
-    Examples: `ckptctl diff ckpt/step-100 resharded/` · `ckptctl diff ckpt/step-100 hf-export/ --atol 1e-6`
+    Examples:
+      ckptctl diff demo/ckpt demo/ckpt-ws3
+      ckptctl diff demo/ckpt demo/hf --atol 1e-6
     """
 
     def body() -> DiffReport:

@@ -11,15 +11,16 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, hub_timeout_option, no_sync_option, run_distributed,
-    say, stdout, timing_json, timing_summary,
+    device_option, dist_backend_option, dtype_option, emit_json, human_bytes, hub_timeout_option, no_sync_option,
+    run_distributed, say, stdout, timing_json, timing_summary, write_out,
 )
+from ckptctl.cli.help import ARCHES, completes
 from ckptctl.cli.reshard_cmd import parse_dtype
-from ckptctl.engine.dist import Comm
 from ckptctl.wording import counted
-from ckptctl.progress import ProgressObserver
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
+    from ckptctl.engine.dist import Comm
+    from ckptctl.progress import ProgressObserver
     from ckptctl.export_hf import ExportPreview, ExportReport, SourceRows
 
 ROW_RANGES_SHOWN = 3
@@ -71,8 +72,7 @@ def print_preview_plain(preview: ExportPreview) -> None:
     for t in preview.tensors:
         add = f" + {t.add:g}" if t.add else ""
         out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add)
-    sys.stdout.write("\n".join(out) + "\n")
-    sys.stdout.flush()
+    write_out("\n".join(out) + "\n")
 
 
 def print_preview_table(preview: ExportPreview) -> None:
@@ -122,15 +122,13 @@ def export_hf_command(
                                   help="HF model folder with config.json, the config file, or a Hub model id "
                                        "(Qwen/Qwen3-8B: from the Hugging Face cache, else its config and "
                                        "tokenizer files are downloaded; HF_HUB_OFFLINE=1 never downloads)."),
-    arch: str = typer.Option("auto", "--arch", help="auto|llama|qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|gpt-oss|"
-                                                    "deepseek-v3|mixtral|gemma2|gemma3|nemotron-h|"
-                                                    "torchtitan-llama3|torchtitan-qwen3|torchtitan-deepseek-v3|"
-                                                    "automodel|raw (auto: torchtitan names pick a torchtitan "
-                                                    "family, Megatron names the config model_type, HF names raw, "
-                                                    "or automodel with NeMo Automodel's native experts)."),
+    arch: str = typer.Option("auto", "--arch", metavar="ARCH", autocompletion=completes(*ARCHES),
+                             help=f"The model family: {', '.join(ARCHES)}. auto: torchtitan names pick a "
+                                  "torchtitan family, Megatron names the config's model_type, HF names raw, or "
+                                  "automodel with NeMo Automodel's native experts."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size, for fused TP-blocked tensors "
                                                          "(default: the checkpoint's args, else its geometry)."),
-    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    dtype: str = dtype_option(),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size",
                                        help="Largest safetensors file, as transformers reads it: 5GB (10^9 bytes), "
                                             "5GiB (2^30), 500MB, 500MiB, 1.5GB, or plain bytes; Gb/Mb/Kb are bits."),
@@ -167,8 +165,10 @@ def export_hf_command(
 
     Under torchrun each worker writes a share of the safetensors files; rank 0 reports.
 
-    Examples: `ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16` ·
-    `ckptctl export-hf ckpt/step-1000 hf/ --hf-config ref/ --dry-run --include 'model.layers.0.*'`
+    Examples:
+      ckptctl export-hf demo/ckpt /tmp/hf --hf-config demo/hf-config --dtype bf16
+      ckptctl export-hf demo/ckpt /tmp/hf --hf-config demo/hf-config --dry-run
+      ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
     """
 
     def options():

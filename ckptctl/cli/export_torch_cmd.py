@@ -10,15 +10,16 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, emit_json, human_bytes, no_sync_option, run_distributed, say, timing_json, timing_summary,
+    device_option, dtype_option, emit_json, human_bytes, no_sync_option, run_distributed, say, timing_json,
+    timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
-from ckptctl.engine.dist import Comm
 from ckptctl.errors import UsageError
-from ckptctl.progress import ProgressObserver
 from ckptctl.wording import counted
 
 if TYPE_CHECKING:
+    from ckptctl.engine.dist import Comm
+    from ckptctl.progress import ProgressObserver
     from ckptctl.export_torch import ExportTorchReport
 
 
@@ -35,7 +36,7 @@ def export_torch_command(
     out: Path = typer.Argument(..., help="Output torch.save file, e.g. model.pt (written atomically)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Keep only FQNs matching this glob (repeatable)."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable)."),
-    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    dtype: str = dtype_option(),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read OUT with torch.load and compare every entry with "
                                 "the source."),
@@ -52,7 +53,9 @@ def export_torch_command(
     keeps it: torch.load with weights_only needs argparse.Namespace allowed through
     torch.serialization.safe_globals for such a file, or pass --exclude args.
 
-    Example: ckptctl export-torch /ckpt/step-1000 model.pt --include 'model.*' --dtype bf16
+    Examples:
+      ckptctl export-torch demo/ckpt /tmp/model.pt
+      ckptctl export-torch demo/ckpt /tmp/m.pt --include 'model.*' --dtype bf16
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportTorchReport:

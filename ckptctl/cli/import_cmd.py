@@ -10,15 +10,16 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, emit_json, human_bytes, no_sync_option, run_distributed, say, stdout,
-    timing_summary,
+    device_option, dist_backend_option, dtype_option, emit_json, human_bytes, no_sync_option, run_distributed, say,
+    stdout, timing_summary,
 )
+from ckptctl.cli.help import ARCHES, TARGETS, completes
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.cli.reshard_cmd import report_json as reshard_json
-from ckptctl.engine.dist import Comm
-from ckptctl.progress import ProgressObserver
 
 if TYPE_CHECKING:
+    from ckptctl.engine.dist import Comm
+    from ckptctl.progress import ProgressObserver
     from ckptctl.import_hf import ImportReport
 
 
@@ -35,17 +36,16 @@ def import_hf_command(
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n",
                                              help="Number of ranks the output is laid out for (fsdp2: required; "
                                                   "megatron-fsdp: TP × DP)."),
-    to: str = typer.Option("fsdp2", "--to", help="fsdp2: HF names, as a fully_shard'ed transformers model "
-                                                 "saves them | torchtitan: torchtitan's names and RoPE row order | "
-                                                 "megatron-fsdp: Megatron names and TP×DP boxes."),
+    to: str = typer.Option("fsdp2", "--to", metavar="FORMAT", autocompletion=completes(*TARGETS),
+                           help="fsdp2: HF names, as a fully_shard'ed transformers model saves them; torchtitan: "
+                                "torchtitan's names and RoPE row order; megatron-fsdp: Megatron names and TP×DP boxes."),
     prefix: Optional[str] = typer.Option(None, "--prefix",
                                          help="Put before every name (default 'model.' for fsdp2, as "
                                               "dcp.save({'model': model.state_dict()}) writes it; '' for torchtitan; "
                                               "'model.module.' for megatron-fsdp)."),
-    arch: str = typer.Option("auto", "--arch", help="torchtitan and megatron-fsdp: auto (config model_type)|llama|"
-                                                    "qwen2|qwen3|qwen3-moe|qwen3-next|qwen3.5|deepseek-v3|mixtral|"
-                                                    "gemma2|gemma3|nemotron-h|gpt-oss|torchtitan-llama3|"
-                                                    "torchtitan-qwen3|torchtitan-deepseek-v3."),
+    arch: str = typer.Option("auto", "--arch", metavar="ARCH", autocompletion=completes(*ARCHES[:-2]),
+                             help=f"torchtitan and megatron-fsdp: the model family, {', '.join(ARCHES[:-2])} "
+                                  "(auto: the config's model_type)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="megatron-fsdp: tensor-parallel size (fused tensors are "
                                                         "TP-blocked for it; default 1)."),
     dp: Optional[int] = typer.Option(None, "--dp", help="megatron-fsdp: data-parallel size (default --world-size "
@@ -66,7 +66,7 @@ def import_hf_command(
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", metavar="<glob>",
                                                 help="Leave out HF tensors whose name matches this glob "
                                                      "(repeatable)."),
-    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    dtype: str = dtype_option(),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and compare every tensor with the "
                                                         "safetensors source, decoded by the safetensors library."),
@@ -87,9 +87,11 @@ def import_hf_command(
     megatron-fsdp: the family's rules must claim every HF tensor and make every Megatron row).
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
 
-    Examples: ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32 ·
-    ckptctl import-hf Llama-3.1-8B/ outputs/checkpoint/step-0 --to torchtitan --world-size 8 ·
-    ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
+    Examples:
+      ckptctl import-hf demo/hf /tmp/ckpt --world-size 2
+      ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32
+      ckptctl import-hf Llama-3.1-8B/ step-0/ --to torchtitan --world-size 8
+      ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ImportReport:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -66,29 +67,18 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import Fragment, Streamed, emit_json, human_bytes, json_scalar, run_guarded, stdout
+from ckptctl.cli.common import (
+    Fragment, Streamed, emit_json, human_bytes, json_scalar, run_guarded, stdout, write_out,
+)
 from ckptctl.errors import UsageError
-from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.layout import Analysis, TensorReport, analysis
-from ckptctl.model import Checkpoint, Chunk
-from ckptctl.rank_state import rank_states
 from ckptctl.wording import counted
 
-if TYPE_CHECKING:  # rich is imported when a table is rendered, not at start-up
-    from rich.console import Console
-    from rich.text import Text
-
+if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
     from ckptctl.formats.megatron_args import TrainingArgs
+    from ckptctl.layout import Analysis, TensorReport
+    from ckptctl.model import Checkpoint, Chunk
 
 EXIT_PROBLEMS = 1
-_PIPE_WIDTH = 100_000
-
-
-def _console() -> Console:
-    """The shared console on a terminal; in a pipe, one that never wraps table rows."""
-    from rich.console import Console
-
-    return stdout() if stdout().is_terminal else Console(width=_PIPE_WIDTH, soft_wrap=True)
 
 
 _CHUNKS_PER_PIECE = 1024
@@ -171,6 +161,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
     from ckptctl.formats.megatron_args import training_args
+    from ckptctl.rank_state import rank_states
 
     reports = analysis.reports
     training = training_args(ckpt)
@@ -306,12 +297,6 @@ def _rank_state_line(state: dict[str, Any]) -> str:
 
 
 def _print_summary(doc: dict[str, Any]) -> None:
-    from rich.table import Table
-    from rich.text import Text
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
     files = doc["files"]
     rows = [
         ("Checkpoint", doc["path"]),
@@ -324,7 +309,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         *((("Training", _training_line(doc["training"])),) if doc["training"] else ()),
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
-        ("Files", f"{len(files)} files, {human_bytes(doc['total_bytes'])}"),
+        ("Files", f"{counted(len(files), 'data file')}, {human_bytes(doc['total_bytes'])}"),
         *(("", line) for line in _file_lines(files)),
         *((("Unreferenced", _unreferenced_warning(doc)),) if doc["unreferenced_files"] else ()),
         *(("Per-rank state", _rank_state_line(r)) for r in doc["rank_state"]),
@@ -334,34 +319,84 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
          + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
     ]
-    for key, value in rows:
-        grid.add_row(key, Text(value))
-    _console().print(grid)
-
-
-def _coverage_cell(cov: dict[str, Any]) -> Text:
-    from rich.text import Text
-
-    if cov["status"] == "complete":
-        return Text("complete", style="green")
-    parts = [f"{k} {cov[k]}" for k in ("gaps", "overlaps") if cov[k]]
-    return Text(", ".join(parts), style="bold red")
-
-
-def _print_tensors(tensors: dict[str, Any]) -> None:
+    if not stdout().is_terminal:  # a pipe: plain lines, keys aligned, nothing trailing
+        width = max(len(key) for key, _ in rows)
+        write_out("".join(f"{key:<{width}}  {value}\n" for key, value in rows))
+        return
     from rich.table import Table
     from rich.text import Text
 
-    table = Table(title=f"{len(tensors)} tensors", title_justify="left")
-    table.add_column("fqn", overflow="fold")
-    for name in ("shape", "dtype", "size", "layout", "coverage"):
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for key, value in rows:
+        grid.add_row(key, Text(value))
+    stdout().print(grid)
+
+
+COLUMNS = ("fqn", "shape", "dtype", "size", "layout", "coverage")
+
+
+def _status(fqn: str, t: dict[str, Any], problems: dict[str, str]) -> str:
+    """The coverage column: `complete`, the gaps and overlaps, or the problem a whole tensor has
+    (`data-loss`, `shape-mismatch`): never `complete` for a tensor `--check` fails on."""
+    cov = t["coverage"]
+    if cov["status"] != "complete":
+        return ", ".join(f"{k} {cov[k]}" for k in ("gaps", "overlaps") if cov[k])
+    return problems.get(fqn, "complete")
+
+
+def _cells(fqn: str, t: dict[str, Any], problems: dict[str, str]) -> tuple[str, ...]:
+    layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else
+                            f" (dim 1 in {t['dim1_parts']})" if t["dim1_parts"] else "")
+    return (fqn, str(t["shape"]), t["dtype"], human_bytes(t["nbytes"]), layout, _status(fqn, t, problems))
+
+
+def fold_name(name: str, width: int) -> list[str]:
+    """`name` in lines of at most `width`, broken after dots (`model.layers.0.` / `mlp.weight`); a
+    part longer than a line is broken after its underscores, and cut only where they do not do."""
+    lines, line = [], ""
+    for part in re.findall(r"[^.]*\.|[^.]+$", name):
+        for piece in re.findall(r"[^_]*_|[^_]+$", part) if len(part) > width else [part]:
+            if line and len(line) + len(piece) > width:
+                lines.append(line)
+                line = ""
+            line += piece
+            while len(line) > width:
+                lines.append(line[:width])
+                line = line[width:]
+    return [*lines, line] if line or not lines else lines
+
+
+_GAP = 3
+"""Columns between two cells of the tensor table: a padding space, the divider, a padding space."""
+
+
+def _print_tensors(tensors: dict[str, Any], problems: dict[str, str]) -> None:
+    rows = [_cells(fqn, t, problems) for fqn, t in tensors.items()]
+    title = counted(len(rows), "tensor")
+    widths = [max(len(row[i]) for row in (COLUMNS, *rows)) for i in range(len(COLUMNS))]
+    if not stdout().is_terminal:  # a pipe: aligned columns, no box, nothing trailing
+        text = "".join("  ".join(cell.rjust(w) if i == 3 else cell.ljust(w)
+                                 for i, (cell, w) in enumerate(zip(row, widths))).rstrip() + "\n"
+                       for row in (COLUMNS, *rows))
+        write_out(f"{title}\n{text}")
+        return
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    console = stdout()
+    room = max(console.width - sum(widths[1:]) - _GAP * (len(COLUMNS) - 1), 12)
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("fqn", overflow="fold", min_width=min(room, widths[0]))
+    for name in COLUMNS[1:]:
         table.add_column(name, no_wrap=True, justify="right" if name == "size" else "left")
-    for fqn, t in tensors.items():
-        layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else
-                                f" (dim 1 in {t['dim1_parts']})" if t["dim1_parts"] else "")
-        table.add_row(Text(fqn), Text(str(t["shape"])), t["dtype"], human_bytes(t["nbytes"]), layout,
-                      _coverage_cell(t["coverage"]))
-    _console().print(table)
+    for row in rows:
+        bad = row[5] != "complete"
+        table.add_row(Text("\n".join(fold_name(row[0], room)), style="red" if bad else ""), *row[1:5],
+                      Text(row[5], style="bold red" if bad else "green"))
+    console.print(table)
 
 
 def _print_chunks(tensors: dict[str, Any]) -> None:
@@ -374,14 +409,18 @@ def _print_chunks(tensors: dict[str, Any]) -> None:
 
 
 def _print_problems(problems: list[dict[str, Any]]) -> None:
+    if not stdout().is_terminal:
+        heading = f"{counted(len(problems), 'problem')}:" if problems else "No coverage or consistency problems."
+        write_out("".join(f"{line}\n" for line in (heading, *("  " + p["message"] for p in problems))))
+        return
     if not problems:
         stdout().print("[green]No coverage or consistency problems.[/green]")
         return
-    stdout().print(f"[bold red]{len(problems)} problems:[/bold red]")
     from rich.text import Text
 
+    stdout().print(Text(f"{counted(len(problems), 'problem')}:", style="bold red"))
     for p in problems:
-        stdout().print(Text("  " + p["message"], style="red"))
+        stdout().print(Text("  " + p["message"], style="red"), soft_wrap=False)  # wrapped at words
 
 
 @app.command("inspect")
@@ -392,9 +431,18 @@ def inspect_command(
     chunks: bool = typer.Option(False, "--chunks", help="List every chunk: file, byte range, offsets, sizes."),
     check: bool = typer.Option(False, "--check", help="Print only the problems, one per line; exit 1 if any."),
 ) -> None:
-    """Summarise a checkpoint: files, entries, dtypes, layouts, coverage; --check fails on problems."""
+    """Summarise a checkpoint: files, entries, dtypes, layouts, coverage; --check fails on problems.
+
+    Examples:
+      ckptctl inspect demo/ckpt
+      ckptctl inspect demo/ckpt --check
+      ckptctl inspect demo/ckpt --json --filter 'model.*'
+    """
 
     def body() -> dict[str, Any]:
+        from ckptctl.formats.dcp_metadata import open_checkpoint
+        from ckptctl.layout import analysis
+
         opened = open_checkpoint(ckpt)
         doc = inspect_document(opened, analysis(opened), pattern)
         if pattern is not None and not doc["tensors"] and not doc["bytes_entries"]:
@@ -409,12 +457,13 @@ def inspect_command(
         for p in doc["problems"]:
             stdout().print(p["message"], markup=False, highlight=False)
         if not doc["problems"]:
-            stdout().print(f"ok: {len(doc['tensors'])} tensors complete and consistent", markup=False, highlight=False)
+            stdout().print(f"ok: {counted(len(doc['tensors']), 'tensor')} complete and consistent",
+                           markup=False, highlight=False)
         if doc["unreferenced_files"]:
             stdout().print(f"warning: {_unreferenced_warning(doc)}", markup=False, highlight=False)
     else:
         _print_summary(doc)
-        _print_tensors(doc["tensors"])
+        _print_tensors(doc["tensors"], {p["fqn"]: p["kind"] for p in doc["problems"]})
         if chunks:
             _print_chunks(doc["tensors"])
         _print_problems(doc["problems"])

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 from ckptctl.cli import app
+from ckptctl.cli.help import LAYOUTS, completes
 from ckptctl.cli.common import (
     device_option,
+    dtype_option,
     dist_backend_option,
     emit_json,
     human_bytes,
@@ -22,11 +24,13 @@ from ckptctl.cli.common import (
     timing_json,
     timing_summary,
 )
-from ckptctl.engine.dist import Comm
-from ckptctl.progress import ProgressObserver
 from ckptctl.errors import UsageError
 from ckptctl.dtypes import CAST_CHOICES
-from ckptctl.reshard import ReshardOptions, ReshardReport, reshard
+
+if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
+    from ckptctl.engine.dist import Comm
+    from ckptctl.progress import ProgressObserver
+    from ckptctl.reshard import ReshardReport
 
 
 def report_json(report: ReshardReport) -> dict:
@@ -54,7 +58,7 @@ def reshard_command(
         help="Number of ranks the output is laid out for (required for fsdp2; TP×DP or omitted for megatron-fsdp)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Keep only FQNs matching this glob (repeatable)."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable)."),
-    dtype: str = typer.Option("keep", "--dtype", help="keep|bf16|fp16|fp32: cast floating tensors."),
+    dtype: str = dtype_option(),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and compare every tensor with the source."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan summary; write nothing."),
@@ -64,9 +68,9 @@ def reshard_command(
     device: str = device_option(),
     no_sync: bool = no_sync_option(),
     dist_backend: str = dist_backend_option(),
-    layout: str = typer.Option("fsdp2", "--layout",
-                               help="fsdp2 (dim-0 rows) | megatron-fsdp (TP outer × DP inner boxes, one file per rank; a "
-                               "torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor) | "
+    layout: str = typer.Option("fsdp2", "--layout", metavar="LAYOUT", autocompletion=completes(*LAYOUTS),
+                               help="fsdp2 (dim-0 rows), megatron-fsdp (TP outer × DP inner boxes, one file per rank; a "
+                               "torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor) or "
                                "torch-dist (a Megatron-FSDP fsdp_dtensor checkpoint as megatron-core's torch_dist, "
                                "fully_reshardable optimizer)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="TARGET tensor-parallel size: Megatron-FSDP layout, and fused "
@@ -88,9 +92,15 @@ def reshard_command(
     Megatron options split, fuse or re-block fused TP-blocked tensors (fc1, GDN) with their optimizer states, and lay the output out as Megatron-FSDP saves it at --tp × --dp.
 
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
+
+    Examples:
+      ckptctl reshard demo/ckpt /tmp/ckpt-ws2 --world-size 2 --verify
+      ckptctl reshard demo/ckpt /tmp/ckpt-ws8 -n 8 --dtype bf16 --dry-run
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ReshardReport:
+        from ckptctl.reshard import ReshardOptions, reshard
+
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
                               device=device, sync=not no_sync, layout=layout, tp=tp, dp=dp, source_tp=source_tp,

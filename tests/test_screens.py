@@ -1,0 +1,201 @@
+"""What a newcomer sees: inspect's tables at 80 and 120 columns and in a pipe, a reader that
+closes the pipe early, and --help.
+
+Screens come from a real pseudo-terminal (`tests/terminal.py`) played through pyte; pipe runs
+compare stdout exactly.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+from tests.terminal import run_in_terminal
+
+RED_TEXT = "\x1b[31m"
+BOLD_RED = "\x1b[1;31m"
+GREEN = "\x1b[32m"
+
+
+def table(screen: str) -> list[str]:
+    """The tensor table's lines: from its header to the line before the problems' verdict."""
+    lines = screen.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("fqn "))
+    end = next(i for i, line in enumerate(lines) if i > start and not line.startswith(("─", " ")) and
+               re.match(r"^(No coverage|\d+ problems?:)", line))
+    return lines[start:end]
+
+
+def test_long_names_fold_after_dots_at_120_columns(fixture_ckpt):
+    run = run_in_terminal("inspect", fixture_ckpt("megatron_torch_dist"), columns=120)
+    assert run.returncode == 0
+    rows = table(run.screen)
+    assert rows[0].split() == ["fqn", "shape", "dtype", "size", "layout", "coverage"]
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight   [2, 32]       float32     256 B   " \
+           "layer-stacked   complete" in rows
+    assert max(map(len, rows)) <= 120
+
+
+def test_long_names_fold_after_dots_never_inside_a_word_at_80_columns(fixture_ckpt):
+    run = run_in_terminal("inspect", fixture_ckpt("megatron_torch_dist"), columns=80)
+    assert run.returncode == 0
+    rows = table(run.screen)
+    at = next(i for i, line in enumerate(rows) if line.startswith("decoder.layers.       [2, 32]  "))
+    assert rows[at:at + 4] == ["decoder.layers.       [2, 32]       float32     256 B   layer-stacked   complete",
+                               "self_attention.", "linear_qkv.", "layer_norm_weight"]
+    assert "output_layer.weight   [256, 32]     float32   32.8 kB   shard0-even     complete" in rows
+    names = [line.split("  ")[0] for line in rows[2:]]
+    assert all(name.endswith(".") or name.endswith(("weight", "_weight")) for name in names), names
+    assert max(map(len, run.screen.splitlines())) <= 80
+
+
+def test_a_tensor_with_a_problem_shows_it_in_red_not_a_green_complete(fixture_ckpt):
+    for columns in (80, 120):
+        run = run_in_terminal("inspect", fixture_ckpt("broken_plain_optim"), columns=columns)
+        assert run.returncode == 0
+        rows = table(run.screen)
+        assert rows[2:] == ["model.w                    [4, 8]   float32   128 B   shard0-even   complete",
+                            "optim.state.w.step         []       float32     4 B   scalar        complete",
+                            "optim.state.w.exp_avg      [2, 8]   float32    64 B   single        data-loss",
+                            "optim.state.w.exp_avg_sq   [2, 8]   float32    64 B   single        data-loss"]
+        assert f"{BOLD_RED}data-loss" in run.raw and f"{RED_TEXT}optim.state.w.exp_avg_sq" in run.raw
+        assert run.raw.count(f"{GREEN}complete") == 2  # the two healthy tensors only
+
+
+def test_in_a_pipe_inspect_prints_plain_aligned_lines_without_padding(fixture_ckpt):
+    result = run_cli("inspect", fixture_ckpt("broken_plain_optim"))
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[:11] == [
+        f"Checkpoint        {fixture_ckpt('broken_plain_optim')}",
+        "DCP version       1.0.0 (.metadata)",
+        "Saved world size  2",
+        "Files             2 data files, 14.4 kB",
+        "                  __0_0.distcp  4.5 kB",
+        "                  __1_0.distcp  10.0 kB",
+        "Entries           model 1, optimizer 8, other 0",
+        "Dtypes            float32 4",
+        "Layouts           scalar 1, shard0-even 1, single 2",
+        "Prefixes          model 'model.'; optimizer 'optim.state.'",
+        "4 tensors",
+    ]
+    assert lines[11:17] == [
+        "fqn                       shape   dtype     size  layout       coverage",
+        "model.w                   [4, 8]  float32  128 B  shard0-even  complete",
+        "optim.state.w.step        []      float32    4 B  scalar       complete",
+        "optim.state.w.exp_avg     [2, 8]  float32   64 B  single       data-loss",
+        "optim.state.w.exp_avg_sq  [2, 8]  float32   64 B  single       data-loss",
+        "2 problems:",
+    ]
+    assert not [line for line in lines if line != line.rstrip()]
+    assert "\x1b" not in result.stdout and "│" not in result.stdout
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", "{fixtures}/megatron_torch_dist"],
+    ["inspect", "{fixtures}/megatron_torch_dist", "--json"],
+    ["inspect", "{fixtures}/megatron_torch_dist", "--chunks"],
+    ["diff", "{fixtures}/fsdp2_4ranks", "{fixtures}/megatron_torch_dist"],
+    ["--version"],
+])
+def test_a_reader_that_closes_the_pipe_early_is_no_error(args):
+    """`ckptctl … | head -1`: the reader is gone before ckptctl writes; the command's own status, no traceback."""
+    argv = [a.format(fixtures=ROOT / "fixtures" / "data") for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "ckptctl", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT)
+    proc.stdout.close()  # long before the interpreter has started: every write meets a closed pipe
+    stderr = proc.stderr.read().decode()
+    want = 1 if args[0] == "diff" else 0  # diff's "they differ", as with an open pipe
+    assert (proc.wait(timeout=300), stderr) == (want, "")
+
+
+# --- --help -----------------------------------------------------------------------------------
+
+COMMANDS = {"inspect": "CKPT", "reshard": "SRC DST", "export-hf": "SRC DST", "import-hf": "SRC DST", "diff": "A B",
+            "export-torch": "SRC OUT"}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_at_80_columns_names_arguments_and_shows_examples_each_on_one_line(command):
+    run = run_in_terminal(command, "-h", columns=80)
+    assert run.returncode == 0
+    lines = [line.strip() for line in run.screen.splitlines()]
+    assert f"Usage: ckptctl {command} [OPTIONS] {COMMANDS[command]}" in lines
+    at = lines.index("Examples:")
+    examples = lines[at + 1:lines.index("", at)]
+    assert len(examples) >= 2 and all(line.startswith(f"ckptctl {command} ") for line in examples), examples
+    assert run.screen == run_in_terminal(command, "--help", columns=80).screen
+
+
+def test_help_prose_flows_to_the_width_instead_of_the_source_line_breaks():
+    run = run_in_terminal("-h", columns=80)
+    lines = [line.strip() for line in run.screen.splitlines()]
+    at = lines.index("Inspect, reshard and export PyTorch Distributed Checkpoints offline.")
+    assert lines[at + 2:at + 5] == [
+        "Exit status: 0 done (diff: equal), 1 problems found (inspect --check) or",
+        "differences (diff), 2 bad input or unwritable output (one line names the",
+        "file), 130 interrupted."]
+    assert "-V" in run.screen and "-h" in run.screen
+
+
+def test_arch_choices_are_listed_whole_and_match_the_families():
+    from ckptctl.cli.help import ARCHES, LAYOUTS, TARGETS
+    from ckptctl.hf.registry import ARCHES as REGISTERED
+    from ckptctl.import_hf import TARGETS as IMPORT_TARGETS
+    from ckptctl.megatron_reshard import LAYOUTS as MEGATRON_LAYOUTS
+
+    assert (ARCHES, TARGETS, LAYOUTS) == (REGISTERED, IMPORT_TARGETS, (*MEGATRON_LAYOUTS, "torch-dist"))
+    run = run_in_terminal("export-hf", "-h", columns=80)
+    assert "…" not in run.screen
+    text = " ".join(re.sub(r"[│╭╰─╮╯]", " ", run.screen).split())
+    assert "The model family: " + ", ".join(ARCHES) + ". auto:" in text
+
+
+def test_short_flags_for_version_and_help():
+    from ckptctl import __version__
+
+    assert run_cli("-V").stdout == f"ckptctl {__version__}\n"
+    assert run_cli("-h").stdout == run_cli("--help").stdout
+
+
+@pytest.mark.parametrize("long, short", [("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32")])
+def test_dtype_takes_torch_names_as_well_as_short_ones(fixture_ckpt, tmp_path, long, short):
+    import json
+
+    plans = [run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "o", "-n", "2", "--dtype", name,
+                     "--dry-run", "--json") for name in (long, short)]
+    assert [p.returncode for p in plans] == [0, 0], plans[0].stderr
+    written = [json.loads(p.stdout)["bytes_written"] for p in plans]
+    assert written[0] == written[1]
+
+
+@pytest.mark.parametrize("words, offered", [
+    ("ckptctl export-hf a b --arch qwen3", ["qwen3", "qwen3-moe", "qwen3-next", "qwen3.5"]),
+    ("ckptctl import-hf a b --arch torch", ["torchtitan-llama3", "torchtitan-qwen3", "torchtitan-deepseek-v3"]),
+    ("ckptctl reshard a b --dtype b", ["bf16", "bfloat16"]),
+    ("ckptctl export-torch a b --dtype f", ["fp16", "fp32", "float16", "float32"]),
+    ("ckptctl reshard a b --layout ", ["fsdp2", "megatron-fsdp", "torch-dist"]),
+    ("ckptctl import-hf a b --to ", ["fsdp2", "torchtitan", "megatron-fsdp"]),
+])
+def test_shell_completion_offers_the_choices(words, offered):
+    env = {**__import__("os").environ, "_CKPTCTL_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(words.split()) - (0 if words.endswith(" ") else 1))}
+    result = subprocess.run([sys.executable, "-m", "ckptctl"], capture_output=True, text=True, cwd=ROOT, env=env)
+    assert result.stdout.split() == offered
+
+
+HEAVY = ("torch", "ckptctl.reshard", "ckptctl.formats.dcp_metadata", "ckptctl.export_hf", "ckptctl.hf.registry",
+         "ckptctl.layout", "ckptctl.engine.dist")
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["inspect", "--help"], ["export-hf", "--help"]])
+def test_version_and_help_import_no_library_module(args):
+    """What keeps `ckptctl --version` and `--help` quick (~0.15 s, from 0.4-1.0 s): no planner, no format, no torch."""
+    code = ("import sys\nfrom ckptctl.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            f"print([m for m in {HEAVY!r} if m in sys.modules])")
+    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
+    assert result.stdout.splitlines()[-1] == "[]"
