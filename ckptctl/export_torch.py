@@ -32,7 +32,8 @@ from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.torch_pickle import Size
 from ckptctl.formats.torch_save_out import (
-    LOAD_SAFE_GLOBALS, TensorSlot, TorchSaveFile, Value, decode_value, layout_torch_save, nest, state_pickle,
+    LOAD_SAFE_GLOBALS, CorruptValueError, TensorSlot, TorchSaveFile, Value, decode_value, layout_torch_save, nest,
+    state_pickle,
 )
 from ckptctl.formats.unpickle import UnsafePickleError
 from ckptctl.geometry import union_volume
@@ -91,6 +92,7 @@ class ExportTorchReport(RunTiming):
     tensors: int
     values: int
     bytes_written: int
+    dry_run: bool = False
 
 
 def archive_name(out: Path) -> str:
@@ -109,6 +111,8 @@ def read_values(ckpt: Checkpoint, chunks: ChunkSource, fqns: Sequence[str]) -> d
         raw = chunks.reader.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms)
         try:
             values[fqn] = decode_value(raw)
+        except CorruptValueError as exc:  # damaged or hostile, not merely foreign: no --exclude advice
+            raise CheckpointError(ckpt.path / entry.file, f"bytes entry {fqn} at byte {entry.offset}: {exc}") from None
         except UnsafePickleError as exc:
             refused.append((fqn, str(exc)))
     if refused:
@@ -164,22 +168,26 @@ def export_torch(
     force: bool = False,
     verify: bool = False,
     progress: ProgressObserver | None = None,
+    dry_run: bool = False,
 ) -> ExportTorchReport:
-    """Write the checkpoint at `src` as one `torch.save` file at `out` and report what happened."""
+    """Write the checkpoint at `src` as one `torch.save` file at `out` and report what happened
+    (`dry_run`: what would be written, writing nothing; an existing OUT is no error then)."""
     started = time.perf_counter()
     src, out = Path(src), Path(out)
     ckpt = open_checkpoint(src)
     kept_values = [f for f in ckpt.bytes_entries if selected(f, opts.include, opts.exclude)]
     kept = sum(selected(f, opts.include, opts.exclude) for f in ckpt.tensors) + len(kept_values)
     refuse_empty_selection(kept, len(ckpt.tensors) + len(ckpt.bytes_entries), opts.include, opts.exclude)
-    check_output(out, force, src)
+    check_output(out, force or dry_run, src)
     chunks = ChunkSource(ckpt)
     try:
         values = read_values(ckpt, chunks, kept_values)
         plan = plan_export_torch(ckpt, opts, values, out.name, archive_name(out))
         execute = executor(opts.device)
         report = ExportTorchReport(src=str(src), out=str(out), tensors=len(plan.targets), values=len(values),
-                                   bytes_written=plan.file.size, device=resolve_device(opts.device))
+                                   bytes_written=plan.file.size, device=resolve_device(opts.device), dry_run=dry_run)
+        if dry_run:
+            return report
         phases = Phases(progress)
         output = plan.output_plan(opts.sync)
         with atomic_file(out, force, opts.sync) as tmp:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.hash_guard import MAX_KEY_NODES, probe_allowance
 from ckptctl.formats.pickle_vm import MAX_STACK
 from ckptctl.formats.unpickle import MAX_DEPTH
@@ -135,9 +136,9 @@ def test_hostile_bytes_entry_in_export_torch(case: str, tmp_path: Path) -> None:
     pickled, reason = VALUES[case]
     src = copy_fixture(tmp_path, "flat_optim")
     replace_bytes_entry(src, "iteration", torch_save_archive(pickled))
+    entry = open_checkpoint(src).bytes_entries["iteration"]
     assert_refused(tmp_path, src, ["export-torch", src, tmp_path / "o.pt"],
-                   f"{src}: 1 non-tensor entry cannot be decoded without running code from the checkpoint: "
-                   f"iteration (corrupt pickle: {reason}); leave it out with --exclude 'iteration'")
+                   f"{src / entry.file}: bytes entry iteration at byte {entry.offset}: corrupt pickle: {reason}")
     assert not (tmp_path / "o.pt").exists()
 
 
