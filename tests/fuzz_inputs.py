@@ -9,9 +9,13 @@ keeps it (`common.pt`, Megatron-FSDP's `args` entry, a DCP bytes entry: the valu
 edits). `.metadata` and item examples run through `open_checkpoint`, the analysis, locating
 every chunk and a small reshard; value examples through every decoder of pickled values
 (`training_args`, `common_state`, `checkpoint_args`, `decode_value`, each bytes entry) and
-writing the decoded values back. Only ckptctl's own errors (and a value's documented
-refusal, UnsafePickleError) may escape, each example stays within a time bound, and a canary
-global that would create a file is never called.
+writing the decoded values back. A fourth campaign mutates a small Hugging Face folder (its
+`config.json`, `model.safetensors.index.json` and safetensors headers, at the JSON level and the
+byte level: huge and negative counts, deep nesting, `auto_map`, paths out of the folder, dims
+and offsets past the data) and runs it through `load_hf_config`, the folder reader and a real
+`import-hf`. Only ckptctl's own errors (and a value's documented refusal, UnsafePickleError)
+may escape, each example stays within a time bound, and a canary global that would create a
+file is never called.
 
 `python -m tests.fuzz_inputs [EXAMPLES]` runs a campaign in a fresh process (what
 `make fuzz` calls with many examples, and tests/test_fuzz_inputs.py with a few): after a
@@ -22,6 +26,7 @@ the process's peak by more than `MAX_EXTRA_RSS_MB`.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import pickletools
 import resource
@@ -40,9 +45,12 @@ from hypothesis import strategies as st
 from ckptctl.errors import CkptctlError
 from ckptctl.formats.dcp_items import ItemReader
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.safetensors_in import open_safetensors_folder
 from ckptctl.formats.megatron_args import checkpoint_args, common_state, decoded_item, training_args
 from ckptctl.formats.torch_save_out import decode_value, encode_value
 from ckptctl.formats.unpickle import UnsafePickleError
+from ckptctl.hf.base import load_hf_config
+from ckptctl.import_hf import ImportOptions, import_hf
 from ckptctl.layout import analysis
 from ckptctl.reshard import ReshardOptions, reshard
 
@@ -299,6 +307,121 @@ def _templates() -> dict[tuple[str, str], tuple[bytes, str]]:
     return _CACHE["templates"]
 
 
+HF_CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 4,
+             "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+             "head_dim": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-6}
+HF_TENSORS = {"model.embed_tokens.weight": [8, 4], "model.norm.weight": [4], "lm_head.weight": [8, 4],
+              "model.layers.0.input_layernorm.weight": [4], "model.layers.0.post_attention_layernorm.weight": [4],
+              "model.layers.0.self_attn.q_proj.weight": [4, 4], "model.layers.0.self_attn.k_proj.weight": [2, 4],
+              "model.layers.0.self_attn.v_proj.weight": [2, 4], "model.layers.0.self_attn.o_proj.weight": [4, 4],
+              "model.layers.0.mlp.gate_proj.weight": [8, 4], "model.layers.0.mlp.up_proj.weight": [8, 4],
+              "model.layers.0.mlp.down_proj.weight": [4, 8]}
+"""A tiny Llama as a Hugging Face folder holds it (two shards and their index), written here by hand."""
+HF_FILES = ("config.json", "model.safetensors.index.json", "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors")
+_JSON_VALUES = [10**12, 20000, -1, 0, 2**63, 1.5, "x", "../../etc/passwd", "/etc/passwd", "", None, True, [], {},
+                [[[[[[[[1]]]]]]]], {"AutoModel": "evil.Model"}, "model-00009-of-00002.safetensors", "."]
+
+
+def _safetensors(tensors: dict[str, list[int]]) -> bytes:
+    """A safetensors file of float32 tensors: its header, then the elements (i / 8 each)."""
+    import json
+
+    header, at = {}, 0
+    for name, shape in tensors.items():
+        n = 4 * math.prod(shape)
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    data = b"".join(struct.pack("<f", i / 8) for i in range(at // 4))
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def hf_folder() -> dict[str, bytes]:
+    """The tiny Llama's files, by name."""
+    import json
+
+    names = list(HF_TENSORS)
+    shards = {HF_FILES[2]: names[:6], HF_FILES[3]: names[6:]}
+    files = {HF_FILES[0]: json.dumps(HF_CONFIG).encode()}
+    files[HF_FILES[1]] = json.dumps({"metadata": {"total_size": 4 * sum(math.prod(s) for s in HF_TENSORS.values())},
+                                     "weight_map": {n: f for f, ns in shards.items() for n in ns}}).encode()
+    for file, ns in shards.items():
+        files[file] = _safetensors({n: HF_TENSORS[n] for n in ns})
+    return files
+
+
+@st.composite
+def hf_mutation(draw: st.DrawFn, files: dict[str, bytes]) -> tuple[str, bytes]:
+    """One file of the folder with one to three edits: a JSON value replaced (config keys, the index's
+    file names, a safetensors header's dims, offsets and dtype), or its bytes cut, flipped or padded."""
+    import json
+
+    name = draw(st.sampled_from(HF_FILES))
+    data = files[name]
+    for _ in range(draw(st.integers(1, 3))):
+        kind = draw(st.sampled_from(["json", "json", "truncate", "byte", "length", "nest"]))
+        head = 8 if name.endswith(".safetensors") else 0
+        size = struct.unpack("<Q", data[:8])[0] if head and len(data) >= 8 else len(data)
+        if kind in ("json", "nest"):
+            try:
+                doc = json.loads(data[head:head + size])
+            except (ValueError, RecursionError):  # an earlier edit broke or nested it
+                continue
+            if not isinstance(doc, dict) or not doc:
+                continue
+            key = draw(st.sampled_from(sorted(doc)))
+            target, field = doc, key
+            if isinstance(doc[key], dict) and doc[key]:  # an index's weight_map, a header's tensor record
+                target, field = doc[key], draw(st.sampled_from(sorted(doc[key])))
+            value = "[" * 100_000 if kind == "nest" else draw(st.sampled_from(_JSON_VALUES))
+            if draw(st.booleans()):
+                target[field] = value
+            else:
+                doc[draw(st.sampled_from(["auto_map", "n_layer", "num_experts", "layer_types", field + "_"]))] = value
+            text = json.dumps(doc).encode().replace(b'"' + b"[" * 100_000 + b'"', b"[" * 100_000)
+            data = struct.pack("<Q", len(text)) + text + data[head + size:] if head else text
+        elif kind == "truncate":
+            data = data[:draw(st.integers(0, max(0, len(data) - 1)))]
+        elif kind == "byte" and data:
+            at = draw(st.integers(0, len(data) - 1))
+            data = data[:at] + bytes([draw(st.integers(0, 255))]) + data[at + 1:]
+        elif kind == "length" and head:
+            data = struct.pack("<Q", draw(st.sampled_from([0, 1, 7, 1 << 20, 1 << 40, (1 << 64) - 1]))) + data[8:]
+    return name, data
+
+
+def exercise_hf(src: Path, work: Path) -> None:
+    """What a command does with a Hugging Face folder: its config, the folder as a checkpoint, and a
+    real import (names checked by the rules, not transformers): only CkptctlError may come out."""
+    for step in (lambda: load_hf_config(src),
+                 lambda: analysis(open_safetensors_folder(src)),
+                 lambda: import_hf(src, work / "dst", ImportOptions(world_size=2, workers=1, device="cpu",
+                                                                    sync=False, name_check=False), force=True)):
+        try:
+            step()
+        except CkptctlError:
+            pass
+
+
+def _hf_one(files: dict[str, bytes], name: str | None = None, data: bytes = b"") -> None:
+    """The tiny Llama folder with file `name` made `data` (none changed without a name), through `exercise_hf`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        src = work / "src"
+        src.mkdir()
+        for file, content in files.items():
+            (src / file).write_bytes(data if file == name else content)
+        started = time.monotonic()
+        exercise_hf(src, work)
+        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
+    assert not CANARY.exists(), "a model folder ran code"
+    if _baseline_rss_mb:
+        grew = peak_rss_mb() - _baseline_rss_mb[0]
+        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+
+
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -340,6 +463,19 @@ def fuzz_values(examples: int) -> None:
     run()
 
 
+def fuzz_hf(examples: int) -> None:
+    """Mutated files of a small Hugging Face folder."""
+    files = hf_folder()
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(hf_mutation(files))
+    def run(case: tuple[str, bytes]) -> None:
+        _hf_one(files, *case)
+
+    run()
+
+
 def main(argv: list[str]) -> None:
     examples = int(argv[0]) if argv else 2000
     CANARY.unlink(missing_ok=True)
@@ -348,11 +484,13 @@ def main(argv: list[str]) -> None:
         _one(name)
     for place, (_, pickled) in _originals().items():
         _value_one(place, pickled)
+    _hf_one(hf_folder())
     _baseline_rss_mb.append(peak_rss_mb())
     fuzz_metadata(examples)
     fuzz_items(examples)
     fuzz_values(examples)
-    print(f"fuzz: {3 * examples} examples (.metadata, item zips, pickled values), only ckptctl errors, "
+    fuzz_hf(examples)
+    print(f"fuzz: {4 * examples} examples (.metadata, item zips, pickled values, HF folders), only ckptctl errors, "
           f"canary untouched, peak RSS {peak_rss_mb():.0f} MB (baseline {_baseline_rss_mb[0]:.0f} MB), "
           f"{time.monotonic() - started:.0f} s")
 

@@ -20,12 +20,12 @@ def campaign(examples: int) -> None:
     proc = subprocess.run([sys.executable, "-m", "tests.fuzz_inputs", str(examples)], capture_output=True, text=True,
                           cwd=fuzz_inputs.ROOT, timeout=3600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert re.fullmatch(rf"fuzz: {3 * examples} examples \(.metadata, item zips, pickled values\), only ckptctl "
+    assert re.fullmatch(rf"fuzz: {4 * examples} examples \(.metadata, item zips, pickled values, HF folders\), only ckptctl "
                         r"errors, canary untouched, peak RSS \d+ MB \(baseline \d+ MB\), \d+ s\n", proc.stdout), proc.stdout
     assert not fuzz_inputs.CANARY.exists()
 
 
-def test_mutated_pickles_item_zips_and_pickled_values_end_in_ckptctl_errors_only() -> None:
+def test_mutated_pickles_item_zips_pickled_values_and_hf_folders_end_in_ckptctl_errors_only() -> None:
     campaign(SHORT)
 
 
