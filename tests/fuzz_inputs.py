@@ -25,6 +25,7 @@ the process's peak by more than `MAX_EXTRA_RSS_MB`.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import pickle
@@ -37,7 +38,7 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -213,6 +214,19 @@ def exercise_values(src: Path, work: Path) -> None:
         pass
 
 
+@contextlib.contextmanager
+def _bounded(what: str) -> Iterator[None]:
+    """One example: within MAX_EXAMPLE_SECONDS, the canary untouched (`what` ran no code), and the
+    process's peak RSS within MAX_EXTRA_RSS_MB of the baseline once there is one."""
+    started = time.monotonic()
+    yield
+    assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
+    assert not CANARY.exists(), f"{what} ran code"
+    if _baseline_rss_mb:
+        grew = peak_rss_mb() - _baseline_rss_mb[0]
+        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+
+
 def _one(name: str, file: str | None = None, data: bytes = b"") -> None:
     """Fixture `name` with `file` replaced by `data` (none replaced without a file) through `exercise`."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -221,13 +235,8 @@ def _one(name: str, file: str | None = None, data: bytes = b"") -> None:
         shutil.copytree(FIXTURES / name, src)
         if file is not None:
             (src / file).write_bytes(data)
-        started = time.monotonic()
-        exercise(src, work)
-        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
-    assert not CANARY.exists(), "a pickle ran code"
-    if _baseline_rss_mb:
-        grew = peak_rss_mb() - _baseline_rss_mb[0]
-        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+        with _bounded("a pickle"):
+            exercise(src, work)
 
 
 def _value_one(place: tuple[str, str], pickled: bytes) -> None:
@@ -246,13 +255,8 @@ def _value_one(place: tuple[str, str], pickled: bytes) -> None:
                 f.write(archive)
             (src / ".metadata").write_bytes(template.replace(b"J" + struct.pack("<i", _LENGTH),
                                                              b"J" + struct.pack("<i", len(archive))))
-        started = time.monotonic()
-        exercise_values(src, work)
-        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
-    assert not CANARY.exists(), "a pickle ran code"
-    if _baseline_rss_mb:
-        grew = peak_rss_mb() - _baseline_rss_mb[0]
-        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+        with _bounded("a pickle"):
+            exercise_values(src, work)
 
 
 def _archive(original: bytes, pickled: bytes) -> bytes:
@@ -413,13 +417,8 @@ def _hf_one(files: dict[str, bytes], name: str | None = None, data: bytes = b"")
         src.mkdir()
         for file, content in files.items():
             (src / file).write_bytes(data if file == name else content)
-        started = time.monotonic()
-        exercise_hf(src, work)
-        assert time.monotonic() - started < MAX_EXAMPLE_SECONDS
-    assert not CANARY.exists(), "a model folder ran code"
-    if _baseline_rss_mb:
-        grew = peak_rss_mb() - _baseline_rss_mb[0]
-        assert grew <= MAX_EXTRA_RSS_MB, f"peak RSS grew by {grew:.0f} MB"
+        with _bounded("a model folder"):
+            exercise_hf(src, work)
 
 
 def peak_rss_mb() -> float:
