@@ -93,10 +93,13 @@ class ReshardReport(RunTiming):
     tensors: int
     bytes_entries: int
     files: int
+    """Every file the output holds: `data_files`, `.metadata`, and Megatron's own (`common.pt`, `metadata.json`)."""
     bytes_read: int
     bytes_written: int
     dry_run: bool = False
     predicted_peak_bytes: int = 0
+    data_files: int = 0
+    """The `.distcp` files, as `inspect` counts them."""
 
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
@@ -240,6 +243,7 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
+        data_files=len(out.files),
         bytes_read=sum(source_bytes(t, numel, out.sources) for t, numel in out.records.target_elements())
         + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,

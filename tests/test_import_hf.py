@@ -117,7 +117,7 @@ def test_a_tied_lm_head_is_written_as_a_copy_of_the_embeddings_with_a_note(impor
     assert run.stderr.splitlines()[0] == ("note: model.lm_head.weight written as a copy of "
                                           "model.model.embed_tokens.weight (LlamaForCausalLM ties them; "
                                           "model.state_dict() lists both)")
-    assert re.fullmatch(rf"wrote {out} \(21 tensors, [\d.]+ kB in 4 files; names checked against "
+    assert re.fullmatch(rf"wrote {out} \(21 tensors, [\d.]+ kB in 3 data files \+ \.metadata; names checked against "
                         r"LlamaForCausalLM\) in .*, verified", run.stderr.splitlines()[-1])
     assert torch.equal(got["state"]["lm_head.weight"], got["state"]["model.embed_tokens.weight"])
 
@@ -233,7 +233,7 @@ def test_at_a_terminal_a_bar_then_the_final_line_and_in_a_pipe_only_the_line(fol
     lines = run.screen.splitlines()
     assert len([line for line in lines if line.startswith("writing")]) == 1
     assert len([line for line in lines if line.startswith("verifying")]) == 1
-    assert re.fullmatch(rf"wrote {tmp_path / 't'} \(25 tensors, [\d.]+ kB in 3 files; names checked against "
+    assert re.fullmatch(rf"wrote {tmp_path / 't'} \(25 tensors, [\d.]+ kB in 2 data files \+ \.metadata; names checked against "
                         r"Qwen3ForCausalLM\) in \d+\.\d\ds \(writing .*\), peak RSS [\d.]+ MB, verified", lines[-1])
     piped = run_cli("import-hf", folders["qwen3"], tmp_path / "p", "-n", "2")
     assert piped.returncode == 0 and piped.stdout == ""
@@ -243,8 +243,12 @@ def test_at_a_terminal_a_bar_then_the_final_line_and_in_a_pipe_only_the_line(fol
 def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
     run = run_cli("import-hf", folders["llama-tied"], tmp_path / "o", "-n", "4", "--dry-run")
     assert run.returncode == 0, run.stderr
-    assert re.fullmatch(r"plan: 21 tensors -> 5 files at world size 4 \(names checked against LlamaForCausalLM\); "
-                        r"read [\d.]+ kB, write [\d.]+ kB; predicted peak memory [\d.]+ MB\n", run.stdout)
+    assert re.fullmatch(rf"Dry run      nothing written to {tmp_path / 'o'}\nSource       {folders['llama-tied']}\n"
+                        r"As           fsdp2\nWorld size   4\nDtype        kept\n"
+                        r"Entries      21 tensors, 0 bytes entries\n"
+                        r"Files        4 data files \+ \.metadata, [\d.]+ kB\nRead         [\d.]+ kB\n"
+                        r"Peak memory  [\d.]+ MB \(predicted\)\nNames        names checked against LlamaForCausalLM\n",
+                        run.stdout)
     assert not (tmp_path / "o").exists()
 
 

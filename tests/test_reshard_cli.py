@@ -114,7 +114,12 @@ def test_dry_run_writes_nothing(src, tmp_path):
     result = run_cli("reshard", src, tmp_path / "o", "--world-size", "3", "--dry-run")
     assert result.returncode == 0, result.stderr
     assert not (tmp_path / "o").exists()
-    assert result.stdout.startswith("plan: 32 tensors, 13 bytes entries -> 4 files at world size 3;")
+    lines = result.stdout.splitlines()
+    assert lines[:6] == [f"Dry run      nothing written to {tmp_path / 'o'}", f"Source       {src}", "World size   3",
+                         "Dtype        kept", "Entries      32 tensors, 13 bytes entries",
+                         "Files        3 data files + .metadata, 116.5 kB"]
+    assert re.fullmatch(r"Read         [\d.]+ kB", lines[6]) and re.fullmatch(r"Peak memory  [\d.]+ MB \(predicted\)",
+                                                                         lines[7]) and len(lines) == 8
     doc = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", "--json").stdout)
     assert doc["dry_run"] is True and doc["predicted_peak_bytes"] > 0 and doc["bytes_read"] > 0
 

@@ -199,3 +199,67 @@ def test_version_and_help_import_no_library_module(args):
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
     assert result.stdout.splitlines()[-1] == "[]"
+
+
+# --- consistency ------------------------------------------------------------------------------
+
+
+def test_reshard_and_inspect_count_the_same_data_files(fixture_ckpt, tmp_path):
+    result = run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "o", "-n", "3")
+    assert re.match(rf"wrote {tmp_path / 'o'} \(32 tensors, 116\.5 kB in 3 data files \+ \.metadata\) in ",
+                    result.stderr), result.stderr
+    assert re.search(r"^Files             3 data files, ", run_cli("inspect", tmp_path / "o").stdout, re.M)
+
+
+def test_a_cast_says_it_starts_torch_before_its_writing_bar(fixture_ckpt, tmp_path):
+    run = run_in_terminal("reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "o", "-n", "2", "--dtype", "bf16",
+                          columns=120)
+    assert run.returncode == 0
+    frames = run.frames
+    starting = [i for i, f in enumerate(frames) if f.startswith("starting torch for the bf16 cast ━")]
+    writing = [i for i, f in enumerate(frames) if f.startswith("writing ")]
+    assert starting and writing and max(starting) < min(writing), frames
+    assert "bytes" not in frames[starting[0]] and "B/s" not in frames[starting[0]]
+    assert "starting torch" not in run.screen  # gone once torch is up: the bar and the final line stay
+    assert run.screen.splitlines()[0].startswith("writing ")
+
+
+def _styles(raw: str, columns: int, text: str) -> set[tuple[str, bool]]:
+    """The colour and boldness of each character of `text` where the screen shows it."""
+    import pyte
+
+    screen = pyte.Screen(columns, 100)
+    pyte.Stream(screen).feed(raw.replace("\r\n", "\n").replace("\n", "\r\n"))
+    for y, line in enumerate(screen.display):
+        x = line.find(text)
+        if x >= 0:
+            return {(screen.buffer[y][x + i].fg, screen.buffer[y][x + i].bold) for i in range(len(text))}
+    raise AssertionError(f"{text!r} not on screen")
+
+
+def test_the_final_line_colours_each_figure_whole(fixture_ckpt, tmp_path):
+    run = run_in_terminal("export-torch", fixture_ckpt("fsdp2_4ranks"), tmp_path / "m.pt", columns=250)
+    assert run.returncode == 0
+    line = run.screen.splitlines()[-1]
+    seconds = re.search(r" in (\d+\.\d\ds) ", line).group(1)
+    size = re.search(r"\d+\.\d kB", line).group(0)
+    rate = re.search(r"writing (\d+(?:\.\d+)? [kMG]?B/s)", line).group(1)
+    for figure in (seconds, size, rate):
+        styles = _styles(run.raw, 250, figure)
+        assert len(styles) == 1 and styles != {("default", False)}, (figure, styles)
+
+
+def test_export_torch_dry_run_says_what_it_would_write_and_writes_nothing(fixture_ckpt, tmp_path):
+    src, out = fixture_ckpt("fsdp2_4ranks"), tmp_path / "m.pt"
+    piped = run_cli("export-torch", src, out, "--dry-run", "--dtype", "bfloat16")
+    assert piped.returncode == 0 and not out.exists()
+    assert piped.stdout.splitlines() == [f"Dry run  nothing written to {out}", f"Source   {src}", "Dtype    bfloat16",
+                                         "Entries  32 tensors, 13 other entries",
+                                         re.search(r"File     one torch.save file, \S+ kB", piped.stdout).group(0)]
+    out.write_bytes(b"")
+    for columns in (80, 120):
+        run = run_in_terminal("export-torch", src, out, "--dry-run", columns=columns)
+        assert run.returncode == 0 and out.read_bytes() == b""
+        assert "Destination  exists: a run stops unless --force, which replaces it" in run.screen.splitlines()
+    doc = __import__("json").loads(run_cli("export-torch", src, out, "--dry-run", "--json").stdout)
+    assert doc["dry_run"] is True and doc["bytes"] > 0

@@ -84,7 +84,8 @@ def test_reshard_at_a_terminal_draws_writing_then_verifying_bars_and_one_rate(sr
     assert re.search(r"━ 7\.7/7\.7 kB", verifying[0])  # the tensors' 3.8 kB twice: hashed, then decoded and compared
     assert any(re.match(r"writing\s+━+ 0\.0/116\.5 kB", f) for f in run.frames)  # the bar was drawn from 0
     last = final_line(run.screen)
-    assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 4 files\) in \d+\.\d\ds \(writing ({RATE}), "
+    assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 3 data files \+ \.metadata\) in \d+\.\d\ds "
+                        rf"\(writing ({RATE}), "
                         rf"verifying \d+\.\d\ds\), peak RSS \d+\.\d MB, verified", last), last
     bar_rate = re.search(RATE, writing[0]).group(0)
     assert re.search(r"\(writing (" + RATE + ")", last).group(1) == bar_rate  # the same bytes over the same clock
@@ -98,17 +99,27 @@ def test_reshard_with_a_helper_process_at_a_terminal_looks_the_same(src, tmp_pat
     assert_no_traceback(run.plain)
     writing = [line for line in run.screen.splitlines() if line.startswith("writing")]
     assert len(writing) == 1 and re.search(rf"━ 116\.5/116\.5 kB {RATE}\s+\d:\d\d:\d\d$", writing[0])
-    assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 4 files\) in \d+\.\d\ds \(writing {RATE}\), "
+    assert re.fullmatch(rf"wrote \S+/o \(32 tensors, 116\.5 kB in 3 data files \+ \.metadata\) in \d+\.\d\ds "
+                        rf"\(writing {RATE}\), "
                         r"peak RSS \d+\.\d MB", final_line(run.screen)), final_line(run.screen)
     assert len(run.screen.strip().splitlines()) == 2  # the bar and the final line, nothing from the helper
 
 
-def test_reshard_dry_run_at_a_terminal_prints_the_plan_and_writes_nothing(src, tmp_path):
-    run = run_in_terminal("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", columns=WIDE)
+@pytest.mark.parametrize("columns", [80, 120])
+def test_reshard_dry_run_at_a_terminal_prints_the_plan_and_writes_nothing(src, tmp_path, columns):
+    run = run_in_terminal("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", columns=columns)
     assert run.returncode == 0
-    assert re.fullmatch(r"plan: 32 tensors, 13 bytes entries -> 4 files at world size 3; read [\d.]+ kB, "
-                        r"write 116\.5 kB; predicted peak memory [\d.]+ MB", run.screen.replace("\n", ""))
+    lines = [line for line in run.screen.splitlines() if not line.startswith(" ")]  # a long path wraps at 80
+    assert [line.split("  ")[0] for line in lines] == ["Dry run", "Source", "World size", "Dtype", "Entries", "Files",
+                                                       "Read", "Peak memory"]
+    assert lines[5] == "Files        3 data files + .metadata, 116.5 kB"
     assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    for force, says in (((), "exists: a run stops unless --force, which replaces it"),
+                        (("--force",), "exists: --force replaces it")):
+        run = run_in_terminal("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", *force, columns=columns)
+        assert run.returncode == 0 and f"Destination  {says}" in run.screen.splitlines()
+        assert "\x1b[33m" + says in run.raw  # in yellow
 
 
 @pytest.mark.parametrize("how", [["-q"], ["--quiet"], "env"])

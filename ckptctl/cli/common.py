@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 import typer
@@ -17,6 +18,7 @@ from ckptctl.errors import CkptctlError
 from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
 from ckptctl.progress import Phase, RunTiming
+from ckptctl.wording import counted
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -65,10 +67,23 @@ def stderr() -> Console:
     return Console(stderr=True, soft_wrap=True)
 
 
+@functools.cache
+def _figures() -> Any:
+    """rich's highlighter of values, which also colours a number with its unit whole: `0.14s`,
+    `116.5 kB`, `2.07 GB/s` (its own colours only `0.` of `0.14s`)."""
+    from rich.highlighter import ReprHighlighter
+
+    class Figures(ReprHighlighter):
+        highlights = [*ReprHighlighter.highlights,
+                      r"(?<![\w.])(?P<number>\d+(?:\.\d+)?(?:s|%| [kMGTP]?B(?:/s)?))(?![\w.])"]
+
+    return Figures()
+
+
 def say(text: str) -> None:
     """One status line on stderr: through rich on a terminal, plain (and without importing rich) in a pipe."""
     if sys.stderr.isatty():
-        stderr().print(text)
+        stderr().print(_figures()(text))
     else:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
@@ -304,6 +319,35 @@ def progress_wanted(json_out: bool) -> bool:
             and os.environ.get("TERM", "") != "dumb")
 
 
+def files_text(data_files: int, files: int) -> str:
+    """A DCP output's files, counted as `inspect` counts them: `3 data files + .metadata`."""
+    others = files - data_files - 1
+    return f"{counted(data_files, 'data file')} + .metadata" + (f" + {counted(others, 'other file')}" if others else "")
+
+
+def show_plan(rows: list[tuple[str, str]], dst: Path, force: bool) -> None:
+    """A dry run's plan on stdout, as export-hf's starts: what a run would write, and whether it
+    would meet an existing DST. A grid on a terminal; aligned plain lines in a pipe."""
+    exists = os.path.lexists(dst)
+    rows = [("Dry run", f"nothing written to {dst}"),
+            *((("Destination", "exists: " + ("--force replaces it" if force else
+                                             "a run stops unless --force, which replaces it")),) if exists else ()),
+            *rows]
+    if not stdout().is_terminal:
+        width = max(len(key) for key, _ in rows)
+        write_out("".join(f"{key:<{width}}  {value}\n" for key, value in rows))
+        return
+    from rich.table import Table
+    from rich.text import Text
+
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column()
+    for key, value in rows:
+        grid.add_row(key, Text(value, style="yellow" if key == "Destination" else ""))
+    stdout().print(grid)
+
+
 def human_rate(bytes_per_s: float) -> str:
     """A throughput in the unit that fits: `2.07 GB/s`, `45.3 MB/s`, `812 B/s`."""
     if bytes_per_s >= 1e9:
@@ -338,9 +382,19 @@ class ProgressDisplay:
                         rate = task.completed / task.elapsed if task.elapsed else 0.0
                     return Text(human_rate(rate), style="progress.data.speed")
 
+            class Counted(ProgressColumn):
+                """A column of byte counts, blank on a bar that counts none (`preparing`)."""
+
+                def __init__(self, column: ProgressColumn) -> None:
+                    super().__init__()
+                    self.column = column
+
+                def render(self, task):  # type: ignore[no-untyped-def]
+                    return Text("") if task.total is None else self.column.render(task)
+
             self._progress = Progress(
-                TextColumn("[bold]{task.description:<10}"), BarColumn(), DownloadColumn(binary_units=False),
-                AverageSpeedColumn(), TimeRemainingColumn(), console=stderr(), transient=False,
+                TextColumn("[bold]{task.description:<10}"), BarColumn(), Counted(DownloadColumn(binary_units=False)),
+                Counted(AverageSpeedColumn()), Counted(TimeRemainingColumn()), console=stderr(), transient=False,
             )
 
     def phase(self, name: str, total: int) -> Callable[[int], None]:
@@ -350,6 +404,18 @@ class ProgressDisplay:
         progress = self._progress
         task = self._task = progress.add_task(name, total=total)
         return lambda nbytes: progress.advance(task, nbytes)
+
+    @contextlib.contextmanager
+    def preparing(self, what: str) -> Iterator[None]:
+        """A bar without bytes saying `what` the run does before its bytes start; gone once done."""
+        if self._progress is None:
+            yield
+            return
+        task = self._progress.add_task(what, total=None)
+        try:
+            yield
+        finally:
+            self._progress.remove_task(task)
 
     def end(self, phase: Phase) -> None:
         """Freeze the running bar at the phase's own rate."""
@@ -372,21 +438,32 @@ def _ignore(nbytes: int) -> None:
     """The counter of a bar nobody sees."""
 
 
+def torch_for_cast(progress: ProgressDisplay, dtype: str) -> None:
+    """Import torch before a cast's writing bar starts, under a bar that says so: imported by the
+    first block cast, it would hold the writing bar at 0 bytes for seconds and halve its rate."""
+    if CAST_CHOICES.get(dtype) is not None:
+        with progress.preparing(f"starting torch for the {dtype} cast"):
+            import torch  # noqa: F401
+
+
 def run_distributed(
     json_out: bool,
     dist_backend: str,
     work: Callable[[Any, Callable[[int], Callable[[int], None]]], T],
     show: Callable[[T], None],
+    cast: str = "keep",
 ) -> None:
     """The shape of every writing command: join torchrun's process group (or run alone), run
-    `work(comm, progress)` under progress bars that only the lead rank shows,
-    then let the lead rank `show` its report; errors become one line (`run_guarded`)."""
+    `work(comm, progress)` under progress bars that only the lead rank shows (torch started
+    first for a `cast`: `torch_for_cast`), then let the lead rank `show` its report; errors
+    become one line (`run_guarded`)."""
     from ckptctl.engine.dist import distributed_from_env
 
     def body() -> None:
         with distributed_from_env(dist_backend) as comm:
             progress = ProgressDisplay(progress_wanted(json_out) and comm.is_lead)
             with progress.shown():
+                torch_for_cast(progress, cast)
                 report = work(comm, progress)
             lead = comm.is_lead
         if lead:

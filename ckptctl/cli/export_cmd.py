@@ -195,7 +195,8 @@ def export_hf_command(
             return
         for note in report.notes:
             say(f"note: {note}")
-        say(f"wrote {dst} ({report.arch}, {report.tensors} tensors in {counted(report.files, 'safetensors file')}, "
+        say(f"wrote {dst} ({report.arch}, {counted(report.tensors, 'tensor')} in "
+            f"{counted(report.files, 'safetensors file')}, "
             f"{human_bytes(report.bytes_written)})" + timing_summary(report))
 
     def show_preview(preview: ExportPreview) -> None:
@@ -209,4 +210,4 @@ def export_hf_command(
         else:
             print_preview_plain(preview)
 
-    run_distributed(json_out, dist_backend, run, show)
+    run_distributed(json_out, dist_backend, run, show, cast="keep" if dry_run else dtype)

@@ -10,8 +10,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dtype_option, emit_json, human_bytes, no_sync_option, run_distributed, say, timing_json,
-    timing_summary,
+    device_option, dtype_option, emit_json, human_bytes, no_sync_option, run_distributed, say, show_plan,
+    timing_json, timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
 from ckptctl.errors import UsageError
@@ -27,6 +27,7 @@ def report_json(report: ExportTorchReport) -> dict:
     return {
         "src": report.src, "out": report.out, "tensors": report.tensors, "values": report.values,
         "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "device": report.device,
+        "dry_run": report.dry_run,
     }
 
 
@@ -40,6 +41,7 @@ def export_torch_command(
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read OUT with torch.load and compare every entry with "
                                 "the source."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print what would be written; write nothing."),
     force: bool = typer.Option(False, "--force", help="Replace an existing OUT."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout."),
     device: str = device_option(),
@@ -65,7 +67,7 @@ def export_torch_command(
             raise UsageError("export-torch writes one file from one process: run it without torchrun")
         opts = ExportTorchOptions(include=include or (), exclude=exclude or (), dtype=parse_dtype(dtype),
                                   workers=max(1, workers), device=device, sync=not no_sync)
-        return export_torch(src, out, opts, force=force, verify=verify, progress=progress)
+        return export_torch(src, out, opts, force=force, verify=verify, progress=progress, dry_run=dry_run)
 
     def show(report: ExportTorchReport) -> None:
         if json_out:
@@ -73,6 +75,11 @@ def export_torch_command(
             return
         tensors = counted(report.tensors, "tensor")
         others = counted(report.values, "other entry", "other entries")
+        if dry_run:
+            show_plan([("Source", str(src)), ("Dtype", "kept" if dtype == "keep" else dtype),
+                       ("Entries", f"{tensors}, {others}"),
+                       ("File", f"one torch.save file, {human_bytes(report.bytes_written)}")], out, force)
+            return
         say(f"wrote {out} ({tensors}, {others}, {human_bytes(report.bytes_written)})" + timing_summary(report))
 
-    run_distributed(json_out, "gloo", run, show)
+    run_distributed(json_out, "gloo", run, show, cast="keep" if dry_run else dtype)

@@ -10,11 +10,12 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, dtype_option, emit_json, human_bytes, no_sync_option, run_distributed, say,
-    stdout, timing_summary,
+    device_option, dist_backend_option, dtype_option, emit_json, files_text, human_bytes, no_sync_option,
+    run_distributed, say, show_plan, timing_summary,
 )
 from ckptctl.cli.help import ARCHES, TARGETS, completes
-from ckptctl.cli.reshard_cmd import parse_dtype
+from ckptctl.cli.reshard_cmd import parse_dtype, plan_rows
+from ckptctl.wording import counted
 from ckptctl.cli.reshard_cmd import report_json as reshard_json
 
 if TYPE_CHECKING:
@@ -37,8 +38,9 @@ def import_hf_command(
                                              help="Number of ranks the output is laid out for (fsdp2: required; "
                                                   "megatron-fsdp: TP × DP)."),
     to: str = typer.Option("fsdp2", "--to", metavar="FORMAT", autocompletion=completes(*TARGETS),
-                           help="fsdp2: HF names, as a fully_shard'ed transformers model saves them; torchtitan: "
-                                "torchtitan's names and RoPE row order; megatron-fsdp: Megatron names and TP×DP boxes."),
+                           help="fsdp2: HF names, as a fully_shard'ed transformers model saves them; "
+                                "torchtitan: torchtitan's names and RoPE row order; "
+                                "megatron-fsdp: Megatron names and TP×DP boxes."),
     prefix: Optional[str] = typer.Option(None, "--prefix",
                                          help="Put before every name (default 'model.' for fsdp2, as "
                                               "dcp.save({'model': model.state_dict()}) writes it; '' for torchtitan; "
@@ -111,12 +113,9 @@ def import_hf_command(
             say(f"note: {note}")
         checked = f"names checked against {report.model_class}" if report.model_class else "names not checked"
         if dry_run:
-            stdout().print(
-                f"plan: {report.tensors} tensors -> {report.files} files at world size {report.world_size} "
-                f"({checked}); read {human_bytes(report.bytes_read)}, write {human_bytes(report.bytes_written)}; "
-                f"predicted peak memory {human_bytes(report.predicted_peak_bytes)}")
+            show_plan([("Source", str(src)), ("As", to), *plan_rows(report, dtype), ("Names", checked)], dst, force)
             return
-        say(f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)} in {report.files} files; "
-            f"{checked})" + timing_summary(report))
+        say(f"wrote {dst} ({counted(report.tensors, 'tensor')}, {human_bytes(report.bytes_written)} in "
+            f"{files_text(report.data_files, report.files)}; {checked})" + timing_summary(report))
 
-    run_distributed(json_out, dist_backend, run, show)
+    run_distributed(json_out, dist_backend, run, show, cast="keep" if dry_run else dtype)

@@ -15,17 +15,19 @@ from ckptctl.cli.common import (
     dtype_option,
     dist_backend_option,
     emit_json,
+    files_text,
     human_bytes,
     hub_timeout_option,
     no_sync_option,
     run_distributed,
     say,
-    stdout,
+    show_plan,
     timing_json,
     timing_summary,
 )
 from ckptctl.errors import UsageError
 from ckptctl.dtypes import CAST_CHOICES
+from ckptctl.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
     from ckptctl.engine.dist import Comm
@@ -41,6 +43,16 @@ def report_json(report: ReshardReport) -> dict:
         **timing_json(report), "predicted_peak_bytes": report.predicted_peak_bytes,
         "verified": report.verified, "processes": report.processes, "device": report.device,
     }
+
+
+def plan_rows(report: ReshardReport, dtype: str) -> list[tuple[str, str]]:
+    """A DCP output's plan, for `--dry-run` (reshard, import-hf)."""
+    return [("World size", str(report.world_size)), ("Dtype", "kept" if dtype == "keep" else dtype),
+            ("Entries", f"{counted(report.tensors, 'tensor')}, "
+                        f"{counted(report.bytes_entries, 'bytes entry', 'bytes entries')}"),
+            ("Files", f"{files_text(report.data_files, report.files)}, {human_bytes(report.bytes_written)}"),
+            ("Read", human_bytes(report.bytes_read)),
+            ("Peak memory", f"{human_bytes(report.predicted_peak_bytes)} (predicted)")]
 
 
 def parse_dtype(value: str) -> object:
@@ -114,13 +126,9 @@ def reshard_command(
             emit_json(report_json(report))
             return
         if dry_run:
-            stdout().print(
-                f"plan: {report.tensors} tensors, {report.bytes_entries} bytes entries -> {report.files} files "
-                f"at world size {report.world_size}; read {human_bytes(report.bytes_read)}, "
-                f"write {human_bytes(report.bytes_written)}; predicted peak memory "
-                f"{human_bytes(report.predicted_peak_bytes)}")
+            show_plan([("Source", str(src)), *plan_rows(report, dtype)], dst, force)
             return
-        say(f"wrote {dst} ({report.tensors} tensors, {human_bytes(report.bytes_written)} in {report.files} files)"
-            + timing_summary(report))
+        say(f"wrote {dst} ({counted(report.tensors, 'tensor')}, {human_bytes(report.bytes_written)} in "
+            f"{files_text(report.data_files, report.files)})" + timing_summary(report))
 
-    run_distributed(json_out, dist_backend, run, show)
+    run_distributed(json_out, dist_backend, run, show, cast="keep" if dry_run else dtype)
