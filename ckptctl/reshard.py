@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -24,7 +24,7 @@ from ckptctl.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput, layout_dcp
 from ckptctl.layout import analysis, source_tensors
-from ckptctl.model import Checkpoint
+from ckptctl.model import Checkpoint, file_rank
 from ckptctl.placement import fsdp2
 from ckptctl.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.plan import SourceTensor, TargetTensor, identity_target, source_bytes
@@ -98,8 +98,12 @@ class ReshardReport(RunTiming):
     bytes_written: int
     dry_run: bool = False
     predicted_peak_bytes: int = 0
-    data_files: int = 0
-    """The `.distcp` files, as `inspect` counts them."""
+    file_sizes: dict[str, int] = field(default_factory=dict)
+    """Each `.distcp` file's size by name, in rank order: the data files, as `inspect` counts them."""
+
+    @property
+    def data_files(self) -> int:
+        return len(self.file_sizes)
 
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
@@ -243,7 +247,7 @@ def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_siz
     return report_type(
         src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
         bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
-        data_files=len(out.files),
+        file_sizes=dict(sorted(out.files.items(), key=lambda item: (file_rank(item[0]) or 0, item[0]))),
         bytes_read=sum(source_bytes(t, numel, out.sources) for t, numel in out.records.target_elements())
         + sum(c.length for c in out.copy_items),
         bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,

@@ -246,7 +246,8 @@ def test_dry_run_writes_nothing_and_says_the_plan(folders, tmp_path):
     assert re.fullmatch(rf"Dry run      nothing written to {tmp_path / 'o'}\nSource       {folders['llama-tied']}\n"
                         r"As           fsdp2\nWorld size   4\nDtype        kept\n"
                         r"Entries      21 tensors, 0 bytes entries\n"
-                        r"Files        4 data files \+ \.metadata, [\d.]+ kB\nRead         [\d.]+ kB\n"
+                        r"Files        4 data files \+ \.metadata, [\d.]+ kB\n(?:             __\d_0\.distcp  [\d.]+ kB\n){4}"
+                        r"Read         [\d.]+ kB\n"
                         r"Peak memory  [\d.]+ MB \(predicted\)\nNames        names checked against LlamaForCausalLM\n",
                         run.stdout)
     assert not (tmp_path / "o").exists()

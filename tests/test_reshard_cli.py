@@ -118,8 +118,9 @@ def test_dry_run_writes_nothing(src, tmp_path):
     assert lines[:6] == [f"Dry run      nothing written to {tmp_path / 'o'}", f"Source       {src}", "World size   3",
                          "Dtype        kept", "Entries      32 tensors, 13 bytes entries",
                          "Files        3 data files + .metadata, 116.5 kB"]
-    assert re.fullmatch(r"Read         [\d.]+ kB", lines[6]) and re.fullmatch(r"Peak memory  [\d.]+ MB \(predicted\)",
-                                                                         lines[7]) and len(lines) == 8
+    assert [re.sub(r"[\d.]+ kB", "N kB", line) for line in lines[6:9]] == [f"             __{r}_0.distcp  N kB" for r in range(3)]
+    assert re.fullmatch(r"Read         [\d.]+ kB", lines[9]) and re.fullmatch(r"Peak memory  [\d.]+ MB \(predicted\)",
+                                                                         lines[10]) and len(lines) == 11
     doc = json.loads(run_cli("reshard", src, tmp_path / "o", "-n", "3", "--dry-run", "--json").stdout)
     assert doc["dry_run"] is True and doc["predicted_peak_bytes"] > 0 and doc["bytes_read"] > 0
 

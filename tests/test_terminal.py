@@ -112,6 +112,8 @@ def test_reshard_dry_run_at_a_terminal_prints_the_plan_and_writes_nothing(src, t
     lines = [line for line in run.screen.splitlines() if not line.startswith(" ")]  # a long path wraps at 80
     assert [line.split("  ")[0] for line in lines] == ["Dry run", "Source", "World size", "Dtype", "Entries", "Files",
                                                        "Read", "Peak memory"]
+    assert [re.sub(r"[\d.]+ kB", "N kB", line) for line in run.screen.splitlines() if "distcp" in line] == [
+        f"             __{r}_0.distcp  N kB" for r in range(3)]
     assert lines[5] == "Files        3 data files + .metadata, 116.5 kB"
     assert not (tmp_path / "o").exists()
     (tmp_path / "o").mkdir()

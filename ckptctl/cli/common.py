@@ -319,6 +319,22 @@ def progress_wanted(json_out: bool) -> bool:
             and os.environ.get("TERM", "") != "dumb")
 
 
+FILES_LISTED = 8
+"""More data files than this are summarised in one line (inspect's `--json` lists them all)."""
+
+
+def file_lines(files: dict[str, int]) -> list[str]:
+    """Each file and its size; for many (one per rank at scale), the range of names and sizes."""
+    if len(files) <= FILES_LISTED:
+        return [f"{name}  {human_bytes(size)}" for name, size in files.items()]
+    names = list(files)
+    span = f"{names[0]} … {names[-1]}"
+    small, large = min(files, key=files.__getitem__), max(files, key=files.__getitem__)
+    if files[small] == files[large]:
+        return [f"{span}  {human_bytes(files[small])} each"]
+    return [f"{span}  {human_bytes(files[small])} ({small}) to {human_bytes(files[large])} ({large})"]
+
+
 def files_text(data_files: int, files: int) -> str:
     """A DCP output's files, counted as `inspect` counts them: `3 data files + .metadata`."""
     others = files - data_files - 1

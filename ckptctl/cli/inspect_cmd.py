@@ -68,7 +68,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    Fragment, Streamed, emit_json, human_bytes, json_scalar, run_guarded, stdout, write_out,
+    FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, stdout,
+    write_out,
 )
 from ckptctl.errors import UsageError
 from ckptctl.wording import counted
@@ -268,22 +269,6 @@ def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"
 
 
-FILES_LISTED = 8
-"""More data files than this are summarised in the text output (`--json` lists them all)."""
-
-
-def _file_lines(files: dict[str, int]) -> list[str]:
-    """Each file and its size; for many (one per rank at scale), the range of names and sizes."""
-    if len(files) <= FILES_LISTED:
-        return [f"{name}  {human_bytes(size)}" for name, size in files.items()]
-    names = list(files)
-    span = f"{names[0]} … {names[-1]}"
-    small, large = min(files, key=files.__getitem__), max(files, key=files.__getitem__)
-    if files[small] == files[large]:
-        return [f"{span}  {human_bytes(files[small])} each"]
-    return [f"{span}  {human_bytes(files[small])} ({small}) to {human_bytes(files[large])} ({large})"]
-
-
 def _unreferenced_warning(doc: dict[str, Any]) -> str:
     names = doc["unreferenced_files"]
     shown = ", ".join(names) if len(names) <= FILES_LISTED else f"{names[0]} … {names[-1]}"
@@ -310,7 +295,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("DCP version", f"{doc['version'] or 'unknown'} ({', '.join(doc['metadata_files'])})"),
         ("Saved world size", str(doc["world_size"])),
         ("Files", f"{counted(len(files), 'data file')}, {human_bytes(doc['total_bytes'])}"),
-        *(("", line) for line in _file_lines(files)),
+        *(("", line) for line in file_lines(files)),
         *((("Unreferenced", _unreferenced_warning(doc)),) if doc["unreferenced_files"] else ()),
         *(("Per-rank state", _rank_state_line(r)) for r in doc["rank_state"]),
         ("Entries", _counts(doc["groups"])),

@@ -15,6 +15,7 @@ from ckptctl.cli.common import (
     dtype_option,
     dist_backend_option,
     emit_json,
+    file_lines,
     files_text,
     human_bytes,
     hub_timeout_option,
@@ -51,6 +52,7 @@ def plan_rows(report: ReshardReport, dtype: str) -> list[tuple[str, str]]:
             ("Entries", f"{counted(report.tensors, 'tensor')}, "
                         f"{counted(report.bytes_entries, 'bytes entry', 'bytes entries')}"),
             ("Files", f"{files_text(report.data_files, report.files)}, {human_bytes(report.bytes_written)}"),
+            *(("", line) for line in file_lines(report.file_sizes)),
             ("Read", human_bytes(report.bytes_read)),
             ("Peak memory", f"{human_bytes(report.predicted_peak_bytes)} (predicted)")]
 
