@@ -44,6 +44,7 @@ from ckptctl.dtypes import DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp_metadata import open_checkpoint
+from ckptctl.formats.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors_in import StoredTensor, stored_tensors
 from ckptctl.geometry import Box, full_box
 from ckptctl.hf.base import is_model_key
@@ -321,7 +322,7 @@ def format_of(path: Path) -> str:
     if ".metadata" in names or any(_RANK_METADATA.match(n) for n in names):
         return DCP
     if any(n.endswith(".safetensors") for n in names):
-        return SAFETENSORS
+        return DCP if is_sharded_folder(path) else SAFETENSORS  # torch's HF writer's sharded save is a checkpoint
     raise CheckpointError(path, "neither a DCP checkpoint (no .metadata) nor a safetensors model folder "
                                 "(no *.safetensors)")
 

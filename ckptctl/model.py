@@ -7,6 +7,7 @@ bytes are), never tensor data: building it reads `.metadata` and file sizes only
 from __future__ import annotations
 
 import math
+import re
 from array import array
 from dataclasses import dataclass, field, replace
 from itertools import islice, starmap
@@ -201,8 +202,12 @@ class Checkpoint:
 
 
 def file_rank(name: str) -> int | None:
-    """The rank that wrote data file `__{rank}_{n}.distcp`, None for any other name."""
+    """The rank that wrote data file `__{rank}_{n}.distcp` (or `shard-{rank + 1}-model-…`, torch's HF
+    writer's name at save_distributed), None for any other name."""
     stem = Path(name).name
+    shard = re.fullmatch(r"shard-(\d+)-model-\d+-of-\d+\.safetensors", stem)
+    if shard is not None and int(shard.group(1)) > 0:
+        return int(shard.group(1)) - 1
     if stem.startswith("__") and "_" in stem[2:]:
         head = stem[2:].split("_", 1)[0]
         if head.isdigit():

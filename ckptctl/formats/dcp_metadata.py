@@ -23,6 +23,7 @@ from typing import Any
 from ckptctl.atomic import note_read
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
+from ckptctl.formats.hf_sharded import is_sharded_folder, open_sharded_folder
 from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.metadata_templates import read_metadata
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
@@ -43,12 +44,11 @@ of few chunks per tensor (the templates interpret each tensor's header), 1.04 s 
 
 
 def _metadata_files(root: Path) -> list[Path]:
+    """`.metadata`, else the per-rank `__{rank}.metadata` files in rank order (none: not DCP's own layout)."""
     if os.path.lexists(root / METADATA_NAME):  # whatever it is: a device or FIFO is refused when opened
         return [root / METADATA_NAME]
     per_rank = sorted((p for p in root.iterdir() if _RANK_METADATA.match(p.name)),
                       key=lambda p: int(_RANK_METADATA.match(p.name).group(1)))
-    if not per_rank:
-        raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)")
     return per_rank
 
 
@@ -384,6 +384,10 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> C
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     backend = megatron_backend(root)
     md_paths = _metadata_files(root)
+    if not md_paths:
+        if is_sharded_folder(root):  # torch's HF writer at save_distributed writes no .metadata
+            return open_sharded_folder(root)
+        raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)")
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
         ckpt = _checkpoint(root, md_paths, written_here)
     ckpt.megatron_backend = backend

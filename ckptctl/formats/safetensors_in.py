@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,9 +44,19 @@ entry itself), and as many again in a DCP file's `__metadata__` sharding info.""
 METADATA_VALUES = 1 << 16
 """… and for `__metadata__` (string to string)."""
 SHOWN_NAME = 200
+SHARDING_KEY = "DCP_SHARDING_INFO"
+"""The `__metadata__` entry DCP's safetensors writers put each record's offsets in its global tensor in:
+`{name: {"saved_offsets": [...]}}` (`hf_sharded`)."""
 CHUNK_BYTES = 64 << 20
 """A tensor is seen as chunks of whole rows of about this size: `--verify` decodes one chunk at a
 time (safetensors' own slicing), never a whole embedding."""
+
+
+HEADER_CACHE_BYTES = 64 << 20
+"""Header text `blob_header` keeps parsed (about 5 times as much memory)."""
+_HEADERS: dict[tuple[int, ...], tuple[dict, int]] = {}
+_HEADERS_BYTES = 0
+_HEADERS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -102,7 +113,29 @@ def header_values(data_size: int) -> int:
 def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
     """The JSON header of the safetensors blob at byte `at` of open file `fd` (a model file's is at
     0; a SAFETENSORS-format DCP file's after its bytes items), and where the blob's data starts.
-    ValueError when there is no header of a plausible length, or it is not a JSON object."""
+    ValueError when there is no header of a plausible length, or it is not a JSON object.
+
+    Headers read lately are remembered (`HEADER_CACHE_BYTES`), by the file's identity and `at`:
+    each record of a file is looked up in turn, and a sharded save's files hold thousands each,
+    which would otherwise parse the same header thousands of times. Not to be changed by callers."""
+    info = os.fstat(fd)
+    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, at)
+    with _HEADERS_LOCK:
+        found = _HEADERS.get(key)
+    if found is not None:
+        return found
+    found = _blob_header(fd, at, file_size)
+    with _HEADERS_LOCK:
+        global _HEADERS_BYTES
+        if _HEADERS_BYTES + found[1] - at > HEADER_CACHE_BYTES:
+            _HEADERS.clear()
+            _HEADERS_BYTES = 0
+        _HEADERS[key] = found
+        _HEADERS_BYTES += found[1] - at
+    return found
+
+
+def _blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
     head = os.pread(fd, 8, at)
     if len(head) != 8:
         raise ValueError(f"no safetensors header at byte {at}")
@@ -119,6 +152,12 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
     """Every tensor of a safetensors file, checked against the file's size; CheckpointError if
     malformed or implausible (a FIFO or device, a header longer than MAX_HEADER_BYTES, more
     tensors than `plausible_tensors`, more dims than MAX_DIMS)."""
+    return read_header_and_metadata(file)[0]
+
+
+def read_header_and_metadata(file: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
+    """`read_header`'s tensors and the file's `__metadata__` (empty when it has none); a
+    `__metadata__` other than strings by string is refused, as safetensors' own reader does."""
     fd, size = open_bounded(file)
     try:
         head = os.pread(fd, 8, 0)
@@ -139,6 +178,9 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
         raise CheckpointError(file, "not a safetensors file (header is not JSON)") from None
     if not isinstance(header, dict):
         raise CheckpointError(file, "not a safetensors file (header is not a JSON object)")
+    metadata = header.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(file, "not a safetensors file (__metadata__ is not strings by string)")
     count = len(header) - ("__metadata__" in header)
     if count > plausible_tensors(data_size):
         raise CheckpointError(file, f"implausible safetensors header ({count} tensors in {data_size} bytes of data)")
@@ -164,7 +206,7 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
             raise CheckpointError(file, f"{shown_name(name)}: bytes {begin}..{end} do not hold {dtype_name(dtype)} "
                                         f"{list(shape)} inside the file")
         out[name] = StoredTensor(name, shape, dtype, file, data_start + begin)
-    return out
+    return out, metadata
 
 
 def shown_name(name: str) -> str:
@@ -176,12 +218,14 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
     """Every tensor of a folder (or one file) by name: each name once, each indexed name where its index says."""
     stored: dict[str, StoredTensor] = {}
     for file, names in folder_files(path).items():
-        header = read_header(file)
+        header, metadata = read_header_and_metadata(file)
         if len(stored) + len(header) > MAX_TENSORS:
             raise CheckpointError(path, f"implausible model folder (more than {MAX_TENSORS} tensors)")
         for name in names if names is not None else header:
             if name in stored:
-                raise CheckpointError(file, f"{shown_name(name)}: also in {stored[name].file.name}")
+                sharded = (" (a distributed save of torch's HuggingFaceStorageWriter: a checkpoint, which "
+                           "reshard turns into DCP)") if SHARDING_KEY in metadata else ""
+                raise CheckpointError(file, f"{shown_name(name)}: also in {stored[name].file.name}{sharded}")
             if name not in header:
                 raise CheckpointError(file, f"{shown_name(name)}: listed by the index but not in this file")
             stored[name] = header[name]
