@@ -387,7 +387,11 @@ class ItemReader:
         meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
         if not isinstance(meta, dict) or "DCP_SHARDING_INFO" not in meta:
             return None
-        header = self._safetensors_headers[key] = {"json": parsed, "data_start": offset + 8 + n}
+        try:  # parsed once per blob: each of its records is checked against it
+            offsets = json.loads(meta["DCP_SHARDING_INFO"])
+        except (ValueError, TypeError, RecursionError):
+            offsets = None
+        header = self._safetensors_headers[key] = {"json": parsed, "data_start": offset + 8 + n, "offsets": offsets}
         return header
 
     def _locate_safetensors(self, entry: TensorEntry, chunk: Chunk, header: dict) -> RawRecord:
@@ -412,9 +416,8 @@ class ItemReader:
     def _saved_offsets_match(header: dict, fqn: str, offsets: tuple[int, ...]) -> bool:
         """torch's HF reader takes a record's global offsets from `DCP_SHARDING_INFO`; so do we."""
         try:
-            info = json.loads(header["json"]["__metadata__"]["DCP_SHARDING_INFO"])
-            return tuple(info[fqn]["saved_offsets"]) == offsets
-        except (ValueError, KeyError, TypeError, RecursionError):
+            return tuple(header["offsets"][fqn]["saved_offsets"]) == offsets
+        except (KeyError, TypeError):
             return False
 
     def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...],
