@@ -9,8 +9,9 @@ complete them in the shell.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from typer.core import TyperCommand, TyperGroup
 
@@ -34,11 +35,27 @@ def reflow(text: str | None) -> str | None:
     return "\n\n".join(paragraphs)
 
 
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Help printed into a pipe its reader has closed (`ckptctl -h | head -1`) is no error: rich,
+    the only thing that exits while help is printed, would end the process with status 1."""
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code != 1:
+            raise
+        raise SystemExit(0) from None
+
+
 class Command(TyperCommand):
     """A command whose help flows (`reflow`) and whose usage names its arguments `SRC DST`."""
 
     def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:  # noqa: A002 (click's name)
         super().__init__(*args, help=reflow(help), **kwargs)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _reader_may_leave():
+            super().format_help(ctx, formatter)
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -54,6 +71,10 @@ class Group(TyperGroup):
 
     def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:  # noqa: A002
         super().__init__(*args, help=reflow(help), **kwargs)
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        with _reader_may_leave():
+            super().format_help(ctx, formatter)
 
 
 def completes(*choices: str) -> Callable[[str], list[str]]:
