@@ -304,3 +304,18 @@ def test_pieces_of_another_dtype_are_refused(broken) -> None:
     with pytest.raises(CheckpointError) as exc:
         open_checkpoint(folder)
     assert str(exc.value) == f"{folder}/{SHARD.format(2)}: w: int32 here, float32 in {SHARD.format(1)}"
+
+
+def test_a_rank_of_several_files_is_read_whole(tmp_path) -> None:
+    """`fqn_to_index_mapping` spreads a rank's tensors over `model-{i}-of-{n}` files."""
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.arange(4, dtype=torch.bfloat16), "c": torch.tensor(7)}
+    writer = HuggingFaceStorageWriter(str(tmp_path / "hf"), fqn_to_index_mapping={"a": 1, "b": 2, "c": 2},
+                                      save_distributed=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+    ckpt = open_checkpoint(tmp_path / "hf")
+    assert list(ckpt.files) == ["shard-00001-model-00001-of-00002.safetensors",
+                                "shard-00001-model-00002-of-00002.safetensors"]
+    assert ckpt.saved_world_size == 1
+    _assert_exact(_assemble(tmp_path / "hf"), sd)
