@@ -305,7 +305,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
                                              f"of {cfg.path.name}: {shown} (wrong --hf-config or --arch?)")
         skipped = [n for n in model.unused() if n.startswith(SKIPPED_PREFIXES)]
         if skipped:
-            ctx.notes.append(f"{len(skipped)} tensors under {prefix}mtp.* (multi-token prediction) not exported")
+            ctx.notes.append(f"{counted(len(skipped), 'tensor')} under {prefix}mtp.* (multi-token prediction) "
+                             "not exported")
     if ctx.tied_heads:
         ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ctx.tied_heads, opts.drop_tied_head, None))
     if ctx.zero_only:

@@ -307,8 +307,8 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
                if v.fqn not in consumed]
     targets += [stacked_target(name, experts, views, opts) for name, experts in stacked.items()]
     if stacked:
-        notes.append(f"{len(consumed)} per-expert tensors stacked into {len(stacked)} tensors as {cls} holds "
-                     "them in memory")
+        notes.append(f"{counted(len(consumed), 'per-expert tensor')} stacked into {counted(len(stacked), 'tensor')} "
+                     f"as {cls} holds them in memory")
     prefix = opts.output_prefix
     for name, source in tied.items():
         view = views[source]
