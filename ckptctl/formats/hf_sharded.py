@@ -58,7 +58,11 @@ def safetensors_files(root: Path) -> list[Path]:
 
 
 def is_sharded_folder(root: Path) -> bool:
-    """Whether `root` holds safetensors files the first of which carries DCP sharding info."""
+    """Whether `root` holds safetensors files the first of which carries DCP sharding info, and no
+    index: an indexed folder is a model's (the writer indexes only what it consolidates), and its
+    files are read as the index says."""
+    if any(root.glob("*.safetensors.index.json")):
+        return False
     files = safetensors_files(root)
     return bool(files) and SHARDING_KEY in read_header_and_metadata(files[0])[1]
 
