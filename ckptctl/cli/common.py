@@ -406,7 +406,7 @@ class ProgressDisplay:
                     self.column = column
 
                 def render(self, task):  # type: ignore[no-untyped-def]
-                    return Text("") if task.total is None else self.column.render(task)
+                    return Text("") if task.total is None else self.column(task)  # its own refresh pace
 
             self._progress = Progress(
                 TextColumn("[bold]{task.description:<10}"), BarColumn(), Counted(DownloadColumn(binary_units=False)),
