@@ -429,7 +429,7 @@ def test_megatron_import_refuses_a_tensor_no_rule_claims_and_a_missing_one(refer
     (["--to", "megatron-fsdp", "--dp", "2", "--arch", "raw"],
      "ckptctl: error: {ref}: no Megatron rules for --arch raw (import-hf --to megatron-fsdp knows: llama, qwen2, "
      "qwen3, qwen3-moe, qwen3-next, qwen3.5, deepseek-v3, mixtral, gemma2, gemma3, nemotron-h, gpt-oss)"),
-    (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp and --split-fused are for --to megatron-fsdp"),
+    (["--world-size", "2", "--tp", "2"], "ckptctl: error: --tp, --dp, --split-fused and --megatron-core are for --to megatron-fsdp"),
     (["--to", "torchtitan", "--world-size", "2", "--arch", "qwen3-moe"],
      "ckptctl: error: {ref}: no torchtitan rules for --arch qwen3-moe (import-hf --to torchtitan knows: llama "
      "(torchtitan-llama3), qwen3 (torchtitan-qwen3), qwen3_moe (torchtitan-qwen3), deepseek_v3 "
