@@ -48,7 +48,7 @@ from ckptctl.hf.base import (
 )
 from ckptctl.hf.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
 from ckptctl.hf.config_bounds import refuse_unbacked_counts
-from ckptctl.hf.files import MAX_COPIED_BYTES, copy_regular, open_bounded
+from ckptctl.hf.files import MAX_COPIED_BYTES, copy_regular
 from ckptctl.hf.foreign import foreign_reason
 from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.hf.raw import RAW, RawFamily, raw_prefix
@@ -67,6 +67,7 @@ from ckptctl.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.output_plan import OutputPlan
 from ckptctl.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
 from ckptctl.selection import refuse_empty_selection, selected
+from ckptctl.source_files import open_source
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -354,7 +355,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     config = output_config(cfg, out_dtype)
     ref_files = cfg.ref_files()
     for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
-        os.close(open_bounded(path, MAX_COPIED_BYTES)[0])
+        os.close(open_source(path, MAX_COPIED_BYTES)[0])
     copied = {p.name for p in ref_files}
     derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
     return ExportPlan(

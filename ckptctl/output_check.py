@@ -33,7 +33,7 @@ from ckptctl.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes
 from ckptctl.errors import CheckpointError
 from ckptctl.formats.dcp_items import MAX_ZIP_READ
-from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
+from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.file_window import window
 from ckptctl.formats.safetensors_in import MAX_HEADER_BYTES, blob_header
@@ -41,6 +41,7 @@ from ckptctl.geometry import Box, strides
 from ckptctl.layout import coverage
 from ckptctl.model import Checkpoint, Chunk, ChunkTable, TensorEntry
 from ckptctl.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.source_files import open_source
 
 MAX_PICKLE = 1 << 16
 """Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
@@ -180,7 +181,7 @@ class ItemElements:
 
     def fd(self, file: str) -> int:
         if file not in self._fds:
-            self._fds[file] = open_regular(self.ckpt.path / file)
+            self._fds[file] = open_source(self.ckpt.path / file)[0]
         return self._fds[file]
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
@@ -552,7 +553,7 @@ def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterabl
     try:
         for name, targets in files.items():
             path = folder / name
-            fd = open_regular(path)
+            fd = open_source(path)[0]
             try:
                 _check_safetensors_file(path, fd, list(targets), sources, source)
             finally:
@@ -622,7 +623,7 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     `zipfile`, matches its local records, which follow one another up to the directory, and each
     tensor's record (`records`: record name → its tensor) holds its planned bytes with the
     source's first and last elements."""
-    fd = open_regular(path)
+    fd = open_source(path)[0]
     source = ItemElements(src)
     try:
         size = os.fstat(fd).st_size

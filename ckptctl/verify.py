@@ -31,7 +31,7 @@ from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.formats.dcp_items import MAX_ZIP_READ, ItemReader
 from ckptctl.formats.file_window import window
 from ckptctl.formats.safetensors_in import blob_header
-from ckptctl.formats.dcp_metadata import open_checkpoint, open_regular
+from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.dcp_writer import DcpOutput
 from ckptctl.formats.safetensors_out import SafetensorsFile, item_boxes
 from ckptctl.layout import source_tensors
@@ -40,6 +40,7 @@ from ckptctl.geometry import (Box, box_flat_ranges, flat_boxes, full_box, region
 from ckptctl.model import Checkpoint, Chunk, TensorEntry
 from ckptctl.progress import Advance
 from ckptctl.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.source_files import open_source
 
 
 VERIFY_BLOCK_BYTES = 4 << 20
@@ -397,7 +398,7 @@ def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files:
     import torch
 
     path = src.path / chunk.file
-    fd = files.fd(chunk.file) if files is not None else open_regular(path)
+    fd = files.fd(chunk.file) if files is not None else open_source(path)[0]
     try:
         raw = os.pread(fd, chunk.length, chunk.offset)
     finally:
@@ -533,7 +534,7 @@ def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: P
 
 def _safetensors_folder_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> int:
     """A safetensors model file's tensor: where the rows `chunk` covers start."""
-    fd = open_regular(path)
+    fd = open_source(path)[0]
     try:
         start, info = _safetensors_start(fd, 0, entry.fqn, path, os.fstat(fd).st_size)
     finally:

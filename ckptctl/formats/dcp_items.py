@@ -23,10 +23,10 @@ from typing import IO, Any, Callable
 
 from ckptctl.dtypes import BY_SAFETENSORS
 from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_metadata import open_regular
 from ckptctl.formats.file_window import FileWindow
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
 from ckptctl.model import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
+from ckptctl.source_files import open_source
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
@@ -145,7 +145,7 @@ class ItemReader:
             return fd
         with self._lock:
             if file not in self._fds:
-                self._fds[file] = open_regular(self.ckpt.path / file)
+                self._fds[file] = open_source(self.ckpt.path / file)[0]
             return self._fds[file]
 
     def _bad(self, chunk: Chunk, reason: str) -> CheckpointError:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptctl.atomic import note_read
 from ckptctl.errors import CheckpointError
 from ckptctl.formats import dcp_classes
 from ckptctl.formats.hf_sharded import is_sharded_folder, open_sharded_folder
@@ -28,6 +27,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.metadata_templates import read_metadata
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, ChunkTable, TensorEntry
+from ckptctl.source_files import open_source
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -80,33 +80,16 @@ def megatron_backend(root: Path) -> str | None:
 
 
 def read_small(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a small regular file (`open_regular`): a marker or a common state."""
-    fd = open_regular(path)
+    """At most `limit` bytes of a small regular file (`open_source`): a marker or a common state."""
+    fd, _ = open_source(path)
     try:
         return os.read(fd, limit)
     finally:
         os.close(fd)
 
 
-def open_regular(path: Path) -> int:
-    """A read-only descriptor of `path`, which must be a regular file (a link to one is followed).
-
-    O_NONBLOCK keeps a FIFO from blocking the open; a device, FIFO or socket is refused
-    before anything is read from it (`/dev/zero` would be read forever).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot open: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise CheckpointError(path, "not a regular file")
-    note_read(path, fd)
-    return fd
-
-
 def _load_one(path: Path, written_here: bool = False) -> dcp_classes.Metadata:
-    fd = open_regular(path)
+    fd, _ = open_source(path)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_METADATA_BYTES:

@@ -22,9 +22,10 @@ from pathlib import Path
 
 from ckptctl.dtypes import BY_SAFETENSORS, DType
 from ckptctl.errors import CheckpointError
-from ckptctl.hf.files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, open_bounded, parse_json,
+from ckptctl.hf.files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, parse_json,
                               read_json_object)
 from ckptctl.model import Checkpoint, Chunk, TensorEntry, dtype_name
+from ckptctl.source_files import open_source
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -158,7 +159,7 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
 def read_header_and_metadata(file: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """`read_header`'s tensors and the file's `__metadata__` (empty when it has none); a
     `__metadata__` other than strings by string is refused, as safetensors' own reader does."""
-    fd, size = open_bounded(file)
+    fd, size = open_source(file)
     try:
         head = os.pread(fd, 8, 0)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)

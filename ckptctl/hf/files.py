@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from ckptctl.atomic import note_read
 from ckptctl.errors import CheckpointError
+from ckptctl.source_files import open_source
 
 MAX_CONFIG_BYTES = 4 << 20
 """`config.json`, `generation_config.json`: a few kB in every published model."""
@@ -36,37 +35,11 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _DEPTH_STEP = [0] * 256
 _DEPTH_STEP[ord("[")] = _DEPTH_STEP[ord("{")] = 1
 _DEPTH_STEP[ord("]")] = _DEPTH_STEP[ord("}")] = -1
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def open_bounded(path: Path, limit: int | None = None) -> tuple[int, int]:
-    """A read-only descriptor of regular file `path` (a link to one is followed) and its size.
-
-    O_NONBLOCK keeps a FIFO from blocking the open; anything but a regular file, or a file
-    over `limit` bytes, is refused before a byte is read. The file is noted as a source read
-    (`atomic.note_read`): it must not change before the output is put in place."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot open: {exc.strerror or exc}") from None
-    info = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(info.st_mode):
-        kind = next((name for test, name in _KINDS if test(info.st_mode)), "a special file")
-        problem = f"not a regular file ({kind})"
-    elif limit is not None and info.st_size > limit:
-        problem = f"implausibly large ({info.st_size} bytes; at most {limit} are read)"
-    if problem is not None:
-        os.close(fd)
-        raise CheckpointError(path, problem)
-    note_read(path, fd)
-    return fd, info.st_size
 
 
 def read_regular(path: Path, limit: int) -> bytes:
-    """The whole of regular file `path`, of at most `limit` bytes (`open_bounded`)."""
-    fd, _ = open_bounded(path, limit)
+    """The whole of regular file `path`, of at most `limit` bytes (`open_source`)."""
+    fd, _ = open_source(path, limit)
     try:
         data = os.pread(fd, limit + 1, 0)
     except OSError as exc:
@@ -79,8 +52,8 @@ def read_regular(path: Path, limit: int) -> bytes:
 
 
 def copy_regular(path: Path, dest: Path, limit: int = MAX_COPIED_BYTES) -> None:
-    """Copy regular file `path` (`open_bounded`) to `dest`, from the descriptor that was checked."""
-    fd, _ = open_bounded(path, limit)
+    """Copy regular file `path` (`open_source`) to `dest`, from the descriptor that was checked."""
+    fd, _ = open_source(path, limit)
     try:
         with os.fdopen(fd, "rb", closefd=False) as src, open(dest, "wb") as out:
             copied = 0
