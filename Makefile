@@ -3,10 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+ORACLES_STAMP := $(VENV)/.oracles
 
-.PHONY: install demo test test-full fuzz bench bench-scale fixtures clean
+.PHONY: install oracles demo test test-full fuzz bench bench-scale fixtures clean
 
+# ckptctl and its dev extras (what the demo, benchmarks and fuzzer need); `oracles` adds the
+# frameworks the tests check against (several minutes the first time), for `make test` only.
 install: $(STAMP)
+oracles: $(ORACLES_STAMP)
 
 # Oracles of the tests, without their heavy dependencies, which the code the tests run never
 # imports: torchtitan (not datasets, wandb, triton …) and megatron-core (0.16: the newest for
@@ -32,11 +36,14 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+$(ORACLES_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps $(ORACLES)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python $(PY312_ORACLES)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(MCORE_015) megatron-core==0.15.3
 	$(PY) -m pip install -q --no-deps --upgrade --ignore-requires-python --target $(MCORE_019) megatron-core==0.19.2
-	touch $(STAMP)
+	touch $(ORACLES_STAMP)
 
 demo: install
 	rm -rf demo && $(PY) fixtures/demo.py make demo
@@ -50,17 +57,17 @@ demo: install
 	$(VENV)/bin/ckptctl diff demo/ckpt-from-hf demo/hf
 	$(PY) fixtures/demo.py check demo
 
-test: install
+test: oracles
 	$(PY) -m pytest -q
 
-test-full: install
+test-full: oracles
 	$(PY) -m pytest -q -m ""
 
 # A long run of the structured fuzzer over mutated real fixtures (a short one is in `make test`).
 fuzz: install
 	$(PY) -m tests.fuzz_inputs 5000
 
-bench: install
+bench: oracles
 	$(PY) bench/bench.py
 
 # Structure at scale: checkpoints of many tiny chunks (SIZES=2.5M for 1,024 ranks x 2,500 tensors).
@@ -68,7 +75,7 @@ SIZES ?= 256x300,1024x160
 bench-scale: install
 	$(PY) bench/scale.py --sizes $(SIZES)
 
-fixtures: install
+fixtures: oracles
 	$(PY) fixtures/make_fixtures.py
 
 clean:
