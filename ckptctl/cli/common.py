@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
 import typer
 
@@ -349,6 +349,12 @@ def show_plan(rows: list[tuple[str, str]], dst: Path, force: bool) -> None:
             *((("Destination", "exists: " + ("--force replaces it" if force else
                                              "a run stops unless --force, which replaces it")),) if exists else ()),
             *rows]
+    show_rows(rows, {"Destination": "yellow"})
+
+
+def show_rows(rows: list[tuple[str, str]], styles: Mapping[str, str] = {}) -> None:
+    """Key-value rows on stdout: a grid on a terminal (a key's value in `styles[key]`), aligned plain
+    lines with nothing trailing in a pipe."""
     if not stdout().is_terminal:
         width = max(len(key) for key, _ in rows)
         write_out("".join(f"{key:<{width}}  {value}\n" for key, value in rows))
@@ -360,7 +366,7 @@ def show_plan(rows: list[tuple[str, str]], dst: Path, force: bool) -> None:
     grid.add_column(style="bold")
     grid.add_column()
     for key, value in rows:
-        grid.add_row(key, Text(value, style="yellow" if key == "Destination" else ""))
+        grid.add_row(key, Text(value, style=styles.get(key, "")))
     stdout().print(grid)
 
 

@@ -68,7 +68,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, stdout,
+    FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, show_rows, stdout,
     write_out,
 )
 from ckptctl.errors import UsageError
@@ -304,19 +304,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
          + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
     ]
-    if not stdout().is_terminal:  # a pipe: plain lines, keys aligned, nothing trailing
-        width = max(len(key) for key, _ in rows)
-        write_out("".join(f"{key:<{width}}  {value}\n" for key, value in rows))
-        return
-    from rich.table import Table
-    from rich.text import Text
-
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column()
-    for key, value in rows:
-        grid.add_row(key, Text(value))
-    stdout().print(grid)
+    show_rows(rows)
 
 
 COLUMNS = ("fqn", "shape", "dtype", "size", "layout", "coverage")
