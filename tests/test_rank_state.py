@@ -52,6 +52,7 @@ def test_a_reshard_to_another_dp_size_is_refused_by_default(saved, tmp_path: Pat
     assert not (tmp_path / "ws3").exists()
 
 
+@pytest.mark.full
 def test_dropped_on_purpose_the_reshard_resumes_in_torchtitan(saved, tmp_path: Path) -> None:
     """Dropped with `--exclude`, the output has no dataloader entries, and torchtitan resumes the
     model at DP 3 with `exclude_from_loading = ['dataloader']`, its stream started afresh."""

@@ -182,6 +182,7 @@ def test_a_resharded_checkpoint_resumes_in_torchtitans_checkpoint_manager_bit_ex
     assert [n for n in want if not torch.equal(resumed[n], want[n])] == []
 
 
+@pytest.mark.full  # the geometry is checked by default: tests/test_plan.py
 def test_experts_cut_on_dim_1_under_expert_parallelism_export_slab_by_slab(tmp_path):
     """torchtitan's expert stacks under EP with FSDP `Shard(1)` on a 2 × 2 mesh: each chunk holds
     a run of rows of each of its experts. export-hf reads each run from its place in the chunk:
