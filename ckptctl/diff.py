@@ -43,6 +43,7 @@ from typing import Any, Protocol, Sequence
 from ckptctl.dtypes import DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.errors import CheckpointError, UsageError
+from ckptctl.source_files import missing
 from ckptctl.formats.dcp_metadata import open_checkpoint
 from ckptctl.formats.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors_in import StoredTensor, stored_tensors
@@ -309,7 +310,7 @@ def open_side(path: Path, kind: str, other_kind: str) -> Side:
 def format_of(path: Path) -> str:
     """`dcp` for a directory with DCP metadata, `safetensors` for a folder of them or one file."""
     if not path.exists():
-        raise CheckpointError(path, "no such file or directory")
+        raise CheckpointError(path, missing(path))
     if path.is_file():
         if path.suffix == ".safetensors":
             return SAFETENSORS

@@ -1,4 +1,5 @@
-"""Opening a file a command reads from its input: a regular file, of a plausible size, noted.
+"""Opening a file a command reads from its input: a regular file, of a plausible size, noted;
+and, for a path that is not there or holds no checkpoint, a line that says what to pass instead.
 
 A FIFO blocks an open or a read forever and a device (`/dev/zero`) never ends, so every input
 file is opened without blocking and must be a regular file (a link to one is followed), no
@@ -9,8 +10,10 @@ larger than its kind ever is, before a byte is read. Each is noted as a source r
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
+from typing import Callable
 
 from ckptctl.atomic import note_read
 from ckptctl.errors import CheckpointError
@@ -38,3 +41,48 @@ def open_source(path: Path, limit: int | None = None) -> tuple[int, int]:
         raise CheckpointError(path, problem)
     note_read(path, fd)
     return fd, info.st_size
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:/")
+"""A URL's scheme (`s3://b/k` is `s3:/b/k` once a `Path`)."""
+LISTED = 3
+"""Checkpoints inside a folder named in a refusal."""
+
+
+def looks_like_repo_id(text: str) -> bool:
+    """`org/name` as the Hub spells model ids (one slash, no `..`, no leading `.` or `/`)."""
+    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text \
+        and not text.endswith((".", "-"))
+
+
+def missing(path: Path, model_folder: bool = False) -> str:
+    """Why `path`, which does not exist, cannot be read: an object store's URL, nothing there, or
+    (where a Hugging Face model folder is wanted) a Hub model id, which a local path also looks
+    like (`out/ckpt`), so only there."""
+    if _URL.match(str(path)):
+        return "object stores are not supported yet: copy the checkpoint to a local folder first"
+    if model_folder and looks_like_repo_id(str(path)):
+        return ("no such file or directory; a Hub model id is read by --hf-config only: download the model "
+                f"first (`huggingface-cli download {path} --local-dir DIR`) and pass DIR")
+    return "no such file or directory"
+
+
+def checkpoints_inside(folder: Path, is_checkpoint: Callable[[Path], bool], scanned: int = 1000) -> str:
+    """`; checkpoints inside: A, B, C (+N more)` when folders among the first `scanned` entries of
+    `folder` are checkpoints (a run's parent folder, or `demo` for `demo/ckpt`), else nothing."""
+    found = []
+    try:
+        with os.scandir(folder) as entries:
+            for n, entry in enumerate(entries):
+                if n >= scanned:
+                    break
+                if entry.is_dir(follow_symlinks=False) and is_checkpoint(Path(entry.path)):
+                    found.append(entry.path)
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    found.sort()
+    more = f" (+{len(found) - LISTED} more)" if len(found) > LISTED else ""
+    return f"; checkpoints inside: {', '.join(found[:LISTED])}{more}"

@@ -27,7 +27,7 @@ from ckptctl.gc_pause import gc_paused
 from ckptctl.formats.metadata_templates import read_metadata
 from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.model import BytesEntry, Checkpoint, ChunkTable, TensorEntry
-from ckptctl.source_files import open_source
+from ckptctl.source_files import checkpoints_inside, missing, open_source
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -362,7 +362,7 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> C
     scan for hash bombs; every other check is made."""
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(root, "no such file or directory")
+        raise CheckpointError(root, missing(root))
     if not root.is_dir():
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     backend = megatron_backend(root)
@@ -370,7 +370,9 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> C
     if not md_paths:
         if is_sharded_folder(root):  # torch's HF writer at save_distributed writes no .metadata
             return open_sharded_folder(root)
-        raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)")
+        raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)"
+                              + checkpoints_inside(root, lambda p: (p / METADATA_NAME).exists()
+                                                   or (p / "__0.metadata").exists()))
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
         ckpt = _checkpoint(root, md_paths, written_here)
     ckpt.megatron_backend = backend

@@ -25,7 +25,7 @@ from ckptctl.errors import CheckpointError
 from ckptctl.hf.files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, parse_json,
                               read_json_object)
 from ckptctl.model import Checkpoint, Chunk, TensorEntry, dtype_name
-from ckptctl.source_files import open_source
+from ckptctl.source_files import missing, open_source
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -251,7 +251,7 @@ def open_safetensors_folder(path: Path) -> Checkpoint:
     Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.safetensors_folder`
     says so)."""
     if not path.exists():
-        raise CheckpointError(path, "no such file or directory")
+        raise CheckpointError(path, missing(path, model_folder=True))
     if not path.is_dir() and path.suffix != ".safetensors":
         raise CheckpointError(path, "not a safetensors model folder or .safetensors file")
     stored = stored_tensors(path)

@@ -21,7 +21,8 @@ from ckptctl.dtypes import DType
 from ckptctl.errors import CheckpointError, UsageError
 from ckptctl.hf.expected import sizing_keys
 from ckptctl.hf.files import read_json_object
-from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT, looks_like_repo_id, resolve_repo
+from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT, resolve_repo
+from ckptctl.source_files import looks_like_repo_id
 from ckptctl.megatron import MODEL_PREFIXES, RowBlock, canonical, select_rows, tp_blocked_split
 from ckptctl.model import Checkpoint, TensorEntry
 from ckptctl.layout import is_layer_stacked, is_optimizer_entry

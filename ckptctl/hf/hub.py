@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 import threading
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -24,15 +23,6 @@ from ckptctl.errors import UsageError
 DEFAULT_HUB_TIMEOUT = 20.0
 """Seconds a Hub download may take in all (`--hub-timeout`)."""
 T = TypeVar("T")
-
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-
-
-def looks_like_repo_id(text: str) -> bool:
-    """`org/name` as the Hub spells model ids (one slash, no `..`, no leading `.` or `/`)."""
-    return bool(_REPO_ID.fullmatch(text)) and ".." not in text and "--" not in text \
-        and not text.endswith((".", "-"))
-
 
 def resolve_repo(repo_id: str, patterns: Sequence[str], timeout: float = DEFAULT_HUB_TIMEOUT) -> Path:
     """The local snapshot folder of Hub model `repo_id` holding the files matching `patterns`
