@@ -74,7 +74,8 @@ def owner_record() -> dict:
             "start": process_start(os.getpid())}
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` exists (one of another user's counts: signalling it is refused)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -119,7 +120,7 @@ def owner_gone(record: dict) -> bool:
     if boot is not None and record.get("boot") is not None and record["boot"] != boot:
         return True
     pid = record["pid"]
-    if not _alive(pid):
+    if not process_alive(pid):
         return True
     start = process_start(pid)
     return start is not None and record.get("start") is not None and start != record["start"]
