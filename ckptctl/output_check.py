@@ -284,19 +284,14 @@ def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor],
 
 
 def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], source: ItemElements,
-                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> int:
+                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> None:
     """Compare each target's first and last elements, assembled from `sources` read by `source`,
-    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it). Returns the
-    number of elements compared."""
-    count = 0
+    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it)."""
     for target in targets:
         for box in _ends(target.shape):
-            want = _sample(target, box, sources, source)
-            if written(target, box) != want:
+            if written(target, box) != _sample(target, box, sources, source):
                 raise CheckpointError(shown(target.fqn), f"{target.fqn}: element {list(box.offsets)} of "
                                                          f"{list(target.shape)} differs from the source's")
-            count += 1
-    return count
 
 
 # --------------------------------------------------------------------------------------
@@ -321,7 +316,7 @@ class DcpCheck:
             from ckptctl.layout import source_tensors
 
             views = out.sources or source_tensors(src)
-        self.src, self.out, self.views = src, out, views
+        self.out, self.views = out, views
         self.samples = _planned_samples(out, CHUNK_SAMPLES)
         self._wants: dict[tuple[str, tuple[int, ...]], bytes] = {}
         self._source = ItemElements(src)
