@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,3 +43,16 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "ckptctl", *map(str, args)],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )
+
+
+def tiny_llama_folder(out: Path, layers: int, **save: Any) -> Path:
+    """A tiny Llama (hidden 8, vocab 32, seed 0) as transformers' `save_pretrained(out, **save)`
+    writes it: the Hugging Face folder hostile-input tests damage."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    transformers.LlamaForCausalLM(config).save_pretrained(out, **save)
+    return out

@@ -23,9 +23,9 @@ import pytest
 
 from ckptctl.errors import CheckpointError
 from ckptctl.hf.files import MAX_JSON_DEPTH, read_json_object
-from tests.conftest import FIXTURES, ROOT, run_cli
+from tests.conftest import FIXTURES, ROOT, run_cli, tiny_llama_folder
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the folders are written by its save_pretrained
 
 AUTO_MAP_LINE = "has an auto_map: it names custom model code, and ckptctl never runs code from a model folder"
 
@@ -33,14 +33,7 @@ AUTO_MAP_LINE = "has an auto_map: it names custom model code, and ckptctl never 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A two-layer Llama as `save_pretrained` writes it."""
-    import torch
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1)
-    out = tmp_path_factory.mktemp("hf") / "llama"
-    transformers.LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return tiny_llama_folder(tmp_path_factory.mktemp("hf") / "llama", 2)
 
 
 @pytest.fixture(scope="module")

@@ -20,20 +20,14 @@ from hypothesis import strategies as st
 
 from ckptctl.errors import CkptctlError
 from ckptctl.import_hf import ImportOptions, import_hf
+from tests.conftest import tiny_llama_folder
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")  # the folders are written by its save_pretrained
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    import torch
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1)
-    out = tmp_path_factory.mktemp("hostile") / "hf"
-    transformers.LlamaForCausalLM(config).save_pretrained(out, max_shard_size="2KB")
-    return out
+    return tiny_llama_folder(tmp_path_factory.mktemp("hostile") / "hf", 1, max_shard_size="2KB")
 
 
 def _import(src: Path, dst: Path) -> None:
