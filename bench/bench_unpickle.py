@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ckptctl.formats.unpickle import load_metadata_pickle  # noqa: E402
+from ckptctl.formats.pickle.unpickle import load_metadata_pickle  # noqa: E402
 
 RUNS = 3
 

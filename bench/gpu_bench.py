@@ -26,7 +26,7 @@ def main() -> None:
     import torch
 
     from ckptctl import ReshardOptions, reshard
-    from ckptctl.dtypes import CAST_CHOICES
+    from ckptctl.core.dtypes import CAST_CHOICES
     from ckptctl.engine import cuda, output
     from ckptctl.engine.dist import launch_local
     from fixtures.gloo import run_ranks
@@ -48,7 +48,7 @@ def main() -> None:
 
         cuda.RUNTIME = HostRuntime()
         gpu = torch.device("cpu")
-        sys.modules["ckptctl.reshard"].resolve_device = lambda d: "cpu" if d == "cpu" else "cuda"
+        sys.modules["ckptctl.commands.reshard"].resolve_device = lambda d: "cpu" if d == "cpu" else "cuda"
         output.executor = lambda d, r=0: (functools.partial(cuda.execute, device=gpu) if d == "cuda"
                                           else __import__("ckptctl.engine.cpu").engine.cpu.execute)
         torch.cuda.get_device_name = lambda i: "fake"

@@ -19,8 +19,6 @@ first use, so `import ckptctl` stays as cheap as the command line's start-up.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 TYPE_CHECKING = False  # typing is not imported at run time: it is most of this module's import cost
 if TYPE_CHECKING:
@@ -29,30 +27,30 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _API = {
-    "open_checkpoint": "ckptctl.formats.dcp_metadata",
-    "Checkpoint": "ckptctl.model",
-    "analysis": "ckptctl.layout",
-    "reshard": "ckptctl.reshard",
-    "ReshardOptions": "ckptctl.reshard",
-    "ReshardReport": "ckptctl.reshard",
-    "export_hf": "ckptctl.export_hf",
-    "ExportOptions": "ckptctl.export_hf",
-    "ExportReport": "ckptctl.export_hf",
-    "preview_export": "ckptctl.export_hf",
-    "ExportPreview": "ckptctl.export_hf",
-    "import_hf": "ckptctl.import_hf",
-    "ImportOptions": "ckptctl.import_hf",
-    "ImportReport": "ckptctl.import_hf",
-    "export_torch": "ckptctl.export_torch",
-    "ExportTorchOptions": "ckptctl.export_torch",
-    "ExportTorchReport": "ckptctl.export_torch",
-    "diff": "ckptctl.diff",
-    "DiffReport": "ckptctl.diff",
-    "CkptctlError": "ckptctl.errors",
-    "CheckpointError": "ckptctl.errors",
-    "OutputError": "ckptctl.errors",
-    "UsageError": "ckptctl.errors",
-    "IncompleteCheckpointError": "ckptctl.errors",
+    "open_checkpoint": "ckptctl.formats.dcp.metadata",
+    "Checkpoint": "ckptctl.core.checkpoint",
+    "analysis": "ckptctl.core.analysis",
+    "reshard": "ckptctl.commands.reshard",
+    "ReshardOptions": "ckptctl.commands.reshard",
+    "ReshardReport": "ckptctl.commands.reshard",
+    "export_hf": "ckptctl.commands.export_hf",
+    "ExportOptions": "ckptctl.commands.export_hf",
+    "ExportReport": "ckptctl.commands.export_hf",
+    "preview_export": "ckptctl.commands.export_hf",
+    "ExportPreview": "ckptctl.commands.export_hf",
+    "import_hf": "ckptctl.commands.import_hf",
+    "ImportOptions": "ckptctl.commands.import_hf",
+    "ImportReport": "ckptctl.commands.import_hf",
+    "export_torch": "ckptctl.commands.export_torch",
+    "ExportTorchOptions": "ckptctl.commands.export_torch",
+    "ExportTorchReport": "ckptctl.commands.export_torch",
+    "diff": "ckptctl.commands.diff",
+    "DiffReport": "ckptctl.commands.diff",
+    "CkptctlError": "ckptctl.util.errors",
+    "CheckpointError": "ckptctl.util.errors",
+    "OutputError": "ckptctl.util.errors",
+    "UsageError": "ckptctl.util.errors",
+    "IncompleteCheckpointError": "ckptctl.util.errors",
 }
 __all__ = ["__version__", *_API]
 
@@ -68,16 +66,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)
-
-
-class _Api(types.ModuleType):
-    """The package as a module whose API functions keep their names: importing submodule
-    `ckptctl.reshard` (by `ckptctl.ReshardOptions`, or by another module) would otherwise set the
-    package's `reshard` to that module, and `ckptctl.reshard(...)` after it would call a module."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if not (isinstance(value, types.ModuleType) and _API.get(name) == value.__name__):
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Api

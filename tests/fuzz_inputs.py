@@ -43,17 +43,17 @@ from typing import Callable, Iterator
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptctl.errors import CkptctlError
-from ckptctl.formats.dcp_items import ItemReader
-from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.formats.safetensors_in import open_safetensors_folder
+from ckptctl.util.errors import CkptctlError
+from ckptctl.formats.dcp.items import ItemReader
+from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.formats.megatron_args import checkpoint_args, common_state, decoded_item, training_args
-from ckptctl.formats.torch_save_out import decode_value, encode_value
-from ckptctl.formats.unpickle import UnsafePickleError
-from ckptctl.hf.base import load_hf_config
-from ckptctl.import_hf import ImportOptions, import_hf
-from ckptctl.layout import analysis
-from ckptctl.reshard import ReshardOptions, reshard
+from ckptctl.formats.torch_save.writer import decode_value, encode_value
+from ckptctl.formats.pickle.unpickle import UnsafePickleError
+from ckptctl.families.base import load_hf_config
+from ckptctl.commands.import_hf import ImportOptions, import_hf
+from ckptctl.core.analysis import analysis
+from ckptctl.commands.reshard import ReshardOptions, reshard
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "fixtures" / "data"

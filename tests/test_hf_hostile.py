@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.errors import CheckpointError
-from ckptctl.hf.files import MAX_JSON_DEPTH, read_json_object
+from ckptctl.util.errors import CheckpointError
+from ckptctl.storage.hf_files import MAX_JSON_DEPTH, read_json_object
 from tests.conftest import FIXTURES, ROOT, run_cli, tiny_llama_folder
 
 pytest.importorskip("transformers")  # the folders are written by its save_pretrained
@@ -39,7 +39,7 @@ def folder(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ckpt(folder, tmp_path_factory) -> Path:
     """The folder imported as an FSDP2 DCP checkpoint: the source export-hf reads."""
-    from ckptctl.import_hf import ImportOptions, import_hf
+    from ckptctl.commands.import_hf import ImportOptions, import_hf
 
     out = tmp_path_factory.mktemp("dcp") / "ckpt"
     import_hf(folder, out, ImportOptions(world_size=1, name_check=False, workers=1, sync=False))

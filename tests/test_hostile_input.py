@@ -23,12 +23,12 @@ from typing import Callable
 
 import pytest
 
-from ckptctl import dtypes
-from ckptctl.formats.dcp_classes import BytesStorageMetadata
-from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_items import ITEM_OVERHEAD, ItemReader
-from ckptctl.formats.dcp_metadata import open_checkpoint
-from ckptctl.formats.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle, load_tensor_record_spec
+from ckptctl.core import dtypes
+from ckptctl.formats.dcp.classes import BytesStorageMetadata
+from ckptctl.util.errors import CheckpointError
+from ckptctl.formats.dcp.items import ITEM_OVERHEAD, ItemReader
+from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle, load_tensor_record_spec
 from tests.conftest import FIXTURES, ROOT
 
 MAX_RSS_MB = 256
@@ -520,7 +520,7 @@ def test_deeply_nested_tuple_key_in_a_big_pickle_is_refused_by_the_probe(tmp_pat
 
 
 def test_probe_refuses_a_big_pickle_that_hashes_past_its_deadline(monkeypatch) -> None:
-    from ckptctl.formats import hash_guard
+    from ckptctl.formats.pickle import hash_guard
 
     monkeypatch.setattr(hash_guard, "PROBE_SECONDS", 0.5)
     monkeypatch.setattr(hash_guard, "PROBE_SECONDS_PER_MB", 0.0)
@@ -532,8 +532,8 @@ def test_probe_refuses_a_big_pickle_that_hashes_past_its_deadline(monkeypatch) -
 
 
 def test_the_scan_and_the_probe_pass_real_metadata() -> None:
-    from ckptctl.formats import hash_guard
-    from ckptctl.formats.unpickle import METADATA_GLOBALS, _Source
+    from ckptctl.formats.pickle import hash_guard
+    from ckptctl.formats.pickle.unpickle import METADATA_GLOBALS, _Source
 
     for name in ("fsdp2_4ranks", "flat_optim", "megatron_tp2_dp2", "zstd"):
         data = (FIXTURES / name / ".metadata").read_bytes()

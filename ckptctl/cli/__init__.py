@@ -8,7 +8,7 @@ progress bars off.
 
 from __future__ import annotations
 
-from ckptctl.interrupt import exit_on_interrupt, finish
+from ckptctl.util.interrupt import exit_on_interrupt, finish
 
 exit_on_interrupt()  # the console script's first import: Ctrl-C while typer and the rest load is one line too
 
@@ -19,7 +19,7 @@ import typer  # noqa: E402
 
 from ckptctl.cli import common  # noqa: E402
 from ckptctl.cli.help import Command, Group  # noqa: E402
-from ckptctl.gc_pause import freeze_after_pauses  # noqa: E402
+from ckptctl.util.gc_pause import freeze_after_pauses  # noqa: E402
 
 app = typer.Typer(
     name="ckptctl",

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 import typer
 
 from ckptctl.cli.help import completes
-from ckptctl.dtypes import CAST_CHOICES
-from ckptctl.errors import CkptctlError
-from ckptctl.hf.hub import DEFAULT_HUB_TIMEOUT
-from ckptctl.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
-from ckptctl.progress import Phase, RunTiming
-from ckptctl.wording import counted
+from ckptctl.core.dtypes import CAST_CHOICES
+from ckptctl.util.errors import CkptctlError
+from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
+from ckptctl.util.interrupt import EXIT_INTERRUPTED, MESSAGE, during_body
+from ckptctl.util.progress import Phase, RunTiming
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:
     from rich.console import Console

@@ -1,4 +1,4 @@
-"""`ckptctl diff A B`: thin layer over `ckptctl.diff` — a table of what is not equal, a summary line.
+"""`ckptctl diff A B`: thin layer over `ckptctl.commands.diff` — a table of what is not equal, a summary line.
 
 Exit status 0 when every tensor (and bytes entry) is equal or close, 1 when anything
 differs or is on one side only, 2 on bad input. On a terminal: a table of the entries that
@@ -54,11 +54,11 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import ProgressDisplay, emit_json, progress_wanted, run_guarded, say, stdout, write_out
-from ckptctl.model import dtype_name
-from ckptctl.wording import counted
+from ckptctl.core.checkpoint import dtype_name
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs
-    from ckptctl.diff import BytesInfo, DiffReport, EntryDiff, TensorInfo
+    from ckptctl.commands.diff import BytesInfo, DiffReport, EntryDiff, TensorInfo
 
 EXIT_DIFFERENT = 1
 _STYLES = {"close": "yellow", "differs": "bold red", "shape differs": "bold red", "dtype differs": "bold red",
@@ -72,7 +72,7 @@ def _number(value: float | None) -> float | str | None:
 
 
 def _side_json(info: TensorInfo | BytesInfo | None) -> dict[str, Any] | None:
-    from ckptctl.diff import TensorInfo
+    from ckptctl.commands.diff import TensorInfo
 
     if info is None:
         return None
@@ -130,7 +130,7 @@ def summary_line(report: DiffReport) -> str:
 
 
 def _described(info: TensorInfo | BytesInfo) -> str:
-    from ckptctl.diff import TensorInfo
+    from ckptctl.commands.diff import TensorInfo
 
     if isinstance(info, TensorInfo):
         return f"{list(info.shape)} {dtype_name(info.dtype)}"
@@ -143,7 +143,7 @@ def _max(value: float | None) -> str:
 
 def detail(e: EntryDiff) -> str:
     """The table's detail cell: sizes, shapes, dtypes, or where and how much the values differ."""
-    from ckptctl.diff import BytesInfo
+    from ckptctl.commands.diff import BytesInfo
 
     if e.a is None:
         return f"B: {_described(e.b)}"
@@ -208,7 +208,7 @@ def diff_command(
     """
 
     def body() -> DiffReport:
-        from ckptctl.diff import diff
+        from ckptctl.commands.diff import diff
 
         display = ProgressDisplay(progress_wanted(json_out))
         with display.shown():

@@ -1,4 +1,4 @@
-"""`ckptctl export-hf SRC DST --hf-config REF`: thin layer over `ckptctl.export_hf`."""
+"""`ckptctl export-hf SRC DST --hf-config REF`: thin layer over `ckptctl.commands.export_hf`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from ckptctl.cli.common import (
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.cli.reshard_cmd import parse_dtype
-from ckptctl.wording import counted
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
     from ckptctl.engine.dist import Comm
-    from ckptctl.progress import ProgressObserver
-    from ckptctl.export_hf import ExportPreview, ExportReport, SourceRows
+    from ckptctl.util.progress import ProgressObserver
+    from ckptctl.commands.export_hf import ExportPreview, ExportReport, SourceRows
 
 ROW_RANGES_SHOWN = 3
 """Row ranges of one source listed per mapping line before `(+N more)`."""
@@ -172,7 +172,7 @@ def export_hf_command(
     """
 
     def options():
-        from ckptctl.export_hf import ExportOptions, parse_size
+        from ckptctl.commands.export_hf import ExportOptions, parse_size
 
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
@@ -180,7 +180,7 @@ def export_hf_command(
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
-        from ckptctl.export_hf import export_hf, preview_export
+        from ckptctl.commands.export_hf import export_hf, preview_export
 
         if dry_run:
             return preview_export(src, dst, hf_config, options())

@@ -1,4 +1,4 @@
-"""`ckptctl export-torch SRC OUT.pt`: thin layer over `ckptctl.export_torch`."""
+"""`ckptctl export-torch SRC OUT.pt`: thin layer over `ckptctl.commands.export_torch`."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from ckptctl.cli.common import (
     timing_json, timing_summary,
 )
 from ckptctl.cli.reshard_cmd import parse_dtype
-from ckptctl.errors import UsageError
-from ckptctl.wording import counted
+from ckptctl.util.errors import UsageError
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:
     from ckptctl.engine.dist import Comm
-    from ckptctl.progress import ProgressObserver
-    from ckptctl.export_torch import ExportTorchReport
+    from ckptctl.util.progress import ProgressObserver
+    from ckptctl.commands.export_torch import ExportTorchReport
 
 
 def report_json(report: ExportTorchReport) -> dict:
@@ -61,7 +61,7 @@ def export_torch_command(
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportTorchReport:
-        from ckptctl.export_torch import ExportTorchOptions, export_torch
+        from ckptctl.commands.export_torch import ExportTorchOptions, export_torch
 
         if comm.world_size > 1:
             raise UsageError("export-torch writes one file from one process: run it without torchrun")

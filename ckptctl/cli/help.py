@@ -86,7 +86,7 @@ def completes(*choices: str) -> Callable[[str], list[str]]:
 ARCHES = ("auto", "llama", "qwen2", "qwen3", "qwen3-moe", "qwen3-next", "qwen3.5", "deepseek-v3", "mixtral", "gemma2",
           "gemma3", "nemotron-h", "gpt-oss", "torchtitan-llama3", "torchtitan-qwen3", "torchtitan-deepseek-v3",
           "automodel", "raw")
-"""export-hf's `--arch` values, `hf.registry.ARCHES` spelt out so that help and completion import no
+"""export-hf's `--arch` values, `families.registry.ARCHES` spelt out so that help and completion import no
 family (a test keeps the two equal); import-hf takes all but the last two."""
 LAYOUTS = ("fsdp2", "megatron-fsdp", "torch-dist")
 """reshard's `--layout` values."""

@@ -1,4 +1,4 @@
-"""`ckptctl import-hf HF_DIR DST --world-size N`: thin layer over `ckptctl.import_hf`."""
+"""`ckptctl import-hf HF_DIR DST --world-size N`: thin layer over `ckptctl.commands.import_hf`."""
 
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ from ckptctl.cli.common import (
 )
 from ckptctl.cli.help import ARCHES, TARGETS, completes
 from ckptctl.cli.reshard_cmd import parse_dtype, plan_rows
-from ckptctl.wording import counted
+from ckptctl.util.wording import counted
 from ckptctl.cli.reshard_cmd import report_json as reshard_json
 
 if TYPE_CHECKING:
     from ckptctl.engine.dist import Comm
-    from ckptctl.progress import ProgressObserver
-    from ckptctl.import_hf import ImportReport
+    from ckptctl.util.progress import ProgressObserver
+    from ckptctl.commands.import_hf import ImportReport
 
 
 def report_json(report: ImportReport) -> dict:
@@ -97,7 +97,7 @@ def import_hf_command(
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ImportReport:
-        from ckptctl.import_hf import ImportOptions, import_hf
+        from ckptctl.commands.import_hf import ImportOptions, import_hf
 
         opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
                              exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),

@@ -2,7 +2,7 @@
 
 Reads `.metadata` and file sizes (never tensor bytes), and Megatron's training `args` where a
 checkpoint has them, so it is instant on any size.
-`--check` prints only the problems `ckptctl.layout.analyze` finds (coverage gaps or
+`--check` prints only the problems `ckptctl.core.analysis.analyze` finds (coverage gaps or
 overlaps, lost optimizer state), one per line, and exits 1 if there are any; with `--json`
 it prints the document as usual and exits 1 the same way. Data files that no entry points
 to (another save's leftovers in the same directory) are a warning, not a problem: loading
@@ -71,13 +71,13 @@ from ckptctl.cli.common import (
     FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, show_rows, stdout,
     write_out,
 )
-from ckptctl.errors import UsageError
-from ckptctl.wording import counted
+from ckptctl.util.errors import UsageError
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
     from ckptctl.formats.megatron_args import TrainingArgs
-    from ckptctl.layout import Analysis, TensorReport
-    from ckptctl.model import Checkpoint, Chunk
+    from ckptctl.core.analysis import Analysis, TensorReport
+    from ckptctl.core.checkpoint import Checkpoint, Chunk
 
 EXIT_PROBLEMS = 1
 
@@ -139,7 +139,7 @@ def shown_layout(report: TensorReport) -> str:
     `Shard(1)`, expert-parallel experts) keeps its geometric label."""
     if report.layout not in ("shard1", "grid"):
         return report.layout
-    from ckptctl.hf.registry import parallel_dim  # the family tables: only for checkpoints with such splits
+    from ckptctl.families.registry import parallel_dim  # the family tables: only for checkpoints with such splits
 
     return "tp-dp-grid" if parallel_dim(report.param or report.fqn) == 1 else report.layout
 
@@ -162,7 +162,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
     from ckptctl.formats.megatron_args import training_args
-    from ckptctl.rank_state import rank_states
+    from ckptctl.core.rank_state import rank_states
 
     reports = analysis.reports
     training = training_args(ckpt)
@@ -413,8 +413,8 @@ def inspect_command(
     """
 
     def body() -> dict[str, Any]:
-        from ckptctl.formats.dcp_metadata import open_checkpoint
-        from ckptctl.layout import analysis
+        from ckptctl.formats.dcp.metadata import open_checkpoint
+        from ckptctl.core.analysis import analysis
 
         opened = open_checkpoint(ckpt)
         doc = inspect_document(opened, analysis(opened), pattern)

@@ -1,4 +1,4 @@
-"""`ckptctl reshard SRC DST --world-size N`: thin layer over `ckptctl.reshard`."""
+"""`ckptctl reshard SRC DST --world-size N`: thin layer over `ckptctl.commands.reshard`."""
 
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ from ckptctl.cli.common import (
     timing_json,
     timing_summary,
 )
-from ckptctl.errors import UsageError
-from ckptctl.dtypes import CAST_CHOICES
-from ckptctl.wording import counted
+from ckptctl.util.errors import UsageError
+from ckptctl.core.dtypes import CAST_CHOICES
+from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
     from ckptctl.engine.dist import Comm
-    from ckptctl.progress import ProgressObserver
-    from ckptctl.reshard import ReshardReport
+    from ckptctl.util.progress import ProgressObserver
+    from ckptctl.commands.reshard import ReshardReport
 
 
 def report_json(report: ReshardReport) -> dict:
@@ -113,7 +113,7 @@ def reshard_command(
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ReshardReport:
-        from ckptctl.reshard import ReshardOptions, reshard
+        from ckptctl.commands.reshard import ReshardOptions, reshard
 
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,

@@ -12,7 +12,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 if TYPE_CHECKING:
-    from ckptctl.plan import SourceTensor, TargetTensor
+    from ckptctl.core.plan import SourceTensor, TargetTensor
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -25,7 +25,7 @@ GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
 
 def resolve_device(device: str) -> str:
     """`auto` → `cuda` when torch sees a CUDA device, else `cpu`; `cuda` without one is a usage error."""
-    from ckptctl.errors import UsageError
+    from ckptctl.util.errors import UsageError
 
     if device not in DEVICES:
         raise UsageError(f"--device must be one of {', '.join(DEVICES)} (got {device!r})")
@@ -69,7 +69,7 @@ def working_bytes(targets: Iterable[TargetTensor], sources: Mapping[str, SourceT
     """
     from ckptctl.engine.cpu import (BLOCK_BYTES, COALESCE_BYTES, DECODED_CACHE_BYTES, TILE_SPAN_BYTES,
                                     TRANSPOSE_BLOCK_BYTES)
-    from ckptctl.formats.dcp_items import READ_AHEAD, READ_WINDOWS
+    from ckptctl.formats.dcp.items import READ_AHEAD, READ_WINDOWS
 
     block = BLOCK_BYTES
     if device == "cuda":

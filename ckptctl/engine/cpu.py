@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.dtypes import DType
+from ckptctl.core.dtypes import DType
 from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
-from ckptctl.errors import CheckpointError, OutputError
-from ckptctl.formats.dcp_items import ItemReader, RawRecord
-from ckptctl.formats.safetensors_out import item_boxes
-from ckptctl.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
-from ckptctl.model import Checkpoint, Chunk
-from ckptctl.plan import (CopyItem, SourceRead, SourceTensor, StreamItem, TargetTensor, TransposedRead, missing_elements,
+from ckptctl.util.errors import CheckpointError, OutputError
+from ckptctl.formats.dcp.items import ItemReader, RawRecord
+from ckptctl.formats.safetensors.writer import item_boxes
+from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
+from ckptctl.core.checkpoint import Checkpoint, Chunk
+from ckptctl.core.plan import (CopyItem, SourceRead, SourceTensor, StreamItem, TargetTensor, TransposedRead, missing_elements,
                           plan_box)
 
 T = TypeVar("T")

@@ -39,7 +39,7 @@ from ckptctl.engine.cpu import (
     run_on_threads,
     transposed_reads,
 )
-from ckptctl.plan import CopyItem, StreamItem
+from ckptctl.core.plan import CopyItem, StreamItem
 
 ALIGN = 64
 BLOCK_BYTES = 16 << 20

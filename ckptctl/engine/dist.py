@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.atomic import atomic_directory, changed_reads_first, refuse_changed_reads
-from ckptctl.errors import CkptctlError, UsageError
-from ckptctl.gc_pause import gc_paused
-from ckptctl.layout import analyze_shares, shared_findings
-from ckptctl.model import Checkpoint
+from ckptctl.storage.atomic import atomic_directory, changed_reads_first, refuse_changed_reads
+from ckptctl.util.errors import CkptctlError, UsageError
+from ckptctl.util.gc_pause import gc_paused
+from ckptctl.core.analysis import analyze_shares, shared_findings
+from ckptctl.core.checkpoint import Checkpoint
 
 T = TypeVar("T")
 
@@ -157,7 +157,7 @@ def assign_files(sizes: Mapping[str, int], world_size: int, lead_load: int = 0) 
 
 def shared_analysis(ckpt: Checkpoint, comm: Comm) -> None:
     """Analyse `ckpt` once across the workers: each its share of the tensors (every K-th), all of
-    them gathered by every worker and kept with the checkpoint, where `layout.analysis` finds it.
+    them gathered by every worker and kept with the checkpoint, where `analysis.analysis` finds it.
     Collective; a worker's failure fails every worker with its message."""
     if comm.world_size == 1 or "analysis" in ckpt.derived:
         return

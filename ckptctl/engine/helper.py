@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Callable, Mapping, NoReturn
 
-from ckptctl.errors import CkptctlError, UsageError
+from ckptctl.util.errors import CkptctlError, UsageError
 
 MIN_RECORDS = 20_000
 """Records from which a run forks a helper: below, a run takes about a second at most (38,400

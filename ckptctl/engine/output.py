@@ -18,9 +18,9 @@ from typing import Callable, Container
 from ckptctl.engine import Execute, executor, helper
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
 from ckptctl.engine.dist import LOCAL, Comm, assign_files, write_atomically
-from ckptctl.output_plan import OutputPlan
-from ckptctl.plan import planned_batches
-from ckptctl.progress import Phases
+from ckptctl.core.output_plan import OutputPlan
+from ckptctl.core.plan import planned_batches
+from ckptctl.util.progress import Phases
 
 
 def write_files(plan: OutputPlan, directory: Path, names: Container[str], execute: Execute, chunks: ChunkSource,

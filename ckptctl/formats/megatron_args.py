@@ -16,13 +16,13 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from ckptctl.errors import CheckpointError
-from ckptctl.formats.dcp_items import ItemReader
-from ckptctl.formats.dcp_metadata import read_small
-from ckptctl.formats.torch_pickle import Call, Global, ref
-from ckptctl.formats.torch_save_out import CorruptValueError, decode_value, encode_value
-from ckptctl.formats.unpickle import STORAGE, UnsafePickleError
-from ckptctl.model import Checkpoint
+from ckptctl.util.errors import CheckpointError
+from ckptctl.formats.dcp.items import ItemReader
+from ckptctl.formats.dcp.metadata import read_small
+from ckptctl.formats.pickle.torch_pickle import Call, Global, ref
+from ckptctl.formats.torch_save.writer import CorruptValueError, decode_value, encode_value
+from ckptctl.formats.pickle.unpickle import STORAGE, UnsafePickleError
+from ckptctl.core.checkpoint import Checkpoint
 
 COMMON = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"

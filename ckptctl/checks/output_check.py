@@ -1,0 +1,683 @@
+"""The check every output passes before it takes its name, whatever the options.
+
+`--verify` compares every byte; this is what no run skips. The output is re-read by readers
+that are not the writer — the project's `.metadata` reader, the safetensors header as JSON,
+Python's `zipfile` over a torch.save archive — and checked as a structure: every entry
+inside its file, a file's entries tiling it exactly, every tensor's chunks covering it, the
+names, shapes and dtypes those of the plan. A structure can be perfect and its bytes wrong
+(a source item read at another item's place, a shard written at another's), so each tensor's
+first and last elements, and the first element of a DCP output's chunks, are compared too: the
+source's read by `ItemElements` (Python's own `zipfile` and `pickle` locate
+an item's bytes, not ckptctl's item reader that the copy used), the output's by the project's
+reader (a DCP output), its header's offsets (safetensors) or its central directory (torch.save).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import math
+import os
+import pickle
+import pickletools
+import struct
+import threading
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from ckptctl.core.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes
+from ckptctl.util.errors import CheckpointError
+from ckptctl.formats.dcp.items import MAX_ZIP_READ
+from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.dcp.writer import DcpOutput
+from ckptctl.storage.file_window import window
+from ckptctl.formats.safetensors.reader import MAX_HEADER_BYTES, blob_header
+from ckptctl.core.geometry import Box, strides
+from ckptctl.core.analysis import coverage
+from ckptctl.core.checkpoint import Checkpoint, Chunk, ChunkTable, TensorEntry
+from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.storage.source_files import open_source
+
+MAX_PICKLE = 1 << 16
+"""Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
+MAX_LAYOUTS = 4096
+"""Distinct `data.pkl`s remembered (with what they say) by one reader."""
+BYTES_SAMPLE = 4096
+"""Bytes of a bytes entry compared at each end."""
+_PICKLE_OPS = frozenset({
+    "PROTO", "FRAME", "GLOBAL", "STACK_GLOBAL", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET",
+    "MARK", "BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1", "TUPLE", "TUPLE1",
+    "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "BINPERSID", "NEWFALSE", "NEWTRUE", "NONE", "REDUCE", "STOP"})
+"""The opcodes a tensor's `data.pkl` is made of: no dict or set is built, so no key is hashed."""
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: DType | None
+    numel: int
+    """Elements of a typed storage; bytes of an `UntypedStorage` (torch names new dtypes so)."""
+    untyped: bool
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """A tensor as its `data.pkl` describes it: a view of storage record `key`."""
+
+    key: str
+    dtype: DType
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_bytes: int
+
+
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Layout:
+    dtype = rest[2] if len(rest) >= 3 and isinstance(rest[2], DType) else getattr(storage, "dtype", None)
+    if not (isinstance(storage, _StorageRef) and isinstance(dtype, DType) and _ints(offset, *size, *stride)
+            and len(size) == len(stride)):
+        raise ValueError("not a tensor record")
+    nbytes = storage.numel if storage.untyped else storage.numel * dtype.itemsize
+    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
+
+
+def _ints(*values: Any) -> bool:
+    return all(type(v) is int and v >= 0 for v in values)
+
+
+_STORAGE_CLASS = "storage class"
+
+
+def _empty_ordered_dict(*args: Any) -> OrderedDict:
+    """A tensor record's backward hooks: always empty. Items to fill it with would be hashed, in C,
+    whatever they cost (a key of 2^61 tuples shared through the memo never finishes)."""
+    if args:
+        raise pickle.UnpicklingError("OrderedDict built with arguments")
+    return OrderedDict()
+
+
+class _TensorPickle(pickle.Unpickler):
+    """Python's own unpickler, told torch's names for what they are: a record's layout, never a tensor."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+            return _rebuild
+        if module == "collections" and name == "OrderedDict":
+            return _empty_ordered_dict
+        if module in ("torch", "torch.storage") and name.endswith("Storage"):
+            return (_STORAGE_CLASS, name)
+        if module == "torch" and name in DTYPES:
+            return DTYPES[name]
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[2], str)
+                and type(pid[4]) is int and isinstance(pid[1], tuple) and pid[1][0] == _STORAGE_CLASS):
+            raise pickle.UnpicklingError("not a storage reference")
+        untyped = pid[1][1] == "UntypedStorage"
+        return _StorageRef(pid[2], None if untyped else BY_STORAGE.get(pid[1][1]), pid[4], untyped)
+
+
+def tensor_layout(pickled: bytes) -> _Layout:
+    """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
+    opcodes a tensor record uses (checked first: nothing else is built)."""
+    if len(pickled) > MAX_PICKLE:
+        raise ValueError(f"data.pkl of {len(pickled)} bytes")
+    for op, _, _ in pickletools.genops(pickled):
+        if op.name not in _PICKLE_OPS:
+            raise ValueError(f"opcode {op.name} in a tensor record")
+    layout = _TensorPickle(io.BytesIO(pickled)).load()
+    if not isinstance(layout, _Layout):
+        raise ValueError("data.pkl holds no tensor")
+    return layout
+
+
+@dataclass(frozen=True)
+class _Dense:
+    """Where a chunk's elements lie: `start` is element 0's byte in the file, row-major from there."""
+
+    start: int
+
+
+@dataclass(frozen=True)
+class _Strided:
+    """A chunk saved as a strided view of its storage: element (i, j, …) at byte `start` +
+    (i·stride[0] + j·stride[1] + …) × itemsize."""
+
+    start: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def byte(self, index: int, itemsize: int) -> int:
+        at = 0
+        for n, step in zip(reversed(self.size), reversed(self.stride)):
+            index, i = divmod(index, n)
+            at += i * step
+        return self.start + at * itemsize
+
+
+class ItemElements:
+    """A checkpoint's chunks read element by element, located without ckptctl's item reader:
+    torch.save items by `zipfile` and Python's unpickler, SAFETENSORS-format items and
+    safetensors folders by their JSON header, transformed items decoded by torch. It serves
+    `read_into` as the engine's `ChunkSource` does, so a sample is assembled (cast, shifted,
+    transposed) by the same steps as the copy from reads that are not the copy's."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
+        self._layouts: dict[bytes, _Layout] = {}
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def fd(self, file: str) -> int:
+        if file not in self._fds:
+            self._fds[file] = open_source(self.ckpt.path / file)[0]
+        return self._fds[file]
+
+    def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
+        place = self._place(self.ckpt.tensors[fqn], chunk)
+        if isinstance(place, bytes):
+            out[:] = place[byte_start:byte_start + len(out)]
+            return
+        fd, isz = self.fd(chunk.file), self.ckpt.tensors[fqn].itemsize
+        if isinstance(place, _Strided):  # element by element: a sample is a few
+            data = b"".join(os.pread(fd, isz, place.byte(k, isz)) for k in range(byte_start // isz,
+                                                                               (byte_start + len(out)) // isz))
+        else:
+            data = os.pread(fd, len(out), place.start + byte_start)
+        if len(data) != len(out):
+            raise CheckpointError(self.ckpt.path / chunk.file, f"{fqn}: short read at byte {byte_start}")
+        out[:] = data
+
+    def _place(self, entry: TensorEntry, chunk: Chunk) -> _Dense | _Strided | bytes:
+        key = (entry.fqn, chunk.file, chunk.offset)
+        place = self._places.get(key)
+        if place is None:
+            try:
+                place = self._places[key] = self._locate(entry, chunk)
+            except (ValueError, KeyError, TypeError, IndexError, struct.error, zipfile.BadZipFile,
+                    pickle.UnpicklingError, EOFError, RecursionError) as exc:
+                raise CheckpointError(self.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {entry.fqn}: "
+                                                                   f"cannot be read back ({exc})") from None
+        return place
+
+    def _locate(self, entry: TensorEntry, chunk: Chunk) -> _Dense | _Strided | bytes:
+        if chunk.transforms:
+            from ckptctl.checks.verify import decode_source_item, raw_bytes
+
+            return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
+        fd = self.fd(chunk.file)
+        if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
+            start, info = _safetensors_record(fd, 0, entry.fqn)
+            if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
+                raise ValueError("its safetensors record is another tensor")
+            row = entry.itemsize * math.prod(entry.shape[1:])
+            return _Dense(start + (chunk.offsets[0] * row if entry.shape else 0))
+        if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":  # a SAFETENSORS-format item: its blob's record
+            start, info = _safetensors_record(fd, chunk.offset, entry.fqn)
+            if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
+                raise ValueError("its safetensors record is another tensor")
+            return _Dense(start)
+        with zipfile.ZipFile(window(fd, chunk.offset, chunk.length, MAX_ZIP_READ)) as archive:
+            pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+            pickled = archive.read(pkl)
+            layout = self._layouts.get(pickled)
+            if layout is None:
+                layout = tensor_layout(pickled)
+                if len(self._layouts) < MAX_LAYOUTS:  # a sharded tensor's items repeat a few pickles
+                    self._layouts[pickled] = layout
+            prefix = pkl.filename[:-len("data.pkl")]
+            record = archive.getinfo(prefix + f"data/{layout.key}")
+            little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
+        if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
+                or record.file_size != layout.storage_bytes:
+            raise ValueError("its record is another tensor")
+        data, _ = _local_record(fd, chunk.offset, record)
+        if data + record.file_size > chunk.offset + chunk.length:
+            raise ValueError("its record runs past the item")
+        last = layout.offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride))
+        if math.prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
+            raise ValueError("its view runs past its storage")
+        if little and (layout.stride == strides(layout.size) or math.prod(layout.size) <= 1):
+            return _Dense(data + layout.offset * entry.itemsize)
+        if little:
+            return _Strided(data + layout.offset * entry.itemsize, layout.size, layout.stride)
+        from ckptctl.checks.verify import decode_source_item, raw_bytes  # big-endian: torch swaps its bytes
+
+        return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
+
+
+def _safetensors_record(fd: int, at: int, name: str) -> tuple[int, dict]:
+    """Where tensor `name`'s data starts in the safetensors blob at byte `at`, and its header entry."""
+    header, data = blob_header(fd, at, os.fstat(fd).st_size)
+    info = header[name]
+    begin, _ = info["data_offsets"]
+    return data + int(begin), info
+
+
+# --------------------------------------------------------------------------------------
+# Samples: each tensor's first and last elements
+# --------------------------------------------------------------------------------------
+
+
+def _ends(shape: tuple[int, ...]) -> list[Box]:
+    """One-element boxes at a tensor's first and last elements (none for an empty tensor)."""
+    if math.prod(shape) == 0:
+        return []
+    first = Box(tuple(0 for _ in shape), tuple(1 for _ in shape))
+    last = Box(tuple(n - 1 for n in shape), tuple(1 for _ in shape))
+    return [first] if first == last else [first, last]
+
+
+def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor], elements: ItemElements) -> bytes:
+    return bytes(assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), elements))
+
+
+def compare_samples(targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor], source: ItemElements,
+                    written: Callable[[TargetTensor, Box], bytes], shown: Callable[[str], Path]) -> None:
+    """Compare each target's first and last elements, assembled from `sources` read by `source`,
+    with `written(target, box)`; raise naming `shown(fqn)` (the file that holds it)."""
+    for target in targets:
+        for box in _ends(target.shape):
+            if written(target, box) != _sample(target, box, sources, source):
+                raise CheckpointError(shown(target.fqn), f"{target.fqn}: element {list(box.offsets)} of "
+                                                         f"{list(target.shape)} differs from the source's")
+
+
+# --------------------------------------------------------------------------------------
+# DCP outputs (reshard, import-hf)
+# --------------------------------------------------------------------------------------
+
+
+def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str, SourceTensor] | None = None) -> None:
+    """Raise CheckpointError unless the DCP directory `written` is the checkpoint `out` plans,
+    read back by the project's `.metadata` reader and the independent item reads."""
+    DcpCheck(src, out, views)(written)
+
+
+class DcpCheck:
+    """`check_dcp` in two halves. What the output's samples must hold comes from the source alone,
+    so `start` reads it in a thread while the output is written (a run's writing mostly waits on
+    the disk); calling the check with the written directory re-reads it and compares. Without
+    `start`, the call does both."""
+
+    def __init__(self, src: Checkpoint, out: DcpOutput, views: Mapping[str, SourceTensor] | None = None) -> None:
+        if views is None:
+            from ckptctl.core.analysis import source_tensors
+
+            views = out.sources or source_tensors(src)
+        self.out, self.views = out, views
+        self.samples = _planned_samples(out, CHUNK_SAMPLES)
+        self._wants: dict[tuple[str, tuple[int, ...]], bytes] = {}
+        self._source = ItemElements(src)
+        self._thread: threading.Thread | None = None
+        self._stopping = self._closed = False
+        self._lock = threading.Lock()
+        self._failure: BaseException | None = None
+
+    def start(self) -> None:
+        """Read the samples' source elements in a background thread (after any fork of the run)."""
+        self._thread = threading.Thread(target=self._read_wants, name="ckptctl-check", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread, without waiting for a sample it is reading (a run stopped by Ctrl-C or
+        an error answers at once), and close the source files: now, or as the thread ends."""
+        self._stopping = True
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._close_source()
+
+    def _close_source(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._source.close()
+
+    def _read_wants(self) -> None:
+        try:
+            for target, box, _ in self.samples:
+                if self._stopping:
+                    return
+                self._wants[(target.fqn, box.offsets)] = _sample(target, box, self.views, self._source)
+        except BaseException as exc:  # noqa: BLE001 - raised by the check, in the run's thread
+            self._failure = exc
+        finally:
+            with self._lock:
+                if self._stopping:
+                    self._close_source()
+
+    def __call__(self, written: Path) -> None:
+        try:
+            if self._thread is not None:
+                self._thread.join()
+                if self._failure is not None:
+                    raise self._failure
+            self._compare(written)
+        finally:
+            self.close()
+
+    def _compare(self, written: Path) -> None:
+        dst = open_checkpoint(written, written_here=True)
+        _check_dcp_structure(dst, self.out, written)
+        output = ChunkSource(dst)  # the output read back by the project's reader
+        try:
+            for target, box, index in self.samples:
+                want = self._wants.get((target.fqn, box.offsets))
+                if want is None:
+                    want = _sample(target, box, self.views, self._source)
+                entry = dst.tensors[target.fqn]
+                chunk = entry.chunks[index] if index is not None and index < len(entry.chunks) else None
+                if chunk is None or chunk.offsets != box.offsets:  # not the planned chunk, as read back
+                    chunk = _chunk_holding(entry, box.offsets)
+                view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
+                if _sample(identity_target(view), box, {view.fqn: view}, output) != want:
+                    raise CheckpointError(written / chunk.file, f"{target.fqn}: element {list(box.offsets)} of "
+                                                                f"{list(target.shape)} differs from the source's")
+            for fqn, copy in self.out.bytes_entries.items():
+                _check_bytes_entry(copy, dst, fqn, self._source, output, written)
+        finally:
+            output.close()
+
+
+CHUNK_SAMPLES = 4096
+"""Output chunks whose first element the check compares besides each tensor's ends: all of them
+up to this many, else this many spread evenly over the output (a shard written at another's
+place, or read from another source item, shows at its first element)."""
+
+
+def _planned_samples(out: DcpOutput, budget: int) -> list[tuple[TargetTensor, Box, int | None]]:
+    """The one-element boxes compared: each target's first and last elements, and the first
+    element of every `stride`-th planned chunk (all of them when the plan has at most `budget`),
+    with that chunk's index among its target's (None for an end: its chunk is searched)."""
+    placements = out.records.placements()
+    total = sum(len(placements.get(fqn, ())) for fqn, t in out.targets.items() if math.prod(t.shape))
+    stride = max(1, -(-total // budget))
+    samples: list[tuple[TargetTensor, Box, int | None]] = []
+    seen = 0
+    for fqn, target in out.targets.items():
+        samples += [(target, box, None) for box in _ends(target.shape)]
+        if not math.prod(target.shape):
+            continue
+        placed = placements.get(fqn, ())
+        ones = tuple(1 for _ in target.shape)
+        samples += [(target, Box(p.box.offsets, ones), i) for i in range((-seen) % stride, len(placed), stride)
+                    if math.prod((p := placed[i]).box.sizes) and any(p.box.offsets)]  # (0, …) is an end
+        seen += len(placed)
+    return samples
+
+
+def _chunk_holding(entry: TensorEntry, point: tuple[int, ...]) -> Chunk:
+    """The chunk of `entry` whose box holds element `point` (the structure check proved there is
+    one). A tensor's first and last elements are usually in its first and last chunks: those are
+    tried first, then every chunk (a scan per sample of every tensor is millions of boxes at scale)."""
+    chunks = entry.chunks
+    for chunk in (chunks[0], chunks[-1]) if len(chunks) else ():
+        if all(o <= p < o + n for o, p, n in zip(chunk.offsets, point, chunk.sizes)):
+            return chunk
+    for i, (offsets, sizes) in enumerate(entry.boxes()):
+        if all(o <= p < o + n for o, p, n in zip(offsets, point, sizes)):
+            return chunks[i]
+    raise CheckpointError(entry.fqn, f"no chunk holds element {list(point)}")
+
+
+def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
+    planned = {**{f: (t.shape, t.dtype) for f, t in out.targets.items()},
+               **{f: (shape, dtype) for f, (dtype, shape, _) in out.literal_tensors.items()}}
+    for fqn, (shape, dtype) in planned.items():
+        entry = dst.tensors.get(fqn)
+        if entry is None:
+            raise CheckpointError(written / ".metadata", f"{fqn}: missing")
+        if entry.shape != tuple(shape) or entry.dtype != dtype:
+            raise CheckpointError(written / ".metadata", f"{fqn}: {entry.dtype_name} {list(entry.shape)} instead of "
+                                                         f"{dtype.name} {list(shape)}")
+    extra = next((f for f in (*dst.tensors, *dst.bytes_entries) if f not in planned and f not in out.bytes_entries),
+                 None)
+    if extra is not None:
+        raise CheckpointError(written / ".metadata", f"{extra}: not in the plan")
+    lost = next((f for f in out.bytes_entries if f not in dst.bytes_entries), None)
+    if lost is not None:
+        raise CheckpointError(written / ".metadata", f"{lost}: bytes entry missing")
+    for fqn, entry in dst.tensors.items():
+        cov = coverage(entry)
+        if not cov.complete:
+            raise CheckpointError(written / ".metadata", f"{fqn}: its chunks do not cover it exactly "
+                                                         f"({cov.gaps} elements missing, {cov.overlaps} twice)")
+    ends = _ends_in_order(dst)
+    if ends is None or any(ends.get(name) != size for name, size in dst.files.items()) or len(ends) != len(dst.files):
+        check_tiling(written, dst.files, _extents(dst))  # finds and names the fault, or passes another order
+
+
+def _ends_in_order(ckpt: Checkpoint) -> dict[str, int] | None:
+    """Each file's end when, in `.metadata`'s order, every storage entry starts where its file's
+    previous one ended (from 0), as the writer places them; None at the first that does not
+    (`check_tiling` then sorts them all). One pass over the columns, no tuple per entry."""
+    ends: dict[str, int] = {}
+    for entry in ckpt.tensors.values():
+        chunks = entry.chunks
+        if type(chunks) is not ChunkTable:
+            spans = [(c.file, c.offset, c.length) for c in chunks]
+        else:
+            names, files, places = chunks.columns()
+            spans = zip(map(names.__getitem__, files), places[::2], places[1::2])
+        for file, offset, length in spans:
+            if ends.get(file, 0) != offset:
+                return None
+            ends[file] = offset + length
+    for entry in ckpt.bytes_entries.values():
+        if ends.get(entry.file, 0) != entry.offset:
+            return None
+        ends[entry.file] = entry.offset + entry.length
+    return ends
+
+
+def _extents(ckpt: Checkpoint) -> dict[str, list[tuple[int, int, str]]]:
+    """Every storage entry's (offset, end, fqn), by file."""
+    by_file: dict[str, list[tuple[int, int, str]]] = {}
+    for fqn, entry in ckpt.tensors.items():
+        chunks = entry.chunks
+        if type(chunks) is ChunkTable:
+            names, files, places = chunks.columns()
+            for i, f in enumerate(files):
+                at = places[2 * i]
+                by_file.setdefault(names[f], []).append((at, at + places[2 * i + 1], fqn))
+        else:
+            for c in chunks:
+                by_file.setdefault(c.file, []).append((c.offset, c.offset + c.length, fqn))
+    for fqn, b in ckpt.bytes_entries.items():
+        by_file.setdefault(b.file, []).append((b.offset, b.offset + b.length, fqn))
+    return by_file
+
+
+def check_tiling(folder: Path, sizes: Mapping[str, int], extents: Mapping[str, list[tuple[int, int, str]]],
+                 start: Mapping[str, int] | None = None) -> None:
+    """Raise unless each file's entries, sorted, follow one another from `start` (0) to its size,
+    without gap or overlap, and every file holds some. Entries that share one place (tensors of
+    a SAFETENSORS-format file recorded at its blob) count once."""
+    for name, size in sizes.items():
+        spans = sorted(set((a, b) for a, b, _ in extents.get(name, ())))
+        if not spans:
+            raise CheckpointError(folder / name, "no entry lies in it")
+        at = (start or {}).get(name, 0)
+        for a, b in spans:
+            if a != at:
+                fqn = next(f for x, y, f in extents[name] if (x, y) == (a, b))
+                what = "overlaps the entry before it" if a < at else f"leaves bytes {at}..{a} unused"
+                raise CheckpointError(folder / name, f"{fqn} at bytes {a}..{b} {what}")
+            at = b
+        if at != size:
+            raise CheckpointError(folder / name, f"is {size} bytes but its entries end at byte {at}")
+
+
+def _check_bytes_entry(copy: Any, dst: Checkpoint, fqn: str, source: ItemElements, output: ChunkSource,
+                       written: Path) -> None:
+    entry = dst.bytes_entries[fqn]
+    if entry.length != copy.length:
+        raise CheckpointError(written / entry.file, f"{fqn}: {entry.length} bytes instead of {copy.length}")
+    n = min(BYTES_SAMPLE, copy.length)
+    spans = [(0, n), (copy.length - n, n)]
+    for at, length in spans:
+        want = copy.data[at:at + length] if copy.data is not None else \
+            os.pread(source.fd(copy.src_file), length, copy.src_offset + at)
+        if os.pread(output.reader.fd(entry.file), length, entry.offset + at) != want:
+            raise CheckpointError(written / entry.file, f"{fqn}: bytes entry differs from the source's")
+
+
+# --------------------------------------------------------------------------------------
+# safetensors outputs (export-hf)
+# --------------------------------------------------------------------------------------
+
+
+def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterable[TargetTensor]],
+                      sources: Mapping[str, SourceTensor], weight_map: Mapping[str, str] | None,
+                      index_name: str) -> None:
+    """Raise CheckpointError unless each written safetensors file's header, re-parsed, names its
+    planned tensors with their dtypes and shapes at offsets that tile its data, the index (when
+    sharded) names every tensor once in the file that holds it, and each tensor's first and last
+    elements are the source's."""
+    source = ItemElements(src)
+    try:
+        for name, targets in files.items():
+            path = folder / name
+            fd = open_source(path)[0]
+            try:
+                _check_safetensors_file(path, fd, list(targets), sources, source)
+            finally:
+                os.close(fd)
+        if weight_map is not None:
+            _check_index(folder / index_name, files)
+    finally:
+        source.close()
+
+
+def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], sources: Mapping[str, SourceTensor],
+                            source: ItemElements) -> None:
+    size = os.fstat(fd).st_size
+    try:
+        header, data = blob_header(fd, 0, size)
+        if (header.get("__metadata__") or {}).get("format") != "pt":
+            raise ValueError("its header metadata lacks format=pt")
+        records = {k: v for k, v in header.items() if k != "__metadata__"}
+        if sorted(records) != sorted(t.fqn for t in targets):
+            raise ValueError("its header names other tensors than planned")
+        extents, places = [], {}
+        for target in targets:
+            info = records[target.fqn]
+            begin, end = (int(v) for v in info["data_offsets"])
+            if BY_SAFETENSORS.get(info["dtype"]) != target.dtype or tuple(info["shape"]) != target.shape \
+                    or end - begin != target.nbytes:
+                raise ValueError(f"{target.fqn}: header says {info['dtype']} {info['shape']}, planned "
+                                 f"{target.dtype.name} {list(target.shape)}")
+            extents.append((data + begin, data + end, target.fqn))
+            places[target.fqn] = data + begin
+    except (ValueError, KeyError, TypeError, struct.error, RecursionError) as exc:
+        raise CheckpointError(path, f"cannot be read back ({exc})") from None
+    check_tiling(path.parent, {path.name: size}, {path.name: extents}, {path.name: data})
+
+    compare_samples(targets, sources, source, functools.partial(_dense_element, fd, places), lambda _: path)
+
+
+def _dense_element(fd: int, starts: Mapping[str, int], target: TargetTensor, box: Box) -> bytes:
+    """The element at `box` of a tensor stored whole, row-major, from byte `starts[target.fqn]` of `fd`."""
+    index = sum(o * s for o, s in zip(box.offsets, strides(target.shape)))
+    return os.pread(fd, target.dtype.itemsize, starts[target.fqn] + index * target.dtype.itemsize)
+
+
+def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
+    try:
+        with open(path, "rb") as handle:
+            doc = json.loads(handle.read(MAX_HEADER_BYTES))
+        weight_map = doc["weight_map"]
+        if not isinstance(weight_map, dict):
+            raise TypeError("weight_map is not an object")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointError(path, f"cannot be read back ({exc})") from None
+    held = {t.fqn: name for name, targets in files.items() for t in targets}
+    if weight_map != held:
+        fqn = next(f for f in sorted({*held, *weight_map}) if weight_map.get(f) != held.get(f))
+        raise CheckpointError(path, f"{fqn}: mapped to {weight_map.get(fqn)!r}, held by {held.get(fqn)!r}")
+
+
+# --------------------------------------------------------------------------------------
+# torch.save outputs (export-torch)
+# --------------------------------------------------------------------------------------
+
+
+def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[str, TargetTensor],
+                     sources: Mapping[str, SourceTensor]) -> None:
+    """Raise CheckpointError (naming `shown`) unless the archive's central directory, read by
+    `zipfile`, matches its local records, which follow one another up to the directory, and each
+    tensor's record (`records`: record name → its tensor) holds its planned bytes with the
+    source's first and last elements."""
+    fd = open_source(path)[0]
+    source = ItemElements(src)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            with zipfile.ZipFile(window(fd, 0, size, MAX_ZIP_READ)) as archive:
+                infos = archive.infolist()
+                directory = archive.start_dir
+            extents, places = [], {}
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise ValueError(f"{info.filename}: compressed")
+                data, extra = _local_record(fd, 0, info)
+                end = data + info.file_size
+                if info.flag_bits & 0x8:
+                    end += _descriptor(fd, end, _has_zip64(extra))
+                extents.append((info.header_offset, end, info.filename))
+                places[info.filename] = (data, info.file_size)
+        except (ValueError, zipfile.BadZipFile, struct.error, OSError, EOFError) as exc:
+            raise CheckpointError(shown, f"cannot be read back ({exc})") from None
+        spans = {shown.name: extents + [(directory, size, "the central directory")]}
+        check_tiling(shown.parent, {shown.name: size}, spans)
+        for name, target in records.items():
+            place = places.get(name)
+            if place is None or place[1] != target.nbytes:
+                raise CheckpointError(shown, f"{target.fqn}: record {name} missing or of another size")
+
+        by_fqn = {t.fqn: places[name][0] for name, t in records.items()}
+        compare_samples(records.values(), sources, source, functools.partial(_dense_element, fd, by_fqn),
+                        lambda _: shown)
+    finally:
+        source.close()
+        os.close(fd)
+
+
+def _local_record(fd: int, base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:
+    """Where record `info`'s data starts in the file (its archive begins at byte `base`), as its
+    local header, which must name it, places it; and that header's extra field."""
+    head = os.pread(fd, 30, base + info.header_offset)
+    if head[:4] != b"PK\x03\x04":
+        raise ValueError(f"{info.filename}: no local header where the central directory says")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    local = os.pread(fd, name_len + extra_len, base + info.header_offset + 30)
+    if local[:name_len].decode("utf-8", "replace") != info.filename:
+        raise ValueError(f"{info.filename}: its local header names another record")
+    return base + info.header_offset + 30 + name_len + extra_len, local[name_len:]
+
+
+def _descriptor(fd: int, at: int, zip64: bool) -> int:
+    """The length of the data descriptor at byte `at`: CRC and both sizes, after an optional signature."""
+    signed = os.pread(fd, 4, at) == b"PK\x07\x08"
+    return (4 if signed else 0) + (20 if zip64 else 12)
+
+
+def _has_zip64(extra: bytes) -> bool:
+    """Whether a local header's extra field holds a zip64 record (its sizes are then 8 bytes)."""
+    at = 0
+    while at + 4 <= len(extra):
+        kind, length = struct.unpack("<HH", extra[at:at + 4])
+        if kind == 0x0001:
+            return True
+        at += 4 + length
+    return False

@@ -1,0 +1,775 @@
+"""`export-hf`: a Megatron-FSDP (or FSDP2 / torchtitan) DCP checkpoint → a Hugging Face model folder.
+
+The steps, each a pure function of metadata until the last: open the checkpoint and the
+target config; pick the family (`--arch`, else config `model_type` and key names; naming
+schemes not converted yet, such as torchtitan's, are refused); resolve the training TP when
+a fused TP-blocked tensor needs it; let the family express every HF tensor as rows of source
+tensors; check the names against those transformers' model class for the config expects
+(closed world: a name with no place, or a missing weight, is refused — `families.expected`); keep
+the tensors `--include`/`--exclude` select; shard
+them with huggingface_hub's planner; compute each safetensors header and the copy runs of
+every record. `--dry-run` stops there and reports the plan (`preview_export`). Otherwise
+the records are streamed into an atomic output directory, the index, config, generation
+config and tokenizer files are written as `save_pretrained` writes them, and with
+`--verify` every tensor is re-read, and the written names checked against the model's,
+before the directory is put in place.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
+
+from ckptctl.storage.atomic import check_destination, recorded_reads
+from ckptctl.engine import resolve_device
+from ckptctl.engine.cpu import ChunkSource, assemble_bytes, equal_tensors
+from ckptctl.engine.dist import LOCAL, Comm
+from ckptctl.engine.output import write_output
+from ckptctl.core.dtypes import DType, cast_dtype
+from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
+from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
+from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
+from ckptctl.core.geometry import full_box, region_blocks, union_volume
+from ckptctl.families.automodel import AUTOMODEL, native_expert_names
+from ckptctl.families.base import (
+    ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
+    load_hf_config, megatron_prefix,
+)
+from ckptctl.families.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
+from ckptctl.families.config_bounds import refuse_unbacked_counts
+from ckptctl.storage.hf_files import MAX_COPIED_BYTES, copy_regular
+from ckptctl.families.foreign import foreign_reason
+from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
+from ckptctl.families.raw import RAW, RawFamily, raw_prefix
+from ckptctl.families.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
+                                  torchtitan_prefix)
+from ckptctl.formats.megatron_args import checkpoint_args
+from ckptctl.families.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
+from ckptctl.families.rules import Family
+from ckptctl.megatron.rows import MODEL_PREFIXES
+from ckptctl.megatron.tp import resolve_tp, tp_from_geometry
+from ckptctl.core.checkpoint import Checkpoint, dtype_name
+from ckptctl.util.wording import counted
+from ckptctl.checks.output_check import check_safetensors
+from ckptctl.checks.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
+from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
+from ckptctl.core.output_plan import OutputPlan
+from ckptctl.core.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
+from ckptctl.core.selection import refuse_empty_selection, selected
+from ckptctl.storage.source_files import open_source
+
+FILENAME_PATTERN = "model{suffix}.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
+SKIPPED_PREFIXES = ("mtp.",)
+"""Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
+
+
+@dataclass
+class ExportOptions:
+    arch: str = "auto"
+    tp: int | None = None
+    dtype: DType | None = None
+    max_shard_size: int | str = "5GB"
+    """Bytes, or a size as transformers writes it (`5GB`, `500MiB`; see `parse_size`)."""
+    include: tuple[str, ...] = ()
+    """Glob patterns over HF tensor names: when given, only tensors matching one are written."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns over HF tensor names: tensors matching one are not written."""
+    workers: int = 4
+    device: str = "auto"
+    sync: bool = True
+    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
+    name_check: bool = True
+    """Check the output names against transformers' model for the config (`--no-name-check`: don't)."""
+    drop_expert_bias: bool = False
+    """Leave out torchtitan's load-balancing expert bias even when it is not zero (the HF model
+    routes without one)."""
+    drop_tied_head: bool = False
+    """Leave out a trained output head the config ties to the embeddings even when it differs
+    from them (the HF model's head is then the embeddings)."""
+    hub_timeout: float = DEFAULT_HUB_TIMEOUT
+    """Seconds a Hub id's config may take to download, connecting and reading (`--hub-timeout`)."""
+
+
+@dataclass
+class ExportPlan:
+    """Everything the export writes, decided before any data moves."""
+
+    family: str
+    prefix: str
+    tp: int | None
+    expert_tp: int | None
+    targets: dict[str, TargetTensor]
+    sources: dict[str, SourceTensor]
+    files: list[SafetensorsFile]
+    file_targets: dict[str, list[str]]
+    weight_map: dict[str, str] | None
+    config: dict[str, Any]
+    ref_files: list[Path]
+    notes: list[str] = field(default_factory=list)
+    generation: dict[str, Any] | None = None
+    """`generation_config.json` derived from the config; None when REF has one (copied) or the model cannot generate."""
+    expected: ExpectedNames | None = None
+    """The names transformers' model expects; None when not checked."""
+    selected: bool = False
+    """Whether `--include`/`--exclude` left tensors out (then the output is not the whole model)."""
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.data_bytes for f in self.files)
+
+    @property
+    def total_size(self) -> int:
+        return sum(t.nbytes for t in self.targets.values())
+
+    @property
+    def parameters(self) -> int:
+        """Elements of the written tensors (the index's `total_parameters`)."""
+        return sum(math.prod(t.shape) for t in self.targets.values())
+
+    @property
+    def file_of(self) -> dict[str, str]:
+        """Each target's safetensors file name."""
+        return {name: f.name for f in self.files for name in f.offsets}
+
+    def side_files(self) -> list[str]:
+        """Names of everything written besides the safetensors files, sorted."""
+        names = {CONFIG_NAME, *(p.name for p in self.ref_files)}
+        if self.weight_map is not None:
+            names.add(INDEX_NAME)
+        if self.generation is not None:
+            names.add(GENERATION_CONFIG_NAME)
+        return sorted(names)
+
+    def output_plan(self) -> OutputPlan:
+        """The export as the engine writes it: each file's header, its tensors' row blocks (each
+        checked whole as its runs are planned), then the index, config and side files."""
+        def records(names: Container[str]) -> Iterator[StreamItem]:
+            for f in self.files:
+                if f.name in names:
+                    yield from file_records(f, [self.targets[n] for n in self.file_targets[f.name]])
+
+        count = sum(len(item_boxes(t.shape, t.dtype.itemsize)) for t in self.targets.values())
+        headers = [CopyItem("", 0, len(f.header), f.name, 0, f.header) for f in self.files]
+        return OutputPlan({f.name: f.size for f in self.files}, records, count, self.sources, headers,
+                          finish=functools.partial(write_side_files, self), whole_records=True)
+
+
+@dataclass
+class ExportReport(RunTiming):
+    """What a run did, for `--json` and the summary line."""
+
+    src: str
+    dst: str
+    arch: str
+    tp: int | None
+    dtype: str
+    tensors: int
+    files: int
+    bytes_written: int
+    parameters: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
+    """The family and model-key prefix for `--arch` (auto: config model_type, then key names)."""
+    if arch not in ARCHES:
+        raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
+    titan = torchtitan_prefix(ckpt)
+    if titan is not None and (arch == "auto" or isinstance(FAMILIES[arch], TorchtitanFamily)):
+        family = FAMILIES[arch] if arch != "auto" else torchtitan_family(cfg.model_type)
+        if family is None:
+            known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
+            raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} of a torchtitan checkpoint is not one "
+                             f"export-hf converts yet (it converts torchtitan's {known})")
+        return family, titan
+    prefix = megatron_prefix(ckpt)
+    if arch in ("raw", "automodel") or (arch == "auto" and prefix is None):
+        stripped = raw_prefix(ckpt)
+        names = [fqn[len(stripped):] for fqn in ckpt.tensors if is_model_key(fqn)]
+        native = arch != "raw" and native_expert_names(names)
+        reason = foreign_reason(names, native_converted=bool(native))
+        if reason is not None:
+            raise CheckpointError(ckpt.path, reason)
+        return (AUTOMODEL if native or arch == "automodel" else RAW), stripped
+    if prefix is None:
+        shown = ", ".join(repr(p) for p in MODEL_PREFIXES)
+        raise CheckpointError(ckpt.path, f"no Megatron model tensors (decoder.layers.*, embedding.word_embeddings.*) "
+                                         f"under any prefix of {shown}; for HF-named checkpoints use --arch raw")
+    if arch != "auto":
+        return FAMILIES[arch], prefix
+    family = family_for_model_type(cfg.model_type)
+    if family is None and not cfg.model_type:
+        names = [f[len(prefix):] for f in ckpt.tensors if f.startswith(prefix)]
+        if any(".self_attention.in_proj." in n for n in names):
+            family = FAMILIES["qwen3-next"]
+        elif any(n.endswith(".mlp.router.weight") for n in names):
+            family = FAMILIES["qwen3-moe"]
+    if family is None:
+        known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
+        raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} is not one export-hf knows ({known}); "
+                         f"pass --arch")
+    return family, prefix
+
+
+def resolve_tps(ckpt: Checkpoint, model: MegatronModel, given: int | None) -> tuple[int | None, int | None]:
+    """The training TP (and expert TP) when some tensor is stored fused TP-blocked; (given, None) otherwise.
+
+    Strict: RowParallel chunks not split on dim 1 say nothing (a checkpoint resharded to an
+    FSDP2 layout shows them whatever TP it was trained at), so a wrong split is never guessed.
+    """
+    if given is not None and given < 1:
+        raise UsageError(f"--tp must be at least 1 (got {given})")
+    if not any(fused_kind(name) for name in model.entries):
+        return given, None
+    args = checkpoint_args(ckpt)
+    tp = resolve_tp(ckpt, args, given, strict=True)
+    if given is not None:
+        evidence = {}
+        if args is not None and getattr(args, "tensor_model_parallel_size", None) is not None:
+            evidence["args"] = int(args.tensor_model_parallel_size)
+        geometry = tp_from_geometry(ckpt)
+        if geometry is not None and geometry > 1:  # unsplit RowParallel chunks say nothing (see above)
+            evidence["RowParallel chunks"] = geometry
+        if len(set(evidence.values())) == 1 and given not in evidence.values():
+            raise UsageError(f"{ckpt.path}: --tp {given} but the checkpoint says TP {next(iter(evidence.values()))} "
+                             f"({' and '.join(evidence)}); fused tensors would be split wrongly")
+    etp = getattr(args, "expert_tensor_parallel_size", None) if args is not None else None
+    return tp, int(etp) if etp else None
+
+
+def output_config(cfg: HFConfig, dtype: DType | None) -> dict[str, Any]:
+    """The REF config with its dtype fields set to the dtype the weights are written in, and
+    `architectures` as save_pretrained writes it: REF's, else the transformers class of its
+    model_type (left out for a model_type export-hf has no class for)."""
+    data = dict(cfg.data)
+    if dtype is not None:
+        data["dtype"] = dtype_name(dtype)
+        if "torch_dtype" in data:
+            data["torch_dtype"] = dtype_name(dtype)
+    if not data.get("architectures") and cfg.model_type in ARCHITECTURES:
+        data["architectures"] = [ARCHITECTURES[cfg.model_type]]
+    return data
+
+
+def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The names `--include`/`--exclude` keep (all unless an include matches; minus any exclude
+    match), and a note for each pattern that matches no name at all (a typo, most likely)."""
+    names = list(names)
+    kept = [n for n in names if selected(n, include, exclude)]
+    notes = [f"{flag} {pattern!r} matches no tensor" for flag, patterns in (("--include", include),
+                                                                           ("--exclude", exclude))
+             for pattern in patterns if not any(fnmatchcase(n, pattern) for n in names)]
+    refuse_empty_selection(len(kept), len(names), include, exclude, "tensors")
+    return kept, notes
+
+
+def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportPlan:
+    """Targets, shards, headers and the output config. Reads metadata (and `args`), and the data
+    only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
+    to the embeddings."""
+    family, prefix = choose_family(ckpt, cfg, opts.arch)
+    model = MegatronModel(ckpt, prefix)
+    if not model.entries:
+        raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
+    raw = isinstance(family, RawFamily)
+    if raw:
+        tp, etp = opts.tp, None
+    elif ckpt.megatron_backend == TORCH_DIST:
+        tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
+    else:
+        tp, etp = resolve_tps(ckpt, model, opts.tp)
+    if opts.name_check or not raw:  # a model or family rules are built of the config
+        refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
+                               "wrong --hf-config?")
+    ctx = ExportContext(cfg, model, tp, etp)
+    tensors = family.to_hf(ctx)
+    if not raw:
+        unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
+        if unused:
+            more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
+            shown = ", ".join(prefix + n for n in unused[:3]) + more
+            raise CheckpointError(ckpt.path, f"{len(unused)} model tensors have no place in a {family.name} model "
+                                             f"of {cfg.path.name}: {shown} (wrong --hf-config or --arch?)")
+        skipped = [n for n in model.unused() if n.startswith(SKIPPED_PREFIXES)]
+        if skipped:
+            ctx.notes.append(f"{counted(len(skipped), 'tensor')} under {prefix}mtp.* (multi-token prediction) "
+                             "not exported")
+    if ctx.tied_heads:
+        ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ctx.tied_heads, opts.drop_tied_head, None))
+    if ctx.zero_only:
+        ctx.notes.append(left_out_expert_bias(ckpt, model, ctx.zero_only, cfg, opts.drop_expert_bias))
+    if not tensors:
+        raise CheckpointError(ckpt.path, "nothing to export")
+    expected = None
+    if opts.name_check:
+        expected = expected_for(cfg, raw, ctx.notes)
+    else:
+        ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
+    mtp = family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
+    written = [n for n in tensors if mtp and n.startswith(mtp)]
+    if written:
+        ctx.notes.append(f"{counted(len(written), 'tensor')} of multi-token prediction written as "
+                         f"{', '.join(p + '*' for p in mtp)} (transformers skips them on load; inference engines "
+                         "read them)")
+    if expected is not None:
+        expected = expected.allowing(mtp)
+        ties = model_ties(tensors, expected)
+        if ties:
+            ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ties, opts.drop_tied_head, expected))
+        tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None)
+    selected = False
+    if opts.include or opts.exclude:
+        kept, notes = select(sorted(tensors), opts.include, opts.exclude)
+        ctx.notes.extend(notes)
+        if len(kept) < len(tensors):
+            ctx.notes.append(f"{len(kept)} of {len(tensors)} tensors selected by --include/--exclude")
+            selected = True
+        tensors = {name: tensors[name] for name in kept}
+    used_fqns = {fqn for t in tensors.values() for fqn in t.sources}
+    sources = {fqn: model.source_view(fqn) for fqn in used_fqns}
+    targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
+    if expected is not None:
+        check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
+    check_coverage(ckpt, targets.values(), sources)
+    split = shard(targets, parse_size(opts.max_shard_size))
+    files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
+    floating = Counter()
+    for t in targets.values():
+        if t.dtype.is_floating_point:
+            floating[t.dtype] += t.nbytes
+    out_dtype = opts.dtype or (floating.most_common(1)[0][0] if floating else None)
+    config = output_config(cfg, out_dtype)
+    ref_files = cfg.ref_files()
+    for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
+        os.close(open_source(path, MAX_COPIED_BYTES)[0])
+    copied = {p.name for p in ref_files}
+    derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
+    return ExportPlan(
+        family=family.name, prefix=prefix, tp=tp, expert_tp=etp, targets=targets, sources=sources, files=files,
+        file_targets={f.name: list(f.offsets) for f in files},
+        weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
+        config=config, ref_files=ref_files, notes=ctx.notes,
+        generation=generation_config(config) if derive else None, expected=expected, selected=selected,
+    )
+
+
+def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[str], cfg: HFConfig,
+                         drop: bool) -> str:
+    """The note for the expert biases a family leaves out (`ExportContext.zero_only`), once they
+    are proven all zero (read whole: E values per layer), or dropped on purpose."""
+    what = f"{len(fqns)} torchtitan expert biases ({model.prefix}{EXPERT_BIASES})"
+    if drop:
+        return f"{what} dropped (--drop-expert-bias): the export routes without them"
+    chunks = ChunkSource(ckpt)
+    try:
+        nonzero = [fqn for fqn in fqns if not all_zero(chunks, model.source_view(fqn))]
+    finally:
+        chunks.close()
+    if nonzero:
+        more = f" (and {len(nonzero) - 1} more)" if len(nonzero) > 1 else ""
+        raise CheckpointError(ckpt.path, f"{nonzero[0]} is not zero{more}: torchtitan's load-balancing expert bias "
+                                         f"moves tokens to other experts, and {cfg.model_type} routes without one, so "
+                                         "the export would route differently; pass --drop-expert-bias to export "
+                                         "without it, as torchtitan's own adapter does")
+    return f"{what} not exported: all zero, and {cfg.model_type} routes without one"
+
+
+def all_zero(chunks: ChunkSource, view: SourceTensor) -> bool:
+    """Whether every element of a small source tensor is zero (+0 or -0), read whole; elements no
+    chunk holds are refused, never taken for zeros."""
+    target = identity_target(view)
+    box = full_box(view.shape)
+    reads = plan_box(target, box, {view.fqn: view})
+    if missing_elements(box, reads):
+        raise CheckpointError(view.fqn, "has elements no saved chunk holds: cannot tell whether it is zero")
+    data = assemble_bytes(StreamItem("", 0, b"", target, box, reads), chunks)
+    if view.dtype.is_floating_point:  # clear each little-endian element's sign bit: -0.0 is zero
+        for at in range(view.dtype.itemsize - 1, len(data), view.dtype.itemsize):
+            data[at] &= 0x7F
+    return not any(data)
+
+
+COMPARED_BYTES = 16 << 20
+"""Bytes of each tensor held at once while two are compared (`equal_tensors`)."""
+
+
+def model_ties(tensors: dict[str, Any], expected: ExpectedNames) -> list[TiedHead]:
+    """The tensors transformers' model class ties to another one the output also holds, taken out
+    of `tensors` (`left_out_tied_heads` proves each equal to its source, or refuses)."""
+    ties = []
+    for name, source in sorted(expected.for_output(tensors).tied.items()):
+        if name in tensors and source in tensors:
+            ties.append(TiedHead(tensors.pop(name), source, None))
+    return ties
+
+
+def left_out_tied_heads(ckpt: Checkpoint, model: MegatronModel, cfg: HFConfig, tensors: Mapping[str, Any],
+                        heads: Sequence[TiedHead], drop: bool, expected: ExpectedNames | None) -> list[str]:
+    """The notes for the trained heads a tying config leaves out (`ExportContext.tied_heads`), once
+    each is proven equal, bit for bit, to the tensor it is tied to (read block by block), or
+    dropped on purpose (`--drop-tied-head`). A head that differs is refused: the HF model's head
+    would be the embeddings, not the one trained."""
+    def named(hf: Any) -> str:
+        return ", ".join(hf.sources)
+
+    if drop:
+        return [f"{named(t.head)} not exported (--drop-tied-head): the config ties it to {named(tensors[t.tied_to])}"
+                for t in heads if t.tied_to in tensors]
+    notes = []
+    chunks = ChunkSource(ckpt)
+    try:
+        for tie in heads:
+            if tie.tied_to not in tensors:  # the family refuses or the name check reports it missing
+                continue
+            head, source = tie.head, tensors[tie.tied_to]
+            a, b = (t.target(ckpt.tensors[t.sources[0]].dtype) for t in (head, source))
+            views = {fqn: model.source_view(fqn) for fqn in (*head.sources, *source.sources)}
+            how = ("" if a.shape == b.shape and a.dtype == b.dtype else
+                   f" (shape {list(a.shape)}, not {list(b.shape)})" if a.shape != b.shape else
+                   f" (dtype {dtype_name(a.dtype)}, not {dtype_name(b.dtype)})")
+            if how or not equal_tensors(chunks, a, b, views, COMPARED_BYTES):
+                if tie.key is None:
+                    why = f"a {expected.model_class if expected else 'model'} of {cfg.path} ties them"
+                elif tie.key in cfg.data:
+                    why = f"{cfg.path} has {tie.key}={json.dumps(cfg.data[tie.key])}"
+                else:
+                    why = f"{cfg.path} ties them ({tie.key} is true by default)"
+                raise CheckpointError(ckpt.path, f"{named(head)} differs from {named(source)}{how}, but {why} (pass "
+                                                 "--drop-tied-head to drop the trained head on purpose)")
+            notes.append(f"{named(head)} not exported: the config ties it to {named(source)}, which it equals")
+    finally:
+        chunks.close()
+    return notes
+
+
+def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targets: Mapping[str, TargetTensor],
+                 tensors: Mapping[str, Any], prefix: str) -> None:
+    """Refuse an output tensor whose shape is not the one transformers' model for the config has
+    (a checkpoint of 130 vocab rows under `vocab_size` 128: the folder would not load), naming the
+    source tensor, its shape and the config keys of the sizes it lacks."""
+    wrong = expected.misshapen({name: t.shape for name, t in targets.items()})
+    if not wrong:
+        return
+    name, got, want = wrong[0]
+    sources = tensors[name].sources
+    what = sources[0] if tuple(sources) == (prefix + name,) else f"{name} (from {', '.join(sources)})"
+    more = f"+{counted(len(wrong) - 1, 'more tensor')}; " if len(wrong) > 1 else ""
+    raise CheckpointError(ckpt.path, shape_problem(what, got, want, expected.model_class, cfg.path, cfg.data)
+                          + f" ({more}wrong --hf-config?)")
+
+
+def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | None:
+    """The names transformers' model for the output config expects. Without transformers, None and
+    a note for a family (its names come from ckptctl's own tables); `--arch raw` is refused
+    (nothing else vouches for its names)."""
+    if not transformers_available():
+        if raw:
+            raise UsageError("--arch raw checks the tensor names against transformers' model for the config, and "
+                             "transformers is not installed (pip install transformers; or --no-name-check to write "
+                             "them unchecked)")
+        notes.append("tensor names not checked against transformers' model (transformers is not installed)")
+        return None
+    return expected_names(output_config(cfg, None))
+
+
+def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNames, megatron: bool
+                ) -> dict[str, Any]:
+    """Refuse an output with a name the model has no place for or without a weight it needs (tied
+    parameters whose source is written were left out before: `model_ties`)."""
+    out = dict(tensors)
+    expected = expected.for_output(out)
+    cls = expected.model_class
+    unclaimed = expected.unclaimed(out)
+    if unclaimed:
+        hint = ("Megatron names: export with --arch auto or the model's family" if megatron
+                else "wrong --hf-config or --arch?")
+        verb = "has" if len(unclaimed) == 1 else "have"
+        raise CheckpointError(ckpt.path, f"{counted(len(unclaimed), 'tensor')} {verb} no place in a {cls}: "
+                                         f"{shown(unclaimed)} ({hint})")
+    missing = expected.missing(out)
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise CheckpointError(ckpt.path, f"{counted(len(missing), 'weight')} a {cls} expects {verb} missing: "
+                                         f"{shown(missing)} (an incomplete checkpoint, or the wrong --hf-config?)")
+    return out
+
+
+def check_written_names(plan: ExportPlan, out: Path) -> None:
+    """`--verify`: the tensor names in the written files, read back from their headers, are the
+    planned ones and, against transformers' model for the written config.json, leave nothing
+    out and have nothing extra (only what --include/--exclude left out may be missing)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for f in plan.files:
+        with safe_open(str(out / f.name), framework="pt") as handle:
+            names.extend(handle.keys())
+    if sorted(names) != sorted(plan.targets):
+        raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
+    if plan.expected is None:
+        return
+    expected = expected_names(json.loads((out / CONFIG_NAME).read_text())).allowing(plan.expected.beyond)
+    expected = expected.for_output(names)
+    unclaimed = expected.unclaimed(names)
+    if unclaimed:
+        raise CheckpointError(out, f"verification failed: a {expected.model_class} has no place for "
+                                   f"{shown(unclaimed)}")
+    missing = [] if plan.selected else expected.missing(names)
+    if missing:
+        raise CheckpointError(out, f"verification failed: a {expected.model_class} expects {shown(missing)}, "
+                                   f"not written")
+
+
+def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: Mapping[str, SourceTensor]) -> None:
+    """Refuse, before anything is written, a target whose source rows are not all in saved chunks,
+    or whose source the per-rank metadata files disagree about."""
+    problems = []
+    for target in targets:
+        for piece in target.pieces:
+            if piece.src in ckpt.rank_conflicts and ckpt.rank_conflicts[piece.src] not in problems:
+                problems.append(ckpt.rank_conflicts[piece.src])
+            want, view = piece.source_box, sources[piece.src]
+            parts = [part for _, region in view.chunks for block in region_blocks(region, view.shape)
+                     if (part := block.intersect(want)) is not None]
+            missing = want.numel - union_volume(parts)
+            if missing:
+                problems.append(f"{target.fqn}: {missing} elements of {piece.src} rows {want.offsets[0]}.."
+                                f"{want.ends[0]} are in no saved chunk")
+    if problems:
+        raise IncompleteCheckpointError(ckpt.path, problems)
+
+
+def shard(targets: dict[str, TargetTensor], max_shard_size: int):
+    """huggingface_hub's own shard planner over the targets' byte sizes."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    return split_state_dict_into_shards_factory(
+        targets, get_storage_size=lambda t: t.nbytes, filename_pattern=FILENAME_PATTERN,
+        max_shard_size=max_shard_size)
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kKmMgGtT])(?:([iI][bB])|([bB])))?\s*")
+_POWERS = {"k": 1, "m": 2, "g": 3, "t": 4}
+SIZE_EXAMPLES = "5GB, 500MB, 5GiB, 500MiB, 1.5GB or bytes; Gb, Mb, Kb are bits"
+
+
+def parse_size(value: int | str, option: str = "--max-shard-size") -> int:
+    """Bytes from a size as transformers' `convert_file_size_to_int` reads it: `5GB` = 5·10^9,
+    `5GiB` = 5·2^30 (KiB, MiB, GiB, TiB in any case), a lower-case final `b` counts bits
+    (`5Gb` = 5·10^9 / 8), a plain integer is bytes. Fractions (`1.5GB`) are accepted, as
+    huggingface_hub does; the result is rounded down."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = Fraction(value)
+    else:
+        match = _SIZE.fullmatch(str(value))
+        if match is None:
+            raise UsageError(f"{option} {value!r}: not a size (use {SIZE_EXAMPLES})")
+        number, prefix, binary, unit = match.groups()
+        size = Fraction(number)
+        if prefix is not None:
+            size *= (1024 if binary else 1000) ** _POWERS[prefix.lower()]
+            if unit == "b":
+                size /= 8
+    if size < 1:
+        raise UsageError(f"{option} {value!r}: must be at least 1 byte (use {SIZE_EXAMPLES})")
+    return math.floor(size)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """One safetensors file of the plan: its name, size in bytes (header included) and tensor count."""
+
+    name: str
+    bytes: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """The rows of one source tensor an HF tensor takes, in order (`[start, stop)` ranges)."""
+
+    fqn: str
+    rows: tuple[tuple[int, int], ...]
+    source_rows: int
+    """Rows of the whole source tensor (0 for a 0-d one)."""
+
+    @property
+    def whole(self) -> bool:
+        return self.rows in ((), ((0, self.source_rows),))
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One HF tensor of the plan: shape, dtype, file, the source rows it is made of, a constant added."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    file: str
+    sources: tuple[SourceRows, ...]
+    add: float = 0.0
+
+
+@dataclass
+class ExportPreview:
+    """What `export-hf --dry-run` reports: the whole plan, nothing written."""
+
+    src: str
+    dst: str
+    arch: str
+    tp: int | None
+    dtype: str
+    parameters: int
+    files: list[PlannedFile]
+    side_files: list[str]
+    tensors: list[PlannedTensor]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def weight_map(self) -> dict[str, str]:
+        return {t.name: t.file for t in self.tensors}
+
+    @property
+    def mapping(self) -> dict[str, list[str]]:
+        """Each HF tensor's source FQNs, in the order their rows come."""
+        return {t.name: [s.fqn for s in t.sources] for t in self.tensors}
+
+
+def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> tuple[SourceRows, ...]:
+    """The source rows of a target, grouped by source in order of first use; adjacent ranges merged."""
+    rows: dict[str, list[tuple[int, int]]] = {}
+    for piece in target.pieces:
+        read = piece.source_box
+        start = read.offsets[0] if read.sizes else 0
+        stop = start + (read.sizes[0] if read.sizes else 0)
+        ranges = rows.setdefault(piece.src, [])
+        if ranges and ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], stop)
+        elif read.sizes:
+            ranges.append((start, stop))
+    return tuple(SourceRows(fqn, tuple(r), sources[fqn].shape[0] if sources[fqn].shape else 0)
+                 for fqn, r in rows.items())
+
+
+def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
+    """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
+    (DST may exist; it is not looked at)."""
+    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts)
+    where = plan.file_of
+    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
+               for name, t in sorted(plan.targets.items())]
+    return ExportPreview(
+        src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
+        parameters=plan.parameters,
+        files=[PlannedFile(f.name, f.size, len(plan.file_targets[f.name])) for f in plan.files],
+        side_files=plan.side_files(), tensors=tensors, notes=list(plan.notes),
+    )
+
+
+@recorded_reads()
+def export_hf(
+    src: Path,
+    dst: Path,
+    ref: str | Path,
+    opts: ExportOptions,
+    *,
+    force: bool = False,
+    verify: bool = False,
+    progress: ProgressObserver | None = None,
+    comm: Comm = LOCAL,
+) -> ExportReport:
+    """Run an export end to end and report what happened.
+
+    Under torchrun pass the run's `comm` (collective: every worker calls this with the same
+    arguments); each worker then writes its share of the safetensors files and rank 0 the
+    index, config and side files.
+    """
+    started = time.perf_counter()
+    cfg = load_hf_config(ref, opts.hub_timeout)
+    ckpt = open_checkpoint(src)
+    plan = plan_export(ckpt, cfg, opts)
+    check_destination(dst, force, src)
+    phases = Phases(progress)
+    report = ExportReport(
+        src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
+        tensors=len(plan.targets), files=len(plan.files), bytes_written=sum(f.size for f in plan.files),
+        parameters=plan.parameters, notes=list(plan.notes), processes=comm.world_size,
+        device=resolve_device(opts.device),
+    )
+    sources = ChunkSource(ckpt)
+
+    def verify_output(tmp: Path) -> None:
+        advance = phases.start("verifying", 2 * plan.data_bytes)
+        for f in plan.files:
+            verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+        check_written_names(plan, tmp)
+        check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
+                             max(1, opts.workers), advance)
+        phases.stop()
+        report.verified = True
+
+    try:
+        report.write_bytes = write_output(plan.output_plan(), dst, sources, phases, device=report.device,
+                                          workers=opts.workers, force=force, sync=opts.sync,
+                                          check=timed_check(report, functools.partial(check_export, ckpt, plan)), comm=comm,
+                                          verify=verify_output if verify else None)
+    finally:
+        sources.close()
+    report.finish(phases, started)
+    return report
+
+
+def check_export(ckpt: Checkpoint, plan: ExportPlan, folder: Path) -> None:
+    """The check every export passes before it takes its name (`output_check.check_safetensors`)."""
+    check_safetensors(ckpt, folder, {f.name: [plan.targets[n] for n in plan.file_targets[f.name]] for f in plan.files},
+                      plan.sources, plan.weight_map, INDEX_NAME)
+
+
+def safetensors_read_back(folder: Path, plan: ExportPlan) -> ReadBack:
+    """Boxes of the written tensors, read through safetensors' own reader (one handle per file)."""
+    from safetensors import safe_open
+
+    handles: dict[str, Any] = {}
+    file_of = plan.file_of
+    lock = threading.Lock()
+
+    def tensor(name: str) -> Any:
+        with lock:
+            if file_of[name] not in handles:
+                handles[file_of[name]] = safe_open(folder / file_of[name], "pt")
+            return handles[file_of[name]].get_slice(name)
+
+    return tensor_read_back(tensor)
+
+
+def write_side_files(plan: ExportPlan, out: Path) -> None:
+    """Index (when sharded), config.json with the output dtype, the generation config (REF's,
+    else derived from the config), tokenizer files of REF; JSON as transformers writes it."""
+    if plan.weight_map is not None:
+        write_index(out / INDEX_NAME, plan.parameters, plan.total_size, plan.weight_map)
+    (out / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    if plan.generation is not None:
+        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")
+    for path in plan.ref_files:
+        try:
+            copy_regular(path, out / path.name)
+        except OSError as exc:
+            raise UsageError(f"{path}: cannot copy ({exc.strerror or exc})") from exc

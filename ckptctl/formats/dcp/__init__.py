@@ -1,0 +1,1 @@
+"""PyTorch Distributed Checkpoint: `.metadata` read and written, items read, per-rank files laid out."""

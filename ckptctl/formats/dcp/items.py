@@ -1,0 +1,484 @@
+"""Find a chunk's raw tensor bytes inside a `.distcp` file without loading the item.
+
+A DCP tensor item is a whole `torch.save` zip archive at (offset, length) in its file; its
+tensor bytes are one stored (uncompressed) record. Reading the archive's central directory
+and its restricted `data.pkl` gives the exact byte offset of element 0, so every later read
+is a plain positioned read of exactly the bytes needed. Items written through a stream
+transform (zstd) cannot be addressed that way and are decoded through torch instead; items
+of `SerializationFormat.SAFETENSORS` checkpoints are located through the safetensors header.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import operator
+import os
+import struct
+import threading
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, Callable
+
+from ckptctl.core.dtypes import BY_SAFETENSORS
+from ckptctl.util.errors import CheckpointError
+from ckptctl.storage.file_window import FileWindow
+from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
+from ckptctl.core.checkpoint import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
+from ckptctl.storage.source_files import open_source
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_SIGNATURE = 0x04034B50
+MAX_ZIP_READ = 16 << 20
+"""Largest zip structure (central directory, data.pkl) read from an item; torch's are a few kB."""
+MAX_SAFETENSORS_HEADER = 16 << 20
+MAX_WHOLE_READ = 1 << 30
+"""Largest item read whole into memory when the caller names no bound: a bytes entry (a
+pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
+are read through `locate` in blocks, or whole with their own bound (`read_chunk`)."""
+ITEM_OVERHEAD = 1 << 20
+"""What a torch.save item may hold beyond its tensor's bytes (zip records, data.pkl, alignment)."""
+ZIP_VERSIONS = frozenset({0, 10, 20, 45})
+"""Versions needed to extract that torch.save's writer (0) and ordinary zip writers declare
+(1.0, 2.0, 4.5 for zip64); anything else asks for features torch's reader does not have."""
+ZIP_FLAGS = 0x8 | 0x800
+"""General-purpose flag bits torch.save sets: sizes in a data descriptor, UTF-8 names."""
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, struct.error, NotImplementedError,
+               RuntimeError, UnicodeDecodeError, ValueError, OverflowError, OSError)
+"""What `zipfile` raises for a damaged or foreign archive (unknown methods, encryption, bad names)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Fixed:
+    """Bytes that must equal a validated item's outside its holes: the kept runs, taken out by one
+    `itemgetter` of slices and compared as one tuple (in C: a few slices and compares an item,
+    and nothing to compile when a template is made)."""
+
+    length: int
+    runs: Callable[[bytes], Any] | None
+    want: Any
+
+    def matches(self, data: bytes) -> bool:
+        return len(data) == self.length and (self.runs is None or self.runs(data) == self.want)
+
+
+@dataclass(frozen=True, slots=True)
+class _Template:
+    """A fully validated item and the byte ranges that may differ in another item of the same
+    structure: the tensor bytes, CRC-32 fields, the serialization id. An item whose other bytes
+    are equal has the same zip directory, headers and `data.pkl`, so its tensor bytes are at
+    the same place: located by one or two reads and a compare, without parsing it again."""
+
+    data_start: int
+    nbytes: int
+    whole: _Fixed | None  # a small item whole, the tensor bytes a hole: read and compared at once
+    head: _Fixed | None  # a larger one's bytes before the tensor data...
+    tail: _Fixed | None  # ...and after it
+
+
+MAX_TEMPLATE_ITEM = 1 << 16
+"""Items up to this size are read whole in one `pread` to be compared with their template."""
+READ_AHEAD_MIN, READ_AHEAD = 1 << 15, 1 << 19
+"""Bytes read at once, first and at most, where small items are read front to back in a file (a
+reshard of tiny chunks reads each rank file's items in order): one `pread` a window, not one an item."""
+READ_WINDOWS = 4
+"""Read-ahead windows kept (one per source file being read front to back: a rank file's records
+read two when halving the world size)."""
+MAX_TEMPLATES = 4096
+"""Templates kept per reader (one per chunk dtype, shape and item length; a few per tensor kind)."""
+
+
+def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> _Fixed:
+    """What another item must hold where this one holds `data` (its bytes from offset `base`):
+    the same bytes outside `holes`."""
+    runs, at = [], 0
+    for start, stop in sorted((a - base, b - base) for a, b in holes if base <= a and b - base <= len(data)):
+        if start > at:
+            runs.append(slice(at, start))
+        at = max(at, stop)
+    if at < len(data):
+        runs.append(slice(at, len(data)))
+    if not runs:
+        return _Fixed(len(data), None, None)
+    getter = operator.itemgetter(*runs)
+    return _Fixed(len(data), getter, getter(bytes(data)))
+
+
+@dataclass(frozen=True)
+class RawRecord:
+    """A chunk's tensor bytes, row-major and dense: `nbytes` bytes at `byte_offset` of `path`."""
+
+    path: Path
+    byte_offset: int
+    nbytes: int
+
+
+class ItemReader:
+    """Opens a checkpoint's files read-only, lazily, and answers where each chunk's bytes are."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._safetensors_headers: dict[tuple[str, int], dict] = {}
+        self._templates: dict[tuple[Any, tuple[int, ...], int], _Template] = {}
+        self._paths: dict[str, Path] = {}
+        self._windows: dict[str, tuple[int, bytes, int]] = {}  # file -> (start, bytes, end of the last item read)
+        self._windows_lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __enter__(self) -> "ItemReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fd(self, file: str) -> int:
+        fd = self._fds.get(file)  # an open file's descriptor without the lock (a dict read is atomic)
+        if fd is not None:
+            return fd
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = open_source(self.ckpt.path / file)[0]
+            return self._fds[file]
+
+    def _bad(self, chunk: Chunk, reason: str) -> CheckpointError:
+        return CheckpointError(self.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {reason}")
+
+    def locate(self, entry: TensorEntry, chunk: Chunk) -> RawRecord | None:
+        """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
+        if chunk.transforms:
+            return None
+        if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
+            return RawRecord(self._path(chunk.file), chunk.offset, chunk.length)
+        key = (entry.dtype, chunk.sizes, chunk.length)
+        template = self._templates.get(key)
+        if template is not None and self._matches(template, chunk):  # a torch.save item like one validated
+            return RawRecord(self._path(chunk.file), chunk.offset + template.data_start, template.nbytes)
+        header = self._safetensors_header(chunk.file, chunk.offset)
+        if header is not None:
+            return self._locate_safetensors(entry, chunk, header)
+        return self._locate_torch_save(entry, chunk, key, template)
+
+    def small_data(self, entry: TensorEntry, chunk: Chunk) -> memoryview | None:
+        """A small item's tensor bytes, read whole and checked against the template of its kind
+        in one `pread`; None when it is not small, no item of its kind was validated yet, or it
+        differs from the template (`locate` then parses it). At a million tiny chunks, one read
+        per chunk instead of two."""
+        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM:
+            return None
+        template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
+        if template is None or template.whole is None:
+            return None
+        whole = bytes(self._item_bytes(chunk))
+        if not template.whole.matches(whole):
+            return None
+        return memoryview(whole)[template.data_start:template.data_start + template.nbytes]
+
+    def _item_bytes(self, chunk: Chunk) -> memoryview:
+        """A small item's bytes (fewer at the end of its file), from the window on its file when the
+        window holds them. A read that starts where the file's last one ended reads ahead, twice as
+        far as the last time up to READ_AHEAD (as the kernel's read-ahead grows); any other reads
+        the item alone. Windows are shared by the threads: READ_WINDOWS × READ_AHEAD bytes at most."""
+        start, end = chunk.offset, chunk.offset + chunk.length
+        with self._windows_lock:
+            at, data, last_end = self._windows.get(chunk.file, (0, b"", -1))
+            if at <= start and end <= at + len(data):
+                self._windows[chunk.file] = (at, data, end)
+                return memoryview(data)[start - at:end - at]
+        size = min(READ_AHEAD, max(2 * len(data), READ_AHEAD_MIN)) if start == last_end else 0
+        data = os.pread(self.fd(chunk.file), max(chunk.length, size), start)
+        with self._windows_lock:
+            if chunk.file not in self._windows and len(self._windows) >= READ_WINDOWS:
+                self._windows.clear()
+            self._windows[chunk.file] = (start, data, end)
+        return memoryview(data)[:chunk.length]
+
+    def _path(self, file: str) -> Path:
+        path = self._paths.get(file)
+        if path is None:
+            path = self._paths[file] = self.ckpt.path / file
+        return path
+
+    def _locate_torch_save(self, entry: TensorEntry, chunk: Chunk, key: tuple, template: _Template | None
+                           ) -> RawRecord | None:
+        fd = self.fd(chunk.file)
+        try:
+            archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length, MAX_ZIP_READ))
+            names = {info.filename: info for info in archive.infolist()}
+            pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
+            if pkl is None:
+                raise self._bad(chunk, "torch.save archive without data.pkl")
+            self._check_entry(chunk, archive, names[pkl], max_size=MAX_ZIP_READ)
+            spec = load_tensor_record_spec(archive.read(pkl))
+        except CheckpointError:
+            raise
+        except UnsafePickleError as exc:
+            raise self._bad(chunk, f"hostile or foreign data.pkl: {exc}") from None
+        except MalformedPickleError as exc:
+            raise self._bad(chunk, f"corrupt data.pkl: {exc}") from None
+        except _ZIP_ERRORS as exc:
+            raise self._bad(chunk, f"not a torch.save archive ({type(exc).__name__}: {exc})") from None
+        if spec.dtype != entry.dtype or spec.size != chunk.sizes:
+            raise self._bad(chunk, f"{entry.fqn}: item holds {dtype_name(spec.dtype)} {list(spec.size)}, "
+                                   f"metadata says {entry.dtype_name} {list(chunk.sizes)}")
+        record = names.get(pkl[: -len("data.pkl")] + f"data/{spec.storage_key}")
+        if record is None:
+            raise self._bad(chunk, "tensor record missing")
+        itemsize = spec.dtype.itemsize
+        if record.file_size != spec.storage_numel * itemsize:
+            raise self._bad(chunk, f"tensor record is {record.file_size} bytes but its storage is "
+                                   f"{spec.storage_numel} × {itemsize} bytes")
+        if chunk.numel and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
+                >= spec.storage_numel:
+            raise self._bad(chunk, "tensor view runs past its storage")
+        data_start = self._check_entry(chunk, archive, record)
+        if not spec.is_dense or self._big_endian(chunk, archive, names, pkl[: -len("data.pkl")]):
+            return None  # decoded by torch (`read_chunk`), which swaps bytes and gathers strides
+        start = data_start + spec.storage_offset * itemsize
+        if template is None:
+            made = self._template(chunk, archive, start, chunk.numel * itemsize)
+            if made is not None:
+                self._templates[key] = made
+        return RawRecord(self._path(chunk.file), chunk.offset + start, chunk.numel * itemsize)
+
+    def _template(self, chunk: Chunk, archive: zipfile.ZipFile, data_start: int, nbytes: int) -> _Template | None:
+        """`chunk`'s validated item as a template: the CRC fields of its tensor record and of its
+        serialization id, and the id itself, are what another item may hold differently (every
+        other record, `data.pkl` included, must be byte-identical, its CRC with it)."""
+        tail_len = chunk.length - data_start - nbytes
+        if chunk.length - archive.start_dir > MAX_ZIP_READ or data_start > MAX_ZIP_READ \
+                or len(self._templates) >= MAX_TEMPLATES:
+            return None
+        holes: list[tuple[int, int]] = []  # (start, stop) in the item
+        fd = self.fd(chunk.file)
+        central = os.pread(fd, chunk.length - archive.start_dir, chunk.offset + archive.start_dir)
+        pos = 0
+        for info in archive.infolist():  # the directory's records, in order
+            record_at = archive.start_dir + pos
+            if central[pos:pos + 4] != b"PK\x01\x02" or len(central) < pos + 46:
+                return None  # a directory zipfile reads otherwise than record after record: no template
+            name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, pos + 28)
+            pos += 46 + name_len + extra_len + comment_len
+            local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+                if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
+            if len(local) != _LOCAL_HEADER.size:  # a record no check looked at is damaged: no template
+                return None
+            start = info.header_offset + _LOCAL_HEADER.size + sum(struct.unpack_from("<HH", local, 26))
+            is_id = info.filename.endswith("/.data/serialization_id")
+            if start != data_start and not is_id:
+                continue
+            holes += [(record_at + 16, record_at + 20), (info.header_offset + 14, info.header_offset + 18)]
+            end = start + info.compress_size
+            if info.flag_bits & 0x8:  # data descriptor: optional signature, then the CRC
+                at = end + 4 * (os.pread(fd, 4, chunk.offset + end) == b"PK\x07\x08")
+                holes.append((at, at + 4))
+            if is_id:
+                holes.append((start, end))
+        data_end = data_start + nbytes
+        head = os.pread(fd, data_start, chunk.offset)
+        tail = os.pread(fd, tail_len, chunk.offset + data_end)
+        if chunk.length <= MAX_TEMPLATE_ITEM:
+            whole = head + bytes(nbytes) + tail
+            return _Template(data_start, nbytes, _kept(whole, 0, [*holes, (data_start, data_end)]), None, None)
+        return _Template(data_start, nbytes, None, _kept(head, 0, holes), _kept(tail, data_end, holes))
+
+    def _matches(self, template: _Template, chunk: Chunk) -> bool:
+        """Whether the item holds the template's bytes everywhere but its variable fields and data."""
+        fd = self.fd(chunk.file)
+        if template.whole is not None:
+            return template.whole.matches(os.pread(fd, chunk.length, chunk.offset))
+        data_end = template.data_start + template.nbytes
+        return template.head.matches(os.pread(fd, template.data_start, chunk.offset)) \
+            and template.tail.matches(os.pread(fd, chunk.length - data_end, chunk.offset + data_end))
+
+    def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
+                    folder: str) -> bool:
+        """Whether torch saved the item on a big-endian machine (`byteorder` record): its raw
+        bytes are not the little-endian values a copy writes. No record means native order."""
+        info = names.get(folder + "byteorder")
+        if info is None:
+            return False
+        self._check_entry(chunk, archive, info, max_size=16)
+        try:
+            order = archive.read(info)
+        except _ZIP_ERRORS as exc:
+            raise self._bad(chunk, f"not a torch.save archive ({type(exc).__name__}: {exc})") from None
+        if order not in (b"little", b"big"):
+            raise self._bad(chunk, f"byteorder record says {order[:16]!r}")
+        return order == b"big"
+
+    def _check_entry(self, chunk: Chunk, archive: zipfile.ZipFile, info: zipfile.ZipInfo,
+                     max_size: int | None = None) -> int:
+        """Where `info`'s bytes start in the item, after checking what torch's reader relies on:
+        stored, not encrypted, its local header where the directory says and naming the same
+        entry, its bytes inside the item, before the central directory, overlapping no other entry."""
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise self._bad(chunk, f"zip entry {info.filename} is compressed (method {info.compress_type}); "
+                                   "torch.save stores entries")
+        head = os.pread(self.fd(chunk.file), _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+            if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
+        fields = _LOCAL_HEADER.unpack(head) if len(head) == _LOCAL_HEADER.size else (0, 0, 0)
+        local_flags, local_version = (fields[2], fields[1]) if fields[0] == _LOCAL_SIGNATURE else (0, 0)
+        if (info.flag_bits | local_flags) & 0x1:
+            raise self._bad(chunk, f"zip entry {info.filename} is encrypted")
+        if (info.flag_bits | local_flags) & ~ZIP_FLAGS:
+            raise self._bad(chunk, f"zip entry {info.filename} has unknown flag bits "
+                                   f"0x{(info.flag_bits | local_flags) & ~ZIP_FLAGS & 0xFFFF:04x}")
+        for version in (info.extract_version, local_version):
+            if version not in ZIP_VERSIONS:
+                raise self._bad(chunk, f"zip entry {info.filename} needs zip version {version}, "
+                                       "not one torch.save archives use")
+        if max_size is not None and info.file_size > max_size:
+            raise self._bad(chunk, f"zip entry {info.filename} is implausibly large ({info.file_size} bytes)")
+        at = info.header_offset
+        if not 0 <= at <= chunk.length - _LOCAL_HEADER.size:
+            raise self._bad(chunk, f"zip entry {info.filename} has its header outside the item")
+        if fields[0] != _LOCAL_SIGNATURE:
+            raise self._bad(chunk, f"zip entry {info.filename}: corrupt local header")
+        name_len, extra_len = fields[-2:]
+        name = os.pread(self.fd(chunk.file), name_len, chunk.offset + at + _LOCAL_HEADER.size)
+        if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
+            raise self._bad(chunk, f"zip entry {info.filename}: local header names another entry")
+        start = at + _LOCAL_HEADER.size + name_len + extra_len
+        end = start + info.file_size
+        if end > min(chunk.length, archive.start_dir):
+            raise self._bad(chunk, f"zip entry {info.filename} runs past the item or into its directory")
+        for other in archive.infolist():
+            if other is not info and at <= other.header_offset < end:
+                raise self._bad(chunk, f"zip entry {info.filename} overlaps entry {other.filename}")
+            if other is not info and other.header_offset < at < other.header_offset + _LOCAL_HEADER.size + \
+                    len(other.orig_filename) + other.compress_size:
+                raise self._bad(chunk, f"zip entry {info.filename} starts inside entry {other.filename}")
+        return start
+
+    def _safetensors_header(self, file: str, offset: int) -> dict | None:
+        """The JSON header when a SAFETENSORS-format DCP blob starts at `offset` of `file`, else None.
+
+        Such a writer puts a rank's bytes items first and then one safetensors blob holding
+        all its tensors; every tensor item's (offset, length) is (blob start, numel × itemsize).
+        Only blobs are remembered: a torch.save item is asked about once, and millions of
+        remembered "no" answers would cost more memory than the metadata.
+        """
+        key = (file, offset)
+        header = self._safetensors_headers.get(key)
+        if header is not None:
+            return header
+        fd = self.fd(file)
+        prefix = os.pread(fd, 9, offset)
+        if len(prefix) != 9 or prefix[8:9] != b"{":  # a torch.save item has its method's 0 there
+            return None
+        (n,) = struct.unpack("<Q", prefix[:8])
+        if n >= MAX_SAFETENSORS_HEADER:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: safetensors header of {n} "
+                                                         f"bytes is over the {MAX_SAFETENSORS_HEADER}-byte limit")
+        if n >= min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
+            return None
+        try:
+            parsed = json.loads(os.pread(fd, n, offset + 8))
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
+            return None
+        meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
+        if not isinstance(meta, dict) or "DCP_SHARDING_INFO" not in meta:
+            return None
+        try:  # parsed once per blob: each of its records is checked against it
+            offsets = json.loads(meta["DCP_SHARDING_INFO"])
+        except (ValueError, TypeError, RecursionError):
+            offsets = None
+        header = self._safetensors_headers[key] = {"json": parsed, "data_start": offset + 8 + n, "offsets": offsets}
+        return header
+
+    def _locate_safetensors(self, entry: TensorEntry, chunk: Chunk, header: dict) -> RawRecord:
+        info = header["json"].get(entry.fqn)
+        if not isinstance(info, dict):
+            raise self._bad(chunk, f"{entry.fqn} not in safetensors header")
+        try:
+            start, end = (int(v) for v in info["data_offsets"])
+            dtype, shape = BY_SAFETENSORS.get(info["dtype"]), tuple(info["shape"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise self._bad(chunk, f"{entry.fqn}: malformed safetensors header entry") from exc
+        if (dtype != entry.dtype or shape != chunk.sizes or not 0 <= start <= end
+                or end - start != chunk.numel * dtype.itemsize):
+            raise self._bad(chunk, f"{entry.fqn}: safetensors record does not match metadata")
+        if not self._saved_offsets_match(header, entry.fqn, chunk.offsets):
+            raise self._bad(chunk, f"{entry.fqn}: safetensors record is the chunk at other offsets")
+        if header["data_start"] + end > self.ckpt.files.get(chunk.file, 0):
+            raise self._bad(chunk, f"{entry.fqn}: safetensors record runs past the file")
+        return RawRecord(self.ckpt.path / chunk.file, header["data_start"] + start, end - start)
+
+    @staticmethod
+    def _saved_offsets_match(header: dict, fqn: str, offsets: tuple[int, ...]) -> bool:
+        """torch's HF reader takes a record's global offsets from `DCP_SHARDING_INFO`; so do we."""
+        try:
+            return tuple(header["offsets"][fqn]["saved_offsets"]) == offsets
+        except (KeyError, TypeError):
+            return False
+
+    def read_item_bytes(self, file: str, offset: int, length: int, transforms: tuple[str, ...],
+                        limit: int = MAX_WHOLE_READ) -> bytes:
+        """An item's bytes with any stream transforms undone, read whole: refused before
+        allocating when the item (or what its transforms undo to) is over `limit` bytes."""
+        if length > limit:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: {length} bytes, over the {limit}-byte "
+                                                         "limit for an item read whole")
+        data = os.pread(self.fd(file), length, offset)
+        if len(data) != length:
+            raise CheckpointError(self.ckpt.path / file, f"short read at byte {offset}")
+        if not transforms:
+            return data
+        from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+
+        stream: IO[bytes] = io.BytesIO(data)
+        try:
+            for ext in ExtensionRegistry().from_descriptor_list(list(transforms)):
+                if isinstance(ext, StreamTransformExtension):
+                    stream = ext.transform_from(stream)
+            data = stream.read(limit + 1)  # decompression stops one byte past the limit
+        except ValueError as exc:
+            raise CheckpointError(self.ckpt.path / file, f"cannot undo transforms {list(transforms)}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a corrupt stream raises the decompressor's own error types
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: cannot undo transforms "
+                                                         f"{list(transforms)} ({type(exc).__name__})") from None
+        if len(data) > limit:
+            raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: transforms undo to more than "
+                                                         f"{limit} bytes")
+        return data
+
+    def read_chunk(self, entry: TensorEntry, chunk: Chunk) -> Any:
+        """The chunk as a dense torch tensor (one chunk in memory): the fallback and verification path."""
+        import torch
+
+        record = self.locate(entry, chunk)
+        if record is not None:
+            data = bytearray(os.pread(self.fd(chunk.file), record.nbytes, record.byte_offset))
+            if len(data) != record.nbytes:
+                raise self._bad(chunk, "short read")
+            flat = torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)
+            return flat.reshape(chunk.sizes)
+        raw = self.read_item_bytes(chunk.file, chunk.offset, chunk.length, chunk.transforms,
+                                   max(chunk.length if not chunk.transforms else 0,
+                                       chunk.numel * entry.dtype.itemsize + ITEM_OVERHEAD))
+        try:
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch raises many types for a corrupt archive
+            raise self._bad(chunk, f"cannot decode item ({type(exc).__name__})") from exc
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
+            raise self._bad(chunk, f"{entry.fqn}: decoded item does not match metadata")
+        return tensor.contiguous()
+
+    def load_bytes_value(self, entry: BytesEntry, safe_globals: list | None = None) -> Any:
+        """A bytes entry's object, via `torch.load(weights_only=True)` (plus any named safe globals)."""
+        import torch
+
+        raw = self.read_item_bytes(entry.file, entry.offset, entry.length, entry.transforms)
+        try:
+            with torch.serialization.safe_globals(safe_globals or []):
+                return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as exc:  # weights_only refusals and corrupt archives alike
+            raise CheckpointError(self.ckpt.path / entry.file, f"{entry.fqn}: cannot decode bytes entry ({exc})".splitlines()[0]) from exc

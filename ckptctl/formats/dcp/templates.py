@@ -1,0 +1,674 @@
+"""Reads torch's own `.metadata` pickle a chunk at a time, keeping nothing per pickled value.
+
+A `.metadata` of 2.5 million chunks is 360 MB of pickle. C's unpickler keeps every value it
+builds in its memo until the load ends (≈ 2 KB a chunk: the chunk record, its two Sizes and
+their argument tuples, its state dict, and the same again for its storage key and value), so
+reading it costs gigabytes before a single record is checked.
+
+`TemplateMachine` is `PickleMachine`, the validating interpreter, with three super-instructions
+learned from the pickle itself. Once the interpreter has built one chunk record, one storage
+entry, or one of megatron-core's save-plan items the ordinary way, the bytes torch's pickler
+writes for every further one are known up to their integers and new strings: the class and the
+field names are references to memo entries already there. Each later one is matched by one
+compiled regular expression and becomes an (offsets, sizes) pair, a row of `StorageColumns` or
+an inert WriteItem (its state dropped, as `unpickle` drops it); the memo entries it made are
+counted, and only its new strings kept. A list of chunks and the storage dict become
+`ChunkColumns` / `StorageColumns` when the first matched item arrives.
+
+It is only a faster road to the same values. A pickle it does not know — another protocol,
+unframed data, an explicit memo index, a reference to a value it did not keep, a dict key
+that is not a name, more plain interpreting than matching — is declined (`None`), and the
+caller reads it with `unpickle.load_metadata_pickle`, whose diagnostics name any fault. Its
+dicts are keyed by names, validated MetadataIndex records and flat int tuples only, so it
+needs no `hash_guard` probe. The file is read with `pread`, frame by frame, a few megabytes
+held at a time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+from array import array
+from bisect import bisect_left
+from typing import Any, Iterator
+
+from ckptctl.formats.dcp import classes as dc
+from ckptctl.util.gc_pause import gc_paused
+from ckptctl.formats.pickle.vm import GET_WEIGHT, MAX_MEMO, Constructor, MalformedPickleError, PickleMachine, \
+    memo_fetch, opcode_table
+from ckptctl.formats.pickle.unpickle import MAX_DIMS, MAX_INT, MAX_NAME, MAX_PATH, METADATA_GLOBALS, _budget, _str
+
+LOOKAHEAD = 1 << 16
+"""Bytes kept ahead of the interpreter: more than any matched record (its strings are at most 255 bytes)."""
+RUN_MARGIN = 1 << 12
+"""A run of matched records stops this near the end of the bytes held, for the main loop to refill."""
+BLOCK = 1 << 22
+"""Bytes of frames joined per refill."""
+MAX_FRAME = 1 << 24
+PLAIN_ALLOWANCE = 200_000
+PLAIN_PER_MATCH = 4
+"""Opcodes interpreted plainly before the reader declines: beyond this allowance, four per matched record.
+A tensor's header costs about 45, so a checkpoint of one chunk per tensor goes the C road, where each
+opcode costs less than here."""
+_CACHE_LIMIT = 1 << 18
+"""Entries of each table of decoded bytes; a full table starts again (it only saves work and shares tuples)."""
+
+_KEY_NAMES = frozenset({"offsets", "sizes", "fqn", "index", "offset", "relative_path", "length",
+                        "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size"})
+_CTORS = {METADATA_GLOBALS[key]: key[1] for key in (
+    dc.ChunkStorageMetadata.torch_global(), ("torch", "Size"), dc.MetadataIndex.torch_global(),
+    dc.StorageInfo.torch_global(), dc.WriteItem.torch_global(), (dc.DCP_PLANNER, "WriteItemType"),
+    dc.TensorWriteData.torch_global(), dc.TensorProperties.torch_global())}
+"""The classes templates name, by their names in torch (`_StorageInfo` included)."""
+
+_INT = (rb"(?:K.|M..|J....|\x8a(?:\x00|\x01.|\x02.{2}|\x03.{3}|\x04.{4}|\x05.{5}|\x06.{6}|\x07.{7}|\x08.{8}))")
+_BODY = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{0,%d}t\x94)" % MAX_DIMS
+"""A torch.Size's argument tuple as pickled: (), 1-3 integers and TUPLE1-3, or MARK … TUPLE; memoized."""
+_SIZE_TAIL = rb"\x85\x94R\x94"
+_NEW_OBJECT = rb"\)\x81\x94\}\x94\("
+"""NEWOBJ of no arguments, memoized, then its state dict, memoized, and the MARK of its items."""
+_STR = rb"(\x8c(.)(.{0,255}?)\x94|h.|j.{4})"
+"""A short new string (memoized: its length, its text), or a memo reference."""
+_ONE_INT = re.compile(_INT, re.S)
+_INT_CAPTURE = rb"(" + _INT + rb")"
+_ANY = rb"(h.|j.{4})"
+"""A memo reference to any value (one a dropped state holds)."""
+
+
+class _Decline(Exception):
+    """The pickle is not one this reader knows: the caller reads it the ordinary way."""
+
+
+class _Consumed:
+    """What a memo reference to a value a template consumed reads as. megatron-core's save plans refer to
+    the chunk records; their state is dropped (`unpickle._PLAN_RECORDS`), and every field a record keeps
+    is checked by type, so this value can only end where nothing is kept."""
+
+    __slots__ = ()
+
+
+_CONSUMED = _Consumed()
+
+
+class _ChunkPair(tuple):
+    """A matched chunk on the interpreter's stack: (offsets, sizes)."""
+
+    __slots__ = ()
+
+
+class _StorageKey(tuple):
+    """A matched storage key on the stack: (fqn, offsets or None)."""
+
+    __slots__ = ()
+
+
+class _StorageRow(tuple):
+    """A matched storage value on the stack: (file, byte offset, length)."""
+
+    __slots__ = ()
+
+
+def _integers(body: bytes) -> tuple[int, ...] | None:
+    """The integers of a matched Size body; None when its tuple opcode disagrees with their count or one is
+    out of range."""
+    if body == b")":
+        return ()
+    marked = body[0] == 0x28  # MARK … TUPLE, else the integers then TUPLE1-3
+    values = [_integer(m.group()) for m in _ONE_INT.finditer(body, 1 if marked else 0, len(body) - 2)]
+    closing = body[-2]
+    if None in values or (closing == 0x74) != marked or (closing != 0x74 and closing - 0x84 != len(values)):
+        return None
+    return tuple(values) if len(values) <= MAX_DIMS else None
+
+
+class TemplateMachine(PickleMachine):
+    """`PickleMachine` over a stream of deframed blocks, with learned chunk and storage-entry templates."""
+
+    def __init__(self, blocks: Iterator[bytes], size: int) -> None:
+        super().__init__(b"", METADATA_GLOBALS, _budget(size), record_types=(dc._DcpRecord,))
+        self._blocks, self._more = blocks, True
+        self._count = 0  # memo entries made, kept or not
+        self._named: dict[str, int] = {}  # a template's class or field name → its memo index
+        self._containers: dict[int, int] = {}  # id of a list or dict kept in the memo → its index
+        self._bodies: dict[bytes, tuple[int, ...] | None] = {}
+        self._ints: dict[bytes, int | None] = {}  # decoded indices and lengths of storage entries
+        self._strings: dict[str, str] = {}
+        self._texts: dict[bytes, tuple[str, int]] = {}
+        self._text_at, self._texts_made = array("q"), []  # the strings templates memoized: index, value
+        self._chunk: re.Pattern | None = None
+        self._entry: re.Pattern | None = None
+        self._plan: re.Pattern | None = None
+        self._plain = self._matched = 0
+        self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
+        self._closing = False
+
+    # -- input -----------------------------------------------------------------------------
+
+    def _refill(self, need: int) -> None:
+        pieces, have = [self._data[self._pos:]], self._end - self._pos
+        while have < need + BLOCK and self._more:
+            block = next(self._blocks, None)
+            if block is None:
+                self._more = False
+            else:
+                pieces.append(block)
+                have += len(block)
+        self._data, self._pos = b"".join(pieces), 0
+        self._end = len(self._data)
+
+    def _read(self, n: int) -> bytes:
+        if n > self._end - self._pos and self._more:
+            self._refill(n)
+        return super()._read(n)
+
+    def _read_line(self) -> str:
+        raise _Decline  # GLOBAL: a protocol this reader does not expect
+
+    def _op_frame(self) -> None:
+        raise _Decline  # a FRAME inside a frame: `_blocks` took out every one where frames begin
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def load(self) -> Any:
+        dispatch = _OPCODES
+        while True:
+            if self._end - self._pos < LOOKAHEAD and self._more:
+                self._refill(LOOKAHEAD)
+            data, pos = self._data, self._pos
+            if pos >= self._end:
+                raise MalformedPickleError("pickle data truncated (no STOP)")
+            op = data[pos]
+            if (op == 0x68 or op == 0x6A) and self._template(data, pos):  # BINGET, LONG_BINGET
+                continue
+            self._plain += 1
+            if self._plain > PLAIN_ALLOWANCE and self._plain > PLAIN_PER_MATCH * self._matched:
+                raise _Decline
+            self._pos = pos + 1
+            handler = dispatch.get(op)
+            if handler is None:
+                raise _Decline
+            if handler(self):
+                if self._marks:
+                    raise MalformedPickleError("pickle stops inside a mark")
+                return self._finished(self._pop())
+
+    # -- the memo: counted; kept only for values outside the templates ---------------------
+
+    def _op_binput(self) -> None:
+        raise _Decline
+
+    def _op_long_binput(self) -> None:
+        raise _Decline
+
+    def _op_memoize(self) -> None:
+        index = self._count
+        self._count += 1
+        if len(self._memo) >= MAX_MEMO:
+            raise MalformedPickleError("pickle memo too large")
+        value = self._memo[index] = self._top()
+        kind = type(value)
+        if kind is list or kind is dict:
+            self._containers[id(value)] = index
+            return
+        name = value if kind is str and value in _KEY_NAMES else _CTORS.get(value) if kind is Constructor else None
+        if name is not None:
+            self._named[name] = index
+            self._learn()
+
+    def _get(self, index: int) -> None:
+        if index in self._memo:
+            super()._get(index)
+        elif index < self._count:  # a value a template consumed: only state no record keeps may hold it
+            self._charge(GET_WEIGHT)
+            text = self._text(index)
+            self._stack.append(_CONSUMED if text is None else text)
+        else:
+            raise _Decline
+
+    def _text(self, index: int) -> str | None:
+        """The string a template memoized at `index`, if it made one there."""
+        at = bisect_left(self._text_at, index)
+        return self._texts_made[at] if at < len(self._text_at) and self._text_at[at] == index else None
+
+    # -- containers that take matched items ------------------------------------------------
+
+    def _replace(self, old: Any, new: Any, holder: list) -> Any:
+        """`new` in place of container `old`, the last value of `holder` (the stack, or the stack below a MARK)."""
+        self._mutable(old, type(old))  # never referenced again since it was made
+        holder[-1] = new
+        index = self._containers.pop(id(old), None)
+        if index is not None:
+            self._memo[index] = new
+        return new
+
+    def _chunks(self, target: Any, holder: list | None = None) -> dc.ChunkColumns:
+        if type(target) is dc.ChunkColumns:
+            return target
+        if type(target) is not list:
+            raise MalformedPickleError(f"pickle adds chunks to a {type(target).__name__}")
+        columns = self._replace(target, dc.ChunkColumns(), self._stack if holder is None else holder)
+        for value in target:
+            self._add_chunk(columns, value)
+        return columns
+
+    def _add_chunk(self, columns: dc.ChunkColumns, value: Any) -> None:
+        if type(value) is _ChunkPair:
+            offsets, sizes = value
+        elif type(value) is dc.ChunkStorageMetadata:  # built plainly, its Sizes checked
+            offsets, sizes = self._shared(value.offsets), self._shared(value.sizes)
+        else:
+            raise MalformedPickleError(f"a chunk list holds a {type(value).__name__}")
+        columns.offsets.append(offsets)
+        columns.sizes.append(sizes)
+
+    def _shared(self, size: Any) -> tuple[int, ...]:
+        """`size` as a plain tuple, equal ones shared (they live in the table of matched Size bodies)."""
+        value = tuple(size)
+        return self._bodies.setdefault(value, value)  # type: ignore[arg-type]
+
+    def _op_append(self) -> None:
+        value = self._finished(self._pop())
+        target = self._top()
+        if type(value) is _ChunkPair or type(target) is dc.ChunkColumns:
+            self._add_chunk(self._chunks(target), value)
+        else:
+            self._mutable(target, list).append(value)
+
+    def _op_appends(self) -> None:
+        self._closing = True
+        try:
+            items = [self._finished(v) for v in self._pop_mark()]
+        finally:
+            self._closing = False
+        target = self._top()
+        if type(target) is dc.ChunkColumns or any(type(v) is _ChunkPair for v in items):
+            columns = self._chunks(target)
+            for value in items:
+                self._add_chunk(columns, value)
+        else:
+            self._mutable(target, list).extend(items)
+
+    def _set_items(self, target: Any, items: list[Any]) -> None:
+        if len(items) % 2:
+            raise MalformedPickleError("odd number of dict items")
+        pairs = [(self._finished(items[i]), self._finished(items[i + 1])) for i in range(0, len(items), 2)]
+        if type(target) is dc.StorageColumns or any(type(key) is _StorageKey for key, _ in pairs):
+            if type(target) is dict:
+                if not self._stack or self._stack[-1] is not target:
+                    raise _Decline  # DICT's new dict: C's unpickler makes a dict of records of it
+                target = self._storage(target)
+            for key, value in pairs:
+                self._add_entry(target, key, value)
+            return
+        for key, value in pairs:
+            kind = type(key)
+            if kind is not str and kind is not int and kind is not dc.MetadataIndex:
+                raise _Decline  # C's hashing of anything else is what hash_guard probes
+            target[key] = value
+
+    def _storage(self, target: dict) -> dc.StorageColumns:
+        columns = self._replace(target, dc.StorageColumns(), self._stack)
+        for key, value in target.items():
+            self._add_entry(columns, key, value)
+        return columns
+
+    def _add_entry(self, columns: dc.StorageColumns, key: Any, value: Any) -> None:
+        if type(key) is _StorageKey and type(value) is _StorageRow:
+            columns.add(key[0], key[1], *value)
+        elif type(key) is dc.MetadataIndex and type(value) is dc.StorageInfo:
+            offsets = None if key.offset is None else self._shared(key.offset)
+            columns.add(key.fqn, offsets, value.relative_path, value.offset, value.length, value.transform_descriptors)
+        else:
+            raise MalformedPickleError(f"storage_data maps a {type(key).__name__} to a {type(value).__name__}")
+
+    def _op_setitem(self) -> None:
+        value = self._pop()
+        key = self._pop()
+        target = self._top()
+        self._set_items(target if type(target) is dc.StorageColumns else self._mutable(target, dict), [key, value])
+
+    def _op_setitems(self) -> None:
+        self._closing = True
+        try:
+            items = self._pop_mark()
+        finally:
+            self._closing = False
+        target = self._top()
+        self._set_items(target if type(target) is dc.StorageColumns else self._mutable(target, dict), items)
+
+    # -- templates -------------------------------------------------------------------------
+
+    def _fetch(self, name: str) -> bytes:
+        """The pattern of the memo fetch of `name` (a class or field name this pickle memoized)."""
+        return re.escape(memo_fetch(self._named[name]))
+
+    def _learn(self) -> None:
+        """Compile each template once the names it fetches are all memoized."""
+        named, get = self._named, self._fetch
+        if self._chunk is None and _CHUNK_NAMES <= named.keys():
+            size = get("Size")
+            self._chunk = re.compile(
+                get("ChunkStorageMetadata") + _NEW_OBJECT + get("offsets") + size + _BODY + _SIZE_TAIL
+                + get("sizes") + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+        if self._entry is None and _ENTRY_NAMES <= named.keys():
+            self._entry = re.compile(
+                self._index_pattern() + get("_StorageInfo") + _NEW_OBJECT + get("relative_path") + _STR
+                + get("offset") + _INT_CAPTURE + get("length") + _INT_CAPTURE + rb"ub", re.S)
+        if self._plan is None and _PLAN_NAMES <= named.keys():
+            self._plan = self._plan_pattern()
+
+    def _index_pattern(self) -> bytes:
+        """A MetadataIndex {fqn, index, offset (absent for a bytes entry)}: a storage key, or a save-plan item's."""
+        get = self._fetch
+        return (get("MetadataIndex") + _NEW_OBJECT + get("fqn") + _STR + get("index") + rb"(N|" + _INT + rb")"
+                + rb"(?:" + get("offset") + get("Size") + _BODY + _SIZE_TAIL + rb")?ub")
+
+    def _plan_pattern(self) -> re.Pattern:
+        """megatron-core's save plans (`all_local_plans`): a WriteItem, its MetadataIndex, its type and
+        TensorWriteData, whose fields are memo references (the chunk among them is consumed)."""
+        get = self._fetch
+        return re.compile(
+            get("WriteItem") + _NEW_OBJECT + get("index") + self._index_pattern()
+            + get("type") + rb"(?:(" + get("WriteItemType") + _INT + _SIZE_TAIL + rb")|" + _ANY + rb")"
+            + get("bytes_io_data") + rb"N" + get("tensor_data")
+            + rb"(?:N|(" + get("TensorWriteData") + _NEW_OBJECT + get("chunk") + _ANY + get("properties")
+            + rb"(?:" + _ANY + rb"|(" + get("TensorProperties") + rb"\)\x81\x94\(" + _ANY + _ANY + rb"[\x88\x89]" + _ANY
+            + rb"[\x88\x89]t\x94b))" + get("size") + _ANY + rb"ub))ub", re.S)
+
+    def _size(self, body: bytes) -> tuple[int, ...] | None:
+        bodies = self._bodies
+        found = bodies.get(body, bodies)
+        if found is bodies:
+            if len(bodies) > _CACHE_LIMIT:
+                bodies.clear()
+            value = _integers(body)
+            found = bodies[body] = None if value is None else bodies.setdefault(value, value)
+        return found
+
+    def _string(self, raw: bytes, length: bytes | None, text: bytes, limit: int) -> str | None:
+        """A matched string (its bytes `raw`: a new one, or a memo reference), None when the plain road must judge it.
+
+        Equal bytes give the same answer (a memo entry never changes), so each is decoded and checked once."""
+        known = self._texts.get(raw)
+        if known is not None and known[1] == limit:
+            return known[0]
+        if length is not None:
+            if len(text) != length[0]:
+                return None
+            try:
+                value = str(text, "utf-8")
+            except UnicodeDecodeError:
+                return None
+        else:
+            index = raw[1] if raw[0] == 0x68 else struct.unpack_from("<I", raw, 1)[0]
+            value = self._memo[index] if index in self._memo else self._text(index)
+            if type(value) is not str:
+                return None
+        try:
+            _str(value, "", limit)
+        except MalformedPickleError:
+            return None
+        if len(self._texts) > _CACHE_LIMIT:
+            self._texts.clear()
+        value = self._strings.setdefault(value, value)
+        self._texts[raw] = (value, limit)
+        return value
+
+    def _batch_target(self) -> Any:
+        """The container an APPENDS / SETITEMS batch under way will fill, while nothing of the batch
+        is on the stack (a matched item then goes straight in, in order); else None."""
+        if self._stack or not self._marks:
+            return None
+        below = self._marks[-1]
+        return below[-1] if below else None
+
+    def _went_in(self) -> None:
+        """A matched item went straight into the batch's container: the MARK must close by APPENDS or
+        SETITEMS (`_pop_mark` declines otherwise: another opcode would have made something else of it)."""
+        depth = len(self._marks)
+        if not self._direct or self._direct[-1] != depth:
+            self._direct.append(depth)
+
+    def _pop_mark(self) -> list[Any]:
+        if self._direct and self._direct[-1] == len(self._marks):
+            if not self._closing:
+                raise _Decline
+            self._direct.pop()
+        return super()._pop_mark()
+
+    def _template(self, data: bytes, pos: int) -> bool:
+        """Match a chunk or a storage entry at `pos`; False (nothing consumed) when neither matches."""
+        if self._chunk is not None:
+            match = self._chunk.match(data, pos)
+            if match is not None:
+                return self._chunk_run(match)
+        if self._entry is not None:
+            match = self._entry.match(data, pos)
+            if match is not None:
+                return self._entry_run(match)
+        if self._plan is not None:
+            match = self._plan.match(data, pos)
+            if match is not None:
+                return self._plan_item(match)
+        return False
+
+    def _run_stop(self) -> int:
+        """Where a run of matched records stops, so that the main loop refills before the next one."""
+        return self._end - RUN_MARGIN if self._more else self._end
+
+    def _chunk_run(self, match: re.Match) -> bool:
+        """The chunk record `match` found, and every one right after it while they go straight into a
+        batch's chunk columns, decoded in one loop (the per-record work is most of reading a big
+        `.metadata`). Outside such a batch the one record goes onto the stack. False, nothing consumed,
+        when the first is not a chunk this reader takes."""
+        target = self._batch_target()
+        into = type(target) is dc.ChunkColumns or (type(target) is list and not target)
+        data, stop, pattern = self._data, self._run_stop(), self._chunk.match
+        bodies, size, count, n, pos = self._bodies, self._size, self._count, 0, self._pos
+        offsets_column = sizes_column = None
+        while True:
+            first, second = match.group(1, 2)
+            offsets, sizes = bodies.get(first, bodies), bodies.get(second, bodies)
+            if offsets is bodies:
+                offsets = size(first)
+            if sizes is bodies:
+                sizes = size(second)
+            if offsets is None or sizes is None:
+                break
+            count += 8 - (first == b")") - (second == b")")
+            n += 1
+            pos = match.end()
+            if not into:
+                self._stack.append(_ChunkPair((offsets, sizes)))
+                break
+            if offsets_column is None:  # a chunk list's first batch: made columns now
+                target = self._chunks(target, self._marks[-1]) if type(target) is list else target
+                offsets_column, sizes_column = target.offsets, target.sizes
+            offsets_column.append(offsets)
+            sizes_column.append(sizes)
+            match = pattern(data, pos) if pos < stop else None
+            if match is None:
+                break
+        return self._consumed(n, 5, count, pos, into)
+
+    def _entry_run(self, match: re.Match) -> bool:
+        """The storage entry `match` found, and every one right after it while they go straight into the
+        storage columns, decoded in one loop (as `_chunk_run`); outside such a batch the one entry goes
+        onto the stack. False, nothing consumed, when the first is not an entry this reader takes."""
+        target = self._batch_target()
+        into = type(target) is dc.StorageColumns
+        data, stop, pattern = self._data, self._run_stop(), self._entry.match
+        texts, bodies, string, size = self._texts, self._bodies, self._string, self._size
+        ints, cached = self._ints, self._cached_integer
+        text_at, texts_made = self._text_at, self._texts_made
+        file_ids = target.file_ids if into else None
+        count, n, pos, fqn_now, keys, places = self._count, 0, self._pos, None, None, None
+        while True:
+            fqn_raw, fqn_length, fqn_text, index, body, file_raw, file_length, file_text, offset, length_raw = \
+                match.groups()
+            known = texts.get(fqn_raw)
+            fqn = known[0] if known is not None and known[1] == MAX_NAME else \
+                string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
+            known = texts.get(file_raw)
+            file = known[0] if known is not None and known[1] == MAX_PATH else \
+                string(file_raw, file_length, file_text, MAX_PATH)
+            offsets = None if body is None else bodies.get(body, bodies)
+            if offsets is bodies:
+                offsets = size(body)
+            offset = int.from_bytes(offset[1:], "little", signed=True) if offset[0] == 0x4A else _integer(offset)
+            length = ints.get(length_raw, ints)
+            if length is ints:
+                length = cached(length_raw)
+            if index != b"N" and ints.get(index, ints) is ints:
+                cached(index)
+            if fqn is None or file is None or offset is None or offset < 0 or length is None \
+                    or (body is not None and offsets is None) or (index != b"N" and ints[index] is None):
+                break
+            count += 2  # the memo entries, as `_index_memoized` counts them: the index record, its state
+            if fqn_length is not None:
+                text_at.append(count)
+                texts_made.append(fqn)
+                count += 1
+            if body is not None:
+                count += 2 if body == b")" else 3  # a Size, its argument tuple (none for an empty one), the body
+            count += 2  # the storage record and its state dict
+            if file_length is not None:
+                text_at.append(count)
+                texts_made.append(file)
+                count += 1
+            n += 1
+            pos = match.end()
+            if not into:
+                self._stack.append(_StorageKey((fqn, offsets)))
+                self._stack.append(_StorageRow((file, offset, length)))
+                break
+            if fqn is not fqn_now:
+                keys, places = target.rows_for(fqn)
+                fqn_now = fqn
+            file_id = file_ids.get(file)
+            keys.append(offsets)
+            places.extend((target.file_id(file) if file_id is None else file_id, offset, length))
+            match = pattern(data, pos) if pos < stop else None
+            if match is None:
+                break
+        return self._consumed(n, 12, count, pos, into)
+
+    def _cached_integer(self, raw: bytes) -> int | None:
+        """`_integer` of a field whose few values repeat (an index, a length), remembered."""
+        ints = self._ints
+        if len(ints) > _CACHE_LIMIT:
+            ints.clear()
+        value = ints[raw] = _integer(raw)
+        return value
+
+    def _consumed(self, n: int, fetches: int, count: int, pos: int, into: bool) -> bool:
+        """Account for `n` matched records of `fetches` memo references each, the memo count after
+        them and where they end; True when there was one."""
+        if not n:
+            return False
+        self._charge(fetches * GET_WEIGHT * n)
+        if into:
+            self._went_in()
+        self._count, self._pos = count, pos
+        self._matched += n
+        return True
+
+    def _made(self, index: int, text: str) -> int:
+        """A template's new string memoized at `index` (kept: a later fetch may read it); the next index."""
+        self._text_at.append(index)
+        self._texts_made.append(text)
+        return index + 1
+
+    def _index_memoized(self, index: int, fqn: str, fqn_length: bytes | None, body: bytes | None) -> int:
+        """The memo entries a matched MetadataIndex made from `index` on (its record, state dict, a new
+        fqn, a Size and its argument tuples); the next index."""
+        index += 2
+        if fqn_length is not None:
+            index = self._made(index, fqn)
+        if body is not None:
+            index += 2 if body == b")" else 3
+        return index
+
+    def _plan_item(self, match: re.Match) -> bool:
+        fqn_raw, fqn_length, fqn_text, index, body, type_call, type_get, tensor_data, chunk, properties, \
+            new_properties, dtype, layout, memory_format, size = match.groups()
+        fqn = self._string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
+        if fqn is None or (body is not None and self._size(body) is None) or (
+                index != b"N" and _integer(index) is None):
+            return False
+        for raw in (type_get, chunk, properties, dtype, layout, memory_format, size):
+            if raw is not None and (raw[1] if raw[0] == 0x68 else struct.unpack_from("<I", raw, 1)[0]) >= self._count:
+                return False  # a reference to no value
+        self._charge(16 * GET_WEIGHT)
+        count = self._index_memoized(self._count + 2, fqn, fqn_length, body)  # after the item and its state dict
+        count += (2 if type_call is not None else 0) + (2 if tensor_data is not None else 0) + (
+            2 if new_properties is not None else 0)  # a call's argument and result; the other records
+        self._count = count
+        self._stack.append(_WRITE_ITEM)
+        self._pos = match.end()
+        self._matched += 1
+        return True
+
+
+_CHUNK_NAMES = frozenset({"ChunkStorageMetadata", "Size", "offsets", "sizes"})
+_ENTRY_NAMES = frozenset({"MetadataIndex", "_StorageInfo", "Size", "fqn", "index", "offset", "relative_path",
+                          "length"})
+_PLAN_NAMES = frozenset({"WriteItem", "WriteItemType", "TensorWriteData", "TensorProperties", "MetadataIndex", "Size",
+                         "fqn", "index",
+                         "offset", "type", "bytes_io_data", "tensor_data", "chunk", "properties", "size"})
+_WRITE_ITEM = dc.WriteItem()
+"""What every matched save-plan item reads as: a record whose state is dropped, as `unpickle` drops it."""
+_OPCODES = opcode_table(TemplateMachine)
+
+
+def _integer(raw: bytes) -> int | None:
+    """One matched integer opcode's value, None outside [0, MAX_INT)."""
+    op = raw[0]
+    if op == 0x4B:
+        return raw[1]
+    if op == 0x4D:
+        return raw[1] | raw[2] << 8
+    value = int.from_bytes(raw[1:] if op == 0x4A else raw[2:], "little", signed=True)
+    return value if 0 <= value < MAX_INT else None
+
+
+def _blocks(fd: int, size: int) -> Iterator[bytes]:
+    """The pickle's opcodes with its FRAME headers left out, about BLOCK bytes at a time, read by `pread`."""
+    head = os.pread(fd, 2, 0)
+    if len(head) < 2 or head[0] != 0x80 or head[1] < 4:
+        raise _Decline
+    pieces, held, pos = [head], 2, 2
+    while pos < size:
+        header = os.pread(fd, 9, pos)
+        if len(header) < 9 or header[0] != 0x95:
+            if size - pos > 3:
+                raise _Decline  # unframed data other than the pickler's last few bytes
+            pieces.append(os.pread(fd, size - pos, pos))
+            break
+        (n,) = struct.unpack_from("<Q", header, 1)
+        if n > MAX_FRAME or n > size - pos - 9:
+            raise _Decline
+        payload = os.pread(fd, n, pos + 9)
+        if len(payload) != n:
+            raise _Decline
+        pieces.append(payload)
+        held += n
+        pos += 9 + n
+        if held >= BLOCK:
+            yield b"".join(pieces)
+            pieces, held = [], 0
+    yield b"".join(pieces)
+
+
+def read_metadata(fd: int, size: int) -> dc.Metadata | None:
+    """The Metadata the `.metadata` open at `fd` (`size` bytes) holds, or None: read it the ordinary way."""
+    blocks = _blocks(fd, size)
+    try:
+        with gc_paused():
+            md = TemplateMachine(blocks, size).load()
+    except Exception:  # declined, or a fault the ordinary reader names
+        return None
+    finally:
+        blocks.close()
+    return md if type(md) in (dc.Metadata, dc.MCoreMetadata) else None

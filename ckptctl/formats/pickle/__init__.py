@@ -1,0 +1,1 @@
+"""Pickles read without executing them (a bounded VM that builds only known classes) and written byte-exactly like torch's."""

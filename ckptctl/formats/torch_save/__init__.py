@@ -1,0 +1,1 @@
+"""`torch.save` archives: the zip container and its records, read and written."""

@@ -1,1 +1,0 @@
-"""Megatron and torchtitan ↔ Hugging Face conversion rules, one module per model family, registered in `registry`."""

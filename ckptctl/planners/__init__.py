@@ -1,0 +1,1 @@
+"""reshard's Megatron planners: each turns one kind of Megatron source into the output plan of another layout."""

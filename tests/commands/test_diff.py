@@ -1,0 +1,391 @@
+"""`ckptctl diff` as a user runs it: real checkpoints of other layouts, one changed value, exact verdicts.
+
+The inputs are written by the real CLI (a reshard of the 4-rank FSDP2 fixture to 3 ranks,
+its raw Hugging Face export) and then changed in place at the byte the metadata points to,
+or are safetensors folders written by `safetensors.torch.save_file` with known values, so
+every max |a-b| and first index below is exact. Inputs are made once per module.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.conftest import ROOT, run_cli
+from tests.terminal import assert_no_traceback, run_in_terminal
+
+CHANGED = "optim.state.mlp.fc1.weight.exp_avg"  # [12, 8] float32; element [7, 3] gets +DELTA
+INDEX = (7, 3)
+DELTA = 0.001
+PIPE_EQUAL = "32 tensors: 32 equal, 0 close, 0 differs; 13 bytes entries: 13 equal, 0 differs\n"
+
+
+@dataclass
+class Made:
+    src: Path
+    resharded: Path
+    hf: Path
+    changed: Path
+    old: float  # the changed element in the source
+    new: float  # and in `changed`
+    partial: Path
+    flat: Path
+    flat_resharded: Path
+    st_a: Path
+    st_b: Path
+    bytes_changed: Path
+    bytes_length: int
+
+
+def _element_offset(ckpt_dir: Path, fqn: str, index: tuple[int, ...]) -> tuple[Path, int]:
+    """File and byte offset of one element of a saved tensor, from `.metadata` and the item's zip."""
+    from ckptctl.formats.dcp.items import ItemReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = open_checkpoint(ckpt_dir)
+    entry = ckpt.tensors[fqn]
+    chunk = next(c for c in entry.chunks if all(o <= i < o + s for i, o, s in zip(index, c.offsets, c.sizes)))
+    with ItemReader(ckpt) as reader:
+        record = reader.locate(entry, chunk)
+    local = (index[0] - chunk.offsets[0]) * chunk.sizes[1] + (index[1] - chunk.offsets[1])
+    return record.path, record.byte_offset + local * entry.itemsize
+
+
+def _safetensors_inputs(root: Path) -> tuple[Path, Path]:
+    """Two folders with known differences: A one file, B two shards and an index."""
+    big = torch.arange(4200 * 1024, dtype=torch.float32).reshape(4200, 1024)  # 17.2 MB: two 16 MB blocks
+    a = {
+        "big": big,
+        "nan_same": torch.tensor([1.0, float("nan"), 3.0]),
+        "signed_zero": torch.tensor([0.0, 1.0]),
+        "nan_one_side": torch.tensor([1.0, 2.0]),
+        "ints": torch.arange(5, dtype=torch.int64),
+        "half": torch.ones(4, 4, dtype=torch.bfloat16),
+        "scalar": torch.tensor(1.0),
+        "shape": torch.zeros(2, 3),
+        "dtype": torch.zeros(3),
+        "only_a": torch.zeros(1),
+    }
+    b = {k: v.clone() for k, v in a.items() if k != "only_a"}
+    b["big"][4100, 5] += 0.5  # second block: the first difference
+    b["big"][4150, 0] -= 3.0  # the largest
+    b["signed_zero"][0] = -0.0
+    b["nan_one_side"][1] = float("nan")
+    b["ints"][3] = 100
+    b["half"][2, 1] = 1.5
+    b["scalar"] = torch.tensor(1.25)
+    b["shape"] = torch.zeros(3, 2)
+    b["dtype"] = torch.zeros(3, dtype=torch.float16)
+    b["only_b"] = torch.zeros(1)
+    st_a, st_b = root / "st_a", root / "st_b"
+    st_a.mkdir()
+    st_b.mkdir()
+    save_file(a, str(st_a / "model.safetensors"), metadata={"format": "pt"})
+    shards = {"model-00001-of-00002.safetensors": ["big", "ints"],
+              "model-00002-of-00002.safetensors": [k for k in b if k not in ("big", "ints")]}
+    for file, names in shards.items():
+        save_file({k: b[k] for k in names}, str(st_b / file), metadata={"format": "pt"})
+    weight_map = {name: file for file, names in shards.items() for name in names}
+    (st_b / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return st_a, st_b
+
+
+@pytest.fixture(scope="module")
+def made(fixture_ckpt, tmp_path_factory) -> Made:
+    root = tmp_path_factory.mktemp("diff")
+    src, flat = fixture_ckpt("fsdp2_4ranks"), fixture_ckpt("flat_optim")
+    (root / "config.json").write_text('{"model_type": "raw"}')
+    runs = [("reshard", src, root / "r3", "-n", "3"),
+            ("reshard", src, root / "partial", "-n", "2", "--exclude", "optim.state.head.*"),
+            ("reshard", flat, root / "flat2", "-n", "2"),
+            ("export-hf", src, root / "hf", "--hf-config", root / "config.json", "--arch", "raw", "--no-name-check")]
+    for args in runs:
+        res = run_cli(*args)
+        assert res.returncode == 0, res.stderr
+    changed = root / "changed"
+    shutil.copytree(root / "r3", changed)
+    path, offset = _element_offset(changed, CHANGED, INDEX)
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        (old,) = struct.unpack("<f", fh.read(4))
+        (new,) = struct.unpack("<f", struct.pack("<f", old + DELTA))
+        fh.seek(offset)
+        fh.write(struct.pack("<f", new))
+    bytes_changed = root / "bytes_changed"
+    shutil.copytree(root / "r3", bytes_changed)
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    entry = open_checkpoint(bytes_changed).bytes_entries["extra.iteration"]
+    with open(bytes_changed / entry.file, "r+b") as fh:  # the item's last byte (its zip's end record)
+        fh.seek(entry.offset + entry.length - 1)
+        last = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([last[0] ^ 0xFF]))
+    st_a, st_b = _safetensors_inputs(root)
+    return Made(src, root / "r3", root / "hf", changed, old, new, root / "partial", flat, root / "flat2",
+                st_a, st_b, bytes_changed, entry.length)
+
+
+def diff_json(*args: object) -> tuple[int, dict]:
+    """Run `ckptctl diff ARGS --json`: exit status and the document (stdout is pure JSON, stderr empty)."""
+    res = run_cli("diff", *args, "--json")
+    assert res.stderr == ""
+    return res.returncode, json.loads(res.stdout)
+
+
+def diff_doc(a: Path, b: Path, **options: object) -> tuple[int, dict]:
+    """The same document and exit status, computed in this process: a CLI run that compares
+    differing values pays a torch import (seconds), so most checks of values run here."""
+    from ckptctl.cli.diff_cmd import report_json
+    from ckptctl.commands.diff import diff
+
+    report = diff(a, b, **options)
+    return (0 if report.equal else 1), json.loads(json.dumps(report_json(report), allow_nan=False))
+
+
+def test_a_reshard_to_3_ranks_is_equal_to_its_4_rank_source(made):
+    res = run_cli("diff", made.src, made.resharded)
+    assert (res.returncode, res.stdout, res.stderr) == (0, PIPE_EQUAL, "")
+    code, doc = diff_json(made.resharded, made.src)
+    assert code == 0 and doc["equal"] is True
+    assert doc["counts"] == {"equal": 32, "close": 0, "differs": 0, "shape differs": 0, "dtype differs": 0,
+                             "missing in A": 0, "missing in B": 0}
+    assert doc["bytes_counts"] == {"equal": 13, "differs": 0, "missing in A": 0, "missing in B": 0}
+    assert doc["formats"] == {"a": "dcp", "b": "dcp"} and doc["stripped_prefixes"] == {"a": None, "b": None}
+    assert doc["tensors"]["model.embed.weight"] == {
+        "status": "equal", "shape": [10, 8], "dtype": "float32", "max_abs_diff": 0.0, "first_diff_index": None,
+        "mismatches": 0, "a": {"name": "model.embed.weight", "shape": [10, 8], "dtype": "float32"},
+        "b": {"name": "model.embed.weight", "shape": [10, 8], "dtype": "float32"}}
+    assert doc["bytes_entries"]["extra.iteration"]["status"] == "equal"
+    assert doc["bytes_compared"] > 0 and (doc["atol"], doc["rtol"]) == (0.0, 0.0)
+
+
+def test_flat_optimizer_buffers_compare_in_their_params_shape(made):
+    """Megatron-FSDP flat 1-D states equal their rebuilt N-D reshard: compared in the param's shape."""
+    code, doc = diff_json(made.flat, made.flat_resharded)
+    assert code == 0 and doc["counts"]["equal"] == 16
+    state = doc["tensors"]["optimizer.state.module.output_layer.weight.exp_avg"]
+    assert state["shape"] == doc["tensors"]["model.module.output_layer.weight"]["shape"]
+    assert len(state["shape"]) == 2 and state["status"] == "equal"
+
+
+def test_zstd_items_compare_equal_to_plain_ones(made, fixture_ckpt):
+    """Same values saved at 2 ranks with zstd-compressed items (tensors and bytes entries alike)."""
+    from ckptctl.commands.diff import diff
+
+    report = diff(made.src, fixture_ckpt("zstd"))
+    assert report.equal and report.counts["equal"] == 32 and report.bytes_counts["equal"] == 13
+
+
+def test_dcp_against_its_hf_export_compares_model_tensors_without_the_prefix(made):
+    names = ["embed.weight", "head.bias", "head.weight", "mlp.fc1.bias", "mlp.fc1.weight", "mlp.fc2.bias",
+             "mlp.fc2.weight", "norm.weight"]
+    for a, b, prefixes in ((made.src, made.hf, {"a": "model.", "b": None}),
+                           (made.hf, made.resharded, {"a": None, "b": "model."})):
+        code, doc = diff_json(a, b)
+        assert code == 0 and list(doc["tensors"]) == names
+        assert doc["stripped_prefixes"] == prefixes and doc["bytes_entries"] == {}
+        dcp_side = "a" if prefixes["a"] else "b"
+        assert doc["tensors"]["mlp.fc1.weight"][dcp_side]["name"] == "model.mlp.fc1.weight"
+        assert doc["notes"] == [f"{a if dcp_side == 'a' else b}: model tensors only, prefix 'model.' stripped; "
+                                "37 optimizer and other entries left out (only model weights are in a "
+                                "safetensors folder)"]
+    res = run_cli("diff", made.src, made.hf)
+    assert res.returncode == 0
+    assert res.stdout == "8 tensors: 8 equal, 0 close, 0 differs\n"
+    assert res.stderr == (f"note: {made.src}: model tensors only, prefix 'model.' stripped; 37 optimizer and other "
+                          "entries left out (only model weights are in a safetensors folder)\n")
+
+
+def test_one_changed_element_differs_with_its_exact_max_and_index(made):
+    code, doc = diff_json(made.changed, made.src)
+    assert code == 1 and doc["equal"] is False
+    assert doc["counts"]["differs"] == 1 and doc["counts"]["equal"] == 31
+    assert doc["tensors"][CHANGED] == {
+        "status": "differs", "shape": [12, 8], "dtype": "float32", "max_abs_diff": abs(made.new - made.old),
+        "first_diff_index": list(INDEX), "mismatches": 1,
+        "a": {"name": CHANGED, "shape": [12, 8], "dtype": "float32"},
+        "b": {"name": CHANGED, "shape": [12, 8], "dtype": "float32"}}
+    assert made.new != made.old
+
+
+def test_pipe_output_is_plain_lines_and_the_summary(made):
+    res = run_cli("diff", made.changed, made.src)
+    assert res.returncode == 1 and res.stderr == ""
+    assert "\x1b" not in res.stdout
+    assert res.stdout == (f"{CHANGED}: differs: first at [7, 3], max |a-b| {abs(made.new - made.old):.6g}, "
+                          "1 of 96 elements\n"
+                          "32 tensors: 31 equal, 0 close, 1 differs; 13 bytes entries: 13 equal, 0 differs\n")
+
+
+def test_tolerance_makes_a_small_change_close(made):
+    delta = abs(made.new - made.old)
+    for options in ({"atol": 0.01}, {"rtol": delta / abs(made.old) * 1.01}):
+        code, doc = diff_doc(made.changed, made.src, **options)
+        assert code == 0 and doc["equal"] is True
+        assert doc["counts"]["close"] == 1 and doc["counts"]["equal"] == 31
+        got = doc["tensors"][CHANGED]
+        assert (got["status"], got["max_abs_diff"], got["first_diff_index"], got["mismatches"]) == \
+            ("close", delta, None, 0)
+    code, doc = diff_doc(made.changed, made.src, atol=delta / 2)  # too tight
+    assert code == 1 and doc["tensors"][CHANGED]["status"] == "differs"
+    code, doc = diff_json(made.changed, made.src, "--atol", "0.01", "--rtol", "0")
+    assert code == 0 and (doc["atol"], doc["rtol"]) == (0.01, 0.0) and doc["counts"]["close"] == 1
+
+
+def test_missing_tensors_on_one_side(made):
+    code, doc = diff_doc(made.src, made.partial)
+    assert code == 1
+    gone = ["optim.state.head.bias.exp_avg", "optim.state.head.bias.exp_avg_sq", "optim.state.head.bias.step",
+            "optim.state.head.weight.exp_avg", "optim.state.head.weight.exp_avg_sq", "optim.state.head.weight.step"]
+    assert [n for n, t in doc["tensors"].items() if t["status"] != "equal"] == gone
+    assert doc["tensors"][gone[0]] == {
+        "status": "missing in B", "shape": None, "dtype": None, "max_abs_diff": None, "first_diff_index": None,
+        "mismatches": None, "a": {"name": gone[0], "shape": [2], "dtype": "float32"}, "b": None}
+    res = run_cli("diff", made.partial, made.src)
+    assert res.returncode == 1
+    lines = res.stdout.splitlines()
+    assert lines[0] == "optim.state.head.bias.exp_avg: missing in A: B: [2] float32"
+    assert lines[-1] == "26 tensors: 26 equal, 0 close, 0 differs; 13 bytes entries: 13 equal, 0 differs; 6 only in B"
+
+
+def test_a_changed_bytes_entry_differs_at_its_first_byte(made):
+    code, doc = diff_doc(made.bytes_changed, made.src)
+    assert code == 1 and doc["counts"]["equal"] == 32
+    assert doc["bytes_counts"] == {"equal": 12, "differs": 1, "missing in A": 0, "missing in B": 0}
+    length = made.bytes_length
+    assert doc["bytes_entries"]["extra.iteration"] == {
+        "status": "differs", "first_diff_index": [length - 1],
+        "a": {"name": "extra.iteration", "nbytes": length}, "b": {"name": "extra.iteration", "nbytes": length}}
+
+
+SAFETENSORS_SUMMARY = ("9 tensors: 1 equal, 1 close, 5 differs, 1 shape differs, 1 dtype differs; "
+                       "1 only in A; 1 only in B")
+
+
+def test_safetensors_folders_with_known_differences(made):
+    code, doc = diff_doc(made.st_a, made.st_b)
+    assert code == 1 and doc["formats"] == {"a": "safetensors", "b": "safetensors"}
+    got = {n: (t["status"], t["max_abs_diff"], t["first_diff_index"], t["mismatches"])
+           for n, t in doc["tensors"].items()}
+    assert got == {
+        "big": ("differs", 3.0, [4100, 5], 2),  # the first difference is in the second 16 MB block
+        "dtype": ("dtype differs", None, None, None),
+        "half": ("differs", 0.5, [2, 1], 1),
+        "ints": ("differs", 97.0, [3], 1),
+        "nan_one_side": ("differs", "nan", [1], 1),
+        "nan_same": ("equal", 0.0, None, 0),
+        "only_a": ("missing in B", None, None, None),
+        "only_b": ("missing in A", None, None, None),
+        "scalar": ("differs", 0.25, [], 1),
+        "shape": ("shape differs", None, None, None),
+        "signed_zero": ("close", 0.0, None, 0),  # -0.0 == 0.0, though the bytes differ
+    }
+    assert doc["tensors"]["dtype"]["a"] == {"name": "dtype", "shape": [3], "dtype": "float32"}
+    assert doc["tensors"]["dtype"]["b"] == {"name": "dtype", "shape": [3], "dtype": "float16"}
+    assert doc["tensors"]["shape"]["shape"] is None and doc["tensors"]["shape"]["b"]["shape"] == [3, 2]
+    res = run_cli("diff", made.st_a, made.st_b)
+    assert res.returncode == 1 and res.stdout.splitlines() == [
+        "big: differs: first at [4100, 5], max |a-b| 3, 2 of 4300800 elements",
+        "dtype: dtype differs: A float32, B float16",
+        "half: differs: first at [2, 1], max |a-b| 0.5, 1 of 16 elements",
+        "ints: differs: first at [3], max |a-b| 97, 1 of 5 elements",
+        "nan_one_side: differs: first at [1], max |a-b| nan, 1 of 2 elements",
+        "only_a: missing in B: A: [1] float32",
+        "only_b: missing in A: B: [1] float32",
+        "scalar: differs: first at [], max |a-b| 0.25, 1 of 1 elements",
+        "shape: shape differs: A [2, 3], B [3, 2]",
+        "signed_zero: close: max |a-b| 0",
+        SAFETENSORS_SUMMARY,
+    ]
+
+
+def test_a_wide_tolerance_leaves_only_one_sided_nan_and_layout_differences(made):
+    code, doc = diff_doc(made.st_a, made.st_b, atol=1000, include=["*"], exclude=["only_*"])
+    statuses = {n: t["status"] for n, t in doc["tensors"].items()}
+    assert code == 1 and statuses == {"big": "close", "dtype": "dtype differs", "half": "close", "ints": "close",
+                                      "nan_one_side": "differs", "nan_same": "equal", "scalar": "close",
+                                      "shape": "shape differs", "signed_zero": "close"}
+    code, doc = diff_doc(made.st_a, made.st_b, atol=1000, include=["big", "i*"])
+    assert code == 0 and list(doc["tensors"]) == ["big", "ints"] and doc["counts"]["close"] == 2
+
+
+def test_a_single_safetensors_file_against_a_folder(made):
+    code, doc = diff_json(made.st_a / "model.safetensors", made.st_a)
+    assert code == 0 and doc["counts"]["equal"] == 10
+
+
+def test_filters_that_select_nothing_are_refused_naming_the_patterns(made):
+    res = run_cli("diff", made.src, made.hf, "--include", "nothing*", "--exclude", "x")
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr == (f"ckptctl: error: --include 'nothing*' --exclude 'x' select no tensor or bytes entry "
+                          f"of {made.src} or {made.hf}\n")
+
+
+@pytest.mark.parametrize("case", ["file", "missing", "empty-dir", "bad-safetensors", "negative-atol"])
+def test_bad_input_is_one_line_and_exit_2(made, tmp_path, case):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\xff" * 16)
+    args, line = {
+        "file": ((tmp_path / "notes.txt", made.src), f"{tmp_path / 'notes.txt'}: not a directory (diff takes DCP "
+                                                     "checkpoints, safetensors model folders or .safetensors files)"),
+        "missing": ((made.src, tmp_path / "nope"), f"{tmp_path / 'nope'}: no such file or directory"),
+        "empty-dir": ((tmp_path / "empty", made.src), f"{tmp_path / 'empty'}: neither a DCP checkpoint (no .metadata) "
+                                                       "nor a safetensors model folder (no *.safetensors)"),
+        "bad-safetensors": ((made.hf, tmp_path / "bad"), f"{tmp_path / 'bad' / 'model.safetensors'}: not a "
+                                                          "safetensors file (no header of a plausible length)"),
+        "negative-atol": ((made.src, made.src, "--atol", "-1"), "--atol must be a finite number >= 0 (got -1.0)"),
+    }[case]
+    res = run_cli("diff", *args)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {line}\n")
+    assert_no_traceback(res.stderr)
+
+
+def test_a_terminal_shows_the_table_the_bar_and_the_summary(made):
+    run = run_in_terminal("diff", made.st_a, made.st_b)
+    assert run.returncode == 1
+    assert_no_traceback(run.screen)
+    screen = run.screen
+    assert "comparing" in screen  # the progress bar stays, at its total
+    rows = [line for line in screen.splitlines() if line.startswith("│")]
+    assert any("big" in r and "differs" in r and "first at [4100, 5], max |a-b| 3, 2 of 4300800 elements" in r
+               for r in rows)
+    assert any("signed_zero" in r and "close" in r for r in rows)
+    assert screen.splitlines()[-1] == SAFETENSORS_SUMMARY
+    assert "\x1b[" in run.raw  # colour on a terminal
+
+
+def test_an_equal_compare_never_imports_torch(made):
+    code = ("import runpy, sys; sys.argv = ['ckptctl', 'diff', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('ckptctl', run_name='__main__')\n"
+            "except SystemExit as exc:\n    print('exit', exc.code, 'torch' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code, str(made.src), str(made.resharded)], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert res.stdout.splitlines()[-1] == "exit 0 False"
+
+
+def test_a_tensor_with_coverage_gaps_is_refused_unless_filtered_out(made, tmp_path):
+    import pickle
+
+    gaps = tmp_path / "gaps"
+    shutil.copytree(made.resharded, gaps)
+    metadata = pickle.loads((gaps / ".metadata").read_bytes())  # torch's own classes: torch is imported here
+    del metadata.state_dict_metadata["model.mlp.fc1.weight"].chunks[-1]  # rank 2's rows 8..11
+    (gaps / ".metadata").write_bytes(pickle.dumps(metadata))
+    res = run_cli("diff", gaps, made.src)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == (f"ckptctl: error: {gaps}: model.mlp.fc1.weight: chunks cover 64 of 96 elements "
+                          "(32 missing): cannot compare elements that were never saved\n")
+    code, doc = diff_doc(gaps, made.hf, exclude=["mlp.fc1.weight"])
+    assert code == 0 and doc["counts"]["equal"] == 7

@@ -1,0 +1,162 @@
+"""megatron-core 0.19's Mamba mixer names: `mixer.conv1d_weight` / `conv1d_bias`, parameters of its own.
+
+0.16's mixer held an `nn.Conv1d` (`mixer.conv1d.weight`); 0.19.2's registers the conv weight and
+bias itself, so a module's `state_dict()` names — Megatron-FSDP's fsdp_dtensor saves — follow the
+release, while its torch_dist save maps them back to `conv1d.weight` (split into x, B, C). The
+run is megatron-core 0.19.2's own (`fixtures.megatron_optim`: its MambaModel on CPU, mamba_ssm's
+kernels stand-ins in torch after their source, one AdamW step at TP 2) saved as torch_dist;
+`fixtures.megatron_fsdp_dtensor` writes its state as Megatron-FSDP saves it, under the names the
+run's modules give (`named_parameters`), the conv fused per TP rank. Every Megatron path reads
+both spellings; import-hf writes the one of the release it is told (0.19 by default).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ckptctl.families.registry import fused_kind, megatron_tp_kind
+from ckptctl.megatron.rows import canonical, respelled
+from fixtures.make_fixtures import load_with_torch
+from tests.conftest import run_cli
+
+CONV = "decoder.layers.0.mixer.conv1d_weight"
+"""0.19.2's module name of the Mamba layer's conv weight."""
+VOCAB = 200
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """megatron-core 0.19.2's Nemotron-H-like run at TP 2: its torch_dist save (`tp2/fully_reshardable`),
+    the same state as Megatron-FSDP saves it at TP 2 × DP 1 (`fsdp`) and at TP 1 × DP 2 (`fsdp_tp1`),
+    and the HF config of the model (`ref`)."""
+    from fixtures import megatron_core, megatron_fsdp_dtensor, megatron_optim
+
+    if not megatron_optim.available("0.19"):
+        pytest.skip("megatron-core 0.19 is not installed beside")
+    root = tmp_path_factory.mktemp("mamba_names")
+    megatron_optim.write(root / "tp2", 2, 1, kind="nemotron-h", mcore="0.19")
+    src, buffers = root / "tp2" / "fully_reshardable", root / "tp2" / "buffers.json"
+    megatron_fsdp_dtensor.write(src, buffers, root / "fsdp", 2, 1)
+    megatron_fsdp_dtensor.write(src, buffers, root / "fsdp_tp1", 1, 2)
+    (root / "ref").mkdir()
+    (root / "ref" / "config.json").write_text(json.dumps(megatron_core.hf_config("nemotron-h")))
+    return root
+
+
+def _flat(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{key}" if prefix else key).items()}
+    return {}
+
+
+def _safetensors(folder) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_both_spellings_of_the_mamba_conv_have_the_rules_tp_kind():
+    for name in ("decoder.layers.3.mixer.conv1d_weight", "model.module.decoder.layers.3.mixer.conv1d_bias",
+                 "decoder.layers.3.mixer.conv1d.weight"):
+        assert (megatron_tp_kind(name), fused_kind(name)) == ("mamba_conv1d", "mamba_conv1d"), name
+    state = "optimizer.state.module.module.decoder.layers.3.mixer.conv1d_weight.exp_avg"
+    assert canonical(state) == "optimizer.state.module.module.decoder.layers.3.mixer.conv1d.weight.exp_avg"
+    assert canonical("decoder.layers.3.mixer.conv1d_weights") == "decoder.layers.3.mixer.conv1d_weights"
+    assert respelled("decoder.layers.3.mixer.conv1d.bias", (0, 19)) == "decoder.layers.3.mixer.conv1d_bias"
+    assert respelled("decoder.layers.3.mixer.conv1d.bias", (0, 16)) == "decoder.layers.3.mixer.conv1d.bias"
+
+
+def test_0_19s_torch_dist_save_keeps_the_old_keys_and_its_module_the_new_names(run):
+    """The fact the rest stands on, from 0.19.2's own save and module."""
+    saved = load_with_torch(run / "tp2" / "fully_reshardable")
+    assert sorted(k for k in saved if ".mixer.conv1d" in k and not k.startswith("optimizer.")) == sorted(
+        f"decoder.layers.0.mixer.conv1d.{kind}.{part}" for kind in ("weight", "bias") for part in "xBC")
+    record = json.loads((run / "tp2" / "buffers.json").read_text())
+    names = {p["name"] for b in record["ranks"][0]["buffers"] for p in b["params"]}
+    assert {CONV, "decoder.layers.0.mixer.conv1d_bias"} <= names and not any(".conv1d." in n for n in names)
+    assert record["megatron_core"].startswith("0.19.")
+
+
+def test_export_hf_of_0_19s_fsdp_dtensor_names_equals_that_of_its_torch_dist_save(run):
+    for src, out in (("fsdp", "hf_fsdp"), ("tp2/fully_reshardable", "hf_torch_dist")):
+        done = run_cli("export-hf", run / src, run / out, "--hf-config", run / "ref")
+        assert done.returncode == 0, done.stderr
+    got, want = _safetensors(run / "hf_fsdp"), _safetensors(run / "hf_torch_dist")
+    assert sorted(got) == sorted(want) and "backbone.layers.0.mixer.conv1d.weight" in got
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert f"model.module.{CONV}" in _flat(load_with_torch(run / "fsdp"))
+
+
+def test_a_tp_change_re_blocks_0_19s_conv_params_and_their_optimizer_states(run, tmp_path):
+    """Megatron-FSDP reshard TP 2 → TP 1 × DP 2 of the 0.19 names is the run's state saved at
+    TP 1 × DP 2, every tensor (the conv `[x_t; B_t; C_t]` blocks re-blocked, Adam's moments alike)."""
+    done = run_cli("reshard", run / "fsdp", tmp_path / "out", "--layout", "megatron-fsdp", "--tp", 1, "--dp", 2,
+                   "--source-tp", 2, "--hf-config", run / "ref")
+    assert done.returncode == 0, done.stderr
+    got, want = _flat(load_with_torch(tmp_path / "out")), _flat(load_with_torch(run / "fsdp_tp1"))
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert not torch.equal(_flat(load_with_torch(run / "fsdp"))[f"model.module.{CONV}"], want[f"model.module.{CONV}"])
+    assert f"optimizer.state.module.module.{CONV}.exp_avg_sq" in got
+
+
+def test_import_hf_writes_the_conv_names_of_the_megatron_core_release_it_is_told(run, tmp_path):
+    """0.19 (the current release) by default, 0.16's `conv1d.weight` when told; the values are the
+    run's, as its Megatron-FSDP save holds them (TP 2)."""
+    folder = run / "hf_import_src"
+    done = run_cli("export-hf", run / "tp2" / "fully_reshardable", folder, "--hf-config", run / "ref")
+    assert done.returncode == 0, done.stderr
+    want = _flat(load_with_torch(run / "fsdp"))
+    for release, sep, note in (
+            (None, "_", "note: mixer.conv1d_weight, mixer.conv1d_bias written as megatron-core 0.19 names them "
+                        "(mixer.conv1d.weight, mixer.conv1d.bias before 0.19; --megatron-core RELEASE)"),
+            ("0.16.1", ".", "note: mixer.conv1d.weight, mixer.conv1d.bias written as megatron-core 0.16 names them "
+                            "(mixer.conv1d_weight, mixer.conv1d_bias from 0.19; --megatron-core RELEASE)")):
+        out = tmp_path / str(release)
+        done = run_cli("import-hf", folder, out, "--to", "megatron-fsdp", "--tp", 2, "--dp", 1,
+                       *(("--megatron-core", release) if release else ()))
+        assert done.returncode == 0, done.stderr
+        assert note in done.stderr.splitlines()
+        got = _flat(load_with_torch(out))
+        conv = {f"model.module.decoder.layers.0.mixer.conv1d{sep}{kind}": kind for kind in ("weight", "bias")}
+        assert sorted(k for k in got if ".conv1d" in k) == sorted(conv)
+        assert all(torch.equal(got[k], want[f"model.module.decoder.layers.0.mixer.conv1d_{kind}"])
+                   for k, kind in conv.items())
+        mixer = [k for k in want if k.startswith("model.") and ".mixer." in k and "conv1d" not in k]
+        assert mixer and all(torch.equal(got[k], want[k]) for k in mixer)
+    done = run_cli("import-hf", folder, tmp_path / "no", "--to", "megatron-fsdp", "--dp", 1,
+                   "--megatron-core", "latest")
+    assert (done.returncode, done.stderr) == (2, "ckptctl: error: --megatron-core takes a release such as 0.19 "
+                                                 "(got 'latest')\n")
+    done = run_cli("import-hf", folder, tmp_path / "no", "--world-size", 1, "--megatron-core", "0.19")
+    assert (done.returncode, done.stderr) == (2, "ckptctl: error: --tp, --dp, --split-fused and --megatron-core are "
+                                                 "for --to megatron-fsdp\n")
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_checkpoint_with_both_spellings_of_one_param_is_refused(run, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    conv = torch.zeros(64, 1, 4)
+    src = tmp_path / "both"
+    dcp.save({"model": {"module": {"decoder.layers.0.mixer.conv1d_weight": conv,
+                                   "decoder.layers.0.mixer.conv1d.weight": conv.clone()}}}, checkpoint_id=src)
+    done = run_cli("export-hf", src, tmp_path / "out", "--hf-config", run / "ref")
+    assert (done.returncode, done.stderr.splitlines()[-1]) == (
+        2, f"ckptctl: error: {src}: holds both model.module.decoder.layers.0.mixer.conv1d_weight and "
+           "model.module.decoder.layers.0.mixer.conv1d.weight, two megatron-core releases' names of one parameter: "
+           "which one is the model's is not guessed")
+    assert not (tmp_path / "out").exists()
+
+
+def test_torch_dist_conversion_of_0_19s_fsdp_dtensor_refuses_the_mamba_mixer_by_name(run, tmp_path):
+    """Mamba mixers are not converted between fsdp_dtensor and torch_dist (either spelling): refused by name."""
+    done = run_cli("reshard", run / "fsdp", tmp_path / "out", "--layout", "torch-dist")
+    assert (done.returncode, done.stderr) == (2, f"ckptctl: error: {run / 'fsdp'}: model.module.decoder.layers.0."
+                                                 "mixer.in_proj.weight: GDN or Mamba projections are not converted "
+                                                 "to torch_dist yet\n")
