@@ -15,12 +15,13 @@ oracles: $(ORACLES_STAMP)
 # Oracles of the tests, without their heavy dependencies, which the code the tests run never
 # imports: torchtitan (not datasets, wandb, triton …) and megatron-core (0.16: the newest for
 # Python 3.11; not Transformer Engine or apex), NeMo Automodel (its state-dict adapters need
-# only torch and transformers); Megatron-Bridge's mapping code (0.6.2, a
+# only torch and transformers), peft and accelerate (LoRA merges and adapter folders, FP8 folders
+# loaded by transformers); Megatron-Bridge's mapping code (0.6.2, a
 # pure-Python wheel that declares Python 3.12: its mapping modules run on 3.11). Tests skip
 # without them.
 ORACLES := torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing==0.1.1 tyro==1.0.17 \
            docstring_parser==0.18.0 torchdata==0.11.0 einops==0.8.2 \
-           megatron-core==0.16.1 psutil nemo-automodel==0.7.0
+           megatron-core==0.16.1 psutil nemo-automodel==0.7.0 peft==0.21.2 accelerate==1.15.0
 PY312_ORACLES := megatron-bridge==0.6.2
 # megatron-core 0.15.3 beside 0.16.1 (not in the venv's site-packages): the last release that saves
 # the DistributedOptimizer's fully_sharded_model_space (0.16 refuses its flattened_range); only
