@@ -398,7 +398,7 @@ def _print_problems(problems: list[dict[str, Any]]) -> None:
 
 @app.command("inspect")
 def inspect_command(
-    ckpt: Path = typer.Argument(..., help="DCP checkpoint directory."),
+    ckpt: Path = typer.Argument(..., help="DCP checkpoint directory, or a Trainer checkpoint-N folder."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
     pattern: Optional[str] = typer.Option(None, "--filter", help="Only FQNs matching this glob (fnmatch)."),
     chunks: bool = typer.Option(False, "--chunks", help="List every chunk: file, byte range, offsets, sizes."),
@@ -423,6 +423,14 @@ def inspect_command(
             raise UsageError(f"--filter {pattern!r} matches none of the {total} entries")
         return doc
 
+    from ckptctl.storage.trainer_folder import trainer_folder
+
+    if (folder := trainer_folder(ckpt)) is not None:  # an HF Trainer / accelerate checkpoint-N/: its parts
+        from ckptctl.cli.inspect_folder import show_folder
+
+        if run_guarded(lambda: show_folder(folder, pattern, json_out, chunks, check)) and check:
+            raise typer.Exit(EXIT_PROBLEMS)
+        return
     doc = run_guarded(body)
     if json_out:
         emit_json(doc)

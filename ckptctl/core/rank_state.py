@@ -58,3 +58,56 @@ def refuse_dp_change(fqns: Iterable[str], kept: Callable[[str], bool], dp: int) 
             raise UsageError(f"{state.shown}: {state.kind} of DP {state.ranks} cannot follow a reshard to DP {dp} "
                              f"(its loader refuses another DP size); pass --exclude '{state.root}.*' to drop it "
                              "(the next job starts its data order afresh)")
+
+
+_RANK_FILES = (
+    (re.compile(r"^rng_state(?:_(?P<rank>0|[1-9][0-9]{0,5}))?\.pth$"), "the Trainer's RNG state", "rng_state*.pth",
+     "rng_state_{{{}}}.pth"),
+    (re.compile(r"^random_states_(?P<rank>0|[1-9][0-9]{0,5})\.pkl$"), "accelerate's RNG state", "random_states_*.pkl",
+     "random_states_{{{}}}.pkl"),
+)
+"""Per-rank files of an HF Trainer / accelerate checkpoint folder: (name, kind, the glob that drops
+them, their names in a few words). Trainer's `_save_rng_state` writes `rng_state_<process>.pth` at
+several processes and `rng_state.pth` at one; accelerate's `save_state` writes
+`random_states_<process>.pkl`. Each process loads its own file only: after a change of world
+size a process finds another's random streams or none."""
+
+
+@dataclass(frozen=True)
+class RankFiles:
+    """Files of one kind of per-rank state in a checkpoint folder, for ranks 0 … `ranks` - 1."""
+
+    kind: str
+    glob: str
+    names: tuple[str, ...]
+    ranks: int
+    template: str
+
+    @property
+    def shown(self) -> str:
+        """The files in a few words: `rng_state_{0..3}.pth`."""
+        if len(self.names) == 1:
+            return self.names[0]
+        return self.template.format(f"0..{self.ranks - 1}") if len(self.names) == self.ranks else \
+            f"{len(self.names)} {self.glob} files"
+
+
+def rank_files(names: Iterable[str]) -> list[RankFiles]:
+    """The per-rank files among a checkpoint folder's file names, by kind."""
+    found: list[RankFiles] = []
+    names = sorted(names)
+    for pattern, kind, glob, template in _RANK_FILES:
+        ranks = {n: int(m["rank"] or 0) for n in names if (m := pattern.match(n)) is not None}
+        if ranks:
+            found.append(RankFiles(kind, glob, tuple(sorted(ranks, key=ranks.__getitem__)),
+                                   max(ranks.values()) + 1, template))
+    return found
+
+
+def refuse_world_size_change(files: Iterable[RankFiles], kept: Callable[[str], bool], world_size: int) -> None:
+    """Refuse a reshard to `world_size` ranks that keeps per-rank files saved at another world size."""
+    for state in files:
+        if state.ranks != world_size and any(kept(n) for n in state.names):
+            raise UsageError(f"{state.shown}: {state.kind} of {state.ranks} ranks cannot follow a reshard to "
+                             f"{world_size} (each process loads its own file); pass --exclude '{state.glob}' to "
+                             "drop it (the resumed job keeps the random streams it seeds itself)")
