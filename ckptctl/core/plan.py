@@ -328,6 +328,8 @@ class TargetTensor:
     """Set when the target is stored in `shape` while its pieces are in this shape of the same
     elements in the same order: flat (1-D, item coordinates) optimizer buffers, or a tensor
     read as row pairs (llama's RoPE order)."""
+    delta: LowRank | None = field(default=None, compare=False)
+    """A LoRA update merged into the assembled pieces (`export-hf --merge-adapters`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
@@ -335,6 +337,26 @@ class TargetTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class LowRank:
+    """A target computed, not copied: cast(W + (B @ A) · scale), each operand its exact float32
+    upcast, in that order, with one rounding at the end (peft's fp32 `merge_and_unload`, bit for
+    bit). Its three operands are planned whole (records reading all of W, A and B): the product
+    is computed over the whole tensor at once, since a matmul of a few rows need not give the
+    bits of the same rows of the whole one."""
+
+    base: StreamItem
+    a: StreamItem
+    b: StreamItem
+    scale: float
+
+
+def whole_item(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> StreamItem:
+    """All of `target` as one record written nowhere, its copy runs planned (an operand of a `LowRank`)."""
+    box = Box(tuple(0 for _ in target.shape), target.shape)
+    return StreamItem("", 0, b"", target, box, plan_box(target, box, sources))
 
 
 def identity_target(src: SourceTensor, fqn: str | None = None, dtype: DType | None = None,

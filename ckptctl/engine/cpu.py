@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.core.dtypes import DType
+from ckptctl.core.dtypes import DType, float32
 from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CheckpointError, OutputError
@@ -471,7 +471,9 @@ def _assemble_small(item: StreamItem, sources: ChunkSource, record: memoryview) 
     head, nbytes = len(item.head), item.box.numel * item.target.dtype.itemsize
     record[:head] = item.head
     data = record[head:head + nbytes]
-    if not _read_direct(item, sources, data):
+    if item.target.delta is not None:
+        data[:] = merged_bytes(item, sources)
+    elif not _read_direct(item, sources, data):
         transposed = transposed_reads(item)
         _fill_or_zero(sources, data, item, 0, _segments(item), transposed, is_complete(item, transposed))
     crc = 0
@@ -487,6 +489,20 @@ def _stream_small_item(item: StreamItem, sources: ChunkSource, files: OutputFile
     record = memoryview(_thread_buffer("record", item.length))[:item.length]
     crc = _assemble_small(item, sources, record)
     files.write(item.file, record, item.offset)
+    progress(item.nbytes)
+    return crc
+
+
+def _stream_merged(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
+    """A record of a merged target, computed whole (`merged_bytes`) and written at once."""
+    data = merged_bytes(item, sources)
+    at = item.offset + len(item.head)
+    files.write(item.file, item.head, item.offset)
+    files.write(item.file, data, at)
+    crc = 0
+    if item.tail is not None:
+        crc = crc32(data)
+        files.write(item.file, item.tail(crc), at + len(data))
     progress(item.nbytes)
     return crc
 
@@ -520,6 +536,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     numel = item.box.numel
     transposed = transposed_reads(item)
     block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
+    if item.target.delta is not None:
+        return _stream_merged(item, sources, files, progress)
     if numel <= block:
         return _stream_small_item(item, sources, files, progress)
     files.write(item.file, item.head, item.offset)
@@ -679,8 +697,41 @@ def equal_tensors(chunks: ChunkSource, a: TargetTensor, b: TargetTensor, views: 
 
 def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The row-major bytes of `item.box` of its target (for verification): one box in memory."""
+    if item.target.delta is not None:
+        return merged_bytes(item, sources)
     dtype = item.target.dtype
     out = bytearray(item.box.numel * dtype.itemsize)  # zeros where no source covers (--allow-incomplete)
     _fill_block(sources, memoryview(out), dtype, 0, _segments(item), item.target.add)
     fill_transposed(sources, memoryview(out), dtype, 0, item.box.sizes, transposed_reads(item), item.target.add)
     return out
+
+
+def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
+    """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
+    tensor in float32 (its operands upcast exactly), cast once to the target's dtype. The last
+    whole result is kept per thread while boxes of it are asked for (the output check's samples,
+    `--verify`'s row blocks), so each is computed once, not once per box."""
+    import torch
+
+    from ckptctl.engine.cast import cast_into
+
+    delta = item.target.delta
+    kept = getattr(_SCRATCH, "merged", None)
+    if kept is not None and kept[0] is delta and kept[1] is sources:
+        result = kept[2]
+    else:
+        _SCRATCH.merged = None
+        w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes)
+                   for op in (delta.base, delta.a, delta.b))
+        product = torch.matmul(b, a)
+        product.mul_(delta.scale)
+        w.add_(product)
+        del product
+        result = w
+        if item.target.dtype != float32:
+            result = torch.empty(w.shape, dtype=item.target.dtype.torch)
+            cast_into(result, w)
+    whole = item.box.sizes == item.target.shape
+    _SCRATCH.merged = None if whole else (delta, sources, result)
+    part = result[tuple(slice(o, o + n) for o, n in zip(item.box.offsets, item.box.sizes))]
+    return bytearray(part.contiguous().view(-1).view(torch.uint8).numpy())
