@@ -27,12 +27,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, cast
 
-from ckptctl.core.dtypes import DType, cast_dtype, float32
+from ckptctl.core.dtypes import DType, bfloat16, cast_dtype, float32
 from ckptctl.engine.cpu import ChunkSource, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.storage.atomic import recorded_reads
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.safetensors.quantized import describe_dequantized, quant_format
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.families.registry import FAMILIES, family_for_model_type
@@ -216,12 +217,15 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
         if opts.world_size < 1:
             raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
     config = folder_config(src)
-    ckpt = open_safetensors_folder(src)
+    quantized = quant_format(config, (src.parent if src.is_file() else src) / CONFIG_NAME)
+    ckpt = open_safetensors_folder(src, quantized, bfloat16 if opts.dtype in (None, bfloat16) else float32)
     if config is not None and (opts.name_check or opts.to != "fsdp2"):  # a model or family rules are built of it
         refuse_unbacked_counts(config, ckpt.path / CONFIG_NAME, {n: e.shape for n, e in ckpt.tensors.items()},
                                src, "is config.json this model's?")
     expected = expected_for(src, config, opts.name_check)
     notes: list[str] = []
+    if quantized is not None:
+        notes.append(describe_dequantized(ckpt.tensors, quantized, opts.dtype or bfloat16))
     if expected is None:
         notes.append("tensor names not checked against transformers' model (--no-name-check)")
     with gc_paused():

@@ -24,6 +24,7 @@ from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CheckpointError, OutputError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
+from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.core.checkpoint import Checkpoint, Chunk
@@ -98,7 +99,9 @@ class ChunkSource:
         if data is None:
             import torch  # decoding a transformed (zstd) item goes through torch.load
 
-            tensor = self.reader.read_chunk(self.ckpt.tensors[fqn], chunk)
+            entry = self.ckpt.tensors[fqn]
+            tensor = (dequantized_chunk(entry, chunk, self.reader.fd) if DEQUANT in chunk.transforms
+                      else self.reader.read_chunk(entry, chunk))
             data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
             with self._lock:
                 if self._decoded_bytes + len(data) > DECODED_CACHE_BYTES:

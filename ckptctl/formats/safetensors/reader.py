@@ -19,8 +19,9 @@ import struct
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from ckptctl.core.dtypes import BY_SAFETENSORS, DType
+from ckptctl.core.dtypes import BY_SAFETENSORS, DType, bfloat16
 from ckptctl.util.errors import CheckpointError
 from ckptctl.storage.hf_files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, parse_json,
                               read_json_object)
@@ -245,11 +246,40 @@ def row_chunks(st: StoredTensor, file: str) -> tuple[Chunk, ...]:
                  for r in range(0, rows, step))
 
 
-def open_safetensors_folder(path: Path) -> Checkpoint:
+def quantized_kind(name: str, dtype: DType) -> str | None:
+    """What a stored tensor holds if it is quantized codes or their scales (None: values): by
+    its dtype (FP8), or its name and uint8 dtype (MXFP4), or its name (an FP8 weight's scale)."""
+    if dtype.name.startswith("float8"):
+        return f"{dtype_name(dtype)} codes"
+    if name.endswith(("_scale_inv", ".qscale_weight")):
+        return "an FP8 weight's scale"
+    if dtype.name == "uint8" and name.endswith(("_blocks", "_scales")):
+        return f"MXFP4 {name.rsplit('_', 1)[1]}"
+    return None
+
+
+def refuse_quantized(stored: dict[str, StoredTensor], fmt: Any) -> None:
+    """Refuse quantized codes or scales left to read as values (`fmt`: the folder's quantization
+    format, whose tensors were decoded; None: it names none), naming the first and its file: an FP8
+    weight cast without its scale is ~1/scale off, and its scale would become a tensor of its own."""
+    found = sorted((name, kind) for name, st in stored.items() if (kind := quantized_kind(name, st.dtype)))
+    if not found:
+        return
+    name, kind = found[0]
+    more = f" (+{len(found) - 1} more quantized tensors)" if len(found) > 1 else ""
+    why = (f"{fmt.describe()} does not decode it" if fmt is not None else
+           "config.json has no quantization_config saying how to decode it (fp8 and mxfp4 ones are decoded)")
+    raise CheckpointError(stored[name].file, f"{shown_name(name)}: {kind}{more}; {why}: refusing to read quantized "
+                                             "bytes as values")
+
+
+def open_safetensors_folder(path: Path, fmt: Any = None, fp8_dtype: DType = bfloat16) -> Checkpoint:
     """The folder as a checkpoint of its tensors by name, each in chunks of whole rows.
 
     Each chunk's (offset, length) are its tensor's dense bytes (`Checkpoint.safetensors_folder`
-    says so)."""
+    says so), but for the weights of a quantized folder (`fmt`, `quantized.quant_format`): each is
+    seen as its dequantized tensor (FP8 ones of `fp8_dtype`), whose chunks are decoded. Quantized
+    tensors not decoded are refused, whether or not the folder says it is quantized."""
     if not path.exists():
         raise CheckpointError(path, missing(path, model_folder=True))
     if not path.is_dir() and path.suffix != ".safetensors":
@@ -260,11 +290,19 @@ def open_safetensors_folder(path: Path) -> Checkpoint:
                                     "model.safetensors or *.safetensors shards)")
     root = path if path.is_dir() else path.parent
     tensors: dict[str, TensorEntry] = {}
+    used: set[str] = set()
+    if fmt is not None:
+        from ckptctl.formats.safetensors.quantized import dequantized_entries  # which builds on this module
+
+        tensors, used = dequantized_entries(stored, fmt, root, path, fp8_dtype)
+    refuse_quantized({n: st for n, st in stored.items() if n not in used}, fmt)
     files: dict[str, int] = {}
     for name, st in sorted(stored.items()):
         rel = st.file.relative_to(root).as_posix()
         if rel not in files:
             files[rel] = st.file.stat().st_size
-        tensors[name] = TensorEntry(name, st.shape, st.dtype, row_chunks(st, rel))
+        if name not in used:
+            tensors[name] = TensorEntry(name, st.shape, st.dtype, row_chunks(st, rel))
+    tensors = dict(sorted(tensors.items()))
     return Checkpoint(path=root, tensors=tensors, bytes_entries={}, files=files, safetensors_folder=True,
                       metadata_files=())
