@@ -4,7 +4,8 @@ Exit status 0 when every tensor (and bytes entry) is equal or close, 1 when anyt
 differs or is on one side only, 2 on bad input. On a terminal: a table of the entries that
 are not equal (name, status, detail), then the summary line; in a pipe the same as plain
 `name: status: detail` lines, no colour. Notes (what a DCP-vs-safetensors compare left
-out) go to stderr. The summary line is
+out, the family rules that mapped names, what `--compare-as` cast) go to stderr. The
+comparing bar appears only when there are bytes to compare. The summary line is
 
     {T} tensors: {e} equal, {c} close, {d} differs[, {s} shape differs][, {t} dtype differs]
         [; {k} bytes entries: {be} equal, {bd} differs][; {x} only in A][; {y} only in B]
@@ -19,6 +20,9 @@ their count is not zero ("1 tensor", "1 bytes entry" in the singular).
       "a": str, "b": str,
       "formats": {"a": "dcp" | "safetensors", "b": ...},
       "stripped_prefixes": {"a": "model." | null, "b": ...},   # DCP against safetensors only
+      "mapped_by": {"a": "torchtitan-llama3" | null, "b": ...},  # the family whose export-hf rules named
+                                                                #   the side's tensors as HF ones
+      "compare_as": "bfloat16" | "float16" | "float32" | null,
       "atol": float, "rtol": float,
       "equal": bool,                                            # true exactly when exit status is 0
       "counts": {"equal": n, "close": n, "differs": n, "shape differs": n, "dtype differs": n,
@@ -31,7 +35,9 @@ their count is not zero ("1 tensor", "1 bytes entry" in the singular).
                                                                 #   not compared; "nan": NaN on one side
           "first_diff_index": [int] | null,                     # first element outside tolerance (differs)
           "mismatches": int | null,                             # elements outside tolerance
-          "a": {"name": str, "shape": [int], "dtype": str} | null,   # as side A holds it (its own name)
+          "compared_as": str | null,                            # the dtype compared in, when a side was cast
+          "a": {"name": str, "shape": [int], "dtype": str} | null,   # as side A holds it (its own name;
+                                                                #   a mapped tensor: its sources, ", "-joined)
           "b": {...} | null}},
       "bytes_entries": {name: {"status": ..., "first_diff_index": [byte offset] | null,
                                "a": {"name": str, "nbytes": int} | null, "b": ...}},
@@ -47,13 +53,17 @@ from __future__ import annotations
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 
 from ckptctl.cli import app
-from ckptctl.cli.common import ProgressDisplay, emit_json, progress_wanted, run_guarded, say, stdout, write_out
+from ckptctl.cli.common import (
+    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stderr, stdout, write_out,
+)
+from ckptctl.cli.help import ARCHES, completes
 from ckptctl.core.checkpoint import dtype_name
 from ckptctl.util.wording import counted
 
@@ -61,6 +71,8 @@ if TYPE_CHECKING:  # the library is imported when the command runs
     from ckptctl.commands.diff import BytesInfo, DiffReport, EntryDiff, TensorInfo
 
 EXIT_DIFFERENT = 1
+COMPARE_AS = ("bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+"""`--compare-as` values (`core.dtypes.CAST_CHOICES` but keep)."""
 _STYLES = {"close": "yellow", "differs": "bold red", "shape differs": "bold red", "dtype differs": "bold red",
            "missing in A": "magenta", "missing in B": "magenta"}
 
@@ -90,6 +102,7 @@ def _tensor_json(e: EntryDiff) -> dict[str, Any]:
         "max_abs_diff": _number(e.max_abs_diff),
         "first_diff_index": list(e.first_diff_index) if e.first_diff_index is not None else None,
         "mismatches": e.mismatches,
+        "compared_as": dtype_name(e.compared_as) if e.compared_as is not None else None,
         "a": _side_json(e.a), "b": _side_json(e.b),
     }
 
@@ -100,6 +113,8 @@ def report_json(report: DiffReport) -> dict[str, Any]:
         "a": report.a, "b": report.b,
         "formats": {"a": report.a_format, "b": report.b_format},
         "stripped_prefixes": {"a": report.a_prefix, "b": report.b_prefix},
+        "mapped_by": {"a": report.a_family, "b": report.b_family},
+        "compare_as": dtype_name(report.compare_as) if report.compare_as is not None else None,
         "atol": report.atol, "rtol": report.rtol,
         "equal": report.equal, "counts": report.counts, "bytes_counts": report.bytes_counts,
         "tensors": {e.name: _tensor_json(e) for e in report.tensors},
@@ -156,14 +171,24 @@ def detail(e: EntryDiff) -> str:
     if isinstance(e.a, BytesInfo):
         sizes = "" if e.a.nbytes == e.b.nbytes else f"A {e.a.nbytes} bytes, B {e.b.nbytes} bytes, "
         return f"{sizes}first difference at byte {e.first_diff_index[0]}" if e.first_diff_index else ""
+    cast = f" (as {dtype_name(e.compared_as)})" if e.compared_as is not None else ""
     if e.status == "close":
-        return _max(e.max_abs_diff)
+        return _max(e.max_abs_diff) + cast
     if e.status == "differs":
         numel = math.prod(e.a.shape)
         parts = [f"first at {list(e.first_diff_index)}", _max(e.max_abs_diff),
                  f"{e.mismatches} of {numel} elements"]
-        return ", ".join(p for p in parts if p)
+        return ", ".join(p for p in parts if p) + cast
     return ""
+
+
+def _say_note(note: str) -> None:
+    """A note on stderr; on a terminal folded at spaces with its next lines indented, so that the
+    terminal never cuts a word (or a path) at its edge."""
+    text = f"note: {note}"
+    if sys.stderr.isatty():
+        text = textwrap.fill(text, width=stderr().width, subsequent_indent="  ", break_on_hyphens=False)
+    say(text)
 
 
 def _print_text(report: DiffReport) -> None:
@@ -193,11 +218,28 @@ def diff_command(
     b: Path = typer.Argument(..., help="Checkpoint B (any of the same kinds)."),
     atol: float = typer.Option(0.0, "--atol", help="Absolute tolerance: close when |a-b| <= atol + rtol*|b|."),
     rtol: float = typer.Option(0.0, "--rtol", help="Relative tolerance (default 0 with atol 0: exact)."),
+    compare_as: Optional[str] = typer.Option(
+        None, "--compare-as", metavar="DTYPE", autocompletion=completes(*COMPARE_AS),
+        help="Compare floating-point values in this dtype (bf16, fp16, fp32): a side in another dtype is cast to "
+             "it as export-hf --dtype casts (round to nearest even), then the bits are compared (or the values, "
+             "within --atol/--rtol)."),
+    arch: str = typer.Option(
+        "auto", "--arch", metavar="ARCH", autocompletion=completes(*ARCHES),
+        help="auto: a DCP checkpoint's torchtitan or Megatron names are mapped to a safetensors model's HF names "
+             "by the family's export-hf rules (fused tensors compared by their views); raw: names as saved, "
+             "model prefix stripped; or a family, as export-hf --arch."),
+    hf_config: Optional[str] = typer.Option(
+        None, "--hf-config", metavar="<ref>",
+        help="The model's config for mapping names: folder, config.json or Hub model id (default: the config.json "
+             "in the safetensors folder)."),
+    tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size of a Megatron checkpoint with fused "
+                                                         "TP-blocked tensors (as export-hf --tp)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Compare only names matching this glob "
                                                 "(repeatable; names as compared, prefix stripped)."),
     exclude: Optional[list[str]] = typer.Option(None, "--exclude",
                                                 help="Leave out names matching this glob (repeatable)."),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Comparing threads."),
+    hub_timeout: float = hub_timeout_option(),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON document on stdout."),
 ) -> None:
     """Compare two checkpoints tensor by tensor (DCP or safetensors, any layout); exit 1 if they differ.
@@ -205,6 +247,8 @@ def diff_command(
     Examples:
       ckptctl diff demo/ckpt demo/ckpt-ws3
       ckptctl diff demo/ckpt demo/hf --atol 1e-6
+      ckptctl diff demo/ckpt demo/hf-bf16 --compare-as bf16
+      ckptctl diff titan/step-0 Llama-3.1-8B/
     """
 
     def body() -> DiffReport:
@@ -213,14 +257,15 @@ def diff_command(
         display = ProgressDisplay(progress_wanted(json_out))
         with display.shown():
             return diff(a, b, atol=atol, rtol=rtol, include=include or (), exclude=exclude or (),
-                        progress=display, workers=max(1, workers))
+                        progress=display, workers=max(1, workers), compare_as=compare_as, arch=arch,
+                        hf_config=hf_config, tp=tp, hub_timeout=hub_timeout)
 
     report = run_guarded(body)
     if json_out:
         emit_json(report_json(report))
     else:
         for note in report.notes:
-            say(f"note: {note}")
+            _say_note(note)
         _print_text(report)
     if not report.equal:
         raise typer.Exit(EXIT_DIFFERENT)

@@ -14,7 +14,17 @@ from the offsets their header gives. DCP against DCP compares every tensor under
 every bytes entry byte for byte. DCP against safetensors compares only the DCP side's model
 tensors, named as export-hf names them: the checkpoint's model prefix (`model.`,
 `model.module.`, ...) stripped, optimizer state and other entries left out (a note says
-how many).
+how many). When the DCP side's names are torchtitan's or Megatron's (`arch` auto, or a
+family named), its tensors are the Hugging Face tensors export-hf would write, planned by
+`export_hf.plan_export` with the model's config (the safetensors folder's `config.json`,
+or `hf_config`): the family's own tables, so a fused or split tensor is compared as the
+views export-hf cuts of it, and the mapping can never disagree with an export.
+
+`compare_as` (a floating dtype) compares every floating-point tensor in that dtype: a side
+not already in it is cast block by block with `engine.cast.cast_into`, the cast export-hf
+`--dtype` writes (round to nearest even, NaNs made canonical), so an fp32 checkpoint
+equals its bf16 export bit for bit. Without it, floating tensors of other dtypes are
+`dtype differs` (a note names the option).
 
 Blocks are compared as bytes first: an equal pair of checkpoints is a run of memcmps and
 never imports torch (unless DCP items are zstd-compressed: decoding needs it). Only a block whose bytes differ is looked at numerically (torch, in
@@ -36,11 +46,12 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
-from ckptctl.core.dtypes import DType
+from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.storage.source_files import missing
@@ -48,11 +59,14 @@ from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors.reader import StoredTensor, stored_tensors
 from ckptctl.core.geometry import Box, full_box
-from ckptctl.families.base import is_model_key
+from ckptctl.families.base import HFConfig, is_model_key, load_hf_config, megatron_prefix
+from ckptctl.families.torchtitan import torchtitan_prefix
+from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.core.analysis import analysis, source_tensors
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box
 from ckptctl.util.progress import Advance, Phases, ProgressObserver
+from ckptctl.util.wording import counted
 from ckptctl.core.selection import selected
 
 EQUAL, CLOSE, DIFFERS = "equal", "close", "differs"
@@ -115,6 +129,8 @@ class EntryDiff:
     max_abs_diff: float | None = None
     first_diff_index: tuple[int, ...] | None = None
     mismatches: int | None = None
+    compared_as: DType | None = None
+    """The dtype the values were compared in when a side was cast to it (`compare_as`)."""
 
 
 @dataclass
@@ -132,6 +148,10 @@ class DiffReport:
     a_prefix: str | None = None
     """The model prefix stripped from A's names (DCP against safetensors only)."""
     b_prefix: str | None = None
+    a_family: str | None = None
+    """The family whose export-hf rules named A's tensors as Hugging Face ones (None: names as saved)."""
+    b_family: str | None = None
+    compare_as: DType | None = None
     notes: list[str] = field(default_factory=list)
     bytes_compared: int = 0
     """Bytes of one side read and compared (the `comparing` phase's total)."""
@@ -166,6 +186,7 @@ class Side(Protocol):
     path: Path
     format: str
     prefix: str | None
+    family: str | None
     tensors: dict[str, TensorInfo]
     bytes_entries: dict[str, BytesInfo]
     notes: list[str]
@@ -184,60 +205,41 @@ class Side(Protocol):
 
 
 class DcpSide:
-    """A DCP checkpoint: tensors assembled from their chunks by the copy planner.
+    """A DCP checkpoint: each compared tensor a target of the copy planner, assembled from its chunks.
 
-    `model_only` (against safetensors) keeps the tensors export-hf would export: under the
-    checkpoint's model prefix, not optimizer or other state, named without the prefix.
+    Built by `whole_side` (every tensor by FQN), `model_side` (the model tensors export-hf
+    would export, the model prefix stripped) or `mapped_side` (the HF tensors a family's
+    export-hf rules make of them).
     """
 
     format = DCP
 
-    def __init__(self, ckpt: Checkpoint, model_only: bool) -> None:
+    def __init__(self, ckpt: Checkpoint, targets: dict[str, TargetTensor], sources: dict[str, SourceTensor], *,
+                 prefix: str | None = None, family: str | None = None, notes: Sequence[str] = (),
+                 with_bytes: bool = False) -> None:
         self.path = ckpt.path
         self.ckpt = ckpt
-        self.notes: list[str] = []
-        views = source_tensors(ckpt)
-        if model_only:
-            prefixes = analysis(ckpt).prefixes.model
-            self.prefix: str | None = prefixes[0] if prefixes else ""
-            self._fqn = {fqn[len(self.prefix):]: fqn for fqn in ckpt.tensors
-                         if fqn.startswith(self.prefix) and is_model_key(fqn)}
-            left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(self._fqn)
-            stripped = f", prefix {self.prefix!r} stripped" if self.prefix else ""
-            self.notes.append(f"{self.path}: model tensors only{stripped}; {left_out} optimizer and other "
-                              "entries left out (only model weights are in a safetensors folder)")
-            self.bytes_entries: dict[str, BytesInfo] = {}
-        else:
-            self.prefix = None
-            self._fqn = {fqn: fqn for fqn in ckpt.tensors}
-            self.bytes_entries = {fqn: BytesInfo(fqn, b.length) for fqn, b in ckpt.bytes_entries.items()}
-        self._sources: dict[str, SourceTensor] = views
-        """Keyed by FQN, as the pieces of every target name their source."""
-        self.tensors = {name: TensorInfo(fqn, views[fqn].shape, views[fqn].dtype) for name, fqn in self._fqn.items()}
+        self.prefix = prefix
+        self.family = family
+        self.notes = list(notes)
+        self.bytes_entries = {fqn: BytesInfo(fqn, b.length) for fqn, b in ckpt.bytes_entries.items()} \
+            if with_bytes else {}
+        self._sources = sources
+        self._targets = {name: _flat(t) for name, t in targets.items()}
         self._chunks = ChunkSource(ckpt)
-        self._targets: dict[str, TargetTensor] = {}
+        self.tensors = {name: TensorInfo(", ".join(_sources_of(t)), t.shape, t.dtype) for name, t in targets.items()}
 
     def check_complete(self, names: Sequence[str]) -> None:
-        wanted = {self._fqn[n] for n in names}
+        wanted = {fqn for n in names for fqn in _sources_of(self._targets[n])}
         for problem in analysis(self.ckpt).problems:
             if problem.kind == "gaps" and problem.fqn in wanted:
                 raise CheckpointError(self.path, f"{problem.message}: cannot compare elements that were never saved")
 
-    def _target(self, name: str) -> TargetTensor:
-        """The tensor as a 1-D run of items (N-D ones as a flat target), so any item range can be assembled."""
-        target = self._targets.get(name)
-        if target is None:
-            src = self._sources[self._fqn[name]]
-            whole = identity_target(src, fqn=name)
-            if len(src.shape) > 1:
-                whole = TargetTensor(name, (math.prod(src.shape),), src.dtype, whole.pieces, logical_shape=src.shape)
-            target = self._targets[name] = whole
-        return target
-
     def read(self, name: str, start: int, stop: int) -> bytearray:
-        target = self._target(name)
+        target = self._targets[name]
         box = Box((start,), (stop - start,)) if target.shape else full_box(())
-        return assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, self._sources)), self._chunks)
+        return assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, self._sources)),
+                              self._chunks)
 
     def read_bytes(self, name: str) -> bytes:
         entry = self.ckpt.bytes_entries[name]
@@ -245,6 +247,59 @@ class DcpSide:
 
     def close(self) -> None:
         self._chunks.close()
+
+
+def _sources_of(target: TargetTensor) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.src for p in target.pieces))
+
+
+def _flat(target: TargetTensor) -> TargetTensor:
+    """The tensor as a 1-D run of items (an N-D one as a flat target of its logical shape), so
+    any item range can be assembled."""
+    if len(target.shape) <= 1:
+        return target
+    return replace(target, shape=(math.prod(target.shape),), logical_shape=target.logical_shape or target.shape)
+
+
+def whole_side(ckpt: Checkpoint) -> DcpSide:
+    """Every tensor under its FQN (flat optimizer buffers in their param's shape), and every bytes entry."""
+    views = source_tensors(ckpt)
+    return DcpSide(ckpt, {fqn: identity_target(view) for fqn, view in views.items()}, views, with_bytes=True)
+
+
+def model_side(ckpt: Checkpoint) -> DcpSide:
+    """The model tensors export-hf `--arch raw` exports, named without the checkpoint's model prefix."""
+    views = source_tensors(ckpt)
+    prefixes = analysis(ckpt).prefixes.model
+    prefix = prefixes[0] if prefixes else ""
+    targets = {fqn[len(prefix):]: identity_target(views[fqn]) for fqn in ckpt.tensors
+               if fqn.startswith(prefix) and is_model_key(fqn)}
+    left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(targets)
+    stripped = f", prefix {prefix!r} stripped" if prefix else ""
+    note = (f"{ckpt.path}: model tensors only{stripped}; {left_out} optimizer and other entries left out (only "
+            "model weights are in a safetensors folder)")
+    return DcpSide(ckpt, targets, views, prefix=prefix, notes=[note])
+
+
+NAME_CHECK_NOTE = "tensor names not checked (--no-name-check): the output may not load"
+"""export-hf's note on a plan made without transformers' names: it speaks of an output diff does not write."""
+
+
+def mapped_side(ckpt: Checkpoint, cfg: HFConfig, arch: str, tp: int | None) -> DcpSide:
+    """The Hugging Face tensors export-hf would write of the checkpoint (`plan_export` without the
+    name check, in the saved dtypes), named as HF names them: each a target of row views of its
+    torchtitan or Megatron tensors, by the family's own rules."""
+    from ckptctl.commands.export_hf import ExportOptions, plan_export
+
+    plan = plan_export(ckpt, cfg, ExportOptions(arch=arch, tp=tp, name_check=False))
+    used = {fqn for t in plan.targets.values() for fqn in _sources_of(t)}
+    left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(used)
+    hf = counted(len(plan.targets), "Hugging Face tensor")
+    rest = f"; {left_out} optimizer and other entries left out" if left_out else ""
+    note = (f"{ckpt.path}: {counted(len(used), 'model tensor')} mapped to {hf} by export-hf's {plan.family} rules "
+            f"({cfg.path}){rest}")
+    return DcpSide(ckpt, plan.targets, plan.sources, prefix=plan.prefix or None, family=plan.family,
+                   notes=[note, *(n for n in plan.notes if n != NAME_CHECK_NOTE)])
 
 
 class SafetensorsSide:
@@ -256,6 +311,7 @@ class SafetensorsSide:
 
     format = SAFETENSORS
     prefix = None
+    family = None
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -300,11 +356,63 @@ class SafetensorsSide:
             self._fds.clear()
 
 
-def open_side(path: Path, kind: str, other_kind: str) -> Side:
-    """The side at `path` (of `format_of` kind); a DCP side facing safetensors keeps its model tensors only."""
-    if kind == DCP:
-        return DcpSide(open_checkpoint(path), model_only=other_kind == SAFETENSORS)
-    return SafetensorsSide(path)
+def open_sides(a: Path, b: Path, arch: str, hf_config: str | Path | None, tp: int | None,
+               hub_timeout: float) -> tuple[Side, Side]:
+    """Both sides as they are compared: DCP against DCP, or safetensors against safetensors, every
+    entry by name; a DCP checkpoint against safetensors, its model tensors by the names export-hf
+    gives them (`mapped_side` when its names are torchtitan's or Megatron's, or `arch` names a
+    family; `model_side` for `arch` raw, or names that are neither)."""
+    kinds = format_of(a), format_of(b)
+    if kinds[0] == kinds[1]:
+        given = [flag for flag, value in (("--arch", arch != "auto"), ("--hf-config", hf_config is not None),
+                                          ("--tp", tp is not None)) if value]
+        if given:
+            both = "DCP checkpoints" if kinds[0] == DCP else "safetensors"
+            raise UsageError(f"{given[0]} maps a DCP checkpoint's names to those of a safetensors model, and {a} "
+                             f"and {b} are both {both}")
+        if kinds[0] == DCP:
+            side_a = whole_side(open_checkpoint(a))
+            try:
+                return side_a, whole_side(open_checkpoint(b))
+            except BaseException:
+                side_a.close()
+                raise
+        return SafetensorsSide(a), SafetensorsSide(b)
+    dcp_path, st_path = (a, b) if kinds[0] == DCP else (b, a)
+    st = SafetensorsSide(st_path)
+    try:
+        dcp = _dcp_facing(open_checkpoint(dcp_path), st_path, arch, hf_config, tp, hub_timeout)
+    except BaseException:
+        st.close()
+        raise
+    return (dcp, st) if kinds[0] == DCP else (st, dcp)
+
+
+def _dcp_facing(ckpt: Checkpoint, st_path: Path, arch: str, hf_config: str | Path | None, tp: int | None,
+                hub_timeout: float) -> DcpSide:
+    """A DCP side compared with a safetensors model (see `open_sides`)."""
+    from ckptctl.families.registry import ARCHES
+
+    if arch not in ARCHES:
+        raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
+    names = "torchtitan" if torchtitan_prefix(ckpt) is not None else \
+        "Megatron" if megatron_prefix(ckpt) is not None else None
+    if arch == "raw" or (arch == "auto" and names is None):
+        for flag, value in (("--hf-config", hf_config), ("--tp", tp)):
+            if value is not None:
+                why = "--arch raw" if arch == "raw" else "its names are neither torchtitan's nor Megatron's"
+                raise UsageError(f"{flag} is for mapping {ckpt.path}'s names to Hugging Face ones, and {why}: its "
+                                 "tensors are compared under their own names")
+        return model_side(ckpt)
+    if hf_config is None:
+        folder = st_path if st_path.is_dir() else st_path.parent
+        if not os.path.lexists(folder / "config.json"):
+            whose = f"{names} names" if arch == "auto" else "names"
+            raise UsageError(f"{ckpt.path}: its {whose} are mapped to Hugging Face ones by export-hf's rules, which "
+                             f"need the model's config.json, and {folder} has none: pass --hf-config (or --arch raw "
+                             "to compare the names as saved)")
+        hf_config = folder
+    return mapped_side(ckpt, load_hf_config(hf_config, hub_timeout), arch, tp)
 
 
 def format_of(path: Path) -> str:
@@ -329,43 +437,57 @@ def format_of(path: Path) -> str:
 
 
 def diff(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0, include: Sequence[str] = (),
-         exclude: Sequence[str] = (), progress: ProgressObserver | None = None,
-         workers: int = 4) -> DiffReport:
+         exclude: Sequence[str] = (), progress: ProgressObserver | None = None, workers: int = 4,
+         compare_as: DType | str | None = None, arch: str = "auto", hf_config: str | Path | None = None,
+         tp: int | None = None, hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry (see the module docstring for what is compared).
 
-    Raises CheckpointError on unreadable input and UsageError for a bad tolerance or filters
-    that select nothing on either side; differences are never errors, they are the report.
+    `arch`, `hf_config` and `tp` say how a DCP checkpoint's names map to a safetensors model's
+    (`open_sides`); `compare_as` the dtype floating-point values are compared in. Raises
+    CheckpointError on unreadable input and UsageError for a bad option or filters that select
+    nothing on either side; differences are never errors, they are the report.
     """
     for flag, value in (("--atol", atol), ("--rtol", rtol)):
         if not (value >= 0 and math.isfinite(value)):
             raise UsageError(f"{flag} must be a finite number >= 0 (got {value})")
+    key = compare_as.name if isinstance(compare_as, DType) else compare_as
+    wanted = None if key is None else CAST_CHOICES.get(key)
+    if compare_as is not None and wanted is None:
+        raise UsageError(f"--compare-as must be one of {', '.join(c for c in CAST_CHOICES if c != 'keep')} "
+                         f"(got {compare_as!r})")
     started = time.monotonic()
-    a, b = Path(a), Path(b)
-    a_format, b_format = format_of(a), format_of(b)
-    side_a = open_side(a, a_format, b_format)
+    side_a, side_b = open_sides(Path(a), Path(b), arch, hf_config, tp, hub_timeout)
     try:
-        side_b = open_side(b, b_format, a_format)
-        try:
-            report = _diff_sides(side_a, side_b, atol, rtol, include, exclude, progress, workers)
-        finally:
-            side_b.close()
+        report = _diff_sides(side_a, side_b, atol, rtol, include, exclude, progress, workers, wanted)
     finally:
         side_a.close()
+        side_b.close()
     report.seconds = time.monotonic() - started
     return report
 
 
 @dataclass(frozen=True)
 class _Pair:
-    """A tensor both sides hold with one shape and dtype: the work item of a comparing thread."""
+    """A tensor both sides hold in one shape, and the dtype its values are compared in: the work
+    item of a comparing thread."""
 
     name: str
     a: TensorInfo
     b: TensorInfo
+    dtype: DType
+
+
+def _compared_dtype(a: DType, b: DType, compare_as: DType | None) -> DType | None:
+    """The dtype two sides' values are compared in: `compare_as` for floating tensors torch can
+    cast, else their common dtype; None when they have none."""
+    if compare_as is not None and all(d.is_floating_point and d.name not in BYTES_ONLY for d in (a, b)):
+        return compare_as
+    return a if a == b else None
 
 
 def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: Sequence[str],
-                exclude: Sequence[str], progress: ProgressObserver | None, workers: int) -> DiffReport:
+                exclude: Sequence[str], progress: ProgressObserver | None, workers: int,
+                compare_as: DType | None = None) -> DiffReport:
     def pick(names: Sequence[str]) -> list[str]:
         return [n for n in names if selected(n, include, exclude)]
 
@@ -383,10 +505,10 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
             results[name] = EntryDiff(name, MISSING_IN_A if ta is None else MISSING_IN_B, ta, tb)
         elif ta.shape != tb.shape:
             results[name] = EntryDiff(name, SHAPE_DIFFERS, ta, tb)
-        elif ta.dtype != tb.dtype:
+        elif (dtype := _compared_dtype(ta.dtype, tb.dtype, compare_as)) is None:
             results[name] = EntryDiff(name, DTYPE_DIFFERS, ta, tb)
         else:
-            pairs.append(_Pair(name, ta, tb))
+            pairs.append(_Pair(name, ta, tb, dtype))
     both_bytes = [n for n in bytes_names if n in side_a.bytes_entries and n in side_b.bytes_entries]
     for name in bytes_names:
         ba, bb = side_a.bytes_entries.get(name), side_b.bytes_entries.get(name)
@@ -397,7 +519,7 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
 
     total = sum(p.a.nbytes for p in pairs) + sum(side_a.bytes_entries[n].nbytes for n in both_bytes)
     phases = Phases(progress)
-    advance = phases.start("comparing", total)
+    advance = phases.start("comparing", total) if total else _uncounted  # no bar for nothing to compare
 
     def compare(pair: _Pair) -> None:
         results[pair.name] = _compare_tensor(pair, side_a, side_b, atol, rtol, advance)
@@ -407,12 +529,44 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
     for name in both_bytes:
         bytes_results[name] = _compare_bytes(name, side_a, side_b, advance)
     phases.stop()
+    tensors = [results[n] for n in tensor_names]
     return DiffReport(
         a=str(side_a.path), b=str(side_b.path), a_format=side_a.format, b_format=side_b.format,
-        atol=float(atol), rtol=float(rtol),
-        tensors=[results[n] for n in tensor_names], bytes_entries=[bytes_results[n] for n in bytes_names],
-        a_prefix=side_a.prefix, b_prefix=side_b.prefix, notes=[*side_a.notes, *side_b.notes], bytes_compared=total,
+        atol=float(atol), rtol=float(rtol), tensors=tensors, bytes_entries=[bytes_results[n] for n in bytes_names],
+        a_prefix=side_a.prefix, b_prefix=side_b.prefix, a_family=side_a.family, b_family=side_b.family,
+        compare_as=compare_as, notes=[*side_a.notes, *side_b.notes, *_dtype_notes(pairs, tensors, compare_as)],
+        bytes_compared=total,
     )
+
+
+def _uncounted(nbytes: int) -> None:
+    """The byte counter when there are no bytes to compare (and so no bar)."""
+
+
+SHORT_NAMES = {dtype.name: short for short, dtype in CAST_CHOICES.items() if dtype is not None and len(short) == 4}
+"""`--compare-as` values by dtype name: `bfloat16` → `bf16`."""
+
+
+def _dtype_notes(pairs: Sequence[_Pair], tensors: Sequence[EntryDiff], compare_as: DType | None) -> list[str]:
+    """What `compare_as` cast, or, without it, how to compare the floating tensors that differ in dtype only."""
+    if compare_as is not None:
+        casts = Counter((side, info.dtype.name) for p in pairs for side, info in (("A", p.a), ("B", p.b))
+                        if info.dtype != p.dtype)
+        cast = ", ".join(f"{side}'s {counted(n, dtype + ' tensor')}" for (side, dtype), n in sorted(casts.items()))
+        return [f"values compared as {compare_as.name}: {cast or 'no tensor'} cast to it, rounding to nearest even "
+                "(as export-hf --dtype casts)"]
+    only = [e for e in tensors if e.status == DTYPE_DIFFERS and
+            _compared_dtype(e.a.dtype, e.b.dtype, e.a.dtype if e.a.dtype.is_floating_point else None) is not None]
+    if not only:
+        return []
+    dtypes = {d for e in only for d in (e.a.dtype, e.b.dtype)}
+    narrowest = {d for d in dtypes if d.itemsize == min(x.itemsize for x in dtypes)}
+    target = next(iter(narrowest)).name if len(narrowest) == 1 else "float32"
+    if target not in SHORT_NAMES:
+        return []
+    verb = "differs" if len(only) == 1 else "differ"
+    return [f"{counted(len(only), 'floating-point tensor')} {verb} in dtype only: --compare-as {SHORT_NAMES[target]} "
+            f"compares their values as {target}"]
 
 
 def _filters(include: Sequence[str], exclude: Sequence[str]) -> str:
@@ -431,22 +585,41 @@ def _compare_bytes(name: str, side_a: Side, side_b: Side, advance: Advance) -> E
 
 def _compare_tensor(pair: _Pair, side_a: Side, side_b: Side, atol: float, rtol: float,
                     advance: Advance) -> EntryDiff:
-    """Stream both sides through in item blocks; only blocks whose bytes differ are examined numerically."""
-    info = pair.a
-    step = max(1, ASSEMBLE_BYTES // info.dtype.itemsize)
-    found = _Mismatches(info.dtype, atol, rtol)
-    for start in range(0, info.numel, step):
-        stop = min(info.numel, start + step)
+    """Stream both sides through in item blocks, cast to the compared dtype where a side is not in
+    it; only blocks whose bytes differ are examined numerically. Blocks of one dtype with the same
+    bytes are equal in any dtype, and are never cast."""
+    a, b, dtype = pair.a, pair.b, pair.dtype
+    step = max(1, ASSEMBLE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
+    found = _Mismatches(dtype, atol, rtol)
+    for start in range(0, a.numel, step):
+        stop = min(a.numel, start + step)
         x, y = side_a.read(pair.name, start, stop), side_b.read(pair.name, start, stop)
+        advance(len(x))
+        if a.dtype == b.dtype and x == y:
+            continue
+        x, y = _cast(x, a.dtype, dtype), _cast(y, b.dtype, dtype)
         if x != y:
             found.add_block(x, y, start)
-        advance(len(x))
+    cast = dtype if dtype != a.dtype or dtype != b.dtype else None
     if found.identical:
-        return EntryDiff(pair.name, EQUAL, pair.a, pair.b, 0.0, None, 0)
+        return EntryDiff(pair.name, EQUAL, a, b, 0.0, None, 0, cast)
     max_abs = float("nan") if found.nan else found.max_abs
     if not found.count:
-        return EntryDiff(pair.name, CLOSE, pair.a, pair.b, max_abs, None, 0)
-    return EntryDiff(pair.name, DIFFERS, pair.a, pair.b, max_abs, _unravel(found.first, info.shape), found.count)
+        return EntryDiff(pair.name, CLOSE, a, b, max_abs, None, 0, cast)
+    return EntryDiff(pair.name, DIFFERS, a, b, max_abs, _unravel(found.first, a.shape), found.count, cast)
+
+
+def _cast(data: bytearray, src: DType, dst: DType) -> bytearray:
+    """Elements of `src` as `dst`, by the cast export-hf `--dtype` writes (`engine.cast.cast_into`)."""
+    if src == dst or not data:
+        return data
+    import torch
+
+    from ckptctl.engine.cast import cast_into
+
+    out = bytearray(len(data) // src.itemsize * dst.itemsize)
+    cast_into(torch.frombuffer(out, dtype=dst.torch), torch.frombuffer(data, dtype=src.torch))
+    return out
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,9 +1,11 @@
 """`ckptctl diff` as a user runs it: real checkpoints of other layouts, one changed value, exact verdicts.
 
 The inputs are written by the real CLI (a reshard of the 4-rank FSDP2 fixture to 3 ranks,
-its raw Hugging Face export) and then changed in place at the byte the metadata points to,
-or are safetensors folders written by `safetensors.torch.save_file` with known values, so
-every max |a-b| and first index below is exact. Inputs are made once per module.
+its raw Hugging Face export in float32 and in bfloat16, `import-hf --to torchtitan` and
+`--to megatron-fsdp` of a tiny Llama folder transformers saved) and then changed in place at
+the byte the metadata points to, or are safetensors folders written by
+`safetensors.torch.save_file` with known values, so every max |a-b| and first index below
+is exact. Inputs are made once per module.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Made:
     st_b: Path
     bytes_changed: Path
     bytes_length: int
+    hf_bf16: Path
 
 
 def _element_offset(ckpt_dir: Path, fqn: str, index: tuple[int, ...]) -> tuple[Path, int]:
@@ -107,7 +110,9 @@ def made(fixture_ckpt, tmp_path_factory) -> Made:
     runs = [("reshard", src, root / "r3", "-n", "3"),
             ("reshard", src, root / "partial", "-n", "2", "--exclude", "optim.state.head.*"),
             ("reshard", flat, root / "flat2", "-n", "2"),
-            ("export-hf", src, root / "hf", "--hf-config", root / "config.json", "--arch", "raw", "--no-name-check")]
+            ("export-hf", src, root / "hf", "--hf-config", root / "config.json", "--arch", "raw", "--no-name-check"),
+            ("export-hf", src, root / "hf_bf16", "--hf-config", root / "config.json", "--arch", "raw",
+             "--no-name-check", "--dtype", "bf16")]
     for args in runs:
         res = run_cli(*args)
         assert res.returncode == 0, res.stderr
@@ -132,7 +137,7 @@ def made(fixture_ckpt, tmp_path_factory) -> Made:
         fh.write(bytes([last[0] ^ 0xFF]))
     st_a, st_b = _safetensors_inputs(root)
     return Made(src, root / "r3", root / "hf", changed, old, new, root / "partial", flat, root / "flat2",
-                st_a, st_b, bytes_changed, entry.length)
+                st_a, st_b, bytes_changed, entry.length, root / "hf_bf16")
 
 
 def diff_json(*args: object) -> tuple[int, dict]:
@@ -161,9 +166,10 @@ def test_a_reshard_to_3_ranks_is_equal_to_its_4_rank_source(made):
                              "missing in A": 0, "missing in B": 0}
     assert doc["bytes_counts"] == {"equal": 13, "differs": 0, "missing in A": 0, "missing in B": 0}
     assert doc["formats"] == {"a": "dcp", "b": "dcp"} and doc["stripped_prefixes"] == {"a": None, "b": None}
+    assert doc["mapped_by"] == {"a": None, "b": None} and doc["compare_as"] is None
     assert doc["tensors"]["model.embed.weight"] == {
         "status": "equal", "shape": [10, 8], "dtype": "float32", "max_abs_diff": 0.0, "first_diff_index": None,
-        "mismatches": 0, "a": {"name": "model.embed.weight", "shape": [10, 8], "dtype": "float32"},
+        "mismatches": 0, "compared_as": None, "a": {"name": "model.embed.weight", "shape": [10, 8], "dtype": "float32"},
         "b": {"name": "model.embed.weight", "shape": [10, 8], "dtype": "float32"}}
     assert doc["bytes_entries"]["extra.iteration"]["status"] == "equal"
     assert doc["bytes_compared"] > 0 and (doc["atol"], doc["rtol"]) == (0.0, 0.0)
@@ -212,7 +218,7 @@ def test_one_changed_element_differs_with_its_exact_max_and_index(made):
     assert doc["counts"]["differs"] == 1 and doc["counts"]["equal"] == 31
     assert doc["tensors"][CHANGED] == {
         "status": "differs", "shape": [12, 8], "dtype": "float32", "max_abs_diff": abs(made.new - made.old),
-        "first_diff_index": list(INDEX), "mismatches": 1,
+        "first_diff_index": list(INDEX), "mismatches": 1, "compared_as": None,
         "a": {"name": CHANGED, "shape": [12, 8], "dtype": "float32"},
         "b": {"name": CHANGED, "shape": [12, 8], "dtype": "float32"}}
     assert made.new != made.old
@@ -250,7 +256,7 @@ def test_missing_tensors_on_one_side(made):
     assert [n for n, t in doc["tensors"].items() if t["status"] != "equal"] == gone
     assert doc["tensors"][gone[0]] == {
         "status": "missing in B", "shape": None, "dtype": None, "max_abs_diff": None, "first_diff_index": None,
-        "mismatches": None, "a": {"name": gone[0], "shape": [2], "dtype": "float32"}, "b": None}
+        "mismatches": None, "compared_as": None, "a": {"name": gone[0], "shape": [2], "dtype": "float32"}, "b": None}
     res = run_cli("diff", made.partial, made.src)
     assert res.returncode == 1
     lines = res.stdout.splitlines()
@@ -331,7 +337,7 @@ def test_filters_that_select_nothing_are_refused_naming_the_patterns(made):
                           f"of {made.src} or {made.hf}\n")
 
 
-@pytest.mark.parametrize("case", ["file", "missing", "empty-dir", "bad-safetensors", "negative-atol"])
+@pytest.mark.parametrize("case", ["file", "missing", "empty-dir", "bad-safetensors", "negative-atol", "compare-as"])
 def test_bad_input_is_one_line_and_exit_2(made, tmp_path, case):
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.txt").write_text("hello")
@@ -346,6 +352,8 @@ def test_bad_input_is_one_line_and_exit_2(made, tmp_path, case):
         "bad-safetensors": ((made.hf, tmp_path / "bad"), f"{tmp_path / 'bad' / 'model.safetensors'}: not a "
                                                           "safetensors file (no header of a plausible length)"),
         "negative-atol": ((made.src, made.src, "--atol", "-1"), "--atol must be a finite number >= 0 (got -1.0)"),
+        "compare-as": ((made.src, made.hf_bf16, "--compare-as", "int8"),
+                       "--compare-as must be one of bf16, fp16, fp32, bfloat16, float16, float32 (got 'int8')"),
     }[case]
     res = run_cli("diff", *args)
     assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {line}\n")
@@ -389,3 +397,224 @@ def test_a_tensor_with_coverage_gaps_is_refused_unless_filtered_out(made, tmp_pa
                           "(32 missing): cannot compare elements that were never saved\n")
     code, doc = diff_doc(gaps, made.hf, exclude=["mlp.fc1.weight"])
     assert code == 0 and doc["counts"]["equal"] == 7
+
+
+# --------------------------------------------------------------------------------------
+# Across dtypes (--compare-as) and across naming schemes (the family tables)
+# --------------------------------------------------------------------------------------
+
+MODEL_NOTE = ("note: {src}: model tensors only, prefix 'model.' stripped; 37 optimizer and other entries left out "
+              "(only model weights are in a safetensors folder)\n")
+RAW_NAMES = ["embed.weight", "head.bias", "head.weight", "mlp.fc1.bias", "mlp.fc1.weight", "mlp.fc2.bias",
+             "mlp.fc2.weight", "norm.weight"]
+
+
+def _changed_copy(folder: Path, out: Path, name: str, change) -> tuple[Path, torch.Tensor, torch.Tensor]:
+    """A copy of a one-file safetensors folder with `change(tensor)` applied to tensor `name` in place;
+    the tensor before and after."""
+    from safetensors.torch import load_file
+
+    shutil.copytree(folder, out)
+    state = load_file(folder / "model.safetensors")
+    before = state[name].clone()
+    change(state[name])
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out, before, state[name]
+
+
+def test_an_fp32_checkpoint_against_its_bf16_export_says_how_to_compare_values(made):
+    res = run_cli("diff", made.src, made.hf_bf16)
+    assert res.returncode == 1
+    assert res.stdout.splitlines() == [f"{n}: dtype differs: A float32, B bfloat16" for n in RAW_NAMES] + [
+        "8 tensors: 0 equal, 0 close, 0 differs, 8 dtype differs"]
+    assert res.stderr == MODEL_NOTE.format(src=made.src) + (
+        "note: 8 floating-point tensors differ in dtype only: --compare-as bf16 compares their values as bfloat16\n")
+
+
+def test_compared_as_bf16_an_fp32_checkpoint_equals_its_exact_bf16_export(made):
+    res = run_cli("diff", made.src, made.hf_bf16, "--compare-as", "bf16")
+    assert (res.returncode, res.stdout) == (0, "8 tensors: 8 equal, 0 close, 0 differs\n")
+    assert res.stderr == MODEL_NOTE.format(src=made.src) + (
+        "note: values compared as bfloat16: A's 8 float32 tensors cast to it, rounding to nearest even (as export-hf "
+        "--dtype casts)\n")
+    code, doc = diff_json(made.hf_bf16, made.src, "--compare-as", "bfloat16")
+    assert code == 0 and doc["compare_as"] == "bfloat16" and doc["counts"]["equal"] == 8
+    assert doc["tensors"]["mlp.fc1.weight"] == {
+        "status": "equal", "shape": [12, 8], "dtype": None, "max_abs_diff": 0.0, "first_diff_index": None,
+        "mismatches": 0, "compared_as": "bfloat16",
+        "a": {"name": "mlp.fc1.weight", "shape": [12, 8], "dtype": "bfloat16"},
+        "b": {"name": "model.mlp.fc1.weight", "shape": [12, 8], "dtype": "float32"}}
+    assert doc["notes"][1] == ("values compared as bfloat16: B's 8 float32 tensors cast to it, rounding to nearest "
+                               "even (as export-hf --dtype casts)")
+
+
+def test_compared_as_fp32_the_bf16_rounding_differs_everywhere_it_rounded(made):
+    from safetensors.torch import load_file
+
+    code, doc = diff_doc(made.src, made.hf_bf16, compare_as="fp32")
+    exported = load_file(made.hf_bf16 / "model.safetensors")["embed.weight"].double()
+    source = load_file(made.hf / "model.safetensors")["embed.weight"].double()  # the source's values (equal above)
+    rounded = exported != source
+    first = tuple(int(i) for i in rounded.nonzero()[0])
+    got = doc["tensors"]["embed.weight"]
+    assert code == 1 and got["status"] == "differs" and got["compared_as"] == "float32"
+    assert (got["first_diff_index"], got["mismatches"], got["max_abs_diff"]) == \
+        (list(first), int(rounded.sum()), float((exported - source).abs().max()))
+
+
+def test_compared_as_bf16_the_first_element_off_the_exact_cast_is_reported(made, tmp_path):
+    def next_bf16(t: torch.Tensor) -> None:
+        t.view(torch.int16)[3, 5] += 1  # the next bfloat16 value away from zero
+
+    changed, before, after = _changed_copy(made.hf_bf16, tmp_path / "changed", "mlp.fc1.weight", next_bf16)
+    delta = abs(float(after[3, 5]) - float(before[3, 5]))
+    code, doc = diff_doc(made.src, changed, compare_as="bf16")
+    assert code == 1 and doc["counts"] == {"equal": 7, "close": 0, "differs": 1, "shape differs": 0,
+                                           "dtype differs": 0, "missing in A": 0, "missing in B": 0}
+    got = doc["tensors"]["mlp.fc1.weight"]
+    assert (got["status"], got["first_diff_index"], got["mismatches"], got["max_abs_diff"]) == \
+        ("differs", [3, 5], 1, delta)
+    res = run_cli("diff", made.src, changed, "--compare-as", "bf16")
+    assert res.stdout.splitlines() == [
+        f"mlp.fc1.weight: differs: first at [3, 5], max |a-b| {delta:.6g}, 1 of 96 elements (as bfloat16)",
+        "8 tensors: 7 equal, 0 close, 1 differs"]
+    code, doc = diff_doc(made.src, changed, compare_as="bf16", atol=delta)
+    assert code == 0 and doc["tensors"]["mlp.fc1.weight"]["status"] == "close"
+
+
+def test_a_reshard_compared_as_bf16_is_equal_without_a_cast(made):
+    """Same dtype, same bytes: equal in any dtype, and never cast (no torch needed for it)."""
+    code, doc = diff_doc(made.src, made.resharded, compare_as="bf16")
+    assert code == 0 and doc["counts"]["equal"] == 32 and doc["bytes_counts"]["equal"] == 13
+
+
+@dataclass
+class Mapped:
+    hf: Path
+    """A tiny Llama folder (2 layers, hidden 8) that transformers saved."""
+    titan: Path
+    """`import-hf --to torchtitan` of it."""
+    hf_kv2: Path
+    """The same with two key-value heads, so that Megatron can split it over TP 2."""
+    megatron: Path
+    """`import-hf --to megatron-fsdp --tp 2` of that: fused linear_qkv and TP-blocked fused linear_fc1."""
+
+
+@pytest.fixture(scope="module")
+def mapped(tmp_path_factory) -> Mapped:
+    import transformers
+
+    from tests.conftest import tiny_llama_folder
+
+    root = tmp_path_factory.mktemp("diff-mapped")
+    hf = tiny_llama_folder(root / "hf", layers=2)
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf_kv2")
+    for args in (("import-hf", hf, root / "titan", "--to", "torchtitan", "--world-size", "2"),
+                 ("import-hf", root / "hf_kv2", root / "megatron", "--to", "megatron-fsdp", "--tp", "2", "--dp", "1")):
+        res = run_cli(*args)
+        assert res.returncode == 0, res.stderr
+    return Mapped(hf, root / "titan", root / "hf_kv2", root / "megatron")
+
+
+def test_a_torchtitan_import_equals_its_hf_source_through_the_family_tables(mapped):
+    res = run_cli("diff", mapped.titan, mapped.hf)
+    assert (res.returncode, res.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
+    assert res.stderr == (f"note: {mapped.titan}: 21 model tensors mapped to 21 Hugging Face tensors by export-hf's "
+                          f"torchtitan-llama3 rules ({mapped.hf / 'config.json'})\n")
+    code, doc = diff_json(mapped.hf, mapped.titan)
+    assert code == 0 and doc["mapped_by"] == {"a": None, "b": "torchtitan-llama3"}
+    assert doc["tensors"]["model.layers.0.self_attn.q_proj.weight"] == {  # RoPE rows reordered, as export-hf does
+        "status": "equal", "shape": [8, 8], "dtype": "float32", "max_abs_diff": 0.0, "first_diff_index": None,
+        "mismatches": 0, "compared_as": None,
+        "a": {"name": "model.layers.0.self_attn.q_proj.weight", "shape": [8, 8], "dtype": "float32"},
+        "b": {"name": "layers.0.attention.qkv_linear.wq.weight", "shape": [8, 8], "dtype": "float32"}}
+    assert doc["tensors"]["model.embed_tokens.weight"]["b"]["name"] == "tok_embeddings.weight"
+
+
+def test_a_changed_element_of_a_rope_reordered_tensor_is_found_at_its_hf_index(mapped, tmp_path):
+    def bump(t: torch.Tensor) -> None:
+        t[5, 3] += 0.5
+
+    name = "model.layers.1.self_attn.q_proj.weight"  # [8, 8]: torchtitan holds its rows in another order
+    changed, before, after = _changed_copy(mapped.hf, tmp_path / "hf", name, bump)
+    delta = abs(float(after[5, 3]) - float(before[5, 3]))
+    code, doc = diff_doc(mapped.titan, changed)
+    assert code == 1 and doc["counts"]["equal"] == 20 and doc["counts"]["differs"] == 1
+    got = doc["tensors"][name]
+    assert (got["status"], got["first_diff_index"], got["mismatches"], got["max_abs_diff"]) == \
+        ("differs", [5, 3], 1, delta)
+    res = run_cli("diff", changed, mapped.titan)
+    assert res.returncode == 1 and res.stdout.splitlines() == [
+        f"{name}: differs: first at [5, 3], max |a-b| {delta:.6g}, 1 of 64 elements",
+        "21 tensors: 20 equal, 0 close, 1 differs"]
+
+
+def test_megatron_fused_tensors_are_compared_by_the_views_export_hf_cuts(mapped, tmp_path):
+    """linear_qkv is q, k and v of each query group; linear_fc1 at TP 2 is [gate_0; up_0; gate_1; up_1]."""
+    code, doc = diff_json(mapped.megatron, mapped.hf_kv2)
+    assert code == 0 and doc["counts"]["equal"] == 21 and doc["mapped_by"] == {"a": "llama", "b": None}
+    assert doc["notes"] == [f"{mapped.megatron}: 15 model tensors mapped to 21 Hugging Face tensors by export-hf's "
+                            f"llama rules ({mapped.hf_kv2 / 'config.json'})"]
+    layer = "model.module.decoder.layers.0."
+    assert {n: doc["tensors"][f"model.layers.0.{n}"]["a"]["name"] for n in (
+        "self_attn.q_proj.weight", "self_attn.k_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")} == {
+        "self_attn.q_proj.weight": layer + "self_attention.linear_qkv.weight",
+        "self_attn.k_proj.weight": layer + "self_attention.linear_qkv.weight",
+        "mlp.gate_proj.weight": layer + "mlp.linear_fc1.weight",
+        "mlp.up_proj.weight": layer + "mlp.linear_fc1.weight"}
+
+    def bump(t: torch.Tensor) -> None:
+        t[9, 2] -= 2.0
+
+    changed, before, after = _changed_copy(mapped.hf_kv2, tmp_path / "hf", "model.layers.0.mlp.up_proj.weight", bump)
+    code, doc = diff_doc(mapped.megatron, changed)
+    assert code == 1 and [n for n, t in doc["tensors"].items() if t["status"] != "equal"] == \
+        ["model.layers.0.mlp.up_proj.weight"]
+    got = doc["tensors"]["model.layers.0.mlp.up_proj.weight"]
+    assert (got["first_diff_index"], got["mismatches"], got["max_abs_diff"]) == \
+        ([9, 2], 1, abs(float(after[9, 2]) - float(before[9, 2])))
+
+
+def test_names_as_saved_with_arch_raw(mapped):
+    res = run_cli("diff", mapped.titan, mapped.hf, "--arch", "raw")
+    assert res.returncode == 1
+    assert res.stdout.splitlines()[-1] == "1 tensor: 1 equal, 0 close, 0 differs; 20 only in A; 20 only in B"
+
+
+def test_a_config_beside_a_lone_safetensors_file_or_given(mapped, tmp_path):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(mapped.hf / "model.safetensors", lone / "model.safetensors")
+    res = run_cli("diff", mapped.titan, lone / "model.safetensors")
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == (f"ckptctl: error: {mapped.titan}: its torchtitan names are mapped to Hugging Face ones by "
+                          f"export-hf's rules, which need the model's config.json, and {lone} has none: pass "
+                          "--hf-config (or --arch raw to compare the names as saved)\n")
+    code, doc = diff_json(mapped.titan, lone / "model.safetensors", "--hf-config", mapped.hf / "config.json")
+    assert code == 0 and doc["counts"]["equal"] == 21
+
+
+@pytest.mark.parametrize("case", ["two-dcp", "config-for-hf-names", "unknown-arch", "wrong-family"])
+def test_mapping_options_that_cannot_apply_are_one_line(made, mapped, case):
+    args, line = {
+        "two-dcp": ((mapped.titan, made.src, "--arch", "llama"),
+                    f"--arch maps a DCP checkpoint's names to those of a safetensors model, and {mapped.titan} and "
+                    f"{made.src} are both DCP checkpoints"),
+        "config-for-hf-names": ((made.src, made.hf, "--hf-config", mapped.hf),
+                                f"--hf-config is for mapping {made.src}'s names to Hugging Face ones, and its names "
+                                "are neither torchtitan's nor Megatron's: its tensors are compared under their own "
+                                "names"),
+        "unknown-arch": ((mapped.titan, mapped.hf, "--arch", "gpt9"), "--arch must be one of auto, llama, qwen2, "
+                         "qwen3, qwen3-moe, qwen3-next, qwen3.5, deepseek-v3, mixtral, gemma2, gemma3, nemotron-h, "
+                         "gpt-oss, torchtitan-llama3, torchtitan-qwen3, torchtitan-deepseek-v3, automodel, raw (got "
+                         "'gpt9')"),
+        "wrong-family": ((mapped.titan, mapped.hf, "--arch", "llama"),
+                         f"{mapped.titan}: no Megatron model tensors (decoder.layers.*, embedding.word_embeddings.*) "
+                         "under any prefix of 'model.module.module.', 'model.module.', 'model.', ''; for HF-named "
+                         "checkpoints use --arch raw"),
+    }[case]
+    res = run_cli("diff", *args)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {line}\n")
