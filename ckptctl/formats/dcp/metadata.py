@@ -18,7 +18,7 @@ import stat
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from ckptctl.util.errors import CheckpointError
 from ckptctl.formats.dcp import classes as dcp_classes
@@ -355,11 +355,15 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageCol
                        md.properties)
 
 
-def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> Checkpoint:
+def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False,
+                    planned: Mapping[str, int] | None = None) -> Checkpoint:
     """Describe the checkpoint at `path` from its metadata; raises CheckpointError on bad input.
 
     `written_here`: an output this process has just written (`output_check`), whose keys need no
-    scan for hash bombs; every other check is made."""
+    scan for hash bombs; every other check is made. `planned`: the data files' sizes as planned, for
+    an output whose `.metadata` is complete but whose files are still being written (the check that
+    overlaps the writing): these sizes are taken for theirs, unread, and the directory is not listed
+    (the caller compares the files on disk once they are complete)."""
     root = Path(path)
     if not root.exists():
         raise CheckpointError(root, missing(root))
@@ -374,17 +378,19 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False) -> C
                               + checkpoints_inside(root, lambda p: (p / METADATA_NAME).exists()
                                                    or (p / "__0.metadata").exists()))
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
-        ckpt = _checkpoint(root, md_paths, written_here)
+        ckpt = _checkpoint(root, md_paths, written_here, planned)
     ckpt.megatron_backend = backend
     return ckpt
 
 
-def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False) -> Checkpoint:
-    """The checkpoint `md_paths` (its metadata files) describe, their entries checked."""
+def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False,
+                planned: Mapping[str, int] | None = None) -> Checkpoint:
+    """The checkpoint `md_paths` (its metadata files) describe, their entries checked (against the
+    `planned` sizes of its files where given)."""
     where = md_paths[0]
     merged = _merge(md_paths, written_here)
     sd_md, storage = merged.sd_md, merged.storage
-    files: dict[str, int] = {}
+    files: dict[str, int] = dict(planned or {})  # a name already here is never resolved on disk
     names: list[str] = []
     numbers: dict[str, int] = {}
     known = _StorageFiles()
@@ -401,11 +407,15 @@ def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False) ->
             bytes_entries[fqn] = BytesEntry(fqn, file, entry[1], entry[2], entry[3])
         else:
             raise CheckpointError(where, f"{fqn}: unknown storage type {type(item).__name__}")
-    unreferenced = []
-    for name in os.listdir(root):
-        if name.endswith(".distcp") and name not in files and (root / name).is_file():
-            files[name] = (root / name).stat().st_size
-            unreferenced.append(name)
+    if planned is not None:
+        referenced = {*names, *(b.file for b in bytes_entries.values())}
+        unreferenced = [name for name in planned if name not in referenced]
+    else:
+        unreferenced = []
+        for name in os.listdir(root):
+            if name.endswith(".distcp") and name not in files and (root / name).is_file():
+                files[name] = (root / name).stat().st_size
+                unreferenced.append(name)
     return Checkpoint(
         path=root,
         tensors=tensors,

@@ -49,10 +49,11 @@ those bytes, on one core (2,560,000 chunks resharded to 512 ranks: `.metadata` 1
 million records 50.6 s; a 2.2 GB reshard of a few hundred records about 1 GB/s)."""
 
 
-def metadata_load(records: int, nbytes: int) -> int:
+def metadata_load(records: int, nbytes: int, record_seconds: float = METADATA_RECORD_SECONDS) -> int:
     """The bytes of an output of `records` records and `nbytes` bytes that take as long to write as
-    its `.metadata`: a fifth of a million tiny records' bytes, next to nothing of a model's."""
-    seconds = records * METADATA_RECORD_SECONDS
+    its `.metadata` (or as a task of `record_seconds` a record takes): a fifth of a million tiny
+    records' bytes, next to nothing of a model's."""
+    seconds = records * record_seconds
     writing = records * RECORD_SECONDS + nbytes / WRITE_BYTES_PER_SECOND
     return int(nbytes * seconds / writing) if writing else 0
 
