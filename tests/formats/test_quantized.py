@@ -1,0 +1,144 @@
+"""The quantized-folder decoder: each dequantized chunk against its producers' formula and transformers' decode.
+
+A folder is opened as import-hf opens it (`open_safetensors_folder` with its format) and every
+chunk of every dequantized tensor decoded as the engine decodes it; the chunks, put together,
+must be the formula's tensor bit for bit, across chunk boundaries (a small chunk budget), shapes
+off the block grid, leading (expert) dims, every scale spelling and dtype, and every E8M0 byte.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptctl.core.dtypes import bfloat16, float32
+from ckptctl.formats.safetensors import quantized
+from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk, quant_format
+from ckptctl.formats.safetensors.reader import open_safetensors_folder
+from ckptctl.formats.dcp.items import ItemReader
+from tests.formats.quantized_folders import dequantized_fp8, mxfp4_tensors, quantized_fp8, write_folder
+
+FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def _decoded(folder: Path, fp8_dtype=bfloat16) -> dict[str, torch.Tensor]:
+    """Every dequantized tensor of the folder, put together from its chunks decoded one by one."""
+    config = json.loads((folder / "config.json").read_text())
+    ckpt = open_safetensors_folder(folder, quant_format(config, folder / "config.json"), fp8_dtype)
+    out = {}
+    with ItemReader(ckpt) as reader:
+        for name, entry in ckpt.tensors.items():
+            if not entry.chunks[0].transforms:
+                continue
+            whole = torch.full(entry.shape, float("nan"), dtype=entry.dtype.torch)
+            for chunk in entry.chunks:
+                assert chunk.transforms == (DEQUANT,)
+                box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                whole[box] = dequantized_chunk(entry, chunk, reader.fd)
+            out[name] = whole
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (320, 256), (576, 256), (1, 129), (130, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_chunks_across_block_rows_and_partial_blocks_are_the_formula(tmp_path, monkeypatch, shape, dtype):
+    """A chunk budget of one block row's bytes: every 128 rows a chunk, the last one partial."""
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 128 * shape[1] * 4)
+    torch.manual_seed(0)
+    weight = torch.randn(shape) * torch.logspace(-3, 2, shape[1])
+    codes, scale = quantized_fp8(weight)
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    got = _decoded(folder, bfloat16 if dtype == torch.bfloat16 else float32)["w.weight"]
+    assert torch.equal(_bits(got), _bits(dequantized_fp8(codes, scale, dtype)))
+
+
+def test_fp8_experts_stacked_in_leading_dims_take_their_own_scales(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 1)
+    torch.manual_seed(1)
+    pairs = [quantized_fp8(torch.randn(200, 160) * (e + 1)) for e in range(3)]
+    codes, scales = torch.stack([c for c, _ in pairs]), torch.stack([s for _, s in pairs])
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"e.weight": codes, "e.weight_scale_inv": scales})
+    got = _decoded(folder)["e.weight"]
+    for e, (c, s) in enumerate(pairs):
+        assert torch.equal(_bits(got[e]), _bits(dequantized_fp8(c, s, torch.bfloat16)))
+
+
+@pytest.mark.parametrize("spelling", ["X.weight_scale_inv", "X.scale", "X.qscale_weight"])
+def test_every_scale_spelling_and_a_single_scale_per_weight(tmp_path, spelling):
+    torch.manual_seed(2)
+    codes = (torch.randn(64, 48) * 40).to(torch.float8_e4m3fn)
+    scale = torch.tensor([0.00123], dtype=torch.float32)
+    folder = write_folder(tmp_path, {"quantization_config": {"quant_method": "fp8", "weight_block_size": None}},
+                          {"X.weight": codes, spelling: scale})
+    got = _decoded(folder)["X.weight"]
+    assert torch.equal(_bits(got), _bits((codes.float() * scale).to(torch.bfloat16)))
+
+
+@pytest.mark.parametrize("stored_as", ["e8m0", "uint8", "bfloat16"])
+def test_fp8_scales_of_every_dtype_are_read_as_their_values(tmp_path, stored_as):
+    torch.manual_seed(3)
+    codes, scale = quantized_fp8(torch.randn(256, 256), ue8m0=stored_as != "bfloat16")
+    scale = scale.to(torch.bfloat16).float() if stored_as == "bfloat16" else scale
+    stored = {"e8m0": scale.to(torch.float8_e8m0fnu), "uint8": (torch.log2(scale) + 127).to(torch.uint8),
+              "bfloat16": scale.to(torch.bfloat16)}[stored_as]
+    config = {"quantization_config": {**FP8, **({"scale_fmt": "ue8m0"} if stored_as == "uint8" else {})}}
+    folder = write_folder(tmp_path, config, {"w.weight": codes, "w.weight_scale_inv": stored})
+    assert torch.equal(_bits(_decoded(folder)["w.weight"]), _bits(dequantized_fp8(codes, scale, torch.bfloat16)))
+
+
+def test_uint8_e8m0_bytes_are_the_powers_transformers_reads_for_every_byte():
+    """transformers reads a uint8 ue8m0 scale byte b as exp2(b - 127) in float32 (255: inf)."""
+    raw = bytearray(range(256))
+    got = quantized._scale_values(raw, quantized.uint8)
+    want = (torch.arange(256, dtype=torch.float32) - 127).exp2()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_every_code_at_every_scale_byte_is_transformers_decode(tmp_path, monkeypatch, dtype):
+    """All 256 code pairs × all 256 E8M0 bytes (0: 2^-127; 255: 2^128, inf but for a zero code),
+    an expert a chunk, against transformers' own `convert_moe_packed_tensors`."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 256 * 512 * 2)
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(2, 256, 1, 1).reshape(2, 256, 16, 16)
+    scales = torch.arange(256, dtype=torch.uint8).repeat(2, 16, 1).transpose(1, 2).contiguous()
+    folder = write_folder(tmp_path, {"quantization_config": {"quant_method": "mxfp4"}},
+                          {"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales})
+    got = _decoded(folder)["e.gate_up_proj"].to(dtype)
+    want = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=dtype)
+    assert got.shape == want.shape == (2, 512, 256)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_mxfp4_codes_are_transposed_by_format_even_when_square(tmp_path):
+    """[E, out, in/32, 16] codes are the model's [E, in, out]: with out == in a shape cannot tell."""
+    blocks, scales = mxfp4_tensors(2, 64, 64, torch.Generator().manual_seed(4))
+    folder = write_folder(tmp_path, {"quantization_config": {"quant_method": "mxfp4"}},
+                          {"e.down_proj_blocks": blocks, "e.down_proj_scales": scales})
+    got = _decoded(folder)["e.down_proj"]
+    lut = torch.tensor(quantized.E2M1_VALUES, dtype=torch.float64)
+    row, group = 5, 1  # out row 5, inputs 32..63: the low nibble of byte k is input 2k
+    first = lut[int(blocks[0, row, group, 0]) & 15] * 2.0 ** (int(scales[0, row, group]) - 127)
+    assert got[0, group * 32, row].item() == first.item()
+
+
+def test_a_chunk_holds_at_most_the_budget_of_decoded_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 3 * 128 * 512 * 2)
+    codes, scale = quantized_fp8(torch.randn(1000, 512))
+    blocks, scales = mxfp4_tensors(8, 64, 512, torch.Generator().manual_seed(5))
+    fp8 = write_folder(tmp_path / "fp8", {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    mx = write_folder(tmp_path / "mx", {"quantization_config": {"quant_method": "mxfp4"}},
+                      {"e.down_proj_blocks": blocks, "e.down_proj_scales": scales})
+    entry = open_safetensors_folder(fp8, quant_format({"quantization_config": FP8}, fp8), bfloat16).tensors["w.weight"]
+    assert [c.sizes[0] for c in entry.chunks] == [384, 384, 232]
+    entry = open_safetensors_folder(mx, quant_format({"quantization_config": {"quant_method": "mxfp4"}}, mx),
+                                    bfloat16).tensors["e.down_proj"]
+    assert [c.sizes[0] for c in entry.chunks] == [6, 2]
