@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --h
     from ckptctl.engine.dist import Comm
     from ckptctl.util.progress import ProgressObserver
     from ckptctl.commands.reshard import ReshardReport
+    from ckptctl.commands.trainer_folder import FolderReport
 
 
 def report_json(report: ReshardReport) -> dict:
@@ -44,6 +45,14 @@ def report_json(report: ReshardReport) -> dict:
         **timing_json(report), "predicted_peak_bytes": report.predicted_peak_bytes,
         "verified": report.verified, "processes": report.processes, "device": report.device,
     }
+
+
+def folder_json(report: FolderReport) -> dict:
+    """A Trainer checkpoint folder's reshard: each DCP part's report, and the files copied or dropped."""
+    return {"src": report.src, "dst": report.dst, "world_size": report.world_size, "dry_run": report.dry_run,
+            "parts": {name: report_json(part) for name, part in report.parts.items()},
+            "copied": report.copied, "dropped": list(report.dropped), **timing_json(report),
+            "verified": report.verified}
 
 
 def plan_rows(report: ReshardReport, dtype: str) -> list[tuple[str, str]]:
@@ -112,18 +121,28 @@ def reshard_command(
       ckptctl reshard demo/ckpt /tmp/ckpt-ws8 -n 8 --dtype bf16 --dry-run
     """
 
-    def run(comm: Comm, progress: ProgressObserver) -> ReshardReport:
+    def run(comm: Comm, progress: ProgressObserver) -> ReshardReport | FolderReport:
         from ckptctl.commands.reshard import ReshardOptions, reshard
+        from ckptctl.commands.trainer_folder import reshard_folder
+        from ckptctl.storage.trainer_folder import trainer_folder
 
         opts = ReshardOptions(world_size=world_size, include=include or (), exclude=exclude or (),
                               dtype=parse_dtype(dtype), workers=max(1, workers), allow_incomplete=allow_incomplete,
                               device=device, sync=not no_sync, layout=layout, tp=tp, dp=dp, source_tp=source_tp,
                               split_fused=split_fused, fuse=fuse, flat_optimizer=flat_optimizer, hf_config=hf_config,
                               hub_timeout=hub_timeout)
+        if (folder := trainer_folder(src)) is not None:
+            return reshard_folder(folder, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
+                                  comm=comm)
         return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                        comm=comm)
 
-    def show(report: ReshardReport) -> None:
+    def show(report: ReshardReport | FolderReport) -> None:
+        from ckptctl.commands.trainer_folder import FolderReport
+
+        if isinstance(report, FolderReport):
+            show_folder(report)
+            return
         if json_out:
             emit_json(report_json(report))
             return
@@ -132,5 +151,22 @@ def reshard_command(
             return
         say(f"wrote {dst} ({counted(report.tensors, 'tensor')}, {human_bytes(report.bytes_written)} in "
             f"{files_text(report.data_files, report.files)})" + timing_summary(report))
+
+    def show_folder(report: FolderReport) -> None:
+        if json_out:
+            emit_json(folder_json(report))
+            return
+        parts = "; ".join(f"{name}: {counted(r.tensors, 'tensor')}, {human_bytes(r.bytes_written)} in "
+                          f"{files_text(r.data_files, r.files)}" for name, r in report.parts.items())
+        copied = f"; {counted(len(report.copied), 'file')} copied" if report.copied else ""
+        dropped = f"; dropped {', '.join(report.dropped)}" if report.dropped else ""
+        if dry_run:
+            show_plan([("Source", str(src)), *((name, f"{counted(r.tensors, 'tensor')}, "
+                                                      f"{files_text(r.data_files, r.files)} at world size "
+                                                      f"{r.world_size}") for name, r in report.parts.items()),
+                       ("Copied", ", ".join(report.copied) or "-"), ("Dropped", ", ".join(report.dropped) or "-")],
+                      dst, force)
+            return
+        say(f"wrote {dst} ({parts}{copied}{dropped})" + timing_summary(report))
 
     run_distributed(json_out, dist_backend, run, show, cast="keep" if dry_run else dtype)

@@ -70,14 +70,22 @@ def missing(path: Path, model_folder: bool = False) -> str:
 
 def checkpoints_inside(folder: Path, is_checkpoint: Callable[[Path], bool], scanned: int = 1000) -> str:
     """`; checkpoints inside: A, B, C (+N more)` when folders among the first `scanned` entries of
-    `folder` are checkpoints (a run's parent folder, or `demo` for `demo/ckpt`), else nothing."""
+    `folder` are checkpoints (a run's parent folder, or `demo` for `demo/ckpt`; Trainer checkpoint
+    folders count), else nothing. An HF Trainer / accelerate checkpoint folder names its parts, and
+    the commands that take it whole."""
+    from ckptctl.storage.trainer_folder import trainer_folder  # it reads no file: no cycle at import
+
+    if (trainer := trainer_folder(folder)) is not None:
+        return ("; an HF Trainer / accelerate checkpoint folder: inspect, reshard and export-hf take it whole, "
+                f"other commands one of its DCP parts: {', '.join(str(trainer.path / p) for p in trainer.parts)}")
     found = []
     try:
         with os.scandir(folder) as entries:
             for n, entry in enumerate(entries):
                 if n >= scanned:
                     break
-                if entry.is_dir(follow_symlinks=False) and is_checkpoint(Path(entry.path)):
+                if entry.is_dir(follow_symlinks=False) and (is_checkpoint(Path(entry.path))
+                                                             or trainer_folder(Path(entry.path)) is not None):
                     found.append(entry.path)
     except OSError:
         return ""
