@@ -116,7 +116,8 @@ def print_preview_table(preview: ExportPreview) -> None:
 
 @app.command("export-hf")
 def export_hf_command(
-    src: Path = typer.Argument(..., help="Source DCP checkpoint directory (opened read-only)."),
+    src: Path = typer.Argument(..., help="Source DCP checkpoint directory, or an HF Trainer / accelerate "
+                                         "checkpoint-N folder (its model part; opened read-only)."),
     dst: Path = typer.Argument(..., help="Output Hugging Face model folder (written atomically)."),
     hf_config: str = typer.Option(..., "--hf-config", metavar="<ref>",
                                   help="HF model folder with config.json, the config file, or a Hub model id "
@@ -181,10 +182,12 @@ def export_hf_command(
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export
+        from ckptctl.storage.trainer_folder import model_part
 
+        source = model_part(src)  # an HF Trainer / accelerate checkpoint-N/: its model's DCP part
         if dry_run:
-            return preview_export(src, dst, hf_config, options())
-        return export_hf(src, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm)
+            return preview_export(source, dst, hf_config, options())
+        return export_hf(source, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm)
 
     def show(report: ExportReport | ExportPreview) -> None:
         if dry_run:
