@@ -246,3 +246,50 @@ def test_mxfp4_import_equals_transformers_dequantized_load_bit_for_bit(tmp_path,
     assert notes == [f"2 MXFP4 expert stacks dequantized from MXFP4 (E2M1, one E8M0 scale per 32 values) to {dtype}"]
     want = _transformers_dequantized(src, getattr(torch, dtype), transformers.Mxfp4Config(dequantize=True))
     _same_bits(load_with_torch(tmp_path / "out")["model"], want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every family and layout: a quantized folder imports exactly as its dequantized twin
+# ---------------------------------------------------------------------------------------------
+
+
+EQUIVALENT = [
+    ("qwen3-moe", "fp8", dict(to="fsdp2", world_size=2)),
+    ("gpt-oss", "mxfp4", dict(to="megatron-fsdp", tp=2, dp=1)),
+    pytest.param("qwen3-moe", "fp8", dict(to="torchtitan", world_size=2), marks=pytest.mark.full),
+    pytest.param("qwen3-moe", "fp8", dict(to="megatron-fsdp", tp=2, dp=2), marks=pytest.mark.full),
+    pytest.param("deepseek-v3", "fp8", dict(to="fsdp2", world_size=2), marks=pytest.mark.full),
+    pytest.param("deepseek-v3", "fp8", dict(to="torchtitan", world_size=2), marks=pytest.mark.full),
+    pytest.param("deepseek-v3", "fp8", dict(to="megatron-fsdp", tp=2, dp=1), marks=pytest.mark.full),
+    pytest.param("qwen3", "fp8", dict(to="megatron-fsdp", tp=2, dp=1), marks=pytest.mark.full),
+    pytest.param("gpt-oss", "mxfp4", dict(to="fsdp2", world_size=2), marks=pytest.mark.full),
+]
+
+
+def _twins(family: str, method: str, root: Path) -> tuple[Path, Path]:
+    """A tiny `family` model's quantized folder and its bf16 twin (transformers' own dequantized
+    load, for MXFP4, written by `save_file`)."""
+    from fixtures import hf_models
+
+    sizes = {"intermediate_size": 64} if method == "mxfp4" else {}  # MXFP4 groups 32 inputs
+    ref = hf_models.reference(family, root / "ref", seed=5, **sizes)
+    if method == "fp8":
+        return fp8_folder(root, ref.model, state=ref.state)
+    src = mxfp4_folder(root / "mxfp4", ref.model)
+    plain = {**ref.model.config.to_dict()}
+    state = _transformers_dequantized(src, torch.bfloat16, transformers.Mxfp4Config(dequantize=True))
+    return src, write_folder(root / "bf16", plain, state)
+
+
+@needs_checked_decode
+@pytest.mark.parametrize("family, method, layout", EQUIVALENT)
+def test_a_quantized_folder_imports_byte_for_byte_as_its_dequantized_twin(tmp_path, family, method, layout):
+    quantized, twin = _twins(family, method, tmp_path)
+    outputs = []
+    for src in (quantized, twin):
+        outputs.append(tmp_path / f"out-{src.name}")
+        import_hf(src, outputs[-1], ImportOptions(**{"world_size": None, **layout}, workers=2, sync=False))
+    files = sorted(p.name for p in outputs[1].iterdir())
+    assert files == sorted(p.name for p in outputs[0].iterdir())
+    for name in files:
+        assert (outputs[0] / name).read_bytes() == (outputs[1] / name).read_bytes(), name

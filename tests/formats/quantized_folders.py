@@ -53,17 +53,19 @@ def write_folder(folder: Path, config: dict[str, Any], tensors: dict[str, torch.
 
 
 def fp8_folder(folder: Path, model: Any, quantize: Callable[[str], bool] = lambda name: name.endswith("proj.weight"),
-               scale_as: str = "float32", config: dict[str, Any] | None = None) -> tuple[Path, Path]:
-    """`model`'s weights with the `quantize`d ones as FP8 codes and scales (`scale_as`: float32,
-    e8m0 — F8_E8M0 — or uint8 E8M0 bytes), and its bf16 twin: the same config without
-    quantization_config and every quantized weight as its dequantized bfloat16 values."""
+               scale_as: str = "float32", config: dict[str, Any] | None = None,
+               state: dict[str, torch.Tensor] | None = None) -> tuple[Path, Path]:
+    """`model`'s weights (or `state`, its tensors as saved) with the `quantize`d ones as FP8 codes
+    and scales (`scale_as`: float32, e8m0 — F8_E8M0 — or uint8 E8M0 bytes), and its bf16 twin:
+    the same config without quantization_config and every quantized weight as its dequantized
+    bfloat16 values."""
     ue8m0 = scale_as != "float32"
     quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
              **({"scale_fmt": "ue8m0"} if ue8m0 else {}), **(config or {})}
     plain = {**model.config.to_dict()}
     plain.pop("quantization_config", None)
     stored, twin = {}, {}
-    for name, value in model.state_dict().items():
+    for name, value in (model.state_dict() if state is None else state).items():
         value = value.to(torch.bfloat16)
         if not quantize(name):
             stored[name] = twin[name] = value
