@@ -80,7 +80,11 @@ def reshard_command(
         None, "--world-size", "-n",
         help="Number of ranks the output is laid out for (required for fsdp2; TP×DP or omitted for megatron-fsdp)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Keep only FQNs matching this glob (repeatable)."),
-    exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable)."),
+    exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable; in "
+                                                "an HF Trainer / accelerate checkpoint-N folder also its files)."),
+    keep_common_ranks: bool = typer.Option(False, "--keep-common-ranks",
+                                           help="Keep a Trainer / accelerate folder's per-rank RNG files of the ranks "
+                                                "both world sizes have (the other ranks start theirs afresh)."),
     dtype: str = dtype_option(),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and compare every tensor with the source."),
@@ -133,7 +137,10 @@ def reshard_command(
                               hub_timeout=hub_timeout)
         if (folder := trainer_folder(src)) is not None:
             return reshard_folder(folder, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
-                                  comm=comm)
+                                  comm=comm, keep_common_ranks=keep_common_ranks)
+        if keep_common_ranks:
+            raise UsageError("--keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint "
+                             "folder; a DCP checkpoint's per-rank entries are dropped with --exclude")
         return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                        comm=comm)
 

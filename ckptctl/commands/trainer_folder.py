@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ckptctl.commands.reshard import ReshardOptions, ReshardReport, reshard
-from ckptctl.core.rank_state import refuse_world_size_change
+from ckptctl.core.rank_state import common_ranks, refuse_world_size_change
 from ckptctl.core.selection import selected
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.storage.atomic import atomic_directory, check_destination
@@ -100,9 +100,10 @@ def _snapshot(folder: TrainerFolder, files: list[str]) -> dict[Path, tuple[int, 
 
 def reshard_folder(folder: TrainerFolder, dst: str | os.PathLike, opts: ReshardOptions, *, force: bool = False,
                    verify: bool = False, dry_run: bool = False, progress: ProgressObserver | None = None,
-                   comm: Comm = LOCAL) -> FolderReport:
+                   comm: Comm = LOCAL, keep_common_ranks: bool = False) -> FolderReport:
     """Reshard every part of `folder` to `opts.world_size` into the same names under `dst`, copy
-    its files of no rank, and refuse per-rank files of another world size unless excluded.
+    its files of no rank, and refuse per-rank files of another world size unless excluded (or, with
+    `keep_common_ranks`, keep those of the ranks both sizes have).
 
     Each part's reshard keeps its own record of what it read (`recorded_reads`), checked before
     the part takes its name inside the output; the folder's files, read or not, must still be
@@ -117,7 +118,9 @@ def reshard_folder(folder: TrainerFolder, dst: str | os.PathLike, opts: ReshardO
         if kept and len(kept) < len(state.names):
             raise UsageError(f"--exclude keeps {len(kept)} of the {len(state.names)} files of {state.shown}: drop "
                              f"them all (--exclude '{state.glob}') or none")
-        if opts.world_size is not None:
+        if kept and keep_common_ranks and opts.world_size is not None and state.ranks != opts.world_size:
+            kept = list(common_ranks(state, opts.world_size))
+        elif opts.world_size is not None:
             refuse_world_size_change([state], lambda n: n in kept, opts.world_size)
         keep += kept
         dropped += tuple(n for n in state.names if n not in kept)

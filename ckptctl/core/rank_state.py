@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from ckptctl.util.errors import UsageError
+from ckptctl.util.wording import counted
 
 _TORCHTITAN_DATALOADER = re.compile(r"^(?P<root>dataloader)\.dp_rank_(?P<rank>0|[1-9][0-9]{0,5})$")
 
@@ -62,15 +63,16 @@ def refuse_dp_change(fqns: Iterable[str], kept: Callable[[str], bool], dp: int) 
 
 _RANK_FILES = (
     (re.compile(r"^rng_state(?:_(?P<rank>0|[1-9][0-9]{0,5}))?\.pth$"), "the Trainer's RNG state", "rng_state*.pth",
-     "rng_state_{{{}}}.pth"),
+     "rng_state_{{{}}}.pth", "rng_state.pth"),
     (re.compile(r"^random_states_(?P<rank>0|[1-9][0-9]{0,5})\.pkl$"), "accelerate's RNG state", "random_states_*.pkl",
-     "random_states_{{{}}}.pkl"),
+     "random_states_{{{}}}.pkl", None),
 )
 """Per-rank files of an HF Trainer / accelerate checkpoint folder: (name, kind, the glob that drops
-them, their names in a few words). Trainer's `_save_rng_state` writes `rng_state_<process>.pth` at
-several processes and `rng_state.pth` at one; accelerate's `save_state` writes
-`random_states_<process>.pkl`. Each process loads its own file only: after a change of world
-size a process finds another's random streams or none."""
+them, their names in a few words, the name a job of one process reads instead). Trainer's
+`_save_rng_state` writes `rng_state_<process>.pth` at several processes and `rng_state.pth` at one;
+accelerate's `save_state` writes `random_states_<process>.pkl`. Each process loads its own file
+only, and goes on without when there is none (both log it): after a change of world size a
+process finds another's random streams or none."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +82,15 @@ class RankFiles:
     kind: str
     glob: str
     names: tuple[str, ...]
-    ranks: int
+    numbers: tuple[int, ...]
+    """Each file's rank."""
     template: str
+    one_process: str | None
+    """The file a job of one process reads (none but its own file at any other size)."""
+
+    @property
+    def ranks(self) -> int:
+        return max(self.numbers) + 1
 
     @property
     def shown(self) -> str:
@@ -96,11 +105,11 @@ def rank_files(names: Iterable[str]) -> list[RankFiles]:
     """The per-rank files among a checkpoint folder's file names, by kind."""
     found: list[RankFiles] = []
     names = sorted(names)
-    for pattern, kind, glob, template in _RANK_FILES:
+    for pattern, kind, glob, template, one_process in _RANK_FILES:
         ranks = {n: int(m["rank"] or 0) for n in names if (m := pattern.match(n)) is not None}
         if ranks:
-            found.append(RankFiles(kind, glob, tuple(sorted(ranks, key=ranks.__getitem__)),
-                                   max(ranks.values()) + 1, template))
+            ordered = tuple(sorted(ranks, key=ranks.__getitem__))
+            found.append(RankFiles(kind, glob, ordered, tuple(ranks[n] for n in ordered), template, one_process))
     return found
 
 
@@ -110,4 +119,16 @@ def refuse_world_size_change(files: Iterable[RankFiles], kept: Callable[[str], b
         if state.ranks != world_size and any(kept(n) for n in state.names):
             raise UsageError(f"{state.shown}: {state.kind} of {state.ranks} ranks cannot follow a reshard to "
                              f"{world_size} (each process loads its own file); pass --exclude '{state.glob}' to "
-                             "drop it (the resumed job keeps the random streams it seeds itself)")
+                             "drop it (the resumed job keeps the random streams it seeds itself) or "
+                             "--keep-common-ranks to keep the files of the ranks both sizes have")
+
+
+def common_ranks(state: RankFiles, world_size: int) -> tuple[str, ...]:
+    """The files of the ranks a job of `world_size` processes shares with the saved one: each of its
+    processes below the saved size resumes its own random streams, the others start theirs afresh.
+    Refused where the loader reads another name at one of the sizes (the Trainer's one process)."""
+    if state.one_process is not None and (world_size == 1) != (state.names == (state.one_process,)):
+        raise UsageError(f"{state.shown}: a job of {counted(world_size, 'process', 'processes')} reads none of these files ("
+                         f"{state.one_process} at one process, one file per process at several); pass --exclude "
+                         f"'{state.glob}' to drop them")
+    return tuple(n for n, rank in zip(state.names, state.numbers) if rank < world_size)

@@ -85,7 +85,7 @@ def test_a_reshard_to_another_world_size_refuses_the_per_rank_files(saved, tmp_p
     assert result.stderr == (
         "ckptctl: error: rng_state_{0..1}.pth: the Trainer's RNG state of 2 ranks cannot follow a reshard to 3 "
         "(each process loads its own file); pass --exclude 'rng_state*.pth' to drop it (the resumed job keeps the "
-        "random streams it seeds itself)\n")
+        "random streams it seeds itself) or --keep-common-ranks to keep the files of the ranks both sizes have\n")
     assert os.listdir(tmp_path) == []
 
 
@@ -118,6 +118,28 @@ def test_at_the_same_world_size_every_file_follows(saved, tmp_path: Path) -> Non
     assert "; 4 files copied)" in result.stderr and result.stderr.endswith(", verified\n")
     copied = ("rng_state_0.pth", "rng_state_1.pth", "scheduler.pt", "trainer_state.json")
     assert {n: _tree(dst)[n] for n in copied} == {n: _tree(folder)[n] for n in copied}
+
+
+def test_keep_common_ranks_keeps_the_files_both_sizes_have(saved, tmp_path: Path, fixture_ckpt) -> None:
+    """At 3 ranks ranks 0 and 1 keep their files (rank 2 starts afresh, as the Trainer does without
+    one); at 1 process the Trainer reads `rng_state.pth`, which no rank saved: refused."""
+    folder, _ = saved
+    result = run_cli("reshard", folder, tmp_path / "ws3", "-n", 3, "--keep-common-ranks", "--json")
+    assert result.returncode == 0, result.stderr
+    assert (json.loads(result.stdout)["dropped"], sorted(os.listdir(tmp_path / "ws3"))) == (
+        [], ["optimizer_0", "pytorch_model_fsdp_0", "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt",
+             "trainer_state.json"])
+    for name in ("rng_state_0.pth", "rng_state_1.pth"):
+        assert (tmp_path / "ws3" / name).read_bytes() == (folder / name).read_bytes()
+    one = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--keep-common-ranks")
+    assert (one.returncode, one.stderr) == (2, (
+        "ckptctl: error: rng_state_{0..1}.pth: a job of 1 process reads none of these files (rng_state.pth at one "
+        "process, one file per process at several); pass --exclude 'rng_state*.pth' to drop them\n"))
+    plain = run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "plain", "-n", 2, "--keep-common-ranks")
+    assert (plain.returncode, plain.stderr) == (2, (
+        "ckptctl: error: --keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint folder; a "
+        "DCP checkpoint's per-rank entries are dropped with --exclude\n"))
+    assert sorted(os.listdir(tmp_path)) == ["ws3"]
 
 
 def test_dry_run_writes_nothing(saved, tmp_path: Path) -> None:
@@ -188,20 +210,28 @@ def test_other_commands_name_the_parts(saved) -> None:
 
 @pytest.mark.full
 def test_accelerate_save_state_folder_resharded_to_one_rank(tmp_path: Path) -> None:
-    """accelerate's `save_state` layout (`random_states_<i>.pkl`, `scheduler.bin`): at 1 rank, its
-    random states dropped on purpose, accelerate's loaders read both parts bit for bit."""
+    """accelerate's `save_state` layout (`random_states_<i>.pkl`, `scheduler.bin`) at 1 rank: refused
+    by default; with `--keep-common-ranks` rank 0's random states follow, and accelerate's loaders
+    read both parts, the scheduler and rank 0's torch RNG state as saved, bit for bit."""
     ref = run_ranks(tf.save, 2, str(tmp_path), "accelerate", timeout=240)[0]
     folder = tmp_path / tf.FOLDERS["accelerate"]
     refused = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1)
     assert refused.stderr == (
         "ckptctl: error: random_states_{0..1}.pkl: accelerate's RNG state of 2 ranks cannot follow a reshard to 1 "
         "(each process loads its own file); pass --exclude 'random_states_*.pkl' to drop it (the resumed job keeps "
-        "the random streams it seeds itself)\n")
-    result = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--exclude", "random_states_*.pkl")
+        "the random streams it seeds itself) or --keep-common-ranks to keep the files of the ranks both sizes "
+        "have\n")
+    result = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--keep-common-ranks", "--json")
     assert result.returncode == 0, result.stderr
-    assert sorted(os.listdir(tmp_path / "ws1")) == ["optimizer_0", "pytorch_model_fsdp_0", "scheduler.bin"]
-    assert (tmp_path / "ws1" / "scheduler.bin").read_bytes() == (folder / "scheduler.bin").read_bytes()
-    _assert_same_state(run_ranks(tf.load, 1, str(tmp_path / "ws1"), timeout=240)[0], ref)
+    assert json.loads(result.stdout)["dropped"] == ["random_states_1.pkl"]
+    assert sorted(os.listdir(tmp_path / "ws1")) == ["optimizer_0", "pytorch_model_fsdp_0", "random_states_0.pkl",
+                                                   "scheduler.bin"]
+    for name in ("random_states_0.pkl", "scheduler.bin"):
+        assert (tmp_path / "ws1" / name).read_bytes() == (folder / name).read_bytes()
+    got = run_ranks(tf.load, 1, str(tmp_path / "ws1"), timeout=240)[0]
+    _assert_same_state(got, ref)
+    assert got["scheduler"]["last_epoch"] == 1 and got["scheduler"]["_last_lr"] == [0.005]
+    assert torch.equal(got["rng"], torch.manual_seed(100).get_state())  # rank 0's, as saved
 
 
 @pytest.mark.full
