@@ -155,6 +155,22 @@ def export_hf_command(
                                         help="Leave out a trained output head (lm_head) the config ties to the "
                                              "embeddings even when it differs from them (by default it must equal "
                                              "them bit for bit: the HF model's head is the embeddings)."),
+    merge_adapters: bool = typer.Option(False, "--merge-adapters",
+                                        help="For a peft LoRA checkpoint: write each adapted weight merged, "
+                                             "W + (B @ A) · α/r (α/√r with --rslora) computed whole in float32 on "
+                                             "the CPU and cast once: bit for bit peft's float32 merge_and_unload() "
+                                             "(in bf16: that merge cast to bf16, not peft's own bf16 merge, which "
+                                             "rounds twice)."),
+    adapter_only: bool = typer.Option(False, "--adapter-only",
+                                      help="For a peft LoRA checkpoint: write the adapters alone as a PEFT folder "
+                                           "that PeftModel.from_pretrained loads on the --hf-config base model."),
+    lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", metavar="α",
+                                               help="The run's LoRA alpha (not in the checkpoint; or "
+                                                    "--adapter-config)."),
+    rslora: bool = typer.Option(False, "--rslora", help="With --lora-alpha: the run used rsLoRA (scale α/√r)."),
+    adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", metavar="<json>",
+                                                  help="The run's peft adapter_config.json: α, rsLoRA and r from it "
+                                                       "(r is checked against the adapters)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     hub_timeout: float = hub_timeout_option(),
@@ -170,6 +186,8 @@ def export_hf_command(
       ckptctl export-hf demo/ckpt /tmp/hf --hf-config demo/hf-config --dtype bf16
       ckptctl export-hf demo/ckpt /tmp/hf --hf-config demo/hf-config --dry-run
       ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
+      ckptctl export-hf ft/ hf/ --hf-config base/ --merge-adapters --lora-alpha 8
+      ckptctl export-hf ft/ ad/ --hf-config base/ --adapter-only --lora-alpha 8
     """
 
     def options():
@@ -178,7 +196,9 @@ def export_hf_command(
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check,
-                             drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout)
+                             drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
+                             merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
+                             rslora=rslora, adapter_config=adapter_config)
 
     def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export

@@ -25,7 +25,7 @@ import re
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from fractions import Fraction
 from pathlib import Path
@@ -36,11 +36,13 @@ from ckptctl.engine import resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.engine.output import write_output
-from ckptctl.core.dtypes import DType, cast_dtype
+from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
 from ckptctl.core.geometry import full_box, region_blocks, union_volume
+from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_ranks, find_adapters,
+                                      peft_config, read_adapter_config, resolve_scale)
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -65,7 +67,8 @@ from ckptctl.checks.output_check import check_safetensors
 from ckptctl.checks.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
 from ckptctl.core.output_plan import OutputPlan
-from ckptctl.core.plan import CopyItem, SourceTensor, StreamItem, TargetTensor, identity_target, missing_elements, plan_box
+from ckptctl.core.plan import (CopyItem, LowRank, SourceTensor, StreamItem, TargetTensor, identity_target,
+                               missing_elements, plan_box, whole_item)
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.storage.source_files import open_source
 
@@ -73,6 +76,7 @@ FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
 SKIPPED_PREFIXES = ("mtp.",)
 """Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
 
@@ -102,6 +106,15 @@ class ExportOptions:
     from them (the HF model's head is then the embeddings)."""
     hub_timeout: float = DEFAULT_HUB_TIMEOUT
     """Seconds a Hub id's config may take to download, connecting and reading (`--hub-timeout`)."""
+    merge_adapters: bool = False
+    """Write each LoRA-adapted weight merged: cast(W + (B @ A) · s), computed in float32."""
+    adapter_only: bool = False
+    """Write the LoRA adapters alone, as a PEFT folder (`adapter_config.json`, `adapter_model.safetensors`)."""
+    lora_alpha: float | None = None
+    rslora: bool = False
+    """s = α / √r (rsLoRA) instead of α / r; with `lora_alpha`."""
+    adapter_config: Path | None = None
+    """The run's peft `adapter_config.json`: α, rsLoRA and r from it."""
 
 
 @dataclass
@@ -126,6 +139,8 @@ class ExportPlan:
     """The names transformers' model expects; None when not checked."""
     selected: bool = False
     """Whether `--include`/`--exclude` left tensors out (then the output is not the whole model)."""
+    adapter_config: dict[str, Any] | None = None
+    """`--adapter-only`: the PEFT folder's adapter_config.json, written instead of config.json."""
 
     @property
     def data_bytes(self) -> int:
@@ -147,7 +162,7 @@ class ExportPlan:
 
     def side_files(self) -> list[str]:
         """Names of everything written besides the safetensors files, sorted."""
-        names = {CONFIG_NAME, *(p.name for p in self.ref_files)}
+        names = {PEFT_CONFIG if self.adapter_config is not None else CONFIG_NAME, *(p.name for p in self.ref_files)}
         if self.weight_map is not None:
             names.add(INDEX_NAME)
         if self.generation is not None:
@@ -160,9 +175,14 @@ class ExportPlan:
         def records(names: Container[str]) -> Iterator[StreamItem]:
             for f in self.files:
                 if f.name in names:
-                    yield from file_records(f, [self.targets[n] for n in self.file_targets[f.name]])
+                    for target in (self.targets[n] for n in self.file_targets[f.name]):
+                        if target.delta is None:
+                            yield from file_records(f, [target])
+                        else:  # computed whole: one record
+                            yield StreamItem(f.name, f.offsets[target.fqn], b"", target, full_box(target.shape), ())
 
-        count = sum(len(item_boxes(t.shape, t.dtype.itemsize)) for t in self.targets.values())
+        count = sum(1 if t.delta is not None else len(item_boxes(t.shape, t.dtype.itemsize))
+                    for t in self.targets.values())
         headers = [CopyItem("", 0, len(f.header), f.name, 0, f.header) for f in self.files]
         return OutputPlan({f.name: f.size for f in self.files}, records, count, self.sources, headers,
                           finish=functools.partial(write_side_files, self), whole_records=True)
@@ -277,10 +297,10 @@ def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str])
     return kept, notes
 
 
-def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportPlan:
+def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str | Path | None = None) -> ExportPlan:
     """Targets, shards, headers and the output config. Reads metadata (and `args`), and the data
     only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
-    to the embeddings."""
+    to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model."""
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -292,6 +312,9 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
     else:
         tp, etp = resolve_tps(ckpt, model, opts.tp)
+    lora = peft_adapters(ckpt, model, raw, opts)
+    if lora is not None and opts.adapter_only:
+        return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref)
     if opts.name_check or not raw:  # a model or family rules are built of the config
         refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
                                "wrong --hf-config?")
@@ -325,6 +348,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         ctx.notes.append(f"{counted(len(written), 'tensor')} of multi-token prediction written as "
                          f"{', '.join(p + '*' for p in mtp)} (transformers skips them on load; inference engines "
                          "read them)")
+    if expected is not None and lora is not None:
+        refuse_unknown_modules(ckpt, lora[0], expected.for_output(tensors))
     if expected is not None:
         expected = expected.allowing(mtp)
         ties = model_ties(tensors, expected)
@@ -345,6 +370,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
     if expected is not None:
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     check_coverage(ckpt, targets.values(), sources)
+    if lora is not None:
+        ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     split = shard(targets, parse_size(opts.max_shard_size))
     files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
     floating = Counter()
@@ -364,6 +391,118 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions) -> ExportP
         weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
         config=config, ref_files=ref_files, notes=ctx.notes,
         generation=generation_config(config) if derive else None, expected=expected, selected=selected,
+    )
+
+
+def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: ExportOptions
+                  ) -> tuple[PeftAdapters, LoraScale] | None:
+    """The checkpoint's peft LoRA adapters and their scale, or None without adapters. The model
+    is left seeing the HF names (`<m>.base_layer.weight` as `<m>.weight`) and no adapter tensor.
+    Adapters without `--merge-adapters` or `--adapter-only` are refused (the closed world: the
+    model alone is not what was trained), as are those flags without adapters."""
+    flags = [flag for flag, on in (("--merge-adapters", opts.merge_adapters), ("--adapter-only", opts.adapter_only))
+             if on]
+    if len(flags) == 2:
+        raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
+    found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix) if raw else None
+    if found is None:
+        if flags:
+            raise UsageError(f"{ckpt.path}: {flags[0]}, but the checkpoint holds no peft LoRA adapter")
+        given = [flag for flag, on in (("--lora-alpha", opts.lora_alpha is not None), ("--rslora", opts.rslora),
+                                       ("--adapter-config", opts.adapter_config is not None)) if on]
+        if given:
+            raise UsageError(f"{given[0]} applies to LoRA adapters only, and {ckpt.path} holds none")
+        return None
+    if not flags:
+        raise CheckpointError(ckpt.path, f"holds {counted(len(found.adapters), 'peft LoRA adapter')} (rank "
+                                         f"{', '.join(map(str, found.ranks))} on {', '.join(found.targets)}): pass "
+                                         "--merge-adapters to export the model with them merged, or --adapter-only "
+                                         "to export them as a PEFT adapter folder")
+    config = read_adapter_config(opts.adapter_config) if opts.adapter_config is not None else None
+    scale = resolve_scale(opts.lora_alpha, opts.rslora, config, ckpt.path)
+    check_ranks(found, scale, ckpt.path, model.prefix)
+    for old, new in found.renamed.items():
+        if new in model.entries:
+            raise CheckpointError(ckpt.path, f"holds both {model.prefix}{old} and {model.prefix}{new}: which one is "
+                                             f"the weight of {new} is not guessed")
+        model.entries[new] = model.entries.pop(old)
+    for name in found.tensors:  # read as operands (`adapter_operand`) or PEFT tensors, never exported as HF ones
+        del model.entries[name]
+    return found, scale
+
+
+def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: ExpectedNames) -> None:
+    """Refuse an adapter on a module whose weight transformers' model has no place for."""
+    unknown = expected.unclaimed(a.weight for a in adapters.adapters)
+    if unknown:
+        more = f" (+{counted(len(unknown) - 1, 'more')})" if len(unknown) > 1 else ""
+        raise CheckpointError(ckpt.path, f"a LoRA adapter on {unknown[0].removesuffix('.weight')}{more}, which a "
+                                         f"{expected.model_class} has no weight for (wrong --hf-config?)")
+
+
+def adapter_operand(model: MegatronModel, name: str) -> tuple[TargetTensor, SourceTensor]:
+    """An adapter tensor, whole, as a float32 operand, and the source view it reads."""
+    view = model.source_view(model.prefix + name)
+    return identity_target(view, dtype=float32), view
+
+
+def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, TargetTensor],
+                   sources: Mapping[str, SourceTensor], adapters: PeftAdapters, scale: LoraScale) -> str:
+    """Give each adapted weight the `delta` that merges its adapter (its W, A and B planned whole;
+    a weight `--include`/`--exclude` left out needs none); the note that says so."""
+    merged = 0
+    for adapter in adapters.adapters:
+        target = targets.get(adapter.weight)
+        if target is None:
+            continue
+        (a, a_view), (b, b_view) = (adapter_operand(model, n) for n in (adapter.a, adapter.b))
+        views = {a_view.fqn: a_view, b_view.fqn: b_view}
+        check_coverage(ckpt, (a, b), views)
+        base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
+        delta = LowRank(whole_item(base, sources), whole_item(a, views), whole_item(b, views),
+                        scale.scale(adapter.rank))
+        targets[adapter.weight] = replace(target, delta=delta)
+        merged += 1
+    how = "α / √r" if scale.rslora else "α / r"
+    return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} LoRA adapters (s = {how}, α "
+            f"{scale.alpha:g} from {scale.source}): W + (B @ A) · s in float32, cast once; in bf16 this equals "
+            "peft's float32 merge_and_unload() cast to bf16")
+
+
+def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
+                        adapters: PeftAdapters, scale: LoraScale, ref: str | Path | None) -> ExportPlan:
+    """`--adapter-only`: A and B of every adapter under PEFT's names, copied (cast with
+    `--dtype`), in one `adapter_model.safetensors`, and the adapter_config.json PEFT loads them
+    with; each adapted module is first checked to be one transformers' model has."""
+    if opts.include or opts.exclude:
+        raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
+    notes: list[str] = []
+    if opts.name_check:
+        expected = expected_for(cfg, True, notes)
+        if expected is not None:
+            refuse_unknown_modules(ckpt, adapters, expected)
+    else:
+        notes.append("adapted modules not checked (--no-name-check): the folder may not load")
+    targets: dict[str, TargetTensor] = {}
+    sources: dict[str, SourceTensor] = {}
+    for adapter in adapters.adapters:
+        for name, part in ((adapter.a, "lora_A"), (adapter.b, "lora_B")):
+            view = model.source_view(model.prefix + name)
+            sources[view.fqn] = view
+            out = f"{PEFT_PREFIX}{adapter.module}.{part}.weight"
+            targets[out] = identity_target(view, out, cast_dtype(view.dtype, opts.dtype))
+    check_coverage(ckpt, targets.values(), sources)
+    files = [layout_file(PEFT_WEIGHTS, list(targets.values()))]
+    architectures = output_config(cfg, None).get("architectures") or ()
+    modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
+    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None,
+                         "CAUSAL_LM" if generative(architectures) else None)
+    notes.append(f"{counted(len(adapters.adapters), 'LoRA adapter')} ({adapters.adapter_name!r}) written as a PEFT "
+                 f"folder: load it with PeftModel.from_pretrained(base model, folder)")
+    return ExportPlan(
+        family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
+        files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
+        ref_files=[], notes=notes, adapter_config=config,
     )
 
 
@@ -672,7 +811,7 @@ def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> t
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at)."""
-    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts)
+    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
                for name, t in sorted(plan.targets.items())]
@@ -705,7 +844,7 @@ def export_hf(
     started = time.perf_counter()
     cfg = load_hf_config(ref, opts.hub_timeout)
     ckpt = open_checkpoint(src)
-    plan = plan_export(ckpt, cfg, opts)
+    plan = plan_export(ckpt, cfg, opts, ref)
     check_destination(dst, force, src)
     phases = Phases(progress)
     report = ExportReport(
@@ -714,6 +853,9 @@ def export_hf(
         parameters=plan.parameters, notes=list(plan.notes), processes=comm.world_size,
         device=resolve_device(opts.device),
     )
+    if report.device != "cpu" and any(t.delta is not None for t in plan.targets.values()):
+        report.device = "cpu"  # another device's matmul would give other bits than peft's CPU merge
+        report.notes.append("merged weights are computed on the CPU: the run uses the CPU engine")
     sources = ChunkSource(ckpt)
 
     def verify_output(tmp: Path) -> None:
@@ -721,7 +863,8 @@ def export_hf(
         for f in plan.files:
             verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
         check_written_names(plan, tmp)
-        check_decoded_source(ckpt, plan.targets, plan.sources, safetensors_read_back(tmp, plan), dst,
+        copied = {name: t for name, t in plan.targets.items() if t.delta is None}  # merged ones: recomputed above
+        check_decoded_source(ckpt, copied, plan.sources, safetensors_read_back(tmp, plan), dst,
                              max(1, opts.workers), advance)
         phases.stop()
         report.verified = True
@@ -765,6 +908,9 @@ def write_side_files(plan: ExportPlan, out: Path) -> None:
     else derived from the config), tokenizer files of REF; JSON as transformers writes it."""
     if plan.weight_map is not None:
         write_index(out / INDEX_NAME, plan.parameters, plan.total_size, plan.weight_map)
+    if plan.adapter_config is not None:
+        (out / PEFT_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2, sort_keys=True) + "\n")
+        return
     (out / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
     if plan.generation is not None:
         (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")

@@ -1,9 +1,9 @@
 """`--arch raw`: checkpoints whose model FQNs already are Hugging Face names (FSDP2, torchtitan).
 
 `get_state_dict` puts the model under `model.`; that one prefix is stripped when every
-model key has it, and each tensor is exported whole, unchanged. Optimizer state and other
-non-model entries are left out; with tied embeddings `lm_head.weight` is not written (export-hf
-first proves it equal to the embeddings, `base.TiedHead`).
+model key has it (and peft's `base_model.model.` after it), and each tensor is exported whole,
+unchanged. Optimizer state and other non-model entries are left out; with tied embeddings
+`lm_head.weight` is not written (export-hf first proves it equal to the embeddings, `base.TiedHead`).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptctl.core.dtypes import DType
+from ckptctl.families.adapters import peft_prefix
 from ckptctl.families.base import ExportContext, TiedHead, is_model_key
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.plan import Piece, TargetTensor
@@ -21,8 +22,11 @@ TIE_KEY = "tie_word_embeddings"
 
 
 def raw_prefix(ckpt: Checkpoint) -> str:
+    """`model.` when every model key has it, then peft's `base_model.model.` when every key has
+    that too (a `PeftModel`'s state dict: `families.adapters`)."""
     keys = [fqn for fqn in ckpt.tensors if is_model_key(fqn)]
-    return PREFIX if keys and all(k.startswith(PREFIX) for k in keys) else ""
+    prefix = PREFIX if keys and all(k.startswith(PREFIX) for k in keys) else ""
+    return prefix + peft_prefix([k[len(prefix):] for k in keys])
 
 
 @dataclass(frozen=True)

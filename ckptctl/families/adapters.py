@@ -1,0 +1,218 @@
+"""HF `peft` LoRA adapters in a checkpoint: their names, how A and B pair with a base weight, their scale.
+
+A peft model's state dict (what FSDP2's `get_model_state_dict` saves) wraps the HF model in
+`base_model.model.`; an adapted linear keeps its weight as `<m>.base_layer.weight` and holds
+`<m>.lora_A.<adapter>.weight` [r, in] and `<m>.lora_B.<adapter>.weight` [out, r], where
+`<adapter>` is the adapter's name (`default`). Merged, the HF weight `<m>.weight` is
+W + (B @ A) · s with s = α / r (α / √r with rsLoRA). α is not in the checkpoint: it comes
+from the run's `adapter_config.json` or the command line, never from a guess. A PEFT folder
+names the same tensors `base_model.model.<m>.lora_A.weight` (no adapter name).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from collections import Counter
+from typing import Any, Collection, Mapping, Sequence
+
+from ckptctl.storage.hf_files import read_json_object
+from ckptctl.util.errors import CheckpointError, UsageError
+from ckptctl.util.wording import counted
+
+PEFT_PREFIX = "base_model.model."
+"""What peft's `PeftModel` puts before every name of the model it wraps."""
+BASE_LAYER = ".base_layer."
+"""An adapted module's own parameters: `<m>.base_layer.weight` is the HF `<m>.weight`."""
+_PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector|lora_embedding_A|lora_embedding_B)"
+                   r"\.(?P<adapter>[^.]+)(?:\.(?P<param>weight|bias))?$")
+_WRAPPED = re.compile(r"(^|\.)(modules_to_save|original_module)\.")
+PEFT_CONFIG = "adapter_config.json"
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """One LoRA adapter on one linear module, named as the checkpoint names them without prefix."""
+
+    module: str
+    """The HF module path (`model.layers.0.self_attn.q_proj`)."""
+    a: str
+    b: str
+    rank: int
+
+    @property
+    def weight(self) -> str:
+        """The HF name of the weight the adapter is merged into."""
+        return f"{self.module}.weight"
+
+    @property
+    def leaf(self) -> str:
+        return self.module.rsplit(".", 1)[-1]
+
+
+@dataclass(frozen=True)
+class PeftAdapters:
+    """The adapters of a peft model's checkpoint, and the HF name of each wrapped base tensor."""
+
+    adapters: tuple[Adapter, ...]
+    adapter_name: str
+    renamed: dict[str, str]
+    """`<m>.base_layer.<param>` → `<m>.<param>`."""
+
+    @property
+    def tensors(self) -> set[str]:
+        """Names of the adapter tensors themselves."""
+        return {n for a in self.adapters for n in (a.a, a.b)}
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({a.rank for a in self.adapters})
+
+    @property
+    def targets(self) -> list[str]:
+        """The adapted modules' leaf names, sorted (PEFT's `target_modules`)."""
+        return sorted({a.leaf for a in self.adapters})
+
+
+def peft_prefix(names: Sequence[str]) -> str:
+    """`base_model.model.` when every name has it (a peft model's state dict), else ''."""
+    return PEFT_PREFIX if names and all(n.startswith(PEFT_PREFIX) for n in names) else ""
+
+
+def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "") -> PeftAdapters | None:
+    """The LoRA adapters among a peft model's tensors (names without `prefix`, the checkpoint's
+    up to `base_model.model.`, which messages put back), or None when there are none. Refused,
+    by name: DoRA magnitudes, embedding LoRA, LoRA biases, `modules_to_save` copies, several
+    adapter names, an A without its B (or the reverse), and shapes that do not pair ([r, in]
+    and [out, r] with a base [out, in])."""
+    parts: dict[tuple[str, str], dict[str, str]] = {}
+    for name in sorted(shapes):
+        if _WRAPPED.search(name):
+            raise CheckpointError(where, f"{prefix}{name}: a peft modules_to_save copy, which export-hf does not "
+                                         "export yet")
+        match = _PART.match(name)
+        if match is None:
+            continue
+        part = match["part"]
+        if part == "lora_magnitude_vector":
+            raise CheckpointError(where, f"{prefix}{name}: a DoRA adapter (use_dora), which export-hf does not "
+                                         "merge or export yet (plain LoRA only)")
+        if part.startswith("lora_embedding"):
+            raise CheckpointError(where, f"{prefix}{name}: a LoRA adapter on an embedding, which export-hf does "
+                                         "not merge or export yet")
+        if match["param"] != "weight":
+            raise CheckpointError(where, f"{prefix}{name}: a LoRA bias (lora_bias), which export-hf does not "
+                                         "merge or export yet")
+        parts.setdefault((match["module"], match["adapter"]), {})[part] = name
+    if not parts:
+        return None
+    names = sorted({adapter for _, adapter in parts})
+    if len(names) > 1:
+        raise CheckpointError(where, f"{len(names)} peft adapters ({', '.join(names)}): export-hf exports a "
+                                     "checkpoint of one adapter")
+    adapters = []
+    for (module, _), found in sorted(parts.items()):
+        missing = {"lora_A", "lora_B"} - set(found)
+        if missing:
+            raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
+        base = f"{module}{BASE_LAYER}weight"
+        a, b = found["lora_A"], found["lora_B"]
+        if base not in shapes:
+            raise CheckpointError(where, f"{prefix}{a}: an adapter on {module}, which has no {prefix}{base}")
+        w, sa, sb = shapes[base], shapes[a], shapes[b]
+        if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != w[1] or sb[0] != w[0] or sa[0] != sb[1]:
+            raise CheckpointError(where, f"{prefix}{module}: lora_A {list(sa)} and lora_B {list(sb)} do not pair with "
+                                         f"its base weight {list(w)} (want [r, {w[1] if len(w) == 2 else '?'}] and "
+                                         f"[{w[0] if w else '?'}, r])")
+        adapters.append(Adapter(module, a, b, sa[0]))
+    renamed = {n: n.replace(BASE_LAYER, ".", 1) for n in shapes if BASE_LAYER in n}
+    return PeftAdapters(tuple(adapters), names[0], renamed)
+
+
+@dataclass(frozen=True)
+class LoraScale:
+    """α, rsLoRA, and where they were read (`--lora-alpha`, an adapter_config.json)."""
+
+    alpha: float
+    rslora: bool
+    rank: int | None = None
+    """The config's `r`, checked against every adapter's rank; None from the command line."""
+    source: str = "--lora-alpha"
+
+    def scale(self, rank: int) -> float:
+        """s as peft computes it: α / r, or α / √r with rsLoRA (Python floats)."""
+        return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
+
+
+def read_adapter_config(path: Path) -> LoraScale:
+    """α, rsLoRA and r of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks or
+    alphas, DoRA, fan_in_fan_out, LoRA biases (export-hf merges none of these yet), a missing or
+    non-numeric α or r."""
+    data = read_json_object(path, "peft adapter config")
+    if data.get("peft_type") != "LORA":
+        raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}, not 'LORA'")
+    for key, what in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
+        if data.get(key):
+            raise UsageError(f"{path}: has a {key} ({what}), which export-hf does not merge yet")
+    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "transposed (Conv1D) weights"),
+                      ("lora_bias", "LoRA biases")):
+        if data.get(key):
+            raise UsageError(f"{path}: {key} is true ({what}), which export-hf does not merge yet")
+    alpha, rank = data.get("lora_alpha"), data.get("r")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise UsageError(f"{path}: lora_alpha is {json.dumps(alpha)}, not a number")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise UsageError(f"{path}: r is {json.dumps(rank)}, not a positive integer")
+    return LoraScale(alpha, data.get("use_rslora") is True, rank, str(path))
+
+
+def resolve_scale(alpha: float | None, rslora: bool, config: LoraScale | None, where: str | Path) -> LoraScale:
+    """The one α (and rsLoRA) of the export: `--lora-alpha`/`--rslora`, the adapter config's,
+    or both when they agree; neither is refused (α is never guessed)."""
+    if config is None:
+        if alpha is None:
+            raise UsageError(f"{where}: LoRA α is not in the checkpoint: pass --lora-alpha (and --rslora for an "
+                             f"rsLoRA run) or --adapter-config (the run's {PEFT_CONFIG})")
+        return LoraScale(alpha, rslora)
+    if alpha is not None and alpha != config.alpha:
+        raise UsageError(f"--lora-alpha {alpha:g} disagrees with {config.source}, whose lora_alpha is "
+                         f"{config.alpha:g}")
+    if rslora and not config.rslora:
+        raise UsageError(f"--rslora disagrees with {config.source}, whose use_rslora is false")
+    return config
+
+
+def check_ranks(adapters: PeftAdapters, scale: LoraScale, where: str | Path, prefix: str = "") -> None:
+    """Refuse an adapter whose rank (its A's rows) is not the config's `r` (`prefix`: as in `find_adapters`)."""
+    if scale.rank is None:
+        return
+    wrong = [a for a in adapters.adapters if a.rank != scale.rank]
+    if wrong:
+        more = f" (+{counted(len(wrong) - 1, 'more adapter')})" if len(wrong) > 1 else ""
+        raise CheckpointError(where, f"{prefix}{wrong[0].a} has rank {wrong[0].rank} (its rows), but "
+                                     f"{scale.source} says r {scale.rank}{more}")
+
+
+def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[str], base_model: str | None,
+                task_type: str | None) -> dict[str, Any]:
+    """An adapter_config.json PEFT loads as written. `target_modules` is the leaf names when every
+    module of `modules` (the model's) with such a name is adapted, else a full-match pattern of
+    the adapted ones, so PEFT puts no fresh adapter elsewhere; `r` the most common rank, the
+    others in `rank_pattern`; `use_rslora` always (a missing one loads a wrong scale)."""
+    ranks = Counter(a.rank for a in adapters.adapters)
+    rank = max(ranks, key=lambda r: (ranks[r], -r))
+    adapted = {a.module for a in adapters.adapters}
+    leaves = set(adapters.targets)
+    every = all(m in adapted for m in modules if m.rsplit(".", 1)[-1] in leaves)
+    alpha = int(scale.alpha) if float(scale.alpha).is_integer() else scale.alpha
+    return {
+        "peft_type": "LORA", "r": rank, "lora_alpha": alpha,
+        "use_rslora": scale.rslora, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+        "lora_dropout": 0.0, "inference_mode": True,
+        "target_modules": adapters.targets if every else "|".join(re.escape(m) for m in sorted(adapted)),
+        "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},
+        "task_type": task_type, "base_model_name_or_path": base_model,
+    }

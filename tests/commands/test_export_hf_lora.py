@@ -1,0 +1,262 @@
+"""`export-hf` of an FSDP2 checkpoint of an HF `peft` LoRA model: merged, or as a PEFT folder.
+
+A tiny LlamaForCausalLM wrapped by peft (r 5, α 7: a scale that is no power of two; every
+linear of the decoder adapted; lora_B random, so every adapter changes its weight) is
+`fully_shard`ed on 2 gloo ranks and saved by `dcp.save` of `get_model_state_dict`, as a
+fine-tuning run saves it. The oracles are peft's own: `merge_and_unload()` in float32 (bit for
+bit), `PeftModel.from_pretrained` of the adapter folder (logits equal to the trained model's,
+no "missing adapter keys" warning), transformers' `from_pretrained` of the merged folder.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures.gloo import run_ranks
+from tests.conftest import run_cli
+
+pytest.importorskip("peft")
+
+WORLD = 2
+RANK, ALPHA = 5, 7
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOKENS = torch.tensor([[1, 5, 9, 2, 33, 17, 4, 60, 3]])
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, tie_word_embeddings=False)
+
+
+def lora_config(**overrides):
+    from peft import LoraConfig
+
+    return LoraConfig(**{"r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS, **overrides})
+
+
+def peft_model(**overrides):
+    """The trained model: a seeded base with adapters whose B is random (peft starts it at zero)."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(llama_config()), lora_config(**overrides))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model.eval()
+
+
+def _save(rank: int, world_size: int, out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = peft_model()
+    mesh = init_device_mesh("cpu", (world_size,))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=out)
+
+
+@pytest.fixture(scope="session")
+def lora(tmp_path_factory):
+    """The FSDP2 checkpoint, the base model's HF config folder, and the run's adapter_config.json."""
+    root = tmp_path_factory.mktemp("lora")
+    run_ranks(_save, WORLD, str(root / "ckpt"), timeout=240)
+    llama_config().save_pretrained(root / "base")
+    peft_model().save_pretrained(root / "adapter")
+    return root
+
+
+def export(lora: Path, dst: Path, *args: str):
+    return run_cli("export-hf", lora / "ckpt", dst, "--hf-config", lora / "base", *args)
+
+
+def base_state() -> dict[str, torch.Tensor]:
+    """The trained model's base weights under HF names (what the adapters are merged into)."""
+    state = peft_model().get_base_model().state_dict()
+    return {k.replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
+
+
+def merged_state() -> dict[str, torch.Tensor]:
+    return peft_model().merge_and_unload().state_dict()
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_merged_fp32_weights_are_peft_merge_bit_for_bit_and_give_its_logits(lora, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dst = tmp_path / "merged"
+    res = export(lora, dst, "--merge-adapters", "--adapter-config", lora / "adapter" / "adapter_config.json",
+                 "--verify", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["verified"] is True
+    want = merged_state()
+    got = read_folder(dst)
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+    base = base_state()
+    assert sum(not torch.equal(base[n], want[n]) for n in want) == 7 * 2  # every adapted weight changed
+    model = AutoModelForCausalLM.from_pretrained(dst).eval()
+    with torch.no_grad():
+        assert torch.equal(model(TOKENS).logits, peft_model().merge_and_unload()(TOKENS).logits)
+
+
+def test_bf16_merge_is_the_fp32_merge_rounded_once(lora, tmp_path):
+    dst = tmp_path / "bf16"
+    res = export(lora, dst, "--merge-adapters", "--lora-alpha", str(ALPHA), "--dtype", "bf16")
+    assert res.returncode == 0, res.stderr
+    got = read_folder(dst)
+    want = peft_model().float().merge_and_unload().to(torch.bfloat16).state_dict()
+    for name, tensor in want.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor), name
+
+
+def test_adapter_folder_loads_in_peft_with_the_trained_logits(lora, tmp_path):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    dst = tmp_path / "adapter"
+    res = export(lora, dst, "--adapter-only", "--lora-alpha", str(ALPHA), "--verify")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in dst.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    trained = peft_model()
+    saved = read_folder(lora / "adapter")
+    got = read_folder(dst)
+    assert sorted(got) == sorted(saved)
+    assert all(torch.equal(got[n], saved[n]) for n in saved)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["lora_alpha"], config["use_rslora"], config["target_modules"]) \
+        == ("LORA", RANK, ALPHA, False, sorted(TARGETS))
+    assert config["base_model_name_or_path"] == str(lora / "base")
+    base = LlamaForCausalLM(llama_config())
+    base.load_state_dict(base_state())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = PeftModel.from_pretrained(base, dst).eval()
+    assert not [w for w in caught if "adapter keys" in str(w.message)]
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, trained(TOKENS).logits)
+
+
+def test_adapters_without_an_export_mode_are_refused_naming_both(lora, tmp_path):
+    res = export(lora, tmp_path / "dst")
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: holds 14 peft LoRA adapters (rank 5 on down_proj, gate_proj, "
+                          "k_proj, o_proj, q_proj, up_proj, v_proj): pass --merge-adapters to export the model with "
+                          "them merged, or --adapter-only to export them as a PEFT adapter folder\n")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("args, line", [
+    ((), "{ckpt}: LoRA α is not in the checkpoint: pass --lora-alpha (and --rslora for an rsLoRA run) or "
+         "--adapter-config (the run's adapter_config.json)"),
+    (("--lora-alpha", "8", "--adapter-config", "{cfg}"), "--lora-alpha 8 disagrees with {cfg}, whose lora_alpha is 7"),
+    (("--rslora", "--adapter-config", "{cfg}"), "--rslora disagrees with {cfg}, whose use_rslora is false"),
+    (("--adapter-only", "--lora-alpha", "7"), "--merge-adapters and --adapter-only exclude each other: pass one"),
+])
+def test_scale_refusals_are_one_exact_line(lora, tmp_path, args, line):
+    cfg = lora / "adapter" / "adapter_config.json"
+    args = [a.format(cfg=cfg) for a in args]
+    res = export(lora, tmp_path / "dst", "--merge-adapters", *args)
+    assert res.returncode == 2
+    assert res.stderr == "ckptctl: error: " + line.format(ckpt=lora / "ckpt", cfg=cfg) + "\n"
+
+
+def test_a_config_rank_other_than_the_tensors_is_refused(lora, tmp_path):
+    cfg = tmp_path / "adapter_config.json"
+    cfg.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": ALPHA}))
+    res = export(lora, tmp_path / "dst", "--merge-adapters", "--adapter-config", cfg)
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: model.base_model.model.model.layers.0.mlp.down_proj.lora_A.default"
+                          f".weight has rank 5 (its rows), but {cfg} says r 8 (+13 more adapters)\n")
+
+
+def test_dora_is_refused_naming_its_magnitude(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = peft_model(use_dora=True, target_modules=["q_proj"]).state_dict()
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config().save_pretrained(tmp_path / "base")
+    res = export(tmp_path, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7")
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default."
+                          "weight: a DoRA adapter (use_dora), which export-hf does not merge or export yet (plain LoRA "
+                          "only)\n")
+
+
+def test_an_adapter_on_a_module_the_model_lacks_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    state = peft_model(target_modules=["q_proj"]).state_dict()
+    renamed = {k.replace("layers.1.self_attn.q_proj", "layers.1.self_attn.x_proj"): v for k, v in state.items()}
+    dcp.save({"model": renamed}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config().save_pretrained(tmp_path / "base")
+    res = export(tmp_path, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7")
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: a LoRA adapter on model.layers.1.self_attn.x_proj, which a "
+                          "LlamaForCausalLM has no weight for (wrong --hf-config?)\n")
+
+
+def test_reshard_keeps_the_adapters_bit_for_bit(lora, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dst = tmp_path / "resharded"
+    res = run_cli("reshard", lora / "ckpt", dst, "--world-size", "3")
+    assert res.returncode == 0, res.stderr
+    want = peft_model().state_dict()
+    state = {k: torch.empty_like(v) for k, v in want.items()}
+    dcp.load({"model": state}, checkpoint_id=dst, no_dist=True)
+    assert all(torch.equal(state[k], want[k]) for k in want)
+
+
+def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
+    """rsLoRA (s = α / √r) on layer 1's q_proj and down_proj only, saved whole by one process:
+    the merge is peft's bit for bit, and the adapter folder's `target_modules` names exactly
+    those modules (a leaf-name list would put fresh adapters on layer 0 too)."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+
+    trained = dict(use_rslora=True, target_modules=["q_proj", "down_proj"], layers_to_transform=[1])
+    dcp.save({"model": peft_model(**trained).state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config().save_pretrained(tmp_path / "base")
+    scale = dict(lora_alpha=ALPHA, rslora=True)
+    export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base", ExportOptions(merge_adapters=True, **scale))
+    want = peft_model(**trained).merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True, **scale))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["use_rslora"], config["target_modules"]) == (
+        True, r"model\.layers\.1\.mlp\.down_proj|model\.layers\.1\.self_attn\.q_proj")
+    base = LlamaForCausalLM(llama_config())
+    base.load_state_dict(base_state())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert not [w for w in caught if "adapter keys" in str(w.message)]
+    assert sorted(n for n, _ in loaded.named_parameters() if "lora_A" in n) == [
+        "base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight",
+        "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, peft_model(**trained)(TOKENS).logits)
