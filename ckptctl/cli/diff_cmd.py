@@ -61,8 +61,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stderr, stdout, torch_for_cast,
-    write_out,
+    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stderr, stdout, write_out,
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.core.checkpoint import dtype_name
@@ -257,11 +256,9 @@ def diff_command(
 
         display = ProgressDisplay(progress_wanted(json_out))
         with display.shown():
-            if compare_as is not None:  # the first cast would import it under the comparing bar, stuck at 0
-                torch_for_cast(display, compare_as)
             return diff(a, b, atol=atol, rtol=rtol, include=include or (), exclude=exclude or (),
                         progress=display, workers=max(1, workers), compare_as=compare_as, arch=arch,
-                        hf_config=hf_config, tp=tp, hub_timeout=hub_timeout)
+                        hf_config=hf_config, tp=tp, hub_timeout=hub_timeout, preparing=display.preparing)
 
     report = run_guarded(body)
     if json_out:

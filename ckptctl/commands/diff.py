@@ -44,12 +44,13 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
@@ -194,6 +195,9 @@ class Side(Protocol):
     def check_complete(self, names: Sequence[str]) -> None:
         """Raise CheckpointError when a tensor to compare has elements no saved chunk holds."""
 
+    def reads_with_torch(self, names: Sequence[str]) -> bool:
+        """Whether reading one of these tensors needs torch (rows placed transposed, a constant added)."""
+
     def read(self, name: str, start: int, stop: int) -> bytearray:
         """Row-major bytes of elements [start, stop) of tensor `name` (thread-safe)."""
 
@@ -234,6 +238,9 @@ class DcpSide:
         for problem in analysis(self.ckpt).problems:
             if problem.kind == "gaps" and problem.fqn in wanted:
                 raise CheckpointError(self.path, f"{problem.message}: cannot compare elements that were never saved")
+
+    def reads_with_torch(self, names: Sequence[str]) -> bool:
+        return any(self._targets[n].add or any(p.axes is not None for p in self._targets[n].pieces) for n in names)
 
     def read(self, name: str, start: int, stop: int) -> bytearray:
         target = self._targets[name]
@@ -324,6 +331,9 @@ class SafetensorsSide:
 
     def check_complete(self, names: Sequence[str]) -> None:
         """A safetensors tensor is always whole (its header was checked against the file size)."""
+
+    def reads_with_torch(self, names: Sequence[str]) -> bool:
+        return False
 
     def _fd(self, file: Path) -> int:
         with self._lock:
@@ -439,11 +449,14 @@ def format_of(path: Path) -> str:
 def diff(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0, include: Sequence[str] = (),
          exclude: Sequence[str] = (), progress: ProgressObserver | None = None, workers: int = 4,
          compare_as: DType | str | None = None, arch: str = "auto", hf_config: str | Path | None = None,
-         tp: int | None = None, hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> DiffReport:
+         tp: int | None = None, hub_timeout: float = DEFAULT_HUB_TIMEOUT,
+         preparing: Callable[[str], ContextManager[None]] | None = None) -> DiffReport:
     """Compare checkpoints `a` and `b` entry by entry (see the module docstring for what is compared).
 
     `arch`, `hf_config` and `tp` say how a DCP checkpoint's names map to a safetensors model's
-    (`open_sides`); `compare_as` the dtype floating-point values are compared in. Raises
+    (`open_sides`); `compare_as` the dtype floating-point values are compared in. `preparing(what)`
+    is the context torch is imported in when the comparison needs it (a cast, rows placed
+    transposed), before the comparing phase starts: the CLI shows a bar saying so. Raises
     CheckpointError on unreadable input and UsageError for a bad option or filters that select
     nothing on either side; differences are never errors, they are the report.
     """
@@ -458,7 +471,7 @@ def diff(a: Path, b: Path, *, atol: float = 0.0, rtol: float = 0.0, include: Seq
     started = time.monotonic()
     side_a, side_b = open_sides(Path(a), Path(b), arch, hf_config, tp, hub_timeout)
     try:
-        report = _diff_sides(side_a, side_b, atol, rtol, include, exclude, progress, workers, wanted)
+        report = _diff_sides(side_a, side_b, atol, rtol, include, exclude, progress, workers, wanted, preparing)
     finally:
         side_a.close()
         side_b.close()
@@ -487,7 +500,8 @@ def _compared_dtype(a: DType, b: DType, compare_as: DType | None) -> DType | Non
 
 def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: Sequence[str],
                 exclude: Sequence[str], progress: ProgressObserver | None, workers: int,
-                compare_as: DType | None = None) -> DiffReport:
+                compare_as: DType | None = None,
+                preparing: Callable[[str], ContextManager[None]] | None = None) -> DiffReport:
     def pick(names: Sequence[str]) -> list[str]:
         return [n for n in names if selected(n, include, exclude)]
 
@@ -517,6 +531,11 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
     side_a.check_complete([p.name for p in pairs])
     side_b.check_complete([p.name for p in pairs])
 
+    why = _why_torch(pairs, side_a, side_b)
+    if why and preparing is not None and "torch" not in sys.modules:  # not under the comparing bar, stuck at 0
+        with preparing(f"starting torch {why}"):
+            import torch  # noqa: F401
+
     total = sum(p.a.nbytes for p in pairs) + sum(side_a.bytes_entries[n].nbytes for n in both_bytes)
     phases = Phases(progress)
     advance = phases.start("comparing", total) if total else _uncounted  # no bar for nothing to compare
@@ -537,6 +556,17 @@ def _diff_sides(side_a: Side, side_b: Side, atol: float, rtol: float, include: S
         compare_as=compare_as, notes=[*side_a.notes, *side_b.notes, *_dtype_notes(pairs, tensors, compare_as)],
         bytes_compared=total,
     )
+
+
+def _why_torch(pairs: Sequence[_Pair], side_a: Side, side_b: Side) -> str | None:
+    """Why comparing these pairs will import torch (a cast, rows placed transposed), or None."""
+    casts = sorted({p.dtype.name for p in pairs if p.a.dtype != p.b.dtype})  # one dtype: cast only where bytes differ
+    if casts:
+        return f"for the {', '.join(casts)} cast"
+    names = [p.name for p in pairs]
+    if side_a.reads_with_torch(names) or side_b.reads_with_torch(names):
+        return "to reorder rows"
+    return None
 
 
 def _uncounted(nbytes: int) -> None:

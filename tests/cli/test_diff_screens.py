@@ -57,11 +57,16 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def screen_lines(root: Path, columns: int, *args: str) -> tuple[int, list[str]]:
+def screen_lines(root: Path, columns: int, *args: str, starting: str | None = None) -> tuple[int, list[str]]:
+    """Exit status and screen lines of `diff ARGS`; `starting`: the bar torch starts under, gone once
+    it has (the comparing bar counts only bytes compared)."""
     run = run_in_terminal("diff", *args, columns=columns, cwd=root)
     assert_no_traceback(run.screen)
     lines = run.screen.splitlines()
     assert max(map(len, lines)) <= columns
+    shown = [f for f in run.frames if f.startswith("starting torch")]
+    assert {f.split(" ━")[0] for f in shown} == ({starting} if starting else set())
+    assert starting is None or starting not in run.screen
     return run.returncode, lines
 
 
@@ -100,7 +105,8 @@ def test_dtype_differences_show_no_empty_bar_and_say_how_to_compare_at_120_colum
            "  casts)"]),
 ])
 def test_compared_as_bf16_the_export_is_equal_under_a_full_bar(root, columns, notes):
-    code, lines = screen_lines(root, columns, "ckpt", "hf-bf16", "--compare-as", "bf16")
+    code, lines = screen_lines(root, columns, "ckpt", "hf-bf16", "--compare-as", "bf16",
+                               starting="starting torch for the bfloat16 cast")
     assert code == 0
     bar = BAR.match(lines[0])
     assert bar is not None and bar["size"] == "1.3/1.3", lines[0]
@@ -108,7 +114,7 @@ def test_compared_as_bf16_the_export_is_equal_under_a_full_bar(root, columns, no
 
 
 def test_a_torchtitan_import_against_a_changed_hf_source_at_80_columns(root):
-    code, lines = screen_lines(root, 80, "titan", "hf-changed")
+    code, lines = screen_lines(root, 80, "titan", "hf-changed", starting="starting torch to reorder rows")
     assert code == 1
     assert BAR.match(lines[0]) is not None and BAR.match(lines[0])["size"] == "6.8/6.8", lines[0]
     assert lines[1:] == [
@@ -126,7 +132,7 @@ def test_a_torchtitan_import_against_a_changed_hf_source_at_80_columns(root):
 
 
 def test_a_torchtitan_import_against_a_changed_hf_source_at_120_columns(root):
-    code, lines = screen_lines(root, 120, "titan", "hf-changed")
+    code, lines = screen_lines(root, 120, "titan", "hf-changed", starting="starting torch to reorder rows")
     assert code == 1
     assert BAR.match(lines[0]) is not None, lines[0]
     assert lines[1:] == [
