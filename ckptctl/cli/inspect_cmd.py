@@ -32,6 +32,8 @@ ignores them.
       "dtypes": {"float32": n, ...},                          # tensors per dtype
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
       "prefixes": {"model": ["model.module."], "optimizer": ["optimizer.state.module."]},
+      "adapters": null | {"kind": "peft-lora" | "peft-dora", "adapters": [name],  # peft's adapter names
+                          "modules": int, "ranks": [int], "targets": {leaf name: modules}},
       "tensors": {fqn: {
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",
@@ -161,8 +163,10 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     """The `--json` document (schema in the module docstring); its tensors, chunks and all,
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
-    from ckptctl.formats.megatron_args import training_args
     from ckptctl.core.rank_state import rank_states
+    from ckptctl.families.adapters import adapter_summary
+    from ckptctl.families.base import is_model_key
+    from ckptctl.formats.megatron_args import training_args
 
     reports = analysis.reports
     training = training_args(ckpt)
@@ -184,6 +188,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "dtypes": analysis.dtypes,
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
+        "adapters": adapter_summary({fqn: e.shape for fqn, e in ckpt.tensors.items() if is_model_key(fqn)}),
         "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
                             lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
         "bytes_entries": {fqn: {"file": b.file, "offset": b.offset, "length": b.length,
@@ -282,6 +287,8 @@ def _rank_state_line(state: dict[str, Any]) -> str:
 
 
 def _print_summary(doc: dict[str, Any]) -> None:
+    from ckptctl.families.adapters import summary_line as adapters_line
+
     files = doc["files"]
     rows = [
         ("Checkpoint", doc["path"]),
@@ -303,6 +310,7 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Layouts", _counts(doc["layouts"])),
         ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
          + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
+        *((("Adapters", adapters_line(doc["adapters"])),) if doc["adapters"] else ()),
     ]
     show_rows(rows)
 

@@ -216,3 +216,35 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
         "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},
         "task_type": task_type, "base_model_name_or_path": base_model,
     }
+
+
+def adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
+    """What `inspect` says of the peft adapters among a checkpoint's model tensors (full names),
+    without judging them: kind (`peft-lora`, `peft-dora` with magnitudes), adapter names, adapted
+    modules, ranks (A's rows) and modules per leaf name; None without adapters. α is never in
+    the checkpoint."""
+    ranks: dict[str, int] = {}
+    names: set[str] = set()
+    dora = False
+    for name, shape in shapes.items():
+        match = _PART.match(name)
+        if match is None:
+            continue
+        names.add(match["adapter"])
+        dora = dora or match["part"] == "lora_magnitude_vector"
+        if match["part"] in ("lora_A", "lora_embedding_A") and shape:
+            ranks[match["module"]] = shape[0]
+    if not names:
+        return None
+    return {"kind": "peft-dora" if dora else "peft-lora", "adapters": sorted(names), "modules": len(ranks),
+            "ranks": sorted(set(ranks.values())),
+            "targets": dict(sorted(Counter(m.rsplit(".", 1)[-1] for m in ranks).items()))}
+
+
+def summary_line(summary: Mapping[str, Any]) -> str:
+    """`peft LoRA 'default': 14 modules, rank 5 (down_proj ×2, …); α is not in the checkpoint`."""
+    kind = "peft DoRA" if summary["kind"] == "peft-dora" else "peft LoRA"
+    targets = ", ".join(f"{leaf} ×{count}" for leaf, count in summary["targets"].items())
+    return (f"{kind} {', '.join(repr(n) for n in summary['adapters'])}: {counted(summary['modules'], 'module')}, "
+            f"rank {', '.join(map(str, summary['ranks']))} ({targets}); α is not in the checkpoint (export-hf "
+            "--merge-adapters or --adapter-only take --lora-alpha or --adapter-config)")

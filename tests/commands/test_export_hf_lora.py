@@ -260,3 +260,15 @@ def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
         "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, peft_model(**trained)(TOKENS).logits)
+
+
+def test_inspect_names_the_adapters(lora):
+    res = run_cli("inspect", lora / "ckpt", "--json")
+    assert res.returncode == 0, res.stderr
+    targets = {leaf: 2 for leaf in sorted(TARGETS)}
+    assert json.loads(res.stdout)["adapters"] == {"kind": "peft-lora", "adapters": ["default"], "modules": 14,
+                                                  "ranks": [RANK], "targets": targets}
+    shown = " ".join(run_cli("inspect", lora / "ckpt").stdout.split())
+    assert ("Adapters peft LoRA 'default': 14 modules, rank 5 (down_proj ×2, gate_proj ×2, k_proj ×2, o_proj ×2, "
+            "q_proj ×2, up_proj ×2, v_proj ×2); α is not in the checkpoint (export-hf --merge-adapters or "
+            "--adapter-only take --lora-alpha or --adapter-config)") in shown
