@@ -1213,7 +1213,7 @@ def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable
 def test_another_spec_order_is_refused(saved, monkeypatch):
     """fc1 and fc2 swapped in the registration order: every bucket's length still adds up, but a
     saved chunk crosses a param boundary of that order."""
-    from ckptctl.megatron.rows import buckets as mb
+    from ckptctl.megatron import buckets as mb
     from ckptctl.util.errors import CheckpointError
     from ckptctl.formats.dcp.metadata import open_checkpoint
 
@@ -1240,7 +1240,7 @@ def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_
     runs; `--verify` finds a rebuilt master copy unequal to the weight saved beside it, and nothing
     is left at DST."""
     import ckptctl
-    from ckptctl.megatron.rows import buckets as mb
+    from ckptctl.megatron import buckets as mb
     from ckptctl.util.errors import CheckpointError
 
     layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
