@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ckptctl.cli.common import emit_json, show_rows, stdout, write_out
 from ckptctl.cli.inspect_cmd import _print_chunks, _print_problems, _print_summary, _print_tensors, inspect_document
+from ckptctl.util.errors import UsageError
 from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:
@@ -38,6 +39,8 @@ def folder_document(folder: TrainerFolder, pattern: str | None) -> dict[str, Any
         opened = open_checkpoint(folder.path / name)
         parts[name] = {"kind": "model" if name in folder.models else "optimizer",
                        **inspect_document(opened, analysis(opened), pattern)}
+    if pattern is not None and not any(part["tensors"] or part["bytes_entries"] for part in parts.values()):
+        raise UsageError(f"--filter {pattern!r} matches none of the entries of {', '.join(parts)}")
     return {"path": str(folder.path), "format": FORMAT, "parts": parts,
             "rank_files": [{"kind": r.kind, "files": list(r.names), "ranks": r.ranks, "exclude": r.glob}
                            for r in folder.rank_files],

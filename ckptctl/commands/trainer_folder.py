@@ -47,6 +47,9 @@ def _refuse_unreshardable(folder: TrainerFolder, opts: ReshardOptions, comm: Com
     if comm.world_size > 1:
         raise UsageError(f"{folder.path}: a Trainer checkpoint folder is resharded by one process; run it without "
                          "torchrun")
+    if opts.megatron:
+        raise UsageError(f"{folder.path}: a Trainer checkpoint folder's parts are resharded as FSDP2 saves them; "
+                         "--layout, --tp, --dp and the other Megatron options apply to Megatron checkpoints")
     if opts.include:
         raise UsageError("--include selects the entries of one DCP checkpoint; on a Trainer checkpoint folder pass "
                          f"one of its parts ({', '.join(str(folder.path / p) for p in folder.parts)}) or use "

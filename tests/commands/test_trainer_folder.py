@@ -76,6 +76,11 @@ def test_inspect_shows_both_parts_and_the_per_rank_files(saved) -> None:
         ("optimizer_0", "optimizer", 2, {"model": 0, "optimizer": 37, "other": 0})]
     check = run_cli("inspect", folder, "--check")
     assert (check.returncode, check.stdout) == (0, "ok: 32 tensors complete and consistent in 2 parts\n")
+    filtered = json.loads(run_cli("inspect", folder, "--json", "--filter", "*.exp_avg").stdout)["parts"]
+    assert [len(filtered[p]["tensors"]) for p in ("pytorch_model_fsdp_0", "optimizer_0")] == [0, 8]
+    none = run_cli("inspect", folder, "--filter", "nothing.*")
+    assert (none.returncode, none.stderr) == (2, "ckptctl: error: --filter 'nothing.*' matches none of the entries "
+                                                 "of pytorch_model_fsdp_0, optimizer_0\n")
 
 
 def test_a_reshard_to_another_world_size_refuses_the_per_rank_files(saved, tmp_path: Path) -> None:
@@ -163,6 +168,8 @@ def test_dry_run_writes_nothing(saved, tmp_path: Path) -> None:
                    "ckptctl reshards DCP parts only"),
     ("half_excluded", "--exclude keeps 1 of the 2 files of rng_state_{{0..1}}.pth: drop them all (--exclude "
                       "'rng_state*.pth') or none"),
+    ("megatron", "{folder}: a Trainer checkpoint folder's parts are resharded as FSDP2 saves them; --layout, --tp, "
+                 "--dp and the other Megatron options apply to Megatron checkpoints"),
     ("include", "--include selects the entries of one DCP checkpoint; on a Trainer checkpoint folder pass one of its "
                 "parts ({folder}/pytorch_model_fsdp_0, {folder}/optimizer_0) or use --exclude"),
 ])
@@ -176,6 +183,8 @@ def test_what_no_rule_carries_is_refused(saved, tmp_path: Path, damage: str, err
         (folder / "optimizer_0_rank0.bin").write_bytes(b"shard")
     elif damage == "half_excluded":
         args += ["--exclude", "rng_state_1.pth"]
+    elif damage == "megatron":
+        args += ["--layout", "megatron-fsdp"]
     else:
         args += ["--include", "model.*"]
     result = run_cli("reshard", folder, tmp_path / "out", *args)
