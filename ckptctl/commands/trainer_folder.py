@@ -5,7 +5,8 @@ byte for byte, all inside one atomic output.
 A resumed job loads the model and optimizer parts together, so they are written together: DST
 appears whole or not at all. Each part is an ordinary `reshard` (planned, written, checked),
 into the output's temporary directory. The per-rank files follow only a reshard to their own
-world size (`core.rank_state.refuse_world_size_change`); `--exclude` drops them by name.
+world size (`core.rank_state.refuse_world_size_change`); `--exclude` drops them by name, and
+`--keep-common-ranks` keeps those of the ranks both sizes have (`core.rank_state.common_ranks`).
 """
 
 from __future__ import annotations
