@@ -71,12 +71,30 @@ def finish(code: object) -> NoReturn:
 @contextlib.contextmanager
 def during_body() -> Iterator[None]:
     """Ctrl-C raises KeyboardInterrupt inside the block (so `finally` clauses clean up), and ends
-    the process at once again after it."""
+    the process at once again after it.
+
+    A KeyboardInterrupt raised while Python runs a callback it cannot propagate from (a weakref
+    callback of the import system, a `__del__`) is printed as "Exception ignored" and lost, and
+    the command would go on to exit 0 with that stray text; such an interrupt is kept instead and
+    raised when the block ends."""
     previous = _set_handler(signal.default_int_handler)
     if previous is _ELSEWHERE:
         yield
         return
+    previous_hook = sys.unraisablehook
+    lost: list[object] = []
+
+    def keep_interrupts(unraisable: object) -> None:
+        if isinstance(getattr(unraisable, "exc_value", None), KeyboardInterrupt):
+            lost.append(unraisable)
+        else:
+            previous_hook(unraisable)
+
+    sys.unraisablehook = keep_interrupts
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+    if lost:
+        raise KeyboardInterrupt

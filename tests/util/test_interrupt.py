@@ -50,7 +50,7 @@ def before_the_handler(returncode: int, err: str) -> bool:
         path = Path(file).resolve()
         if PACKAGE not in path.parents:
             continue  # the console script itself, the standard library, importlib
-        if path == PACKAGE / "__init__.py" or path == PACKAGE / "interrupt.py":
+        if path == PACKAGE / "__init__.py" or path == PACKAGE / "util" / "interrupt.py":
             continue
         if path == CLI and (int(line) <= IMPORTED_AT or int(line) == INSTALLED_AT):
             continue
@@ -95,3 +95,32 @@ def test_sigint_at_any_moment_is_130_and_one_line_for_every_command(tmp_path: Pa
                 outcome = "before ckptctl"
             seen.setdefault(name, set()).add(outcome)
     assert all("interrupted" in outcomes for outcomes in seen.values()), seen
+
+
+def test_an_interrupt_lost_in_a_callback_still_ends_the_command_as_one(capsys) -> None:
+    """Python prints a KeyboardInterrupt raised inside a weakref callback as "Exception ignored" and
+    goes on; the command body would then exit 0 with that text on stderr. It ends as an interrupt."""
+    import weakref
+
+    from ckptctl.cli.common import run_guarded
+
+    class Resource:
+        pass
+
+    def interrupted(_ref: object) -> None:
+        raise KeyboardInterrupt
+
+    def body() -> str:
+        resource = Resource()
+        keep = weakref.ref(resource, interrupted)
+        del resource  # the callback runs here; its KeyboardInterrupt cannot propagate
+        assert keep() is None
+        return "finished"
+
+    try:
+        run_guarded(body)
+    except SystemExit as stop:
+        assert stop.code == 130
+    else:
+        raise AssertionError("the body's lost interrupt was not kept")
+    assert capsys.readouterr().err == LINE
