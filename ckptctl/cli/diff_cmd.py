@@ -225,13 +225,13 @@ def diff_command(
              "within --atol/--rtol)."),
     arch: str = typer.Option(
         "auto", "--arch", metavar="ARCH", autocompletion=completes(*ARCHES),
-        help="auto: a DCP checkpoint's torchtitan or Megatron names are mapped to a safetensors model's HF names "
-             "by the family's export-hf rules (fused tensors compared by their views); raw: names as saved, "
-             "model prefix stripped; or a family, as export-hf --arch."),
+        help="auto: a DCP checkpoint's torchtitan or Megatron names are mapped to the other side's HF names by "
+             "the family's export-hf rules (fused tensors compared by their views); raw: names as saved; or a "
+             "family, as export-hf --arch."),
     hf_config: Optional[str] = typer.Option(
         None, "--hf-config", metavar="<ref>",
         help="The model's config for mapping names: folder, config.json or Hub model id (default: the config.json "
-             "in the safetensors folder)."),
+             "beside the safetensors side; needed against a DCP side)."),
     tp: Optional[int] = typer.Option(None, "--tp", help="Training TP size of a Megatron checkpoint with fused "
                                                          "TP-blocked tensors (as export-hf --tp)."),
     include: Optional[list[str]] = typer.Option(None, "--include", help="Compare only names matching this glob "

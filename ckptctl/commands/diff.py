@@ -14,11 +14,13 @@ from the offsets their header gives. DCP against DCP compares every tensor under
 every bytes entry byte for byte. DCP against safetensors compares only the DCP side's model
 tensors, named as export-hf names them: the checkpoint's model prefix (`model.`,
 `model.module.`, ...) stripped, optimizer state and other entries left out (a note says
-how many). When the DCP side's names are torchtitan's or Megatron's (`arch` auto, or a
-family named), its tensors are the Hugging Face tensors export-hf would write, planned by
-`export_hf.plan_export` with the model's config (the safetensors folder's `config.json`,
-or `hf_config`): the family's own tables, so a fused or split tensor is compared as the
-views export-hf cuts of it, and the mapping can never disagree with an export.
+how many). When a DCP side's names are torchtitan's or Megatron's (`arch` auto, or a
+family named) and the other's are Hugging Face's (a safetensors model, or a DCP checkpoint
+whose model tensors are compared as against safetensors), its tensors are the Hugging Face
+tensors export-hf would write, planned by `export_hf.plan_export` with the model's config
+(the safetensors folder's `config.json`, or `hf_config`): the family's own tables, so a
+fused or split tensor is compared as the views export-hf cuts of it, and the mapping can
+never disagree with an export.
 
 `compare_as` (a floating dtype) compares every floating-point tensor in that dtype: a side
 not already in it is cast block by block with `engine.cast.cast_into`, the cast export-hf
@@ -274,8 +276,9 @@ def whole_side(ckpt: Checkpoint) -> DcpSide:
     return DcpSide(ckpt, {fqn: identity_target(view) for fqn, view in views.items()}, views, with_bytes=True)
 
 
-def model_side(ckpt: Checkpoint) -> DcpSide:
-    """The model tensors export-hf `--arch raw` exports, named without the checkpoint's model prefix."""
+def model_side(ckpt: Checkpoint, why: str) -> DcpSide:
+    """The model tensors export-hf `--arch raw` exports, named without the checkpoint's model
+    prefix; `why` the rest is left out, for the note."""
     views = source_tensors(ckpt)
     prefixes = analysis(ckpt).prefixes.model
     prefix = prefixes[0] if prefixes else ""
@@ -283,8 +286,7 @@ def model_side(ckpt: Checkpoint) -> DcpSide:
                if fqn.startswith(prefix) and is_model_key(fqn)}
     left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(targets)
     stripped = f", prefix {prefix!r} stripped" if prefix else ""
-    note = (f"{ckpt.path}: model tensors only{stripped}; {left_out} optimizer and other entries left out (only "
-            "model weights are in a safetensors folder)")
+    note = f"{ckpt.path}: model tensors only{stripped}; {left_out} optimizer and other entries left out ({why})"
     return DcpSide(ckpt, targets, views, prefix=prefix, notes=[note])
 
 
@@ -368,61 +370,77 @@ class SafetensorsSide:
 
 def open_sides(a: Path, b: Path, arch: str, hf_config: str | Path | None, tp: int | None,
                hub_timeout: float) -> tuple[Side, Side]:
-    """Both sides as they are compared: DCP against DCP, or safetensors against safetensors, every
-    entry by name; a DCP checkpoint against safetensors, its model tensors by the names export-hf
-    gives them (`mapped_side` when its names are torchtitan's or Megatron's, or `arch` names a
-    family; `model_side` for `arch` raw, or names that are neither)."""
-    kinds = format_of(a), format_of(b)
-    if kinds[0] == kinds[1]:
-        given = [flag for flag, value in (("--arch", arch != "auto"), ("--hf-config", hf_config is not None),
-                                          ("--tp", tp is not None)) if value]
-        if given:
-            both = "DCP checkpoints" if kinds[0] == DCP else "safetensors"
-            raise UsageError(f"{given[0]} maps a DCP checkpoint's names to those of a safetensors model, and {a} "
-                             f"and {b} are both {both}")
-        if kinds[0] == DCP:
-            side_a = whole_side(open_checkpoint(a))
-            try:
-                return side_a, whole_side(open_checkpoint(b))
-            except BaseException:
-                side_a.close()
-                raise
-        return SafetensorsSide(a), SafetensorsSide(b)
-    dcp_path, st_path = (a, b) if kinds[0] == DCP else (b, a)
-    st = SafetensorsSide(st_path)
-    try:
-        dcp = _dcp_facing(open_checkpoint(dcp_path), st_path, arch, hf_config, tp, hub_timeout)
-    except BaseException:
-        st.close()
-        raise
-    return (dcp, st) if kinds[0] == DCP else (st, dcp)
-
-
-def _dcp_facing(ckpt: Checkpoint, st_path: Path, arch: str, hf_config: str | Path | None, tp: int | None,
-                hub_timeout: float) -> DcpSide:
-    """A DCP side compared with a safetensors model (see `open_sides`)."""
+    """Both sides as they are compared. Safetensors against safetensors, and DCP against DCP,
+    every entry by name; a DCP checkpoint against safetensors, its model tensors by the names
+    export-hf gives them. A DCP checkpoint whose names are torchtitan's or Megatron's (or any,
+    when `arch` names a family), facing Hugging Face names (a safetensors model, or a DCP
+    checkpoint whose names are neither), is `mapped_side`; `arch` raw keeps names as saved."""
     from ckptctl.families.registry import ARCHES
 
     if arch not in ARCHES:
         raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
-    names = "torchtitan" if torchtitan_prefix(ckpt) is not None else \
-        "Megatron" if megatron_prefix(ckpt) is not None else None
-    if arch == "raw" or (arch == "auto" and names is None):
-        for flag, value in (("--hf-config", hf_config), ("--tp", tp)):
-            if value is not None:
-                why = "--arch raw" if arch == "raw" else "its names are neither torchtitan's nor Megatron's"
-                raise UsageError(f"{flag} is for mapping {ckpt.path}'s names to Hugging Face ones, and {why}: its "
-                                 "tensors are compared under their own names")
-        return model_side(ckpt)
-    if hf_config is None:
-        folder = st_path if st_path.is_dir() else st_path.parent
-        if not os.path.lexists(folder / "config.json"):
-            whose = f"{names} names" if arch == "auto" else "names"
-            raise UsageError(f"{ckpt.path}: its {whose} are mapped to Hugging Face ones by export-hf's rules, which "
-                             f"need the model's config.json, and {folder} has none: pass --hf-config (or --arch raw "
-                             "to compare the names as saved)")
-        hf_config = folder
-    return mapped_side(ckpt, load_hf_config(hf_config, hub_timeout), arch, tp)
+    paths, kinds = (a, b), (format_of(a), format_of(b))
+    ckpts = [open_checkpoint(path) if kind == DCP else None for path, kind in zip(paths, kinds)]
+    names = [_saved_names(ckpt) if ckpt is not None else None for ckpt in ckpts]
+    dcps = [i for i in (0, 1) if ckpts[i] is not None]
+    named = [i for i in dcps if names[i]]
+    if arch == "raw":
+        mapped, why = None, "--arch raw compares the names as saved"
+    elif len(dcps) == 1:
+        mapped = dcps[0] if arch != "auto" or named else None
+        why = f"{paths[dcps[0]]}'s names are neither torchtitan's nor Megatron's"
+    else:
+        mapped = named[0] if len(named) == 1 else None
+        why = (f"both {a} and {b} have such names" if len(named) == 2 else
+               f"neither {a} nor {b} has such names" if dcps else f"{a} and {b} are both safetensors models")
+    if mapped is None:
+        given = [flag for flag, value in (("--arch", arch not in ("auto", "raw")), ("--hf-config", hf_config),
+                                          ("--tp", tp)) if value]
+        if given:
+            raise UsageError(f"{given[0]} is for mapping torchtitan or Megatron names to Hugging Face ones, and {why}")
+    sides: list[Side] = []
+    try:
+        for i, (path, kind, ckpt) in enumerate(zip(paths, kinds, ckpts)):
+            if ckpt is None:
+                sides.append(SafetensorsSide(path))
+            elif i == mapped:
+                config = _mapping_config(ckpt, paths[1 - i], kinds[1 - i], hf_config, arch, names[i])
+                sides.append(mapped_side(ckpt, load_hf_config(config, hub_timeout), arch, tp))
+            elif SAFETENSORS in kinds:
+                sides.append(model_side(ckpt, "only model weights are in a safetensors folder"))
+            elif mapped is not None:
+                sides.append(model_side(ckpt, "only model weights have Hugging Face names"))
+            else:
+                sides.append(whole_side(ckpt))
+    except BaseException:
+        for side in sides:
+            side.close()
+        raise
+    return sides[0], sides[1]
+
+
+def _saved_names(ckpt: Checkpoint) -> str | None:
+    """`torchtitan` or `Megatron` when export-hf would see the checkpoint's names as such, else None."""
+    if torchtitan_prefix(ckpt) is not None:
+        return "torchtitan"
+    return "Megatron" if megatron_prefix(ckpt) is not None else None
+
+
+def _mapping_config(ckpt: Checkpoint, other: Path, other_kind: str, hf_config: str | Path | None, arch: str,
+                    names: str | None) -> str | Path:
+    """The config the names are mapped with: `hf_config`, else the one beside the other side's
+    safetensors files."""
+    if hf_config is not None:
+        return hf_config
+    where = ""
+    if other_kind == SAFETENSORS:
+        folder = other if other.is_dir() else other.parent
+        if os.path.lexists(folder / "config.json"):
+            return folder
+        where = f", and {folder} has none"
+    whose = f"{names} names" if arch == "auto" and names else "names"
+    raise UsageError(f"{ckpt.path}: its {whose} are mapped to Hugging Face ones by export-hf's rules, which need the "
+                     f"model's config.json{where}: pass --hf-config (or --arch raw to compare the names as saved)")
 
 
 def format_of(path: Path) -> str:

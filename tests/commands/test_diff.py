@@ -498,6 +498,8 @@ class Mapped:
     """The same with two key-value heads, so that Megatron can split it over TP 2."""
     megatron: Path
     """`import-hf --to megatron-fsdp --tp 2` of that: fused linear_qkv and TP-blocked fused linear_fc1."""
+    hf_dcp: Path
+    """`import-hf` (FSDP2) of the first: its Hugging Face names behind the prefix `model.`."""
 
 
 @pytest.fixture(scope="module")
@@ -513,10 +515,11 @@ def mapped(tmp_path_factory) -> Mapped:
                                       num_attention_heads=2, num_key_value_heads=2)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "hf_kv2")
     for args in (("import-hf", hf, root / "titan", "--to", "torchtitan", "--world-size", "2"),
-                 ("import-hf", root / "hf_kv2", root / "megatron", "--to", "megatron-fsdp", "--tp", "2", "--dp", "1")):
+                 ("import-hf", root / "hf_kv2", root / "megatron", "--to", "megatron-fsdp", "--tp", "2", "--dp", "1"),
+                 ("import-hf", hf, root / "hf_dcp", "--world-size", "2")):
         res = run_cli(*args)
         assert res.returncode == 0, res.stderr
-    return Mapped(hf, root / "titan", root / "hf_kv2", root / "megatron")
+    return Mapped(hf, root / "titan", root / "hf_kv2", root / "megatron", root / "hf_dcp")
 
 
 def test_a_torchtitan_import_equals_its_hf_source_through_the_family_tables(mapped):
@@ -597,16 +600,36 @@ def test_a_config_beside_a_lone_safetensors_file_or_given(mapped, tmp_path):
     assert code == 0 and doc["counts"]["equal"] == 21
 
 
-@pytest.mark.parametrize("case", ["two-dcp", "config-for-hf-names", "unknown-arch", "wrong-family"])
+def test_a_torchtitan_checkpoint_against_an_hf_named_one_with_the_config_given(mapped):
+    res = run_cli("diff", mapped.hf_dcp, mapped.titan, "--hf-config", mapped.hf)
+    assert (res.returncode, res.stdout) == (0, "21 tensors: 21 equal, 0 close, 0 differs\n")
+    assert res.stderr == (f"note: {mapped.hf_dcp}: model tensors only, prefix 'model.' stripped; 0 optimizer and other "
+                          "entries left out (only model weights have Hugging Face names)\n"
+                          f"note: {mapped.titan}: 21 model tensors mapped to 21 Hugging Face tensors by export-hf's "
+                          f"torchtitan-llama3 rules ({mapped.hf / 'config.json'})\n")
+    res = run_cli("diff", mapped.titan, mapped.hf_dcp)
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == (f"ckptctl: error: {mapped.titan}: its torchtitan names are mapped to Hugging Face ones by "
+                          "export-hf's rules, which need the model's config.json: pass --hf-config (or --arch raw to "
+                          "compare the names as saved)\n")
+
+
+@pytest.mark.parametrize("case", ["two-hf-named", "two-torchtitan", "config-for-hf-names", "raw-and-config",
+                                  "unknown-arch", "wrong-family"])
 def test_mapping_options_that_cannot_apply_are_one_line(made, mapped, case):
     args, line = {
-        "two-dcp": ((mapped.titan, made.src, "--arch", "llama"),
-                    f"--arch maps a DCP checkpoint's names to those of a safetensors model, and {mapped.titan} and "
-                    f"{made.src} are both DCP checkpoints"),
+        "two-hf-named": ((made.src, made.resharded, "--arch", "llama"),
+                         "--arch is for mapping torchtitan or Megatron names to Hugging Face ones, and neither "
+                         f"{made.src} nor {made.resharded} has such names"),
+        "two-torchtitan": ((mapped.titan, mapped.titan, "--tp", "2"),
+                           "--tp is for mapping torchtitan or Megatron names to Hugging Face ones, and both "
+                           f"{mapped.titan} and {mapped.titan} have such names"),
         "config-for-hf-names": ((made.src, made.hf, "--hf-config", mapped.hf),
-                                f"--hf-config is for mapping {made.src}'s names to Hugging Face ones, and its names "
-                                "are neither torchtitan's nor Megatron's: its tensors are compared under their own "
-                                "names"),
+                                "--hf-config is for mapping torchtitan or Megatron names to Hugging Face ones, and "
+                                f"{made.src}'s names are neither torchtitan's nor Megatron's"),
+        "raw-and-config": ((mapped.titan, mapped.hf, "--arch", "raw", "--hf-config", mapped.hf),
+                           "--hf-config is for mapping torchtitan or Megatron names to Hugging Face ones, and --arch "
+                           "raw compares the names as saved"),
         "unknown-arch": ((mapped.titan, mapped.hf, "--arch", "gpt9"), "--arch must be one of auto, llama, qwen2, "
                          "qwen3, qwen3-moe, qwen3-next, qwen3.5, deepseek-v3, mixtral, gemma2, gemma3, nemotron-h, "
                          "gpt-oss, torchtitan-llama3, torchtitan-qwen3, torchtitan-deepseek-v3, automodel, raw (got "
