@@ -21,7 +21,7 @@ from ckptctl.util.wording import counted
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
     from ckptctl.engine.dist import Comm
     from ckptctl.util.progress import ProgressObserver
-    from ckptctl.commands.export_hf import ExportPreview, ExportReport, SourceRows
+    from ckptctl.commands.export_hf import ExportPreview, ExportReport, PlannedTensor, SourceRows
 
 ROW_RANGES_SHOWN = 3
 """Row ranges of one source listed per mapping line before `(+N more)`."""
@@ -44,6 +44,8 @@ def preview_json(preview: ExportPreview) -> dict:
         "bytes": preview.bytes,
         "files": [{"name": f.name, "bytes": f.bytes, "tensors": f.tensors} for f in preview.files],
         "side_files": preview.side_files, "weight_map": preview.weight_map, "mapping": preview.mapping,
+        "merged": {t.name: {"lora_A": t.merged[0], "lora_B": t.merged[1], "scale": t.merged[2]}
+                   for t in preview.tensors if t.merged is not None},
         "notes": preview.notes,
     }
 
@@ -55,6 +57,12 @@ def source_text(rows: SourceRows) -> str:
     shown = ", ".join(f"{a}:{b}" for a, b in rows.rows[:ROW_RANGES_SHOWN])
     more = f" (+{len(rows.rows) - ROW_RANGES_SHOWN} more)" if len(rows.rows) > ROW_RANGES_SHOWN else ""
     return f"{rows.fqn} rows {shown}{more}"
+
+
+def merged_text(tensor: PlannedTensor) -> str:
+    """`+ (B @ A) · s` of a weight merged with its LoRA adapter, FQNs in full."""
+    a, b, scale = tensor.merged
+    return f"+ ({b} @ {a}) · {scale!r}"
 
 
 def summary_line(preview: ExportPreview) -> str:
@@ -71,7 +79,8 @@ def print_preview_plain(preview: ExportPreview) -> None:
     out.append("also " + ", ".join(preview.side_files))
     for t in preview.tensors:
         add = f" + {t.add:g}" if t.add else ""
-        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add)
+        merged = f" {merged_text(t)}" if t.merged is not None else ""
+        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add + merged)
     write_out("\n".join(out) + "\n")
 
 
@@ -110,6 +119,8 @@ def print_preview_table(preview: ExportPreview) -> None:
     tensors.add_column("← source rows", overflow="fold", ratio=3)
     for t in preview.tensors:
         sources = "\n".join(source_text(s) for s in t.sources) + (f"\n+ {t.add:g}" if t.add else "")
+        if t.merged is not None:
+            sources += f"\n{merged_text(t)}"
         tensors.add_row(Text(t.name), str(list(t.shape)), number[t.file], Text(sources))
     console.print(tensors)
 

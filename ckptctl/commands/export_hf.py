@@ -761,6 +761,8 @@ class PlannedTensor:
     file: str
     sources: tuple[SourceRows, ...]
     add: float = 0.0
+    merged: tuple[str, str, float] | None = None
+    """The LoRA adapter merged in (`--merge-adapters`): A's and B's FQNs and the scale s."""
 
 
 @dataclass
@@ -813,7 +815,8 @@ def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -
     (DST may exist; it is not looked at)."""
     plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref)
     where = plan.file_of
-    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add)
+    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add,
+                             None if t.delta is None else (t.delta.a.target.fqn, t.delta.b.target.fqn, t.delta.scale))
                for name, t in sorted(plan.targets.items())]
     return ExportPreview(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),

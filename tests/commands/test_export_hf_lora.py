@@ -28,11 +28,15 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 TOKENS = torch.tensor([[1, 5, 9, 2, 33, 17, 4, 60, 3]])
 
 
-def llama_config():
+def llama_config(**sizes):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaConfig(**{"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False, **sizes})
+
+
+WIDE = {"hidden_size": 128, "intermediate_size": 768}
+"""Sizes whose MLP weights (128 × 768 float32: 384 KiB) are larger than the engine's block."""
 
 
 def lora_config(**overrides):
@@ -41,13 +45,13 @@ def lora_config(**overrides):
     return LoraConfig(**{"r": RANK, "lora_alpha": ALPHA, "target_modules": TARGETS, **overrides})
 
 
-def peft_model(**overrides):
+def peft_model(sizes=None, **overrides):
     """The trained model: a seeded base with adapters whose B is random (peft starts it at zero)."""
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(llama_config()), lora_config(**overrides))
+    model = get_peft_model(LlamaForCausalLM(llama_config(**(sizes or {}))), lora_config(**overrides))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
@@ -83,9 +87,9 @@ def export(lora: Path, dst: Path, *args: str):
     return run_cli("export-hf", lora / "ckpt", dst, "--hf-config", lora / "base", *args)
 
 
-def base_state() -> dict[str, torch.Tensor]:
+def base_state(sizes=None) -> dict[str, torch.Tensor]:
     """The trained model's base weights under HF names (what the adapters are merged into)."""
-    state = peft_model().get_base_model().state_dict()
+    state = peft_model(sizes).get_base_model().state_dict()
     return {k.replace(".base_layer", ""): v for k, v in state.items() if "lora_" not in k}
 
 
@@ -228,9 +232,10 @@ def test_reshard_keeps_the_adapters_bit_for_bit(lora, tmp_path):
 
 
 def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
-    """rsLoRA (s = α / √r) on layer 1's q_proj and down_proj only, saved whole by one process:
-    the merge is peft's bit for bit, and the adapter folder's `target_modules` names exactly
-    those modules (a leaf-name list would put fresh adapters on layer 0 too)."""
+    """rsLoRA (s = α / √r) on layer 1's q_proj and down_proj only, of a model whose MLP weights
+    are larger than a block, saved whole by one process: the merge is peft's bit for bit (and
+    passes --verify), and the adapter folder's `target_modules` names exactly those modules (a
+    leaf-name list would put fresh adapters on layer 0 too)."""
     import torch.distributed.checkpoint as dcp
     from peft import PeftModel
     from transformers import LlamaForCausalLM
@@ -238,19 +243,21 @@ def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
     from ckptctl.commands.export_hf import ExportOptions, export_hf
 
     trained = dict(use_rslora=True, target_modules=["q_proj", "down_proj"], layers_to_transform=[1])
-    dcp.save({"model": peft_model(**trained).state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    llama_config().save_pretrained(tmp_path / "base")
+    dcp.save({"model": peft_model(WIDE, **trained).state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config(**WIDE).save_pretrained(tmp_path / "base")
     scale = dict(lora_alpha=ALPHA, rslora=True)
-    export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base", ExportOptions(merge_adapters=True, **scale))
-    want = peft_model(**trained).merge_and_unload().state_dict()
+    report = export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base",
+                       ExportOptions(merge_adapters=True, **scale), verify=True)
+    assert report.verified
+    want = peft_model(WIDE, **trained).merge_and_unload().state_dict()
     got = read_folder(tmp_path / "merged")
     assert all(torch.equal(got[n], want[n]) for n in want)
     export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True, **scale))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["use_rslora"], config["target_modules"]) == (
         True, r"model\.layers\.1\.mlp\.down_proj|model\.layers\.1\.self_attn\.q_proj")
-    base = LlamaForCausalLM(llama_config())
-    base.load_state_dict(base_state())
+    base = LlamaForCausalLM(llama_config(**WIDE))
+    base.load_state_dict(base_state(WIDE))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
@@ -259,7 +266,7 @@ def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
         "base_model.model.model.layers.1.mlp.down_proj.lora_A.default.weight",
         "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
     with torch.no_grad():
-        assert torch.equal(loaded(TOKENS).logits, peft_model(**trained)(TOKENS).logits)
+        assert torch.equal(loaded(TOKENS).logits, peft_model(WIDE, **trained)(TOKENS).logits)
 
 
 def test_inspect_names_the_adapters(lora):
@@ -272,3 +279,17 @@ def test_inspect_names_the_adapters(lora):
     assert ("Adapters peft LoRA 'default': 14 modules, rank 5 (down_proj ×2, gate_proj ×2, k_proj ×2, o_proj ×2, "
             "q_proj ×2, up_proj ×2, v_proj ×2); α is not in the checkpoint (export-hf --merge-adapters or "
             "--adapter-only take --lora-alpha or --adapter-config)") in shown
+
+
+def test_dry_run_shows_each_merged_weight_with_its_adapter(lora, tmp_path):
+    res = export(lora, tmp_path / "dst", "--merge-adapters", "--lora-alpha", str(ALPHA), "--dry-run")
+    assert res.returncode == 0, res.stderr
+    at = "model.base_model.model.model.layers.0.self_attn.q_proj"
+    assert (f"model.layers.0.self_attn.q_proj.weight ← {at}.base_layer.weight + ({at}.lora_B.default.weight @ "
+            f"{at}.lora_A.default.weight) · 1.4") in res.stdout.splitlines()
+    assert "model.layers.0.self_attn.k_proj.weight ← model.base_model.model.model.layers.0.self_attn.k_proj." \
+           "base_layer.weight + (" in res.stdout
+    plan = json.loads(export(lora, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7", "--dry-run",
+                             "--json").stdout)
+    assert len(plan["merged"]) == 14 and plan["merged"]["model.layers.1.mlp.down_proj.weight"]["scale"] == 1.4
+    assert not (tmp_path / "dst").exists()
