@@ -87,6 +87,8 @@ def import_hf_command(
     Every name is checked against the model transformers builds for the folder's config.json
     (fsdp2: a tied lm_head is written as a copy of the embeddings, model.state_dict() lists it;
     megatron-fsdp: the family's rules must claim every HF tensor and make every Megatron row).
+    A quantized folder (config.json quantization_config fp8 or mxfp4) is dequantized while
+    streaming, to bf16 unless --dtype says fp32 or fp16; quantized tensors are never read as values.
     Under torchrun each worker writes a share of the rank files; rank 0 reports.
 
     Examples:
@@ -94,6 +96,7 @@ def import_hf_command(
       ckptctl import-hf Qwen3-8B/ ckpt/step-0 --world-size 8 --dtype fp32
       ckptctl import-hf Llama-3.1-8B/ step-0/ --to torchtitan --world-size 8
       ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
+      ckptctl import-hf Qwen3-8B-FP8/ ckpt/step-0 --world-size 8
     """
 
     def run(comm: Comm, progress: ProgressObserver) -> ImportReport:
