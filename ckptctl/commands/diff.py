@@ -373,8 +373,10 @@ def open_sides(a: Path, b: Path, arch: str, hf_config: str | Path | None, tp: in
     """Both sides as they are compared. Safetensors against safetensors, and DCP against DCP,
     every entry by name; a DCP checkpoint against safetensors, its model tensors by the names
     export-hf gives them. A DCP checkpoint whose names are torchtitan's or Megatron's (or any,
-    when `arch` names a family), facing Hugging Face names (a safetensors model, or a DCP
-    checkpoint whose names are neither), is `mapped_side`; `arch` raw keeps names as saved."""
+    when `arch` names a family), facing Hugging Face names, is `mapped_side`: against a
+    safetensors model by default, against a DCP checkpoint whose names are neither when
+    `hf_config` (or a family) is given, as no folder holds a config; `arch` raw keeps names as
+    saved."""
     from ckptctl.families.registry import ARCHES
 
     if arch not in ARCHES:
@@ -389,8 +391,8 @@ def open_sides(a: Path, b: Path, arch: str, hf_config: str | Path | None, tp: in
     elif len(dcps) == 1:
         mapped = dcps[0] if arch != "auto" or named else None
         why = f"{paths[dcps[0]]}'s names are neither torchtitan's nor Megatron's"
-    else:
-        mapped = named[0] if len(named) == 1 else None
+    else:  # two DCP checkpoints: no folder holds a config, so mapping is asked for (or they differ by name)
+        mapped = named[0] if len(named) == 1 and (hf_config is not None or arch != "auto") else None
         why = (f"both {a} and {b} have such names" if len(named) == 2 else
                f"neither {a} nor {b} has such names" if dcps else f"{a} and {b} are both safetensors models")
     if mapped is None:

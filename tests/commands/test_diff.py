@@ -607,11 +607,14 @@ def test_a_torchtitan_checkpoint_against_an_hf_named_one_with_the_config_given(m
                           "entries left out (only model weights have Hugging Face names)\n"
                           f"note: {mapped.titan}: 21 model tensors mapped to 21 Hugging Face tensors by export-hf's "
                           f"torchtitan-llama3 rules ({mapped.hf / 'config.json'})\n")
-    res = run_cli("diff", mapped.titan, mapped.hf_dcp)
+    res = run_cli("diff", mapped.titan, mapped.hf_dcp)  # without a config: every entry under its name, as ever
+    assert (res.returncode, res.stderr) == (1, "")
+    assert res.stdout.splitlines()[-1] == "0 tensors: 0 equal, 0 close, 0 differs; 21 only in A; 21 only in B"
+    res = run_cli("diff", mapped.titan, mapped.hf_dcp, "--arch", "torchtitan-llama3")
     assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == (f"ckptctl: error: {mapped.titan}: its torchtitan names are mapped to Hugging Face ones by "
-                          "export-hf's rules, which need the model's config.json: pass --hf-config (or --arch raw to "
-                          "compare the names as saved)\n")
+    assert res.stderr == (f"ckptctl: error: {mapped.titan}: its names are mapped to Hugging Face ones by export-hf's "
+                          "rules, which need the model's config.json: pass --hf-config (or --arch raw to compare the "
+                          "names as saved)\n")
 
 
 @pytest.mark.parametrize("case", ["two-hf-named", "two-torchtitan", "config-for-hf-names", "raw-and-config",
