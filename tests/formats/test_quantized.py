@@ -142,3 +142,22 @@ def test_a_chunk_holds_at_most_the_budget_of_decoded_bytes(tmp_path, monkeypatch
     entry = open_safetensors_folder(mx, quant_format({"quantization_config": {"quant_method": "mxfp4"}}, mx),
                                     bfloat16).tensors["e.down_proj"]
     assert [c.sizes[0] for c in entry.chunks] == [6, 2]
+
+
+def test_a_chunk_reads_only_its_codes_and_its_scale_rows(tmp_path, monkeypatch):
+    """Rows 384..511 of a [1000, 512] weight: those rows' 64 KiB of codes and scale row 3 (4 floats)."""
+    import os
+
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 128 * 512 * 2)
+    codes, scale = quantized_fp8(torch.randn(1000, 512))
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    ckpt = open_safetensors_folder(folder, quant_format({"quantization_config": FP8}, folder), bfloat16)
+    entry = ckpt.tensors["w.weight"]
+    stored = {st.name: st for st in (entry.properties.data, entry.properties.scale)}
+    reads = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append((at, sum(map(len, bufs)))) or real(fd, bufs, at))
+    with ItemReader(ckpt) as reader:
+        dequantized_chunk(entry, entry.chunks[3], reader.fd)
+    assert reads == [(stored["w.weight"].start + 384 * 512, 128 * 512),
+                     (stored["w.weight_scale_inv"].start + 3 * 4 * 4, 4 * 4)]
