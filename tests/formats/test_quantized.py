@@ -156,7 +156,12 @@ def test_a_chunk_reads_only_its_codes_and_its_scale_rows(tmp_path, monkeypatch):
     stored = {st.name: st for st in (entry.properties.data, entry.properties.scale)}
     reads = []
     real = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, at: reads.append((at, sum(map(len, bufs)))) or real(fd, bufs, at))
+
+    def preadv(fd, bufs, at):
+        reads.append((at, sum(map(len, bufs))))
+        return real(fd, bufs, at)
+
+    monkeypatch.setattr(os, "preadv", preadv)
     with ItemReader(ckpt) as reader:
         dequantized_chunk(entry, entry.chunks[3], reader.fd)
     assert reads == [(stored["w.weight"].start + 384 * 512, 128 * 512),
