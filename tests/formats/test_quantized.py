@@ -166,3 +166,14 @@ def test_a_chunk_reads_only_its_codes_and_its_scale_rows(tmp_path, monkeypatch):
         dequantized_chunk(entry, entry.chunks[3], reader.fd)
     assert reads == [(stored["w.weight"].start + 384 * 512, 128 * 512),
                      (stored["w.weight_scale_inv"].start + 3 * 4 * 4, 4 * 4)]
+
+
+@pytest.mark.parametrize("config, fmt", [
+    ({"quant_method": "fp8"}, quantized.Fp8Format((128, 128), False)),
+    ({"quant_method": "fp8", "weight_block_size": None}, quantized.Fp8Format(None, False)),
+    ({"quant_method": "fp8", "weight_block_size": [1, 128], "scale_fmt": "ue8m0"}, quantized.Fp8Format((1, 128), True)),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}, quantized.Mxfp4Format()),
+])
+def test_the_format_is_what_transformers_reads_from_quantization_config(config, fmt):
+    """An absent weight_block_size is transformers' default [128, 128]; null is one scale per weight."""
+    assert quant_format({"quantization_config": config}, Path("config.json")) == fmt

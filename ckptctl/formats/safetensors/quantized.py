@@ -112,7 +112,8 @@ def quant_format(config: Mapping[str, Any] | None, config_path: Path) -> QuantFo
     if method != "fp8":
         raise UsageError(f"{config_path}: quantization_config quant_method {str(method)[:40]!r} is not one "
                          f"ckptctl dequantizes ({KNOWN_METHODS})")
-    fmt, scale_fmt, block = qc.get("fmt", "e4m3"), qc.get("scale_fmt", "float"), qc.get("weight_block_size")
+    fmt, scale_fmt = qc.get("fmt", "e4m3"), qc.get("scale_fmt", "float")
+    block = qc.get("weight_block_size", [128, 128])  # transformers' default; null: one scale per weight
     if fmt not in ("e4m3", None):
         raise UsageError(f"{config_path}: quantization_config fmt {str(fmt)[:40]!r}: ckptctl dequantizes e4m3 FP8")
     if scale_fmt not in ("float", "ue8m0", None):
@@ -278,7 +279,7 @@ def dequantized_chunk(entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]
         return _fp8_chunk(weight, entry, chunk, fd)
     if isinstance(weight, Mxfp4Weight):
         return _mxfp4_chunk(weight, chunk, fd)
-    raise CheckpointError(chunk.file, f"{entry.fqn}: a dequantized chunk of no quantized weight")
+    raise CheckpointError(chunk.file, f"{entry.fqn}: a chunk to dequantize of a tensor that is not quantized")
 
 
 def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]) -> Any:
