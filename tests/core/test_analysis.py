@@ -315,7 +315,8 @@ def test_params_outside_the_model_prefix_still_count_as_model_when_the_optimizer
 def test_300k_overlapping_one_element_wide_chunks_are_analysed_in_bounded_time(shape: str) -> None:
     """Chunk i starts at element i and runs to the end (on one dim, one element wide on the
     other): every slab of a sweep meets all earlier chunks, which cost minutes when each
-    slab re-scanned them; the interval merge and the segment-tree sweep are n log n."""
+    slab re-scanned them; the interval merge and the segment-tree sweep are n log n. The bound is
+    on this process's CPU time, which other work on the machine does not stretch."""
     import time
 
     n = 300_000
@@ -325,9 +326,9 @@ def test_300k_overlapping_one_element_wide_chunks_are_analysed_in_bounded_time(s
     else:
         e = entry("t", (n, n), [((i, i), (n - i, 1)) for i in range(n)] + [((0, 0), (n, n))])
         want = Coverage("overlaps", n * n, 0, n * (n + 1) // 2)
-    start = time.monotonic()
+    start = time.process_time()
     assert coverage(e) == want
-    assert time.monotonic() - start <= 10.0
+    assert time.process_time() - start <= 10.0
 
 
 @pytest.mark.parametrize("name", ["broken_plain_optim", "megatron_tp2_dp2", "megatron_torch_dist"])
