@@ -43,7 +43,7 @@ MTP = ("deepseek-v3-mtp-tp2",)
 SINGLETON = ("singleton-tp2", "qwen3-moe-singleton-tp2", "deepseek-v3-singleton-tp2")
 
 
-FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2",
+FULL_ONLY = ("tp1", "pp2", "qwen3-tp2", "qwen3-moe-tp2", "qwen3-moe-mixed-tp2", "singleton-tp2", "qwen3-moe-singleton-tp2",
              "deepseek-v3-tp2", "deepseek-v3-singleton-tp2", "qwen2-tp2", "mixtral-tp2", "deepseek-v3-mtp-tp2")
 """Grids run by `make test-full` only: tp2 covers the layer stacks and a TP split, and each grid
 costs a megatron-core save under torchrun (qwen3-moe's stacks of expert stacks run there, with
@@ -326,6 +326,7 @@ def _with_args(src, dst, **args):
     return dst
 
 
+@pytest.mark.full
 @pytest.mark.full
 @pytest.mark.parametrize("grouped", [False, True])
 def test_singleton_shards_and_stacks_convert_to_the_same_megatron_fsdp_checkpoint(saved, tmp_path, grouped):

@@ -140,7 +140,8 @@ CONTEXT_PARALLEL_TP = ("llama", 2, 1, 0, "0.19", ("cp", 2))
 """The same at TP 2 × CP 2, one bucket per buffer."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
-           pytest.param(EXPERT_PARALLEL, marks=needs("0.19")), pytest.param(PIPELINE, marks=needs("0.19")),
+           pytest.param(EXPERT_PARALLEL, marks=(needs("0.19"), pytest.mark.full)),
+           pytest.param(PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EP_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_TP, marks=needs("0.19")),
            pytest.param(TIED_PIPELINE, marks=(needs("0.19"), pytest.mark.full)),
