@@ -59,10 +59,10 @@ demo: install
 	$(PY) fixtures/demo.py check demo
 
 test: oracles
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-full: oracles
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -n 2 --dist loadfile -m ""
 
 # A long run of the structured fuzzer over mutated real fixtures (a short one is in `make test`).
 fuzz: install
