@@ -231,28 +231,39 @@ def test_reshard_keeps_the_adapters_bit_for_bit(lora, tmp_path):
     assert all(torch.equal(state[k], want[k]) for k in want)
 
 
-def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
-    """rsLoRA (s = α / √r) on layer 1's q_proj and down_proj only, of a model whose MLP weights
-    are larger than a block, saved whole by one process: the merge is peft's bit for bit (and
-    passes --verify), and the adapter folder's `target_modules` names exactly those modules (a
-    leaf-name list would put fresh adapters on layer 0 too)."""
+RSLORA_SOME = {"use_rslora": True, "target_modules": ["q_proj", "down_proj"], "layers_to_transform": [1]}
+"""rsLoRA (s = α / √r) on layer 1's q_proj and down_proj only."""
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A model of WIDE sizes with RSLORA_SOME adapters, saved whole by one process, and its base config."""
     import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("wide")
+    dcp.save({"model": peft_model(WIDE, **RSLORA_SOME).state_dict()}, checkpoint_id=root / "ckpt", no_dist=True)
+    llama_config(**WIDE).save_pretrained(root / "base")
+    return root
+
+
+def test_rslora_adapters_on_some_layers_merge_and_load_exactly(wide, tmp_path):
+    """rsLoRA on some modules of a model whose MLP weights are larger than a block: the merge is
+    peft's bit for bit (and passes --verify), and the adapter folder's `target_modules` names
+    exactly those modules (a leaf-name list would put fresh adapters on layer 0 too)."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
     from ckptctl.commands.export_hf import ExportOptions, export_hf
 
-    trained = dict(use_rslora=True, target_modules=["q_proj", "down_proj"], layers_to_transform=[1])
-    dcp.save({"model": peft_model(WIDE, **trained).state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    llama_config(**WIDE).save_pretrained(tmp_path / "base")
+    trained = RSLORA_SOME
     scale = dict(lora_alpha=ALPHA, rslora=True)
-    report = export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base",
-                       ExportOptions(merge_adapters=True, **scale), verify=True)
+    report = export_hf(wide / "ckpt", tmp_path / "merged", wide / "base", ExportOptions(merge_adapters=True, **scale),
+                       verify=True)
     assert report.verified
     want = peft_model(WIDE, **trained).merge_and_unload().state_dict()
     got = read_folder(tmp_path / "merged")
     assert all(torch.equal(got[n], want[n]) for n in want)
-    export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True, **scale))
+    export_hf(wide / "ckpt", tmp_path / "adapter", wide / "base", ExportOptions(adapter_only=True, **scale))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["use_rslora"], config["target_modules"]) == (
         True, r"model\.layers\.1\.mlp\.down_proj|model\.layers\.1\.self_attn\.q_proj")
@@ -267,6 +278,28 @@ def test_rslora_adapters_on_some_layers_merge_and_load_exactly(tmp_path):
         "base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"]
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, peft_model(WIDE, **trained)(TOKENS).logits)
+
+
+def test_the_output_check_recomputes_merged_weights(wide, tmp_path, monkeypatch):
+    """A merged weight written with its first element wrong (one bit) is caught by the check
+    every export passes, which recomputes it from the source: nothing takes DST's name."""
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+    from ckptctl.engine import cpu
+    from ckptctl.util.errors import CheckpointError
+
+    def flipped(item, sources, files, progress):
+        data = cpu.merged_bytes(item, sources)
+        data[0] ^= 1
+        files.write(item.file, data, item.offset)
+        progress(item.nbytes)
+        return 0
+
+    monkeypatch.setattr(cpu, "_stream_merged", flipped)
+    with pytest.raises(CheckpointError, match=r": model\.layers\.1\.mlp\.down_proj\.weight: element \[0, 0\] of "
+                                              r"\[128, 768\] differs from the source's$"):
+        export_hf(wide / "ckpt", tmp_path / "dst", wide / "base", ExportOptions(merge_adapters=True, lora_alpha=ALPHA,
+                                                                                  rslora=True))
+    assert not (tmp_path / "dst").exists()
 
 
 def test_inspect_names_the_adapters(lora):
