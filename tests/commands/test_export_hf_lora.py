@@ -326,3 +326,36 @@ def test_dry_run_shows_each_merged_weight_with_its_adapter(lora, tmp_path):
                              "--json").stdout)
     assert len(plan["merged"]) == 14 and plan["merged"]["model.layers.1.mlp.down_proj.weight"]["scale"] == 1.4
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_qwen3_with_tied_embeddings_merges_bit_for_bit(tmp_path):
+    """Qwen3 (q/k norms, tied embeddings: peft's state dict holds lm_head, equal to the embeddings
+    and left out) with adapters on attention and MLP, saved whole by one process."""
+    import torch.distributed.checkpoint as dcp
+    from peft import get_peft_model
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+
+    def model():
+        torch.manual_seed(0)
+        config = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+        peft = get_peft_model(Qwen3ForCausalLM(config), lora_config())
+        with torch.no_grad():
+            for name, param in peft.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.5)
+        return peft, config
+
+    peft, config = model()
+    dcp.save({"model": peft.state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    config.save_pretrained(tmp_path / "base")
+    report = export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base",
+                       ExportOptions(merge_adapters=True, lora_alpha=ALPHA))
+    assert report.notes[0] == ("model.base_model.model.lm_head.weight not exported: the config ties it to "
+                               "model.base_model.model.model.embed_tokens.weight, which it equals")
+    want = model()[0].merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(n for n in want if n != "lm_head.weight")
+    assert all(torch.equal(got[n], want[n]) for n in got)
