@@ -1,0 +1,121 @@
+"""`families.adapters`: peft LoRA names paired with their base weights, α read from an adapter
+config, the adapter_config.json written for a PEFT folder: pure functions over names and shapes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ckptctl.families.adapters import (LoraScale, adapter_summary, check_ranks, find_adapters, peft_config,
+                                       read_adapter_config, resolve_scale)
+from ckptctl.util.errors import CheckpointError, UsageError
+
+Q = "model.layers.0.self_attn.q_proj"
+V = "model.layers.0.self_attn.v_proj"
+
+
+def lora_shapes(module: str, out: int = 8, inp: int = 4, rank: int = 2, adapter: str = "default") -> dict:
+    return {f"{module}.base_layer.weight": (out, inp), f"{module}.lora_A.{adapter}.weight": (rank, inp),
+            f"{module}.lora_B.{adapter}.weight": (out, rank)}
+
+
+def refusal(shapes: dict) -> str:
+    with pytest.raises(CheckpointError) as err:
+        find_adapters(shapes, "CKPT", "model.base_model.model.")
+    return str(err.value)
+
+
+def test_adapters_pair_with_their_base_weights_and_base_layer_is_renamed():
+    shapes = {**lora_shapes(Q), **lora_shapes(V, rank=3), "model.norm.weight": (4,)}
+    found = find_adapters(shapes, "CKPT")
+    assert [(a.module, a.rank, a.weight) for a in found.adapters] == [(Q, 2, f"{Q}.weight"), (V, 3, f"{V}.weight")]
+    assert found.renamed == {f"{Q}.base_layer.weight": f"{Q}.weight", f"{V}.base_layer.weight": f"{V}.weight"}
+    assert (found.adapter_name, found.ranks, found.targets) == ("default", [2, 3], ["q_proj", "v_proj"])
+    assert find_adapters({"model.norm.weight": (4,)}, "CKPT") is None
+
+
+@pytest.mark.parametrize("extra, line", [
+    ({f"{Q}.lora_magnitude_vector.default.weight": (8,)},
+     f"CKPT: model.base_model.model.{Q}.lora_magnitude_vector.default.weight: a DoRA adapter (use_dora), which "
+     "export-hf does not merge or export yet (plain LoRA only)"),
+    ({"model.embed_tokens.lora_embedding_A.default": (2, 16)},
+     "CKPT: model.base_model.model.model.embed_tokens.lora_embedding_A.default: a LoRA adapter on an embedding, "
+     "which export-hf does not merge or export yet"),
+    ({f"{Q}.lora_B.default.bias": (8,)},
+     f"CKPT: model.base_model.model.{Q}.lora_B.default.bias: a LoRA bias (lora_bias), which export-hf does not "
+     "merge or export yet"),
+    ({"score.modules_to_save.default.weight": (2, 4)},
+     "CKPT: model.base_model.model.score.modules_to_save.default.weight: a peft modules_to_save copy, which "
+     "export-hf does not export yet"),
+    (lora_shapes(V, adapter="other"), "CKPT: 2 peft adapters (default, other): export-hf exports a checkpoint of one "
+                                      "adapter"),
+])
+def test_what_is_not_plain_lora_is_refused_by_name(extra, line):
+    assert refusal({**lora_shapes(Q), **extra}) == line
+
+
+def test_unpaired_or_misshapen_adapters_are_refused():
+    shapes = lora_shapes(Q)
+    del shapes[f"{Q}.lora_B.default.weight"]
+    assert refusal(shapes) == f"CKPT: model.base_model.model.{Q}.lora_A.default.weight has no lora_B beside it"
+    shapes = lora_shapes(Q)
+    del shapes[f"{Q}.base_layer.weight"]
+    assert refusal(shapes) == (f"CKPT: model.base_model.model.{Q}.lora_A.default.weight: an adapter on {Q}, which has "
+                               f"no model.base_model.model.{Q}.base_layer.weight")
+    shapes = {**lora_shapes(Q), f"{Q}.lora_B.default.weight": (8, 3)}
+    assert refusal(shapes) == (f"CKPT: model.base_model.model.{Q}: lora_A [2, 4] and lora_B [8, 3] do not pair with "
+                               "its base weight [8, 4] (want [r, 4] and [8, r])")
+
+
+def test_alpha_comes_from_the_flag_or_the_config_and_they_must_agree(tmp_path):
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 16, "use_rslora": True}))
+    read = read_adapter_config(config)
+    assert read == LoraScale(16, True, 2, str(config))
+    assert read.scale(4) == 8.0 and LoraScale(7, False).scale(5) == 7 / 5
+    assert resolve_scale(16, True, read, "CKPT") is read
+    assert resolve_scale(7.5, False, None, "CKPT") == LoraScale(7.5, False)
+    with pytest.raises(UsageError, match=f"^--lora-alpha 8 disagrees with {config}, whose lora_alpha is 16$"):
+        resolve_scale(8, False, read, "CKPT")
+    with pytest.raises(UsageError, match="^CKPT: LoRA α is not in the checkpoint: pass --lora-alpha"):
+        resolve_scale(None, False, None, "CKPT")
+    with pytest.raises(CheckpointError, match=r"^CKPT: x\.lora_A\.default\.weight has rank 3 \(its rows\), but "):
+        check_ranks(find_adapters(lora_shapes("x", rank=3), "CKPT"), read, "CKPT")
+
+
+@pytest.mark.parametrize("doc, reason", [
+    ({"peft_type": "IA3", "r": 2, "lora_alpha": 4}, "peft_type is 'IA3', not 'LORA'"),
+    ({"peft_type": "LORA", "r": 2}, "lora_alpha is null, not a number"),
+    ({"peft_type": "LORA", "r": "2", "lora_alpha": 4}, 'r is "2", not a positive integer'),
+    ({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "use_dora": True},
+     "use_dora is true (DoRA), which export-hf does not merge yet"),
+    ({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "rank_pattern": {"q_proj": 8}},
+     "has a rank_pattern (per-module ranks), which export-hf does not merge yet"),
+])
+def test_an_adapter_config_export_hf_cannot_honour_is_refused(tmp_path, doc, reason):
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps(doc))
+    with pytest.raises(UsageError) as err:
+        read_adapter_config(config)
+    assert str(err.value) == f"{config}: {reason}"
+
+
+def test_peft_config_names_exactly_the_adapted_modules():
+    k0, q1 = "model.layers.0.self_attn.k_proj", "model.layers.1.self_attn.q_proj"
+    every = find_adapters({**lora_shapes(Q), **lora_shapes(q1, rank=4), **lora_shapes(k0, rank=4)}, "CKPT")
+    config = peft_config(every, LoraScale(8.0, False), [Q, q1, k0], "org/base", "CAUSAL_LM")
+    assert (config["r"], config["lora_alpha"], config["target_modules"], config["rank_pattern"]) == (
+        4, 8, ["k_proj", "q_proj"], {Q: 2})
+    some = find_adapters(lora_shapes(q1), "CKPT")
+    config = peft_config(some, LoraScale(7.5, True), [Q, q1], None, None)
+    assert (config["lora_alpha"], config["use_rslora"], config["target_modules"]) == (
+        7.5, True, r"model\.layers\.1\.self_attn\.q_proj")
+
+
+def test_inspect_summary_counts_modules_per_leaf_name_without_judging():
+    shapes = {f"model.base_model.model.{k}": v for k, v in {**lora_shapes(Q), **lora_shapes(V, rank=3)}.items()}
+    shapes[f"model.base_model.model.{Q}.lora_magnitude_vector.default.weight"] = (8,)
+    assert adapter_summary(shapes) == {"kind": "peft-dora", "adapters": ["default"], "modules": 2, "ranks": [2, 3],
+                                       "targets": {"q_proj": 1, "v_proj": 1}}
+    assert adapter_summary({"model.norm.weight": (4,)}) is None
