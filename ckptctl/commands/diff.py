@@ -200,8 +200,9 @@ class Side(Protocol):
     def reads_with_torch(self, names: Sequence[str]) -> bool:
         """Whether reading one of these tensors needs torch (rows placed transposed, a constant added)."""
 
-    def read(self, name: str, start: int, stop: int) -> bytearray:
-        """Row-major bytes of elements [start, stop) of tensor `name` (thread-safe)."""
+    def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
+        """Row-major bytes of elements [start, stop) of tensor `name`, cast to `dtype` when given
+        as export-hf `--dtype` casts (thread-safe)."""
 
     def read_bytes(self, name: str) -> bytes:
         """The whole content of bytes entry `name`."""
@@ -244,8 +245,11 @@ class DcpSide:
     def reads_with_torch(self, names: Sequence[str]) -> bool:
         return any(self._targets[n].add or any(p.axes is not None for p in self._targets[n].pieces) for n in names)
 
-    def read(self, name: str, start: int, stop: int) -> bytearray:
+    def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
+        """Assembled by the engine export-hf writes with: cast (and a constant added) as it does."""
         target = self._targets[name]
+        if dtype is not None and dtype != target.dtype:
+            target = replace(target, dtype=dtype)
         box = Box((start,), (stop - start,)) if target.shape else full_box(())
         return assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, self._sources)),
                               self._chunks)
@@ -346,7 +350,7 @@ class SafetensorsSide:
                     raise CheckpointError(file, f"cannot open: {exc.strerror or exc}") from None
             return self._fds[file]
 
-    def read(self, name: str, start: int, stop: int) -> bytearray:
+    def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
         stored, isz = self._stored[name], self.tensors[name].dtype.itemsize
         out = bytearray((stop - start) * isz)
         offset = stored.start + start * isz
@@ -356,7 +360,7 @@ class SafetensorsSide:
             raise CheckpointError(stored.file, f"cannot read at byte {offset}: {exc.strerror or exc}") from None
         if got != len(out):
             raise CheckpointError(stored.file, f"short read at byte {offset}")
-        return out
+        return out if dtype is None else _cast(out, stored.dtype, dtype)
 
     def read_bytes(self, name: str) -> bytes:
         raise CheckpointError(self.path, f"{name}: safetensors files hold tensors only, no bytes entries")
@@ -635,19 +639,24 @@ def _compare_bytes(name: str, side_a: Side, side_b: Side, advance: Advance) -> E
 
 def _compare_tensor(pair: _Pair, side_a: Side, side_b: Side, atol: float, rtol: float,
                     advance: Advance) -> EntryDiff:
-    """Stream both sides through in item blocks, cast to the compared dtype where a side is not in
-    it; only blocks whose bytes differ are examined numerically. Blocks of one dtype with the same
-    bytes are equal in any dtype, and are never cast."""
+    """Stream both sides through in item blocks, each read in the compared dtype; only blocks
+    whose bytes differ are examined numerically. Blocks of one dtype are read as saved first:
+    the same bytes are equal in any dtype, and only a block that differs is read again, cast."""
     a, b, dtype = pair.a, pair.b, pair.dtype
     step = max(1, ASSEMBLE_BYTES // max(a.dtype.itemsize, b.dtype.itemsize))
     found = _Mismatches(dtype, atol, rtol)
     for start in range(0, a.numel, step):
         stop = min(a.numel, start + step)
-        x, y = side_a.read(pair.name, start, stop), side_b.read(pair.name, start, stop)
-        advance(len(x))
-        if a.dtype == b.dtype and x == y:
-            continue
-        x, y = _cast(x, a.dtype, dtype), _cast(y, b.dtype, dtype)
+        if a.dtype == b.dtype:
+            x, y = side_a.read(pair.name, start, stop), side_b.read(pair.name, start, stop)
+            if x == y:
+                advance(len(x))
+                continue
+            if dtype != a.dtype:
+                x, y = side_a.read(pair.name, start, stop, dtype), side_b.read(pair.name, start, stop, dtype)
+        else:
+            x, y = side_a.read(pair.name, start, stop, dtype), side_b.read(pair.name, start, stop, dtype)
+        advance((stop - start) * a.dtype.itemsize)
         if x != y:
             found.add_block(x, y, start)
     cast = dtype if dtype != a.dtype or dtype != b.dtype else None
@@ -660,7 +669,8 @@ def _compare_tensor(pair: _Pair, side_a: Side, side_b: Side, atol: float, rtol: 
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> bytearray:
-    """Elements of `src` as `dst`, by the cast export-hf `--dtype` writes (`engine.cast.cast_into`)."""
+    """Elements of `src` as `dst`, by the cast export-hf `--dtype` writes (`engine.cast.cast_into`;
+    a DCP side's engine casts with it too)."""
     if src == dst or not data:
         return data
     import torch
