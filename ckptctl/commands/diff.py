@@ -289,9 +289,13 @@ def model_side(ckpt: Checkpoint, why: str) -> DcpSide:
     targets = {fqn[len(prefix):]: identity_target(views[fqn]) for fqn in ckpt.tensors
                if fqn.startswith(prefix) and is_model_key(fqn)}
     left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(targets)
-    stripped = f", prefix {prefix!r} stripped" if prefix else ""
-    note = f"{ckpt.path}: model tensors only{stripped}; {left_out} optimizer and other entries left out ({why})"
-    return DcpSide(ckpt, targets, views, prefix=prefix, notes=[note])
+    stripped = f"prefix {prefix!r} stripped" if prefix else ""
+    if left_out:
+        notes = [f"{ckpt.path}: model tensors only{', ' if stripped else ''}{stripped}; {left_out} optimizer and "
+                 f"other entries left out ({why})"]
+    else:
+        notes = [f"{ckpt.path}: {stripped}"] if stripped else []
+    return DcpSide(ckpt, targets, views, prefix=prefix, notes=notes)
 
 
 NAME_CHECK_NOTE = "tensor names not checked (--no-name-check): the output may not load"
