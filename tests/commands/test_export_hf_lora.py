@@ -3,7 +3,8 @@
 A tiny LlamaForCausalLM wrapped by peft (r 5, α 7: a scale that is no power of two; every
 linear of the decoder adapted; lora_B random, so every adapter changes its weight) is
 `fully_shard`ed on 2 gloo ranks and saved by `dcp.save` of `get_model_state_dict`, as a
-fine-tuning run saves it. The oracles are peft's own: `merge_and_unload()` in float32 (bit for
+fine-tuning run saves it (`make test-full`; `make test` proves the same on its state dict saved
+whole by one process, the same names and shapes, in a tenth of the time). The oracles are peft's own: `merge_and_unload()` in float32 (bit for
 bit), `PeftModel.from_pretrained` of the adapter folder (logits equal to the trained model's,
 no "missing adapter keys" warning), transformers' `from_pretrained` of the merged folder.
 """
@@ -73,14 +74,34 @@ def _save(rank: int, world_size: int, out: str) -> None:
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=out)
 
 
-@pytest.fixture(scope="session")
-def lora(tmp_path_factory):
-    """The FSDP2 checkpoint, the base model's HF config folder, and the run's adapter_config.json."""
-    root = tmp_path_factory.mktemp("lora")
-    run_ranks(_save, WORLD, str(root / "ckpt"), timeout=240)
+def saved(root: Path) -> Path:
+    """`root` with the base model's HF config folder and the run's adapter_config.json beside `ckpt`."""
     llama_config().save_pretrained(root / "base")
     peft_model().save_pretrained(root / "adapter")
     return root
+
+
+@pytest.fixture(scope="session")
+def fsdp2(tmp_path_factory):
+    """The trained model saved by FSDP2 on 2 gloo ranks (every tensor row-sharded)."""
+    root = tmp_path_factory.mktemp("lora-fsdp2")
+    run_ranks(_save, WORLD, str(root / "ckpt"), timeout=240)
+    return saved(root)
+
+
+@pytest.fixture(scope="session")
+def lora(tmp_path_factory):
+    """The trained model's state dict saved whole by `dcp.save` in this process: the names and
+    shapes of the FSDP2 save, in a tenth of the time."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("lora")
+    dcp.save({"model": peft_model().state_dict()}, checkpoint_id=root / "ckpt", no_dist=True)
+    return saved(root)
+
+
+SAVES = ["lora", pytest.param("fsdp2", marks=pytest.mark.full)]
+"""The checkpoints the exports are proven on (the FSDP2 one by `make test-full`)."""
 
 
 def export(lora: Path, dst: Path, *args: str):
@@ -103,7 +124,9 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
-def test_merged_fp32_weights_are_peft_merge_bit_for_bit_and_give_its_logits(lora, tmp_path):
+@pytest.mark.parametrize("save", SAVES)
+def test_merged_fp32_weights_are_peft_merge_bit_for_bit_and_give_its_logits(request, save, tmp_path):
+    lora = request.getfixturevalue(save)
     from transformers import AutoModelForCausalLM
 
     dst = tmp_path / "merged"
@@ -123,7 +146,9 @@ def test_merged_fp32_weights_are_peft_merge_bit_for_bit_and_give_its_logits(lora
         assert torch.equal(model(TOKENS).logits, peft_model().merge_and_unload()(TOKENS).logits)
 
 
-def test_bf16_merge_is_the_fp32_merge_rounded_once(lora, tmp_path):
+@pytest.mark.parametrize("save", SAVES)
+def test_bf16_merge_is_the_fp32_merge_rounded_once(request, save, tmp_path):
+    lora = request.getfixturevalue(save)
     dst = tmp_path / "bf16"
     res = export(lora, dst, "--merge-adapters", "--lora-alpha", str(ALPHA), "--dtype", "bf16")
     assert res.returncode == 0, res.stderr
@@ -133,7 +158,9 @@ def test_bf16_merge_is_the_fp32_merge_rounded_once(lora, tmp_path):
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor), name
 
 
-def test_adapter_folder_loads_in_peft_with_the_trained_logits(lora, tmp_path):
+@pytest.mark.parametrize("save", SAVES)
+def test_adapter_folder_loads_in_peft_with_the_trained_logits(request, save, tmp_path):
+    lora = request.getfixturevalue(save)
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
@@ -219,7 +246,9 @@ def test_an_adapter_on_a_module_the_model_lacks_is_refused(tmp_path):
                           "LlamaForCausalLM has no weight for (wrong --hf-config?)\n")
 
 
-def test_reshard_keeps_the_adapters_bit_for_bit(lora, tmp_path):
+@pytest.mark.parametrize("save", SAVES)
+def test_reshard_keeps_the_adapters_bit_for_bit(request, save, tmp_path):
+    lora = request.getfixturevalue(save)
     import torch.distributed.checkpoint as dcp
 
     dst = tmp_path / "resharded"
