@@ -324,3 +324,27 @@ def test_matched_chunks_of_an_outer_mark_a_tuple_takes_are_read_plainly(tmp_path
     monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
     chunks = open_checkpoint(tmp_path).tensors["layers.1.weight"].chunks
     assert len(chunks) == 298 and chunks[0].offsets == (4, 0)
+
+
+def test_runs_cut_by_names_holding_a_batch_end_or_by_an_entry_read_plainly(tmp_path):
+    """A batch of entries is found in one pass up to its end (a record's `ub`, then `u`). Names
+    holding those bytes, a name made by one entry and fetched from the memo by the next ones of
+    the same run, an entry whose name is too long to match (read plainly, mid batch) and offsets
+    past 2 GiB (another integer opcode) leave it no different from C's reading."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    sd, storage = {}, {}
+    for t in range(3):
+        fqn = f"club.ubu.ube.{t}.weight"
+        key = fqn.encode().decode()  # not the object the tensor's name is: pickled anew by its first entry
+        chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 5])) for r in range(700)]
+        sd[fqn] = TensorStorageMetadata(props, torch.Size([1400, 5]), chunks)
+        for r in range(700):
+            at = (1 << 33) + 40 * t if r == 77 else 40 * t
+            storage[MetadataIndex("x" * 300 if (t, r) == (1, 500) else key, torch.Size([r * 2, 0]), r)] = \
+                _StorageInfo(f"__{r}_0.distcp", at, 40)
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata(sd, storage_data=storage)))
+    md, machine = _read(path)
+    assert md is not None and machine._matched == 2 * 2100 - 2 - 1
+    assert _plain(md) == _plain(_oracle(path))
+    assert [entry[1] for _, entry in md.storage_data.rows_of("club.ubu.ube.2.weight")][76:79] == [80, (1 << 33) + 80, 80]

@@ -26,12 +26,14 @@ held at a time.
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 import struct
 from array import array
 from bisect import bisect_left
-from typing import Any, Iterator
+from itertools import accumulate, chain, compress, islice, repeat
+from typing import Any, Callable, Iterator
 
 from ckptctl.formats.dcp import classes as dc
 from ckptctl.util.gc_pause import gc_paused
@@ -41,8 +43,6 @@ from ckptctl.formats.pickle.unpickle import MAX_DIMS, MAX_INT, MAX_NAME, MAX_PAT
 
 LOOKAHEAD = 1 << 16
 """Bytes kept ahead of the interpreter: more than any matched record (its strings are at most 255 bytes)."""
-RUN_MARGIN = 1 << 12
-"""A run of matched records stops this near the end of the bytes held, for the main loop to refill."""
 BLOCK = 1 << 22
 """Bytes of frames joined per refill."""
 MAX_FRAME = 1 << 24
@@ -134,10 +134,12 @@ class TemplateMachine(PickleMachine):
         self._bodies: dict[bytes, tuple[int, ...] | None] = {}
         self._ints: dict[bytes, int | None] = {}  # decoded indices and lengths of storage entries
         self._strings: dict[str, str] = {}
-        self._texts: dict[bytes, tuple[str, int]] = {}
+        self._texts: dict[int, dict[bytes, str]] = {MAX_NAME: {}, MAX_PATH: {}}  # by length limit: bytes → str
         self._text_at, self._texts_made = array("q"), []  # the strings templates memoized: index, value
         self._chunk: re.Pattern | None = None
         self._entry: re.Pattern | None = None
+        self._chunks: re.Pattern | None = None  # a run of chunk records, one after the other
+        self._entries: re.Pattern | None = None  # a run of storage entries
         self._plan: re.Pattern | None = None
         self._plain = self._matched = 0
         self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
@@ -242,7 +244,7 @@ class TemplateMachine(PickleMachine):
             self._memo[index] = new
         return new
 
-    def _chunks(self, target: Any, holder: list | None = None) -> dc.ChunkColumns:
+    def _chunks_of(self, target: Any, holder: list | None = None) -> dc.ChunkColumns:
         if type(target) is dc.ChunkColumns:
             return target
         if type(target) is not list:
@@ -271,7 +273,7 @@ class TemplateMachine(PickleMachine):
         value = self._finished(self._pop())
         target = self._top()
         if type(value) is _ChunkPair or type(target) is dc.ChunkColumns:
-            self._add_chunk(self._chunks(target), value)
+            self._add_chunk(self._chunks_of(target), value)
         else:
             self._mutable(target, list).append(value)
 
@@ -283,7 +285,7 @@ class TemplateMachine(PickleMachine):
             self._closing = False
         target = self._top()
         if type(target) is dc.ChunkColumns or any(type(v) is _ChunkPair for v in items):
-            columns = self._chunks(target)
+            columns = self._chunks_of(target)
             for value in items:
                 self._add_chunk(columns, value)
         else:
@@ -348,13 +350,13 @@ class TemplateMachine(PickleMachine):
         named, get = self._named, self._fetch
         if self._chunk is None and _CHUNK_NAMES <= named.keys():
             size = get("Size")
-            self._chunk = re.compile(
-                get("ChunkStorageMetadata") + _NEW_OBJECT + get("offsets") + size + _BODY + _SIZE_TAIL
-                + get("sizes") + size + _BODY + _SIZE_TAIL + rb"ub", re.S)
+            chunk = (get("ChunkStorageMetadata") + _NEW_OBJECT + get("offsets") + size + _BODY + _SIZE_TAIL
+                     + get("sizes") + size + _BODY + _SIZE_TAIL + rb"ub")
+            self._chunk, self._chunks = re.compile(chunk, re.S), re.compile(rb"(?:" + chunk + rb")+", re.S)
         if self._entry is None and _ENTRY_NAMES <= named.keys():
-            self._entry = re.compile(
-                self._index_pattern() + get("_StorageInfo") + _NEW_OBJECT + get("relative_path") + _STR
-                + get("offset") + _INT_CAPTURE + get("length") + _INT_CAPTURE + rb"ub", re.S)
+            entry = (self._index_pattern() + get("_StorageInfo") + _NEW_OBJECT + get("relative_path") + _STR
+                     + get("offset") + _INT_CAPTURE + get("length") + _INT_CAPTURE + rb"ub")
+            self._entry, self._entries = re.compile(entry, re.S), re.compile(rb"(?:" + entry + rb")+", re.S)
         if self._plan is None and _PLAN_NAMES <= named.keys():
             self._plan = self._plan_pattern()
 
@@ -390,9 +392,10 @@ class TemplateMachine(PickleMachine):
         """A matched string (its bytes `raw`: a new one, or a memo reference), None when the plain road must judge it.
 
         Equal bytes give the same answer (a memo entry never changes), so each is decoded and checked once."""
-        known = self._texts.get(raw)
-        if known is not None and known[1] == limit:
-            return known[0]
+        texts = self._texts.setdefault(limit, {})
+        known = texts.get(raw)
+        if known is not None:
+            return known
         if length is not None:
             if len(text) != length[0]:
                 return None
@@ -409,10 +412,9 @@ class TemplateMachine(PickleMachine):
             _str(value, "", limit)
         except MalformedPickleError:
             return None
-        if len(self._texts) > _CACHE_LIMIT:
-            self._texts.clear()
-        value = self._strings.setdefault(value, value)
-        self._texts[raw] = (value, limit)
+        if len(texts) > _CACHE_LIMIT:
+            texts.clear()
+        value = texts[raw] = self._strings.setdefault(value, value)
         return value
 
     def _batch_target(self) -> Any:
@@ -453,106 +455,143 @@ class TemplateMachine(PickleMachine):
                 return self._plan_item(match)
         return False
 
-    def _run_stop(self) -> int:
-        """Where a run of matched records stops, so that the main loop refills before the next one."""
-        return self._end - RUN_MARGIN if self._more else self._end
+    def _run(self, match: re.Match, into: bool, one: re.Pattern, many: re.Pattern, batch_end: bytes,
+             variable: Callable[[list[tuple]], int]) -> tuple[list[tuple], int, int]:
+        """The groups of the record `match` found and, going `into` a batch's columns, of every one
+        right after it, found in C by `findall`, as columns; how many; and where they end. The batch's end is where its
+        last record's `ub` meets the batch's `batch_end` opcode: its records are those `findall`
+        finds up to there when their lengths (`variable`, the bytes of their groups, besides the
+        bytes every record has) add up to it, none left out. Else (the bytes a field holds, or a
+        batch past the bytes held) `many` finds the run's end first. A group that took no part is
+        b"" (as `findall` gives it: none that takes part is empty)."""
+        first = list(zip(match.groups(b"")))
+        if not into:
+            return first, 1, match.end()
+        data, pos = self._data, self._pos
+        fixed = match.end() - pos - variable(first)
+        end = data.find(batch_end, pos, pos + BATCH_SPAN) + 2
+        if end > pos:
+            found = one.findall(data, pos, end)
+            columns = list(zip(*found))
+            if fixed * len(found) + variable(columns) == end - pos:
+                return columns, len(found), end
+        end = many.match(data, pos).end()
+        found = one.findall(data, pos, end)
+        return list(zip(*found)), len(found), end
+
+    def _end_of(self, n: int, found: int, end: int, pattern: re.Pattern) -> int:
+        """Where the first `n` of `found` records matched from `self._pos` by `pattern` end (`end`: all of them)."""
+        if n == found:
+            return end
+        pos = self._pos
+        for _ in range(n):  # a run cut short by a record the plain road must judge: rare
+            pos = pattern.match(self._data, pos).end()
+        return pos
 
     def _chunk_run(self, match: re.Match) -> bool:
         """The chunk record `match` found, and every one right after it while they go straight into a
-        batch's chunk columns, decoded in one loop (the per-record work is most of reading a big
-        `.metadata`). Outside such a batch the one record goes onto the stack. False, nothing consumed,
-        when the first is not a chunk this reader takes."""
+        batch's chunk columns, decoded a column at a time (the per-record work is most of reading a
+        big `.metadata`). Outside such a batch the one record goes onto the stack. False, nothing
+        consumed, when the first is not a chunk this reader takes."""
         target = self._batch_target()
         into = type(target) is dc.ChunkColumns or (type(target) is list and not target)
-        data, stop, pattern = self._data, self._run_stop(), self._chunk.match
-        bodies, size, count, n, pos = self._bodies, self._size, self._count, 0, self._pos
-        offsets_column = sizes_column = None
-        while True:
-            first, second = match.group(1, 2)
-            offsets, sizes = bodies.get(first, bodies), bodies.get(second, bodies)
-            if offsets is bodies:
-                offsets = size(first)
-            if sizes is bodies:
-                sizes = size(second)
-            if offsets is None or sizes is None:
-                break
-            count += 8 - (first == b")") - (second == b")")
-            n += 1
-            pos = match.end()
-            if not into:
-                self._stack.append(_ChunkPair((offsets, sizes)))
-                break
-            if offsets_column is None:  # a chunk list's first batch: made columns now
-                target = self._chunks(target, self._marks[-1]) if type(target) is list else target
-                offsets_column, sizes_column = target.offsets, target.sizes
-            offsets_column.append(offsets)
-            sizes_column.append(sizes)
-            match = pattern(data, pos) if pos < stop else None
-            if match is None:
-                break
-        return self._consumed(n, 5, count, pos, into)
+        (firsts, seconds), found, end = self._run(match, into, self._chunk, self._chunks, b"ube", _chunk_bytes)
+        bodies = self._bodies
+        offsets, n = _complete(list(map(bodies.get, firsts)), firsts, self._size)
+        sizes, n_sizes = _complete(list(map(bodies.get, seconds)), seconds, self._size)
+        n = min(n, n_sizes)
+        if not n:
+            return False
+        if n < found:
+            firsts, seconds, offsets, sizes = firsts[:n], seconds[:n], offsets[:n], sizes[:n]
+        count = self._count + 8 * n - firsts.count(b")") - seconds.count(b")")
+        end = self._end_of(n, found, end, self._chunk)
+        if not into:
+            self._stack.append(_ChunkPair((offsets[0], sizes[0])))
+        else:
+            columns = self._chunks_of(target, self._marks[-1]) if type(target) is list else target
+            columns.offsets += offsets
+            columns.sizes += sizes
+        return self._consumed(n, 5, count, end, into)
+
+    def _strings_of(self, raws: tuple[bytes, ...], lengths: tuple, texts: tuple, limit: int) -> tuple[list, int]:
+        """A run's column of matched strings (`_string`, each new one decoded once); how many lead
+        before the first that is not one this reader takes."""
+        def decode(raw: bytes) -> str | None:
+            at = raws.index(raw)
+            return self._string(raw, lengths[at] or None, texts[at], limit)
+
+        return _complete(list(map(self._texts.setdefault(limit, {}).get, raws)), raws, decode)
+
+    def _entry_bytes(self, columns: list[tuple]) -> int:
+        """The bytes of storage entries' groups (none inside another: fqn, index, chunk offsets, file,
+        offset, length), and of the chunk offsets' fields where an entry has them."""
+        named = self._named
+        keyed = len(memo_fetch(named["offset"])) + len(memo_fetch(named["Size"])) + len(_SIZE_TAIL)
+        bodies = columns[4]
+        return sum(len(b"".join(columns[i])) for i in (0, 3, 4, 5, 8, 9)) + keyed * (len(bodies) - bodies.count(b""))
 
     def _entry_run(self, match: re.Match) -> bool:
         """The storage entry `match` found, and every one right after it while they go straight into the
-        storage columns, decoded in one loop (as `_chunk_run`); outside such a batch the one entry goes
-        onto the stack. False, nothing consumed, when the first is not an entry this reader takes."""
+        storage columns, decoded a column at a time (as `_chunk_run`); outside such a batch the one
+        entry goes onto the stack. False, nothing consumed, when the first is not an entry this reader
+        takes."""
         target = self._batch_target()
         into = type(target) is dc.StorageColumns
-        data, stop, pattern = self._data, self._run_stop(), self._entry.match
-        texts, bodies, string, size = self._texts, self._bodies, self._string, self._size
-        ints, cached = self._ints, self._cached_integer
-        text_at, texts_made = self._text_at, self._texts_made
-        file_ids = target.file_ids if into else None
-        count, n, pos, fqn_now, keys, places = self._count, 0, self._pos, None, None, None
-        while True:
-            fqn_raw, fqn_length, fqn_text, index, body, file_raw, file_length, file_text, offset, length_raw = \
-                match.groups()
-            known = texts.get(fqn_raw)
-            fqn = known[0] if known is not None and known[1] == MAX_NAME else \
-                string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
-            known = texts.get(file_raw)
-            file = known[0] if known is not None and known[1] == MAX_PATH else \
-                string(file_raw, file_length, file_text, MAX_PATH)
-            offsets = None if body is None else bodies.get(body, bodies)
-            if offsets is bodies:
-                offsets = size(body)
-            offset = int.from_bytes(offset[1:], "little", signed=True) if offset[0] == 0x4A else _integer(offset)
-            length = ints.get(length_raw, ints)
-            if length is ints:
-                length = cached(length_raw)
-            if index != b"N" and ints.get(index, ints) is ints:
-                cached(index)
-            if fqn is None or file is None or offset is None or offset < 0 or length is None \
-                    or (body is not None and offsets is None) or (index != b"N" and ints[index] is None):
-                break
-            count += 2  # the memo entries, as `_index_memoized` counts them: the index record, its state
-            if fqn_length is not None:
-                text_at.append(count)
-                texts_made.append(fqn)
-                count += 1
-            if body is not None:
-                count += 2 if body == b")" else 3  # a Size, its argument tuple (none for an empty one), the body
-            count += 2  # the storage record and its state dict
-            if file_length is not None:
-                text_at.append(count)
-                texts_made.append(file)
-                count += 1
-            n += 1
-            pos = match.end()
-            if not into:
-                self._stack.append(_StorageKey((fqn, offsets)))
-                self._stack.append(_StorageRow((file, offset, length)))
-                break
-            if fqn is not fqn_now:
-                keys, places = target.rows_for(fqn)
-                fqn_now = fqn
-            file_id = file_ids.get(file)
-            keys.append(offsets)
-            places.extend((target.file_id(file) if file_id is None else file_id, offset, length))
-            match = pattern(data, pos) if pos < stop else None
-            if match is None:
-                break
-        return self._consumed(n, 12, count, pos, into)
+        columns, found, end = self._run(match, into, self._entry, self._entries, b"ubu", self._entry_bytes)
+        fqn_raws, fqn_lengths, fqn_texts, indices, bodies, file_raws, file_lengths, file_texts, places, lengths = columns
+        fqns, n = self._strings_of(fqn_raws, fqn_lengths, fqn_texts, MAX_NAME)
+        files, n_files = self._strings_of(file_raws, file_lengths, file_texts, MAX_PATH)
+        offsets, n_offsets = _complete(list(map(self._bodies.get, bodies)), bodies, self._size, b"")
+        byte_offsets = _offsets(places)
+        ints = self._ints
+        sizes, n_sizes = _complete(list(map(ints.get, lengths)), lengths, self._cached_integer)
+        n_indices = _complete(list(map(ints.get, indices)), indices, self._cached_integer, b"N")[1]
+        n = min(n, n_files, n_offsets, n_sizes, n_indices, byte_offsets.index(None) if None in byte_offsets else n)
+        if not n:
+            return False
+        if n < found:
+            fqns, files, offsets, byte_offsets, sizes = fqns[:n], files[:n], offsets[:n], byte_offsets[:n], sizes[:n]
+            fqn_lengths, file_lengths, bodies = fqn_lengths[:n], file_lengths[:n], bodies[:n]
+        # an entry's memo entries: its index record and state dict, a new fqn, a Size (its argument
+        # tuple, none for an empty one, and its body), its storage record and state dict, a new file
+        new_fqns, new_files = n - fqn_lengths.count(b""), n - file_lengths.count(b"")
+        if new_fqns or new_files:  # each new string's memo index, as the entries before it counted
+            new_fqn, new_file = list(map(bool, fqn_lengths)), list(map(bool, file_lengths))
+            each = map(sum, zip(repeat(4), new_fqn, map(_SIZE_MEMO.get, bodies, repeat(3)), new_file))
+            memo_at = list(accumulate(each, initial=self._count))  # each entry's first memo index
+            made = sorted([*zip(map((2).__add__, compress(memo_at, new_fqn)), compress(fqns, new_fqn)),
+                           *zip(map((-1).__add__, compress(memo_at[1:], new_file)), compress(files, new_file))])
+            self._text_at.extend(index for index, _ in made)
+            self._texts_made.extend(text for _, text in made)
+            count = memo_at[-1]
+        else:
+            empty, keyless = bodies.count(b")"), bodies.count(b"")
+            count = self._count + 4 * n + 2 * empty + 3 * (n - empty - keyless)
+        end = self._end_of(n, found, end, self._entry)
+        if not into:
+            self._stack.append(_StorageKey((fqns[0], offsets[0])))
+            self._stack.append(_StorageRow((files[0], byte_offsets[0], sizes[0])))
+            return self._consumed(n, 12, count, end, into)
+        file_ids = list(map(target.file_ids.get, files))
+        if None in file_ids:  # a file met for the first time: numbered in the order met
+            file_ids = list(map(target.file_id, files))
+        starts = [0, *compress(range(1, n), map(operator.is_not, fqns[1:], fqns[:-1])), n]
+        if len(starts) > n // 4:  # the tensors' entries interleaved (torch orders them by rank): one at a time
+            fqn_now = keys = columns = None
+            for fqn, key, row in zip(fqns, offsets, zip(file_ids, byte_offsets, sizes)):
+                if fqn is not fqn_now:
+                    keys, columns = target.rows_for(fqn)
+                    fqn_now = fqn
+                keys.append(key)
+                columns.extend(row)
+            return self._consumed(n, 12, count, end, into)
+        rows = chain.from_iterable(zip(file_ids, byte_offsets, sizes))
+        for a, b in zip(starts, starts[1:]):  # one tensor's entries follow one another
+            keys, columns = target.rows_for(fqns[a])
+            keys += offsets[a:b]
+            columns.extend(islice(rows, 3 * (b - a)))
+        return self._consumed(n, 12, count, end, into)
 
     def _cached_integer(self, raw: bytes) -> int | None:
         """`_integer` of a field whose few values repeat (an index, a length), remembered."""
@@ -631,6 +670,41 @@ def _integer(raw: bytes) -> int | None:
         return raw[1] | raw[2] << 8
     value = int.from_bytes(raw[1:] if op == 0x4A else raw[2:], "little", signed=True)
     return value if 0 <= value < MAX_INT else None
+
+
+_SIZE_MEMO = {b"": 0, b")": 2}
+"""The memo entries of a storage key's chunk offsets, by their Size body (any other: 3)."""
+BATCH_SPAN = 1 << 18
+"""How far a batch's end is looked for: 1,000 records (a pickler's batch) of up to 262 bytes."""
+
+
+def _chunk_bytes(columns: list[tuple]) -> int:
+    """The bytes of chunk records' groups (their two Size bodies)."""
+    return len(b"".join(columns[0])) + len(b"".join(columns[1]))
+
+
+def _complete(values: list, raws: tuple[bytes, ...], decode: Callable[[bytes], Any],
+              absent: bytes | None = None) -> tuple[list, int]:
+    """A run's column: `values` (its `raws` looked up in a table of decoded ones) with each raw the
+    table lacked decoded once, the `absent` one (a field the record leaves out) left None; and how
+    many lead before the first that decodes to None (not one this reader takes)."""
+    if None not in values:
+        return values, len(values)
+    decoded = {raw: decode(raw) for raw in dict.fromkeys(compress(raws, map(operator.is_, values, repeat(None))))
+               if raw != absent}
+    bad = next((raw for raw, value in decoded.items() if value is None), None)
+    return list(map(decoded.get, raws, values)), len(values) if bad is None else raws.index(bad)
+
+
+def _offsets(raws: tuple[bytes, ...]) -> list[int | None]:
+    """The byte offsets of a run's storage entries (any integer opcode; None where negative or too
+    large), unpacked at once where all are 4-byte BININTs (any entry past the first 64 KB of its file)."""
+    joined = b"".join(raws)
+    n = len(raws)
+    if len(joined) == 5 * n and joined[::5] == b"J" * n:
+        values = list(struct.unpack("<" + "xi" * n, joined))
+        return values if min(values) >= 0 else [v if v >= 0 else None for v in values]
+    return list(map(_integer, raws))
 
 
 def _blocks(fd: int, size: int) -> Iterator[bytes]:
