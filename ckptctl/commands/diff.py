@@ -312,7 +312,7 @@ def mapped_side(ckpt: Checkpoint, cfg: HFConfig, arch: str, tp: int | None) -> D
     used = {fqn for t in plan.targets.values() for fqn in _sources_of(t)}
     left_out = len(ckpt.tensors) + len(ckpt.bytes_entries) - len(used)
     hf = counted(len(plan.targets), "Hugging Face tensor")
-    rest = f"; {left_out} optimizer and other entries left out" if left_out else ""
+    rest = f"; {counted(left_out, 'other entry', 'other entries')} left out" if left_out else ""
     note = (f"{ckpt.path}: {counted(len(used), 'model tensor')} mapped to {hf} by export-hf's {plan.family} rules "
             f"({cfg.path}){rest}")
     return DcpSide(ckpt, plan.targets, plan.sources, prefix=plan.prefix or None, family=plan.family,

@@ -500,6 +500,10 @@ class Mapped:
     """`import-hf --to megatron-fsdp --tp 2` of that: fused linear_qkv and TP-blocked fused linear_fc1."""
     hf_dcp: Path
     """`import-hf` (FSDP2) of the first: its Hugging Face names behind the prefix `model.`."""
+    moe: Path
+    """A tiny Qwen3-MoE folder (2 layers of 4 experts) that transformers saved."""
+    moe_titan: Path
+    """`import-hf --to torchtitan` of it: experts stacked [E, F, D], a zero expert bias per layer."""
 
 
 @pytest.fixture(scope="module")
@@ -514,12 +518,18 @@ def mapped(tmp_path_factory) -> Mapped:
     config = transformers.LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
                                       num_attention_heads=2, num_key_value_heads=2)
     transformers.LlamaForCausalLM(config).save_pretrained(root / "hf_kv2")
+    moe = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=8, intermediate_size=16, moe_intermediate_size=4,
+                                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, head_dim=4)
+    transformers.Qwen3MoeForCausalLM(moe).save_pretrained(root / "moe")
     for args in (("import-hf", hf, root / "titan", "--to", "torchtitan", "--world-size", "2"),
                  ("import-hf", root / "hf_kv2", root / "megatron", "--to", "megatron-fsdp", "--tp", "2", "--dp", "1"),
-                 ("import-hf", hf, root / "hf_dcp", "--world-size", "2")):
+                 ("import-hf", hf, root / "hf_dcp", "--world-size", "2"),
+                 ("import-hf", root / "moe", root / "moe_titan", "--to", "torchtitan", "--world-size", "2")):
         res = run_cli(*args)
         assert res.returncode == 0, res.stderr
-    return Mapped(hf, root / "titan", root / "hf_kv2", root / "megatron", root / "hf_dcp")
+    return Mapped(hf, root / "titan", root / "hf_kv2", root / "megatron", root / "hf_dcp", root / "moe",
+                  root / "moe_titan")
 
 
 def test_a_torchtitan_import_equals_its_hf_source_through_the_family_tables(mapped):
@@ -579,6 +589,26 @@ def test_megatron_fused_tensors_are_compared_by_the_views_export_hf_cuts(mapped,
     got = doc["tensors"]["model.layers.0.mlp.up_proj.weight"]
     assert (got["first_diff_index"], got["mismatches"], got["max_abs_diff"]) == \
         ([9, 2], 1, abs(float(after[9, 2]) - float(before[9, 2])))
+
+
+def test_torchtitan_expert_stacks_are_compared_expert_by_expert(mapped, tmp_path):
+    res = run_cli("diff", mapped.moe_titan, mapped.moe)
+    assert (res.returncode, res.stdout) == (0, "45 tensors: 45 equal, 0 close, 0 differs\n")
+    assert res.stderr == (f"note: {mapped.moe_titan}: 27 model tensors mapped to 45 Hugging Face tensors by export-hf's "
+                          f"torchtitan-qwen3 rules ({mapped.moe / 'config.json'}); 2 other entries left out\n"
+                          "note: 2 torchtitan expert biases (layers.*.moe.expert_bias_E) not exported: all zero, and "
+                          "qwen3_moe routes without one\n")
+
+    def bump(t: torch.Tensor) -> None:
+        t[6, 2] += 1.0
+
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"  # [8, 4]: slab 2 of layer 1's w2 stack
+    changed, before, after = _changed_copy(mapped.moe, tmp_path / "moe", name, bump)
+    code, doc = diff_doc(mapped.moe_titan, changed)
+    assert code == 1 and [n for n, t in doc["tensors"].items() if t["status"] != "equal"] == [name]
+    got = doc["tensors"][name]
+    assert (got["first_diff_index"], got["mismatches"], got["max_abs_diff"], got["a"]["name"]) == \
+        ([6, 2], 1, abs(float(after[6, 2]) - float(before[6, 2])), "layers.1.moe.routed_experts.inner_experts.w2_EDF")
 
 
 def test_names_as_saved_with_arch_raw(mapped):
