@@ -11,6 +11,7 @@ is exact. Inputs are made once per module.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
@@ -672,4 +673,26 @@ def test_mapping_options_that_cannot_apply_are_one_line(made, mapped, case):
                          "checkpoints use --arch raw"),
     }[case]
     res = run_cli("diff", *args)
+    assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {line}\n")
+
+
+@pytest.mark.parametrize("case", ["layers", "hidden", "fifo"])
+def test_a_config_that_does_not_fit_the_checkpoint_is_one_line(mapped, tmp_path, case):
+    folder = tmp_path / "hf"
+    shutil.copytree(mapped.hf, folder)
+    config = json.loads((folder / "config.json").read_text())
+    if case == "fifo":
+        (folder / "config.json").unlink()
+        os.mkfifo(folder / "config.json")
+    else:
+        config.update({"layers": {"num_hidden_layers": 3}, "hidden": {"hidden_size": 16}}[case])
+        (folder / "config.json").write_text(json.dumps(config))
+    line = {
+        "layers": f"{folder / 'config.json'}: num_hidden_layers=3, but the weights in {mapped.titan} hold at most 2 "
+                  "layers (wrong --hf-config?)",
+        "hidden": "tok_embeddings.weight: gives model.embed_tokens.weight shape [32, 8] but config.json implies "
+                  "[32, 16] (hidden_size=16, intermediate_size=16; wrong --hf-config?)",
+        "fifo": f"{folder / 'config.json'}: not a regular file (a FIFO)",
+    }[case]
+    res = run_cli("diff", mapped.titan, folder, timeout=60)
     assert (res.returncode, res.stdout, res.stderr) == (2, "", f"ckptctl: error: {line}\n")
