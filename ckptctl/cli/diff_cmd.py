@@ -19,7 +19,7 @@ their count is not zero ("1 tensor", "1 bytes entry" in the singular).
     {
       "a": str, "b": str,
       "formats": {"a": "dcp" | "safetensors", "b": ...},
-      "stripped_prefixes": {"a": "model." | null, "b": ...},   # DCP against safetensors only
+      "stripped_prefixes": {"a": "model." | null, "b": ...},   # a DCP side compared by its model tensors
       "mapped_by": {"a": "torchtitan-llama3" | null, "b": ...},  # the family whose export-hf rules named
                                                                 #   the side's tensors as HF ones
       "compare_as": "bfloat16" | "float16" | "float32" | null,
