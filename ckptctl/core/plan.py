@@ -351,6 +351,9 @@ class LowRank:
     a: StreamItem
     b: StreamItem
     scale: float
+    magnitude: StreamItem | None = None
+    """DoRA's magnitude m [out]: the merged rows are then scaled by m / ‖W + (B @ A) · s‖ (each
+    row's L2 norm), as peft's DoRA merge does."""
 
 
 def whole_item(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> StreamItem:

@@ -711,7 +711,8 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
-    tensor in float32 (its operands upcast exactly), cast once to the target's dtype. The last
+    tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
+    DoRA, cast once to the target's dtype. The last
     whole result is kept per thread while boxes of it are asked for (the output check's samples,
     `--verify`'s row blocks), so each is computed once, not once per box."""
     import torch
@@ -730,6 +731,9 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         product.mul_(delta.scale)
         w.add_(product)
         del product
+        if delta.magnitude is not None:
+            magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
+            w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
         result = w
         if item.target.dtype != float32:
             result = torch.empty(w.shape, dtype=item.target.dtype.torch)
