@@ -25,6 +25,7 @@ Memory: one decoded chunk (≤ DEQUANT_CHUNK_BYTES, whole scale blocks) and its 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -283,14 +284,13 @@ def dequantized_chunk(entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]
 
 
 def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]) -> Any:
+    import numpy
     import torch
 
     data, scale = weight.data, weight.scale
     rows, cols = chunk.sizes[-2], chunk.sizes[-1]
     codes = _read(fd, weight.root, chunk.file, chunk.offset, chunk.length)
-    fp8 = torch.float8_e4m3fn
-    values = (torch.frombuffer(codes, dtype=fp8) if codes else torch.empty(0, dtype=fp8)).to(torch.float32)
-    values = values.reshape(rows, cols)
+    values = torch.from_numpy(_fp8_values()[numpy.frombuffer(codes, dtype=numpy.uint8)]).reshape(rows, cols)
     if weight.block is None:
         factors = _scale_values(_read(fd, weight.root, weight.file(scale), scale.start, scale.nbytes), scale.dtype)
         values.mul_(factors.reshape(()))
@@ -310,6 +310,14 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
         if whole < grid_cols:
             values[:, whole * bn:].mul_(per_row[:, whole:])
     return values.to(entry.dtype.torch).reshape(chunk.sizes)
+
+
+@functools.cache
+def _fp8_values() -> Any:
+    """Each float8_e4m3fn byte's value as float32, as torch widens it: a lookup is twice as fast."""
+    import torch
+
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
 
 
 def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
