@@ -44,7 +44,8 @@ def preview_json(preview: ExportPreview) -> dict:
         "bytes": preview.bytes,
         "files": [{"name": f.name, "bytes": f.bytes, "tensors": f.tensors} for f in preview.files],
         "side_files": preview.side_files, "weight_map": preview.weight_map, "mapping": preview.mapping,
-        "merged": {t.name: {"lora_A": t.merged[0], "lora_B": t.merged[1], "scale": t.merged[2]}
+        "merged": {t.name: {"lora_A": t.merged[0], "lora_B": t.merged[1], "scale": t.merged[2],
+                            "magnitude": t.merged[3]}
                    for t in preview.tensors if t.merged is not None},
         "notes": preview.notes,
     }
@@ -60,9 +61,10 @@ def source_text(rows: SourceRows) -> str:
 
 
 def merged_text(tensor: PlannedTensor) -> str:
-    """`+ (B @ A) · s` of a weight merged with its LoRA adapter, FQNs in full."""
-    a, b, scale = tensor.merged
-    return f"+ ({b} @ {a}) · {scale!r}"
+    """`+ (B @ A) · s` of a weight merged with its LoRA adapter, FQNs in full (DoRA: `, rows × m / norm`)."""
+    a, b, scale, magnitude = tensor.merged
+    dora = f", rows × {magnitude} / norm" if magnitude is not None else ""
+    return f"+ ({b} @ {a}) · {scale!r}{dora}"
 
 
 def summary_line(preview: ExportPreview) -> str:
@@ -169,9 +171,9 @@ def export_hf_command(
     merge_adapters: bool = typer.Option(False, "--merge-adapters",
                                         help="For a peft LoRA checkpoint: write each adapted weight merged, "
                                              "W + (B @ A) · α/r (α/√r with --rslora) computed whole in float32 on "
-                                             "the CPU and cast once: bit for bit peft's float32 merge_and_unload() "
-                                             "(in bf16: that merge cast to bf16, not peft's own bf16 merge, which "
-                                             "rounds twice)."),
+                                             "the CPU and cast once (DoRA: each row then × m / its norm): bit for "
+                                             "bit peft's float32 merge_and_unload() (in bf16: that merge cast to "
+                                             "bf16, not peft's own bf16 merge, which rounds twice)."),
     adapter_only: bool = typer.Option(False, "--adapter-only",
                                       help="For a peft LoRA checkpoint: write the adapters alone as a PEFT folder "
                                            "that PeftModel.from_pretrained loads on the --hf-config base model."),

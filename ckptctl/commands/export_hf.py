@@ -41,7 +41,7 @@ from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, Usag
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
 from ckptctl.core.geometry import full_box, region_blocks, union_volume
-from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_ranks, find_adapters,
+from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config, find_adapters,
                                       peft_config, read_adapter_config, resolve_scale)
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
@@ -420,7 +420,7 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
                                          "to export them as a PEFT adapter folder")
     config = read_adapter_config(opts.adapter_config) if opts.adapter_config is not None else None
     scale = resolve_scale(opts.lora_alpha, opts.rslora, config, ckpt.path)
-    check_ranks(found, scale, ckpt.path, model.prefix)
+    check_against_config(found, scale, ckpt.path, model.prefix)
     for old, new in found.renamed.items():
         if new in model.entries:
             raise CheckpointError(ckpt.path, f"holds both {model.prefix}{old} and {model.prefix}{new}: which one is "
@@ -455,24 +455,26 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
         target = targets.get(adapter.weight)
         if target is None:
             continue
-        (a, a_view), (b, b_view) = (adapter_operand(model, n) for n in (adapter.a, adapter.b))
-        views = {a_view.fqn: a_view, b_view.fqn: b_view}
-        check_coverage(ckpt, (a, b), views)
+        names = (adapter.a, adapter.b) + ((adapter.magnitude,) if adapter.magnitude is not None else ())
+        operands = [adapter_operand(model, n) for n in names]
+        views = {view.fqn: view for _, view in operands}
+        check_coverage(ckpt, [t for t, _ in operands], views)
+        a, b, *magnitude = (whole_item(t, views) for t, _ in operands)
         base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
-        delta = LowRank(whole_item(base, sources), whole_item(a, views), whole_item(b, views),
-                        scale.scale(adapter.rank))
+        delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude)
         targets[adapter.weight] = replace(target, delta=delta)
         merged += 1
     how = "α / √r" if scale.rslora else "α / r"
-    return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} LoRA adapters (s = {how}, α "
-            f"{scale.alpha:g} from {scale.source}): W + (B @ A) · s in float32, cast once; in bf16 this equals "
-            "peft's float32 merge_and_unload() cast to bf16")
+    formula = "m / ‖W + (B @ A) · s‖ per row × (W + (B @ A) · s)" if adapters.dora else "W + (B @ A) · s"
+    return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} {'DoRA' if adapters.dora else 'LoRA'} "
+            f"adapters (s = {how}, α {scale.alpha:g} from {scale.source}): {formula} in float32, cast once; in bf16 "
+            "this equals peft's float32 merge_and_unload() cast to bf16")
 
 
 def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                         adapters: PeftAdapters, scale: LoraScale, ref: str | Path | None) -> ExportPlan:
-    """`--adapter-only`: A and B of every adapter under PEFT's names, copied (cast with
-    `--dtype`), in one `adapter_model.safetensors`, and the adapter_config.json PEFT loads them
+    """`--adapter-only`: A and B (and DoRA's magnitude) of every adapter under PEFT's names, copied
+    (cast with `--dtype`), in one `adapter_model.safetensors`, and the adapter_config.json PEFT loads them
     with; each adapted module is first checked to be one transformers' model has."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
@@ -486,10 +488,13 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
     targets: dict[str, TargetTensor] = {}
     sources: dict[str, SourceTensor] = {}
     for adapter in adapters.adapters:
-        for name, part in ((adapter.a, "lora_A"), (adapter.b, "lora_B")):
+        for name, part in ((adapter.a, "lora_A.weight"), (adapter.b, "lora_B.weight"),
+                           (adapter.magnitude, "lora_magnitude_vector")):
+            if name is None:
+                continue
             view = model.source_view(model.prefix + name)
             sources[view.fqn] = view
-            out = f"{PEFT_PREFIX}{adapter.module}.{part}.weight"
+            out = f"{PEFT_PREFIX}{adapter.module}.{part}"
             targets[out] = identity_target(view, out, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
     files = [layout_file(PEFT_WEIGHTS, list(targets.values()))]
@@ -761,8 +766,9 @@ class PlannedTensor:
     file: str
     sources: tuple[SourceRows, ...]
     add: float = 0.0
-    merged: tuple[str, str, float] | None = None
-    """The LoRA adapter merged in (`--merge-adapters`): A's and B's FQNs and the scale s."""
+    merged: tuple[str, str, float, str | None] | None = None
+    """The LoRA adapter merged in (`--merge-adapters`): A's and B's FQNs, the scale s, and DoRA's
+    magnitude's FQN (None for plain LoRA)."""
 
 
 @dataclass
@@ -810,13 +816,19 @@ def plan_sources(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> t
                  for fqn, r in rows.items())
 
 
+def merged_sources(delta: LowRank) -> tuple[str, str, float, str | None]:
+    """A merged target's A and B FQNs, scale, and DoRA magnitude FQN (or None), as `--dry-run` shows them."""
+    magnitude = delta.magnitude.target.fqn if delta.magnitude is not None else None
+    return delta.a.target.fqn, delta.b.target.fqn, delta.scale, magnitude
+
+
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at)."""
     plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add,
-                             None if t.delta is None else (t.delta.a.target.fqn, t.delta.b.target.fqn, t.delta.scale))
+                             None if t.delta is None else merged_sources(t.delta))
                for name, t in sorted(plan.targets.items())]
     return ExportPreview(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),

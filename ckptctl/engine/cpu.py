@@ -712,9 +712,9 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
     tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
-    DoRA, cast once to the target's dtype. The last
-    whole result is kept per thread while boxes of it are asked for (the output check's samples,
-    `--verify`'s row blocks), so each is computed once, not once per box."""
+    DoRA, cast once to the target's dtype. The last whole result is kept per thread while boxes
+    of it are asked for (the output check's samples, `--verify`'s row blocks), so each is computed
+    once, not once per box."""
     import torch
 
     from ckptctl.engine.cast import cast_into

@@ -4,7 +4,8 @@ A peft model's state dict (what FSDP2's `get_model_state_dict` saves) wraps the 
 `base_model.model.`; an adapted linear keeps its weight as `<m>.base_layer.weight` and holds
 `<m>.lora_A.<adapter>.weight` [r, in] and `<m>.lora_B.<adapter>.weight` [out, r], where
 `<adapter>` is the adapter's name (`default`). Merged, the HF weight `<m>.weight` is
-W + (B @ A) · s with s = α / r (α / √r with rsLoRA). α is not in the checkpoint: it comes
+W + (B @ A) · s with s = α / r (α / √r with rsLoRA); DoRA adds a magnitude
+`<m>.lora_magnitude_vector.<adapter>.weight` [out] that rescales each merged row. α is not in the checkpoint: it comes
 from the run's `adapter_config.json` or the command line, never from a guess. A PEFT folder
 names the same tensors `base_model.model.<m>.lora_A.weight` (no adapter name).
 """
@@ -42,6 +43,8 @@ class Adapter:
     a: str
     b: str
     rank: int
+    magnitude: str | None = None
+    """DoRA's `lora_magnitude_vector` [out]; None for plain LoRA."""
 
     @property
     def weight(self) -> str:
@@ -65,7 +68,11 @@ class PeftAdapters:
     @property
     def tensors(self) -> set[str]:
         """Names of the adapter tensors themselves."""
-        return {n for a in self.adapters for n in (a.a, a.b)}
+        return {n for a in self.adapters for n in (a.a, a.b, a.magnitude) if n is not None}
+
+    @property
+    def dora(self) -> bool:
+        return any(a.magnitude is not None for a in self.adapters)
 
     @property
     def ranks(self) -> list[int]:
@@ -85,9 +92,9 @@ def peft_prefix(names: Sequence[str]) -> str:
 def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "") -> PeftAdapters | None:
     """The LoRA adapters among a peft model's tensors (names without `prefix`, the checkpoint's
     up to `base_model.model.`, which messages put back), or None when there are none. Refused,
-    by name: DoRA magnitudes, embedding LoRA, LoRA biases, `modules_to_save` copies, several
-    adapter names, an A without its B (or the reverse), and shapes that do not pair ([r, in]
-    and [out, r] with a base [out, in])."""
+    by name: embedding LoRA, LoRA biases, `modules_to_save` copies, several adapter names, an A
+    without its B (or the reverse), DoRA magnitudes on some modules only, and shapes that do not
+    pair ([r, in] and [out, r] with a base [out, in], a magnitude [out])."""
     parts: dict[tuple[str, str], dict[str, str]] = {}
     for name in sorted(shapes):
         if _WRAPPED.search(name):
@@ -97,9 +104,6 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         if match is None:
             continue
         part = match["part"]
-        if part == "lora_magnitude_vector":
-            raise CheckpointError(where, f"{prefix}{name}: a DoRA adapter (use_dora), which export-hf does not "
-                                         "merge or export yet (plain LoRA only)")
         if part.startswith("lora_embedding"):
             raise CheckpointError(where, f"{prefix}{name}: a LoRA adapter on an embedding, which export-hf does "
                                          "not merge or export yet")
@@ -127,7 +131,16 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
             raise CheckpointError(where, f"{prefix}{module}: lora_A {list(sa)} and lora_B {list(sb)} do not pair with "
                                          f"its base weight {list(w)} (want [r, {w[1] if len(w) == 2 else '?'}] and "
                                          f"[{w[0] if w else '?'}, r])")
-        adapters.append(Adapter(module, a, b, sa[0]))
+        magnitude = found.get("lora_magnitude_vector")
+        if magnitude is not None and shapes[magnitude] != (w[0],):
+            raise CheckpointError(where, f"{prefix}{magnitude}: DoRA magnitude {list(shapes[magnitude])}, not "
+                                         f"[{w[0]}] as its base weight's rows")
+        adapters.append(Adapter(module, a, b, sa[0], magnitude))
+    plain = [a for a in adapters if a.magnitude is None]
+    if plain and len(plain) < len(adapters):
+        raise CheckpointError(where, f"{prefix}{plain[0].a}: a plain LoRA adapter beside DoRA ones (on "
+                                     f"{len(adapters) - len(plain)} of {len(adapters)} modules): peft's use_dora "
+                                     "is one flag for all")
     renamed = {n: n.replace(BASE_LAYER, ".", 1) for n in shapes if BASE_LAYER in n}
     return PeftAdapters(tuple(adapters), names[0], renamed)
 
@@ -141,6 +154,8 @@ class LoraScale:
     rank: int | None = None
     """The config's `r`, checked against every adapter's rank; None from the command line."""
     source: str = "--lora-alpha"
+    dora: bool | None = None
+    """The config's `use_dora`, checked against the tensors; None from the command line."""
 
     def scale(self, rank: int) -> float:
         """s as peft computes it: α / r, or α / √r with rsLoRA (Python floats)."""
@@ -148,8 +163,8 @@ class LoraScale:
 
 
 def read_adapter_config(path: Path) -> LoraScale:
-    """α, rsLoRA and r of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks or
-    alphas, DoRA, fan_in_fan_out, LoRA biases (export-hf merges none of these yet), a missing or
+    """α, rsLoRA, r and DoRA of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks
+    or alphas, fan_in_fan_out, LoRA biases (export-hf merges none of these yet), a missing or
     non-numeric α or r."""
     data = read_json_object(path, "peft adapter config")
     if data.get("peft_type") != "LORA":
@@ -157,8 +172,7 @@ def read_adapter_config(path: Path) -> LoraScale:
     for key, what in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
         if data.get(key):
             raise UsageError(f"{path}: has a {key} ({what}), which export-hf does not merge yet")
-    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "transposed (Conv1D) weights"),
-                      ("lora_bias", "LoRA biases")):
+    for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
             raise UsageError(f"{path}: {key} is true ({what}), which export-hf does not merge yet")
     alpha, rank = data.get("lora_alpha"), data.get("r")
@@ -166,7 +180,7 @@ def read_adapter_config(path: Path) -> LoraScale:
         raise UsageError(f"{path}: lora_alpha is {json.dumps(alpha)}, not a number")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise UsageError(f"{path}: r is {json.dumps(rank)}, not a positive integer")
-    return LoraScale(alpha, data.get("use_rslora") is True, rank, str(path))
+    return LoraScale(alpha, data.get("use_rslora") is True, rank, str(path), data.get("use_dora") is True)
 
 
 def resolve_scale(alpha: float | None, rslora: bool, config: LoraScale | None, where: str | Path) -> LoraScale:
@@ -185,8 +199,12 @@ def resolve_scale(alpha: float | None, rslora: bool, config: LoraScale | None, w
     return config
 
 
-def check_ranks(adapters: PeftAdapters, scale: LoraScale, where: str | Path, prefix: str = "") -> None:
-    """Refuse an adapter whose rank (its A's rows) is not the config's `r` (`prefix`: as in `find_adapters`)."""
+def check_against_config(adapters: PeftAdapters, scale: LoraScale, where: str | Path, prefix: str = "") -> None:
+    """Refuse an adapter whose rank (its A's rows) is not the config's `r`, or DoRA magnitudes the
+    config's `use_dora` does not have (or the reverse) (`prefix`: as in `find_adapters`)."""
+    if scale.dora is not None and scale.dora != adapters.dora:
+        held = "holds DoRA magnitudes" if adapters.dora else "holds no DoRA magnitude"
+        raise CheckpointError(where, f"{held}, but {scale.source} says use_dora {str(scale.dora).lower()}")
     if scale.rank is None:
         return
     wrong = [a for a in adapters.adapters if a.rank != scale.rank]
@@ -210,7 +228,7 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
     alpha = int(scale.alpha) if float(scale.alpha).is_integer() else scale.alpha
     return {
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-        "use_rslora": scale.rslora, "use_dora": False, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+        "use_rslora": scale.rslora, "use_dora": adapters.dora, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
         "lora_dropout": 0.0, "inference_mode": True,
         "target_modules": adapters.targets if every else "|".join(re.escape(m) for m in sorted(adapted)),
         "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},

@@ -220,17 +220,45 @@ def test_a_config_rank_other_than_the_tensors_is_refused(lora, tmp_path):
                           f".weight has rank 5 (its rows), but {cfg} says r 8 (+13 more adapters)\n")
 
 
-def test_dora_is_refused_naming_its_magnitude(tmp_path):
+def test_dora_merges_bit_for_bit_and_its_folder_loads_with_the_trained_logits(tmp_path):
+    """DoRA (magnitudes random, so each row's scale differs from 1): merged, each row scaled by
+    m / ‖W + (B @ A) · s‖ as peft merges it, bit for bit in float32; as a folder, the magnitudes
+    under PEFT's name (`lora_magnitude_vector`, no `.weight`) and `use_dora` true."""
     import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
 
-    state = peft_model(use_dora=True, target_modules=["q_proj"]).state_dict()
-    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+
+    def trained():
+        model = peft_model(use_dora=True, target_modules=["q_proj", "down_proj"])
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_magnitude_vector" in name:
+                    param.mul_(torch.rand(param.shape, generator=torch.Generator().manual_seed(3)) + 0.5)
+        return model
+
+    dcp.save({"model": trained().state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
     llama_config().save_pretrained(tmp_path / "base")
-    res = export(tmp_path, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7")
-    assert res.returncode == 2
-    assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector.default."
-                          "weight: a DoRA adapter (use_dora), which export-hf does not merge or export yet (plain LoRA "
-                          "only)\n")
+    trained().save_pretrained(tmp_path / "peft")
+    options = dict(adapter_config=tmp_path / "peft" / "adapter_config.json")
+    export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base", ExportOptions(merge_adapters=True, **options))
+    want = trained().merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True, **options))
+    saved = read_folder(tmp_path / "peft")
+    written = read_folder(tmp_path / "adapter")
+    assert sorted(written) == sorted(saved) and all(torch.equal(written[n], saved[n]) for n in saved)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["use_dora"] is True
+    base = LlamaForCausalLM(llama_config())
+    base.load_state_dict(base_state())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    assert not [w for w in caught if "adapter keys" in str(w.message)]
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, trained()(TOKENS).logits)
 
 
 def test_an_adapter_on_a_module_the_model_lacks_is_refused(tmp_path):

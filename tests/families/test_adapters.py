@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ckptctl.families.adapters import (LoraScale, adapter_summary, check_ranks, find_adapters, peft_config,
+from ckptctl.families.adapters import (LoraScale, adapter_summary, check_against_config, find_adapters, peft_config,
                                        read_adapter_config, resolve_scale)
 from ckptctl.util.errors import CheckpointError, UsageError
 
@@ -36,9 +36,12 @@ def test_adapters_pair_with_their_base_weights_and_base_layer_is_renamed():
 
 
 @pytest.mark.parametrize("extra, line", [
-    ({f"{Q}.lora_magnitude_vector.default.weight": (8,)},
-     f"CKPT: model.base_model.model.{Q}.lora_magnitude_vector.default.weight: a DoRA adapter (use_dora), which "
-     "export-hf does not merge or export yet (plain LoRA only)"),
+    ({f"{Q}.lora_magnitude_vector.default.weight": (8,), **lora_shapes(V)},
+     f"CKPT: model.base_model.model.{V}.lora_A.default.weight: a plain LoRA adapter beside DoRA ones (on 1 of 2 "
+     "modules): peft's use_dora is one flag for all"),
+    ({f"{Q}.lora_magnitude_vector.default.weight": (4,)},
+     f"CKPT: model.base_model.model.{Q}.lora_magnitude_vector.default.weight: DoRA magnitude [4], not [8] as its "
+     "base weight's rows"),
     ({"model.embed_tokens.lora_embedding_A.default": (2, 16)},
      "CKPT: model.base_model.model.model.embed_tokens.lora_embedding_A.default: a LoRA adapter on an embedding, "
      "which export-hf does not merge or export yet"),
@@ -72,7 +75,7 @@ def test_alpha_comes_from_the_flag_or_the_config_and_they_must_agree(tmp_path):
     config = tmp_path / "adapter_config.json"
     config.write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 16, "use_rslora": True}))
     read = read_adapter_config(config)
-    assert read == LoraScale(16, True, 2, str(config))
+    assert read == LoraScale(16, True, 2, str(config), False)
     assert read.scale(4) == 8.0 and LoraScale(7, False).scale(5) == 7 / 5
     assert resolve_scale(16, True, read, "CKPT") is read
     assert resolve_scale(7.5, False, None, "CKPT") == LoraScale(7.5, False)
@@ -81,15 +84,20 @@ def test_alpha_comes_from_the_flag_or_the_config_and_they_must_agree(tmp_path):
     with pytest.raises(UsageError, match="^CKPT: LoRA α is not in the checkpoint: pass --lora-alpha"):
         resolve_scale(None, False, None, "CKPT")
     with pytest.raises(CheckpointError, match=r"^CKPT: x\.lora_A\.default\.weight has rank 3 \(its rows\), but "):
-        check_ranks(find_adapters(lora_shapes("x", rank=3), "CKPT"), read, "CKPT")
+        check_against_config(find_adapters(lora_shapes("x", rank=3), "CKPT"), read, "CKPT")
+    dora = find_adapters({**lora_shapes("x"), "x.lora_magnitude_vector.default.weight": (8,)}, "CKPT")
+    with pytest.raises(CheckpointError, match=f"^CKPT: holds DoRA magnitudes, but {config} says use_dora false$"):
+        check_against_config(dora, read, "CKPT")
+    assert dora.dora and dora.tensors == {"x.lora_A.default.weight", "x.lora_B.default.weight",
+                                          "x.lora_magnitude_vector.default.weight"}
 
 
 @pytest.mark.parametrize("doc, reason", [
     ({"peft_type": "IA3", "r": 2, "lora_alpha": 4}, "peft_type is 'IA3', not 'LORA'"),
     ({"peft_type": "LORA", "r": 2}, "lora_alpha is null, not a number"),
     ({"peft_type": "LORA", "r": "2", "lora_alpha": 4}, 'r is "2", not a positive integer'),
-    ({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "use_dora": True},
-     "use_dora is true (DoRA), which export-hf does not merge yet"),
+    ({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "fan_in_fan_out": True},
+     "fan_in_fan_out is true (transposed (Conv1D) weights), which export-hf does not merge yet"),
     ({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "rank_pattern": {"q_proj": 8}},
      "has a rank_pattern (per-module ranks), which export-hf does not merge yet"),
 ])
