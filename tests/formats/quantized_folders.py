@@ -10,6 +10,7 @@ the reference where transformers cannot be one.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -18,6 +19,20 @@ import torch
 from safetensors.torch import save_file
 
 BLOCK = 128
+
+
+def megatron_bridge_quantization() -> Any:
+    """Megatron-Bridge's `quantization_utils` (its FP8 and MXFP4 dequantizers), loaded alone: its
+    package `__init__`s import its whole training stack. None when Megatron-Bridge is not installed."""
+    megatron = importlib.util.find_spec("megatron")
+    for root in (megatron.submodule_search_locations or []) if megatron else []:
+        path = Path(root) / "bridge" / "models" / "conversion" / "quantization_utils.py"
+        if path.is_file():
+            spec = importlib.util.spec_from_file_location("megatron_bridge_quantization_utils", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+    return None
 
 
 def quantized_fp8(weight: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),

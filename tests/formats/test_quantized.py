@@ -19,7 +19,8 @@ from ckptctl.formats.safetensors import quantized
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk, quant_format
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.formats.dcp.items import ItemReader
-from tests.formats.quantized_folders import dequantized_fp8, mxfp4_tensors, quantized_fp8, write_folder
+from tests.formats.quantized_folders import (dequantized_fp8, megatron_bridge_quantization, mxfp4_tensors,
+                                             quantized_fp8, write_folder)
 
 FP8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 
@@ -177,3 +178,33 @@ def test_a_chunk_reads_only_its_codes_and_its_scale_rows(tmp_path, monkeypatch):
 def test_the_format_is_what_transformers_reads_from_quantization_config(config, fmt):
     """An absent weight_block_size is transformers' default [128, 128]; null is one scale per weight."""
     assert quant_format({"quantization_config": config}, Path("config.json")) == fmt
+
+
+@pytest.mark.parametrize("shape", [(200, 300), (320, 256), (576, 256), (7, 1000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_equals_megatron_bridge_dequantization_off_the_block_grid(tmp_path, monkeypatch, shape, dtype):
+    """Megatron-Bridge's `dequantize_fp8_e4m3fn_with_scale` (ceil grid, float32 product, one cast)
+    is the producer-side oracle where transformers 5.24 is none (shapes off the 128 grid)."""
+    bridge = megatron_bridge_quantization()
+    if bridge is None:
+        pytest.skip("Megatron-Bridge is not installed")
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 128 * shape[1] * 2)
+    torch.manual_seed(6)
+    codes, scale = quantized_fp8(torch.randn(shape) * 3)
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    got = _decoded(folder, bfloat16 if dtype == torch.bfloat16 else float32)["w.weight"]
+    want = bridge.dequantize_fp8_e4m3fn_with_scale(codes, scale, dtype=dtype)
+    assert torch.equal(_bits(got), _bits(want))
+
+
+def test_mxfp4_equals_megatron_bridge_dequantization_transposed(tmp_path):
+    """Megatron-Bridge's `dequantize_mxfp4` keeps the codes' [E, out, in]; transformers' model, and
+    the import, hold [E, in, out]."""
+    bridge = megatron_bridge_quantization()
+    if bridge is None:
+        pytest.skip("Megatron-Bridge is not installed")
+    blocks, scales = mxfp4_tensors(3, 96, 64, torch.Generator().manual_seed(7), exponents=(100, 140))
+    folder = write_folder(tmp_path, {"quantization_config": {"quant_method": "mxfp4"}},
+                          {"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales})
+    want = bridge.dequantize_mxfp4(blocks.clone(), scales.clone()).transpose(1, 2)
+    assert torch.equal(_bits(_decoded(folder)["e.gate_up_proj"]), _bits(want.contiguous()))
