@@ -712,9 +712,9 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
     tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
-    DoRA, cast once to the target's dtype. The last whole result is kept per thread while boxes
-    of it are asked for (the output check's samples, `--verify`'s row blocks), so each is computed
-    once, not once per box."""
+    DoRA, cast once to the target's dtype. The whole result is kept per thread while boxes of it
+    are asked for, up to the one that ends it (the output check's samples, `--verify`'s row
+    blocks), so each is computed once, not once per box."""
     import torch
 
     from ckptctl.engine.cast import cast_into
@@ -738,7 +738,8 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         if item.target.dtype != float32:
             result = torch.empty(w.shape, dtype=item.target.dtype.torch)
             cast_into(result, w)
-    whole = item.box.sizes == item.target.shape
-    _SCRATCH.merged = None if whole else (delta, sources, result)
-    part = result[tuple(slice(o, o + n) for o, n in zip(item.box.offsets, item.box.sizes))]
+    box = item.box
+    ends_it = all(o + n == size for o, n, size in zip(box.offsets, box.sizes, item.target.shape))
+    _SCRATCH.merged = None if ends_it else (delta, sources, result)  # boxes are asked for in order
+    part = result[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
     return bytearray(part.contiguous().view(-1).view(torch.uint8).numpy())
