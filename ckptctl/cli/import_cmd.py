@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def report_json(report: ImportReport) -> dict:
     return {**reshard_json(report), "model_class": report.model_class,
-            "notes": list(report.notes)}
+            "notes": list(report.notes), "dequantized_to": report.dequantized_to}
 
 
 @app.command("import-hf")
@@ -116,7 +116,10 @@ def import_hf_command(
             say(f"note: {note}")
         checked = f"names checked against {report.model_class}" if report.model_class else "names not checked"
         if dry_run:
-            show_plan([("Source", str(src)), ("As", to), *plan_rows(report, dtype), ("Names", checked)], dst, force)
+            rows = [(key, f"{value}; quantized weights dequantized to {report.dequantized_to}"
+                     if key == "Dtype" and report.dequantized_to and dtype == "keep" else value)
+                    for key, value in plan_rows(report, dtype)]
+            show_plan([("Source", str(src)), ("As", to), *rows, ("Names", checked)], dst, force)
             return
         say(f"wrote {dst} ({counted(report.tensors, 'tensor')}, {human_bytes(report.bytes_written)} in "
             f"{files_text(report.data_files, report.files)}; {checked})" + timing_summary(report))

@@ -50,7 +50,7 @@ from ckptctl.families.torchtitan import EMBED as TT_EMBED
 from ckptctl.families.torchtitan import OUTPUT as TT_OUTPUT
 from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
 from ckptctl.megatron.rows import CURRENT_RELEASE, SPELLINGS, parse_release, respelled
-from ckptctl.core.checkpoint import Checkpoint
+from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.families.placement import fsdp2, megatron_fsdp
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
 from ckptctl.util.progress import ProgressObserver
@@ -132,6 +132,8 @@ class ImportReport(ReshardReport):
 
     model_class: str | None = None
     notes: list[str] = field(default_factory=list)
+    dequantized_to: str | None = None
+    """The dtype a quantized folder's weights were dequantized to (None: the folder is not quantized)."""
 
 
 @dataclass
@@ -141,6 +143,7 @@ class ImportPlan:
     """The source views the output's pieces address (some experts seen stacked)."""
     model_class: str | None
     notes: list[str]
+    dequantized_to: str | None = None
 
 
 def folder_config(src: Path) -> dict[str, Any] | None:
@@ -254,7 +257,8 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
             tp, dp = opts.grid()
             placements = {t.fqn: megatron_fsdp(t.shape, t.fqn[len(prefix):], tp, dp) for t in kept}
         output = layout_dcp(kept, placements, views, [], saved_paths((t.fqn for t in kept), prefix))
-    return ckpt, ImportPlan(output, views, expected.model_class if expected else None, notes)
+    dequantized_to = dtype_name(opts.dtype or bfloat16) if quantized is not None else None
+    return ckpt, ImportPlan(output, views, expected.model_class if expected else None, notes, dequantized_to)
 
 
 def saved_paths(fqns: Iterable[str], prefix: str) -> dict[str, tuple[str, ...]]:
@@ -502,7 +506,8 @@ def import_hf(
     engine = opts.engine()
     report = cast(ImportReport, new_report(ckpt, plan.output, src, dst, opts.output_world_size or 1, engine, dry_run,
                                            comm,
-                                           ImportReport, model_class=plan.model_class, notes=plan.notes))
+                                           ImportReport, model_class=plan.model_class, notes=plan.notes,
+                                           dequantized_to=plan.dequantized_to))
     if not dry_run:
         write_dcp_output(ckpt, plan.output, src, dst, report, engine, started, force=force, verify=verify,
                          progress=progress, comm=comm, views=plan.views)

@@ -147,6 +147,14 @@ def test_quantized_tensors_it_cannot_decode_are_refused_naming_them(llama_fp8, t
         assert _refused(src, tmp_path, *args) == f"ckptctl: error: {reason.format(src=src)}\n"
 
 
+@pytest.mark.parametrize("dtype, to", [(None, "bfloat16"), (torch.float16, "float16")])
+def test_a_dry_run_says_what_the_quantized_weights_are_dequantized_to(llama_fp8, tmp_path, dtype, to):
+    report = import_hf(llama_fp8[0], tmp_path / "out", ImportOptions(world_size=2, dtype=dtype), dry_run=True)
+    assert (report.dequantized_to, report.notes) == (
+        to, [f"7 FP8 weights dequantized from FP8 (128×128 blocks, float scales) to {to}"])
+    assert report.tensors == 12 and not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # FP8: transformers' dequantized load, and the bf16 twin
 # ---------------------------------------------------------------------------------------------
