@@ -41,8 +41,8 @@ from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, Usag
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
 from ckptctl.core.geometry import full_box, region_blocks, union_volume
-from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config, find_adapters,
-                                      peft_config, read_adapter_config, resolve_scale)
+from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
+                                      find_adapters, peft_config, read_adapter_config, resolve_scale)
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -356,6 +356,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         if ties:
             ctx.notes.extend(left_out_tied_heads(ckpt, model, cfg, tensors, ties, opts.drop_tied_head, expected))
         tensors = check_names(ckpt, tensors, expected, megatron_prefix(ckpt) is not None)
+    if lora is not None:
+        refuse_dropped_adapters(ckpt, prefix, lora[0], tensors)
     selected = False
     if opts.include or opts.exclude:
         kept, notes = select(sorted(tensors), opts.include, opts.exclude)
@@ -438,6 +440,16 @@ def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: E
         more = f" (+{counted(len(unknown) - 1, 'more')})" if len(unknown) > 1 else ""
         raise CheckpointError(ckpt.path, f"a LoRA adapter on {unknown[0].removesuffix('.weight')}{more}, which a "
                                          f"{expected.model_class} has no weight for (wrong --hf-config?)")
+
+
+def refuse_dropped_adapters(ckpt: Checkpoint, prefix: str, adapters: PeftAdapters, tensors: Container[str]) -> None:
+    """Refuse an adapter on a weight the export leaves out (a head the config ties to the
+    embeddings, proven equal to them without its adapter): it would be lost without a word."""
+    dropped = [a for a in adapters.adapters if a.weight not in tensors]
+    if dropped:
+        raise CheckpointError(ckpt.path, f"{prefix}{dropped[0].a}: a LoRA adapter on {dropped[0].module}, whose weight "
+                                         "the export leaves out (the config ties it to another tensor): merged, "
+                                         "the two would differ")
 
 
 def adapter_operand(model: MegatronModel, name: str) -> tuple[TargetTensor, SourceTensor]:

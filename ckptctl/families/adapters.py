@@ -228,7 +228,8 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
     alpha = int(scale.alpha) if float(scale.alpha).is_integer() else scale.alpha
     return {
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha,
-        "use_rslora": scale.rslora, "use_dora": adapters.dora, "fan_in_fan_out": False, "bias": "none", "lora_bias": False,
+        "use_rslora": scale.rslora, "use_dora": adapters.dora, "fan_in_fan_out": False, "bias": "none",
+        "lora_bias": False,
         "lora_dropout": 0.0, "inference_mode": True,
         "target_modules": adapters.targets if every else "|".join(re.escape(m) for m in sorted(adapted)),
         "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},

@@ -4,9 +4,10 @@ A tiny LlamaForCausalLM wrapped by peft (r 5, α 7: a scale that is no power of 
 linear of the decoder adapted; lora_B random, so every adapter changes its weight) is
 `fully_shard`ed on 2 gloo ranks and saved by `dcp.save` of `get_model_state_dict`, as a
 fine-tuning run saves it (`make test-full`; `make test` proves the same on its state dict saved
-whole by one process, the same names and shapes, in a tenth of the time). The oracles are peft's own: `merge_and_unload()` in float32 (bit for
-bit), `PeftModel.from_pretrained` of the adapter folder (logits equal to the trained model's,
-no "missing adapter keys" warning), transformers' `from_pretrained` of the merged folder.
+whole by one process, the same names and shapes, in a tenth of the time). The oracles are
+peft's own: `merge_and_unload()` in float32 (bit for bit), `PeftModel.from_pretrained` of the
+adapter folder (logits equal to the trained model's, no "missing adapter keys" warning),
+transformers' `from_pretrained` of the merged folder.
 """
 
 from __future__ import annotations
@@ -190,9 +191,9 @@ def test_adapter_folder_loads_in_peft_with_the_trained_logits(request, save, tmp
 def test_adapters_without_an_export_mode_are_refused_naming_both(lora, tmp_path):
     res = export(lora, tmp_path / "dst")
     assert res.returncode == 2
-    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: holds 14 peft LoRA adapters (rank 5 on down_proj, gate_proj, "
-                          "k_proj, o_proj, q_proj, up_proj, v_proj): pass --merge-adapters to export the model with "
-                          "them merged, or --adapter-only to export them as a PEFT adapter folder\n")
+    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: holds 14 peft LoRA adapters (rank 5 on down_proj, "
+                          "gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj): pass --merge-adapters to export the "
+                          "model with them merged, or --adapter-only to export them as a PEFT adapter folder\n")
     assert not (tmp_path / "dst").exists()
 
 
@@ -216,8 +217,8 @@ def test_a_config_rank_other_than_the_tensors_is_refused(lora, tmp_path):
     cfg.write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": ALPHA}))
     res = export(lora, tmp_path / "dst", "--merge-adapters", "--adapter-config", cfg)
     assert res.returncode == 2
-    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: model.base_model.model.model.layers.0.mlp.down_proj.lora_A.default"
-                          f".weight has rank 5 (its rows), but {cfg} says r 8 (+13 more adapters)\n")
+    assert res.stderr == (f"ckptctl: error: {lora / 'ckpt'}: model.base_model.model.model.layers.0.mlp.down_proj."
+                          f"lora_A.default.weight has rank 5 (its rows), but {cfg} says r 8 (+13 more adapters)\n")
 
 
 def test_dora_merges_bit_for_bit_and_its_folder_loads_with_the_trained_logits(tmp_path):
@@ -270,8 +271,8 @@ def test_an_adapter_on_a_module_the_model_lacks_is_refused(tmp_path):
     llama_config().save_pretrained(tmp_path / "base")
     res = export(tmp_path, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7")
     assert res.returncode == 2
-    assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: a LoRA adapter on model.layers.1.self_attn.x_proj, which a "
-                          "LlamaForCausalLM has no weight for (wrong --hf-config?)\n")
+    assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: a LoRA adapter on model.layers.1.self_attn.x_proj, "
+                          "which a LlamaForCausalLM has no weight for (wrong --hf-config?)\n")
 
 
 @pytest.mark.parametrize("save", SAVES)
@@ -416,3 +417,22 @@ def test_a_qwen3_with_tied_embeddings_merges_bit_for_bit(tmp_path):
     got = read_folder(tmp_path / "merged")
     assert sorted(got) == sorted(n for n in want if n != "lm_head.weight")
     assert all(torch.equal(got[n], want[n]) for n in got)
+
+
+def test_an_adapter_on_a_tied_head_is_refused(tmp_path):
+    """The head equals the embeddings, so a tying config leaves it out: its adapter would be lost."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+    from ckptctl.util.errors import CheckpointError
+
+    state = peft_model(target_modules=["q_proj", "lm_head"]).state_dict()
+    state["base_model.model.lm_head.base_layer.weight"] = state["base_model.model.model.embed_tokens.weight"]
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config(tie_word_embeddings=True).save_pretrained(tmp_path / "base")
+    with pytest.raises(CheckpointError) as err:
+        export_hf(tmp_path / "ckpt", tmp_path / "dst", tmp_path / "base", ExportOptions(merge_adapters=True,
+                                                                                      lora_alpha=ALPHA))
+    assert str(err.value) == (f"{tmp_path / 'ckpt'}: model.base_model.model.lm_head.lora_A.default.weight: a LoRA "
+                              "adapter on lm_head, whose weight the export leaves out (the config ties it to another "
+                              "tensor): merged, the two would differ")
