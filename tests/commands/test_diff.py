@@ -379,9 +379,10 @@ def test_an_equal_compare_never_imports_torch(made):
     code = ("import runpy, sys; sys.argv = ['ckptctl', 'diff', *sys.argv[1:]]\n"
             "try:\n    runpy.run_module('ckptctl', run_name='__main__')\n"
             "except SystemExit as exc:\n    print('exit', exc.code, 'torch' in sys.modules)")
-    res = subprocess.run([sys.executable, "-c", code, str(made.src), str(made.resharded)], capture_output=True,
-                         text=True, cwd=ROOT, timeout=120)
-    assert res.stdout.splitlines()[-1] == "exit 0 False"
+    for extra in ([], ["--compare-as", "bf16"]):  # one dtype, the same bytes: equal in bf16 too, nothing cast
+        res = subprocess.run([sys.executable, "-c", code, str(made.src), str(made.resharded), *extra],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert res.stdout.splitlines()[-1] == "exit 0 False"
 
 
 def test_a_tensor_with_coverage_gaps_is_refused_unless_filtered_out(made, tmp_path):
