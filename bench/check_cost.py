@@ -1,0 +1,71 @@
+"""The output check's parts, timed on a written reshard: what a run pays after writing, and what its helper pays meanwhile.
+
+    python bench/check_cost.py SRC OUT -n N [--reps 3]
+
+OUT is `ckptctl reshard SRC OUT -n N`'s output. A run with a helper process (a plain run of
+20,000 records or more on two cores) splits the check: the helper re-reads `.metadata` and checks
+its structure while the run writes the data files (`DcpCheck.early`), the run then compares the
+files' sizes and the samples (`check(out, result)`: the `check_seconds` of `--json`). A run
+without a helper does it all after writing (`check(out)`). Each part's wall and CPU seconds,
+median of the repetitions, with the machine's load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from ckptctl.checks.output_check import DcpCheck
+from ckptctl.commands.reshard import ReshardOptions, plan_reshard
+from ckptctl.formats.dcp.metadata import open_checkpoint
+
+
+def timed(work) -> tuple[float, float, object]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = work()
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+READ_AHEAD = "run, a thread while writing: the samples' source elements"
+EARLY = "helper, while the run writes: re-read .metadata, structure"
+AFTER = "run, after writing: file sizes, samples (check_seconds)"
+ALONE = "run without a helper, after writing: all of it"
+
+
+def read_ahead(check: DcpCheck) -> None:
+    """The source reads a run's check makes in a thread while the output is written."""
+    check.start()
+    check._thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("src", type=Path)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("-n", "--world-size", type=int, required=True)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    src = open_checkpoint(args.src)
+    plan = plan_reshard(src, ReshardOptions(world_size=args.world_size))
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (READ_AHEAD, EARLY, AFTER, ALONE)}
+    read_ahead(DcpCheck(src, plan))  # the source views' row indexes: the copy builds them (and shares them) anyway
+    for _ in range(args.reps):
+        check = DcpCheck(src, plan)
+        rows[READ_AHEAD].append(timed(lambda: read_ahead(check))[:2])
+        wall, cpu, early = timed(lambda: check.early(args.out))
+        rows[EARLY].append((wall, cpu))
+        rows[AFTER].append(timed(lambda: check(args.out, early))[:2])
+        check = DcpCheck(src, plan)
+        read_ahead(check)
+        rows[ALONE].append(timed(lambda: check(args.out))[:2])
+    print(f"{len(plan.records):,} records, {args.reps} reps, load average {os.getloadavg()[0]:.2f}")
+    print("| part | wall s (median) | CPU s (median) |\n|---|---:|---:|")
+    for name, times in rows.items():
+        print(f"| {name} | {statistics.median(w for w, _ in times):.2f} | {statistics.median(c for _, c in times):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
