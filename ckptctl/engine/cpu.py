@@ -71,7 +71,8 @@ class ChunkSource:
         self._records: dict[tuple[str, str, int], RawRecord | None] = {}
         """(fqn, file, offset) → where the chunk's bytes are: the fqn too, since a SAFETENSORS-format
         DCP records every tensor of a file at the same offset (its blob's start)."""
-        self._decoded: dict[tuple[str, str, int], bytes] = {}
+        self._decoded: dict[tuple[str, str, int], memoryview] = {}
+        """Chunks decoded lately: views of the decoded tensors' own bytes (a copy costs a fifth of a decode)."""
         self._decoded_bytes = 0
         self._lock = threading.Lock()
 
@@ -102,7 +103,9 @@ class ChunkSource:
             entry = self.ckpt.tensors[fqn]
             tensor = (dequantized_chunk(entry, chunk, self.reader.fd) if DEQUANT in chunk.transforms
                       else self.reader.read_chunk(entry, chunk))
-            data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+            flat = tensor.reshape(-1).view(torch.uint8)
+            owned = flat.untyped_storage().nbytes() == flat.numel()  # keeps alive no more than it counts
+            data = memoryview(flat.numpy() if owned else flat.numpy().tobytes())
             with self._lock:
                 if self._decoded_bytes + len(data) > DECODED_CACHE_BYTES:
                     self._decoded.clear()
