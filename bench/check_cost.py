@@ -1,4 +1,4 @@
-"""The output check's parts, timed on a written reshard: what a run pays after writing, and what its helper pays meanwhile.
+"""The output check's parts timed on a written reshard: what a run pays after writing, what meanwhile.
 
     python bench/check_cost.py SRC OUT -n N [--reps 3]
 
@@ -64,7 +64,8 @@ def main() -> None:
     print(f"{len(plan.records):,} records, {args.reps} reps, load average {os.getloadavg()[0]:.2f}")
     print("| part | wall s (median) | CPU s (median) |\n|---|---:|---:|")
     for name, times in rows.items():
-        print(f"| {name} | {statistics.median(w for w, _ in times):.2f} | {statistics.median(c for _, c in times):.2f} |")
+        wall, cpu = statistics.median(w for w, _ in times), statistics.median(c for _, c in times)
+        print(f"| {name} | {wall:.2f} | {cpu:.2f} |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,10 @@ Writing a million tiny records is Python on the calling thread (threads would on
 for the interpreter lock). A plain run with enough records, on a machine of several cores,
 forks one helper that writes some output files (and `.metadata`) while the run writes the
 rest: no tensor data crosses between them, and the helper sends its progress, its one-line
-error or its work's result (a few bytes: what it checked) through a pipe. The helper never returns into the caller's code: it ends with
-`os._exit`, so none of the run's `finally` clauses (the atomic directory's clean-up) runs in
-it, nor are the run's unflushed output buffers written twice. It ignores Ctrl-C (the run stops
+error or its work's result (a few kilobytes: what it checked) through a pipe. The helper never
+returns into the caller's code: it ends with `os._exit`, so none of the run's `finally` clauses
+(the atomic directory's clean-up) runs in it, nor are the run's unflushed output buffers
+written twice. It ignores Ctrl-C (the run stops
 it) and dies with the run. Forked only where that is safe: torch not imported (its thread
 pools do not survive a fork), before the run starts its worker threads, Linux.
 """

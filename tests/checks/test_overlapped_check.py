@@ -99,7 +99,8 @@ def test_a_storage_entry_misplaced_in_metadata_is_refused_by_the_helpers_check(t
     with pytest.raises(CheckpointError) as caught:
         _write(SRC, out, tmp_path / "out", metadata_of=_misplaced(out, {index: offset + 1}))
     assert Path(caught.value.path).name == file and Path(caught.value.path).parent.parent == tmp_path
-    assert caught.value.reason == f"{target.fqn} at bytes {offset + 1}..{end + 1} leaves bytes {offset}..{offset + 1} unused"
+    assert caught.value.reason == f"{target.fqn} at bytes {offset + 1}..{end + 1} leaves bytes {offset}..{offset + 1} " \
+                                  "unused"
     assert len(forks) == 1 and list(tmp_path.iterdir()) == []
 
 

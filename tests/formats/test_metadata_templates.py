@@ -347,4 +347,5 @@ def test_runs_cut_by_names_holding_a_batch_end_or_by_an_entry_read_plainly(tmp_p
     md, machine = _read(path)
     assert md is not None and machine._matched == 2 * 2100 - 2 - 1
     assert _plain(md) == _plain(_oracle(path))
-    assert [entry[1] for _, entry in md.storage_data.rows_of("club.ubu.ube.2.weight")][76:79] == [80, (1 << 33) + 80, 80]
+    places = [entry[1] for _, entry in md.storage_data.rows_of("club.ubu.ube.2.weight")]
+    assert places[76:79] == [80, (1 << 33) + 80, 80]

@@ -539,7 +539,8 @@ class TemplateMachine(PickleMachine):
         target = self._batch_target()
         into = type(target) is dc.StorageColumns
         columns, found, end = self._run(match, into, self._entry, self._entries, b"ubu", self._entry_bytes)
-        fqn_raws, fqn_lengths, fqn_texts, indices, bodies, file_raws, file_lengths, file_texts, places, lengths = columns
+        fqn_raws, fqn_lengths, fqn_texts, indices, bodies, file_raws, file_lengths, file_texts, places, lengths = \
+            columns
         fqns, n = self._strings_of(fqn_raws, fqn_lengths, fqn_texts, MAX_NAME)
         files, n_files = self._strings_of(file_raws, file_lengths, file_texts, MAX_PATH)
         offsets, n_offsets = _complete(list(map(self._bodies.get, bodies)), bodies, self._size, b"")
