@@ -18,7 +18,7 @@ from __future__ import annotations
 from ckptctl.families.base import HFConfig
 from ckptctl.families.llama import DENSE_MLP, EMBEDDING, FINAL
 from ckptctl.families.qwen3_moe import EXPERT, ROUTER
-from ckptctl.families.rules import COLUMN, DUPLICATED, ROW, Block, Dims, Family, Mtp, Rule, Same, swiglu
+from ckptctl.families.rules import COLUMN, REPLICATED, ROW, Block, Dims, Family, Mtp, Rule, Same, swiglu
 
 
 def first_k_dense(cfg: HFConfig, layer: int) -> bool:
@@ -39,11 +39,11 @@ def no_q_lora(cfg: HFConfig, layer: int) -> bool:
 
 
 ATTENTION: tuple[Rule, ...] = (
-    Same("input_layernorm.weight", ("input_layernorm.weight",), ("hidden",), DUPLICATED),
+    Same("input_layernorm.weight", ("input_layernorm.weight",), ("hidden",), REPLICATED),
     Same("self_attn.kv_a_proj_with_mqa.weight", ("self_attention.linear_kv_down_proj.weight",),
-         ("kv_a_rows", "hidden"), DUPLICATED),
+         ("kv_a_rows", "hidden"), REPLICATED),
     Same("self_attn.kv_a_layernorm.weight", ("self_attention.linear_kv_up_proj.layer_norm_weight",
-                                             "self_attention.kv_layernorm.weight"), ("kv_lora",), DUPLICATED),
+                                             "self_attention.kv_layernorm.weight"), ("kv_lora",), REPLICATED),
     Same("self_attn.kv_b_proj.weight", ("self_attention.linear_kv_up_proj.weight",), ("kv_b_rows", "kv_lora"),
          COLUMN),
     Same("self_attn.o_proj.weight", ("self_attention.linear_proj.weight",), ("hidden", "o_width"), ROW),
@@ -51,9 +51,9 @@ ATTENTION: tuple[Rule, ...] = (
 """MLA but the query path."""
 QUERY_LORA: tuple[Rule, ...] = (
     Same("self_attn.q_a_proj.weight", ("self_attention.linear_q_down_proj.weight",), ("q_lora", "hidden"),
-         DUPLICATED),
+         REPLICATED),
     Same("self_attn.q_a_layernorm.weight", ("self_attention.linear_q_up_proj.layer_norm_weight",
-                                            "self_attention.q_layernorm.weight"), ("q_lora",), DUPLICATED),
+                                            "self_attention.q_layernorm.weight"), ("q_lora",), REPLICATED),
     Same("self_attn.q_b_proj.weight", ("self_attention.linear_q_up_proj.weight",), ("q_rows", "q_lora"), COLUMN),
 )
 QUERY: tuple[Rule, ...] = (
@@ -61,17 +61,17 @@ QUERY: tuple[Rule, ...] = (
 )
 MOE: tuple[Rule, ...] = (
     *ROUTER,
-    Same("mlp.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), DUPLICATED),
+    Same("mlp.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), REPLICATED),
     *swiglu("mlp.shared_experts.", ("mlp.shared_experts.{fc}.{kind}",), "shared_ffn"),
 )
 """A MoE layer's router (with its expert bias) and shared experts; the routed experts are `EXPERT`."""
 
 
 MTP: tuple[Rule, ...] = (
-    Same("enorm.weight", ("enorm.weight",), ("hidden",), DUPLICATED),
-    Same("hnorm.weight", ("hnorm.weight",), ("hidden",), DUPLICATED),
+    Same("enorm.weight", ("enorm.weight",), ("hidden",), REPLICATED),
+    Same("hnorm.weight", ("hnorm.weight",), ("hidden",), REPLICATED),
     Same("eh_proj.weight", ("eh_proj.weight",), ("hidden", "mtp_in"), COLUMN),
-    Same("shared_head.norm.weight", ("final_layernorm.weight",), ("hidden",), DUPLICATED),
+    Same("shared_head.norm.weight", ("final_layernorm.weight",), ("hidden",), REPLICATED),
 )
 """An MTP layer's own tensors: the norms of the embedding and the hidden state, their projection,
 and the norm before the shared output layer."""

@@ -11,17 +11,17 @@ gated with GELU, so Megatron-FSDP never saves it split into `_w`/`_v`. Gemma 3 a
 from __future__ import annotations
 
 from ckptctl.families.llama import EMBEDDING, FINAL, attention, attention_dims
-from ckptctl.families.rules import DUPLICATED, Block, Family, Rule, Same, swiglu
+from ckptctl.families.rules import REPLICATED, Block, Family, Rule, Same, swiglu
 
 POST_ATTENTION: tuple[Rule, ...] = (
     Same("post_attention_layernorm.weight", ("self_attention.linear_proj.post_layernorm.weight",), ("hidden",),
-         DUPLICATED),
+         REPLICATED),
 )
 GEGLU_MLP: tuple[Rule, ...] = (
     Same("pre_feedforward_layernorm.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-         ("hidden",), DUPLICATED),
+         ("hidden",), REPLICATED),
     *swiglu("mlp.", ("mlp.{fc}.{kind}",), "ffn", splits=False),
-    Same("post_feedforward_layernorm.weight", ("mlp.linear_fc2.post_layernorm.weight",), ("hidden",), DUPLICATED),
+    Same("post_feedforward_layernorm.weight", ("mlp.linear_fc2.post_layernorm.weight",), ("hidden",), REPLICATED),
 )
 
 

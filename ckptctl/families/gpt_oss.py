@@ -21,7 +21,7 @@ from ckptctl.core.dtypes import DType
 from ckptctl.families.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes
 from ckptctl.families.llama import EMBEDDING, FINAL, attention
 from ckptctl.families.qwen3_moe import router
-from ckptctl.families.rules import (COLUMN, DUPLICATED, ROW, SWIGLU, Attention, Block, Dims, Family, Rule, Same, Scope,
+from ckptctl.families.rules import (COLUMN, REPLICATED, ROW, SWIGLU, Attention, Block, Dims, Family, Rule, Same, Scope,
                               fused_shapes, put)
 from ckptctl.megatron.rows import SWIGLU_PARTS
 from ckptctl.core.plan import Piece, TargetTensor
@@ -118,14 +118,14 @@ class PackedExperts:
         for name in FC:
             yield from ((name.format(fc="linear_fc1", kind=k, e="{e}"), SWIGLU) for k in ("weight", "bias"))
             yield name.format(fc="linear_fc2", kind="weight", e="{e}"), ROW
-            yield name.format(fc="linear_fc2", kind="bias", e="{e}"), DUPLICATED
+            yield name.format(fc="linear_fc2", kind="bias", e="{e}"), REPLICATED
 
 
 LAYER: tuple[Rule, ...] = (
     *attention(qkv_bias="attention_bias"),
     Same("self_attn.sinks", ("self_attention.core_attention.softmax_offset",), ("heads",), COLUMN),
     *router("mlp.router.weight"),
-    Same("mlp.router.bias", ("mlp.router.bias",), ("experts",), DUPLICATED),
+    Same("mlp.router.bias", ("mlp.router.bias",), ("experts",), REPLICATED),
     PackedExperts(),
 )
 """A GPT-OSS layer: every one is attention (with biases and sinks) and a MoE."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ckptctl.families.base import HFConfig
-from ckptctl.families.rules import (DUPLICATED, ROW, Attention, Block, Dims, Family, GroupedQKV, Rule, Same,
+from ckptctl.families.rules import (REPLICATED, ROW, Attention, Block, Dims, Family, GroupedQKV, Rule, Same,
                               VocabRows, swiglu)
 
 EMBED = "embedding.word_embeddings.weight"
@@ -18,7 +18,7 @@ FINAL_NORM = "decoder.final_layernorm.weight"
 
 EMBEDDING: tuple[Rule, ...] = (VocabRows("model.embed_tokens.weight", EMBED),)
 FINAL: tuple[Rule, ...] = (
-    Same("model.norm.weight", (FINAL_NORM,), ("hidden",), DUPLICATED),
+    Same("model.norm.weight", (FINAL_NORM,), ("hidden",), REPLICATED),
     VocabRows("lm_head.weight", OUTPUT, tied_by="tie_word_embeddings"),
 )
 """The final norm, and `lm_head` (vocab padding sliced off; none when the config ties it)."""
@@ -29,21 +29,21 @@ def attention(qkv_bias: bool | str = "attention_bias", qk_norm: bool = False) ->
     optional biases and q/k norms."""
     rules: tuple[Rule, ...] = (
         Same("input_layernorm.weight", ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
-             ("hidden",), DUPLICATED),
+             ("hidden",), REPLICATED),
         GroupedQKV("weight"),
         GroupedQKV("bias", required=qkv_bias),
         Same("self_attn.o_proj.weight", ("self_attention.linear_proj.weight",), ("hidden", "q_width"), ROW),
-        Same("self_attn.o_proj.bias", ("self_attention.linear_proj.bias",), ("hidden",), DUPLICATED, optional=True),
+        Same("self_attn.o_proj.bias", ("self_attention.linear_proj.bias",), ("hidden",), REPLICATED, optional=True),
     )
     if qk_norm:
-        rules += (Same("self_attn.q_norm.weight", ("self_attention.q_layernorm.weight",), ("head_dim",), DUPLICATED),
-                  Same("self_attn.k_norm.weight", ("self_attention.k_layernorm.weight",), ("head_dim",), DUPLICATED))
+        rules += (Same("self_attn.q_norm.weight", ("self_attention.q_layernorm.weight",), ("head_dim",), REPLICATED),
+                  Same("self_attn.k_norm.weight", ("self_attention.k_layernorm.weight",), ("head_dim",), REPLICATED))
     return rules
 
 
 DENSE_MLP: tuple[Rule, ...] = (
     Same("post_attention_layernorm.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"),
-         ("hidden",), DUPLICATED),
+         ("hidden",), REPLICATED),
     *swiglu("mlp.", ("mlp.{fc}.{kind}",), "ffn"),
 )
 """A dense SwiGLU MLP with Megatron's fused-norm fc1."""

@@ -22,7 +22,7 @@ from typing import Iterable
 from ckptctl.util.errors import UsageError
 from ckptctl.families.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
 from ckptctl.families.llama import attention_dims
-from ckptctl.families.rules import (COLUMN, DUPLICATED, MAMBA_CONV1D, MAMBA_IN_PROJ, ROW, SWIGLU, Block, Dims, Family,
+from ckptctl.families.rules import (COLUMN, REPLICATED, MAMBA_CONV1D, MAMBA_IN_PROJ, ROW, SWIGLU, Block, Dims, Family,
                               GroupedQKV, Rule, Same, Scope, VocabRows, fused_shapes, put)
 from ckptctl.megatron.rows import MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS
 
@@ -135,7 +135,7 @@ class MambaFused:
 
 
 MAMBA: tuple[Rule, ...] = (
-    Same("norm.weight", ("mixer.in_proj.layer_norm_weight", "norm.weight"), ("hidden",), DUPLICATED),
+    Same("norm.weight", ("mixer.in_proj.layer_norm_weight", "norm.weight"), ("hidden",), REPLICATED),
     MambaFused("mixer.in_proj.weight", "mixer.in_proj.weight", MAMBA_IN_PROJ),
     MambaFused("mixer.conv1d.weight", "mixer.conv1d.weight", MAMBA_CONV1D),
     MambaFused("mixer.conv1d.bias", "mixer.conv1d.bias", MAMBA_CONV1D),
@@ -148,21 +148,21 @@ MAMBA: tuple[Rule, ...] = (
 """A Mamba-2 layer (`decoder.layers.L.mixer.` ↔ `backbone.layers.L.mixer.`)."""
 ATTENTION: tuple[Rule, ...] = (
     Same("norm.weight", ("self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"), ("hidden",),
-         DUPLICATED),
+         REPLICATED),
     GroupedQKV("weight", module="mixer"),
     Same("mixer.o_proj.weight", ("self_attention.linear_proj.weight",), ("hidden", "q_width"), ROW),
 )
 MLP: tuple[Rule, ...] = (
-    Same("norm.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), ("hidden",), DUPLICATED),
+    Same("norm.weight", ("mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"), ("hidden",), REPLICATED),
     Same("mixer.up_proj.weight", ("mlp.linear_fc1.weight",), ("ffn", "hidden"), SWIGLU),
     Same("mixer.down_proj.weight", ("mlp.linear_fc2.weight",), ("hidden", "ffn"), ROW),
 )
 """A relu² MLP layer: fc1 is declared with the other families' fc1 kind, which Megatron-aware
 reshard re-blocks only for a gated family (`Family.gated_mlp`)."""
 MOE: tuple[Rule, ...] = (
-    Same("norm.weight", ("pre_mlp_layernorm.weight",), ("hidden",), DUPLICATED),
-    Same("mixer.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED),
-    Same("mixer.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), DUPLICATED),
+    Same("norm.weight", ("pre_mlp_layernorm.weight",), ("hidden",), REPLICATED),
+    Same("mixer.gate.weight", ("mlp.router.weight",), ("experts", "hidden"), REPLICATED),
+    Same("mixer.gate.e_score_correction_bias", ("mlp.router.expert_bias",), ("experts",), REPLICATED),
     Same("mixer.shared_experts.up_proj.weight", ("mlp.shared_experts.linear_fc1.weight",), ("shared_ffn", "hidden"),
          SWIGLU),
     Same("mixer.shared_experts.down_proj.weight", ("mlp.shared_experts.linear_fc2.weight",), ("hidden", "shared_ffn"),
@@ -194,7 +194,7 @@ NEMOTRON_H = Family("nemotron-h", ("nemotron_h",), dims,
                     (VocabRows("backbone.embeddings.weight", "embedding.word_embeddings.weight"),),
                     (Block(MAMBA, is_mamba), Block(ATTENTION, is_attention), Block(MLP, is_mlp), Block(MOE, is_moe),
                      Block(EXPERT, is_moe, per_expert=True)),
-                    (Same("backbone.norm_f.weight", ("decoder.final_norm.weight",), ("hidden",), DUPLICATED),
+                    (Same("backbone.norm_f.weight", ("decoder.final_norm.weight",), ("hidden",), REPLICATED),
                      VocabRows("lm_head.weight", "output_layer.weight", tied_by="tie_word_embeddings",
                                tied_to="backbone.embeddings.weight")),
                     hf_layer="backbone.layers.{L}.")

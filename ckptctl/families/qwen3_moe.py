@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ckptctl.families.base import HFConfig
 from ckptctl.families.llama import DENSE_MLP, EMBEDDING, FINAL, attention, attention_dims
-from ckptctl.families.rules import DUPLICATED, Block, Family, Rule, Same, swiglu
+from ckptctl.families.rules import REPLICATED, Block, Family, Rule, Same, swiglu
 
 
 def is_sparse(cfg: HFConfig, layer: int) -> bool:
@@ -32,8 +32,8 @@ def has_shared_expert(cfg: HFConfig, layer: int) -> bool:
 def router(gate: str) -> tuple[Rule, ...]:
     """A MoE layer's pre-MLP norm and its router, `gate` being the HF router's name."""
     return (Same("post_attention_layernorm.weight", ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"),
-                 ("hidden",), DUPLICATED),
-            Same(gate, ("mlp.router.weight",), ("experts", "hidden"), DUPLICATED))
+                 ("hidden",), REPLICATED),
+            Same(gate, ("mlp.router.weight",), ("experts", "hidden"), REPLICATED))
 
 
 ROUTER = router("mlp.gate.weight")
@@ -43,7 +43,7 @@ EXPERT: tuple[Rule, ...] = swiglu("mlp.experts.{e}.", ("mlp.experts.{fc}.{kind}{
 """One routed expert: grouped-GEMM names (what an import writes) or SequentialMLP's."""
 SHARED_EXPERT: tuple[Rule, ...] = (
     *swiglu("mlp.shared_expert.", ("mlp.shared_experts.{fc}.{kind}",), "shared_ffn"),
-    Same("mlp.shared_expert_gate.weight", ("mlp.shared_experts.gate_weight",), (1, "hidden"), DUPLICATED),
+    Same("mlp.shared_expert_gate.weight", ("mlp.shared_experts.gate_weight",), (1, "hidden"), REPLICATED),
 )
 """The shared expert and its sigmoid gate (Qwen3-Next)."""
 

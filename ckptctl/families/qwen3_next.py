@@ -23,7 +23,7 @@ from ckptctl.util.errors import UsageError
 from ckptctl.families.base import ExportContext, HFConfig, HFTensor, MegatronSpec, Shapes
 from ckptctl.families.llama import EMBEDDING, FINAL, attention
 from ckptctl.families.qwen3_moe import moe_blocks
-from ckptctl.families.rules import (COLUMN, DUPLICATED, GDN_CONV1D, GDN_IN_PROJ, ROW, Attention, Block, Dims, Family, Rule,
+from ckptctl.families.rules import (COLUMN, REPLICATED, GDN_CONV1D, GDN_IN_PROJ, ROW, Attention, Block, Dims, Family, Rule,
                               Same, Scope, fused_shapes, put)
 from ckptctl.megatron.rows import GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS
 
@@ -140,12 +140,12 @@ class GdnConv1d:
 
 GDN: tuple[Rule, ...] = (
     Same("input_layernorm.weight", ("self_attention.in_proj.layer_norm_weight", "input_layernorm.weight"),
-         ("hidden",), DUPLICATED),
+         ("hidden",), REPLICATED),
     GdnInProj(),
     GdnConv1d(),
     Same("linear_attn.A_log", ("self_attention.A_log",), ("v_heads",), COLUMN),
     Same("linear_attn.dt_bias", ("self_attention.dt_bias",), ("v_heads",), COLUMN),
-    Same("linear_attn.norm.weight", ("self_attention.out_norm.weight",), ("v_dim",), DUPLICATED, add=1.0),
+    Same("linear_attn.norm.weight", ("self_attention.out_norm.weight",), ("v_dim",), REPLICATED, add=1.0),
     Same("linear_attn.out_proj.weight", ("self_attention.out_proj.weight",), ("hidden", "v_width"), ROW),
 )
 """A Gated DeltaNet layer (`decoder.layers.L.self_attention.` ↔ `model.layers.L.linear_attn.`)."""

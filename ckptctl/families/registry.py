@@ -1,7 +1,7 @@
 """The one registry of model families, and what Megatron-aware commands look Megatron names up in.
 
 Each export-hf / import-hf family is registered here by name. The Megatron families' rules
-also declare each Megatron tensor's TP kind (`rules.COLUMN`, `ROW`, `DUPLICATED`, or a
+also declare each Megatron tensor's TP kind (`rules.COLUMN`, `ROW`, `REPLICATED`, or a
 fused kind): `megatron_tp_kind` answers from those declarations (and `MEGATRON_ONLY`, names
 Megatron-Core saves that no HF family maps), in each spelling a megatron-core release gives a
 name (`megatron.rows.SPELLINGS`: 0.19's Mamba `mixer.conv1d_weight` as 0.16's `mixer.conv1d.weight`),
@@ -25,7 +25,7 @@ from ckptctl.families.qwen3_5 import QWEN3_5
 from ckptctl.families.qwen3_moe import QWEN3_MOE
 from ckptctl.families.qwen3_next import QWEN3_NEXT
 from ckptctl.families.raw import RAW
-from ckptctl.families.rules import COLUMN, DUPLICATED, MG_LAYER, ROW, Family
+from ckptctl.families.rules import COLUMN, REPLICATED, MG_LAYER, ROW, Family
 from ckptctl.families.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron.rows import FUSED_PARTS, spellings
 
@@ -35,12 +35,12 @@ FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
-    (MG_LAYER + "self_attention.linear_qkv.layer_norm_bias", DUPLICATED),
-    (MG_LAYER + "mlp.linear_fc1.layer_norm_bias", DUPLICATED),
-    (MG_LAYER + "input_layernorm.bias", DUPLICATED),
-    (MG_LAYER + "pre_mlp_layernorm.bias", DUPLICATED),
-    ("decoder.final_layernorm.bias", DUPLICATED),
-    ("embedding.position_embeddings.weight", DUPLICATED),
+    (MG_LAYER + "self_attention.linear_qkv.layer_norm_bias", REPLICATED),
+    (MG_LAYER + "mlp.linear_fc1.layer_norm_bias", REPLICATED),
+    (MG_LAYER + "input_layernorm.bias", REPLICATED),
+    (MG_LAYER + "pre_mlp_layernorm.bias", REPLICATED),
+    ("decoder.final_layernorm.bias", REPLICATED),
+    ("embedding.position_embeddings.weight", REPLICATED),
 )
 """Megatron-Core GPT tensors of LayerNorm models and learned absolute positions (its layer
 specs: norms and `nn.Embedding` positions are the same on every TP rank)."""
@@ -104,4 +104,4 @@ def fused_component(name: str) -> tuple[str, str, int] | None:
 def parallel_dim(name: str) -> int | None:
     """0 for ColumnParallel (and fused), 1 for RowParallel, None for TP-duplicated and unknown names."""
     kind = megatron_tp_kind(name)
-    return None if kind in (None, DUPLICATED) else 1 if kind == ROW else 0
+    return None if kind in (None, REPLICATED) else 1 if kind == ROW else 0

@@ -9,7 +9,7 @@ says both directions and the Megatron tensors' shapes and TP kinds:
   such tensors not written yet, read backwards (`base.reversed_pieces`), says which HF
   rows each of them is (import-hf): a row is a row whichever way it goes;
 - `megatron_tensors` gives each Megatron name pattern with its TP kind (`COLUMN`, `ROW`,
-  `DUPLICATED`, or a fused kind of `megatron.rows.FUSED_PARTS`): what Megatron-aware reshard
+  `REPLICATED`, or a fused kind of `megatron.rows.FUSED_PARTS`): what Megatron-aware reshard
   looks names up in (`registry.megatron_tp_kind`).
 A family (`Family`) is its rules for the whole model and for each kind of layer; nothing
 else decides what is exported or imported, and a tensor no rule claims is refused.
@@ -22,13 +22,12 @@ from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
 
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.families.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes, TiedHead, check_shape
-from ckptctl.megatron.rows import SWIGLU_PARTS
+from ckptctl.megatron.rows import SWIGLU_PARTS, TpKind
 
-COLUMN, ROW, DUPLICATED = "column", "row", "duplicated"
-"""TP kinds of a Megatron tensor: split on dim 0, split on dim 1, the same on every TP rank."""
-SWIGLU, GDN_IN_PROJ, GDN_CONV1D = "swiglu", "gdn_in_proj", "gdn_conv1d"
-MAMBA_IN_PROJ, MAMBA_CONV1D = "mamba_in_proj", "mamba_conv1d"
-"""Fused kinds: components concatenated per TP rank (`megatron.rows.FUSED_PARTS` names them)."""
+COLUMN, ROW, REPLICATED = TpKind.COLUMN, TpKind.ROW, TpKind.REPLICATED
+SWIGLU, GDN_IN_PROJ, GDN_CONV1D = TpKind.SWIGLU, TpKind.GDN_IN_PROJ, TpKind.GDN_CONV1D
+MAMBA_IN_PROJ, MAMBA_CONV1D = TpKind.MAMBA_IN_PROJ, TpKind.MAMBA_CONV1D
+"""The TP kinds (`megatron.rows.TpKind`) under the short names the family tables use."""
 
 MG_LAYER = "decoder.layers.{L}."
 HF_LAYER = "model.layers.{L}."
@@ -346,7 +345,7 @@ def swiglu(hf: str, mg: Sequence[str], ffn: str, expert: bool = False,
     fc2 = tuple(n.replace("{fc}", "linear_fc2") for n in mg)
     return (GatedMLP(hf, fc1, ffn, expert, gate, up, splits),
             Same(f"{hf}{down}.weight", tuple(n.replace("{kind}", "weight") for n in fc2), ("hidden", ffn), ROW),
-            Same(f"{hf}{down}.bias", tuple(n.replace("{kind}", "bias") for n in fc2), ("hidden",), DUPLICATED,
+            Same(f"{hf}{down}.bias", tuple(n.replace("{kind}", "bias") for n in fc2), ("hidden",), REPLICATED,
                  optional=True))
 
 

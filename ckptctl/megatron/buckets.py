@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ckptctl.util.errors import CheckpointError
-from ckptctl.megatron.rows import LAYERS, WORD_EMBEDDING, is_expert
+from ckptctl.megatron.rows import LAYERS, WORD_EMBEDDING, TpKind, is_expert
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.plan import ItemWindows, Piece, SourceTensor, TargetTensor
 
@@ -45,7 +45,7 @@ BUCKET = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(
 GROUPS_ITEM = re.compile(r"(?:chained_(\d+)\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.optimizer/shard_0_1")
 """Each DP group's copy of its optimizer's param groups: (chained optimizer, DP group)."""
 
-COLUMN, ROW, REPLICATED, GATED = "column", "row", "replicated", "gated"
+COLUMN, ROW, REPLICATED, GATED = TpKind.COLUMN, TpKind.ROW, TpKind.REPLICATED, TpKind.SWIGLU
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,30 @@ computed here once in global row coordinates (never from a local shard's size).
 
 from __future__ import annotations
 
+import enum
 import re
 from dataclasses import dataclass
 from typing import Sequence
 
 from ckptctl.util.errors import UsageError
+
+class TpKind(str, enum.Enum):
+    """How Megatron lays a tensor over its tensor-parallel ranks: the one vocabulary of the family
+    rules, the optimizer buckets and the placements. A fused kind is column-parallel per component:
+    each TP rank holds its rows of every component, concatenated (`FUSED_PARTS` names them)."""
+
+    COLUMN = "column"  # dim 0 cut in TP blocks (ColumnParallelLinear)
+    ROW = "row"  # dim 1 cut in TP blocks (RowParallelLinear)
+    REPLICATED = "replicated"  # the same on every TP rank
+    SWIGLU = "swiglu"  # fc1: [W; V] when gated, else column
+    GDN_IN_PROJ = "gdn_in_proj"
+    GDN_CONV1D = "gdn_conv1d"
+    MAMBA_IN_PROJ = "mamba_in_proj"
+    MAMBA_CONV1D = "mamba_conv1d"
+
+    __str__ = str.__str__  # the value, as a plain string would print, on every Python
+    __format__ = str.__format__
+
 
 MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
 LAYERS = "decoder.layers."
@@ -89,11 +108,11 @@ GDN_IN_PROJ_PARTS = (".query", ".key", ".value", ".z", ".beta", ".alpha")
 GDN_CONV1D_PARTS = (".query", ".key", ".value")
 MAMBA_IN_PROJ_PARTS = (".z", ".x", ".B", ".C", ".dt")
 MAMBA_CONV1D_PARTS = (".x", ".B", ".C")
-FUSED_PARTS: dict[str, tuple[str, ...]] = {
-    "swiglu": SWIGLU_PARTS, "gdn_in_proj": GDN_IN_PROJ_PARTS, "gdn_conv1d": GDN_CONV1D_PARTS,
-    "mamba_in_proj": MAMBA_IN_PROJ_PARTS, "mamba_conv1d": MAMBA_CONV1D_PARTS,
+FUSED_PARTS: dict[TpKind, tuple[str, ...]] = {
+    TpKind.SWIGLU: SWIGLU_PARTS, TpKind.GDN_IN_PROJ: GDN_IN_PROJ_PARTS, TpKind.GDN_CONV1D: GDN_CONV1D_PARTS,
+    TpKind.MAMBA_IN_PROJ: MAMBA_IN_PROJ_PARTS, TpKind.MAMBA_CONV1D: MAMBA_CONV1D_PARTS,
 }
-WRITTEN_SPLIT = frozenset({"swiglu", "gdn_in_proj", "gdn_conv1d"})
+WRITTEN_SPLIT = frozenset({TpKind.SWIGLU, TpKind.GDN_IN_PROJ, TpKind.GDN_CONV1D})
 """Fused kinds an output may write as components (`--split-fused`): Megatron-FSDP's save splits
 SwiGLU fc1 and Megatron-Bridge's training GDN. Mamba's are split only by megatron-core's
 torch_dist save, so they are read either way but written fused."""

@@ -18,6 +18,7 @@ gated) come from `--hf-config` or the checkpoint's `args`; without them it refus
 from __future__ import annotations
 
 import argparse
+import enum
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from ckptctl.families.qwen3_next import GatedDeltaNet
 from ckptctl.core.analysis import MODEL_PREFIXES, analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
 from ckptctl.families.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.families.rules import Family
-from ckptctl.megatron.rows import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, is_expert, tp_blocked_split, tp_reblock
+from ckptctl.megatron.rows import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, TpKind, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron.tp import resolve_tp, tp_dp_grid
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.formats.torch_save.writer import encode_value
@@ -74,9 +75,13 @@ class Layout:
         return megatron_fsdp(shape, param_name, self.tp, self.dp)
 
 
-KEEP, SPLIT, FUSE = "keep", "split", "fuse"
-"""What a Megatron-aware reshard does with fused tensors: keep them fused (re-blocked when the
-TP changes), split them into their saved components, or fuse components."""
+class FusedAction(enum.Enum):
+    """What a Megatron-aware reshard does with fused tensors: keep them fused (re-blocked when the
+    TP changes), split them into their saved components, or fuse components."""
+
+    KEEP = "keep"
+    SPLIT = "split"
+    FUSE = "fuse"
 
 
 @dataclass(frozen=True)
@@ -91,7 +96,7 @@ class MegatronRequest:
     """The target TP (fused tensors are re-blocked for it)."""
     dp: int | None
     source_tp: int | None
-    fused: str
+    fused: FusedAction
     flat_optimizer: bool = False
     hf_config: Path | None = None
     include: tuple[str, ...] = ()
@@ -124,7 +129,8 @@ class MegatronRequest:
                                  "pass --tp (the target TP) or --split-fused with it")
         elif dp is None and world_size is None:
             raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
-        return cls(layout, world_size, tp, dp, source_tp, SPLIT if split_fused else FUSE if fuse else KEEP,
+        fused = FusedAction.SPLIT if split_fused else FusedAction.FUSE if fuse else FusedAction.KEEP
+        return cls(layout, world_size, tp, dp, source_tp, fused,
                    flat_optimizer, hf_config, tuple(include), tuple(exclude), dtype, hub_timeout)
 
 
@@ -355,7 +361,7 @@ class MegatronPlanner:
         """Global rows of each component of fused `fqn`; None when it is an ungated (unfused) fc1."""
         rows = self.sources[fqn].shape[0] if self.sources[fqn].shape else 0
         dims = self.dims()
-        if kind == "swiglu":
+        if kind == TpKind.SWIGLU:
             if dims.gated is None:
                 raise UsageError(f"{fqn}: cannot tell whether linear_fc1 is gated (fused [W; V], "
                                  f"hidden_act / args.swiglu): {dims.not_found()}; pass --hf-config REF")
@@ -368,14 +374,14 @@ class MegatronPlanner:
             if dims.mamba is None:
                 raise UsageError(f"{fqn}: re-blocking Mamba {kind.removeprefix('mamba_')} needs the Mamba sizes "
                                  f"({', '.join(MAMBA_FIELDS['hf'])}), but {dims.not_found()}; pass --hf-config REF")
-            wanted = dims.mamba.in_proj_rows if kind == "mamba_in_proj" else dims.mamba.conv_rows
+            wanted = dims.mamba.in_proj_rows if kind == TpKind.MAMBA_IN_PROJ else dims.mamba.conv_rows
             origin = "Mamba"
         elif dims.gdn is None:
             raise UsageError(f"{fqn}: splitting or re-blocking GDN {kind.removeprefix('gdn_')} needs the GDN "
                              f"head counts and dims ({', '.join(GDN_FIELDS)}), but {dims.not_found()}; "
                              "pass --hf-config REF")
         else:
-            wanted, origin = (dims.gdn.in_proj_rows if kind == "gdn_in_proj" else dims.gdn.conv_rows), "GDN"
+            wanted, origin = (dims.gdn.in_proj_rows if kind == TpKind.GDN_IN_PROJ else dims.gdn.conv_rows), "GDN"
         if sum(wanted) != rows:
             raise UsageError(f"{fqn}: has {rows} rows but the {origin} dims from {' and '.join(dims.looked_in)} give "
                              f"{' + '.join(map(str, wanted))} = {sum(wanted)}")
@@ -407,14 +413,14 @@ class MegatronPlanner:
         self.refuse_unknown_tp_blocked(target_tp)
         for fqn in self.params:
             kind = fused_kind(fqn)
-            if kind is None or not ((self.req.fused == SPLIT) or target_tp is not None):
+            if kind is None or not (self.req.fused is FusedAction.SPLIT or target_tp is not None):
                 continue
-            if not (self.req.fused == SPLIT) and self.source_tp() == target_tp:
+            if self.req.fused is not FusedAction.SPLIT and self.source_tp() == target_tp:
                 continue
             rows = self.component_rows(fqn, kind)
             if rows is None:
                 continue
-            split = self.req.fused == SPLIT and kind in WRITTEN_SPLIT and (kind != "swiglu" or bool(self.dims().swiglu))
+            split = self.req.fused is FusedAction.SPLIT and kind in WRITTEN_SPLIT and (kind != TpKind.SWIGLU or bool(self.dims().swiglu))
             if not split and target_tp in (None, self.source_tp()):
                 continue
             self.check_expert_tp(fqn, source_side=True)
@@ -424,7 +430,7 @@ class MegatronPlanner:
                 out.append(split_regroup(fqn, FUSED_PARTS[kind], rows, self.source_tp()))
             else:
                 out.append(reblock_regroup(fqn, rows, self.source_tp(), target_tp))
-        if (self.req.fused == FUSE):
+        if self.req.fused is FusedAction.FUSE:
             out.extend(self.fuse_regroups())
         if out and self.orphans:
             odd = [f for f in self.orphans if fused_kind(split_optimizer_fqn(f).param)
