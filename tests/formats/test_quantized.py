@@ -208,3 +208,18 @@ def test_mxfp4_equals_megatron_bridge_dequantization_transposed(tmp_path):
                           {"e.gate_up_proj_blocks": blocks, "e.gate_up_proj_scales": scales})
     want = bridge.dequantize_mxfp4(blocks.clone(), scales.clone()).transpose(1, 2)
     assert torch.equal(_bits(_decoded(folder)["e.gate_up_proj"]), _bits(want.contiguous()))
+
+
+def test_a_scale_in_another_shard_than_its_weight_is_read_there(tmp_path):
+    from safetensors.torch import save_file
+
+    codes, scale = quantized_fp8(torch.randn(300, 200))
+    save_file({"w.weight": codes}, str(tmp_path / "model-1.safetensors"))
+    save_file({"w.weight_scale_inv": scale, "n.weight": torch.ones(4)}, str(tmp_path / "model-2.safetensors"))
+    index = {"weight_map": {"w.weight": "model-1.safetensors", "w.weight_scale_inv": "model-2.safetensors",
+                            "n.weight": "model-2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": FP8}))
+    got = _decoded(tmp_path)
+    assert list(got) == ["w.weight"]
+    assert torch.equal(_bits(got["w.weight"]), _bits(dequantized_fp8(codes, scale, torch.bfloat16)))
