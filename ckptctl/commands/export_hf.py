@@ -59,7 +59,7 @@ from ckptctl.families.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, Tor
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.families.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
 from ckptctl.families.rules import Family
-from ckptctl.megatron.rows import MODEL_PREFIXES
+from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.megatron.tp import resolve_tp, tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.util.wording import counted

@@ -64,26 +64,9 @@ from ckptctl.util.gc_pause import gc_paused
 from ckptctl.core.geometry import Box, chunk_rows, interval_union, union_volume, whole_rows
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.optimizer_states import expected_shape, is_scalar
+from ckptctl.core.names import (CHAINED_OPTIMIZER, MODEL_PREFIXES, OPTIMIZER_GROUP_ROOTS, OPTIMIZER_ROOTS,
+                                is_training_state)
 from ckptctl.core.plan import SourceTensor, source_view
-
-MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
-"""Where model params live, most specific first (DDP / Megatron wrappers add `module.`)."""
-
-OPTIMIZER_ROOTS = ("optim.state.", "optimizer.state.")
-"""Where per-param optimizer states live (`get_state_dict` / Megatron-FSDP)."""
-
-OPTIMIZER_GROUP_ROOTS = ("optim.", "optimizer.")
-"""Everything under these belongs to the optimizer (states, param groups, group meta)."""
-
-CHAINED_OPTIMIZER = re.compile(r"chained_(\d+)\.(?=optimizer\.)")
-"""megatron-core's ChainedOptimizer (a MoE's dense and expert optimizers, under expert
-parallelism) saves each optimizer's `dp_reshardable` entries under `chained_<i>.optimizer.…`."""
-
-TRAINING_STATE_ROOTS = frozenset({"args", "iteration", "checkpoint_version", "extra", "rng", "rng_state",
-                                  "lr_scheduler", "dataloader", "train_state"})
-"""Top-level entries that hold training bookkeeping, never model weights (Megatron's `args`,
-torchtitan's `lr_scheduler` / `train_state` / `dataloader`, ...): torchtitan saves its model
-with no prefix, so these roots cannot be told from model keys by prefix."""
 
 TORCH_DIST_STATES = ("param", "fp32_param", "exp_avg", "exp_avg_sq")
 """Megatron-Core torch_dist's per-param optimizer states, named before the param:
@@ -356,16 +339,11 @@ def _group(fqn: str, model_prefix: str | None, params: set[str]) -> str:
     """Optimizer keys by root; model keys under the checkpoint's model prefix or named by a state."""
     if is_optimizer_entry(fqn):
         return "optimizer"
-    if _bookkeeping(fqn):
+    if is_training_state(fqn):
         return "other"
     if model_prefix is not None and (fqn.startswith(model_prefix) or fqn in params):
         return "model"
     return "other"
-
-
-def _bookkeeping(fqn: str) -> bool:
-    root = fqn.partition(".")[0]
-    return root in TRAINING_STATE_ROOTS or root.startswith("rng_state")
 
 
 def _fmt_shape(shape: tuple[int, ...]) -> str:
@@ -437,7 +415,7 @@ def _context(ckpt: Checkpoint) -> _Context:
     param_of = {fqn: (state.param if state.param in names else None) if stacked else find_param(names, fqn)
                 for fqn, state in states.items()}
     params = {p for p in param_of.values() if p is not None}
-    seen = Counter(_model_prefix(f) for f in names if not is_optimizer_entry(f) and not _bookkeeping(f))
+    seen = Counter(_model_prefix(f) for f in names if not is_optimizer_entry(f) and not is_training_state(f))
     model_prefix = max(seen, key=lambda p: (seen[p], len(p))) if seen else None
     return _Context(stacked, states, param_of, params, model_prefix)
 

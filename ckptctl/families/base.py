@@ -23,7 +23,8 @@ from ckptctl.families.expected import sizing_keys
 from ckptctl.storage.hf_files import read_json_object
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT, resolve_repo
 from ckptctl.storage.source_files import looks_like_repo_id
-from ckptctl.megatron.rows import MODEL_PREFIXES, RowBlock, canonical, select_rows, tp_blocked_split
+from ckptctl.core.names import MODEL_PREFIXES, is_training_state
+from ckptctl.megatron.rows import RowBlock, canonical, select_rows, tp_blocked_split
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.analysis import is_layer_stacked, is_optimizer_entry
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, layer_stacked_view, row_groups_view, source_view
@@ -40,10 +41,6 @@ PER_EXPERT = re.compile(rf"^({_ONE_LAYER}\.mlp\.experts\.)experts\.(\d+)\.(.+)$"
 """One expert's param, where torch_dist keeps a key per expert (`singleton_local_shards`)."""
 Shapes = dict[str, tuple[int, ...]]
 """Megatron tensor name (no prefix) → global shape: the model an import writes."""
-
-NON_MODEL_ROOTS = ("optimizer.", "optim.", "lr_scheduler.", "dataloader.", "train_state.", "rng_state", "rng.",
-                   "extra.", "args", "iteration", "checkpoint_version")
-"""Top-level state-dict entries that never hold model weights."""
 
 COPIED_REF_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt",
                     "spiece.model", "generation_config.json", "chat_template*", "preprocessor_config.json")
@@ -336,7 +333,7 @@ class HFTensor:
 
 
 def is_model_key(fqn: str) -> bool:
-    return not fqn.startswith(NON_MODEL_ROOTS) and not is_optimizer_entry(fqn) and "_extra_state" not in fqn
+    return not is_training_state(fqn) and not is_optimizer_entry(fqn) and "_extra_state" not in fqn
 
 
 def megatron_prefix(ckpt: Checkpoint) -> str | None:

@@ -33,7 +33,6 @@ class TpKind(str, enum.Enum):
     __format__ = str.__format__
 
 
-MODEL_PREFIXES = ("model.module.module.", "model.module.", "model.", "")
 LAYERS = "decoder.layers."
 """Megatron's decoder layers: torch_dist stacks each param of them under it (`decoder.layers.<name>`
 [L, …]) or keys it per layer (`decoder.layers.<l>.<name>`)."""

@@ -31,7 +31,8 @@ from ckptctl.families.base import is_model_key, load_hf_config
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.families.nemotron_h import Mamba
 from ckptctl.families.qwen3_next import GatedDeltaNet
-from ckptctl.core.analysis import MODEL_PREFIXES, analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
+from ckptctl.core.analysis import analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
+from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.families.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.families.rules import Family
 from ckptctl.megatron.rows import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, TpKind, is_expert, tp_blocked_split, tp_reblock
