@@ -33,7 +33,8 @@ ignores them.
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
       "prefixes": {"model": ["model.module."], "optimizer": ["optimizer.state.module."]},
       "adapters": null | {"kind": "peft-lora" | "peft-dora", "adapters": [name],  # peft's adapter names
-                          "modules": int, "ranks": [int], "targets": {leaf name: modules}},
+                          "modules": int, "ranks": [int], "targets": {leaf name: modules},
+                          "modules_to_save": [module]},          # modules peft trains whole
       "tensors": {fqn: {
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",

@@ -428,7 +428,7 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
             raise CheckpointError(ckpt.path, f"holds both {model.prefix}{old} and {model.prefix}{new}: which one is "
                                              f"the weight of {new} is not guessed")
         model.entries[new] = model.entries.pop(old)
-    for name in found.tensors:  # read as operands (`adapter_operand`) or PEFT tensors, never exported as HF ones
+    for name in (*found.tensors, *found.originals):  # adapters: operands or PEFT tensors, never HF ones
         del model.entries[name]
     return found, scale
 
@@ -485,9 +485,10 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
 
 def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                         adapters: PeftAdapters, scale: LoraScale, ref: str | Path | None) -> ExportPlan:
-    """`--adapter-only`: A and B (and DoRA's magnitude) of every adapter under PEFT's names, copied
-    (cast with `--dtype`), in one `adapter_model.safetensors`, and the adapter_config.json PEFT loads them
-    with; each adapted module is first checked to be one transformers' model has."""
+    """`--adapter-only`: A and B (and DoRA's magnitude) of every adapter, and the trained copies of
+    `modules_to_save` modules, under PEFT's names, copied (cast with `--dtype`), in one
+    `adapter_model.safetensors`, and the adapter_config.json PEFT loads them with; each adapted
+    module is first checked to be one transformers' model has."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     notes: list[str] = []
@@ -508,6 +509,10 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
             sources[view.fqn] = view
             out = f"{PEFT_PREFIX}{adapter.module}.{part}"
             targets[out] = identity_target(view, out, cast_dtype(view.dtype, opts.dtype))
+    for name, copy in adapters.trained_copies.items():  # modules_to_save: under the module's own names
+        view = model.source_view(model.prefix + copy)
+        sources[view.fqn] = view
+        targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
     files = [layout_file(PEFT_WEIGHTS, list(targets.values()))]
     architectures = output_config(cfg, None).get("architectures") or ()

@@ -30,7 +30,10 @@ BASE_LAYER = ".base_layer."
 """An adapted module's own parameters: `<m>.base_layer.weight` is the HF `<m>.weight`."""
 _PART = re.compile(r"^(?P<module>.+)\.(?P<part>lora_A|lora_B|lora_magnitude_vector|lora_embedding_A|lora_embedding_B)"
                    r"\.(?P<adapter>[^.]+)(?:\.(?P<param>weight|bias))?$")
-_WRAPPED = re.compile(r"(^|\.)(modules_to_save|original_module)\.")
+_SAVED = re.compile(r"^(?P<module>.+?)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<param>.+)$")
+"""A module peft trains whole (`modules_to_save`): its trained copy, `<m>.modules_to_save.<adapter>.<param>` …"""
+_ORIGINAL = re.compile(r"^(?P<module>.+?)\.original_module\.(?P<param>.+)$")
+"""… beside the untouched original, `<m>.original_module.<param>`."""
 PEFT_CONFIG = "adapter_config.json"
 
 
@@ -63,12 +66,21 @@ class PeftAdapters:
     adapters: tuple[Adapter, ...]
     adapter_name: str
     renamed: dict[str, str]
-    """`<m>.base_layer.<param>` → `<m>.<param>`."""
+    """`<m>.base_layer.<param>` and a trained copy `<m>.modules_to_save.<adapter>.<param>` → `<m>.<param>`."""
+    saved: tuple[str, ...] = ()
+    """The modules peft trains whole (`modules_to_save`), sorted."""
+    originals: tuple[str, ...] = ()
+    """The untouched originals of those modules (`<m>.original_module.<param>`): never exported."""
 
     @property
     def tensors(self) -> set[str]:
         """Names of the adapter tensors themselves."""
         return {n for a in self.adapters for n in (a.a, a.b, a.magnitude) if n is not None}
+
+    @property
+    def trained_copies(self) -> dict[str, str]:
+        """Each `modules_to_save` tensor's HF name → its trained copy's name."""
+        return {new: old for old, new in self.renamed.items() if _SAVED.match(old)}
 
     @property
     def dora(self) -> bool:
@@ -92,14 +104,22 @@ def peft_prefix(names: Sequence[str]) -> str:
 def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "") -> PeftAdapters | None:
     """The LoRA adapters among a peft model's tensors (names without `prefix`, the checkpoint's
     up to `base_model.model.`, which messages put back), or None when there are none. Refused,
-    by name: embedding LoRA, LoRA biases, `modules_to_save` copies, several adapter names, an A
-    without its B (or the reverse), DoRA magnitudes on some modules only, and shapes that do not
-    pair ([r, in] and [out, r] with a base [out, in], a magnitude [out])."""
+    by name: embedding LoRA, LoRA biases, several adapter names, an A without its B (or the
+    reverse), DoRA magnitudes on some modules only, a `modules_to_save` copy without its original
+    (or the reverse), and shapes that do not pair ([r, in] and [out, r] with a base [out, in], a
+    magnitude [out])."""
     parts: dict[tuple[str, str], dict[str, str]] = {}
+    saved: dict[str, str] = {}
+    originals: dict[str, str] = {}
+    saved_names: set[str] = set()
     for name in sorted(shapes):
-        if _WRAPPED.search(name):
-            raise CheckpointError(where, f"{prefix}{name}: a peft modules_to_save copy, which export-hf does not "
-                                         "export yet")
+        if (match := _SAVED.match(name)) is not None:
+            saved[f"{match['module']}.{match['param']}"] = name
+            saved_names.add(match["adapter"])
+            continue
+        if (match := _ORIGINAL.match(name)) is not None:
+            originals[f"{match['module']}.{match['param']}"] = name
+            continue
         match = _PART.match(name)
         if match is None:
             continue
@@ -112,8 +132,20 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
                                          "merge or export yet")
         parts.setdefault((match["module"], match["adapter"]), {})[part] = name
     if not parts:
+        if saved or originals:
+            raise CheckpointError(where, f"{prefix}{next(iter({**saved, **originals}.values()))}: a peft "
+                                         "modules_to_save module without any LoRA adapter")
         return None
-    names = sorted({adapter for _, adapter in parts})
+    unpaired = sorted(set(saved) ^ set(originals))
+    if unpaired:
+        one = saved.get(unpaired[0]) or originals[unpaired[0]]
+        raise CheckpointError(where, f"{prefix}{one}: a modules_to_save tensor without its "
+                                     f"{'original_module' if unpaired[0] in saved else 'trained copy'} beside it")
+    misshapen = [n for n in saved if shapes[saved[n]] != shapes[originals[n]]]
+    if misshapen:
+        raise CheckpointError(where, f"{prefix}{saved[misshapen[0]]} is {list(shapes[saved[misshapen[0]]])}, its "
+                                     f"original_module {list(shapes[originals[misshapen[0]]])}")
+    names = sorted({adapter for _, adapter in parts} | saved_names)
     if len(names) > 1:
         raise CheckpointError(where, f"{len(names)} peft adapters ({', '.join(names)}): export-hf exports a "
                                      "checkpoint of one adapter")
@@ -142,7 +174,9 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
                                      f"{len(adapters) - len(plain)} of {len(adapters)} modules): peft's use_dora "
                                      "is one flag for all")
     renamed = {n: n.replace(BASE_LAYER, ".", 1) for n in shapes if BASE_LAYER in n}
-    return PeftAdapters(tuple(adapters), names[0], renamed)
+    renamed.update({copy: name for name, copy in saved.items()})
+    modules = sorted({_SAVED.match(copy)["module"] for copy in saved.values()})
+    return PeftAdapters(tuple(adapters), names[0], renamed, tuple(modules), tuple(sorted(originals.values())))
 
 
 @dataclass(frozen=True)
@@ -232,6 +266,7 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
         "lora_bias": False,
         "lora_dropout": 0.0, "inference_mode": True,
         "target_modules": adapters.targets if every else "|".join(re.escape(m) for m in sorted(adapted)),
+        "modules_to_save": list(adapters.saved) or None,
         "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},
         "task_type": task_type, "base_model_name_or_path": base_model,
     }
@@ -240,12 +275,18 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
 def adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
     """What `inspect` says of the peft adapters among a checkpoint's model tensors (full names),
     without judging them: kind (`peft-lora`, `peft-dora` with magnitudes), adapter names, adapted
-    modules, ranks (A's rows) and modules per leaf name; None without adapters. α is never in
+    modules, ranks (A's rows), modules per leaf name and modules trained whole
+    (`modules_to_save`); None without adapters. α is never in
     the checkpoint."""
     ranks: dict[str, int] = {}
     names: set[str] = set()
+    saved: set[str] = set()
     dora = False
     for name, shape in shapes.items():
+        if (copy := _SAVED.match(name)) is not None:
+            names.add(copy["adapter"])
+            saved.add(copy["module"])
+            continue
         match = _PART.match(name)
         if match is None:
             continue
@@ -257,13 +298,15 @@ def adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | N
         return None
     return {"kind": "peft-dora" if dora else "peft-lora", "adapters": sorted(names), "modules": len(ranks),
             "ranks": sorted(set(ranks.values())),
-            "targets": dict(sorted(Counter(m.rsplit(".", 1)[-1] for m in ranks).items()))}
+            "targets": dict(sorted(Counter(m.rsplit(".", 1)[-1] for m in ranks).items())),
+            "modules_to_save": sorted(saved)}
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
     """`peft LoRA 'default': 14 modules, rank 5 (down_proj ×2, …); α is not in the checkpoint`."""
     kind = "peft DoRA" if summary["kind"] == "peft-dora" else "peft LoRA"
     targets = ", ".join(f"{leaf} ×{count}" for leaf, count in summary["targets"].items())
+    saved = f"; {', '.join(summary['modules_to_save'])} trained whole" if summary["modules_to_save"] else ""
     return (f"{kind} {', '.join(repr(n) for n in summary['adapters'])}: {counted(summary['modules'], 'module')}, "
-            f"rank {', '.join(map(str, summary['ranks']))} ({targets}); α is not in the checkpoint (export-hf "
+            f"rank {', '.join(map(str, summary['ranks']))} ({targets}){saved}; α is not in the checkpoint (export-hf "
             "--merge-adapters or --adapter-only take --lora-alpha or --adapter-config)")

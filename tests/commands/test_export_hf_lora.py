@@ -365,7 +365,8 @@ def test_inspect_names_the_adapters(lora):
     assert res.returncode == 0, res.stderr
     targets = {leaf: 2 for leaf in sorted(TARGETS)}
     assert json.loads(res.stdout)["adapters"] == {"kind": "peft-lora", "adapters": ["default"], "modules": 14,
-                                                  "ranks": [RANK], "targets": targets}
+                                                  "ranks": [RANK], "targets": targets,
+                                                  "modules_to_save": []}
     shown = " ".join(run_cli("inspect", lora / "ckpt").stdout.split())
     assert ("Adapters peft LoRA 'default': 14 modules, rank 5 (down_proj ×2, gate_proj ×2, k_proj ×2, o_proj ×2, "
             "q_proj ×2, up_proj ×2, v_proj ×2); α is not in the checkpoint (export-hf --merge-adapters or "
@@ -436,3 +437,40 @@ def test_an_adapter_on_a_tied_head_is_refused(tmp_path):
     assert str(err.value) == (f"{tmp_path / 'ckpt'}: model.base_model.model.lm_head.lora_A.default.weight: a LoRA "
                               "adapter on lm_head, whose weight the export leaves out (the config ties it to another "
                               "tensor): merged, the two would differ")
+
+
+def test_modules_to_save_are_exported_as_trained(tmp_path):
+    """peft trains lm_head whole (`modules_to_save`): merged, the HF head is its trained copy, not
+    the original peft keeps beside it; in the folder, under the module's own name, with
+    `modules_to_save` in the config, as peft's `save_pretrained` writes it."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+
+    def trained():
+        model = peft_model(target_modules=["q_proj"], modules_to_save=["lm_head"])
+        with torch.no_grad():
+            model.base_model.model.lm_head.modules_to_save.default.weight.normal_()
+        return model
+
+    dcp.save({"model": trained().state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config().save_pretrained(tmp_path / "base")
+    trained().save_pretrained(tmp_path / "peft")
+    export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base",
+              ExportOptions(merge_adapters=True, lora_alpha=ALPHA))
+    want = trained().merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert not torch.equal(got["lm_head.weight"], base_state()["lm_head.weight"])
+    export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True,
+                                                                                      lora_alpha=ALPHA))
+    saved, written = read_folder(tmp_path / "peft"), read_folder(tmp_path / "adapter")
+    assert sorted(written) == sorted(saved) and all(torch.equal(written[n], saved[n]) for n in saved)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["modules_to_save"] == ["lm_head"]
+    base = LlamaForCausalLM(llama_config())
+    base.load_state_dict(base_state())
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, trained()(TOKENS).logits)

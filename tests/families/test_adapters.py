@@ -49,13 +49,24 @@ def test_adapters_pair_with_their_base_weights_and_base_layer_is_renamed():
      f"CKPT: model.base_model.model.{Q}.lora_B.default.bias: a LoRA bias (lora_bias), which export-hf does not "
      "merge or export yet"),
     ({"score.modules_to_save.default.weight": (2, 4)},
-     "CKPT: model.base_model.model.score.modules_to_save.default.weight: a peft modules_to_save copy, which "
-     "export-hf does not export yet"),
+     "CKPT: model.base_model.model.score.modules_to_save.default.weight: a modules_to_save tensor without its "
+     "original_module beside it"),
+    ({"score.modules_to_save.default.weight": (2, 4), "score.original_module.weight": (3, 4)},
+     "CKPT: model.base_model.model.score.modules_to_save.default.weight is [2, 4], its original_module [3, 4]"),
     (lora_shapes(V, adapter="other"), "CKPT: 2 peft adapters (default, other): export-hf exports a checkpoint of one "
                                       "adapter"),
 ])
 def test_what_is_not_plain_lora_is_refused_by_name(extra, line):
     assert refusal({**lora_shapes(Q), **extra}) == line
+
+
+def test_a_modules_to_save_copy_takes_the_module_s_name_and_its_original_is_left_out():
+    shapes = {**lora_shapes(Q), "lm_head.modules_to_save.default.weight": (6, 4),
+              "lm_head.original_module.weight": (6, 4)}
+    found = find_adapters(shapes, "CKPT")
+    assert (found.saved, found.originals) == (("lm_head",), ("lm_head.original_module.weight",))
+    assert found.trained_copies == {"lm_head.weight": "lm_head.modules_to_save.default.weight"}
+    assert peft_config(found, LoraScale(4, False), [Q], None, None)["modules_to_save"] == ["lm_head"]
 
 
 def test_unpaired_or_misshapen_adapters_are_refused():
@@ -125,5 +136,5 @@ def test_inspect_summary_counts_modules_per_leaf_name_without_judging():
     shapes = {f"model.base_model.model.{k}": v for k, v in {**lora_shapes(Q), **lora_shapes(V, rank=3)}.items()}
     shapes[f"model.base_model.model.{Q}.lora_magnitude_vector.default.weight"] = (8,)
     assert adapter_summary(shapes) == {"kind": "peft-dora", "adapters": ["default"], "modules": 2, "ranks": [2, 3],
-                                       "targets": {"q_proj": 1, "v_proj": 1}}
+                                       "targets": {"q_proj": 1, "v_proj": 1}, "modules_to_save": []}
     assert adapter_summary({"model.norm.weight": (4,)}) is None
