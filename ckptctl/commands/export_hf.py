@@ -406,7 +406,8 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
              if on]
     if len(flags) == 2:
         raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
-    found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix) if raw else None
+    peft = raw and model.prefix.endswith(PEFT_PREFIX)  # a PeftModel's state dict: other names are not peft's
+    found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix) if peft else None
     if found is None:
         if flags:
             raise UsageError(f"{ckpt.path}: {flags[0]}, but the checkpoint holds no peft LoRA adapter")
