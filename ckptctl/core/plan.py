@@ -354,6 +354,8 @@ class LowRank:
     magnitude: StreamItem | None = None
     """DoRA's magnitude m [out]: the merged rows are then scaled by m / ‖W + (B @ A) · s‖ (each
     row's L2 norm), as peft's DoRA merge does."""
+    transposed: bool = False
+    """W + ((B @ A) · scale)ᵀ: an embedding's adapter (A [r, vocab], B [dim, r])."""
 
 
 def whole_item(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> StreamItem:

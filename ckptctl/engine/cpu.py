@@ -732,7 +732,7 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
                    for op in (delta.base, delta.a, delta.b))
         product = torch.matmul(b, a)
         product.mul_(delta.scale)
-        w.add_(product)
+        w.add_(product.T if delta.transposed else product)
         del product
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
