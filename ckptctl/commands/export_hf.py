@@ -474,7 +474,8 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
         check_coverage(ckpt, [t for t, _ in operands], views)
         a, b, *magnitude = (whole_item(t, views) for t, _ in operands)
         base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
-        delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude)
+        delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude,
+                        transposed=adapter.embedding)
         targets[adapter.weight] = replace(target, delta=delta)
         merged += 1
     how = "α / √r" if scale.rslora else "α / r"
@@ -502,8 +503,8 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
     targets: dict[str, TargetTensor] = {}
     sources: dict[str, SourceTensor] = {}
     for adapter in adapters.adapters:
-        for name, part in ((adapter.a, "lora_A.weight"), (adapter.b, "lora_B.weight"),
-                           (adapter.magnitude, "lora_magnitude_vector")):
+        a, b = ("lora_embedding_A", "lora_embedding_B") if adapter.embedding else ("lora_A.weight", "lora_B.weight")
+        for name, part in ((adapter.a, a), (adapter.b, b), (adapter.magnitude, "lora_magnitude_vector")):
             if name is None:
                 continue
             view = model.source_view(model.prefix + name)

@@ -5,7 +5,9 @@ A peft model's state dict (what FSDP2's `get_model_state_dict` saves) wraps the 
 `<m>.lora_A.<adapter>.weight` [r, in] and `<m>.lora_B.<adapter>.weight` [out, r], where
 `<adapter>` is the adapter's name (`default`). Merged, the HF weight `<m>.weight` is
 W + (B @ A) · s with s = α / r (α / √r with rsLoRA); DoRA adds a magnitude
-`<m>.lora_magnitude_vector.<adapter>.weight` [out] that rescales each merged row. α is not in the checkpoint: it comes
+`<m>.lora_magnitude_vector.<adapter>.weight` [out] that rescales each merged row. An
+embedding's adapter is `<m>.lora_embedding_A.<adapter>` [r, vocab] and `…_B.<adapter>`
+[dim, r], merged transposed: W + ((B @ A) · s)ᵀ. α is not in the checkpoint: it comes
 from the run's `adapter_config.json` or the command line, never from a guess. A PEFT folder
 names the same tensors `base_model.model.<m>.lora_A.weight` (no adapter name).
 """
@@ -48,6 +50,8 @@ class Adapter:
     rank: int
     magnitude: str | None = None
     """DoRA's `lora_magnitude_vector` [out]; None for plain LoRA."""
+    embedding: bool = False
+    """On an embedding: A [r, vocab] and B [dim, r] (`lora_embedding_A`/`_B`), merged as (B @ A)ᵀ."""
 
     @property
     def weight(self) -> str:
@@ -104,8 +108,8 @@ def peft_prefix(names: Sequence[str]) -> str:
 def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "") -> PeftAdapters | None:
     """The LoRA adapters among a peft model's tensors (names without `prefix`, the checkpoint's
     up to `base_model.model.`, which messages put back), or None when there are none. Refused,
-    by name: embedding LoRA, LoRA biases, several adapter names, an A without its B (or the
-    reverse), DoRA magnitudes on some modules only, a `modules_to_save` copy without its original
+    by name: LoRA biases, several adapter names, an A without its B (or the reverse), DoRA
+    magnitudes on some modules only or on an embedding, a `modules_to_save` copy without its original
     (or the reverse), and shapes that do not pair ([r, in] and [out, r] with a base [out, in], a
     magnitude [out])."""
     parts: dict[tuple[str, str], dict[str, str]] = {}
@@ -124,10 +128,9 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         if match is None:
             continue
         part = match["part"]
-        if part.startswith("lora_embedding"):
-            raise CheckpointError(where, f"{prefix}{name}: a LoRA adapter on an embedding, which export-hf does "
-                                         "not merge or export yet")
-        if match["param"] != "weight":
+        if part.startswith("lora_embedding") and match["param"] is None:
+            part = "lora_" + part[len("lora_embedding_"):] + " embedding"
+        elif match["param"] != "weight":
             raise CheckpointError(where, f"{prefix}{name}: a LoRA bias (lora_bias), which export-hf does not "
                                          "merge or export yet")
         parts.setdefault((match["module"], match["adapter"]), {})[part] = name
@@ -151,23 +154,30 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
                                      "checkpoint of one adapter")
     adapters = []
     for (module, _), found in sorted(parts.items()):
-        missing = {"lora_A", "lora_B"} - set(found)
+        embedding = "lora_A embedding" in found or "lora_B embedding" in found
+        pair = ("lora_A embedding", "lora_B embedding") if embedding else ("lora_A", "lora_B")
+        missing = set(pair) - set(found)
         if missing:
             raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
         base = f"{module}{BASE_LAYER}weight"
-        a, b = found["lora_A"], found["lora_B"]
+        a, b = found[pair[0]], found[pair[1]]
         if base not in shapes:
             raise CheckpointError(where, f"{prefix}{a}: an adapter on {module}, which has no {prefix}{base}")
         w, sa, sb = shapes[base], shapes[a], shapes[b]
-        if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != w[1] or sb[0] != w[0] or sa[0] != sb[1]:
+        rows, cols = (w[0] if w else None), (w[1] if len(w) == 2 else None)  # of B @ A
+        if embedding:  # merged transposed
+            rows, cols = cols, rows
+        if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != cols or sb[0] != rows or sa[0] != sb[1]:
             raise CheckpointError(where, f"{prefix}{module}: lora_A {list(sa)} and lora_B {list(sb)} do not pair with "
-                                         f"its base weight {list(w)} (want [r, {w[1] if len(w) == 2 else '?'}] and "
-                                         f"[{w[0] if w else '?'}, r])")
+                                         f"its base weight {list(w)} (want [r, {cols or '?'}] and [{rows or '?'}, r])")
         magnitude = found.get("lora_magnitude_vector")
+        if magnitude is not None and embedding:
+            raise CheckpointError(where, f"{prefix}{magnitude}: DoRA on an embedding, which export-hf does not merge "
+                                         "or export yet")
         if magnitude is not None and shapes[magnitude] != (w[0],):
             raise CheckpointError(where, f"{prefix}{magnitude}: DoRA magnitude {list(shapes[magnitude])}, not "
                                          f"[{w[0]}] as its base weight's rows")
-        adapters.append(Adapter(module, a, b, sa[0], magnitude))
+        adapters.append(Adapter(module, a, b, sa[0], magnitude, embedding))
     plain = [a for a in adapters if a.magnitude is None]
     if plain and len(plain) < len(adapters):
         raise CheckpointError(where, f"{prefix}{plain[0].a}: a plain LoRA adapter beside DoRA ones (on "

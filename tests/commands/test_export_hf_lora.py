@@ -474,3 +474,38 @@ def test_modules_to_save_are_exported_as_trained(tmp_path):
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, trained()(TOKENS).logits)
+
+
+def test_an_embedding_adapter_merges_transposed_and_loads(tmp_path):
+    """LoRA on embed_tokens (A [r, vocab], B [hidden, r]): merged as W + ((B @ A) · s)ᵀ, bit for bit
+    peft's merge; in the folder as `lora_embedding_A`/`_B` (peft's own names without the base
+    embedding, which `save_embedding_layers=False` leaves out too)."""
+    import torch.distributed.checkpoint as dcp
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from ckptctl.commands.export_hf import ExportOptions, export_hf
+
+    def trained():
+        model = peft_model(target_modules=["embed_tokens", "q_proj"])
+        with torch.no_grad():
+            model.base_model.model.model.embed_tokens.lora_embedding_A.default.normal_()
+        return model
+
+    dcp.save({"model": trained().state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    llama_config().save_pretrained(tmp_path / "base")
+    trained().save_pretrained(tmp_path / "peft", save_embedding_layers=False)
+    options = dict(adapter_config=tmp_path / "peft" / "adapter_config.json")
+    export_hf(tmp_path / "ckpt", tmp_path / "merged", tmp_path / "base", ExportOptions(merge_adapters=True, **options))
+    want = trained().merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    assert not torch.equal(got["model.embed_tokens.weight"], base_state()["model.embed_tokens.weight"])
+    export_hf(tmp_path / "ckpt", tmp_path / "adapter", tmp_path / "base", ExportOptions(adapter_only=True, **options))
+    saved, written = read_folder(tmp_path / "peft"), read_folder(tmp_path / "adapter")
+    assert sorted(written) == sorted(saved) and all(torch.equal(written[n], saved[n]) for n in saved)
+    base = LlamaForCausalLM(llama_config())
+    base.load_state_dict(base_state())
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, trained()(TOKENS).logits)

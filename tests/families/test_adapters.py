@@ -43,7 +43,11 @@ def test_adapters_pair_with_their_base_weights_and_base_layer_is_renamed():
      f"CKPT: model.base_model.model.{Q}.lora_magnitude_vector.default.weight: DoRA magnitude [4], not [8] as its "
      "base weight's rows"),
     ({"model.embed_tokens.lora_embedding_A.default": (2, 16)},
-     "CKPT: model.base_model.model.model.embed_tokens.lora_embedding_A.default: a LoRA adapter on an embedding, "
+     "CKPT: model.base_model.model.model.embed_tokens.lora_embedding_A.default has no lora_B embedding beside it"),
+    ({"model.embed_tokens.lora_embedding_A.default": (2, 16), "model.embed_tokens.lora_embedding_B.default": (8, 2),
+      "model.embed_tokens.base_layer.weight": (16, 8),
+      "model.embed_tokens.lora_magnitude_vector.default.weight": (16,)},
+     "CKPT: model.base_model.model.model.embed_tokens.lora_magnitude_vector.default.weight: DoRA on an embedding, "
      "which export-hf does not merge or export yet"),
     ({f"{Q}.lora_B.default.bias": (8,)},
      f"CKPT: model.base_model.model.{Q}.lora_B.default.bias: a LoRA bias (lora_bias), which export-hf does not "
@@ -67,6 +71,17 @@ def test_a_modules_to_save_copy_takes_the_module_s_name_and_its_original_is_left
     assert (found.saved, found.originals) == (("lm_head",), ("lm_head.original_module.weight",))
     assert found.trained_copies == {"lm_head.weight": "lm_head.modules_to_save.default.weight"}
     assert peft_config(found, LoraScale(4, False), [Q], None, None)["modules_to_save"] == ["lm_head"]
+
+
+def test_an_embedding_adapter_pairs_transposed():
+    shapes = {"e.base_layer.weight": (16, 8), "e.lora_embedding_A.default": (2, 16),
+              "e.lora_embedding_B.default": (8, 2)}
+    (adapter,) = find_adapters(shapes, "CKPT").adapters
+    assert (adapter.a, adapter.b, adapter.rank, adapter.embedding) == (
+        "e.lora_embedding_A.default", "e.lora_embedding_B.default", 2, True)
+    shapes["e.lora_embedding_A.default"] = (2, 8)
+    assert refusal(shapes) == ("CKPT: model.base_model.model.e: lora_A [2, 8] and lora_B [8, 2] do not pair with its "
+                               "base weight [16, 8] (want [r, 16] and [8, r])")
 
 
 def test_unpaired_or_misshapen_adapters_are_refused():
