@@ -38,6 +38,7 @@ from ckptctl.formats.dcp.items import MAX_ZIP_READ
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput, metadata_load
 from ckptctl.storage.file_window import window
+from ckptctl.formats.safetensors.quantized import DEQUANT
 from ckptctl.formats.safetensors.reader import MAX_HEADER_BYTES, blob_header
 from ckptctl.core.geometry import Box, strides
 from ckptctl.core.analysis import coverage
@@ -187,6 +188,12 @@ class ItemElements:
         return self._fds[file]
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
+        if DEQUANT in chunk.transforms:  # a quantized weight's: the sampled rows decoded, nothing kept
+            from ckptctl.checks.verify import dequantized_elements
+
+            isz = self.ckpt.tensors[fqn].itemsize
+            out[:] = dequantized_elements(self.ckpt.tensors[fqn], chunk, byte_start // isz, len(out) // isz)
+            return
         place = self._place(self.ckpt.tensors[fqn], chunk)
         if isinstance(place, bytes):
             out[:] = place[byte_start:byte_start + len(out)]

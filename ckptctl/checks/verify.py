@@ -28,6 +28,7 @@ from ckptctl.engine.cpu import (DECODED_CACHE_BYTES, ChunkSource, Stopped, assem
                                 stopping)
 from ckptctl.util.errors import CheckpointError
 from ckptctl.core.dtypes import BY_SAFETENSORS
+from ckptctl.formats.safetensors.quantized import DEQUANT, Fp8Weight
 from ckptctl.formats.dcp.items import MAX_ZIP_READ, ItemReader
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.reader import blob_header
@@ -392,11 +393,82 @@ def raw_bytes(tensor: Any) -> bytes:
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+def safetensors_dequantized(entry: TensorEntry, chunk: Chunk) -> Any:
+    """A box of a quantized folder's weight (a dequantized chunk, or rows of one) decoded
+    independently of the copy's decoder: codes and scales read by the safetensors library (only
+    the box's), the scales expanded to one per value, the product in float32 for FP8 (the
+    producers' product) and in float64 for MXFP4 (exact), rounded once to the entry's dtype."""
+    import torch
+    from safetensors import safe_open
+
+    weight = entry.properties
+
+    def part(st: Any, index: tuple[Any, ...]) -> Any:
+        with safe_open(st.file, framework="pt") as f:
+            return f.get_slice(st.name)[index] if st.shape else f.get_tensor(st.name)
+
+    if isinstance(weight, Fp8Weight):
+        lead, r0, n = chunk.offsets[:-2], chunk.offsets[-2], chunk.sizes[-2]
+        codes = part(weight.data, (*lead, slice(r0, r0 + n))).to(torch.float32)
+        if weight.block is None:
+            factors = part(weight.scale, (slice(0, 1),)).reshape(1, 1)
+        else:
+            bm, bn = weight.block
+            grid = part(weight.scale, (*lead, slice(r0 // bm, -(-(r0 + n) // bm))))
+            factors = grid.repeat_interleave(bm, 0)[r0 % bm:r0 % bm + n]
+            factors = factors.repeat_interleave(bn, 1)[:, :codes.shape[-1]]
+        if factors.dtype == torch.uint8:
+            factors = torch.exp2(factors.to(torch.float32) - 127)
+        return (codes * factors.to(torch.float32)).to(entry.dtype.torch).reshape(chunk.sizes)
+    (e0, i0, o0), (experts, inputs, outputs) = chunk.offsets, chunk.sizes  # the codes are [E, out, in/32, 16]
+    g0, g1 = i0 // 32, -(-(i0 + inputs) // 32)
+    box = (slice(e0, e0 + experts), slice(o0, o0 + outputs), slice(g0, g1))
+    codes = part(weight.blocks, box).to(torch.int64)
+    nibbles = torch.stack((codes & 15, codes >> 4), dim=-1).flatten(-2)
+    magnitude = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)[nibbles & 7]
+    powers = torch.pow(2.0, part(weight.scales, box).to(torch.float64) - 127)
+    values = (torch.where(nibbles >= 8, -magnitude, magnitude) * powers[..., None]).flatten(-2)
+    values = values[..., i0 - g0 * 32:i0 - g0 * 32 + inputs]
+    return values.to(entry.dtype.torch).transpose(1, 2).contiguous()
+
+
+def dequantized_elements(entry: TensorEntry, chunk: Chunk, first: int, count: int) -> bytes:
+    """Elements [first, first + count) of a dequantized chunk, in its row-major order, decoding
+    only the rows they lie in (`safetensors_dequantized`): an output check's sample of one
+    element reads one row of codes, not the chunk."""
+    from dataclasses import replace
+
+    axis = len(chunk.sizes) - 2  # FP8 [..., rows, cols]; MXFP4 [E, in, out], a row one (expert, input)
+    step = chunk.sizes[-1]
+    lo, hi = first // step, -(-(first + count) // step)
+    per = chunk.sizes[axis]
+    if lo // per != (hi - 1) // per:  # rows of several leading indexes: those whole
+        axis, step = axis - 1, step * per
+        lo, hi = lo // per, (hi - 1) // per + 1
+    lead = _unflat(lo // chunk.sizes[axis], chunk.sizes[:axis]) if axis else ()
+    offsets = (*(o + i for o, i in zip(chunk.offsets, lead)), chunk.offsets[axis] + lo % chunk.sizes[axis],
+               *chunk.offsets[axis + 1:])
+    sizes = (*(1 for _ in lead), hi - lo, *chunk.sizes[axis + 1:])
+    rows = safetensors_dequantized(entry, replace(chunk, offsets=offsets, sizes=sizes))
+    skip = first - lo * step
+    return raw_bytes(rows.reshape(-1)[skip:skip + count])
+
+
+def _unflat(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
+
+
 def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files: ItemReader | None = None) -> Any:
     """A torch.save item decoded whole by torch, its stream transforms undone first (not by
     ckptctl's item reader: `files`, when given, only lends its open descriptors)."""
     import torch
 
+    if DEQUANT in chunk.transforms:
+        return safetensors_dequantized(entry, chunk)
     path = src.path / chunk.file
     fd = files.fd(chunk.file) if files is not None else open_source(path)[0]
     try:
