@@ -170,6 +170,8 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != cols or sb[0] != rows or sa[0] != sb[1]:
             raise CheckpointError(where, f"{prefix}{module}: lora_A {list(sa)} and lora_B {list(sb)} do not pair with "
                                          f"its base weight {list(w)} (want [r, {cols or '?'}] and [{rows or '?'}, r])")
+        if sa[0] == 0:
+            raise CheckpointError(where, f"{prefix}{a}: rank 0 (lora_A {list(sa)}): s = α / r has no value")
         magnitude = found.get("lora_magnitude_vector")
         if magnitude is not None and embedding:
             raise CheckpointError(where, f"{prefix}{magnitude}: DoRA on an embedding, which export-hf does not merge "
@@ -230,6 +232,8 @@ def read_adapter_config(path: Path) -> LoraScale:
 def resolve_scale(alpha: float | None, rslora: bool, config: LoraScale | None, where: str | Path) -> LoraScale:
     """The one α (and rsLoRA) of the export: `--lora-alpha`/`--rslora`, the adapter config's,
     or both when they agree; neither is refused (α is never guessed)."""
+    if alpha is not None and not math.isfinite(alpha):
+        raise UsageError(f"--lora-alpha {alpha:g} is not a finite number")
     if config is None:
         if alpha is None:
             raise UsageError(f"{where}: LoRA α is not in the checkpoint: pass --lora-alpha (and --rslora for an "

@@ -1,0 +1,84 @@
+"""Red team: `export-hf --merge-adapters` / `--adapter-only` on hostile LoRA checkpoints and options.
+
+Each case once exited 0 over a wrong output or with a traceback: `--lora-alpha nan` (or inf)
+wrote every merged weight NaN (inf) and exited 0, the output check agreeing with itself; a rank-0
+adapter (lora_A [0, in], lora_B [out, 0]) ended in a ZeroDivisionError traceback (s = α / 0).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+pytest.importorskip("peft")
+
+
+def _peft_state(**overrides) -> dict[str, torch.Tensor]:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=5, lora_alpha=7, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    return model.state_dict(), config
+
+
+def _saved(root, change=None):
+    import torch.distributed.checkpoint as dcp
+
+    state, config = _peft_state()
+    if change:
+        state = change(state)
+    dcp.save({"model": state}, checkpoint_id=root / "ckpt", no_dist=True)
+    config.save_pretrained(root / "base")
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory):
+    return _saved(tmp_path_factory.mktemp("rt-lora"))
+
+
+@pytest.mark.parametrize("alpha", ["nan", "inf", "-inf"])
+@pytest.mark.parametrize("mode", ["--merge-adapters", "--adapter-only"])
+def test_a_non_finite_lora_alpha_is_refused(lora, tmp_path, alpha, mode):
+    """Was: exit 0, every merged weight NaN (or ±inf); the folder's config `"lora_alpha": NaN`."""
+    res = run_cli("export-hf", lora / "ckpt", tmp_path / "dst", "--hf-config", lora / "base", mode,
+                  "--lora-alpha", alpha)
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: --lora-alpha {float(alpha):g} is not a finite "
+                                               "number\n")
+    assert not (tmp_path / "dst").exists()
+
+
+def _rank_zero(state):
+    return {k: v[:0] if "lora_A" in k else v[:, :0] if "lora_B" in k else v for k, v in state.items()}
+
+
+@pytest.mark.parametrize("extra", [(), ("--dry-run",), ("--rslora",)])
+def test_a_rank_zero_adapter_is_one_line_not_a_traceback(tmp_path, extra):
+    """Was: `ZeroDivisionError: float division by zero` from LoraScale.scale, exit 1."""
+    root = _saved(tmp_path, _rank_zero)
+    res = run_cli("export-hf", root / "ckpt", tmp_path / "dst", "--hf-config", root / "base", "--merge-adapters",
+                  "--lora-alpha", "7", *extra)
+    assert (res.returncode, res.stderr) == (
+        2, f"ckptctl: error: {root / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default."
+           "weight: rank 0 (lora_A [0, 32]): s = α / r has no value\n")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.xfail(strict=True, reason="an integer lora_A (not a LoRA factor: peft's B @ A raises on it) is cast "
+                                       "to float32 and merged, exit 0; find_adapters sees shapes only, the dtype "
+                                       "check belongs in commands/export_hf.peft_adapters")
+def test_an_integer_adapter_is_refused(tmp_path):
+    root = _saved(tmp_path, lambda s: {k: v.to(torch.int32) if "lora_A" in k else v for k, v in s.items()})
+    res = run_cli("export-hf", root / "ckpt", tmp_path / "dst", "--hf-config", root / "base", "--merge-adapters",
+                  "--lora-alpha", "7")
+    assert res.returncode == 2
+    assert not (tmp_path / "dst").exists()
