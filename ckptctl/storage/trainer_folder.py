@@ -33,6 +33,15 @@ def _is_dcp(folder: Path) -> bool:
     return (folder / ".metadata").exists() or (folder / "__0.metadata").exists()
 
 
+def _is_file(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a regular file or a link to one; a link that cannot be followed (a loop,
+    too long a chain) is not (it is then no file the folder's rules carry)."""
+    try:
+        return entry.is_file()
+    except OSError:
+        return False
+
+
 @dataclass(frozen=True)
 class TrainerFolder:
     """A checkpoint folder's DCP parts, its per-rank files and the files that hold no rank's share."""
@@ -75,7 +84,7 @@ def trainer_folder(path: Path) -> TrainerFolder | None:
             models.append(entry.name)
         elif is_dir and OPTIMIZER_PART.match(entry.name) and _is_dcp(Path(entry.path)):
             optimizers.append(entry.name)
-        elif entry.is_file():
+        elif _is_file(entry):
             files.append(entry.name)
         else:
             others.append(entry.name)

@@ -1,0 +1,57 @@
+"""Red team: HF Trainer / accelerate `checkpoint-N/` folders with hostile entries.
+
+A symlink loop beside the parts (`ln -s loop loop`) ended every command that looks at the folder
+(inspect, reshard, export-hf) in an `OSError: [Errno 40] Too many levels of symbolic links`
+traceback, exit 1: `DirEntry.is_file()` follows the link and raises.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A Trainer-named folder (`pytorch_model_fsdp_0/` a DCP checkpoint, `trainer_state.json`) and
+    a symlink loop beside them."""
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("rt-trainer") / "checkpoint-1"
+    dcp.save({"model": {"w": torch.arange(12.0).reshape(4, 3)}}, checkpoint_id=root / "pytorch_model_fsdp_0",
+             no_dist=True)
+    (root / "trainer_state.json").write_text("{}")
+    os.symlink("loop", root / "loop")
+    return root
+
+
+def test_a_symlink_loop_is_refused_by_reshard_in_one_line(folder, tmp_path):
+    res = run_cli("reshard", folder, tmp_path / "out", "--world-size", "2")
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {folder / 'loop'}: neither a DCP part of the Trainer "
+                                               "checkpoint folder nor a file: no rule carries it to another world "
+                                               "size\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_inspect_names_the_loop_and_does_not_crash(folder):
+    res = run_cli("inspect", folder)
+    assert res.returncode == 0, res.stderr
+    assert "loop: neither a DCP part nor a file, not resharded" in " ".join(res.stdout.split())
+
+
+def test_export_hf_reads_the_model_part_beside_a_loop(folder, tmp_path):
+    res = run_cli("export-hf", folder, tmp_path / "hf", "--no-name-check", "--hf-config", _config(tmp_path))
+    assert res.returncode == 0, res.stderr
+
+
+def _config(tmp_path: Path) -> Path:
+    import json
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    return path
