@@ -221,6 +221,9 @@ def read_adapter_config(path: Path) -> LoraScale:
     for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
             raise UsageError(f"{path}: {key} is true ({what}), which export-hf does not merge yet")
+    for key in ("use_rslora", "use_dora"):  # peft reads any truthy value as true: "false" would be rsLoRA
+        if data.get(key) is not None and not isinstance(data[key], bool):
+            raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, not true or false")
     alpha, rank = data.get("lora_alpha"), data.get("r")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise UsageError(f"{path}: lora_alpha is {json.dumps(alpha)}, not a number")

@@ -82,3 +82,15 @@ def test_an_integer_adapter_is_refused(tmp_path):
                   "--lora-alpha", "7")
     assert res.returncode == 2
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("key, value", [("use_rslora", '"true"'), ("use_rslora", "1"), ("use_dora", '"false"')])
+def test_an_adapter_config_flag_that_is_not_a_boolean_is_refused(lora, tmp_path, key, value):
+    """Was: `"use_rslora": "true"` read as false, merged with s = α / r and exit 0, where peft (which
+    reads any truthy value as true) scales by α / √r."""
+    cfg = tmp_path / "adapter_config.json"
+    cfg.write_text(f'{{"peft_type": "LORA", "r": 5, "lora_alpha": 7, "{key}": {value}}}')
+    res = run_cli("export-hf", lora / "ckpt", tmp_path / "dst", "--hf-config", lora / "base", "--merge-adapters",
+                  "--adapter-config", cfg)
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {cfg}: {key} is {value}, not true or false\n")
+    assert not (tmp_path / "dst").exists()
