@@ -270,7 +270,11 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
     """An adapter_config.json PEFT loads as written. `target_modules` is the leaf names when every
     module of `modules` (the model's) with such a name is adapted, else a full-match pattern of
     the adapted ones, so PEFT puts no fresh adapter elsewhere; `r` the most common rank, the
-    others in `rank_pattern`; `use_rslora` always (a missing one loads a wrong scale)."""
+    others in `rank_pattern`; `use_rslora` always (a missing one loads a wrong scale).
+    `base_model` given as a model folder's config.json is written as the folder, which
+    `AutoPeftModelForCausalLM` loads the base model from (a file path it cannot load)."""
+    if base_model is not None and Path(base_model).name == "config.json":
+        base_model = str(Path(base_model).parent)
     ranks = Counter(a.rank for a in adapters.adapters)
     rank = max(ranks, key=lambda r: (ranks[r], -r))
     adapted = {a.module for a in adapters.adapters}

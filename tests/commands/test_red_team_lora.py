@@ -94,3 +94,27 @@ def test_an_adapter_config_flag_that_is_not_a_boolean_is_refused(lora, tmp_path,
                   "--adapter-config", cfg)
     assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {cfg}: {key} is {value}, not true or false\n")
     assert not (tmp_path / "dst").exists()
+
+
+def test_a_folder_exported_with_hf_config_as_a_file_loads_by_auto_peft(tmp_path):
+    """`--hf-config base/config.json` was written as `base_model_name_or_path`, a file path
+    `AutoPeftModelForCausalLM.from_pretrained(DST)` cannot load the base model from (OSError
+    'Repo id must be in the form …'); the folder is what it loads."""
+    import torch.distributed.checkpoint as dcp
+    from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    state, config = _peft_state()
+    dcp.save({"model": state}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")  # the base the adapters were trained on
+    res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "adapter", "--hf-config",
+                  tmp_path / "base" / "config.json", "--adapter-only", "--lora-alpha", "7")
+    assert res.returncode == 0, res.stderr
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter").eval()
+    torch.manual_seed(0)
+    trained = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=5, lora_alpha=7, target_modules=["q_proj"]))
+    trained.load_state_dict(state)
+    tokens = torch.tensor([[1, 5, 9, 2, 33]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, trained.eval()(tokens).logits)
