@@ -36,6 +36,8 @@ _SAVED = re.compile(r"^(?P<module>.+?)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P
 """A module peft trains whole (`modules_to_save`): its trained copy, `<m>.modules_to_save.<adapter>.<param>` …"""
 _ORIGINAL = re.compile(r"^(?P<module>.+?)\.original_module\.(?P<param>.+)$")
 """… beside the untouched original, `<m>.original_module.<param>`."""
+_TOKENS = re.compile(r"(?:^|\.)trainable_tokens_delta\.")
+"""peft's trainable tokens (`trainable_token_indices`): `<m>.token_adapter.trainable_tokens_delta.<adapter>`."""
 PEFT_CONFIG = "adapter_config.json"
 
 
@@ -117,6 +119,10 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     originals: dict[str, str] = {}
     saved_names: set[str] = set()
     for name in sorted(shapes):
+        if _TOKENS.search(name):
+            raise CheckpointError(where, f"{prefix}{name}: peft trainable tokens (trainable_token_indices), which "
+                                         "export-hf does not merge or export yet: without them the export would "
+                                         "not be the trained model")
         if (match := _SAVED.match(name)) is not None:
             saved[f"{match['module']}.{match['param']}"] = name
             saved_names.add(match["adapter"])

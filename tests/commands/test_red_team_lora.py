@@ -118,3 +118,33 @@ def test_a_folder_exported_with_hf_config_as_a_file_loads_by_auto_peft(tmp_path)
     tokens = torch.tensor([[1, 5, 9, 2, 33]])
     with torch.no_grad():
         assert torch.equal(loaded(tokens).logits, trained.eval()(tokens).logits)
+
+
+@pytest.mark.parametrize("mode", ["--adapter-only", "--merge-adapters"])
+def test_peft_trainable_tokens_are_refused_not_dropped(tmp_path, mode):
+    """LoRA with `trainable_token_indices` (peft's trained rows of the embeddings,
+    `embed_tokens.token_adapter.trainable_tokens_delta.default` [3, 32]). Was: --adapter-only exit 0
+    with a folder holding neither the deltas nor `trainable_token_indices`, which peft loads with the
+    base embeddings for those tokens (not the trained model); --merge-adapters refused them as names
+    a LlamaForCausalLM has no place for."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    _, config = _peft_state()
+    torch.manual_seed(0)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=5, lora_alpha=7, target_modules=["q_proj"],
+                                                                trainable_token_indices=[1, 2, 3]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name or "trainable_tokens_delta" in name:
+                param.normal_()
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    config.save_pretrained(tmp_path / "base")
+    res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "dst", "--hf-config", tmp_path / "base", mode,
+                  "--lora-alpha", "7")
+    assert (res.returncode, res.stderr) == (
+        2, f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.embed_tokens.token_adapter."
+           "trainable_tokens_delta.default: peft trainable tokens (trainable_token_indices), which export-hf does not "
+           "merge or export yet: without them the export would not be the trained model\n")
+    assert not (tmp_path / "dst").exists()
