@@ -168,6 +168,12 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         base = f"{module}{BASE_LAYER}weight"
         a, b = found[pair[0]], found[pair[1]]
         if base not in shapes:
+            wrapped = sorted(n for n in shapes if n.startswith(f"{module}{BASE_LAYER}"))
+            if wrapped:  # peft's ParamWrapper: LoRA on a module's parameters (fused MoE expert stacks)
+                more = f" (+{len(wrapped) - 1} more)" if len(wrapped) > 1 else ""
+                raise CheckpointError(where, f"{prefix}{a}: a LoRA on a parameter of {module} (peft "
+                                             f"target_parameters, beside {prefix}{wrapped[0]}{more}), which "
+                                             "export-hf does not merge or export yet")
             raise CheckpointError(where, f"{prefix}{a}: an adapter on {module}, which has no {prefix}{base}")
         w, sa, sb = shapes[base], shapes[a], shapes[b]
         rows, cols = (w[0] if w else None), (w[1] if len(w) == 2 else None)  # of B @ A
