@@ -53,12 +53,11 @@ from ckptctl.families.config_bounds import refuse_unbacked_counts
 from ckptctl.storage.hf_files import MAX_COPIED_BYTES, copy_regular
 from ckptctl.families.foreign import foreign_reason
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
-from ckptctl.families.raw import RAW, RawFamily, raw_prefix
-from ckptctl.families.torchtitan import (EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family,
-                                  torchtitan_prefix)
+from ckptctl.families.protocol import ModelFamily, Naming
+from ckptctl.families.raw import RAW, raw_prefix
+from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, torchtitan_family, torchtitan_prefix
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.families.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
-from ckptctl.families.rules import Family
 from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.megatron.tp import resolve_tp, tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint, dtype_name
@@ -204,12 +203,12 @@ class ExportReport(RunTiming):
     notes: list[str] = field(default_factory=list)
 
 
-def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str):
+def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str) -> tuple[ModelFamily, str]:
     """The family and model-key prefix for `--arch` (auto: config model_type, then key names)."""
     if arch not in ARCHES:
         raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
     titan = torchtitan_prefix(ckpt)
-    if titan is not None and (arch == "auto" or isinstance(FAMILIES[arch], TorchtitanFamily)):
+    if titan is not None and (arch == "auto" or FAMILIES[arch].naming is Naming.TORCHTITAN):
         family = FAMILIES[arch] if arch != "auto" else torchtitan_family(cfg.model_type)
         if family is None:
             known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
@@ -305,7 +304,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
-    raw = isinstance(family, RawFamily)
+    raw = family.naming is Naming.HF
     if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:
@@ -342,7 +341,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         expected = expected_for(cfg, raw, ctx.notes)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
-    mtp = family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
+    mtp = family.mtp_prefixes(cfg)
     written = [n for n in tensors if mtp and n.startswith(mtp)]
     if written:
         ctx.notes.append(f"{counted(len(written), 'tensor')} of multi-token prediction written as "

@@ -37,7 +37,7 @@ from ckptctl.formats.safetensors.quantized import describe_dequantized, quant_fo
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.families.registry import FAMILIES, family_for_model_type
-from ckptctl.families.rules import Family
+from ckptctl.families.protocol import ModelFamily, Naming
 from ckptctl.families.config_bounds import refuse_unbacked_counts
 from ckptctl.families.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, read_config, reversed_pieces, uncovered_elements,
@@ -48,7 +48,7 @@ from ckptctl.families.experts import stacked_parts
 from ckptctl.families.llama import EMBED, OUTPUT
 from ckptctl.families.torchtitan import EMBED as TT_EMBED
 from ckptctl.families.torchtitan import OUTPUT as TT_OUTPUT
-from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, TorchtitanFamily, torchtitan_family
+from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, torchtitan_family
 from ckptctl.megatron.rows import CURRENT_RELEASE, SPELLINGS, parse_release, respelled
 from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.families.placement import fsdp2, megatron_fsdp
@@ -356,7 +356,7 @@ def folder_hf_config(ckpt: Checkpoint, config: dict[str, Any] | None, target: st
     return HFConfig(ckpt.path / CONFIG_NAME, config, ckpt.path)
 
 
-def megatron_family(cfg: HFConfig, opts: ImportOptions) -> Any:
+def megatron_family(cfg: HFConfig, opts: ImportOptions) -> ModelFamily | None:
     """The family `--arch` names, or the one serving the config's model_type (None when none does)."""
     return FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type)
 
@@ -366,7 +366,7 @@ def mtp_prefixes(ckpt: Checkpoint, config: dict[str, Any], opts: ImportOptions) 
     the folder holds them (DeepSeek-V3's layer N; transformers has no place for them)."""
     cfg = folder_hf_config(ckpt, config, opts.to)
     family = megatron_family(cfg, opts)
-    return family.mtp_prefixes(cfg) if isinstance(family, Family) else ()
+    return family.mtp_prefixes(cfg) if family is not None else ()
 
 
 def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: dict[str, Any] | None,
@@ -375,8 +375,8 @@ def megatron_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config: d
     padded with zero rows as Megatron pads it (`rule_targets`)."""
     cfg = folder_hf_config(ckpt, config, opts.to)
     family = megatron_family(cfg, opts)
-    if family is None or not hasattr(family, "megatron_shapes"):
-        known = ", ".join(n for n, f in FAMILIES.items() if hasattr(f, "megatron_shapes"))
+    if family is None or family.naming is not Naming.MEGATRON:
+        known = ", ".join(n for n, f in FAMILIES.items() if f.naming is Naming.MEGATRON)
         what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
         raise UsageError(f"{ckpt.path}: no Megatron rules for {what} (import-hf --to megatron-fsdp knows: {known})")
     tp, _ = opts.grid()
@@ -414,7 +414,7 @@ def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config:
     tied `lm_head.weight`, which torchtitan's state dict lists, as a copy of the embeddings."""
     cfg = folder_hf_config(ckpt, config, opts.to)
     family = FAMILIES.get(opts.arch) if opts.arch != "auto" else torchtitan_family(cfg.model_type)
-    if not isinstance(family, TorchtitanFamily):
+    if family is None or family.naming is not Naming.TORCHTITAN:
         known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
         what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
         raise UsageError(f"{ckpt.path}: no torchtitan rules for {what} (import-hf --to torchtitan knows: {known})")
@@ -432,9 +432,9 @@ def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config:
     return targets
 
 
-def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig, family: Any, shapes: Shapes,
-                 tp: int | None, padded: dict[str, int], expected: ExpectedNames | None, opts: ImportOptions,
-                 notes: list[str]) -> list[TargetTensor]:
+def rule_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], cfg: HFConfig, family: ModelFamily,
+                 shapes: Shapes, tp: int | None, padded: dict[str, int], expected: ExpectedNames | None,
+                 opts: ImportOptions, notes: list[str]) -> list[TargetTensor]:
     """The family's tensors (`shapes`, as the family names them), each made of HF rows.
 
     The family says, as for an export, which of their rows each HF tensor is (`to_hf` over a

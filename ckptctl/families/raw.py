@@ -9,10 +9,12 @@ unchanged. Optimizer state and other non-model entries are left out; with tied e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from ckptctl.core.dtypes import DType
 from ckptctl.families.adapters import peft_prefix
-from ckptctl.families.base import ExportContext, TiedHead, is_model_key
+from ckptctl.families.base import ExportContext, HFConfig, TiedHead, is_model_key
+from ckptctl.families.protocol import Naming
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.plan import Piece, TargetTensor
 
@@ -51,6 +53,16 @@ class RawTensor:
 class RawFamily:
     name: str = "raw"
     model_types: tuple[str, ...] = ()
+    naming: ClassVar[Naming] = Naming.HF
+
+    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
+        return ()
+
+    def megatron_tensors(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def gated_mlp(self) -> None:
+        return None
 
     def to_hf(self, ctx: ExportContext) -> dict[str, RawTensor]:
         m = ctx.model

@@ -25,13 +25,15 @@ from ckptctl.families.qwen3_5 import QWEN3_5
 from ckptctl.families.qwen3_moe import QWEN3_MOE
 from ckptctl.families.qwen3_next import QWEN3_NEXT
 from ckptctl.families.raw import RAW
-from ckptctl.families.rules import COLUMN, REPLICATED, MG_LAYER, ROW, Family
+from ckptctl.families.protocol import ModelFamily
+from ckptctl.families.rules import COLUMN, REPLICATED, MG_LAYER, ROW
 from ckptctl.families.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron.rows import FUSED_PARTS, spellings
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2,
-                                GEMMA3, NEMOTRON_H, GPT_OSS, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3,
-                                TORCHTITAN_DEEPSEEK_V3, AUTOMODEL, RAW)}
+FAMILIES: dict[str, ModelFamily] = {
+    f.name: f for f in (LLAMA, QWEN2, QWEN3, QWEN3_MOE, QWEN3_NEXT, QWEN3_5, DEEPSEEK_V3, MIXTRAL, GEMMA2, GEMMA3,
+                        NEMOTRON_H, GPT_OSS, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3, TORCHTITAN_DEEPSEEK_V3,
+                        AUTOMODEL, RAW)}
 ARCHES = ("auto", *FAMILIES)
 
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
@@ -46,7 +48,7 @@ MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
 specs: norms and `nn.Embedding` positions are the same on every TP rank)."""
 
 
-def family_for_model_type(model_type: str):
+def family_for_model_type(model_type: str) -> ModelFamily | None:
     """The family serving an HF `model_type`, or None."""
     return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
 
@@ -60,10 +62,9 @@ def _megatron_kinds() -> tuple[re.Pattern[str], tuple[str, ...]]:
     """One regex of every known Megatron name (any wrapper prefix before it), a group per kind."""
     declared: dict[str, str] = {}
     for family in FAMILIES.values():
-        if isinstance(family, Family):
-            for name, kind in family.megatron_tensors():
-                if declared.setdefault(name, kind) != kind:
-                    raise AssertionError(f"{name}: TP kinds {declared[name]} and {kind} in the rules")
+        for name, kind in family.megatron_tensors():
+            if declared.setdefault(name, kind) != kind:
+                raise AssertionError(f"{name}: TP kinds {declared[name]} and {kind} in the rules")
     for name, kind in MEGATRON_ONLY:
         declared.setdefault(name, kind)
     for name, kind in list(declared.items()):  # every release's spelling of it (`megatron.rows.SPELLINGS`)

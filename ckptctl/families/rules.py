@@ -18,10 +18,11 @@ else decides what is exported or imported, and a tensor no rule claims is refuse
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Protocol, Sequence
 
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.families.base import ExportContext, HFConfig, HFTensor, MegatronSpec, RowView, Shapes, TiedHead, check_shape
+from ckptctl.families.protocol import Naming
 from ckptctl.megatron.rows import SWIGLU_PARTS, TpKind
 
 COLUMN, ROW, REPLICATED = TpKind.COLUMN, TpKind.ROW, TpKind.REPLICATED
@@ -402,6 +403,7 @@ class Family:
     hf_layer: str = HF_LAYER
     """The HF name of layer `{L}` (Nemotron-H: `backbone.layers.{L}.`)."""
     mtp: Mtp | None = None
+    naming: ClassVar[Naming] = Naming.MEGATRON
 
     def gated_mlp(self) -> bool:
         """Whether its MLPs are gated (fc1 `[W; V]` per TP rank) whatever the activation: a llama

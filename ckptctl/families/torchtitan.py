@@ -23,11 +23,12 @@ Qwen3-MoE, which routes without one: it is left out only when it is all zeros (o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 from ckptctl.families.base import (DeinterleavedRows, ExportContext, HFConfig, HFTensor, MegatronModel, RowView, Shapes,
                              TiedHead, is_model_key)
 from ckptctl.families.deepseek_v3 import first_k_dense
+from ckptctl.families.protocol import Naming
 from ckptctl.families.qwen3_moe import is_sparse
 from ckptctl.families.rules import HF_LAYER, Attention, put
 from ckptctl.util.errors import CheckpointError
@@ -115,6 +116,16 @@ class TorchtitanFamily:
 
     model_types: tuple[str, ...] = ()
     """None: a config's model_type picks a Megatron family unless the names are torchtitan's."""
+    naming: ClassVar[Naming] = Naming.TORCHTITAN
+
+    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
+        return ()
+
+    def megatron_tensors(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def gated_mlp(self) -> None:
+        return None
 
     def layer_names(self, cfg: HFConfig, layer: int) -> dict[str, str]:
         """HF name → torchtitan name of one layer's tensors but the stacked experts."""

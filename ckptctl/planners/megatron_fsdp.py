@@ -34,7 +34,6 @@ from ckptctl.families.qwen3_next import GatedDeltaNet
 from ckptctl.core.analysis import analysis, is_optimizer_entry, source_tensors, split_optimizer_fqn
 from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.families.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
-from ckptctl.families.rules import Family
 from ckptctl.megatron.rows import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, TpKind, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron.tp import resolve_tp, tp_dp_grid
 from ckptctl.formats.megatron_args import checkpoint_args
@@ -217,8 +216,8 @@ def model_dims(ckpt: Checkpoint, hf_config: Path | None, hub_timeout: float = DE
         family = family_for_model_type(str(_lookup(cfg.data, "model_type")))
         if act is not None:
             swiglu = str(act).lower() in SWIGLU_ACTIVATIONS
-        if isinstance(family, Family):
-            gated = family.gated_mlp()
+        gated = family.gated_mlp() if family is not None else None
+        if gated is not None:
             swiglu = bool(swiglu) and gated
         elif act is not None:
             gated = swiglu
