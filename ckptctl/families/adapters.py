@@ -134,6 +134,11 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         if match is None:
             continue
         part = match["part"]
+        if match["param"] is None and not part.startswith("lora_embedding"):  # `<m>.lora_A.weight`
+            raise CheckpointError(where, f"{prefix}{name}: a LoRA tensor without an adapter name, as a PEFT "
+                                         "folder or get_peft_model_state_dict names it; export-hf reads a peft "
+                                         "model's own state dict (<m>.lora_A.<adapter>.weight beside "
+                                         "<m>.base_layer.weight)")
         if part.startswith("lora_embedding") and match["param"] is None:
             part = "lora_" + part[len("lora_embedding_"):] + " embedding"
         elif match["param"] != "weight":

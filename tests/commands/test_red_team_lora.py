@@ -175,3 +175,22 @@ def test_lora_on_fused_expert_parameters_is_named_for_what_it_is(tmp_path):
                f"model.layers.0.mlp.experts (peft target_parameters, beside {at}.base_layer.down_proj (+1 more)), "
                "which export-hf does not merge or export yet\n")
         assert not (tmp_path / "dst").exists()
+
+
+def test_a_dcp_of_peft_adapter_weights_alone_is_named_for_what_it_is(tmp_path):
+    """`dcp.save` of `get_peft_model_state_dict(model)` (PEFT's names, no adapter name: `….lora_A.weight`)
+    was refused as 'a LoRA bias (lora_bias)'."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import LlamaForCausalLM
+
+    _, config = _peft_state()
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=5, lora_alpha=7, target_modules=["q_proj"]))
+    dcp.save({"model": get_peft_model_state_dict(model)}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    config.save_pretrained(tmp_path / "base")
+    res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "dst", "--hf-config", tmp_path / "base",
+                  "--adapter-only", "--lora-alpha", "7")
+    assert (res.returncode, res.stderr) == (
+        2, f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: "
+           "a LoRA tensor without an adapter name, as a PEFT folder or get_peft_model_state_dict names it; export-hf "
+           "reads a peft model's own state dict (<m>.lora_A.<adapter>.weight beside <m>.base_layer.weight)\n")
