@@ -394,9 +394,11 @@ def test_bytes_entry_claiming_2_gib_is_refused_before_allocating(tmp_path: Path)
 def test_sigint_during_start_up_is_one_line_and_130(tmp_path: Path) -> None:
     """SIGINT once `python -m ckptctl` runs, at a few moments of its start-up: exit 130 and one line,
     or, once the command has finished, its own status; never death by signal.
-    (A signal that lands while the interpreter itself starts, before ckptctl's code runs, is
-    Python's to report; the delays start after that.)"""
+    (A signal that lands while the interpreter itself starts, before ckptctl's handler is in
+    place, is Python's to report: on a busy machine the first delays can land there.)"""
     import signal
+
+    from tests.util.test_interrupt import before_the_handler
 
     hits = 0
     for delay in (0.08, 0.1, 0.12, 0.15, 0.2, 0.3, 0.4):  # inspect's whole run takes about 0.15 s
@@ -410,6 +412,8 @@ def test_sigint_during_start_up_is_one_line_and_130(tmp_path: Path) -> None:
         out, err = proc.communicate(timeout=60)
         if (proc.returncode, err) == (0, ""):
             continue  # finished before the signal landed
+        if before_the_handler(proc.returncode, err):
+            continue
         # never death by signal: not after the output is complete, nor after the one line
         assert (proc.returncode, err) == (130, "ckptctl: interrupted\n"), delay
         hits += 1
