@@ -218,6 +218,12 @@ def export_hf_command(
         from ckptctl.storage.trainer_folder import model_part
 
         source = model_part(src)  # an HF Trainer / accelerate checkpoint-N/: its model's DCP part
+        if Path(source) != Path(src):  # DST inside the folder would add an entry no reshard of it carries
+            from ckptctl.storage.atomic import overlapped_input
+            from ckptctl.util.errors import UsageError
+
+            if overlapped_input(Path(dst), [Path(src)]) is not None:
+                raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
         if dry_run:
             return preview_export(source, dst, hf_config, options())
         return export_hf(source, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm)

@@ -55,3 +55,19 @@ def _config(tmp_path: Path) -> Path:
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
     return path
+
+
+def test_export_hf_refuses_a_dst_inside_the_trainer_folder(tmp_path):
+    """`export-hf checkpoint-1 checkpoint-1/hf` wrote the HF folder inside the Trainer folder (its
+    model part, not the folder, was taken as the source), exit 0: the folder then holds an entry a
+    reshard of it refuses ('neither a DCP part … nor a file')."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoint-1"
+    dcp.save({"model": {"w": torch.arange(12.0).reshape(4, 3)}}, checkpoint_id=folder / "pytorch_model_fsdp_0",
+             no_dist=True)
+    for dst in (folder / "hf", folder):
+        res = run_cli("export-hf", folder, dst, "--no-name-check", "--hf-config", _config(tmp_path), "--force")
+        assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {dst}: destination overlaps the source {folder}; "
+                                                   "the source is never modified\n")
+    assert sorted(p.name for p in folder.iterdir()) == ["pytorch_model_fsdp_0"]
