@@ -59,7 +59,7 @@ demo: install
 	$(PY) fixtures/demo.py check demo
 
 test: oracles
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-full: oracles
 	$(PY) -m pytest -q -n 2 --dist loadfile -m ""
