@@ -191,6 +191,6 @@ def test_a_dcp_of_peft_adapter_weights_alone_is_named_for_what_it_is(tmp_path):
     res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "dst", "--hf-config", tmp_path / "base",
                   "--adapter-only", "--lora-alpha", "7")
     assert (res.returncode, res.stderr) == (
-        2, f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight: "
-           "a LoRA tensor without an adapter name, as a PEFT folder or get_peft_model_state_dict names it; export-hf "
+        2, f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A."
+           "weight: a LoRA tensor without an adapter name, as a PEFT folder or get_peft_model_state_dict names it; export-hf "
            "reads a peft model's own state dict (<m>.lora_A.<adapter>.weight beside <m>.base_layer.weight)\n")
