@@ -55,7 +55,7 @@ from ckptctl.families.foreign import foreign_reason
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.families.protocol import ModelFamily, Naming
 from ckptctl.families.raw import RAW, raw_prefix
-from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, torchtitan_family, torchtitan_prefix
+from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, torchtitan_prefix
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.families.registry import ARCHES, FAMILIES, family_for_model_type, fused_kind
 from ckptctl.core.names import MODEL_PREFIXES
@@ -209,9 +209,9 @@ def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str) -> tuple[ModelFami
         raise UsageError(f"--arch must be one of {', '.join(ARCHES)} (got {arch!r})")
     titan = torchtitan_prefix(ckpt)
     if titan is not None and (arch == "auto" or FAMILIES[arch].naming is Naming.TORCHTITAN):
-        family = FAMILIES[arch] if arch != "auto" else torchtitan_family(cfg.model_type)
+        family = FAMILIES[arch] if arch != "auto" else family_for_model_type(cfg.model_type, Naming.TORCHTITAN)
         if family is None:
-            known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
+            known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.model_types)
             raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} of a torchtitan checkpoint is not one "
                              f"export-hf converts yet (it converts torchtitan's {known})")
         return family, titan
@@ -238,7 +238,7 @@ def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str) -> tuple[ModelFami
         elif any(n.endswith(".mlp.router.weight") for n in names):
             family = FAMILIES["qwen3-moe"]
     if family is None:
-        known = ", ".join(t for f in FAMILIES.values() for t in f.model_types)
+        known = ", ".join(t for f in FAMILIES.values() if f.naming is Naming.MEGATRON for t in f.model_types)
         raise UsageError(f"{cfg.path}: model_type {cfg.model_type!r} is not one export-hf knows ({known}); "
                          f"pass --arch")
     return family, prefix

@@ -48,7 +48,7 @@ from ckptctl.families.experts import stacked_parts
 from ckptctl.families.llama import EMBED, OUTPUT
 from ckptctl.families.torchtitan import EMBED as TT_EMBED
 from ckptctl.families.torchtitan import OUTPUT as TT_OUTPUT
-from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES, torchtitan_family
+from ckptctl.families.torchtitan import EXPERT_BIASES, TORCHTITAN_FAMILIES
 from ckptctl.megatron.rows import CURRENT_RELEASE, SPELLINGS, parse_release, respelled
 from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.families.placement import fsdp2, megatron_fsdp
@@ -413,9 +413,10 @@ def torchtitan_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], config:
     """The torchtitan model of the folder's family, named as torchtitan saves it (`rule_targets`); a
     tied `lm_head.weight`, which torchtitan's state dict lists, as a copy of the embeddings."""
     cfg = folder_hf_config(ckpt, config, opts.to)
-    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else torchtitan_family(cfg.model_type)
+    family = FAMILIES.get(opts.arch) if opts.arch != "auto" else family_for_model_type(cfg.model_type,
+                                                                                      Naming.TORCHTITAN)
     if family is None or family.naming is not Naming.TORCHTITAN:
-        known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.serves)
+        known = ", ".join(f"{t} ({f.name})" for f in TORCHTITAN_FAMILIES for t in f.model_types)
         what = f"--arch {opts.arch}" if opts.arch != "auto" else f"model_type {cfg.model_type!r}"
         raise UsageError(f"{ckpt.path}: no torchtitan rules for {what} (import-hf --to torchtitan knows: {known})")
     shapes = family.source_shapes(cfg)

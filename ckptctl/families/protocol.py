@@ -25,7 +25,7 @@ class ModelFamily(Protocol):
     name: str
     """Its `--arch` name."""
     model_types: tuple[str, ...]
-    """The HF `model_type`s whose config picks it for Megatron-named checkpoints."""
+    """The HF `model_type`s whose config picks it for a checkpoint of its naming (none: raw)."""
 
     @property
     def naming(self) -> Naming: ...

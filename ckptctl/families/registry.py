@@ -25,7 +25,7 @@ from ckptctl.families.qwen3_5 import QWEN3_5
 from ckptctl.families.qwen3_moe import QWEN3_MOE
 from ckptctl.families.qwen3_next import QWEN3_NEXT
 from ckptctl.families.raw import RAW
-from ckptctl.families.protocol import ModelFamily
+from ckptctl.families.protocol import ModelFamily, Naming
 from ckptctl.families.rules import COLUMN, REPLICATED, MG_LAYER, ROW
 from ckptctl.families.torchtitan import TORCHTITAN_DEEPSEEK_V3, TORCHTITAN_LLAMA3, TORCHTITAN_QWEN3
 from ckptctl.megatron.rows import FUSED_PARTS, spellings
@@ -48,9 +48,9 @@ MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
 specs: norms and `nn.Embedding` positions are the same on every TP rank)."""
 
 
-def family_for_model_type(model_type: str) -> ModelFamily | None:
-    """The family serving an HF `model_type`, or None."""
-    return next((f for f in FAMILIES.values() if model_type in f.model_types), None)
+def family_for_model_type(model_type: str, naming: Naming = Naming.MEGATRON) -> ModelFamily | None:
+    """The family serving an HF `model_type` for checkpoints of `naming`, or None."""
+    return next((f for f in FAMILIES.values() if f.naming is naming and model_type in f.model_types), None)
 
 
 def _pattern(name: str) -> str:

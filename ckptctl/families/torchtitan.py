@@ -104,7 +104,7 @@ class TorchtitanFamily:
     the router's load-balancing bias goes (`expert_bias`: an HF name, or None for none)."""
 
     name: str
-    serves: tuple[str, ...]
+    model_types: tuple[str, ...]
     """The HF `model_type` values it serves, for a checkpoint named as torchtitan names tensors."""
     attention: str
     qk_norm: bool
@@ -113,9 +113,6 @@ class TorchtitanFamily:
     sparse: Callable[[HFConfig, int], bool] = is_sparse
     shared_experts: bool = False
     expert_bias: str | None = None
-
-    model_types: tuple[str, ...] = ()
-    """None: a config's model_type picks a Megatron family unless the names are torchtitan's."""
     naming: ClassVar[Naming] = Naming.TORCHTITAN
 
     def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
@@ -292,7 +289,3 @@ def torchtitan_prefix(ckpt: Checkpoint) -> str | None:
             if prefix == "" or prefix.endswith("."):
                 return prefix
     return None
-
-
-def torchtitan_family(model_type: str) -> TorchtitanFamily | None:
-    return next((f for f in TORCHTITAN_FAMILIES if model_type in f.serves), None)
