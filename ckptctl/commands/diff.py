@@ -56,7 +56,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
-from ckptctl.util.errors import CheckpointError, UsageError
+from ckptctl.util.errors import CastOverflowError, CheckpointError, UsageError
 from ckptctl.storage.source_files import missing
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
@@ -364,7 +364,12 @@ class SafetensorsSide:
             raise CheckpointError(stored.file, f"cannot read at byte {offset}: {exc.strerror or exc}") from None
         if got != len(out):
             raise CheckpointError(stored.file, f"short read at byte {offset}")
-        return out if dtype is None else _cast(out, stored.dtype, dtype)
+        if dtype is None:
+            return out
+        try:
+            return _cast(out, stored.dtype, dtype)
+        except CastOverflowError as exc:
+            raise UsageError(f"{stored.file}: {name}: {exc} (--compare-as)") from None
 
     def read_bytes(self, name: str) -> bytes:
         raise CheckpointError(self.path, f"{name}: safetensors files hold tensors only, no bytes entries")

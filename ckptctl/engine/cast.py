@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ckptctl.util.errors import CastOverflowError
+
 _QUIET: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.bfloat16: (torch.int16, 0x7FC0),
     torch.float16: (torch.int16, 0x7E00),
@@ -41,14 +43,39 @@ def _may_hold_nan(t: torch.Tensor) -> bool:
     return bool(torch.isnan(t.sum()))
 
 
-def cast_into(out: torch.Tensor, src: torch.Tensor) -> None:
-    """`out.copy_(src)`; when that casts between floating dtypes, NaNs become canonical.
+_WIDER: dict[torch.dtype, tuple[torch.dtype, ...]] = {
+    torch.float16: (torch.bfloat16, torch.float32, torch.float64),
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+"""The floating dtypes each target dtype cannot hold every finite value of."""
 
-    On the CPU the fix-up runs only if `src` may hold a NaN; on a GPU it always runs (no sync).
+
+def _check_range(out: torch.Tensor, src: torch.Tensor) -> None:
+    """Raise `CastOverflowError` when the cast of `src` into `out` made a finite value infinite. One
+    reduction first (`aminmax`): only a source that reaches the target's largest finite value,
+    or holds a NaN, is compared element by element."""
+    if src.dtype not in _WIDER.get(out.dtype, ()) or not src.numel():
+        return
+    low, high = torch.aminmax(src)
+    largest = torch.finfo(out.dtype).max
+    if not (bool(low <= -largest) or bool(high >= largest) or bool(torch.isnan(high))):
+        return
+    count = int((torch.isinf(out) & torch.isfinite(src)).sum())
+    if count:
+        raise CastOverflowError(count, str(out.dtype).removeprefix("torch."), torch.finfo(out.dtype).max)
+
+
+def cast_into(out: torch.Tensor, src: torch.Tensor) -> None:
+    """`out.copy_(src)`; when that casts between floating dtypes, NaNs become canonical, and a
+    finite value the target cannot hold is refused (`CastOverflowError`), never written as inf.
+
+    On the CPU the NaN fix-up runs only if `src` may hold a NaN; on a GPU it always runs (no sync).
     """
     out.copy_(src)
     if src.dtype == out.dtype or out.dtype not in _QUIET or not src.dtype.is_floating_point:
         return
+    _check_range(out, src)
     if src.dtype.itemsize == 1:  # float8: no sum or signbit kernels; float32 holds every value exactly
         src = src.float()
     if out.device.type == "cpu" and not _may_hold_nan(src):

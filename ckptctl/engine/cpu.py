@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 from ckptctl.core.dtypes import DType, float32
 from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
-from ckptctl.util.errors import CheckpointError, OutputError
+from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
 from ckptctl.formats.safetensors.writer import item_boxes
@@ -437,13 +437,16 @@ def _fill_or_zero(sources: ChunkSource, out: memoryview, item: StreamItem, b0: i
     (--allow-incomplete) are zero, never what a previous record or block left there. With
     transposed reads, `complete` says whether the reads cover the whole record (`is_complete`)."""
     dtype, add = item.target.dtype, item.target.add
-    if transposed:
-        if not complete:
+    try:
+        if transposed:
+            if not complete:
+                out[:] = bytes(len(out))
+            fill_transposed(sources, out, dtype, b0, item.box.sizes, transposed, add)
+        elif sum(s.length for s in segs) < len(out) // dtype.itemsize:
             out[:] = bytes(len(out))
-        fill_transposed(sources, out, dtype, b0, item.box.sizes, transposed, add)
-    elif sum(s.length for s in segs) < len(out) // dtype.itemsize:
-        out[:] = bytes(len(out))
-    _fill_block(sources, out, dtype, b0, segs, add)
+        _fill_block(sources, out, dtype, b0, segs, add)
+    except CastOverflowError as exc:
+        raise UsageError(f"{item.target.fqn}: {exc}") from None
 
 
 def _read_direct(item: StreamItem, sources: ChunkSource, data: memoryview) -> bool:

@@ -30,6 +30,15 @@ class UsageError(CkptctlError):
     """The command line asks for something that cannot be done."""
 
 
+class CastOverflowError(UsageError):
+    """A cast asked for (`--dtype`) would turn finite values into inf: refused, never written."""
+
+    def __init__(self, count: int, dtype: str, largest: float) -> None:
+        self.count = count
+        super().__init__(f"{count} finite value{'s' if count != 1 else ''} beyond {dtype}'s range (±{largest:g}) "
+                         "would become inf: keep the source dtype or cast to a wider one")
+
+
 class IncompleteCheckpointError(CkptctlError):
     """The source has coverage or consistency problems and the command would lose data.
     `allowable` where the command can go on anyway (reshard's `--allow-incomplete`): the message
