@@ -58,12 +58,14 @@ def finish(code: object) -> NoReturn:
     Shut-down restores SIGINT's default action, so a Ctrl-C landing then would kill the process
     by signal: it is ignored instead (the command is done). After an interrupted command the
     process ends at once: a KeyboardInterrupt that passed through C code running Python source
-    (some extension imports do) would make CPython's shut-down end it by SIGINT, not 130."""
-    if code == EXIT_INTERRUPTED:
+    (some extension imports do) would make CPython's shut-down end it by SIGINT, not 130. So does
+    a command that failed (its temporary output already removed): a daemon thread still inside
+    torch (the output check's source reads) would make the shut-down abort (134), not exit 2."""
+    if isinstance(code, int) and code != 0:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        os._exit(EXIT_INTERRUPTED)
+        os._exit(code)
     _set_handler(signal.SIG_IGN)
     raise SystemExit(code)
 
