@@ -420,6 +420,10 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
                                          f"{', '.join(map(str, found.ranks))} on {', '.join(found.targets)}): pass "
                                          "--merge-adapters to export the model with them merged, or --adapter-only "
                                          "to export them as a PEFT adapter folder")
+    unfit = sorted(n for n in found.tensors if not model.entries[n].dtype.is_floating_point)
+    if unfit:
+        raise CheckpointError(ckpt.path, f"{model.prefix}{unfit[0]}: {model.entries[unfit[0]].dtype.name} is no "
+                                         "LoRA factor's dtype (peft's factors are floating point)")
     config = read_adapter_config(opts.adapter_config) if opts.adapter_config is not None else None
     scale = resolve_scale(opts.lora_alpha, opts.rslora, config, ckpt.path)
     check_against_config(found, scale, ckpt.path, model.prefix)

@@ -73,14 +73,13 @@ def test_a_rank_zero_adapter_is_one_line_not_a_traceback(tmp_path, extra):
     assert not (tmp_path / "dst").exists()
 
 
-@pytest.mark.xfail(strict=True, reason="an integer lora_A (not a LoRA factor: peft's B @ A raises on it) is cast "
-                                       "to float32 and merged, exit 0; find_adapters sees shapes only, the dtype "
-                                       "check belongs in commands/export_hf.peft_adapters")
 def test_an_integer_adapter_is_refused(tmp_path):
     root = _saved(tmp_path, lambda s: {k: v.to(torch.int32) if "lora_A" in k else v for k, v in s.items()})
     res = run_cli("export-hf", root / "ckpt", tmp_path / "dst", "--hf-config", root / "base", "--merge-adapters",
                   "--lora-alpha", "7")
-    assert res.returncode == 2
+    name = "model.base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {root / 'ckpt'}: {name}: int32 is no LoRA factor's "
+                                               "dtype (peft's factors are floating point)\n")
     assert not (tmp_path / "dst").exists()
 
 
