@@ -60,7 +60,7 @@ from ckptctl.util.errors import CastOverflowError, CheckpointError, UsageError
 from ckptctl.storage.source_files import missing
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
-from ckptctl.formats.safetensors.reader import StoredTensor, stored_tensors
+from ckptctl.formats.safetensors.reader import StoredTensor, quantized_kind, shown_name, stored_tensors
 from ckptctl.core.geometry import Box, full_box
 from ckptctl.families.base import HFConfig, is_model_key, load_hf_config, megatron_prefix
 from ckptctl.families.torchtitan import torchtitan_prefix
@@ -356,6 +356,10 @@ class SafetensorsSide:
 
     def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
         stored, isz = self._stored[name], self.tensors[name].dtype.itemsize
+        kind = quantized_kind(name, stored.dtype) if dtype is not None else None
+        if kind is not None:
+            raise CheckpointError(stored.file, f"{shown_name(name)}: {kind}: --compare-as would read quantized bytes "
+                                               "as values (import-hf dequantizes such a folder; compare that)")
         out = bytearray((stop - start) * isz)
         offset = stored.start + start * isz
         try:
