@@ -46,3 +46,17 @@ class ModelFamily(Protocol):
         """Whether Megatron's fc1 of it is gated (`[W; V]` per TP rank); None for a family whose
         checkpoints are not Megatron's."""
         ...
+
+
+class NotMegatron:
+    """The answers of a family whose checkpoints are not Megatron's (torchtitan's, HF-named): no
+    multi-token prediction layers, no Megatron tensors, no Megatron fc1."""
+
+    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
+        return ()
+
+    def megatron_tensors(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def gated_mlp(self) -> None:
+        return None

@@ -13,8 +13,8 @@ from typing import ClassVar
 
 from ckptctl.core.dtypes import DType
 from ckptctl.families.adapters import peft_prefix
-from ckptctl.families.base import ExportContext, HFConfig, TiedHead, is_model_key
-from ckptctl.families.protocol import Naming
+from ckptctl.families.base import ExportContext, TiedHead, is_model_key
+from ckptctl.families.protocol import Naming, NotMegatron
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.plan import Piece, TargetTensor
 
@@ -50,19 +50,10 @@ class RawTensor:
 
 
 @dataclass(frozen=True)
-class RawFamily:
+class RawFamily(NotMegatron):
     name: str = "raw"
     model_types: tuple[str, ...] = ()
     naming: ClassVar[Naming] = Naming.HF
-
-    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
-        return ()
-
-    def megatron_tensors(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    def gated_mlp(self) -> None:
-        return None
 
     def to_hf(self, ctx: ExportContext) -> dict[str, RawTensor]:
         m = ctx.model

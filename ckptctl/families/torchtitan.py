@@ -28,7 +28,7 @@ from typing import Callable, ClassVar
 from ckptctl.families.base import (DeinterleavedRows, ExportContext, HFConfig, HFTensor, MegatronModel, RowView, Shapes,
                              TiedHead, is_model_key)
 from ckptctl.families.deepseek_v3 import first_k_dense
-from ckptctl.families.protocol import Naming
+from ckptctl.families.protocol import Naming, NotMegatron
 from ckptctl.families.qwen3_moe import is_sparse
 from ckptctl.families.rules import HF_LAYER, Attention, put
 from ckptctl.util.errors import CheckpointError
@@ -98,7 +98,7 @@ def rope_halves(m: MegatronModel, whole: RowView, heads: int) -> DeinterleavedRo
 
 
 @dataclass(frozen=True)
-class TorchtitanFamily:
+class TorchtitanFamily(NotMegatron):
     """A torchtitan decoder: its attention (`gqa` with optional q/k norms and llama3's RoPE row
     order, or DeepSeek-V3's `mla`), which layers are MoE (`sparse`), shared experts, and where
     the router's load-balancing bias goes (`expert_bias`: an HF name, or None for none)."""
@@ -114,15 +114,6 @@ class TorchtitanFamily:
     shared_experts: bool = False
     expert_bias: str | None = None
     naming: ClassVar[Naming] = Naming.TORCHTITAN
-
-    def mtp_prefixes(self, cfg: HFConfig) -> tuple[str, ...]:
-        return ()
-
-    def megatron_tensors(self) -> tuple[tuple[str, str], ...]:
-        return ()
-
-    def gated_mlp(self) -> None:
-        return None
 
     def layer_names(self, cfg: HFConfig, layer: int) -> dict[str, str]:
         """HF name → torchtitan name of one layer's tensors but the stacked experts."""
