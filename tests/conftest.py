@@ -37,6 +37,25 @@ def fixture_ckpt():
     return get
 
 
+@pytest.fixture
+def forks(monkeypatch):
+    """Runs in this process fork the second-core helper (torch is imported here, so `wanted` would
+    say no); the helpers' pids are recorded."""
+    from ckptctl.engine import helper
+
+    started: list[int] = []
+    real_start = helper.start
+
+    def start(work, progress):
+        running = real_start(work, progress)
+        started.append(running.pid)
+        return running
+
+    monkeypatch.setattr(helper, "wanted", lambda records: True)
+    monkeypatch.setattr(helper, "start", start)
+    return started
+
+
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `python -m ckptctl ARGS` as a user would, capturing stdout/stderr as text."""
     return subprocess.run(

@@ -19,7 +19,6 @@ import pytest
 
 from ckptctl.checks.output_check import DcpCheck
 from ckptctl.commands.reshard import ReshardOptions, plan_reshard
-from ckptctl.engine import helper
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.output import write_output
 from ckptctl.formats.dcp.metadata import open_checkpoint
@@ -29,23 +28,6 @@ from ckptctl.util.progress import Phases
 from tests.conftest import FIXTURES
 
 SRC = FIXTURES / "fsdp2_4ranks"
-
-
-@pytest.fixture
-def forks(monkeypatch):
-    """Runs in this process fork a helper (torch is imported here, so `wanted` would say no); the
-    helpers' pids are recorded."""
-    started: list[int] = []
-    real_start = helper.start
-
-    def start(work, progress):
-        running = real_start(work, progress)
-        started.append(running.pid)
-        return running
-
-    monkeypatch.setattr(helper, "wanted", lambda records: True)
-    monkeypatch.setattr(helper, "start", start)
-    return started
 
 
 def _misplaced(out: DcpOutput, moves: dict[int, int]) -> DcpOutput:

@@ -30,23 +30,6 @@ def _cli_reshard(src: Path, dst: Path, min_records: str) -> None:
     assert done.returncode == 0, done.stderr
 
 
-@pytest.fixture
-def forks(monkeypatch):
-    """Runs in this process fork a helper (torch is imported here, so `wanted` would say no); the
-    helpers' pids are recorded."""
-    started: list[int] = []
-    real_start = helper.start
-
-    def start(work, progress):
-        running = real_start(work, progress)
-        started.append(running.pid)
-        return running
-
-    monkeypatch.setattr(helper, "wanted", lambda records: True)
-    monkeypatch.setattr(helper, "start", start)
-    return started
-
-
 def test_a_run_with_a_helper_writes_the_same_bytes(fixture_ckpt, tmp_path, forks):
     src = fixture_ckpt("fsdp2_4ranks")
     _cli_reshard(src, tmp_path / "alone", "0")
