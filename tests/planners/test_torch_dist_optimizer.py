@@ -263,6 +263,7 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
 
 
 @needs("0.19")
+@pytest.mark.full  # EP 2 × ETP 1 (`test_experts_with_a_tp_of_their_own_…`) rewrites a chained optimizer by default
 def test_an_expert_parallel_rewrite_is_megatron_cores_own(saved, tmp_path):
     """A ChainedOptimizer's dp_reshardable state (EP 2: `chained_0.` dense, `chained_1.` experts)
     as one fully_reshardable state: inspect counts its entries as the optimizer's, export-hf
