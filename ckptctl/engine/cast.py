@@ -51,35 +51,40 @@ _WIDER: dict[torch.dtype, tuple[torch.dtype, ...]] = {
 """The floating dtypes each target dtype cannot hold every finite value of."""
 
 
-def _check_range(out: torch.Tensor, src: torch.Tensor) -> None:
-    """Raise `CastOverflowError` when the cast of `src` into `out` made a finite value infinite. One
-    reduction first (`aminmax`): only a source that reaches the target's largest finite value,
-    or holds a NaN, is compared element by element."""
-    if src.dtype not in _WIDER.get(out.dtype, ()) or not src.numel():
-        return
-    low, high = torch.aminmax(src)
+def _refuse_overflow(out: torch.Tensor, src: torch.Tensor, low: torch.Tensor, high: torch.Tensor, nan: bool) -> None:
+    """Raise `CastOverflowError` when the cast of `src` into `out` made a finite value infinite:
+    compared element by element only when the source's extremes (`low`, `high`, NaN when it holds
+    one) reach the target's largest finite value."""
     largest = torch.finfo(out.dtype).max
-    if not (bool(low <= -largest) or bool(high >= largest) or bool(torch.isnan(high))):
+    if not (nan or bool(low <= -largest) or bool(high >= largest)):
         return
     count = int((torch.isinf(out) & torch.isfinite(src)).sum())
     if count:
-        raise CastOverflowError(count, str(out.dtype).removeprefix("torch."), torch.finfo(out.dtype).max)
+        raise CastOverflowError(count, str(out.dtype).removeprefix("torch."), largest)
 
 
 def cast_into(out: torch.Tensor, src: torch.Tensor) -> None:
     """`out.copy_(src)`; when that casts between floating dtypes, NaNs become canonical, and a
     finite value the target cannot hold is refused (`CastOverflowError`), never written as inf.
 
-    On the CPU the NaN fix-up runs only if `src` may hold a NaN; on a GPU it always runs (no sync).
+    One reduction of the source (`aminmax`, NaN when it holds one) answers both questions. On the
+    CPU the NaN fix-up runs only if the source holds a NaN; on a GPU it always runs, and only a
+    narrowing cast (whose range must be checked) waits for the reduction.
     """
     out.copy_(src)
-    if src.dtype == out.dtype or out.dtype not in _QUIET or not src.dtype.is_floating_point:
+    if src.dtype == out.dtype or out.dtype not in _QUIET or not src.dtype.is_floating_point or not src.numel():
         return
-    _check_range(out, src)
-    if src.dtype.itemsize == 1:  # float8: no sum or signbit kernels; float32 holds every value exactly
+    if src.dtype.itemsize == 1:  # float8: no reduction or signbit kernels; float32 holds every value exactly
         src = src.float()
-    if out.device.type == "cpu" and not _may_hold_nan(src):
-        return
+    narrowing = src.dtype in _WIDER.get(out.dtype, ())
+    on_cpu = out.device.type == "cpu"
+    if narrowing or on_cpu:
+        low, high = torch.aminmax(src)
+        nan = bool(torch.isnan(high))
+        if narrowing:
+            _refuse_overflow(out, src, low, high, nan)
+        if on_cpu and not nan:
+            return
     _put_canonical(out, torch.isnan(src), torch.signbit(src))
 
 
