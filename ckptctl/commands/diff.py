@@ -337,6 +337,8 @@ class SafetensorsSide:
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._stored: dict[str, StoredTensor] = stored_tensors(path)
+        # quantized codes and scales by name: `--compare-as` refuses to read them as values
+        self._quantized = {name: kind for name, st in self._stored.items() if (kind := quantized_kind(name, st.dtype))}
         self.tensors: dict[str, TensorInfo] = {name: TensorInfo(name, st.shape, st.dtype) for name, st in self._stored.items()}
 
     def check_complete(self, names: Sequence[str]) -> None:
@@ -356,7 +358,7 @@ class SafetensorsSide:
 
     def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
         stored, isz = self._stored[name], self.tensors[name].dtype.itemsize
-        kind = quantized_kind(name, stored.dtype) if dtype is not None else None
+        kind = self._quantized.get(name) if dtype is not None else None
         if kind is not None:
             raise CheckpointError(stored.file, f"{shown_name(name)}: {kind}: --compare-as would read quantized bytes "
                                                "as values (import-hf dequantizes such a folder; compare that)")
