@@ -44,19 +44,14 @@ from ckptctl.util.progress import Advance, Phases, ProgressObserver, RunTiming, 
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.checks.output_check import check_torch_save
 from ckptctl.checks.verify import check_decoded_source, row_blocks, tensor_read_back
+from ckptctl.commands.options import RunOptions
 
 _LOCAL_HEADER_BYTES = 30
 
 
 @dataclass
-class ExportTorchOptions:
-    include: Sequence[str] = ()
-    exclude: Sequence[str] = ()
-    dtype: DType | None = None
-    workers: int = 4
-    device: str = "auto"
-    sync: bool = True
-    """fsync the file before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
+class ExportTorchOptions(RunOptions):
+    """What export-torch takes: the shared selection, cast and engine options, nothing of its own."""
 
 
 @dataclass

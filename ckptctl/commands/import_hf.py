@@ -25,9 +25,9 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, cast
+from typing import Any, Iterable, Mapping, cast
 
-from ckptctl.core.dtypes import DType, bfloat16, cast_dtype, float32
+from ckptctl.core.dtypes import bfloat16, cast_dtype, float32
 from ckptctl.engine.cpu import ChunkSource, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.storage.atomic import recorded_reads
@@ -54,6 +54,7 @@ from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.families.placement import fsdp2, megatron_fsdp
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
 from ckptctl.util.progress import ProgressObserver
+from ckptctl.commands.options import RunOptions
 from ckptctl.commands.reshard import ReshardOptions, ReshardReport, new_report, write_dcp_output
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
@@ -67,19 +68,13 @@ VOCAB_MULTIPLE = 128
 
 
 @dataclass
-class ImportOptions:
+class ImportOptions(RunOptions):
     """What an import writes: the layout (`to`), its world size (or Megatron TP × DP), names, casts."""
 
     world_size: int | None
     to: str = "fsdp2"
     prefix: str | None = None
     """Put before every output name; None: `DEFAULT_PREFIX` of the target."""
-    include: Sequence[str] = ()
-    exclude: Sequence[str] = ()
-    dtype: DType | None = None
-    workers: int = 4
-    device: str = "auto"
-    sync: bool = True
     name_check: bool = True
     arch: str = "auto"
     tp: int | None = None

@@ -12,14 +12,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 from ckptctl.storage.atomic import check_destination, recorded_reads
 from ckptctl.engine import resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.dist import LOCAL, Comm, shared_analysis
 from ckptctl.engine.output import write_output
-from ckptctl.core.dtypes import DType, cast_dtype
+from ckptctl.core.dtypes import cast_dtype
 from ckptctl.util.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
@@ -35,6 +35,7 @@ from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.checks.output_check import DcpCheck
 from ckptctl.core.rank_state import refuse_dp_change
 from ckptctl.checks.verify import verified_bytes, verify_dcp
+from ckptctl.commands.options import RunOptions
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
     from ckptctl.planners.megatron_fsdp import MegatronRequest
@@ -44,12 +45,11 @@ TORCH_DIST_LAYOUT = "torch-dist"
 
 
 @dataclass
-class ReshardOptions:
+class ReshardOptions(RunOptions):
+    """What a reshard writes: the ranks and layout of the output, and what Megatron-aware planning
+    does with fused tensors and optimizer states."""
+
     world_size: int | None
-    include: Sequence[str] = ()
-    exclude: Sequence[str] = ()
-    dtype: DType | None = None
-    workers: int = 4
     allow_incomplete: bool = False
     layout: str = "fsdp2"
     tp: int | None = None
@@ -62,9 +62,6 @@ class ReshardOptions:
     hf_config: Path | None = None
     hub_timeout: float = DEFAULT_HUB_TIMEOUT
     """Seconds a Hub model id's config may take to download (`--hf-config`)."""
-    device: str = "auto"
-    sync: bool = True
-    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
 
     @property
     def megatron(self) -> bool:
