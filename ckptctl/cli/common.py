@@ -414,7 +414,19 @@ class ProgressDisplay:
                 def render(self, task):  # type: ignore[no-untyped-def]
                     return Text("") if task.total is None else self.column(task)  # its own refresh pace
 
-            self._progress = Progress(
+            class Bars(Progress):
+                """The bars of bytes in one grid, each `preparing` line in a grid of its own: a long
+                line saying what the run waits on never squeezes the bars drawn above it."""
+
+                def get_renderables(self):  # type: ignore[no-untyped-def]
+                    counted = [task for task in self.tasks if task.total is not None]
+                    if counted:
+                        yield self.make_tasks_table(counted)
+                    for task in self.tasks:
+                        if task.total is None:
+                            yield self.make_tasks_table([task])
+
+            self._progress = Bars(
                 TextColumn("[bold]{task.description:<10}"), BarColumn(), Counted(DownloadColumn(binary_units=False)),
                 Counted(AverageSpeedColumn()), Counted(TimeRemainingColumn()), console=stderr(), transient=False,
             )
@@ -429,15 +441,18 @@ class ProgressDisplay:
 
     @contextlib.contextmanager
     def preparing(self, what: str) -> Iterator[None]:
-        """A bar without bytes saying `what` the run does before its bytes start; gone once done."""
+        """A bar without bytes saying `what` the run does while no bytes move; gone once done.
+        Drawn at once and taken away at once: a wait shorter than a refresh is still shown."""
         if self._progress is None:
             yield
             return
         task = self._progress.add_task(what, total=None)
+        self._progress.refresh()
         try:
             yield
         finally:
             self._progress.remove_task(task)
+            self._progress.refresh()
 
     def end(self, phase: Phase) -> None:
         """Freeze the running bar at the phase's own rate."""

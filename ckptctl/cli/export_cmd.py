@@ -11,8 +11,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, dtype_option, emit_json, human_bytes, hub_timeout_option, no_sync_option,
-    run_distributed, say, stdout, timing_json, timing_summary, write_out,
+    ProgressDisplay, device_option, dist_backend_option, dtype_option, emit_json, human_bytes, hub_timeout_option,
+    no_sync_option, run_distributed, say, stdout, timing_json, timing_summary, write_out,
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.cli.reshard_cmd import parse_dtype
@@ -20,7 +20,6 @@ from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # imported when the command runs: other commands do not pay for the HF families
     from ckptctl.engine.dist import Comm
-    from ckptctl.util.progress import ProgressObserver
     from ckptctl.commands.export_hf import ExportPreview, ExportReport, PlannedTensor, SourceRows
 
 ROW_RANGES_SHOWN = 3
@@ -213,7 +212,7 @@ def export_hf_command(
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
                              rslora=rslora, adapter_config=adapter_config)
 
-    def run(comm: Comm, progress: ProgressObserver) -> ExportReport | ExportPreview:
+    def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export
         from ckptctl.storage.trainer_folder import model_part
 
@@ -225,8 +224,9 @@ def export_hf_command(
             if overlapped_input(Path(dst), [Path(src)]) is not None:
                 raise UsageError(f"{dst}: destination overlaps the source {src}; the source is never modified")
         if dry_run:
-            return preview_export(source, dst, hf_config, options())
-        return export_hf(source, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm)
+            return preview_export(source, dst, hf_config, options(), preparing=progress.preparing)
+        return export_hf(source, dst, hf_config, options(), force=force, verify=verify, progress=progress, comm=comm,
+                         preparing=progress.preparing)
 
     def show(report: ExportReport | ExportPreview) -> None:
         if dry_run:

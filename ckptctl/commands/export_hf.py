@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Container, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.storage.atomic import check_destination, recorded_reads
 from ckptctl.engine import resolve_device
@@ -296,10 +296,17 @@ def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str])
     return kept, notes
 
 
-def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str | Path | None = None) -> ExportPlan:
+Preparing = Callable[[str], ContextManager[object]]
+"""What shows a line saying what a run does while it waits on something other than its bytes
+(the CLI's `ProgressDisplay.preparing`)."""
+
+
+def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str | Path | None = None,
+                preparing: Preparing | None = None) -> ExportPlan:
     """Targets, shards, headers and the output config. Reads metadata (and `args`), and the data
     only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
-    to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model."""
+    to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model; the names
+    are checked against transformers' model under `preparing` (`asking_transformers`)."""
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -313,7 +320,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         tp, etp = resolve_tps(ckpt, model, opts.tp)
     lora = peft_adapters(ckpt, model, raw, opts)
     if lora is not None and opts.adapter_only:
-        return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref)
+        return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref, preparing)
     if opts.name_check or not raw:  # a model or family rules are built of the config
         refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
                                "wrong --hf-config?")
@@ -338,7 +345,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         raise CheckpointError(ckpt.path, "nothing to export")
     expected = None
     if opts.name_check:
-        expected = expected_for(cfg, raw, ctx.notes)
+        expected = expected_for(cfg, raw, ctx.notes, preparing)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
     mtp = family.mtp_prefixes(cfg)
@@ -489,7 +496,8 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
 
 
 def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
-                        adapters: PeftAdapters, scale: LoraScale, ref: str | Path | None) -> ExportPlan:
+                        adapters: PeftAdapters, scale: LoraScale, ref: str | Path | None,
+                        preparing: Preparing | None = None) -> ExportPlan:
     """`--adapter-only`: A and B (and DoRA's magnitude) of every adapter, and the trained copies of
     `modules_to_save` modules, under PEFT's names, copied (cast with `--dtype`), in one
     `adapter_model.safetensors`, and the adapter_config.json PEFT loads them with; each adapted
@@ -498,7 +506,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     notes: list[str] = []
     if opts.name_check:
-        expected = expected_for(cfg, True, notes)
+        expected = expected_for(cfg, True, notes, preparing)
         if expected is not None:
             refuse_unknown_modules(ckpt, adapters, expected)
     else:
@@ -638,7 +646,16 @@ def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targe
                           + f" ({more}wrong --hf-config?)")
 
 
-def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | None:
+def asking_transformers(preparing: Preparing | None, what: str) -> Preparing | None:
+    """`expected_names`' `asking`: while transformers is imported and its model built (seconds,
+    once per config), `preparing` shows `checking {what} against transformers' LlamaForCausalLM`."""
+    if preparing is None:
+        return None
+    return lambda model: preparing(f"checking {what} against transformers' {model}")
+
+
+def expected_for(cfg: HFConfig, raw: bool, notes: list[str], preparing: Preparing | None = None
+                 ) -> ExpectedNames | None:
     """The names transformers' model for the output config expects. Without transformers, None and
     a note for a family (its names come from ckptctl's own tables); `--arch raw` is refused
     (nothing else vouches for its names)."""
@@ -649,7 +666,7 @@ def expected_for(cfg: HFConfig, raw: bool, notes: list[str]) -> ExpectedNames | 
                              "them unchecked)")
         notes.append("tensor names not checked against transformers' model (transformers is not installed)")
         return None
-    return expected_names(output_config(cfg, None))
+    return expected_names(output_config(cfg, None), asking_transformers(preparing, "tensor names"))
 
 
 def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNames, megatron: bool
@@ -674,7 +691,7 @@ def check_names(ckpt: Checkpoint, tensors: dict[str, Any], expected: ExpectedNam
     return out
 
 
-def check_written_names(plan: ExportPlan, out: Path) -> None:
+def check_written_names(plan: ExportPlan, out: Path, preparing: Preparing | None = None) -> None:
     """`--verify`: the tensor names in the written files, read back from their headers, are the
     planned ones and, against transformers' model for the written config.json, leave nothing
     out and have nothing extra (only what --include/--exclude left out may be missing)."""
@@ -688,7 +705,8 @@ def check_written_names(plan: ExportPlan, out: Path) -> None:
         raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
     if plan.expected is None:
         return
-    expected = expected_names(json.loads((out / CONFIG_NAME).read_text())).allowing(plan.expected.beyond)
+    asking = asking_transformers(preparing, "the written names")
+    expected = expected_names(json.loads((out / CONFIG_NAME).read_text()), asking).allowing(plan.expected.beyond)
     expected = expected.for_output(names)
     unclaimed = expected.unclaimed(names)
     if unclaimed:
@@ -844,10 +862,11 @@ def merged_sources(delta: LowRank) -> tuple[str, str, float, str | None]:
     return delta.a.target.fqn, delta.b.target.fqn, delta.scale, magnitude
 
 
-def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions) -> ExportPreview:
+def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,
+                   preparing: Preparing | None = None) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
-    (DST may exist; it is not looked at)."""
-    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref)
+    (DST may exist; it is not looked at). `preparing`: as `plan_export`'s."""
+    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add,
                              None if t.delta is None else merged_sources(t.delta))
@@ -871,17 +890,19 @@ def export_hf(
     verify: bool = False,
     progress: ProgressObserver | None = None,
     comm: Comm = LOCAL,
+    preparing: Preparing | None = None,
 ) -> ExportReport:
     """Run an export end to end and report what happened.
 
     Under torchrun pass the run's `comm` (collective: every worker calls this with the same
     arguments); each worker then writes its share of the safetensors files and rank 0 the
-    index, config and side files.
+    index, config and side files. `preparing(what)` is the context a wait on transformers
+    happens in (the names checked against its model: `asking_transformers`).
     """
     started = time.perf_counter()
     cfg = load_hf_config(ref, opts.hub_timeout)
     ckpt = open_checkpoint(src)
-    plan = plan_export(ckpt, cfg, opts, ref)
+    plan = plan_export(ckpt, cfg, opts, ref, preparing)
     check_destination(dst, force, src)
     phases = Phases(progress)
     report = ExportReport(
@@ -899,7 +920,7 @@ def export_hf(
         advance = phases.start("verifying", 2 * plan.data_bytes)
         for f in plan.files:
             verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
-        check_written_names(plan, tmp)
+        check_written_names(plan, tmp, preparing)
         copied = {name: t for name, t in plan.targets.items() if t.delta is None}  # merged ones: recomputed above
         check_decoded_source(ckpt, copied, plan.sources, safetensors_read_back(tmp, plan), dst,
                              max(1, opts.workers), advance)

@@ -36,7 +36,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.util.errors import UsageError
 
@@ -149,8 +149,13 @@ def transformers_available() -> bool:
         return False
 
 
-def expected_names(config: Mapping[str, Any]) -> ExpectedNames:
+def expected_names(config: Mapping[str, Any],
+                   asking: Callable[[str], ContextManager[object]] | None = None) -> ExpectedNames:
     """The names the model of this `config.json` content expects (transformers must be importable).
+
+    When the cache does not answer, transformers is asked inside `asking(model)`, `model` naming
+    the class it builds (`model_named`): seconds the first time (transformers is imported), which
+    the CLI shows as a line saying so rather than a silent terminal.
 
     Raises UsageError, one line, when transformers has no model class for the config or cannot
     build it.
@@ -161,9 +166,19 @@ def expected_names(config: Mapping[str, Any]) -> ExpectedNames:
     cached = _read_cache(key, version)
     if cached is not None:
         return cached
-    names = _ask_transformers(dict(config), version)
+    with (asking or contextlib.nullcontext)(model_named(config)):
+        names = _ask_transformers(dict(config), version)
     _write_cache(key, names)
     return names
+
+
+def model_named(config: Mapping[str, Any]) -> str:
+    """The transformers class `_ask_transformers` builds for `config`, as a person reads it:
+    `LlamaForCausalLM`, or `AutoModelForCausalLM for 'llama'` for a config without architectures."""
+    architectures = config.get("architectures") or []
+    if architectures:
+        return str(architectures[0])
+    return f"AutoModelForCausalLM for {config.get('model_type')!r}"
 
 
 def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:

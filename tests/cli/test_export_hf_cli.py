@@ -534,3 +534,63 @@ def test_export_with_verify_on_a_terminal_shows_both_bars_and_the_final_line(lla
     assert ", verifying " in final and final.endswith(" verified")
     assert any(f.startswith("writing") for f in run.frames) and any(f.startswith("verifying") for f in run.frames)
     assert_same_model(dst, llama.ref)
+
+
+NAMES_CHECK = "checking tensor names against transformers' LlamaForCausalLM"
+WRITTEN_NAMES_CHECK = "checking the written names against transformers' LlamaForCausalLM"
+WAIT_BAR = {80: 15, 120: 40}
+"""Width of the bar drawn beside `NAMES_CHECK` (what is left of the line at 80 columns)."""
+WRITTEN_WAIT_BAR = {80: 10, 120: 40}
+
+
+def cold(tmp_path: Path) -> dict[str, str]:
+    """An empty names cache: transformers is imported and its model built during the run."""
+    return {"CKPTCTL_CACHE_DIR": str(tmp_path / "names-cache")}
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_the_wait_on_transformers_is_a_line_saying_so_then_gone(llama, tmp_path, columns):
+    dst = tmp_path / "out"
+    run = run_in_terminal("export-hf", llama.ckpt, dst, "--hf-config", llama.ref.folder, "--tp", TP, "--verify",
+                          "--dtype", "bf16", env=cold(tmp_path), columns=columns)
+    assert run.returncode == 0, run.screen
+    assert_no_traceback(run.raw)
+    drawn = [frame.rstrip() for frame in run.frames]
+    assert f"{NAMES_CHECK} " + "━" * WAIT_BAR[columns] in drawn
+    assert f"{WRITTEN_NAMES_CHECK} " + "━" * WRITTEN_WAIT_BAR[columns] in drawn  # a bf16 config.json: asked anew
+    bars = [frame for frame in drawn if frame.startswith(("writing", "verifying"))]
+    assert bars and all(bar.startswith(("writing    ━", "verifying  ━")) for bar in bars)  # never pushed aside
+    lines = run.screen.splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["writing", "verifying"]
+    assert "".join(lines[2:]).startswith(f"wrote {dst} (llama, 21 tensors in 1 safetensors file, ")
+    assert "checking" not in run.screen
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_a_dry_run_waiting_on_transformers_ends_on_the_screen_of_one_that_does_not(llama, tmp_path, columns):
+    args = ("export-hf", llama.ckpt, "dst", "--hf-config", llama.ref.folder, "--tp", TP, "--dry-run")
+    first = run_in_terminal(*args, env=cold(tmp_path), columns=columns, cwd=tmp_path)
+    again = run_in_terminal(*args, env=cold(tmp_path), columns=columns, cwd=tmp_path)  # names from the cache now
+    assert (first.returncode, again.returncode) == (0, 0)
+    assert f"{NAMES_CHECK} " + "━" * WAIT_BAR[columns] in [frame.rstrip() for frame in first.frames]
+    assert "checking" not in again.raw
+    assert first.screen == again.screen
+    assert first.screen.splitlines()[:3] == ["Dry run  nothing written to dst", f"Source   {llama.ckpt}",
+                                             "Arch     llama (TP 2)"]
+
+
+def test_the_wait_on_transformers_is_not_announced_in_a_pipe(llama, tmp_path):
+    res = run_with_env(cold(tmp_path), "export-hf", llama.ckpt, tmp_path / "out", "--hf-config", llama.ref.folder,
+                       "--tp", TP, "--verify", "--dtype", "bf16")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == ""
+    final, = res.stderr.splitlines()
+    assert final.startswith(f"wrote {tmp_path / 'out'} (llama, 21 tensors in 1 safetensors file, ")
+
+
+def test_the_wait_on_transformers_is_not_announced_with_json(llama, tmp_path):
+    run = run_in_terminal("export-hf", llama.ckpt, tmp_path / "out", "--hf-config", llama.ref.folder, "--tp", TP,
+                          "--json", env=cold(tmp_path), columns=80)
+    assert run.returncode == 0, run.screen
+    assert "checking" not in run.raw
+    assert json.loads(run.plain)["tensors"] == 21
