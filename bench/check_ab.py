@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 NO_CHECK = """
-import ckptctl.commands.reshard as reshard
+from ckptctl.commands import dcp_write
 
 
 class NoCheck:
@@ -42,7 +42,7 @@ class NoCheck:
         pass
 
 
-reshard.DcpCheck = NoCheck
+dcp_write.DcpCheck = NoCheck
 """
 RUN = "import runpy, sys; sys.argv = ['ckptctl', *sys.argv[1:]]; runpy.run_module('ckptctl', run_name='__main__')"
 

@@ -33,11 +33,12 @@ from ckptctl.util.wording import counted
 if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
     from ckptctl.engine.dist import Comm
     from ckptctl.util.progress import ProgressObserver
+    from ckptctl.commands.dcp_write import DcpReport
     from ckptctl.commands.reshard import ReshardReport
     from ckptctl.commands.trainer_folder import FolderReport
 
 
-def report_json(report: ReshardReport) -> dict:
+def report_json(report: DcpReport) -> dict:
     return {
         "src": report.src, "dst": report.dst, "world_size": report.world_size,
         "dry_run": report.dry_run, "tensors": report.tensors, "bytes_entries": report.bytes_entries,
@@ -55,7 +56,7 @@ def folder_json(report: FolderReport) -> dict:
             "verified": report.verified}
 
 
-def plan_rows(report: ReshardReport, dtype: str) -> list[tuple[str, str]]:
+def plan_rows(report: DcpReport, dtype: str) -> list[tuple[str, str]]:
     """A DCP output's plan, for `--dry-run` (reshard, import-hf)."""
     return [("World size", str(report.world_size)), ("Dtype", "kept" if dtype == "keep" else dtype),
             ("Entries", f"{counted(report.tensors, 'tensor')}, "

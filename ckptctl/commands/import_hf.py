@@ -25,7 +25,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, cast
+from typing import Any, Iterable, Mapping
 
 from ckptctl.core.dtypes import bfloat16, cast_dtype, float32
 from ckptctl.engine.cpu import ChunkSource, equal_tensors
@@ -55,7 +55,7 @@ from ckptctl.families.placement import fsdp2, megatron_fsdp
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target, source_view, unsqueezed_view
 from ckptctl.util.progress import ProgressObserver
 from ckptctl.commands.options import RunOptions
-from ckptctl.commands.reshard import ReshardOptions, ReshardReport, new_report, write_dcp_output
+from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
 
@@ -116,14 +116,11 @@ class ImportOptions(RunOptions):
             return tp * dp
         return self.world_size
 
-    def engine(self) -> ReshardOptions:
-        """The engine settings the run shares with reshard."""
-        return ReshardOptions(world_size=self.output_world_size, workers=self.workers, device=self.device, sync=self.sync)
-
 
 @dataclass
-class ImportReport(ReshardReport):
-    """What an import did: reshard's figures, the model class its names were checked against, notes."""
+class ImportReport(DcpReport):
+    """What an import did: the figures of every DCP write, the model class its names were checked
+    against, notes."""
 
     model_class: str | None = None
     notes: list[str] = field(default_factory=list)
@@ -499,12 +496,9 @@ def import_hf(
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     ckpt, plan = plan_import(src, opts)
-    engine = opts.engine()
-    report = cast(ImportReport, new_report(ckpt, plan.output, src, dst, opts.output_world_size or 1, engine, dry_run,
-                                           comm,
-                                           ImportReport, model_class=plan.model_class, notes=plan.notes,
-                                           dequantized_to=plan.dequantized_to))
+    report = ImportReport.planned(ckpt, plan.output, src, dst, opts.output_world_size or 1, opts, dry_run, comm,
+                                  model_class=plan.model_class, notes=plan.notes, dequantized_to=plan.dequantized_to)
     if not dry_run:
-        write_dcp_output(ckpt, plan.output, src, dst, report, engine, started, force=force, verify=verify,
+        write_dcp_output(ckpt, plan.output, src, dst, report, opts, started, force=force, verify=verify,
                          progress=progress, comm=comm, views=plan.views)
     return report

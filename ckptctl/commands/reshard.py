@@ -10,31 +10,26 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
-from ckptctl.storage.atomic import check_destination, recorded_reads
-from ckptctl.engine import resolve_device, working_bytes
-from ckptctl.engine.cpu import ChunkSource
+from ckptctl.storage.atomic import recorded_reads
 from ckptctl.engine.dist import LOCAL, Comm, shared_analysis
-from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import cast_dtype
 from ckptctl.util.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
 from ckptctl.core.analysis import analysis, source_tensors
-from ckptctl.core.checkpoint import Checkpoint, file_rank
+from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.families.placement import fsdp2
-from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
-from ckptctl.core.plan import SourceTensor, TargetTensor, identity_target, source_bytes
+from ckptctl.util.progress import ProgressObserver
+from ckptctl.core.plan import SourceTensor, TargetTensor, identity_target
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
-from ckptctl.util.resources import peak_rss_bytes
 from ckptctl.core.selection import refuse_empty_selection, selected
-from ckptctl.checks.output_check import DcpCheck
 from ckptctl.core.rank_state import refuse_dp_change
-from ckptctl.checks.verify import verified_bytes, verify_dcp
+from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
 from ckptctl.commands.options import RunOptions
 
 if TYPE_CHECKING:  # planning a Megatron-aware reshard imports it; a plain one never does
@@ -81,26 +76,8 @@ class ReshardOptions(RunOptions):
 
 
 @dataclass
-class ReshardReport(RunTiming):
-    """What a run did, for `--json` and the summary line."""
-
-    src: str
-    dst: str
-    world_size: int
-    tensors: int
-    bytes_entries: int
-    files: int
-    """Every file the output holds: `data_files`, `.metadata`, and Megatron's own (`common.pt`, `metadata.json`)."""
-    bytes_read: int
-    bytes_written: int
-    dry_run: bool = False
-    predicted_peak_bytes: int = 0
-    file_sizes: dict[str, int] = field(default_factory=dict)
-    """Each `.distcp` file's size by name, in rank order: the data files, as `inspect` counts them."""
-
-    @property
-    def data_files(self) -> int:
-        return len(self.file_sizes)
+class ReshardReport(DcpReport):
+    """What a reshard did, for `--json` and the summary line: the figures of every DCP write."""
 
 
 def refuse_if_incomplete(ckpt: Checkpoint, allow: bool) -> list[str]:
@@ -199,58 +176,9 @@ def reshard(
     shared_analysis(ckpt, comm)  # under torchrun each worker analyses a share of the tensors
     refuse_if_incomplete(ckpt, opts.allow_incomplete)
     out, views, world_size = _planned(ckpt, opts)
-    report = new_report(ckpt, out, src, dst, world_size, opts, dry_run, comm)
+    report = ReshardReport.planned(ckpt, out, src, dst, world_size, opts, dry_run, comm)
     if dry_run:
         return report
     write_dcp_output(ckpt, out, src, dst, report, opts, started, force=force, verify=verify, progress=progress,
                      comm=comm, views=views)
     return report
-
-
-def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, report: ReshardReport,
-                     opts: ReshardOptions, started: float, *, force: bool, verify: bool, progress: ProgressObserver | None,
-                     comm: Comm, views: Mapping[str, SourceTensor] | None = None) -> None:
-    """Stream `out` from `ckpt` into an atomic DCP directory at `dst` (this worker's share of the
-    rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
-    the plan used; default as reshard sees the source), and time the run into `report`."""
-    check_destination(dst, force, src)
-    sources = ChunkSource(ckpt)
-
-    def verify_output(tmp: Path) -> None:
-        verify_dcp(ckpt, sources, out, tmp, opts.workers,
-                   phases.start("verifying", verified_bytes(out)),
-                   views)
-        phases.stop()
-        report.verified = True
-
-    phases = Phases(progress)
-    check = DcpCheck(ckpt, out, views)
-    try:
-        report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
-                                          workers=opts.workers, force=force, sync=opts.sync,
-                                          check=timed_check(report, check), start_check=check.start,
-                                          early_check=check.early, early_check_load=check.early_load, comm=comm,
-                                          verify=verify_output if verify else None)
-    finally:
-        check.close()
-        sources.close()
-    report.finish(phases, started)
-
-
-def new_report(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_size: int, opts: ReshardOptions,
-               dry_run: bool, comm: Comm, report_type: type[ReshardReport] = ReshardReport, **extra: object
-               ) -> ReshardReport:
-    """The report of a run that writes `out` (reshard, import-hf): counts and the predicted peak memory."""
-    device = resolve_device(opts.device)
-    return report_type(
-        src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
-        bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
-        file_sizes=dict(sorted(out.files.items(), key=lambda item: (file_rank(item[0]) or 0, item[0]))),
-        bytes_read=sum(source_bytes(t, numel, out.sources) for t, numel in out.records.target_elements())
-        + sum(c.length for c in out.copy_items),
-        bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
-        processes=comm.world_size, device=device,
-        # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
-        predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.targets.values(), out.sources, opts.workers, device),
-        **extra,
-    )

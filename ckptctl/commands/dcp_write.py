@@ -1,0 +1,104 @@
+"""What the commands whose output is a DCP checkpoint (reshard, import-hf) share once planned.
+
+Each plans its own `DcpOutput`; from there on a run is the same: its report's counts and
+predicted peak memory (`DcpReport.planned`), then one write-and-verify sequence
+(`write_dcp_output`): the destination checked, the output streamed into an atomic directory,
+read back before it takes its name (`DcpCheck`), verified when asked, the run timed. Kept
+here, not in either command, so neither command's module is the other's library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, TypeVar
+
+from ckptctl.checks.output_check import DcpCheck
+from ckptctl.checks.verify import verified_bytes, verify_dcp
+from ckptctl.commands.options import RunOptions
+from ckptctl.core.checkpoint import Checkpoint, file_rank
+from ckptctl.core.plan import SourceTensor, source_bytes
+from ckptctl.engine import resolve_device, working_bytes
+from ckptctl.engine.cpu import ChunkSource
+from ckptctl.engine.dist import Comm
+from ckptctl.engine.output import write_output
+from ckptctl.formats.dcp.writer import DcpOutput
+from ckptctl.storage.atomic import check_destination
+from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
+from ckptctl.util.resources import peak_rss_bytes
+
+Report = TypeVar("Report", bound="DcpReport")
+
+
+@dataclass
+class DcpReport(RunTiming):
+    """What a run that writes a DCP checkpoint did, for `--json` and the summary line; each
+    command's report adds its own figures to these."""
+
+    src: str
+    dst: str
+    world_size: int
+    tensors: int
+    bytes_entries: int
+    files: int
+    """Every file the output holds: `data_files`, `.metadata`, and Megatron's own (`common.pt`, `metadata.json`)."""
+    bytes_read: int
+    bytes_written: int
+    dry_run: bool = False
+    predicted_peak_bytes: int = 0
+    file_sizes: dict[str, int] = field(default_factory=dict)
+    """Each `.distcp` file's size by name, in rank order: the data files, as `inspect` counts them."""
+
+    @property
+    def data_files(self) -> int:
+        return len(self.file_sizes)
+
+    @classmethod
+    def planned(cls: type[Report], ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, world_size: int,
+                opts: RunOptions, dry_run: bool, comm: Comm, **figures: Any) -> Report:
+        """The report of a run that writes `out`, before it does: counts and the predicted peak
+        memory, and the command's own `figures`."""
+        device = resolve_device(opts.device)
+        return cls(
+            src=str(src), dst=str(dst), world_size=world_size, tensors=len(out.targets) + len(out.literal_tensors),
+            bytes_entries=len(out.bytes_entries), files=len(out.files) + 1 + len(out.extra_files),
+            file_sizes=dict(sorted(out.files.items(), key=lambda item: (file_rank(item[0]) or 0, item[0]))),
+            bytes_read=sum(source_bytes(t, numel, out.sources) for t, numel in out.records.target_elements())
+            + sum(c.length for c in out.copy_items),
+            bytes_written=out.total_bytes + sum(map(len, out.extra_files.values())), dry_run=dry_run,
+            processes=comm.world_size, device=device,
+            # this process as planning left it (interpreter, metadata, plan), plus what the copy adds
+            predicted_peak_bytes=peak_rss_bytes() + working_bytes(out.targets.values(), out.sources, opts.workers,
+                                                                  device),
+            **figures,
+        )
+
+
+def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, report: DcpReport, opts: RunOptions,
+                     started: float, *, force: bool, verify: bool, progress: ProgressObserver | None, comm: Comm,
+                     views: Mapping[str, SourceTensor] | None = None) -> None:
+    """Stream `out` from `ckpt` into an atomic DCP directory at `dst` (this worker's share of the
+    rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
+    the plan used; default as reshard sees the source), and time the run into `report`."""
+    check_destination(dst, force, src)
+    sources = ChunkSource(ckpt)
+
+    def verify_output(tmp: Path) -> None:
+        verify_dcp(ckpt, sources, out, tmp, opts.workers,
+                   phases.start("verifying", verified_bytes(out)),
+                   views)
+        phases.stop()
+        report.verified = True
+
+    phases = Phases(progress)
+    check = DcpCheck(ckpt, out, views)
+    try:
+        report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
+                                          workers=opts.workers, force=force, sync=opts.sync,
+                                          check=timed_check(report, check), start_check=check.start,
+                                          early_check=check.early, early_check_load=check.early_load, comm=comm,
+                                          verify=verify_output if verify else None)
+    finally:
+        check.close()
+        sources.close()
+    report.finish(phases, started)
