@@ -322,7 +322,7 @@ def mapped_side(ckpt: Checkpoint, cfg: HFConfig, arch: str, tp: int | None) -> D
 class SafetensorsSide:
     """A safetensors model folder (with or without an index) or one `.safetensors` file.
 
-    Headers are parsed by `formats.safetensors_in` and data read with positioned reads: a
+    Headers are parsed by `formats.safetensors.reader` and data read with positioned reads: a
     lazy reader that needs no torch, so equal tensors are compared without importing it.
     """
 

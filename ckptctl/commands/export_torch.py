@@ -2,7 +2,7 @@
 
 torch's converter builds the whole state dict in memory and unpickles every non-tensor
 entry with `weights_only=False` (running whatever code it names). Here the file is laid out
-from metadata first (`formats.torch_save_out`): the nested dict's `data.pkl`, one record per
+from metadata first (`formats.torch_save.writer`): the nested dict's `data.pkl`, one record per
 tensor at a known offset, the zip directory. The engine that reshards then assembles each
 record from the DCP chunks a block at a time, so memory does not grow with the model.
 Non-tensor entries are decoded by an allow-list unpickler; one it cannot decode is refused

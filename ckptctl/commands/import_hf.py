@@ -5,7 +5,7 @@ loads (`--to fsdp2`): every tensor under its HF name behind `--prefix` (`model.`
 `dcp.save({"model": model.state_dict()})` writes it), cut into FSDP2 `Shard(0)` row
 chunks at `--world-size` ranks, one `__{rank}_0.distcp` file per rank. Each chunk is
 streamed from the safetensors records with positioned reads (the folder is opened as a
-checkpoint of whole-row chunks, `formats.safetensors_in`) by the same planner and engine
+checkpoint of whole-row chunks, `formats.safetensors.reader`) by the same planner and engine
 as reshard: bounded memory, atomic output, `--verify` re-reading every tensor and decoding
 every source block with the safetensors library.
 

@@ -60,7 +60,8 @@ class ReshardOptions(RunOptions):
 
     @property
     def megatron(self) -> bool:
-        """True when any Megatron-aware option is set: planning goes to `megatron_reshard` (imported only then)."""
+        """True when any Megatron-aware option is set: planning goes to `planners.megatron_fsdp`
+        (imported only then)."""
         return bool(self.split_fused or self.fuse or self.flat_optimizer or self.hf_config is not None
                     or self.layout != "fsdp2" or any(v is not None for v in (self.tp, self.dp, self.source_tp)))
 
@@ -108,11 +109,11 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping
             out, views, world_size = torch_dist_to_fsdp_dtensor.plan_to_fsdp_dtensor(ckpt, opts.tp, opts.dp,
                                                                                       opts.world_size)
         elif ckpt.megatron_backend is not None:  # torch_dist: rewritten at its own layout, optimizer in model space
-            from ckptctl.planners import torch_dist as torch_dist_reshard
+            from ckptctl.planners import torch_dist
 
-            torch_dist_reshard.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.layout,
-                                              opts.include, opts.exclude, opts.dtype)
-            out, views = torch_dist_reshard.plan_torch_dist(ckpt)
+            torch_dist.refuse_options(opts.world_size, ckpt.saved_world_size, opts.megatron, opts.layout,
+                                      opts.include, opts.exclude, opts.dtype)
+            out, views = torch_dist.plan_torch_dist(ckpt)
             world_size = ckpt.saved_world_size
         elif opts.layout == TORCH_DIST_LAYOUT:  # Megatron-FSDP's fsdp_dtensor to megatron-core's torch_dist
             from ckptctl.planners import fsdp_dtensor_to_torch_dist
@@ -121,10 +122,10 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping
             world_size = opts.world_size or 1
             out, views = fsdp_dtensor_to_torch_dist.plan_from_fsdp_dtensor(ckpt, world_size)
         elif opts.megatron:
-            from ckptctl.planners import megatron_fsdp as megatron_reshard
+            from ckptctl.planners import megatron_fsdp
 
-            out = megatron_reshard.plan_megatron(ckpt, opts.megatron_request())
-            world_size = megatron_reshard.output_world_size(ckpt, opts.megatron_request())
+            out = megatron_fsdp.plan_megatron(ckpt, opts.megatron_request())
+            world_size = megatron_fsdp.output_world_size(ckpt, opts.megatron_request())
         else:
             out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),

@@ -190,7 +190,7 @@ def refuse_options(opts: Any) -> None:
 
 
 def _common(ckpt: Checkpoint) -> CommonState:
-    """The common state (`torch_dist_reshard.read_common`), every entry of it of a known kind."""
+    """The common state (`planners.torch_dist.read_common`), every entry of it of a known kind."""
     common = read_common(ckpt)
     unknown = sorted(str(k) for k in common.state if k not in ("args", *CARRIED, *DROPPED))
     if unknown:

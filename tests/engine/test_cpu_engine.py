@@ -194,7 +194,7 @@ def test_small_records_that_follow_one_another_are_written_together(fixture_ckpt
 def test_small_items_read_front_to_back_are_read_ahead(tmp_path, monkeypatch):
     """64 tiny items of one kind in one file, read in order: a few windows growing from 32 KB, not a
     read per item; the output loads equal."""
-    from ckptctl.formats.dcp import items as dcp_items
+    from ckptctl.formats.dcp import items
     from ckptctl.commands.reshard import ReshardOptions, reshard
 
     state = {f"w{i:02d}": torch.arange(64, dtype=torch.float32).reshape(4, 16) + i for i in range(64)}
@@ -208,10 +208,10 @@ def test_small_items_read_front_to_back_are_read_ahead(tmp_path, monkeypatch):
             reads.append(n)
         return real_pread(fd, n, at)
 
-    monkeypatch.setattr(dcp_items.os, "pread", counted)
+    monkeypatch.setattr(items.os, "pread", counted)
     reshard(tmp_path / "src", tmp_path / "out", ReshardOptions(world_size=2, sync=False))
     length = open_checkpoint(tmp_path / "src").tensors["w00"].chunks[0].length
-    window = dcp_items.READ_AHEAD_MIN
+    window = items.READ_AHEAD_MIN
     # each output rank's pass over the 64 items: one item alone, then windows of 32, 64 and 128 KB
     # (the first item's validation reads its zip records, each shorter than the item); the
     # output's check reads items of its own after the copy

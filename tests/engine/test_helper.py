@@ -42,12 +42,12 @@ def test_a_run_with_a_helper_writes_the_same_bytes(fixture_ckpt, tmp_path, forks
 
 
 def test_a_helpers_error_is_the_runs_and_leaves_no_output(fixture_ckpt, tmp_path, forks, monkeypatch):
-    from ckptctl.formats.dcp import writer as dcp_writer
+    from ckptctl.formats.dcp import writer
 
     def failing(out, directory):
         raise OutputError(directory / ".metadata", "cannot write: No space left on device")
 
-    monkeypatch.setattr(dcp_writer, "write_metadata", failing)  # the helper writes .metadata
+    monkeypatch.setattr(writer, "write_metadata", failing)  # the helper writes .metadata
     with pytest.raises(helper.HelperFailedError, match=r"/\.metadata: cannot write: No space left on device$"):
         reshard(fixture_ckpt("fsdp2_4ranks"), tmp_path / "out", ReshardOptions(world_size=3, sync=False))
     assert len(forks) == 1 and list(tmp_path.iterdir()) == []

@@ -26,9 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptctl.util.errors import CheckpointError
-from ckptctl.formats.dcp import classes as dcp_classes
-from ckptctl.formats.dcp import metadata as dcp_metadata
-from ckptctl.formats.dcp import templates as metadata_templates
+from ckptctl.formats.dcp import classes, metadata, templates
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.pickle.vm import memo_fetch
 from ckptctl.formats.pickle.unpickle import load_metadata_pickle
@@ -38,11 +36,11 @@ from tests.conftest import FIXTURES
 REAL = sorted(p.parent.name for p in FIXTURES.glob("*/.metadata"))
 
 
-def _read(path: Path) -> tuple[dcp_classes.Metadata | None, metadata_templates.TemplateMachine]:
+def _read(path: Path) -> tuple[classes.Metadata | None, templates.TemplateMachine]:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        machine = metadata_templates.TemplateMachine(metadata_templates._blocks(fd, size), size)
+        machine = templates.TemplateMachine(templates._blocks(fd, size), size)
         try:
             return machine.load(), machine
         except Exception:
@@ -51,25 +49,25 @@ def _read(path: Path) -> tuple[dcp_classes.Metadata | None, metadata_templates.T
         os.close(fd)
 
 
-def _oracle(path: Path) -> dcp_classes.Metadata:
+def _oracle(path: Path) -> classes.Metadata:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         return load_metadata_pickle(data)
 
 
-def _oracle_bytes(data: bytes) -> dcp_classes.Metadata:
+def _oracle_bytes(data: bytes) -> classes.Metadata:
     return load_metadata_pickle(data)
 
 
-def _plain(md: dcp_classes.Metadata) -> tuple:
+def _plain(md: classes.Metadata) -> tuple:
     """Everything a Metadata says, chunks as (offsets, sizes) and storage per FQN, in order."""
     tensors = {}
     for fqn, item in md.state_dict_metadata.items():
-        if isinstance(item, dcp_classes.TensorStorageMetadata):
-            tensors[fqn] = (tuple(item.size), repr(item.properties), list(dcp_metadata._pairs(item.chunks)))
+        if isinstance(item, classes.TensorStorageMetadata):
+            tensors[fqn] = (tuple(item.size), repr(item.properties), list(metadata._pairs(item.chunks)))
         else:
             tensors[fqn] = repr(item)
-    storage = dcp_classes.StorageColumns()
-    dcp_metadata._add_storage(storage, md.storage_data)
+    storage = classes.StorageColumns()
+    metadata._add_storage(storage, md.storage_data)
     rows = {fqn: list(storage.rows_of(fqn)) for fqn in storage.rows}
     return type(md), tensors, rows, md.planner_data, repr(md.storage_meta), md.version
 
@@ -133,9 +131,9 @@ def test_a_gloo_save_reads_as_cs_unpickler_reads_it(fsdp2_save):
 
 @pytest.mark.full
 def test_open_checkpoint_is_the_same_either_way(fsdp2_save, monkeypatch):
-    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(metadata, "TEMPLATE_MIN_BYTES", 0)
     by_templates = open_checkpoint(fsdp2_save)
-    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 1 << 40)
+    monkeypatch.setattr(metadata, "TEMPLATE_MIN_BYTES", 1 << 40)
     plainly = open_checkpoint(fsdp2_save)
     assert by_templates.tensors == plainly.tensors
     assert by_templates.bytes_entries == plainly.bytes_entries
@@ -172,7 +170,7 @@ def test_torch_classes_pickled_read_as_cs_unpickler_reads_them(tmp_path, fresh_n
     md, machine = _read(path)
     assert md is not None and machine._matched == 2 * 900 - 2  # the first chunk and entry are read plainly
     assert _plain(md) == _plain(_oracle(path))
-    assert type(md.storage_data) is dcp_classes.StorageColumns
+    assert type(md.storage_data) is classes.StorageColumns
 
 
 def test_names_holding_the_memoize_byte_are_matched_whole(tmp_path):
@@ -241,7 +239,7 @@ def test_mutants_of_a_real_save_read_as_the_oracle_reads_them_or_are_declined(tm
 
 def test_a_bad_chunk_is_named_as_before(tmp_path, monkeypatch):
     """A chunk lying outside its tensor, read through the templates, gets the same one-line refusal."""
-    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(metadata, "TEMPLATE_MIN_BYTES", 0)
     _torch_pickle(tmp_path, shared=False, fresh_names=True)
     data = bytearray((tmp_path / ".metadata").read_bytes())
     at = -1
@@ -294,7 +292,7 @@ def test_storage_entries_a_dict_opcode_builds_are_read_plainly(tmp_path, monkeyp
     EMPTY_DICT, MARK … SETITEMS: the same metadata for C's unpickler. The templates, which fill a
     dict already on the stack, decline, and open_checkpoint reads it as before."""
     _torch_pickle(tmp_path, shared=False, fresh_names=True)
-    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(metadata, "TEMPLATE_MIN_BYTES", 0)
     expected = open_checkpoint(tmp_path)
     opcodes = _opcodes((tmp_path / ".metadata").read_bytes())
     head, tail = b"\x8c\x0cstorage_data\x94}\x94(", b"u\x8c\x0cstorage_meta"
@@ -321,7 +319,7 @@ def test_matched_chunks_of_an_outer_mark_a_tuple_takes_are_read_plainly(tmp_path
     nested = (opcodes[:first.end()] + b"](" + second.group(0) + b"et0(" + opcodes[second.end():])
     (tmp_path / ".metadata").write_bytes(_framed(nested))
     assert _read(tmp_path / ".metadata")[0] is None
-    monkeypatch.setattr(dcp_metadata, "TEMPLATE_MIN_BYTES", 0)
+    monkeypatch.setattr(metadata, "TEMPLATE_MIN_BYTES", 0)
     chunks = open_checkpoint(tmp_path).tensors["layers.1.weight"].chunks
     assert len(chunks) == 298 and chunks[0].offsets == (4, 0)
 
@@ -349,3 +347,29 @@ def test_runs_cut_by_names_holding_a_batch_end_or_by_an_entry_read_plainly(tmp_p
     assert _plain(md) == _plain(_oracle(path))
     places = [entry[1] for _, entry in md.storage_data.rows_of("club.ubu.ube.2.weight")]
     assert places[76:79] == [80, (1 << 33) + 80, 80]
+
+
+def test_a_batch_of_chunks_read_before_is_taken_by_its_bytes(tmp_path, monkeypatch):
+    """Tensors of one shape pickle the same batch of chunk records byte for byte: read once, taken
+    by its bytes after that. A batch differing in one integer (the last tensor's last chunk) is read
+    anew; what each tensor reads as is C's reading."""
+    props = TensorProperties(dtype=torch.bfloat16)
+    sd, storage = {}, {}
+    for t in range(4):
+        fqn = f"layers.{t}.weight"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 5])) for r in range(300)]
+        if t == 3:
+            chunks[-1] = ChunkStorageMetadata(torch.Size([598, 0]), torch.Size([3, 5]))
+        sd[fqn] = TensorStorageMetadata(props, torch.Size([600 + (t == 3), 5]), chunks)
+        for r, chunk in enumerate(chunks):
+            storage[MetadataIndex(fqn, torch.Size(chunk.offsets), r)] = _StorageInfo(f"__{r}_0.distcp", 40 * t, 40)
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata(sd, storage_data=storage)))
+    taken = []
+    repeated = templates.TemplateMachine._repeated_chunks
+    monkeypatch.setattr(templates.TemplateMachine, "_repeated_chunks",
+                        lambda self, target: taken.append(found := repeated(self, target)) or found)
+    md, machine = _read(path)
+    assert md is not None and _plain(md) == _plain(_oracle(path))
+    assert taken == [False, True, False]  # tensor 0's batch is learnt from; 1's read, 2's taken, 3's differs
+    assert md.state_dict_metadata["layers.3.weight"].chunks.sizes[-1] == (3, 5)

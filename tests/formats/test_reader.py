@@ -227,16 +227,16 @@ def test_ranks_that_disagree_about_an_entry_are_a_problem(per_rank_ckpt: Path, t
 def test_tensors_checked_a_column_at_a_time_equal_those_checked_chunk_by_chunk(name, fixture_ckpt, monkeypatch):
     """A tensor saved as torch saves one is checked a column at a time; the checkpoint read is the
     one read chunk by chunk (every chunk's file, place and box, the files in the same order)."""
-    from ckptctl.formats.dcp import metadata as dcp_metadata
+    from ckptctl.formats.dcp import metadata
 
     fast = open_checkpoint(fixture_ckpt(name))
     taken: list = []  # the tensors asked for, then the tables made
-    column = dcp_metadata._table_in_order
-    monkeypatch.setattr(dcp_metadata, "_table_in_order", lambda *args: taken.append(args[1]) or None)
+    column = metadata._table_in_order
+    monkeypatch.setattr(metadata, "_table_in_order", lambda *args: taken.append(args[1]) or None)
     slow = open_checkpoint(fixture_ckpt(name))
     assert fast.tensors == slow.tensors and fast.files == slow.files
     assert [list(e.chunks) for e in fast.tensors.values()] == [list(e.chunks) for e in slow.tensors.values()]
-    monkeypatch.setattr(dcp_metadata, "_table_in_order", lambda *args: taken.append(column(*args)))
+    monkeypatch.setattr(metadata, "_table_in_order", lambda *args: taken.append(column(*args)))
     open_checkpoint(fixture_ckpt(name))
     assert len(taken) == 2 * len(fast.tensors)
     in_order = [t for t in taken[len(fast.tensors):] if t is not None]

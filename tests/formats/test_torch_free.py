@@ -107,30 +107,29 @@ RESHARDS = {
 
 
 def no_fallback(monkeypatch) -> None:
-    """From now on, fail if `dcp_metadata_out` hands the metadata to `torch_pickle` instead of writing it itself."""
-    from ckptctl.formats.dcp import metadata_out as dcp_metadata_out
+    """From now on, fail if `metadata_out` hands the metadata to `torch_pickle` instead of writing it itself."""
+    from ckptctl.formats.dcp import metadata_out
 
     def refuse(*_):
         raise AssertionError("fell back to torch_pickle")
 
-    monkeypatch.setattr(dcp_metadata_out.torch_pickle, "dumps", refuse)
+    monkeypatch.setattr(metadata_out.torch_pickle, "dumps", refuse)
 
 
 @pytest.mark.parametrize("case", RESHARDS)
 def test_metadata_is_torch_pickles_bytes_for_every_fixture_reshard(case, fixture_ckpt, monkeypatch):
     """`metadata_pickle` writes exactly what the pure-Python pickler writes, and torch reads it as `md`."""
-    from ckptctl.formats.dcp import metadata_out as dcp_metadata_out
-    from ckptctl.formats.dcp import writer as dcp_writer
+    from ckptctl.formats.dcp import metadata_out, writer
     from ckptctl.formats.dcp.metadata import open_checkpoint
     from ckptctl.formats.pickle.unpickle import load_metadata_pickle
     from ckptctl.commands.reshard import ReshardOptions, plan_reshard
 
     name, options = RESHARDS[case]
-    streamed = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt(name)), ReshardOptions(**options)))
-    md = dcp_metadata_out.materialized(streamed)
+    streamed = writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt(name)), ReshardOptions(**options)))
+    md = metadata_out.materialized(streamed)
     expected = torch_pickle.dumps(md)
     no_fallback(monkeypatch)
-    data = dcp_writer.metadata_pickle(streamed)
+    data = writer.metadata_pickle(streamed)
     assert data == expected
     theirs = pickle.loads(data)
     assert type(theirs).__module__ == "torch.distributed.checkpoint.metadata"
@@ -175,7 +174,7 @@ def synthetic_metadata(seed: int, tensors: int, chunks: int) -> Metadata:
 def test_metadata_of_many_frames_memo_entries_and_batches_is_torch_pickles_bytes(seed, tensors, chunks, monkeypatch):
     """Frames (64 KiB) end at every byte of a chunk's template somewhere; memo indexes past 255
     take LONG_BINGET; lists and dicts over 1,000 items take several APPENDS/SETITEMS."""
-    from ckptctl.formats.dcp import writer as dcp_writer
+    from ckptctl.formats.dcp import writer
 
     md = synthetic_metadata(seed, tensors, chunks)
     expected = torch_pickle.dumps(md)
@@ -183,17 +182,17 @@ def test_metadata_of_many_frames_memo_entries_and_batches_is_torch_pickles_bytes
     assert {"LONG_BINGET", "BINGET", "APPENDS", "SETITEMS", "BINUNICODE", "TUPLE", "LONG1"} <= set(opcodes)
     assert opcodes.count("FRAME") >= 3
     no_fallback(monkeypatch)
-    assert dcp_writer.metadata_pickle(md) == expected
+    assert writer.metadata_pickle(md) == expected
 
 
 def test_values_outside_metadatas_shape_still_get_torch_pickles_bytes():
     """A float in planner_data or a record's subclass goes to torch_pickle; a bool in a Size, a
     field set again (out of order) or a chunk with a dict key not interned is written one save at a time."""
-    from ckptctl.formats.dcp import writer as dcp_writer
+    from ckptctl.formats.dcp import writer
 
     md = synthetic_metadata(3, 4, 5)
     md.planner_data["model.layers.0.weight"] = ("model", 1.5)
-    assert dcp_writer.metadata_pickle(md) == torch_pickle.dumps(md)
+    assert writer.metadata_pickle(md) == torch_pickle.dumps(md)
 
     class Chunk(ChunkStorageMetadata):
         pass
@@ -206,12 +205,12 @@ def test_values_outside_metadatas_shape_still_get_torch_pickles_bytes():
     odd[3].__dict__.clear()
     odd[3].__dict__.update({"".join(["off", "sets"]): size((3,)), "sizes": size((4,))})
     md.state_dict_metadata["model.layers.0.weight"].chunks.extend(odd)
-    assert dcp_writer.metadata_pickle(md) == torch_pickle.dumps(md)
+    assert writer.metadata_pickle(md) == torch_pickle.dumps(md)
 
 
 BIG_METADATA_WITHOUT_TORCH = """
 import json, sys
-from ckptctl.formats.dcp import writer as dcp_writer
+from ckptctl.formats.dcp import writer
 from ckptctl.formats.dcp.classes import *
 from ckptctl.core.dtypes import DTYPES
 storage, sd = {}, {}
@@ -223,7 +222,7 @@ for t in range(100):
     sd[fqn] = TensorStorageMetadata(TensorProperties(DTYPES["float32"]), size((1200, 16)), chunks)
 md = Metadata(state_dict_metadata=sd, planner_data={k: tuple(k.split(".")) for k in sd}, storage_data=storage,
               storage_meta=StorageMeta(modules=[]), version="1.0.0")
-data = dcp_writer.metadata_pickle(md)
+data = writer.metadata_pickle(md)
 print(json.dumps({"entries": len(storage), "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}))
 """
 
@@ -238,15 +237,14 @@ def test_big_metadata_is_written_without_importing_torch():
 def test_streamed_metadata_outside_the_templates_shape_is_torch_pickles_bytes(fixture_ckpt):
     """A value the direct writer does not write (a float in planner_data) sends the whole metadata
     through `torch_pickle`, its streamed chunk lists and storage dict made real first."""
-    from ckptctl.formats.dcp import metadata_out as dcp_metadata_out
-    from ckptctl.formats.dcp import writer as dcp_writer
+    from ckptctl.formats.dcp import metadata_out, writer
     from ckptctl.formats.dcp.metadata import open_checkpoint
     from ckptctl.commands.reshard import ReshardOptions, plan_reshard
 
-    streamed = dcp_writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt("fsdp2_4ranks")),
+    streamed = writer.build_metadata(plan_reshard(open_checkpoint(fixture_ckpt("fsdp2_4ranks")),
                                                       ReshardOptions(world_size=3)))
     streamed.planner_data = {"model.embed.weight": ("model", 0.5)}
-    assert type(streamed.storage_data) is dcp_metadata_out.StreamedDict
-    assert dcp_writer.metadata_pickle(streamed) == torch_pickle.dumps(dcp_metadata_out.materialized(streamed))
-    theirs = pickle.loads(dcp_writer.metadata_pickle(streamed))
+    assert type(streamed.storage_data) is metadata_out.StreamedDict
+    assert writer.metadata_pickle(streamed) == torch_pickle.dumps(metadata_out.materialized(streamed))
+    theirs = pickle.loads(writer.metadata_pickle(streamed))
     assert len(theirs.storage_data) == len(dict(streamed.storage_data.items())) == len(streamed.storage_data) == 87

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from ckptctl.formats.dcp import metadata_out as dcp_metadata_out
+from ckptctl.formats.dcp import metadata_out
 from ckptctl.formats.pickle import torch_pickle
 from ckptctl.formats.dcp.classes import (Metadata, MetadataIndex, StorageInfo, StorageMeta, TensorProperties,
                                           TensorStorageMetadata, ChunkStorageMetadata, size)
@@ -72,8 +72,8 @@ def test_file_names_made_per_entry_pickle_as_torch_pickle_writes_them() -> None:
                                                                        size((0, 0)), size((3000, 16)))])},
                   planner_data=None, storage_data=StreamedDict(storage, 3000),
                   storage_meta=StorageMeta(checkpoint_id=None, save_id=None, modules=[]), version="1.0.0")
-    written = dcp_metadata_out.dumps(md)
-    assert written == torch_pickle.dumps(dcp_metadata_out.materialized(md), protocol=4)
+    written = metadata_out.dumps(md)
+    assert written == torch_pickle.dumps(metadata_out.materialized(md), protocol=4)
     loaded = pickle.loads(written)  # torch's own classes
     assert [info.relative_path for info in loaded.storage_data.values()] == [f"__{i % 97}_0.distcp"
                                                                              for i in range(3000)]

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as torch_md
 
 from ckptctl.util.errors import CheckpointError
-from ckptctl.formats.dcp import classes as dcp_classes
+from ckptctl.formats.dcp import classes
 from ckptctl.formats.pickle import torch_pickle
 from ckptctl.formats.dcp.items import ItemReader
 from ckptctl.formats.pickle.unpickle import (
@@ -75,10 +75,10 @@ def described(md) -> dict:
 def test_real_metadata_loads_as_torch_would(real_metadata: bytes) -> None:
     ours = load_metadata_pickle(real_metadata)
     theirs = pickle.loads(real_metadata)
-    assert isinstance(ours, dcp_classes.Metadata)
+    assert isinstance(ours, classes.Metadata)
     assert described(ours) == described(theirs)
     w = ours.state_dict_metadata["w"]
-    assert isinstance(w, dcp_classes.TensorStorageMetadata) and w.properties.dtype == torch.bfloat16
+    assert isinstance(w, classes.TensorStorageMetadata) and w.properties.dtype == torch.bfloat16
     assert list(w.size) == [2, 3]
 
 
@@ -211,10 +211,10 @@ def _shared_state() -> tuple:
     """What a BUILD that reached a real object would change: dtypes, the stand-in classes, path classes."""
     import pathlib
 
-    classes = (*{c for c in dcp_classes.METADATA_CLASSES.values()}, pathlib.PurePosixPath, pathlib.PosixPath,
-               _unpickle.TensorRecordSpec)
+    stand_ins = (*{c for c in classes.METADATA_CLASSES.values()}, pathlib.PurePosixPath, pathlib.PosixPath,
+                 _unpickle.TensorRecordSpec)
     return (tuple((d.name, d.itemsize, d.kind) for d in _dtypes.DTYPES.values()),
-            tuple((c, dict(vars(c))) for c in classes))
+            tuple((c, dict(vars(c))) for c in stand_ins))
 
 
 def _global(module: str, name: str) -> bytes:
@@ -245,11 +245,11 @@ def test_build_on_any_allowed_global_even_from_the_memo_is_refused(key, value, s
 
 def test_slot_state_build_on_a_record_shell_never_sets_attributes() -> None:
     before = _shared_state()
-    chunk = _global(dcp_classes.DCP_METADATA, "ChunkStorageMetadata") + b")\x81"
+    chunk = _global(classes.DCP_METADATA, "ChunkStorageMetadata") + b")\x81"
     with pytest.raises(MalformedPickleError) as err:
-        load_metadata_pickle(b"\x80\x02" + _global(dcp_classes.DCP_METADATA, "Metadata") + b")\x81}"
+        load_metadata_pickle(b"\x80\x02" + _global(classes.DCP_METADATA, "Metadata") + b")\x81}"
                              b"X\x13\x00\x00\x00state_dict_metadata}X\x01\x00\x00\x00w" +
-                             _global(dcp_classes.DCP_METADATA, "TensorStorageMetadata") + b")\x81}"
+                             _global(classes.DCP_METADATA, "TensorStorageMetadata") + b")\x81}"
                              b"X\x06\x00\x00\x00chunks]" + chunk + _STATES["slots"] + b"basbssb.")
     assert str(err.value).startswith("TensorStorageMetadata.properties should be a TensorProperties")
     assert _shared_state() == before
@@ -265,7 +265,7 @@ def test_newobj_of_anything_but_a_record_is_refused(key, label: str) -> None:
 def test_a_record_class_cannot_be_called() -> None:
     with pytest.raises(MalformedPickleError, match=r"^pickle calls torch\.distributed\.checkpoint\.metadata\."
                                                    r"ChunkStorageMetadata, which cannot be called$"):
-        load_metadata_pickle(b"\x80\x02" + _global(dcp_classes.DCP_METADATA, "ChunkStorageMetadata") + b")R.")
+        load_metadata_pickle(b"\x80\x02" + _global(classes.DCP_METADATA, "ChunkStorageMetadata") + b")R.")
 
 
 def test_build_on_a_constructed_path_is_refused() -> None:

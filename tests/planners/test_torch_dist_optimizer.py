@@ -1215,23 +1215,23 @@ def test_with_one_bucket_the_rewrite_equals_megatron_cores_own_fully_reshardable
 def test_another_spec_order_is_refused(saved, monkeypatch):
     """fc1 and fc2 swapped in the registration order: every bucket's length still adds up, but a
     saved chunk crosses a param boundary of that order."""
-    from ckptctl.megatron import buckets as mb
+    from ckptctl.megatron import buckets
     from ckptctl.util.errors import CheckpointError
     from ckptctl.formats.dcp.metadata import open_checkpoint
 
-    layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
+    layer = dict(buckets.LOCAL_SPEC)["decoder.layers."]
     names = [name for name, _ in layer]
     fc1, fc2 = names.index("mlp.linear_fc1.weight"), names.index("mlp.linear_fc2.weight")
     swapped = list(layer)
     swapped[fc1], swapped[fc2] = layer[fc2], layer[fc1]
     swapped = tuple(swapped)
-    monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, swapped if n == "decoder.layers." else k)
-                                                for n, k in mb.LOCAL_SPEC))
+    monkeypatch.setattr(buckets, "LOCAL_SPEC", tuple((n, swapped if n == "decoder.layers." else k)
+                                                for n, k in buckets.LOCAL_SPEC))
     ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
     model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
     with pytest.raises(CheckpointError, match=r"bucket_idx_1.param: the chunk \[1216, 2368\) crosses a parameter boundary of megatron-core's local "
                                               "GPT spec order: another model spec or megatron-core version"):
-        mb.layout_buckets(ckpt, mb.registration_order(ckpt, model), 2)
+        buckets.layout_buckets(ckpt, buckets.registration_order(ckpt, model), 2)
 
 
 @needs("0.19")
@@ -1242,16 +1242,16 @@ def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_
     runs; `--verify` finds a rebuilt master copy unequal to the weight saved beside it, and nothing
     is left at DST."""
     import ckptctl
-    from ckptctl.megatron import buckets as mb
+    from ckptctl.megatron import buckets
     from ckptctl.util.errors import CheckpointError
 
-    layer = dict(mb.LOCAL_SPEC)["decoder.layers."]
+    layer = dict(buckets.LOCAL_SPEC)["decoder.layers."]
     names = [name for name, _ in layer]
     attn, mlp = (names.index(f"{n}.layer_norm_weight") for n in ("self_attention.linear_qkv", "mlp.linear_fc1"))
     swapped = list(layer)
     swapped[attn], swapped[mlp] = layer[mlp], layer[attn]
-    monkeypatch.setattr(mb, "LOCAL_SPEC", tuple((n, tuple(swapped) if n == "decoder.layers." else k)
-                                                for n, k in mb.LOCAL_SPEC))
+    monkeypatch.setattr(buckets, "LOCAL_SPEC", tuple((n, tuple(swapped) if n == "decoder.layers." else k)
+                                                for n, k in buckets.LOCAL_SPEC))
     src = saved[BUCKETS] / "dp_reshardable"
     opts = ckptctl.ReshardOptions(None) if layout == "fsdp2" else ckptctl.ReshardOptions(None, layout=layout, dp=2)
     ckptctl.reshard(src, tmp_path / "unverified", opts)

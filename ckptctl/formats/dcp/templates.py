@@ -141,6 +141,8 @@ class TemplateMachine(PickleMachine):
         self._chunks: re.Pattern | None = None  # a run of chunk records, one after the other
         self._entries: re.Pattern | None = None  # a run of storage entries
         self._plan: re.Pattern | None = None
+        self._runs: dict[bytes, tuple[list, list, int]] = {}  # a batch of chunk records' bytes → what they read as
+        self._run_bytes = 0
         self._plain = self._matched = 0
         self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
         self._closing = False
@@ -495,6 +497,8 @@ class TemplateMachine(PickleMachine):
         consumed, when the first is not a chunk this reader takes."""
         target = self._batch_target()
         into = type(target) is dc.ChunkColumns or (type(target) is list and not target)
+        if into and self._repeated_chunks(target):
+            return True
         (firsts, seconds), found, end = self._run(match, into, self._chunk, self._chunks, b"ube", _chunk_bytes)
         bodies = self._bodies
         offsets, n = _complete(list(map(bodies.get, firsts)), firsts, self._size)
@@ -512,7 +516,32 @@ class TemplateMachine(PickleMachine):
             columns = self._chunks_of(target, self._marks[-1]) if type(target) is list else target
             columns.offsets += offsets
             columns.sizes += sizes
+            if n == found and self._data[end:end + 1] == b"e":  # the whole batch: its bytes say the same next time
+                self._remember_run(self._data[self._pos:end], offsets, sizes, count - self._count)
         return self._consumed(n, 5, count, end, into)
+
+    def _repeated_chunks(self, target: Any) -> bool:
+        """Whether the batch of chunk records at the reading position is one read before, byte for
+        byte (tensors of one shape have the same chunks: a model's layers, an optimizer's states),
+        and was taken from what that reading found; the records are then consumed."""
+        data, pos = self._data, self._pos
+        end = data.find(b"ube", pos, pos + BATCH_SPAN) + 2
+        known = self._runs.get(data[pos:end]) if end > pos else None
+        if known is None:
+            return False
+        offsets, sizes, memo_entries = known
+        columns = self._chunks_of(target, self._marks[-1]) if type(target) is list else target
+        columns.offsets += offsets
+        columns.sizes += sizes
+        return self._consumed(len(offsets), 5, self._count + memo_entries, end, True)
+
+    def _remember_run(self, run: bytes, offsets: list, sizes: list, memo_entries: int) -> None:
+        """Keep what a whole batch of chunk records read as, by its bytes (RUN_CACHE_BYTES of them at most)."""
+        if self._run_bytes + len(run) > RUN_CACHE_BYTES:
+            self._runs.clear()
+            self._run_bytes = 0
+        self._runs[run] = (offsets, sizes, memo_entries)
+        self._run_bytes += len(run)
 
     def _strings_of(self, raws: tuple[bytes, ...], lengths: tuple, texts: tuple, limit: int) -> tuple[list, int]:
         """A run's column of matched strings (`_string`, each new one decoded once); how many lead
@@ -675,6 +704,8 @@ def _integer(raw: bytes) -> int | None:
 
 _SIZE_MEMO = {b"": 0, b")": 2}
 """The memo entries of a storage key's chunk offsets, by their Size body (any other: 3)."""
+RUN_CACHE_BYTES = 1 << 25
+"""Bytes of chunk-record batches kept with what they read as (a full cache starts again)."""
 BATCH_SPAN = 1 << 18
 """How far a batch's end is looked for: 1,000 records (a pickler's batch) of up to 262 bytes."""
 
