@@ -124,8 +124,9 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> tuple[DcpOutput, Mapping
         elif opts.megatron:
             from ckptctl.planners import megatron_fsdp
 
-            out = megatron_fsdp.plan_megatron(ckpt, opts.megatron_request())
-            world_size = megatron_fsdp.output_world_size(ckpt, opts.megatron_request())
+            request = opts.megatron_request()
+            out = megatron_fsdp.plan_megatron(ckpt, request)
+            world_size = megatron_fsdp.output_world_size(ckpt, request)
         else:
             out = _plan_fsdp2(ckpt, opts)
     refuse_empty_selection(len(out.targets) + len(out.bytes_entries), len(ckpt.tensors) + len(ckpt.bytes_entries),
