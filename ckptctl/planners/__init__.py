@@ -1,1 +1,2 @@
-"""reshard's Megatron planners: each turns one kind of Megatron source into the output plan of another layout."""
+"""reshard's planners: each turns one kind of source into the output plan of another layout,
+behind one interface (`request.ReshardRequest`)."""

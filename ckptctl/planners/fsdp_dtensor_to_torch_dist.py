@@ -54,6 +54,7 @@ from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, source_view, unsqueezed_view
+from ckptctl.planners.request import PlannedReshard, ReshardChoices
 
 TORCH_DIST_MARKER = {"sharded_backend": "torch_dist", "sharded_backend_version": 1}
 CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
@@ -128,15 +129,26 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     return out, views
 
 
-def refuse_options(opts: Any) -> None:
-    """torch_dist is laid out in whole-row chunks over `--world-size` files (default 1): megatron-core
-    reshards it itself when it loads at any TP × DP."""
-    if (opts.tp, opts.dp, opts.source_tp, opts.hf_config, opts.dtype) != (None,) * 5 or opts.include or opts.exclude \
-            or opts.split_fused or opts.fuse or opts.flat_optimizer:
-        raise UsageError("--layout torch-dist writes the whole checkpoint as megatron-core's torch_dist, which "
-                         "megatron-core loads at any TP and DP: pass at most --world-size (the number of files)")
-    if opts.world_size is not None and opts.world_size < 1:
-        raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+@dataclass(frozen=True)
+class ToTorchDist:
+    """A Megatron-FSDP fsdp_dtensor checkpoint written as megatron-core's torch_dist, in whole-row
+    chunks over `world_size` files: megatron-core reshards it itself when it loads at any TP × DP."""
+
+    world_size: int
+
+    @classmethod
+    def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> ToTorchDist:
+        if (opts.tp, opts.dp, opts.source_tp, opts.hf_config, opts.dtype) != (None,) * 5 or opts.include \
+                or opts.exclude or opts.split_fused or opts.fuse or opts.flat_optimizer:
+            raise UsageError("--layout torch-dist writes the whole checkpoint as megatron-core's torch_dist, which "
+                             "megatron-core loads at any TP and DP: pass at most --world-size (the number of files)")
+        if opts.world_size is not None and opts.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+        return cls(opts.world_size or 1)
+
+    def plan(self, ckpt: Checkpoint) -> PlannedReshard:
+        output, views = plan_from_fsdp_dtensor(ckpt, self.world_size)
+        return PlannedReshard(output, self.world_size, views)
 
 
 # --------------------------------------------------------------------------------------

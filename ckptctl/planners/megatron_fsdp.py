@@ -43,6 +43,7 @@ from ckptctl.core.checkpoint import BytesEntry, Checkpoint
 from ckptctl.families.placement import Placed, flat, fsdp2, megatron_fsdp
 from ckptctl.core.selection import selected
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
+from ckptctl.planners.request import PlannedReshard, ReshardChoices
 
 LAYOUTS = ("fsdp2", "megatron-fsdp")
 SWIGLU_ACTIVATIONS = frozenset({"silu", "swish", "swiglu"})
@@ -86,7 +87,7 @@ class FusedAction(enum.Enum):
 
 @dataclass(frozen=True)
 class MegatronRequest:
-    """A Megatron-aware reshard, its options parsed and checked once (`parse`), before planning:
+    """A Megatron-aware reshard, its options parsed and checked once (`from_options`), before planning:
     the output layout asked for, what to do with fused tensors, flat optimizer states, where
     the model dims come from, and the selection and cast every reshard has."""
 
@@ -105,11 +106,10 @@ class MegatronRequest:
     hub_timeout: float = DEFAULT_HUB_TIMEOUT
 
     @classmethod
-    def parse(cls, *, layout: str, world_size: int | None, tp: int | None, dp: int | None, source_tp: int | None,
-              split_fused: bool, fuse: bool, flat_optimizer: bool, hf_config: Path | None, include: Sequence[str],
-              exclude: Sequence[str], dtype: DType | None,
-              hub_timeout: float = DEFAULT_HUB_TIMEOUT) -> "MegatronRequest":
+    def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> MegatronRequest:
         """Refuse option combinations that cannot work (one line each), whatever the checkpoint."""
+        layout, world_size, tp, dp, source_tp = opts.layout, opts.world_size, opts.tp, opts.dp, opts.source_tp
+        split_fused, fuse = opts.split_fused, opts.fuse
         if layout not in LAYOUTS:
             raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)}, torch-dist (got {layout!r})")
         for flag, value in (("--world-size", world_size), ("--tp", tp), ("--dp", dp), ("--source-tp", source_tp)):
@@ -130,8 +130,11 @@ class MegatronRequest:
         elif dp is None and world_size is None:
             raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
         fused = FusedAction.SPLIT if split_fused else FusedAction.FUSE if fuse else FusedAction.KEEP
-        return cls(layout, world_size, tp, dp, source_tp, fused,
-                   flat_optimizer, hf_config, tuple(include), tuple(exclude), dtype, hub_timeout)
+        return cls(layout, world_size, tp, dp, source_tp, fused, opts.flat_optimizer, opts.hf_config,
+                   tuple(opts.include), tuple(opts.exclude), opts.dtype, opts.hub_timeout)
+
+    def plan(self, ckpt: Checkpoint) -> PlannedReshard:
+        return PlannedReshard(plan_megatron(ckpt, self), output_world_size(ckpt, self))
 
 
 def resolve_layout(ckpt: Checkpoint, req: MegatronRequest) -> Layout:

@@ -19,6 +19,7 @@ saved, never built. A checkpoint already `fully_reshardable` is copied the same 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.items import ItemReader
@@ -41,6 +42,7 @@ from ckptctl.megatron.fragments import fragment_targets
 from ckptctl.core.checkpoint import Checkpoint, file_rank
 from ckptctl.families.placement import Placed
 from ckptctl.core.plan import SourceTensor, TargetTensor, identity_target
+from ckptctl.planners.request import PlannedReshard, ReshardChoices
 
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
@@ -298,15 +300,25 @@ def _fully_reshardable_common(ckpt: Checkpoint, common: CommonState, param_group
         raise _refusal(ckpt, common.where, f"cannot write it back ({exc})") from None
 
 
-def refuse_options(world_size: int | None, saved: int, megatron: bool, layout: str, include, exclude,
-                   dtype) -> None:
-    """A torch_dist checkpoint is rewritten at its own layout: megatron-core re-shards
+@dataclass(frozen=True)
+class TorchDistRewrite:
+    """A torch_dist checkpoint rewritten at its own layout: megatron-core re-shards
     `fully_reshardable` state itself when it loads at another TP or DP (`--layout megatron-fsdp`
     converts it: `torch_dist_to_fsdp_dtensor`)."""
-    if layout == "torch-dist":
-        raise UsageError("already a torch_dist checkpoint: pass no --layout (it is rewritten at its own layout with "
-                         "its optimizer state in model space)")
-    if megatron or include or exclude or dtype is not None or world_size not in (None, saved):
-        raise UsageError("a torch_dist checkpoint is rewritten at its own layout with its optimizer state in model "
-                         "space (fully_reshardable), which megatron-core loads at any TP and DP: pass no --world-size "
-                         "(or its own, " f"{saved}), layout, TP, filter or dtype options")
+
+    @classmethod
+    def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> TorchDistRewrite:
+        saved = ckpt.saved_world_size
+        if opts.layout == "torch-dist":
+            raise UsageError("already a torch_dist checkpoint: pass no --layout (it is rewritten at its own layout "
+                             "with its optimizer state in model space)")
+        if opts.megatron or opts.include or opts.exclude or opts.dtype is not None \
+                or opts.world_size not in (None, saved):
+            raise UsageError("a torch_dist checkpoint is rewritten at its own layout with its optimizer state in "
+                             "model space (fully_reshardable), which megatron-core loads at any TP and DP: pass no "
+                             f"--world-size (or its own, {saved}), layout, TP, filter or dtype options")
+        return cls()
+
+    def plan(self, ckpt: Checkpoint) -> PlannedReshard:
+        output, views = plan_torch_dist(ckpt)
+        return PlannedReshard(output, ckpt.saved_world_size, views)

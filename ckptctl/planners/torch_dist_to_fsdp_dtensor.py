@@ -55,6 +55,7 @@ from ckptctl.megatron.tp import tp_dp_grid
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.families.placement import Placed, megatron_fsdp
 from ckptctl.core.plan import ItemWindows, Piece, SourceTensor, TargetTensor, layer_stacked_view, source_view
+from ckptctl.planners.request import PlannedReshard, ReshardChoices
 from ckptctl.planners.torch_dist import dp_reshardable_buckets, read_common
 
 EXPERTS = "mlp.experts.experts."
@@ -173,15 +174,29 @@ def _saved_as(p: _Param) -> str:
     return f"{p.key}{lead}{rows}"
 
 
-def refuse_options(opts: Any) -> None:
-    """A torch_dist checkpoint converted to Megatron-FSDP takes the output grid only."""
-    for flag, value in (("--world-size", opts.world_size), ("--tp", opts.tp), ("--dp", opts.dp)):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1 (got {value})")
-    if opts.source_tp is not None or opts.hf_config is not None or opts.dtype is not None or opts.include \
-            or opts.exclude or opts.split_fused or opts.fuse or opts.flat_optimizer:
-        raise UsageError("a torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor takes --tp, --dp and "
-                         "--world-size only (fc1 is split as Megatron-LM saves it)")
+@dataclass(frozen=True)
+class ToFsdpDtensor:
+    """A torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor at TP × DP: it takes the
+    output grid only (TP from `tp` or args, DP from `dp` or `world_size`)."""
+
+    tp: int | None
+    dp: int | None
+    world_size: int | None
+
+    @classmethod
+    def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> ToFsdpDtensor:
+        for flag, value in (("--world-size", opts.world_size), ("--tp", opts.tp), ("--dp", opts.dp)):
+            if value is not None and value < 1:
+                raise UsageError(f"{flag} must be at least 1 (got {value})")
+        if opts.source_tp is not None or opts.hf_config is not None or opts.dtype is not None or opts.include \
+                or opts.exclude or opts.split_fused or opts.fuse or opts.flat_optimizer:
+            raise UsageError("a torch_dist checkpoint converted to Megatron-FSDP's fsdp_dtensor takes --tp, --dp and "
+                             "--world-size only (fc1 is split as Megatron-LM saves it)")
+        return cls(opts.tp, opts.dp, opts.world_size)
+
+    def plan(self, ckpt: Checkpoint) -> PlannedReshard:
+        output, views, world_size = plan_to_fsdp_dtensor(ckpt, self.tp, self.dp, self.world_size)
+        return PlannedReshard(output, world_size, views)
 
 
 # --------------------------------------------------------------------------------------

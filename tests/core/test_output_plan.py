@@ -18,7 +18,7 @@ from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.families.base import load_hf_config
 from ckptctl.core.output_plan import OutputPlan
 from ckptctl.core.plan import Piece, planned_batches
-from ckptctl.commands.reshard import ReshardOptions, _planned
+from ckptctl.commands.reshard import ReshardOptions, plan_reshard
 
 
 def _spans(plan: OutputPlan) -> dict[str, list[tuple[int, int]]]:
@@ -45,7 +45,7 @@ def _assert_tiles(plan: OutputPlan, ends: dict[str, int]) -> None:
 
 
 def test_a_reshards_plan_tiles_each_rank_file_and_leaves_metadata_last(fixture_ckpt):
-    out, _, _ = _planned(open_checkpoint(fixture_ckpt("fsdp2_4ranks")), ReshardOptions(world_size=3))
+    out = plan_reshard(open_checkpoint(fixture_ckpt("fsdp2_4ranks")), ReshardOptions(world_size=3))
     plan = out.output_plan()
     assert sorted(plan.files) == ["__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
     _assert_tiles(plan, dict(plan.files))

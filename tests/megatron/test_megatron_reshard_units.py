@@ -18,6 +18,7 @@ from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.families.registry import fused_component, fused_kind, megatron_tp_kind
 from ckptctl.megatron.tp import resolve_tp
 from ckptctl.planners.megatron_fsdp import (
+    MegatronRequest,
     fuse_regroup,
     group_meta_renames,
     model_dims,
@@ -217,12 +218,12 @@ def opts(**kw) -> ReshardOptions:
 def test_option_combinations_that_cannot_work_are_refused(kw, message):
     ckpt = open_checkpoint(FIXTURES / "megatron_tp2_dp2")
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        resolve_layout(ckpt, opts(**kw).megatron_request())
+        resolve_layout(ckpt, MegatronRequest.from_options(ckpt, opts(**kw)))
 
 
 def test_megatron_fsdp_layout_defaults_to_the_source_tp_and_world_size_over_tp():
     ckpt = open_checkpoint(FIXTURES / "megatron_tp2_dp2")
-    layout = resolve_layout(ckpt, opts(layout="megatron-fsdp", world_size=8).megatron_request())
+    layout = resolve_layout(ckpt, MegatronRequest.from_options(ckpt, opts(layout="megatron-fsdp", world_size=8)))
     assert (layout.tp, layout.dp, layout.world_size) == (2, 4, 8)
     assert not opts(world_size=2).megatron and opts(world_size=2, flat_optimizer=True).megatron
 

@@ -1,0 +1,50 @@
+"""reshard's plain planner: every selected tensor as it is (cast as asked), cut in FSDP2 `Shard(0)`
+rows over `--world-size` ranks, its bytes entries and planner data kept."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ckptctl.core.analysis import source_tensors
+from ckptctl.core.checkpoint import Checkpoint
+from ckptctl.core.dtypes import DType, cast_dtype
+from ckptctl.core.plan import TargetTensor, identity_target
+from ckptctl.core.rank_state import refuse_dp_change
+from ckptctl.core.selection import selected
+from ckptctl.families.placement import fsdp2
+from ckptctl.formats.dcp.writer import layout_dcp
+from ckptctl.planners.request import PlannedReshard, ReshardChoices
+from ckptctl.util.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Fsdp2Reshard:
+    world_size: int
+    include: Sequence[str] = ()
+    exclude: Sequence[str] = ()
+    dtype: DType | None = None
+
+    @classmethod
+    def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> Fsdp2Reshard:
+        if opts.world_size is None:
+            raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
+        if opts.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+        return cls(opts.world_size, opts.include, opts.exclude, opts.dtype)
+
+    def plan(self, ckpt: Checkpoint) -> PlannedReshard:
+        sources = source_tensors(ckpt)
+        targets: list[TargetTensor] = []
+        for fqn, src in sources.items():
+            if selected(fqn, self.include, self.exclude):
+                targets.append(identity_target(src, dtype=cast_dtype(src.dtype, self.dtype),
+                                               properties=ckpt.tensors[fqn].properties))
+        placements = {t.fqn: fsdp2(t.shape, self.world_size) for t in targets}
+        kept_bytes = [e for f, e in ckpt.bytes_entries.items() if selected(f, self.include, self.exclude)]
+        refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, self.include, self.exclude), self.world_size)
+        planner = None
+        if isinstance(ckpt.planner_data, dict):
+            keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}
+            planner = {k: v for k, v in ckpt.planner_data.items() if k in keep}
+        return PlannedReshard(layout_dcp(targets, placements, sources, kept_bytes, planner), self.world_size)
