@@ -258,11 +258,13 @@ def _located(root: Path, fqn: str, entry: tuple[str, int, int, tuple[str, ...]],
 
 @dataclass
 class _StorageFiles:
-    """The storage table's files met so far, by their number in it: their number among the
-    checkpoint's files and their size."""
+    """What reading the tensors met so far: the storage table's files, by their number in it
+    (their number among the checkpoint's files and their size), and the chunkings judged."""
 
     number: dict[int, int] = field(default_factory=dict)
     size: dict[int, int] = field(default_factory=dict)
+    boxes: dict[tuple, list[int] | None] = field(default_factory=dict)
+    """`_chunk_bytes` by (shape, itemsize, offsets, sizes): what tensors chunked alike share."""
 
 
 def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunks: Any,
@@ -277,19 +279,23 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
     columns = _columns(chunks)  # as read by templates; made of the records C's unpickler built
     offsets, sizes = columns.offsets, columns.sizes
     keys, places = storage.rows.get(fqn, (None, None))
-    if keys != offsets or not offsets or len(set(offsets)) != len(offsets):
+    if keys != offsets or not offsets:
         return None
-    rank = len(shape)
-    if {*map(len, offsets), *map(len, sizes)} != {rank}:
+    key = (shape, dtype.itemsize, tuple(offsets), tuple(sizes))
+    needed = known.boxes.get(key, known)
+    if needed is known:  # boxes not met before: tensors of one shape chunked alike are judged once
+        needed = _chunk_bytes(shape, dtype.itemsize, offsets, sizes)
+        if len(known.boxes) >= _BOXES_KEPT:
+            known.boxes.clear()
+        known.boxes[key] = needed
+    if needed is None:
         return None
-    for d in range(rank):  # every chunk inside the shape
-        if max(map(operator.add, map(operator.itemgetter(d), offsets), map(operator.itemgetter(d), sizes))) > shape[d]:
-            return None
     ids, starts, lengths = places[0::3], places[1::3], places[2::3]
-    if any(map(operator.lt, lengths, map(dtype.itemsize.__mul__, map(math.prod, sizes)))):
+    if any(map(operator.lt, lengths, needed)):
         return None  # an item too short for its chunk's data
     met = known.number
-    for file_id in [i for i in dict.fromkeys(ids) if i not in met]:  # each file once, in the order met
+    new = set(ids).difference(met)
+    for file_id in [i for i in dict.fromkeys(ids) if i in new] if new else ():  # each file once, in the order met
         file = storage.files[file_id]
         if file not in files:
             try:
@@ -306,6 +312,23 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
     spans = array("q", bytes(16 * len(offsets)))
     spans[0::2], spans[1::2] = starts, lengths
     return ChunkTable(names, array("I", map(met.__getitem__, ids)), spans, offsets, sizes, {})  # the columns kept
+
+
+def _chunk_bytes(shape: tuple[int, ...], itemsize: int, offsets: list[tuple[int, ...]],
+                 sizes: list[tuple[int, ...]]) -> list[int] | None:
+    """The bytes each chunk's data takes, when the chunks are of the shape's rank, at distinct
+    offsets and inside the shape; else None."""
+    rank = len(shape)
+    if len(set(offsets)) != len(offsets) or {*map(len, offsets), *map(len, sizes)} != {rank}:
+        return None
+    for d in range(rank):  # every chunk inside the shape
+        if max(map(operator.add, map(operator.itemgetter(d), offsets), map(operator.itemgetter(d), sizes))) > shape[d]:
+            return None
+    return list(map(itemsize.__mul__, map(math.prod, sizes)))
+
+
+_BOXES_KEPT = 256
+"""Distinct chunkings `_table_in_order` remembers its judgement of (a full table starts again)."""
 
 
 def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, known: _StorageFiles,
