@@ -40,7 +40,9 @@ def fixture_ckpt():
 @pytest.fixture
 def forks(monkeypatch):
     """Runs in this process fork the second-core helper (torch is imported here, so `wanted` would
-    say no); the helpers' pids are recorded."""
+    say no), and its early check is taken to cost nothing (the sample reads of a tiny output would
+    leave the helper no file); the helpers' pids are recorded."""
+    from ckptctl.checks import output_check
     from ckptctl.engine import helper
 
     started: list[int] = []
@@ -52,6 +54,8 @@ def forks(monkeypatch):
         return running
 
     monkeypatch.setattr(helper, "wanted", lambda records: True)
+    monkeypatch.setattr(output_check, "READ_BACK_RECORD_SECONDS", 0.0)
+    monkeypatch.setattr(output_check, "SOURCE_SAMPLE_SECONDS", 0.0)
     monkeypatch.setattr(helper, "start", start)
     return started
 

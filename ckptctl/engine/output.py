@@ -43,12 +43,13 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
                  early_check: Callable[[Path], bytes] | None = None, early_check_load: int = 0) -> int:
     """Fill directory `dst` with `plan` atomically; `check(tmp)` reads the whole output back
     before it takes its name (every run), `verify(tmp)` compares every byte (when asked).
-    `start_check()`, where given, begins in a thread what the check can read before the output
-    exists; the process that checks calls it once any helper is forked (a thread must not be
-    running across the fork). `early_check(tmp)`, where given, is the part of the check that
-    reads only what `finish` wrote: a helper that runs `finish` runs it next, while the files
-    are written (it costs `early_check_load` bytes of files), and the check is then called as
-    `check(tmp, result)`. Returns the bytes this worker wrote.
+    `early_check(tmp)`, where given, is the part of the check that reads only the source and
+    what `finish` wrote: a helper that runs `finish` runs it next, while the files are written
+    (it costs `early_check_load` bytes of files), and the check is then called as
+    `check(tmp, result)`. Without such a helper, `start_check()`, where given, begins in a
+    thread what the check can read before the output exists; the process that checks calls it
+    once any helper is forked (a thread must not be running across the fork). Returns the
+    bytes this worker wrote.
 
     Collective under torchrun: every worker calls it with the same plan and writes its share of
     the files; rank 0 runs `check` and `verify` (and `finish`, unless it ran first) once every
@@ -85,7 +86,7 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
             return result
 
         running = helper.start(helper_work, advance) if theirs else None
-        if start_check is not None and comm.is_lead:
+        if start_check is not None and comm.is_lead and not (running is not None and checks_early):
             start_check()
         if running is not None:  # a second core: the helper writes `finish`'s files and its share meanwhile
             try:

@@ -41,9 +41,10 @@ def _misplaced(out: DcpOutput, moves: dict[int, int]) -> DcpOutput:
 
 
 def _write(src_path: Path, out: DcpOutput, dst: Path, metadata_of: DcpOutput | None = None,
-           before_check=None) -> list[int]:
+           before_check=None) -> tuple[list[int], DcpCheck]:
     """Write `out` as a run with a helper does (its `.metadata` from `metadata_of`, default `out`),
-    `before_check(tmp)` run before the check; returns how many arguments each check call got."""
+    `before_check(tmp)` run before the check; returns how many arguments each check call got, and
+    the check."""
     src = open_checkpoint(src_path)
     check, calls = DcpCheck(src, out), []
 
@@ -61,13 +62,14 @@ def _write(src_path: Path, out: DcpOutput, dst: Path, metadata_of: DcpOutput | N
     finally:
         check.close()
         sources.close()
-    return calls
+    return calls, check
 
 
 def test_a_run_with_a_helper_checks_the_structure_early_and_passes(tmp_path: Path, forks) -> None:
     out = plan_reshard(open_checkpoint(SRC), ReshardOptions(world_size=3))
-    calls = _write(SRC, out, tmp_path / "out")
+    calls, check = _write(SRC, out, tmp_path / "out")
     assert len(forks) == 1 and calls == [1]  # the check got the helper's result
+    assert check._thread is None and len(check._wants) == len(check.samples)  # the source read by the helper
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                    "__2_0.distcp"]
 
