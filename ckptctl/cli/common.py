@@ -7,6 +7,7 @@ import functools
 import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
 
@@ -46,6 +47,11 @@ def write_out(text: str) -> None:
         reader_gone()
 
 
+def write_line(text: str) -> None:
+    """One line of a report on stdout: `folded` on a terminal, as it is in a pipe."""
+    write_out((folded(text, stdout()) if sys.stdout.isatty() else text) + "\n")
+
+
 @functools.cache
 def stdout() -> Console:
     """The rich console on stdout, made (and rich imported) on first use: start-up stays short.
@@ -80,10 +86,20 @@ def _figures() -> Any:
     return Figures()
 
 
+def folded(text: str, console: Console) -> str:
+    """`text` folded at spaces to the terminal's width, its next lines indented: a terminal left to
+    wrap a long line cuts a word (a path, a tensor name, a figure) at its edge. A dumb terminal's
+    width is unknown (rich says 80), so its lines are left whole."""
+    if console.is_dumb_terminal:
+        return text
+    return textwrap.fill(text, width=console.width, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def say(text: str) -> None:
-    """One status line on stderr: through rich on a terminal, plain (and without importing rich) in a pipe."""
+    """One status line on stderr: through rich and `folded` on a terminal, plain (and without
+    importing rich) in a pipe."""
     if sys.stderr.isatty():
-        stderr().print(_figures()(text))
+        stderr().print(_figures()(folded(text, stderr())))
     else:
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
@@ -98,7 +114,10 @@ def run_guarded(fn: Callable[[], T]) -> T:
         if DEBUG:
             raise
         if not getattr(exc, "quiet", False):  # a torchrun worker stopped by another's failure stays silent
-            sys.stderr.write(f"ckptctl: error: {exc}\n")  # one write: torchrun workers share the stream
+            line = f"ckptctl: error: {exc}"
+            if sys.stderr.isatty():
+                line = folded(line, stderr())
+            sys.stderr.write(line + "\n")  # one write: torchrun workers share the stream
             sys.stderr.flush()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except KeyboardInterrupt:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -61,7 +60,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stderr, stdout, write_out,
+    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stdout, write_out,
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.core.checkpoint import dtype_name
@@ -182,15 +181,6 @@ def detail(e: EntryDiff) -> str:
     return ""
 
 
-def _say_note(note: str) -> None:
-    """A note on stderr; on a terminal folded at spaces with its next lines indented, so that the
-    terminal never cuts a word (or a path) at its edge."""
-    text = f"note: {note}"
-    if sys.stderr.isatty():
-        text = textwrap.fill(text, width=stderr().width, subsequent_indent="  ", break_on_hyphens=False)
-    say(text)
-
-
 def _print_text(report: DiffReport) -> None:
     shown = [e for e in (*report.tensors, *report.bytes_entries) if e.status != "equal"]
     if not sys.stdout.isatty():  # a pipe: plain lines, rich never imported
@@ -265,7 +255,7 @@ def diff_command(
         emit_json(report_json(report))
     else:
         for note in report.notes:
-            _say_note(note)
+            say(f"note: {note}")
         _print_text(report)
     if not report.equal:
         raise typer.Exit(EXIT_DIFFERENT)

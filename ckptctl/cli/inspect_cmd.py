@@ -72,7 +72,7 @@ import typer
 from ckptctl.cli import app
 from ckptctl.cli.common import (
     FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, show_rows, stdout,
-    write_out,
+    write_line, write_out,
 )
 from ckptctl.util.errors import UsageError
 from ckptctl.util.wording import counted
@@ -445,12 +445,11 @@ def inspect_command(
         emit_json(doc)
     elif check:
         for p in doc["problems"]:
-            stdout().print(p["message"], markup=False, highlight=False)
+            write_line(p["message"])
         if not doc["problems"]:
-            stdout().print(f"ok: {counted(len(doc['tensors']), 'tensor')} complete and consistent",
-                           markup=False, highlight=False)
+            write_line(f"ok: {counted(len(doc['tensors']), 'tensor')} complete and consistent")
         if doc["unreferenced_files"]:
-            stdout().print(f"warning: {_unreferenced_warning(doc)}", markup=False, highlight=False)
+            write_line(f"warning: {_unreferenced_warning(doc)}")
     else:
         _print_summary(doc)
         _print_tensors(doc["tensors"], {p["fqn"]: p["kind"] for p in doc["problems"]})

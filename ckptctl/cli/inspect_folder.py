@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ckptctl.cli.common import emit_json, show_rows, stdout, write_out
+from ckptctl.cli.common import emit_json, show_rows, stdout, write_line
 from ckptctl.cli.inspect_cmd import _print_chunks, _print_problems, _print_summary, _print_tensors, inspect_document
 from ckptctl.util.errors import UsageError
 from ckptctl.util.wording import counted
@@ -77,9 +77,11 @@ def show_folder(folder: TrainerFolder, pattern: str | None, json_out: bool, chun
     if json_out:
         emit_json(doc)
     elif check:
-        write_out("".join(f"{name}: {p['message']}\n" for name, p in problems)
-                  or f"ok: {counted(sum(len(p['tensors']) for p in doc['parts'].values()), 'tensor')} complete "
-                     f"and consistent in {counted(len(doc['parts']), 'part')}\n")
+        for name, p in problems:
+            write_line(f"{name}: {p['message']}")
+        if not problems:
+            write_line(f"ok: {counted(sum(len(p['tensors']) for p in doc['parts'].values()), 'tensor')} complete "
+                       f"and consistent in {counted(len(doc['parts']), 'part')}")
     else:
         show_rows(_rows(doc, folder))
         for name, part in doc["parts"].items():
