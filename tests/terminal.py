@@ -102,3 +102,17 @@ def run_in_terminal(*args: object, env: dict[str, str] | None = None, columns: i
 
 def assert_no_traceback(text: str) -> None:
     assert "Traceback" not in text and 'File "' not in text, text
+
+
+def unfolded(lines: list[str]) -> list[str]:
+    """The lines ckptctl wrote, each line of a fold (`cli.common.folded`) after the first joined
+    back to it at the space it replaced: it starts with two spaces, where a terminal's own wrap of
+    a long line would start anywhere, mid-word."""
+    whole: list[str] = []
+    for line in lines:
+        if line.startswith("  ") and whole:
+            assert not line.startswith("   "), line
+            whole[-1] += " " + line[2:]
+        else:
+            whole.append(line)
+    return whole

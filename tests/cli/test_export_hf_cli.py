@@ -28,7 +28,7 @@ import torch
 
 from fixtures import hf_models
 from tests.conftest import ROOT, run_cli
-from tests.terminal import assert_no_traceback, run_in_terminal
+from tests.terminal import assert_no_traceback, run_in_terminal, unfolded
 from tests.commands.test_export_hf import assert_same_model, load_hf, read_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -562,7 +562,8 @@ def test_the_wait_on_transformers_is_a_line_saying_so_then_gone(llama, tmp_path,
     assert bars and all(bar.startswith(("writing    ━", "verifying  ━")) for bar in bars)  # never pushed aside
     lines = run.screen.splitlines()
     assert [line.split()[0] for line in lines[:2]] == ["writing", "verifying"]
-    assert "".join(lines[2:]).startswith(f"wrote {dst} (llama, 21 tensors in 1 safetensors file, ")
+    final, = unfolded(lines[2:])
+    assert final.startswith(f"wrote {dst} (llama, 21 tensors in 1 safetensors file, ")
     assert "checking" not in run.screen
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FIXTURES, run_cli, tiny_llama_folder
-from tests.terminal import assert_no_traceback, run_in_terminal
+from tests.terminal import assert_no_traceback, run_in_terminal, unfolded
 
 TIMING = r" in \d+\.\d\ds \(writing (\d+ B|\d+\.\d [kMG]B|\d+\.\d\d GB)/s\), peak RSS \d+\.\d [kMG]B"
 """The tail of every writing command's final line (`timing_summary`), without --verify."""
@@ -50,19 +50,6 @@ def lines_of(here: Path, columns: int, *args: object, status: int = 0) -> list[s
     lines = run.screen.splitlines()
     assert max(map(len, lines)) <= columns
     return lines
-
-
-def unfolded(lines: list[str]) -> list[str]:
-    """The lines that were written, each line of a fold after the first joined back to it at the
-    space it replaced (it starts with two spaces: a terminal's own wrap would start anywhere)."""
-    whole: list[str] = []
-    for line in lines:
-        if line.startswith("  ") and whole:
-            assert not line.startswith("   "), line
-            whole[-1] += " " + line[2:]
-        else:
-            whole.append(line)
-    return whole
 
 
 @pytest.mark.parametrize("columns, note", [
