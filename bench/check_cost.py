@@ -3,10 +3,11 @@
     python bench/check_cost.py SRC OUT -n N [--reps 3]
 
 OUT is `ckptctl reshard SRC OUT -n N`'s output. A run with a helper process (a plain run of
-20,000 records or more on two cores) splits the check: the helper re-reads `.metadata` and checks
-its structure while the run writes the data files (`DcpCheck.early`), the run then compares the
-files' sizes and the samples (`check(out, result)`: the `check_seconds` of `--json`). A run
-without a helper does it all after writing (`check(out)`). Each part's wall and CPU seconds,
+20,000 records or more on two cores) splits the check: the helper reads the samples' source
+elements, re-reads `.metadata` and checks its structure while the run writes the data files
+(`DcpCheck.early`), the run then compares the files' sizes and the samples (`check(out, result)`:
+the `check_seconds` of `--json`). A run without a helper reads the source's elements in a thread
+while it writes and does the rest after writing (`check(out)`). Each part's wall and CPU seconds,
 median of the repetitions, with the machine's load average.
 """
 
@@ -29,10 +30,10 @@ def timed(work) -> tuple[float, float, object]:
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
-READ_AHEAD = "run, a thread while writing: the samples' source elements"
-EARLY = "helper, while the run writes: re-read .metadata, structure"
+EARLY = "helper, while the run writes: source samples, re-read .metadata, structure"
 AFTER = "run, after writing: file sizes, samples (check_seconds)"
-ALONE = "run without a helper, after writing: all of it"
+READ_AHEAD = "run without a helper, a thread while writing: the source samples"
+ALONE = "run without a helper, after writing: the rest"
 
 
 def read_ahead(check: DcpCheck) -> None:
@@ -50,16 +51,15 @@ def main() -> None:
     args = parser.parse_args()
     src = open_checkpoint(args.src)
     plan = plan_reshard(src, ReshardOptions(world_size=args.world_size))
-    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (READ_AHEAD, EARLY, AFTER, ALONE)}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (EARLY, AFTER, READ_AHEAD, ALONE)}
     read_ahead(DcpCheck(src, plan))  # the source views' row indexes: the copy builds them (and shares them) anyway
     for _ in range(args.reps):
         check = DcpCheck(src, plan)
-        rows[READ_AHEAD].append(timed(lambda: read_ahead(check))[:2])
         wall, cpu, early = timed(lambda: check.early(args.out))
         rows[EARLY].append((wall, cpu))
         rows[AFTER].append(timed(lambda: check(args.out, early))[:2])
         check = DcpCheck(src, plan)
-        read_ahead(check)
+        rows[READ_AHEAD].append(timed(lambda: read_ahead(check))[:2])
         rows[ALONE].append(timed(lambda: check(args.out))[:2])
     print(f"{len(plan.records):,} records, {args.reps} reps, load average {os.getloadavg()[0]:.2f}")
     print("| part | wall s (median) | CPU s (median) |\n|---|---:|---:|")
