@@ -263,6 +263,8 @@ class _StorageFiles:
 
     number: dict[int, int] = field(default_factory=dict)
     size: dict[int, int] = field(default_factory=dict)
+    smallest: int = 1 << 63
+    """The smallest of those sizes."""
     boxes: dict[tuple, list[int] | None] = field(default_factory=dict)
     """`_chunk_bytes` by (shape, itemsize, offsets, sizes): what tensors chunked alike share."""
 
@@ -291,8 +293,8 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
     if needed is None:
         return None
     ids, starts, lengths = places[0::3], places[1::3], places[2::3]
-    if any(map(operator.lt, lengths, needed)):
-        return None  # an item too short for its chunk's data
+    if min(lengths) < needed[-1] and any(map(operator.lt, lengths, needed)):
+        return None  # an item too short for its chunk's data (`needed` ends with the most)
     met = known.number
     new = set(ids).difference(met)
     for file_id in [i for i in dict.fromkeys(ids) if i in new] if new else ():  # each file once, in the order met
@@ -307,7 +309,9 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
             number = numbers[file] = len(names)
             names.append(file)
         met[file_id], known.size[file_id] = number, files[file]
-    if any(map(operator.gt, map(operator.add, starts, lengths), map(known.size.__getitem__, ids))):
+        known.smallest = min(known.smallest, files[file])
+    ends = list(map(operator.add, starts, lengths))
+    if max(ends) > known.smallest and any(map(operator.gt, ends, map(known.size.__getitem__, ids))):
         return None  # an item past its file's end
     spans = array("q", bytes(16 * len(offsets)))
     spans[0::2], spans[1::2] = starts, lengths
@@ -316,15 +320,16 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
 
 def _chunk_bytes(shape: tuple[int, ...], itemsize: int, offsets: list[tuple[int, ...]],
                  sizes: list[tuple[int, ...]]) -> list[int] | None:
-    """The bytes each chunk's data takes, when the chunks are of the shape's rank, at distinct
-    offsets and inside the shape; else None."""
+    """The bytes each chunk's data takes, then the most of them, when the chunks are of the
+    shape's rank, at distinct offsets and inside the shape; else None."""
     rank = len(shape)
     if len(set(offsets)) != len(offsets) or {*map(len, offsets), *map(len, sizes)} != {rank}:
         return None
     for d in range(rank):  # every chunk inside the shape
         if max(map(operator.add, map(operator.itemgetter(d), offsets), map(operator.itemgetter(d), sizes))) > shape[d]:
             return None
-    return list(map(itemsize.__mul__, map(math.prod, sizes)))
+    needed = list(map(itemsize.__mul__, map(math.prod, sizes)))
+    return needed + [max(needed)]  # the most last, for a quick test before the chunk-by-chunk one
 
 
 _BOXES_KEPT = 256
