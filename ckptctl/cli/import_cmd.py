@@ -10,8 +10,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    device_option, dist_backend_option, dtype_option, emit_json, files_text, human_bytes, no_sync_option,
-    run_distributed, say, show_plan, timing_summary,
+    ProgressDisplay, device_option, dist_backend_option, dtype_option, emit_json, files_text, human_bytes,
+    no_sync_option, run_distributed, say, show_plan, timing_summary,
 )
 from ckptctl.cli.help import ARCHES, TARGETS, completes
 from ckptctl.cli.reshard_cmd import parse_dtype, plan_rows
@@ -20,7 +20,6 @@ from ckptctl.cli.reshard_cmd import report_json as reshard_json
 
 if TYPE_CHECKING:
     from ckptctl.engine.dist import Comm
-    from ckptctl.util.progress import ProgressObserver
     from ckptctl.commands.import_hf import ImportReport
 
 
@@ -99,14 +98,15 @@ def import_hf_command(
       ckptctl import-hf Qwen3-8B-FP8/ ckpt/step-0 --world-size 8
     """
 
-    def run(comm: Comm, progress: ProgressObserver) -> ImportReport:
+    def run(comm: Comm, progress: ProgressDisplay) -> ImportReport:
         from ckptctl.commands.import_hf import ImportOptions, import_hf
 
         opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
                              exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check, arch=arch, tp=tp, dp=dp,
                              split_fused=split_fused, vocab_multiple=vocab_multiple, megatron_core=megatron_core)
-        return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm)
+        return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm,
+                         preparing=progress.preparing)
 
     def show(report: ImportReport) -> None:
         if json_out:

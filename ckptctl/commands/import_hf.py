@@ -56,6 +56,7 @@ from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
 from ckptctl.util.progress import ProgressObserver
 from ckptctl.commands.options import RunOptions
 from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
+from ckptctl.commands.export_hf import Preparing, asking_transformers
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
 
@@ -146,8 +147,10 @@ def folder_config(src: Path) -> dict[str, Any] | None:
     return read_config(path)
 
 
-def expected_for(src: Path, config: dict[str, Any] | None, name_check: bool) -> ExpectedNames | None:
-    """What transformers' model for the folder's config expects, or None with `--no-name-check`."""
+def expected_for(src: Path, config: dict[str, Any] | None, name_check: bool, preparing: Preparing | None = None
+                 ) -> ExpectedNames | None:
+    """What transformers' model for the folder's config expects, or None with `--no-name-check`;
+    transformers is asked under `preparing` (`asking_transformers`)."""
     if not name_check:
         return None
     bypass = "or --no-name-check to import the names unchecked"
@@ -157,7 +160,7 @@ def expected_for(src: Path, config: dict[str, Any] | None, name_check: bool) -> 
     if not transformers_available():
         raise UsageError("import-hf checks the tensor names against transformers' model for config.json, and "
                          f"transformers is not installed (pip install transformers; {bypass})")
-    return expected_names(config)
+    return expected_names(config, asking_transformers(preparing, "tensor names"))
 
 
 def check_names(ckpt: Checkpoint, expected: ExpectedNames, narrowed: bool, in_memory: bool) -> dict[str, str]:
@@ -200,7 +203,8 @@ def check_shapes(ckpt: Checkpoint, expected: ExpectedNames, src: Path, config: d
                               + f" ({more}is config.json this model's?)")
 
 
-def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]:
+def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = None
+                ) -> tuple[Checkpoint, ImportPlan]:
     """Open the folder, check its names and plan the whole DCP output. Reads headers only."""
     if opts.to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)} (got {opts.to!r})")
@@ -217,7 +221,7 @@ def plan_import(src: Path, opts: ImportOptions) -> tuple[Checkpoint, ImportPlan]
     if config is not None and (opts.name_check or opts.to != "fsdp2"):  # a model or family rules are built of it
         refuse_unbacked_counts(config, ckpt.path / CONFIG_NAME, {n: e.shape for n, e in ckpt.tensors.items()},
                                src, "is config.json this model's?")
-    expected = expected_for(src, config, opts.name_check)
+    expected = expected_for(src, config, opts.name_check, preparing)
     notes: list[str] = []
     if quantized is not None:
         notes.append(describe_dequantized(ckpt.tensors, quantized, opts.dtype or bfloat16))
@@ -491,11 +495,13 @@ def import_hf(
     dry_run: bool = False,
     progress: ProgressObserver | None = None,
     comm: Comm = LOCAL,
+    preparing: Preparing | None = None,
 ) -> ImportReport:
-    """Run an import end to end and report what happened (under torchrun, collective as reshard)."""
+    """Run an import end to end and report what happened (under torchrun, collective as reshard).
+    `preparing(what)` is the context a wait on transformers happens in (`asking_transformers`)."""
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
-    ckpt, plan = plan_import(src, opts)
+    ckpt, plan = plan_import(src, opts, preparing)
     report = ImportReport.planned(ckpt, plan.output, src, dst, opts.output_world_size or 1, opts, dry_run, comm,
                                   model_class=plan.model_class, notes=plan.notes, dequantized_to=plan.dequantized_to)
     if not dry_run:
