@@ -147,6 +147,26 @@ def test_quantized_tensors_it_cannot_decode_are_refused_naming_them(llama_fp8, t
         assert _refused(src, tmp_path, *args) == f"ckptctl: error: {reason.format(src=src)}\n"
 
 
+def _poisoned(value: float):
+    def change(tensors: dict) -> None:
+        scale = tensors["model.layers.0.mlp.up_proj.weight_scale_inv"].clone()
+        scale[2, 1] = value
+        tensors["model.layers.0.mlp.up_proj.weight_scale_inv"] = scale
+    return change
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_scale_that_is_not_a_finite_number_is_refused_naming_its_block(llama_fp8, tmp_path, value):
+    """Found by the red team: a NaN or infinite scale imported a block of NaN or infinite weights, exit 0."""
+    src = _edited(llama_fp8[0], tmp_path / "hf", _poisoned(value))
+    line = (f"ckptctl: error: {src}/model.safetensors: model.layers.0.mlp.up_proj.weight: its scale "
+            f"model.layers.0.mlp.up_proj.weight_scale_inv holds {value} at [2, 1]: the weights it scales cannot be "
+            "decoded\n")
+    run = run_cli("import-hf", src, tmp_path / "out", "--world-size", 2)
+    assert (run.returncode, run.stderr, (tmp_path / "out").exists()) == (2, line, False)
+    assert _refused(src, tmp_path) == line
+
+
 @pytest.mark.parametrize("dtype, to", [(None, "bfloat16"), (torch.float16, "float16")])
 def test_a_dry_run_says_what_the_quantized_weights_are_dequantized_to(llama_fp8, tmp_path, dtype, to):
     report = import_hf(llama_fp8[0], tmp_path / "out", ImportOptions(world_size=2, dtype=dtype), dry_run=True)

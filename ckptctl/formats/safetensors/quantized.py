@@ -295,6 +295,7 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
     values = torch.from_numpy(_fp8_values()[numpy.frombuffer(codes, dtype=numpy.uint8)]).reshape(rows, cols)
     if weight.block is None:
         factors = _scale_values(_read(fd, weight.root, weight.file(scale), scale.start, scale.nbytes), scale.dtype)
+        _refuse_non_finite(factors, entry, weight, 0)
         values.mul_(factors.reshape(()))
     else:
         bm, bn = weight.block
@@ -305,6 +306,7 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
         raw = _read(fd, weight.root, weight.file(scale), scale.start + (lead * grid_rows + first) * grid_cols * isz,
                     (stop - first) * grid_cols * isz)
         factors = _scale_values(raw, scale.dtype).reshape(stop - first, grid_cols)
+        _refuse_non_finite(factors, entry, weight, (lead * grid_rows + first) * grid_cols)
         per_row = factors.repeat_interleave(bm, dim=0)[:rows]  # rows × grid_cols: 1/bn of the chunk
         whole = cols // bn
         if whole:
@@ -312,6 +314,22 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
         if whole < grid_cols:
             values[:, whole * bn:].mul_(per_row[:, whole:])
     return values.to(entry.dtype.torch).reshape(chunk.sizes)
+
+
+def _refuse_non_finite(factors: Any, entry: TensorEntry, weight: Fp8Weight, first: int) -> None:
+    """Refuse a NaN or infinite scale (an E8M0 byte 255 among them): every value of its block would
+    be NaN or infinite, a model no training or serving resumes from. `first`: the flat index in the
+    scale tensor of `factors`' first element."""
+    import torch
+
+    bad = (~torch.isfinite(factors)).flatten().nonzero()
+    if len(bad):
+        at = first + int(bad[0])
+        scale = weight.scale
+        raise CheckpointError(scale.file, f"{entry.fqn}: its scale {scale.name} holds "
+                                          f"{float(factors.flatten()[int(bad[0])])} at "
+                                          f"{list(_unravel(at, list(scale.shape)))}: the weights it scales "
+                                          "cannot be decoded")
 
 
 @functools.cache
