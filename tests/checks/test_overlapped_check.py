@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import os
+import shutil
 from array import array
 from pathlib import Path
 
@@ -41,12 +42,13 @@ def _misplaced(out: DcpOutput, moves: dict[int, int]) -> DcpOutput:
 
 
 def _write(src_path: Path, out: DcpOutput, dst: Path, metadata_of: DcpOutput | None = None,
-           before_check=None) -> tuple[list[int], DcpCheck]:
-    """Write `out` as a run with a helper does (its `.metadata` from `metadata_of`, default `out`),
+           before_check=None, checked_against: Path | None = None) -> tuple[list[int], DcpCheck]:
+    """Write `out` as a run with a helper does (its `.metadata` from `metadata_of`, default `out`;
+    the check reading its source samples from `checked_against`, default the source),
     `before_check(tmp)` run before the check; returns how many arguments each check call got, and
     the check."""
     src = open_checkpoint(src_path)
-    check, calls = DcpCheck(src, out), []
+    check, calls = DcpCheck(open_checkpoint(checked_against) if checked_against else src, out), []
 
     def checked(tmp: Path, *early: bytes) -> None:
         calls.append(len(early))
@@ -122,6 +124,22 @@ def test_a_data_file_cut_after_the_helpers_check_is_refused_naming_its_entry(tmp
     assert caught.value.reason == f"file is {size - 1} bytes but {last[0].fqn} needs bytes {last[4]}..{size} " \
                                   "(truncated?)"
     assert len(forks) == 1 and list(tmp_path.iterdir()) == []
+
+
+def test_a_source_item_the_helper_cannot_read_back_fails_the_run_naming_it(tmp_path: Path, forks) -> None:
+    """The helper reads the samples' source elements by Python's own zipfile: an item it cannot
+    read back (the copy's reader took it) fails the run with the line naming the item, no DST."""
+    broken = tmp_path / "src"
+    shutil.copytree(SRC, broken)
+    with open(broken / "__0_0.distcp", "r+b") as handle:
+        handle.write(b"XX")  # the first item's local header signature
+    out = plan_reshard(open_checkpoint(SRC), ReshardOptions(world_size=3))
+    with pytest.raises(CheckpointError) as caught:
+        _write(SRC, out, tmp_path / "out", checked_against=broken)
+    assert Path(caught.value.path) == broken / "__0_0.distcp"
+    assert caught.value.reason == ("item at byte 0: model.embed.weight: cannot be read back (safetensors header of "
+                                   "578712552184436824 bytes at byte 0)")  # no zip's signature: read as a blob
+    assert len(forks) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_a_data_file_no_entry_names_added_after_the_helpers_check_is_refused(tmp_path: Path, forks) -> None:
