@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -93,6 +94,61 @@ def folded(text: str, console: Console) -> str:
     if console.is_dumb_terminal:
         return text
     return textwrap.fill(text, width=console.width, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def fold_name(name: str, width: int) -> list[str]:
+    """`name` in lines of at most `width`, broken after dots (`model.layers.0.` / `mlp.weight`); a
+    part longer than a line is broken after its underscores, and cut only where they do not do."""
+    lines, line = [], ""
+    for part in re.findall(r"[^.]*\.|[^.]+$", name):
+        for piece in re.findall(r"[^_]*_|[^_]+$", part) if len(part) > width else [part]:
+            if line and len(line) + len(piece) > width:
+                lines.append(line)
+                line = ""
+            line += piece
+            while len(line) > width:
+                lines.append(line[:width])
+                line = line[width:]
+    return [*lines, line] if line or not lines else lines
+
+
+def fold_words(text: str, width: int) -> list[str]:
+    """`text`'s lines folded at spaces to `width`, a word longer than a line (a tensor name) broken
+    by `fold_name`: the names in a table's cell break after dots, never mid-word."""
+    lines = []
+    for paragraph in text.split("\n"):
+        line = ""
+        for word in paragraph.split(" "):
+            if line and len(line) + 1 + len(word) <= width:
+                line += " " + word
+                continue
+            if line:
+                lines.append(line)
+            *whole, line = fold_name(word, width)
+            lines += whole
+        lines.append(line)
+    return lines
+
+
+class NameCell:
+    """A table cell of names and words, folded by `fold_words` at the width the table gives its
+    column (rich's `overflow="fold"` cuts `…q_proj.wei` / `ght` at the column's edge). It asks for
+    no less than its longest dotted part, so a name breaks at its dots when it can."""
+
+    def __init__(self, text: str, style: str = "") -> None:
+        self.text = text
+        self.style = style
+
+    def __rich_measure__(self, console: Console, options: Any) -> Any:
+        from rich.measure import Measurement
+
+        parts = [len(part) for word in self.text.split() for part in re.findall(r"[^.]*\.|[^.]+$", word)]
+        return Measurement(max(parts, default=1), max(len(line) for line in self.text.split("\n")))
+
+    def __rich_console__(self, console: Console, options: Any) -> Iterator[Any]:
+        from rich.text import Text
+
+        yield Text("\n".join(fold_words(self.text, options.max_width)), style=self.style)
 
 
 def say(text: str) -> None:

@@ -60,7 +60,7 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stdout, write_out,
+    NameCell, ProgressDisplay, emit_json, hub_timeout_option, progress_wanted, run_guarded, say, stdout, write_out,
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.core.checkpoint import dtype_name
@@ -192,11 +192,11 @@ def _print_text(report: DiffReport) -> None:
         from rich.text import Text
 
         table = Table(title=f"{len(shown)} not equal", title_justify="left")
-        table.add_column("name", overflow="fold")
+        table.add_column("name")
         table.add_column("status", no_wrap=True)
         table.add_column("detail", overflow="fold")
         for e in shown:
-            table.add_row(Text(e.name), Text(e.status, style=_STYLES.get(e.status, "")), Text(detail(e)))
+            table.add_row(NameCell(e.name), Text(e.status, style=_STYLES.get(e.status, "")), Text(detail(e)))
         stdout().print(table)
     stdout().print(summary_line(report), markup=False, highlight=False,
                    style="bold green" if report.equal else "bold red")

@@ -11,8 +11,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    ProgressDisplay, device_option, dist_backend_option, dtype_option, emit_json, human_bytes, hub_timeout_option,
-    no_sync_option, run_distributed, say, stdout, timing_json, timing_summary, write_out,
+    NameCell, ProgressDisplay, device_option, dist_backend_option, dtype_option, emit_json, human_bytes,
+    hub_timeout_option, no_sync_option, run_distributed, say, stdout, timing_json, timing_summary, write_out,
 )
 from ckptctl.cli.help import ARCHES, completes
 from ckptctl.cli.reshard_cmd import parse_dtype
@@ -114,15 +114,15 @@ def print_preview_table(preview: ExportPreview) -> None:
         files.add_row(number[f.name], Text(f.name), human_bytes(f.bytes), str(f.tensors))
     console.print(files)
     tensors = Table(title=counted(len(preview.tensors), "tensor"), title_justify="left", box=box.SIMPLE_HEAD)
-    tensors.add_column("HF tensor", overflow="fold", ratio=2)
+    tensors.add_column("HF tensor", ratio=2)
     tensors.add_column("shape", no_wrap=True)
     tensors.add_column("#", justify="right", no_wrap=True)
-    tensors.add_column("← source rows", overflow="fold", ratio=3)
+    tensors.add_column("← source rows", ratio=3)
     for t in preview.tensors:
         sources = "\n".join(source_text(s) for s in t.sources) + (f"\n+ {t.add:g}" if t.add else "")
         if t.merged is not None:
             sources += f"\n{merged_text(t)}"
-        tensors.add_row(Text(t.name), str(list(t.shape)), number[t.file], Text(sources))
+        tensors.add_row(NameCell(t.name), str(list(t.shape)), number[t.file], NameCell(sources))
     console.print(tensors)
 
 

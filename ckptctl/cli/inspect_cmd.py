@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import re
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -71,8 +70,8 @@ import typer
 
 from ckptctl.cli import app
 from ckptctl.cli.common import (
-    FILES_LISTED, Fragment, Streamed, emit_json, file_lines, human_bytes, json_scalar, run_guarded, show_rows, stdout,
-    write_line, write_out,
+    FILES_LISTED, Fragment, Streamed, emit_json, file_lines, fold_name, human_bytes, json_scalar, run_guarded,
+    show_rows, stdout, write_line, write_out,
 )
 from ckptctl.util.errors import UsageError
 from ckptctl.util.wording import counted
@@ -332,22 +331,6 @@ def _cells(fqn: str, t: dict[str, Any], problems: dict[str, str]) -> tuple[str, 
     layout = t["layout"] + (f" (tp {t['tp_degree']})" if t["tp_degree"] else
                             f" (dim 1 in {t['dim1_parts']})" if t["dim1_parts"] else "")
     return (fqn, str(t["shape"]), t["dtype"], human_bytes(t["nbytes"]), layout, _status(fqn, t, problems))
-
-
-def fold_name(name: str, width: int) -> list[str]:
-    """`name` in lines of at most `width`, broken after dots (`model.layers.0.` / `mlp.weight`); a
-    part longer than a line is broken after its underscores, and cut only where they do not do."""
-    lines, line = [], ""
-    for part in re.findall(r"[^.]*\.|[^.]+$", name):
-        for piece in re.findall(r"[^_]*_|[^_]+$", part) if len(part) > width else [part]:
-            if line and len(line) + len(piece) > width:
-                lines.append(line)
-                line = ""
-            line += piece
-            while len(line) > width:
-                lines.append(line[:width])
-                line = line[width:]
-    return [*lines, line] if line or not lines else lines
 
 
 _GAP = 3

@@ -155,3 +155,48 @@ def test_in_a_pipe_the_same_compare_is_plain_lines_and_notes_unfolded(root):
                           "1 of 64 elements\n21 tensors: 20 equal, 0 close, 1 differs\n")
     assert res.stderr == (f"note: {root / 'titan'}: 21 model tensors mapped to 21 Hugging Face tensors by export-hf's "
                           f"torchtitan-llama3 rules ({root / 'hf-changed' / 'config.json'})\n")
+
+
+LONG_NAMES = ("model.layers.0.self_attn.q_proj.weight", "optim.state.model.layers.0.self_attn.q_proj.weight.exp_avg_sq")
+
+
+@pytest.fixture(scope="module")
+def long_names(tmp_path_factory) -> Path:
+    """Two dcp.save checkpoints whose weight and optimizer state under long dotted names differ."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("diff-long-names")
+    for side, value in (("a", 0.0), ("b", 0.25)):
+        state = {name: torch.zeros(4, 4) for name in LONG_NAMES}
+        for tensor in state.values():
+            tensor[1, 2] = value
+        dcp.save(state, checkpoint_id=root / side, no_dist=True)
+    return root
+
+
+@pytest.mark.parametrize("columns, table", [
+    (80, ["┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┓",
+          "┃ name                            ┃ status  ┃ detail                           ┃",
+          "┡━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┩",
+          "│ model.layers.0.self_attn.       │ differs │ first at [1, 2], max |a-b| 0.25, │",
+          "│ q_proj.weight                   │         │ 1 of 16 elements                 │",
+          "│ optim.state.model.layers.0.     │ differs │ first at [1, 2], max |a-b| 0.25, │",
+          "│ self_attn.q_proj.weight.        │         │ 1 of 16 elements                 │",
+          "│ exp_avg_sq                      │         │                                  │",
+          "└─────────────────────────────────┴─────────┴──────────────────────────────────┘"]),
+    (120, ["┏━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━┳━━━━━━━━━┳" + "━" * 51 + "┓",
+           "┃ name                                                   ┃ status  ┃ detail" + " " * 44 + "┃",
+           "┡━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━━╇━━━━━━━━━╇" + "━" * 51 + "┩",
+           "│ model.layers.0.self_attn.q_proj.weight                 │ differs │ first at [1, 2], max |a-b| 0.25, 1 of "
+           "16 elements │",
+           "│ optim.state.model.layers.0.self_attn.q_proj.weight.    │ differs │ first at [1, 2], max |a-b| 0.25, 1 of "
+           "16 elements │",
+           "│ exp_avg_sq                                             │         │" + " " * 51 + "│",
+           "└────────────────────────────────────────────────────────┴─────────┴" + "─" * 51 + "┘"]),
+])
+def test_long_names_in_the_not_equal_table_break_after_dots(long_names, columns, table):
+    code, lines = screen_lines(long_names, columns, "a", "b")
+    assert code == 1
+    assert lines[0].startswith("comparing  ━") and " 128/128 bytes " in lines[0], lines[0]
+    assert lines[1:] == ["2 not equal", *table, "2 tensors: 0 equal, 0 close, 2 differs"]

@@ -267,6 +267,40 @@ def test_dry_run_draws_tables_on_a_terminal(llama, tmp_path):
     assert not dst.exists()
 
 
+@pytest.mark.parametrize("columns, table", [
+    (80, ["  HF tensor                       shape      #   ← source rows",
+          " " + "─" * 78,
+          "  model.layers.0.mlp.up_proj.     [48, 32]   1   model.module.decoder.layers.",
+          "  weight                                         0.mlp.linear_fc1.weight rows",
+          "                                                 24:48, 72:96",
+          "  model.layers.0.self_attn.       [32, 32]   1   model.module.decoder.layers.",
+          "  o_proj.weight                                  0.self_attention.linear_proj.",
+          "                                                 weight",
+          "  model.layers.0.self_attn.       [32, 32]   1   model.module.decoder.layers.",
+          "  q_proj.weight                                  0.self_attention.linear_qkv.",
+          "                                                 weight rows 0:8, 16:24, 32:40",
+          "                                                 (+1 more)"]),
+    (120, ["  HF tensor                                shape      #   ← source rows",
+           " " + "─" * 118,
+           "  model.layers.0.mlp.up_proj.weight        [48, 32]   1   model.module.decoder.layers.0.mlp.linear_fc1.weight "
+           "rows",
+           "                                                          24:48, 72:96",
+           "  model.layers.0.self_attn.o_proj.weight   [32, 32]   1   model.module.decoder.layers.0.self_attention."
+           "linear_proj.",
+           "                                                          weight",
+           "  model.layers.0.self_attn.q_proj.weight   [32, 32]   1   model.module.decoder.layers.0.self_attention."
+           "linear_qkv.",
+           "                                                          weight rows 0:8, 16:24, 32:40 (+1 more)"]),
+])
+def test_dry_run_table_breaks_tensor_names_after_dots(llama, columns, table):
+    run = run_in_terminal("export-hf", "ckpt", "dst", "--hf-config", "ref", "--tp", TP, "--dry-run",
+                          "--include", "model.layers.0.self_attn.[qo]_proj.weight",
+                          "--include", "model.layers.0.mlp.up_proj.weight", columns=columns, cwd=llama.root)
+    assert run.returncode == 0, run.screen
+    screen = run.screen.splitlines()
+    assert screen[screen.index("3 tensors") + 1:] == ["", *table]
+
+
 # --------------------------------------------------------------------------------------
 # --include / --exclude
 # --------------------------------------------------------------------------------------
