@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, tiny_llama_folder
+from tests.conftest import tiny_llama_folder
 from tests.terminal import assert_no_traceback, run_in_terminal, unfolded
 
 NAMES_CHECK = "checking tensor names against transformers' LlamaForCausalLM"
