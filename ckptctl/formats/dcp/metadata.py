@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ckptctl.util.errors import CheckpointError
-from ckptctl.formats.dcp import classes as dcp_classes
+from ckptctl.formats.dcp import classes
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder, open_sharded_folder
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.formats.dcp.templates import read_metadata
@@ -88,7 +88,7 @@ def read_small(path: Path, limit: int) -> bytes:
         os.close(fd)
 
 
-def _load_one(path: Path, written_here: bool = False) -> dcp_classes.Metadata:
+def _load_one(path: Path, written_here: bool = False) -> classes.Metadata:
     fd, _ = open_source(path)
     try:
         size = os.fstat(fd).st_size
@@ -115,7 +115,7 @@ class _Merged:
     """The union of one or more metadata files."""
 
     sd_md: dict[str, Any] = field(default_factory=dict)
-    storage: dcp_classes.StorageColumns = field(default_factory=dcp_classes.StorageColumns)
+    storage: classes.StorageColumns = field(default_factory=classes.StorageColumns)
     planner: dict[str, Any] = field(default_factory=dict)
     storage_meta: Any = None
     version: str | None = None
@@ -132,7 +132,7 @@ def _describe(item: Any) -> str:
 
 
 def _kind(item: Any) -> str:
-    return "a tensor" if isinstance(item, dcp_classes.TensorStorageMetadata) else "bytes"
+    return "a tensor" if isinstance(item, classes.TensorStorageMetadata) else "bytes"
 
 
 def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
@@ -151,7 +151,7 @@ def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
         md = _load_one(path, written_here)
         out.storage_meta = out.storage_meta or md.storage_meta
         out.version = getattr(md, "version", None) or out.version
-        out.mcore_metadata |= type(md) is dcp_classes.MCoreMetadata
+        out.mcore_metadata |= type(md) is classes.MCoreMetadata
         for fqn, item in md.state_dict_metadata.items():
             first = out.sd_md.get(fqn)
             if first is None:
@@ -160,7 +160,7 @@ def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
                 out.conflicts.setdefault(fqn, (
                     f"{fqn}: ranks saved different kinds of entry under this name ({_kind(first)} in "
                     f"{origin[fqn]}, {_kind(item)} in {path.name}); only {origin[fqn]}'s is read"))
-            elif isinstance(item, dcp_classes.TensorStorageMetadata):
+            elif isinstance(item, classes.TensorStorageMetadata):
                 if _signature(item) != _signature(first):
                     out.conflicts.setdefault(fqn, (
                         f"{fqn}: ranks saved different tensors under this name ({_describe(first)} in "
@@ -177,7 +177,7 @@ def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
                         seen.add(offsets)
         if isinstance(md.planner_data, dict):
             out.planner.update(md.planner_data)
-        if path is paths[0] and type(md.storage_data) is dcp_classes.StorageColumns:
+        if path is paths[0] and type(md.storage_data) is classes.StorageColumns:
             out.storage = md.storage_data  # the first file's table, as `dcp.templates` built it
         else:
             _add_storage(out.storage, md.storage_data)
@@ -186,24 +186,24 @@ def _merge(paths: list[Path], written_here: bool = False) -> _Merged:
 
 def _pairs(chunks: Any) -> Any:
     """A tensor's chunks as (offsets, sizes) tuples: from `ChunkColumns` or from a list of records."""
-    if type(chunks) is dcp_classes.ChunkColumns:
+    if type(chunks) is classes.ChunkColumns:
         return chunks.pairs()
     return ((tuple(c.offsets), tuple(c.sizes)) for c in chunks)
 
 
-def _columns(chunks: Any) -> dcp_classes.ChunkColumns:
-    if type(chunks) is dcp_classes.ChunkColumns:
+def _columns(chunks: Any) -> classes.ChunkColumns:
+    if type(chunks) is classes.ChunkColumns:
         return chunks
-    out = dcp_classes.ChunkColumns()
+    out = classes.ChunkColumns()
     for offsets, sizes in _pairs(chunks):
         out.offsets.append(offsets)
         out.sizes.append(sizes)
     return out
 
 
-def _add_storage(table: dcp_classes.StorageColumns, storage: Any) -> None:
+def _add_storage(table: classes.StorageColumns, storage: Any) -> None:
     """Another file's storage entries after `table`'s (a key already there keeps its first entry)."""
-    if type(storage) is dcp_classes.StorageColumns:
+    if type(storage) is classes.StorageColumns:
         for fqn in storage.rows:
             for offsets, entry in storage.rows_of(fqn):
                 table.add(fqn, offsets, *entry)
@@ -270,7 +270,7 @@ class _StorageFiles:
 
 
 def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, chunks: Any,
-                    storage: dcp_classes.StorageColumns, known: _StorageFiles, files: dict[str, int],
+                    storage: classes.StorageColumns, known: _StorageFiles, files: dict[str, int],
                     names: list[str], numbers: dict[str, int], where: Path) -> ChunkTable | None:
     """The chunk table of a tensor saved as torch saves one: its storage entries one per chunk, in
     the chunks' order, none transformed. Each check of `_tensor_entry` is made a column at a time;
@@ -336,7 +336,7 @@ _BOXES_KEPT = 256
 """Distinct chunkings `_table_in_order` remembers its judgement of (a full table starts again)."""
 
 
-def _tensor_entry(root: Path, fqn: str, md: Any, storage: dcp_classes.StorageColumns, known: _StorageFiles,
+def _tensor_entry(root: Path, fqn: str, md: Any, storage: classes.StorageColumns, known: _StorageFiles,
                   files: dict[str, int], names: list[str], numbers: dict[str, int], where: Path) -> TensorEntry:
     """The entry of tensor `fqn`, its chunks a `ChunkTable` whose files are numbers into `names`, the
     checkpoint's data files in the order met (`numbers` inverts it). A tensor saved as torch saves one
@@ -425,9 +425,9 @@ def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False,
     tensors: dict[str, TensorEntry] = {}
     bytes_entries: dict[str, BytesEntry] = {}
     for fqn, item in sd_md.items():
-        if isinstance(item, dcp_classes.TensorStorageMetadata):
+        if isinstance(item, classes.TensorStorageMetadata):
             tensors[fqn] = _tensor_entry(root, fqn, item, storage, known, files, names, numbers, where)
-        elif isinstance(item, dcp_classes.BytesStorageMetadata):
+        elif isinstance(item, classes.BytesStorageMetadata):
             entry = storage.entries(fqn).get(None)
             if entry is None:
                 raise CheckpointError(where, f"{fqn}: bytes entry has no storage entry")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Container, Iterator, Mapping, Sequence
 from zlib import crc32
 
-from ckptctl.formats.dcp import metadata_out as dcp_metadata_out
+from ckptctl.formats.dcp import metadata_out
 from ckptctl.formats.dcp.metadata_out import StreamedDict, StreamedList
 from ckptctl.formats.dcp.classes import (
     BytesStorageMetadata,
@@ -222,7 +222,7 @@ def _properties(target: TargetTensor) -> TensorProperties:
 def build_metadata(out: DcpOutput) -> Metadata:
     """The `.metadata` object describing `out` (stand-ins that pickle as torch's own classes).
 
-    Its chunk lists and storage dict are streamed (`dcp_metadata_out.StreamedList`/`StreamedDict`):
+    Its chunk lists and storage dict are streamed (`metadata_out.StreamedList`/`StreamedDict`):
     their records are made as the pickle is written, a batch at a time, from the placements, so
     no record per output chunk is ever held. The bytes are those of the same records held.
     """
@@ -264,7 +264,7 @@ def build_metadata(out: DcpOutput) -> Metadata:
 def metadata_pickle(md: Metadata) -> bytes:
     """The `.metadata` bytes, those `torch_pickle.dumps(md)` writes, a few µs per chunk, without torch."""
     with gc_paused():
-        return dcp_metadata_out.dumps(md)
+        return metadata_out.dumps(md)
 
 
 def write_metadata(out: DcpOutput, directory: Path) -> None:
@@ -272,6 +272,6 @@ def write_metadata(out: DcpOutput, directory: Path) -> None:
     before the rename)."""
     md = build_metadata(out)
     with open(directory / ".metadata", "wb") as file, gc_paused():
-        dcp_metadata_out.dump(md, file)
+        metadata_out.dump(md, file)
     for name, data in out.extra_files.items():
         (directory / name).write_bytes(data)
