@@ -87,13 +87,20 @@ def _figures() -> Any:
     return Figures()
 
 
+_UNIT_SPACE = re.compile(r"(?<=\d) (?=[kMGTP]?B(?:/s)?(?!\w))")
+"""The space between a figure and its unit (`7.0 MB/s`, `366.2 MB`, `12 B`)."""
+
+
 def folded(text: str, console: Console) -> str:
     """`text` folded at spaces to the terminal's width, its next lines indented: a terminal left to
-    wrap a long line cuts a word (a path, a tensor name, a figure) at its edge. A dumb terminal's
-    width is unknown (rich says 80), so its lines are left whole."""
+    wrap a long line cuts a word (a path, a tensor name, a figure) at its edge. A figure keeps its
+    unit on its line (`7.0` / `MB/s` reads as two things): that space is held by a NUL, which no
+    path holds, while textwrap folds. A dumb terminal's width is unknown (rich says 80), so its
+    lines are left whole."""
     if console.is_dumb_terminal:
         return text
-    return textwrap.fill(text, width=console.width, subsequent_indent="  ", break_on_hyphens=False)
+    held = text if "\0" in text else _UNIT_SPACE.sub("\0", text)
+    return textwrap.fill(held, width=console.width, subsequent_indent="  ", break_on_hyphens=False).replace("\0", " ")
 
 
 def fold_name(name: str, width: int) -> list[str]:

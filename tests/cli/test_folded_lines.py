@@ -9,6 +9,7 @@ it is matched whole once its folds are joined at the spaces they replaced.
 
 from __future__ import annotations
 
+import io
 import re
 import shutil
 from pathlib import Path
@@ -137,3 +138,25 @@ def test_inspect_check_problems_are_one_line_each_in_a_pipe(fixture_ckpt):
 def test_an_error_folds_at_spaces(here, columns, error):
     assert lines_of(here, columns, "export-hf", "megatron", "out", "--hf-config", "hf", status=2) == error
     assert not (here / "out").exists()
+
+
+@pytest.mark.parametrize("width, lines", [
+    (31, ["wrote out in 6.73s (writing", "  6.8 MB/s), peak RSS 366.2 MB"]),
+    (54, ["wrote out in 6.73s (writing 6.8 MB/s), peak RSS", "  366.2 MB"]),
+])
+def test_a_figure_keeps_its_unit_on_its_line(width, lines):
+    from rich.console import Console
+
+    from ckptctl.cli.common import folded
+
+    console = Console(file=io.StringIO(), width=width, force_terminal=True)
+    assert folded("wrote out in 6.73s (writing 6.8 MB/s), peak RSS 366.2 MB", console).splitlines() == lines
+
+
+def test_only_a_unit_is_held_to_its_figure():
+    from rich.console import Console
+
+    from ckptctl.cli.common import folded
+
+    console = Console(file=io.StringIO(), width=11, force_terminal=True)
+    assert folded("read 12 B of 7 Bananas", console).splitlines() == ["read 12 B", "  of 7", "  Bananas"]
