@@ -2,9 +2,9 @@
 
 Pure functions of shapes, names and rank counts. `fsdp2` reproduces what `fully_shard` at
 N ranks saves (dim-0 `torch.chunk` rows; ranks past the end own nothing; 0-d tensors
-once, on rank 0). `megatron_fsdp` reproduces Megatron-FSDP's TP×DP chunks, and `flat`
-turns any placement into the flat item-coordinate chunks of CPU-offloaded optimizer
-buffers.
+once, on rank 0); `fsdp2_saved` keeps the empty shards, as DCP saves them. `megatron_fsdp`
+reproduces Megatron-FSDP's TP×DP chunks, and `flat` turns any placement into the flat
+item-coordinate chunks of CPU-offloaded optimizer buffers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,17 @@ class Placed:
 def fsdp2(shape: tuple[int, ...], world_size: int) -> list[Placed]:
     """FSDP2 `Shard(0)` chunks at `world_size` ranks; empty shards are left out."""
     return list(_fsdp2(tuple(shape), world_size))
+
+
+def fsdp2_saved(shape: tuple[int, ...], world_size: int) -> list[Placed]:
+    """Every rank's FSDP2 `Shard(0)` chunk as DCP saves it, empty ones too (at row `shape[0]`, where
+    DTensor puts a shard past the end); a 0-d tensor once, on rank 0. torch's own
+    `HuggingFaceStorageWriter(save_distributed=True)` writes each rank's, so a folder written so
+    has the files and records an FSDP2 save has."""
+    if not shape:
+        return [Placed(0, full_box(()))]
+    return [Placed(rank, rows_box(tuple(shape), start, stop))
+            for rank, (start, stop) in enumerate(chunk_rows(shape[0], world_size))]
 
 
 @functools.lru_cache(maxsize=1024)
