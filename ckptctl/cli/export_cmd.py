@@ -183,6 +183,11 @@ def export_hf_command(
     adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", metavar="<json>",
                                                   help="The run's peft adapter_config.json: α, rsLoRA and r from it "
                                                        "(r is checked against the adapters)."),
+    layout: str = typer.Option("hf", "--layout", metavar="LAYOUT", autocompletion=completes("hf", "distributed"),
+                               help="hf (a model folder) or distributed (each of --world-size ranks' shard files of "
+                                    "every model file, as torch's Hugging Face storage writer saves FSDP2 with "
+                                    "save_distributed; torch's consolidation merges them)."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks of --layout distributed."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     hub_timeout: float = hub_timeout_option(),
@@ -210,7 +215,7 @@ def export_hf_command(
                              device=device, sync=not no_sync, name_check=not no_name_check,
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
-                             rslora=rslora, adapter_config=adapter_config)
+                             rslora=rslora, adapter_config=adapter_config, layout=layout, world_size=world_size)
 
     def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export

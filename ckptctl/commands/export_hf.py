@@ -39,8 +39,9 @@ from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
+from ckptctl.formats.safetensors.distributed import ShardFile, layout_shards, record_count, shard_records
 from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
-from ckptctl.core.geometry import full_box, region_blocks, union_volume
+from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
@@ -62,6 +63,7 @@ from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.megatron.tp import resolve_tp, tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint, dtype_name
 from ckptctl.util.wording import counted
+from ckptctl.checks.distributed_output import check_distributed_safetensors
 from ckptctl.checks.output_check import check_safetensors
 from ckptctl.checks.verify import ReadBack, check_decoded_source, tensor_read_back, verify_safetensors_file
 from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
@@ -76,6 +78,9 @@ INDEX_NAME = "model.safetensors.index.json"
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
+LAYOUTS = ("hf", "distributed")
+"""`--layout`: a model folder, or each rank's files as torch's `HuggingFaceStorageWriter(save_distributed=True)`
+writes them from FSDP2 (`formats.safetensors.distributed`)."""
 SKIPPED_PREFIXES = ("mtp.",)
 """Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
 
@@ -114,6 +119,9 @@ class ExportOptions:
     """s = α / √r (rsLoRA) instead of α / r; with `lora_alpha`."""
     adapter_config: Path | None = None
     """The run's peft `adapter_config.json`: α, rsLoRA and r from it."""
+    layout: str = "hf"
+    """`LAYOUTS`: `distributed` writes `world_size` ranks' shard files of each model file instead."""
+    world_size: int | None = None
 
 
 @dataclass
@@ -140,6 +148,8 @@ class ExportPlan:
     """Whether `--include`/`--exclude` left tensors out (then the output is not the whole model)."""
     adapter_config: dict[str, Any] | None = None
     """`--adapter-only`: the PEFT folder's adapter_config.json, written instead of config.json."""
+    shards: list[ShardFile] | None = None
+    """`--layout distributed`: the ranks' files (`files` are theirs), each holding pieces of its targets."""
 
     @property
     def data_bytes(self) -> int:
@@ -156,8 +166,12 @@ class ExportPlan:
 
     @property
     def file_of(self) -> dict[str, str]:
-        """Each target's safetensors file name."""
-        return {name: f.name for f in self.files for name in f.offsets}
+        """Each target's safetensors file name (with `shards`: the first that holds a piece of it)."""
+        out: dict[str, str] = {}
+        for f in self.files:
+            for name in f.offsets:
+                out.setdefault(name, f.name)
+        return out
 
     def side_files(self) -> list[str]:
         """Names of everything written besides the safetensors files, sorted."""
@@ -170,7 +184,16 @@ class ExportPlan:
 
     def output_plan(self) -> OutputPlan:
         """The export as the engine writes it: each file's header, its tensors' row blocks (each
-        checked whole as its runs are planned), then the index, config and side files."""
+        checked whole as its runs are planned; in rank files, each piece's), then the index, config
+        and side files."""
+        if self.shards is not None:
+            return OutputPlan({s.file.name: s.file.size for s in self.shards},
+                              lambda names: (r for s in self.shards if s.file.name in names
+                                             for r in shard_records(s, self.targets)),
+                              record_count(self.shards, self.targets), self.sources,
+                              [CopyItem("", 0, len(s.file.header), s.file.name, 0, s.file.header) for s in self.shards],
+                              finish=functools.partial(write_side_files, self), whole_records=True)
+
         def records(names: Container[str]) -> Iterator[StreamItem]:
             for f in self.files:
                 if f.name in names:
@@ -307,6 +330,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
     to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model; the names
     are checked against transformers' model under `preparing` (`asking_transformers`)."""
+    ranks = check_layout(opts)
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -382,6 +406,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     split = shard(targets, parse_size(opts.max_shard_size))
     files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
+    shards = None
+    if ranks is not None:  # each rank's pieces of each model file
+        shards = layout_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
+        files = [s.file for s in shards]
     floating = Counter()
     for t in targets.values():
         if t.dtype.is_floating_point:
@@ -396,10 +424,31 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     return ExportPlan(
         family=family.name, prefix=prefix, tp=tp, expert_tp=etp, targets=targets, sources=sources, files=files,
         file_targets={f.name: list(f.offsets) for f in files},
-        weight_map=dict(split.tensor_to_filename) if split.is_sharded else None,
+        weight_map=dict(split.tensor_to_filename) if split.is_sharded and shards is None else None,
         config=config, ref_files=ref_files, notes=ctx.notes,
-        generation=generation_config(config) if derive else None, expected=expected, selected=selected,
+        generation=generation_config(config) if derive else None, expected=expected, selected=selected, shards=shards,
     )
+
+
+def check_layout(opts: ExportOptions) -> int | None:
+    """The ranks of `--layout distributed` (None for a model folder); `--layout` and `--world-size`
+    values, and options, that cannot go together are refused."""
+    if opts.layout not in LAYOUTS:
+        raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {opts.layout!r})")
+    if opts.layout != "distributed":
+        if opts.world_size is not None:
+            raise UsageError("--world-size applies to --layout distributed only (a model folder is not split by rank)")
+        return None
+    if opts.world_size is None:
+        raise UsageError("--layout distributed needs --world-size (the number of ranks whose shard files are written)")
+    if opts.world_size < 1:
+        raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+    if opts.adapter_only:
+        raise UsageError("--adapter-only writes a PEFT adapter folder, which has no --layout distributed")
+    if opts.merge_adapters:
+        raise UsageError("--merge-adapters computes each merged weight whole, not a rank's rows of it: "
+                         "export merged with --layout hf")
+    return opts.world_size
 
 
 def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: ExportOptions
@@ -697,12 +746,13 @@ def check_written_names(plan: ExportPlan, out: Path, preparing: Preparing | None
     out and have nothing extra (only what --include/--exclude left out may be missing)."""
     from safetensors import safe_open
 
-    names: list[str] = []
+    held: list[str] = []
     for f in plan.files:
         with safe_open(str(out / f.name), framework="pt") as handle:
-            names.extend(handle.keys())
-    if sorted(names) != sorted(plan.targets):
+            held.extend(handle.keys())
+    if sorted(held) != sorted(n for f in plan.files for n in plan.file_targets[f.name]):
         raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
+    names = sorted(set(held))  # rank files: each a rank's piece of the tensors it names
     if plan.expected is None:
         return
     asking = asking_transformers(preparing, "the written names")
@@ -917,13 +967,18 @@ def export_hf(
     sources = ChunkSource(ckpt)
 
     def verify_output(tmp: Path) -> None:
-        advance = phases.start("verifying", 2 * plan.data_bytes)
-        for f in plan.files:
-            verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers), advance)
+        if plan.shards is not None:  # every piece is compared through `check_decoded_source`
+            advance = phases.start("verifying", plan.data_bytes)
+            read_back = shards_read_back(tmp, plan.shards)
+        else:
+            advance = phases.start("verifying", 2 * plan.data_bytes)
+            for f in plan.files:
+                verify_safetensors_file(tmp / f.name, f, plan.targets, plan.sources, sources, max(1, opts.workers),
+                                        advance)
+            read_back = safetensors_read_back(tmp, plan)
         check_written_names(plan, tmp, preparing)
         copied = {name: t for name, t in plan.targets.items() if t.delta is None}  # merged ones: recomputed above
-        check_decoded_source(ckpt, copied, plan.sources, safetensors_read_back(tmp, plan), dst,
-                             max(1, opts.workers), advance)
+        check_decoded_source(ckpt, copied, plan.sources, read_back, dst, max(1, opts.workers), advance)
         phases.stop()
         report.verified = True
 
@@ -939,7 +994,11 @@ def export_hf(
 
 
 def check_export(ckpt: Checkpoint, plan: ExportPlan, folder: Path) -> None:
-    """The check every export passes before it takes its name (`output_check.check_safetensors`)."""
+    """The check every export passes before it takes its name (`output_check.check_safetensors`;
+    rank files: `distributed_output.check_distributed_safetensors`)."""
+    if plan.shards is not None:
+        check_distributed_safetensors(ckpt, folder, plan.shards, plan.targets, plan.sources)
+        return
     check_safetensors(ckpt, folder, {f.name: [plan.targets[n] for n in plan.file_targets[f.name]] for f in plan.files},
                       plan.sources, plan.weight_map, INDEX_NAME)
 
@@ -959,6 +1018,44 @@ def safetensors_read_back(folder: Path, plan: ExportPlan) -> ReadBack:
             return handles[file_of[name]].get_slice(name)
 
     return tensor_read_back(tensor)
+
+
+def shards_read_back(folder: Path, shards: Sequence[ShardFile]) -> ReadBack:
+    """Boxes of the written tensors, each put together from the rows of the rank files' pieces it
+    spans, read through safetensors' own reader (one handle per file)."""
+    import torch
+    from safetensors import safe_open
+
+    from ckptctl.checks.verify import raw_bytes
+
+    pieces: dict[str, list[tuple[str, Box]]] = {}
+    for s in shards:  # rank by rank: a tensor's pieces in row order
+        for fqn, box in s.pieces.items():
+            if box.numel:
+                pieces.setdefault(fqn, []).append((s.file.name, box))
+    handles: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def handle(name: str) -> Any:
+        with lock:
+            if name not in handles:
+                handles[name] = safe_open(folder / name, "pt")
+            return handles[name]
+
+    def read(target: TargetTensor, box: Box) -> bytes:
+        if not box.sizes:  # a 0-d tensor: one piece, whole
+            return raw_bytes(handle(pieces[target.fqn][0][0]).get_tensor(target.fqn))
+        start, stop = box.offsets[0], box.offsets[0] + box.sizes[0]
+        rest = tuple(slice(o, o + n) for o, n in zip(box.offsets[1:], box.sizes[1:]))
+        parts = []
+        for name, piece in pieces.get(target.fqn, ()):
+            a, b = max(start, piece.offsets[0]), min(stop, piece.offsets[0] + piece.sizes[0])
+            if a < b:
+                rows = slice(a - piece.offsets[0], b - piece.offsets[0])
+                parts.append(torch.as_tensor(handle(name).get_slice(target.fqn)[(rows, *rest)]))
+        return raw_bytes(torch.cat(parts)) if parts else b""
+
+    return read
 
 
 def write_side_files(plan: ExportPlan, out: Path) -> None:
