@@ -147,7 +147,7 @@ def device(request, monkeypatch) -> str:
     monkeypatch.setattr(cuda, "default_device", lambda local_rank=0: torch.device("cpu"))
     monkeypatch.setattr("ckptctl.engine.output.executor",
                         lambda dev, rank=0: cpu.execute if dev == "cpu" else cuda.execute)
-    monkeypatch.setattr(importlib.import_module("ckptctl.commands.reshard"), "resolve_device", lambda dev: dev)
+    monkeypatch.setattr(importlib.import_module("ckptctl.commands.dcp_write"), "resolve_device", lambda dev: dev)
     return "cuda"
 
 
