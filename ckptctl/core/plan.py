@@ -15,6 +15,7 @@ import bisect
 import functools
 import itertools
 import math
+import operator
 from array import array
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -44,11 +45,11 @@ class SourceChunks(TupleView):
         """Whether any chunk must be decoded to be read."""
         return any(chunk.transforms for chunk, _ in self)
 
-    def row_bounds(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
-        """Each chunk's first row and row end in a source of `shape`, in saved order."""
-        for _, region in self:
-            box = region_bounds(region, shape)
-            yield box.offsets[0], box.offsets[0] + box.sizes[0]
+    def row_bounds(self, shape: tuple[int, ...]) -> tuple[array, array]:
+        """Each chunk's first row, and its row end, in a source of `shape`, in saved order."""
+        boxes = [region_bounds(region, shape) for _, region in self]
+        starts = array("q", (box.offsets[0] for box in boxes))
+        return starts, array("q", map(operator.add, starts, (box.sizes[0] for box in boxes)))
 
     def whole_rows(self, shape: tuple[int, ...]) -> bool:
         """Whether every chunk is a box of whole rows of a source of `shape` (as FSDP2's Shard(0) saves)."""
@@ -103,8 +104,9 @@ class BoxedChunks(SourceChunks):
     def transformed(self) -> bool:
         return self.table.transformed
 
-    def row_bounds(self, shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
-        return ((offsets[0], offsets[0] + sizes[0]) for offsets, sizes in zip(self.table.offsets, self.table.sizes))
+    def row_bounds(self, shape: tuple[int, ...]) -> tuple[array, array]:
+        starts = array("q", map(operator.itemgetter(0), self.table.offsets))
+        return starts, array("q", map(operator.add, starts, map(operator.itemgetter(0), self.table.sizes)))
 
     def whole_rows(self, shape: tuple[int, ...]) -> bool:
         return whole_rows(shape, self.table.offsets, self.table.sizes)
@@ -135,11 +137,12 @@ class SourceTensor:
         """Chunks sorted by first row: their saved indexes, first rows, row ends, and each prefix's
         furthest row end (arrays of integers, 32 bytes a chunk, kept while the view lives: a
         tensor may have thousands of chunks, a checkpoint millions)."""
-        bounds = sorted(((lo, hi, i) for i, (lo, hi) in enumerate(self.chunks.row_bounds(self.shape))),
-                        key=lambda e: e[0])
-        ends = array("q", (e[1] for e in bounds))
-        return (array("q", (e[2] for e in bounds)), array("q", (e[0] for e in bounds)), ends,
-                array("q", itertools.accumulate(ends, max)))
+        starts, ends = self.chunks.row_bounds(self.shape)
+        order = array("q", range(len(starts)))
+        if any(map(operator.gt, starts, itertools.islice(starts, 1, None))):  # not saved in row order
+            order = array("q", sorted(order, key=starts.__getitem__))
+            starts, ends = array("q", map(starts.__getitem__, order)), array("q", map(ends.__getitem__, order))
+        return order, starts, ends, array("q", itertools.accumulate(ends, max))
 
     def rows_near(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """Chunks whose bounds may meet rows [lo, hi), in saved order, as (saved index, first row,
