@@ -261,3 +261,19 @@ def test_a_0d_tensor_is_rank_1s_and_an_empty_one_every_ranks(out, tmp_path) -> N
     with safe_open(tmp_path / "dst" / "shard-00001-model-00001-of-00001.safetensors", framework="pt") as f:
         assert sorted(f.keys()) == ["e", "scale", "w"]
     _assert_exact(_torch_hf_reader(tmp_path / "dst"), {k.removeprefix("model."): v for k, v in state.items()})
+
+
+def test_dry_run_lists_the_rank_files_the_export_writes(out, tmp_path) -> None:
+    args = ("export-hf", SRC, tmp_path / "dst", "--hf-config", out / "ref", "--arch", "raw", "--no-name-check",
+            "--layout", "distributed", "-n", "2")
+    res = run_cli(*args, "--dry-run")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines()[:5] == [
+        f"dry run: nothing written to {tmp_path / 'dst'}",
+        "raw, float32: 8 tensors (318 parameters), 3272 bytes in 2 safetensors files",
+        "shard-00001-model-00001-of-00001.safetensors  1636 bytes  8 tensors",
+        "shard-00002-model-00001-of-00001.safetensors  1636 bytes  8 tensors",
+        "also config.json"]
+    assert run_cli(*args).returncode == 0
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "dst").glob("*.safetensors")) == [
+        ("shard-00001-model-00001-of-00001.safetensors", 1636), ("shard-00002-model-00001-of-00001.safetensors", 1636)]
