@@ -5,8 +5,9 @@
 OUT is `ckptctl reshard SRC OUT -n N`'s output. A run with a helper process (a plain run of
 20,000 records or more on two cores) splits the check: the helper reads the samples' source
 elements, re-reads `.metadata` and checks its structure while the run writes the data files
-(`DcpCheck.early`), the run then compares the files' sizes and the samples (`check(out, result)`:
-the `check_seconds` of `--json`). A run without a helper reads the source's elements in a thread
+(`DcpCheck.early`); each process compares the files it wrote with their planned sizes, and the
+samples they hold, once written (`within`: timed here for all the files), and the run's last
+call checks the directory (`check(out, result, withins)`; the two make `check_seconds`). A run without a helper reads the source's elements in a thread
 while it writes and does the rest after writing (`check(out)`). Each part's wall and CPU seconds,
 median of the repetitions, with the machine's load average.
 """
@@ -31,7 +32,7 @@ def timed(work) -> tuple[float, float, object]:
 
 
 EARLY = "helper, while the run writes: source samples, re-read .metadata, structure"
-AFTER = "run, after writing: file sizes, samples (check_seconds)"
+AFTER = "run and helper, each after its files: their sizes, samples; the run's last call"
 READ_AHEAD = "run without a helper, a thread while writing: the source samples"
 ALONE = "run without a helper, after writing: the rest"
 
@@ -57,7 +58,7 @@ def main() -> None:
         check = DcpCheck(src, plan)
         wall, cpu, early = timed(lambda: check.early(args.out))
         rows[EARLY].append((wall, cpu))
-        rows[AFTER].append(timed(lambda: check(args.out, early))[:2])
+        rows[AFTER].append(timed(lambda: check(args.out, early, [check.within(args.out, early, frozenset(plan.files))]))[:2])
         check = DcpCheck(src, plan)
         rows[READ_AHEAD].append(timed(lambda: read_ahead(check))[:2])
         rows[ALONE].append(timed(lambda: check(args.out))[:2])

@@ -24,12 +24,13 @@ import pickle
 import pickletools
 import struct
 import threading
+import time
 import zipfile
 from collections import OrderedDict
 from itertools import repeat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 from ckptctl.core.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes
@@ -319,14 +320,16 @@ def check_dcp(src: Checkpoint, out: DcpOutput, written: Path, views: Mapping[str
 
 
 class DcpCheck:
-    """`check_dcp` in parts. What the structure check needs is `.metadata` alone, and what the
-    output's samples must hold comes from the source alone, so where a helper process writes
-    `.metadata` while the run writes the data files, the helper runs `early` next: it re-reads
-    `.metadata` (a million chunks' take seconds) against the files' planned sizes and reads the
-    samples' source elements, and sends those and where the samples lie as read back; calling
-    the check with the written directory and that result compares the files' sizes with the
-    planned ones and the samples. Without a helper, `start` reads the source's elements in a
-    thread while the output is written, and the call does the rest (without `start`, all of it)."""
+    """`check_dcp` in parts (`engine.output.OverlappedCheck`). What the structure check needs is
+    `.metadata` alone, and what the output's samples must hold comes from the source alone, so
+    where a helper process writes `.metadata` while the run writes the data files, the helper
+    runs `early` next: it re-reads `.metadata` (a million chunks' take seconds) against the files'
+    planned sizes and reads the samples' source elements, and sends those and where the samples
+    lie as read back. Each process then compares the files it wrote with their planned sizes, and
+    the samples they hold, as soon as they are written (`within`); calling the check with the
+    written directory and those results compares the rest. Without a helper, `start` reads the
+    source's elements in a thread while the output is written, and the call does the rest
+    (without `start`, all of it)."""
 
     def __init__(self, src: Checkpoint, out: DcpOutput, views: Mapping[str, SourceTensor] | None = None) -> None:
         if views is None:
@@ -346,6 +349,10 @@ class DcpCheck:
         self._stopping = self._closed = False
         self._lock = threading.Lock()
         self._failure: BaseException | None = None
+        self._found: _ReadBack | None = None  # what `early` found
+        self.within_seconds = 0.0
+        """The seconds `within` took in this process."""
+        self._found_from: bytes | None = None
 
     def start(self) -> None:
         """Read the samples' source elements in a background thread (after any fork of the run)."""
@@ -386,16 +393,34 @@ class DcpCheck:
         """The samples' source elements, the structure of `written`'s `.metadata` checked while its
         data files are still being written (their planned sizes taken for theirs), and each
         sample's chunk as read back; or the line of the fault found. Pickled for the run: a few
-        thousand elements and chunks."""
+        thousand elements and chunks (kept here too, for `within`)."""
         try:
             self._read_source()
             found = self._read_back(written, self.out.files)
             found.wants = self._wants
-            return pickle.dumps(found)
         except CheckpointError as exc:
-            return pickle.dumps(_ReadBack(None, [], (exc.path, exc.reason)))
+            found = _ReadBack(None, [], (exc.path, exc.reason))
+        self._found = found
+        return pickle.dumps(found)
 
-    def __call__(self, written: Path, early: bytes | None = None) -> None:
+    def within(self, written: Path, early: bytes | None, names: frozenset[str]) -> bytes:
+        """The data files `names` compared, once written, with their planned sizes, and the samples
+        they hold with the source's (`early`: what `early` found, None in the process that ran it);
+        pickled for the run's last call: the files compared, or the line of the fault found."""
+        began = time.perf_counter()
+        found = self._early(early)
+        try:
+            if found.failure is not None:  # the run's last call raises it
+                return pickle.dumps((frozenset(), None))
+            self._files_as_planned(written, names)
+            self._compare(written, found, skip=lambda file: file not in names, entries=False)
+        except CheckpointError as exc:
+            return pickle.dumps((frozenset(), (exc.path, exc.reason)))
+        finally:
+            self.within_seconds += time.perf_counter() - began
+        return pickle.dumps((frozenset(names), None))
+
+    def __call__(self, written: Path, early: bytes | None = None, within: Sequence[bytes] = ()) -> None:
         try:
             if self._thread is not None:
                 self._thread.join()
@@ -404,14 +429,28 @@ class DcpCheck:
             if early is None:
                 found = self._read_back(written)
             else:
-                found = pickle.loads(early)  # noqa: S301 - this run's own helper wrote it
+                found = self._early(early)
                 if found.failure is not None:
                     raise CheckpointError(*found.failure)
-                self._wants = found.wants
+                compared: set[str] = set()
+                for part in within:
+                    files, failure = pickle.loads(part)  # noqa: S301 - this run's own processes wrote it
+                    if failure is not None:
+                        raise CheckpointError(*failure)
+                    compared |= files
                 self._files_as_planned(written)
+                self._compare(written, found, skip=compared.__contains__)
+                return
             self._compare(written, found)
         finally:
             self.close()
+
+    def _early(self, early: bytes | None) -> _ReadBack:
+        """What `early` found: kept in the process that ran it, else unpickled (once)."""
+        if early is not None and self._found_from is not early:
+            self._found = pickle.loads(early)  # noqa: S301 - this run's own helper wrote it
+            self._found_from = early
+        return self._found
 
     def _read_back(self, written: Path, planned: Mapping[str, int] | None = None) -> _ReadBack:
         """`written` re-read by the project's reader and checked as a structure (against the
@@ -429,32 +468,50 @@ class DcpCheck:
         tensors = {f: TensorEntry(f, e.shape, e.dtype, ()) for f, e in dst.tensors.items() if f in sampled}
         return _ReadBack(Checkpoint(written, tensors, dst.bytes_entries, dst.files), chunks)
 
-    def _files_as_planned(self, written: Path) -> None:
-        """Raise unless the data files on disk are those the early structure check took: the
-        planned ones, of their planned sizes (the reader, re-run, names the entry a fault cuts)."""
-        planned = dict(self.out.files)
-        with os.scandir(written) as found:
-            on_disk = {e.name: e.stat(follow_symlinks=False).st_size for e in found if e.name.endswith(".distcp")}
+    def _files_as_planned(self, written: Path, names: Container[str] | None = None) -> None:
+        """Raise unless the data files on disk (the named ones, where given) are those the early
+        structure check took: the planned ones, of their planned sizes (the reader, re-run, names
+        the entry a fault cuts)."""
+        if names is None:
+            planned = dict(self.out.files)
+            with os.scandir(written) as found:
+                on_disk = {e.name: e.stat(follow_symlinks=False).st_size for e in found
+                           if e.name.endswith(".distcp")}
+        else:
+            planned = {name: self.out.files[name] for name in names}
+            on_disk = {name: _size(written / name) for name in names}
         if on_disk != planned:
             self._read_back(written)
             name = next(n for n in sorted({*planned, *on_disk}) if planned.get(n) != on_disk.get(n))
             raise CheckpointError(written / name, f"is {on_disk.get(name)} bytes on disk, planned {planned.get(name)}")
 
-    def _compare(self, written: Path, found: _ReadBack) -> None:
+    def _compare(self, written: Path, found: _ReadBack, skip: Callable[[str], bool] = lambda file: False,
+                 entries: bool = True) -> None:
+        """Compare the samples, but those in the files `skip` names, and (with `entries`) the bytes entries."""
         output = ChunkSource(found.ckpt)  # the output at its places as read back by the project's reader
         try:
-            wants = self._wants
+            wants = found.wants or self._wants
             for i, ((target, box, _), chunk) in enumerate(zip(self.samples, found.chunks)):
+                if skip(chunk.file):
+                    continue
                 want = wants[i] if i < len(wants) else _sample(target, box, self.views, self._source)
                 entry = found.ckpt.tensors[target.fqn]
                 view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
                 if _sample(identity_target(view), box, {view.fqn: view}, output) != want:
                     raise CheckpointError(written / chunk.file, f"{target.fqn}: element {list(box.offsets)} of "
                                                                 f"{list(target.shape)} differs from the source's")
-            for fqn, copy in self.out.bytes_entries.items():
+            for fqn, copy in self.out.bytes_entries.items() if entries else ():
                 _check_bytes_entry(copy, found.ckpt, fqn, self._source, output, written)
         finally:
             output.close()
+
+
+def _size(path: Path) -> int | None:
+    """A file's size, None when it is not there."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
 
 
 @dataclass
@@ -469,9 +526,12 @@ class _ReadBack:
     """The samples' source elements, in order, as the helper read them."""
 
 
-READ_BACK_RECORD_SECONDS, SOURCE_SAMPLE_SECONDS = 2.2e-6, 110e-6
+READ_BACK_RECORD_SECONDS, SOURCE_SAMPLE_SECONDS = 4.1e-6, 160e-6
 """What re-reading and checking `.metadata` costs a record, and reading a sample's source element
-costs, on one core (1.28 million chunks: 2.8 s; their 9,082 samples: 1.0 s)."""
+costs, in the seconds of `formats.dcp.writer`'s estimates (which `early_load` is weighed against):
+measured 2.55 s for 1.28 million chunks and 0.46 s for their 6,020 samples on a core where that
+`.metadata` took 6.9 s to write, which those estimates put at 10.2 s. The source views' row
+indexes the samples build are not counted: without the check, the helper builds them to write."""
 
 
 CHUNK_SAMPLES = 1024

@@ -95,10 +95,10 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     try:
         report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
                                           workers=opts.workers, force=force, sync=opts.sync,
-                                          check=timed_check(report, check), start_check=check.start,
-                                          early_check=check.early, early_check_load=check.early_load, comm=comm,
+                                          check=timed_check(report, check), overlapped=check, comm=comm,
                                           verify=verify_output if verify else None)
     finally:
         check.close()
         sources.close()
+    report.check_seconds += check.within_seconds  # this process's files, checked before the helper's end
     report.finish(phases, started)

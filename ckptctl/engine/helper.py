@@ -4,7 +4,8 @@ Writing a million tiny records is Python on the calling thread (threads would on
 for the interpreter lock). A plain run with enough records, on a machine of several cores,
 forks one helper that writes some output files (and `.metadata`) while the run writes the
 rest: no tensor data crosses between them, and the helper sends its progress, its one-line
-error or its work's result (a few kilobytes: what it checked) through a pipe. The helper never
+error, what it delivers on the way and its work's result (a few kilobytes each: what it
+checked) through a pipe. The helper never
 returns into the caller's code: it ends with `os._exit`, so none of the run's `finally` clauses
 (the atomic directory's clean-up) runs in it, nor are the run's unflushed output buffers
 written twice. It ignores Ctrl-C (the run stops
@@ -29,7 +30,7 @@ tiny records resharded: 2.3 s alone, 1.6 s with a helper)."""
 MIN_RECORDS_ENV = "CKPTCTL_HELPER_MIN_RECORDS"
 """Overrides MIN_RECORDS (0: never fork a helper)."""
 _PROGRESS_BYTES = 1 << 20
-_PROGRESS, _ERROR, _RESULT = b"P", b"E", b"R"
+_PROGRESS, _ERROR, _DELIVERED, _RESULT = b"P", b"E", b"D", b"R"
 _U64 = struct.Struct("<Q")
 
 
@@ -62,12 +63,18 @@ def share(sizes: Mapping[str, int], load: int = 0) -> frozenset[str]:
 
 
 class Helper:
-    """A running helper: `join` waits for it, raises its error and returns its work's result;
-    `stop` kills it (once joined, a no-op)."""
+    """A running helper: `delivered` waits for what its work delivers on the way, `join` for its
+    end (it raises its error and returns its work's result); `stop` kills it (once joined, a no-op)."""
 
-    def __init__(self, pid: int, relay: threading.Thread, errors: list[str], results: list[bytes]) -> None:
-        self.pid, self._relay, self._errors, self._results = pid, relay, errors, results
+    def __init__(self, pid: int, relay: _Relay) -> None:
+        self.pid, self._relay = pid, relay
+        self._errors, self._results = relay.errors, relay.results
         self._status: int | None = None
+
+    def delivered(self) -> bytes | None:
+        """What the work delivered, once it has (None: it ended, or failed, without delivering)."""
+        self._relay.delivery.wait()
+        return self._relay.delivered
 
     def join(self) -> bytes | None:
         self._wait()
@@ -93,10 +100,15 @@ class Helper:
         self._relay.join()
 
 
-def start(work: Callable[[Callable[[int], None]], bytes | None], progress: Callable[[int], None]) -> Helper | None:
-    """Fork a helper that runs `work(report)`; `report(nbytes)` reaches `progress` in this process,
-    and what `work` returns, `Helper.join`. None when the system cannot fork now (out of processes
-    or memory): the run does the work."""
+Work = Callable[[Callable[[int], None], Callable[[bytes], None]], "bytes | None"]
+"""What a helper runs: `work(report, deliver)`."""
+
+
+def start(work: Work, progress: Callable[[int], None]) -> Helper | None:
+    """Fork a helper that runs `work(report, deliver)`; `report(nbytes)` reaches `progress` in this
+    process, what it passes to `deliver` (once) `Helper.delivered`, and what it returns
+    `Helper.join`. None when the system cannot fork now (out of processes or memory): the run does
+    the work."""
     read_end, write_end = os.pipe()
     run = os.getpid()
     try:
@@ -109,15 +121,12 @@ def start(work: Callable[[Callable[[int], None]], bytes | None], progress: Calla
         os.close(read_end)
         _run_helper(work, write_end, run)
     os.close(write_end)
-    errors: list[str] = []
-    results: list[bytes] = []
-    relay = threading.Thread(target=_relay, args=(read_end, progress, errors, results), name="ckptctl-helper",
-                             daemon=True)
+    relay = _Relay(read_end, progress)
     relay.start()
-    return Helper(pid, relay, errors, results)
+    return Helper(pid, relay)
 
 
-def _run_helper(work: Callable[[Callable[[int], None]], bytes | None], fd: int, run: int) -> NoReturn:
+def _run_helper(work: Work, fd: int, run: int) -> NoReturn:
     status = 1
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops the helper
@@ -131,7 +140,10 @@ def _run_helper(work: Callable[[Callable[[int], None]], bytes | None], fd: int, 
                 os.write(fd, _PROGRESS + _U64.pack(pending))
                 pending = 0
 
-        result = work(report)
+        def deliver(data: bytes) -> None:
+            _send(fd, _DELIVERED + _U64.pack(len(data)) + data)
+
+        result = work(report, deliver)
         if pending:
             os.write(fd, _PROGRESS + _U64.pack(pending))
         if result is not None:
@@ -166,23 +178,41 @@ def _send(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-def _relay(fd: int, progress: Callable[[int], None], errors: list[str], results: list[bytes]) -> None:
-    """Pass the helper's progress on and keep its error and its result, until it closes the pipe."""
-    with os.fdopen(fd, "rb") as pipe:
-        while True:
-            head = pipe.read(1 + _U64.size)
-            if len(head) < 1 + _U64.size:  # closed (a helper killed mid-message says no more)
-                return
-            size = _U64.unpack_from(head, 1)[0]
-            if head[:1] == _PROGRESS:
-                try:
-                    progress(size)
-                except Exception:  # noqa: BLE001 - a display; the pipe must still be drained or the helper blocks
-                    progress = _no_progress
-            elif head[:1] == _RESULT:
-                results.append(pipe.read(size))
-            else:
-                errors.append(pipe.read(size).decode("utf-8", "replace"))
+class _Relay(threading.Thread):
+    """Passes the helper's progress on and keeps its error, what it delivered and its result,
+    until it closes the pipe."""
+
+    def __init__(self, fd: int, progress: Callable[[int], None]) -> None:
+        super().__init__(name="ckptctl-helper", daemon=True)
+        self.fd, self.progress = fd, progress
+        self.errors: list[str] = []
+        self.results: list[bytes] = []
+        self.delivered: bytes | None = None
+        self.delivery = threading.Event()
+        """Set once the helper delivered, or closed the pipe without."""
+
+    def run(self) -> None:
+        try:
+            with os.fdopen(self.fd, "rb") as pipe:
+                while True:
+                    head = pipe.read(1 + _U64.size)
+                    if len(head) < 1 + _U64.size:  # closed (a helper killed mid-message says no more)
+                        return
+                    size = _U64.unpack_from(head, 1)[0]
+                    if head[:1] == _PROGRESS:
+                        try:
+                            self.progress(size)
+                        except Exception:  # noqa: BLE001 - a display; the pipe must still be drained or the helper blocks
+                            self.progress = _no_progress
+                    elif head[:1] == _DELIVERED:
+                        self.delivered = pipe.read(size)
+                        self.delivery.set()
+                    elif head[:1] == _RESULT:
+                        self.results.append(pipe.read(size))
+                    else:
+                        self.errors.append(pipe.read(size).decode("utf-8", "replace"))
+        finally:
+            self.delivery.set()
 
 
 def _no_progress(nbytes: int) -> None:

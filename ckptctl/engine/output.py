@@ -8,14 +8,15 @@ take its name. When `finish` does not need the records' CRCs it runs while the f
 by the process that takes a smaller share of them for it (`OutputPlan.finish_load`): under torchrun
 the first worker; in a plain run with many records on a CPU with a second core, a forked helper
 (`engine.helper`) that writes the last files while the run writes the rest. That helper also runs
-the part of the check that reads only what `finish` wrote (`early_check`: re-reading a `.metadata`
-of a million chunks takes seconds), so that the check after the writing is short.
+the part of the check that reads only the source and what `finish` wrote (`OverlappedCheck.early`:
+re-reading a `.metadata` of a million chunks takes seconds), and each process checks the files it
+wrote as soon as they are (`within`), so that the check after the writing is short.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Container
+from typing import Callable, Container, Protocol
 
 from ckptctl.engine import Execute, executor, helper
 from ckptctl.engine.cpu import ChunkSource, OutputFiles
@@ -37,19 +38,37 @@ def write_files(plan: OutputPlan, directory: Path, names: Container[str], execut
         files.close()
 
 
+class OverlappedCheck(Protocol):
+    """The parts of an output's check that run while the output is written (`DcpCheck`)."""
+
+    early_load: int
+    """What `early` costs, in bytes of files that take as long to write."""
+
+    def start(self) -> None:
+        """Begin, in a thread, what the check reads before the output exists (no helper runs `early`)."""
+
+    def early(self, tmp: Path) -> bytes:
+        """Check what `finish` wrote, before the files are complete: in the helper, right after `finish`."""
+
+    def within(self, tmp: Path, early: bytes | None, names: frozenset[str]) -> bytes:
+        """Check what lies in files `names`, once they are written, by the process that wrote them
+        (the helper passes None: it holds what its `early` found); what was found, for the check."""
+
+
 def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phases, *, device: str, workers: int,
                  force: bool, sync: bool, check: Callable[..., None], comm: Comm = LOCAL,
-                 verify: Callable[[Path], None] | None = None, start_check: Callable[[], None] | None = None,
-                 early_check: Callable[[Path], bytes] | None = None, early_check_load: int = 0) -> int:
+                 verify: Callable[[Path], None] | None = None, overlapped: OverlappedCheck | None = None) -> int:
     """Fill directory `dst` with `plan` atomically; `check(tmp)` reads the whole output back
     before it takes its name (every run), `verify(tmp)` compares every byte (when asked).
-    `early_check(tmp)`, where given, is the part of the check that reads only the source and
-    what `finish` wrote: a helper that runs `finish` runs it next, while the files are written
-    (it costs `early_check_load` bytes of files), and the check is then called as
-    `check(tmp, result)`. Without such a helper, `start_check()`, where given, begins in a
+
+    `overlapped`, where given, is the part of that check that runs meanwhile. A helper that runs
+    `finish` runs `overlapped.early(tmp)` next, while the files are written (its share of them is
+    smaller by `early_load` bytes), and delivers the result at once; each process then checks the
+    files it wrote as soon as they are (`within`), and the check is called as
+    `check(tmp, early, (within, …))`. Without such a helper, `overlapped.start()` begins in a
     thread what the check can read before the output exists; the process that checks calls it
-    once any helper is forked (a thread must not be running across the fork). Returns the
-    bytes this worker wrote.
+    once any helper is forked (a thread must not be running across the fork). Returns the bytes
+    this worker wrote.
 
     Collective under torchrun: every worker calls it with the same plan and writes its share of
     the files; rank 0 runs `check` and `verify` (and `finish`, unless it ran first) once every
@@ -62,36 +81,42 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
     lead_load = plan.finish_load if lead_finishes else 0
     mine = assign_files(plan.files, comm.world_size, lead_load)[comm.rank]
     finished = False
-    early_result: bytes | None = None
+    found: tuple[bytes, list[bytes]] | None = None  # what the helper's early check found; what each `within` found
 
     def write_share(tmp: Path, names: frozenset[str]) -> None:
-        nonlocal finished, early_result
+        nonlocal finished, found
         if lead_finishes and comm.is_lead:  # while the others write: its share is the smaller for it
             plan.finish(tmp)
             finished = True
         alone = comm.world_size == 1 and device == "cpu"
-        checks_early = early and early_check is not None
-        load = (plan.finish_load + (early_check_load if checks_early else 0)) if early else 0
+        checks_early = early and overlapped is not None
+        load = (plan.finish_load + (overlapped.early_load if checks_early else 0)) if early else 0
         theirs = helper.share({n: plan.files[n] for n in names}, load) \
             if alone and helper.wanted(plan.record_count) else frozenset()
         advance = phases.start("writing", plan.share_bytes(names))
 
-        def helper_work(report: Callable[[int], None]) -> bytes | None:
-            result = None
+        def helper_work(report: Callable[[int], None], deliver: Callable[[bytes], None]) -> bytes | None:
             if early:
                 plan.finish(tmp)
                 if checks_early:
-                    result = early_check(tmp)
+                    deliver(overlapped.early(tmp))
             write_files(plan, tmp, theirs, execute, chunks, workers, sync, report)
-            return result
+            return overlapped.within(tmp, None, theirs) if checks_early else None
 
         running = helper.start(helper_work, advance) if theirs else None
-        if start_check is not None and comm.is_lead and not (running is not None and checks_early):
-            start_check()
+        checked_early = running is not None and checks_early
+        if overlapped is not None and comm.is_lead and not checked_early:
+            overlapped.start()
         if running is not None:  # a second core: the helper writes `finish`'s files and its share meanwhile
             try:
                 write_files(plan, tmp, names - theirs, execute, chunks, workers, sync, advance)
-                early_result = running.join()
+                if checked_early:
+                    result = running.delivered()
+                    ours = overlapped.within(tmp, result, names - theirs) if result is not None else None
+                    helpers = running.join()
+                    found = (result, [ours, helpers]) if result is not None and helpers is not None else None
+                else:
+                    running.join()
             finally:
                 running.stop()
             finished = early
@@ -102,10 +127,10 @@ def write_output(plan: OutputPlan, dst: Path, chunks: ChunkSource, phases: Phase
     def finish(tmp: Path) -> None:
         if not finished and plan.finish is not None:
             plan.finish(tmp)
-        if early_result is None:
+        if found is None:
             check(tmp)
         else:
-            check(tmp, early_result)
+            check(tmp, *found)
         if verify is not None:
             verify(tmp)
 

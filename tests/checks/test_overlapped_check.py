@@ -50,17 +50,17 @@ def _write(src_path: Path, out: DcpOutput, dst: Path, metadata_of: DcpOutput | N
     src = open_checkpoint(src_path)
     check, calls = DcpCheck(open_checkpoint(checked_against) if checked_against else src, out), []
 
-    def checked(tmp: Path, *early: bytes) -> None:
-        calls.append(len(early))
+    def checked(tmp: Path, *found: object) -> None:
+        calls.append(len(found))
         if before_check is not None:
             before_check(tmp)
-        check(tmp, *early)
+        check(tmp, *found)
 
     plan = dataclasses.replace(out.output_plan(), finish=functools.partial(write_metadata, metadata_of or out))
     sources = ChunkSource(src)
     try:
         write_output(plan, dst, sources, Phases(), device="cpu", workers=1, force=False, sync=False, check=checked,
-                     start_check=check.start, early_check=check.early, early_check_load=check.early_load)
+                     overlapped=check)
     finally:
         check.close()
         sources.close()
@@ -70,8 +70,8 @@ def _write(src_path: Path, out: DcpOutput, dst: Path, metadata_of: DcpOutput | N
 def test_a_run_with_a_helper_checks_the_structure_early_and_passes(tmp_path: Path, forks) -> None:
     out = plan_reshard(open_checkpoint(SRC), ReshardOptions(world_size=3))
     calls, check = _write(SRC, out, tmp_path / "out")
-    assert len(forks) == 1 and calls == [1]  # the check got the helper's result
-    assert check._thread is None and len(check._wants) == len(check.samples)  # the source read by the helper
+    assert len(forks) == 1 and calls == [2]  # the check got the helper's early result, and what each process compared
+    assert check._thread is None and len(check._found.wants) == len(check.samples)  # the source read by the helper
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp",
                                                                    "__2_0.distcp"]
 
@@ -90,14 +90,15 @@ def test_a_storage_entry_misplaced_in_metadata_is_refused_by_the_helpers_check(t
     assert len(forks) == 1 and list(tmp_path.iterdir()) == []
 
 
-def test_samples_are_read_where_the_reread_metadata_places_them(tmp_path: Path, forks) -> None:
+@pytest.mark.parametrize("file", ["__0_0.distcp", "__1_0.distcp"])  # the run's file, the helper's
+def test_samples_are_read_where_the_reread_metadata_places_them(tmp_path: Path, forks, file: str) -> None:
     """The middle chunks of two tensors of one dtype and shape at each other's places in `.metadata`:
-    a structure without fault, caught because the run reads each sample at the place the helper
-    read back, not at the one the plan gave its writer."""
+    a structure without fault, caught because the process that wrote the file reads each sample at
+    the place the helper read back, not at the one the plan gave its writer."""
     out = plan_reshard(open_checkpoint(SRC), ReshardOptions(world_size=3))
     records = list(out.records.placed_records())
     first, second = next((i, j) for i in range(len(records)) for j in range(i + 1, len(records))
-                         if records[i][3] == records[j][3] == "__1_0.distcp" and records[i][0] is not records[j][0]
+                         if records[i][3] == records[j][3] == file and records[i][0] is not records[j][0]
                          and records[i][0].dtype == records[j][0].dtype
                          and records[i][2].box.sizes == records[j][2].box.sizes)
     target, _, placed, file, _ = records[first]

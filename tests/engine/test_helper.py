@@ -54,27 +54,45 @@ def test_a_helpers_error_is_the_runs_and_leaves_no_output(fixture_ckpt, tmp_path
 
 
 def test_a_helpers_error_and_progress_reach_the_run():
-    def work(report):
+    def work(report, deliver):
         report(5)
         report(3 << 20)
         raise CheckpointError("/ckpt/__3_0.distcp", "item at byte 7: tensor record missing")
 
     seen: list[int] = []
     running = helper.start(work, seen.append)
+    assert running.delivered() is None  # it failed before delivering
     with pytest.raises(helper.HelperFailedError) as caught:
         running.join()
     assert str(caught.value) == "/ckpt/__3_0.distcp: item at byte 7: tensor record missing"
     assert seen == [5 + (3 << 20)]  # batched per MB, every byte counted
 
 
+def test_what_a_helper_delivers_reaches_the_run_before_it_ends(tmp_path):
+    """The run takes what the helper delivers on the way while the helper still works (here: until
+    the run lets it go), then its result at the end."""
+    go = tmp_path / "go"
+
+    def work(report, deliver):
+        deliver(b"early" * 100_000)  # over a pipe's buffer: sent in parts
+        while not go.exists():
+            time.sleep(0.01)
+        return b"late"
+
+    running = helper.start(work, lambda n: None)
+    assert running.delivered() == b"early" * 100_000
+    go.touch()
+    assert running.join() == b"late"
+
+
 def test_a_helper_that_dies_is_reported():
-    running = helper.start(lambda report: os.kill(os.getpid(), signal.SIGKILL), lambda n: None)
+    running = helper.start(lambda report, deliver: os.kill(os.getpid(), signal.SIGKILL), lambda n: None)
     with pytest.raises(helper.HelperFailedError, match=r"^the helper process ended by signal SIGKILL$"):
         running.join()
 
 
 def test_stop_ends_a_running_helper_at_once():
-    running = helper.start(lambda report: time.sleep(60), lambda n: None)
+    running = helper.start(lambda report, deliver: time.sleep(60), lambda n: None)
     began = time.monotonic()
     running.stop()
     running.stop()  # twice: a no-op
@@ -84,7 +102,7 @@ def test_stop_ends_a_running_helper_at_once():
 
 
 def test_the_helper_ignores_ctrl_c():
-    running = helper.start(lambda report: time.sleep(1), lambda n: None)
+    running = helper.start(lambda report, deliver: time.sleep(1), lambda n: None)
     time.sleep(0.2)
     os.kill(running.pid, signal.SIGINT)
     running.join()  # ended by its own work, not by the signal
@@ -119,7 +137,7 @@ def test_a_run_that_cannot_fork_writes_alone(fixture_ckpt, tmp_path, monkeypatch
 
     monkeypatch.setattr(helper, "wanted", lambda records: True)
     monkeypatch.setattr(os, "fork", no_fork)
-    assert helper.start(lambda report: None, lambda n: None) is None
+    assert helper.start(lambda report, deliver: None, lambda n: None) is None
     src = fixture_ckpt("fsdp2_4ranks")
     reshard(src, tmp_path / "alone", ReshardOptions(world_size=3, sync=False))
     _cli_reshard(src, tmp_path / "cli", "0")
