@@ -26,6 +26,7 @@ import struct
 import threading
 import time
 import zipfile
+from array import array
 from collections import OrderedDict
 from itertools import repeat
 from dataclasses import dataclass, field
@@ -528,10 +529,11 @@ class _ReadBack:
 
 READ_BACK_RECORD_SECONDS, SOURCE_SAMPLE_SECONDS = 4.1e-6, 160e-6
 """What re-reading and checking `.metadata` costs a record, and reading a sample's source element
-costs, in the seconds of `formats.dcp.writer`'s estimates (which `early_load` is weighed against):
-measured 2.55 s for 1.28 million chunks and 0.46 s for their 6,020 samples on a core where that
-`.metadata` took 6.9 s to write, which those estimates put at 10.2 s. The source views' row
-indexes the samples build are not counted: without the check, the helper builds them to write."""
+costs, in the seconds of `formats.dcp.writer`'s estimates (which `early_load` is weighed against).
+Measured on one core: 2.55 s for 1.28 million chunks and 0.46 s for their 6,020 samples, where
+that `.metadata` took 6.9 s to write (estimated 10.2 s). Set about 1.4 times those figures scaled,
+so that the helper and the run end their writing together on that benchmark (two processes
+writing slow each other down: the helper's share costs more than its CPU seconds)."""
 
 
 CHUNK_SAMPLES = 1024
@@ -617,6 +619,47 @@ def _ends_in_order(ckpt: Checkpoint) -> dict[str, int] | None:
     """Each file's end when, in `.metadata`'s order, every storage entry starts where its file's
     previous one ended (from 0), as the writer places them; None at the first that does not
     (`check_tiling` then sorts them all). One pass over the columns, no tuple per entry."""
+    tables = [entry.chunks for entry in ckpt.tensors.values()]
+    names = tables[0].columns()[0] if tables and type(tables[0]) is ChunkTable else None
+    if names is not None and all(type(t) is ChunkTable and t.columns()[0] is names for t in tables):
+        ends = _ends_by_number(tables, names)  # the reader's tables: files by number, one list of names
+        if ends is None:
+            return None
+    else:
+        ends = _ends_by_name(ckpt)
+        if ends is None:
+            return None
+    for entry in ckpt.bytes_entries.values():
+        if ends.get(entry.file, 0) != entry.offset:
+            return None
+        ends[entry.file] = entry.offset + entry.length
+    return ends
+
+
+def _ends_by_number(tables: list[ChunkTable], names: list[str]) -> dict[str, int] | None:
+    """`_ends_in_order` of tables sharing one list of file `names`: ends held by file number, a
+    tensor whose chunks lie in consecutive files (a chunk a rank's file) compared a slice at a time."""
+    ends = array("q", bytes(8 * len(names)))
+    for table in tables:
+        _, files, places = table.columns()
+        n = len(files)
+        if not n:
+            continue
+        starts, first = places[::2], files[0]
+        if files == array("I", range(first, first + n)):
+            if ends[first:first + n] != starts:
+                return None
+            ends[first:first + n] = array("q", map(operator.add, starts, places[1::2]))
+            continue
+        for file, at, length in zip(files, starts, places[1::2]):
+            if ends[file] != at:
+                return None
+            ends[file] = at + length
+    return {name: end for name, end in zip(names, ends) if end}
+
+
+def _ends_by_name(ckpt: Checkpoint) -> dict[str, int] | None:
+    """`_ends_in_order` of the tensors' chunks, by file name."""
     ends: dict[str, int] = {}
     for entry in ckpt.tensors.values():
         chunks = entry.chunks
@@ -636,10 +679,6 @@ def _ends_in_order(ckpt: Checkpoint) -> dict[str, int] | None:
             if ends.get(file, 0) != offset:
                 return None
             ends[file] = offset + length
-    for entry in ckpt.bytes_entries.values():
-        if ends.get(entry.file, 0) != entry.offset:
-            return None
-        ends[entry.file] = entry.offset + entry.length
     return ends
 
 
