@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Container, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
 
 from ckptctl.storage.atomic import check_destination, recorded_reads
 from ckptctl.engine import resolve_device
@@ -49,7 +49,8 @@ from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
     load_hf_config, megatron_prefix,
 )
-from ckptctl.families.expected import ExpectedNames, expected_names, shape_problem, shown, transformers_available
+from ckptctl.families.expected import (ExpectedNames, Preparing, asking_transformers, expected_names, shape_problem,
+                                       shown, transformers_available)
 from ckptctl.families.config_bounds import refuse_unbacked_counts
 from ckptctl.storage.hf_files import MAX_COPIED_BYTES, copy_regular
 from ckptctl.families.foreign import foreign_reason
@@ -319,9 +320,6 @@ def select(names: Iterable[str], include: Sequence[str], exclude: Sequence[str])
     return kept, notes
 
 
-Preparing = Callable[[str], ContextManager[object]]
-"""What shows a line saying what a run does while it waits on something other than its bytes
-(the CLI's `ProgressDisplay.preparing`)."""
 
 
 def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str | Path | None = None,
@@ -693,14 +691,6 @@ def check_shapes(ckpt: Checkpoint, cfg: HFConfig, expected: ExpectedNames, targe
     more = f"+{counted(len(wrong) - 1, 'more tensor')}; " if len(wrong) > 1 else ""
     raise CheckpointError(ckpt.path, shape_problem(what, got, want, expected.model_class, cfg.path, cfg.data)
                           + f" ({more}wrong --hf-config?)")
-
-
-def asking_transformers(preparing: Preparing | None, what: str) -> Preparing | None:
-    """`expected_names`' `asking`: while transformers is imported and its model built (seconds,
-    once per config), `preparing` shows `checking {what} against transformers' LlamaForCausalLM`."""
-    if preparing is None:
-        return None
-    return lambda model: preparing(f"checking {what} against transformers' {model}")
 
 
 def expected_for(cfg: HFConfig, raw: bool, notes: list[str], preparing: Preparing | None = None

@@ -42,8 +42,8 @@ from ckptctl.families.config_bounds import refuse_unbacked_counts
 from ckptctl.families.base import (
     ExportContext, HFConfig, MegatronSpec, Shapes, planned_model, read_config, reversed_pieces, uncovered_elements,
 )
-from ckptctl.families.expected import (ExpectedNames, expected_names, shape_problem, shown, sizing_keys,
-                                  transformers_available)
+from ckptctl.families.expected import (ExpectedNames, Preparing, asking_transformers, expected_names,
+                                       shape_problem, shown, sizing_keys, transformers_available)
 from ckptctl.families.experts import stacked_parts
 from ckptctl.families.llama import EMBED, OUTPUT
 from ckptctl.families.torchtitan import EMBED as TT_EMBED
@@ -56,7 +56,6 @@ from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
 from ckptctl.util.progress import ProgressObserver
 from ckptctl.commands.options import RunOptions
 from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
-from ckptctl.commands.export_hf import Preparing, asking_transformers
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
 

@@ -149,8 +149,21 @@ def transformers_available() -> bool:
         return False
 
 
+Preparing = Callable[[str], ContextManager[object]]
+"""What shows a line saying what a run does while it waits on something other than its bytes
+(the CLI's `ProgressDisplay.preparing`)."""
+
+
+def asking_transformers(preparing: Preparing | None, what: str) -> Preparing | None:
+    """`expected_names`' `asking`: while transformers is imported and its model built (seconds,
+    once per config), `preparing` shows `checking {what} against transformers' LlamaForCausalLM`."""
+    if preparing is None:
+        return None
+    return lambda model: preparing(f"checking {what} against transformers' {model}")
+
+
 def expected_names(config: Mapping[str, Any],
-                   asking: Callable[[str], ContextManager[object]] | None = None) -> ExpectedNames:
+                   asking: Preparing | None = None) -> ExpectedNames:
     """The names the model of this `config.json` content expects (transformers must be importable).
 
     When the cache does not answer, transformers is asked inside `asking(model)`, `model` naming
