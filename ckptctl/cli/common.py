@@ -10,7 +10,7 @@ import re
 import sys
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn, TypeVar
 
 import typer
 
@@ -184,9 +184,30 @@ def run_guarded(fn: Callable[[], T]) -> T:
             sys.stderr.flush()
         raise SystemExit(EXIT_BAD_INPUT) from None
     except KeyboardInterrupt:
-        sys.stderr.write(MESSAGE.decode())
-        sys.stderr.flush()
-        raise SystemExit(EXIT_INTERRUPTED) from None
+        interrupted()
+    except Exception as exc:
+        if not _wraps_an_interrupt(exc):
+            raise
+        interrupted()
+
+
+def interrupted() -> NoReturn:
+    """End a command that Ctrl-C stopped: one line, exit status 130."""
+    sys.stderr.write(MESSAGE.decode())
+    sys.stderr.flush()
+    raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+def _wraps_an_interrupt(exc: BaseException) -> bool:
+    """Whether `exc` was raised by a Ctrl-C that Python wrapped: a KeyboardInterrupt in a class's
+    `__set_name__` (a module imported while the command runs) comes out as a RuntimeError."""
+    seen = 0
+    cause: BaseException | None = exc.__cause__ or exc.__context__
+    while cause is not None and seen < 16:
+        if isinstance(cause, KeyboardInterrupt):
+            return True
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return False
 
 
 def human_bytes(n: int | float) -> str:

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -135,3 +136,35 @@ def test_an_interrupt_lost_in_a_callback_still_ends_the_command_as_one(capsys) -
     else:
         raise AssertionError("the body's lost interrupt was not kept")
     assert capsys.readouterr().err == LINE
+
+
+def test_an_interrupt_python_wraps_still_ends_the_command_as_one(capsys) -> None:
+    """Found by the any-moment test in CI: Ctrl-C while a module imported during the command
+    creates a dataclass (its fields' `__set_name__`) came out of Python 3.11 as "RuntimeError:
+    Error calling __set_name__", a traceback and exit 1. It ends the command as an interrupt."""
+    from ckptctl.cli.common import run_guarded
+
+    class Interrupting:
+        def __set_name__(self, owner: type, name: str) -> None:
+            raise KeyboardInterrupt
+
+    def body() -> None:
+        class Holder:  # noqa: F841 - made for its __set_name__ call
+            field = Interrupting()
+
+    with pytest.raises(SystemExit) as caught:
+        run_guarded(body)
+    assert (caught.value.code, capsys.readouterr().err) == (130, "ckptctl: interrupted\n")
+
+
+def test_an_error_that_is_no_interrupt_still_propagates() -> None:
+    from ckptctl.cli.common import run_guarded
+
+    def body() -> None:
+        try:
+            raise ValueError("first")
+        except ValueError as exc:
+            raise RuntimeError("second") from exc
+
+    with pytest.raises(RuntimeError, match="^second$"):
+        run_guarded(body)
