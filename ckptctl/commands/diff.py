@@ -57,7 +57,7 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.util.errors import CastOverflowError, CheckpointError, UsageError
-from ckptctl.storage.source_files import missing
+from ckptctl.storage.source_files import as_typed, missing
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors.reader import StoredTensor, quantized_kind, shown_name, stored_tensors
@@ -467,7 +467,7 @@ def _mapping_config(ckpt: Checkpoint, other: Path, other_kind: str, hf_config: s
 def format_of(path: Path) -> str:
     """`dcp` for a directory with DCP metadata, `safetensors` for a folder of them or one file."""
     if not path.exists():
-        raise CheckpointError(path, missing(path))
+        raise CheckpointError(as_typed(path), missing(path))
     if path.is_file():
         if path.suffix == ".safetensors":
             return SAFETENSORS

@@ -56,6 +56,13 @@ def looks_like_repo_id(text: str) -> bool:
         and not text.endswith((".", "-"))
 
 
+def as_typed(path: Path) -> str:
+    """`path` as the user typed it: an object store's URL with its `//` back (`Path` folds it)."""
+    text = str(path)
+    match = _URL.match(text)
+    return text if match is None or text[match.end():].startswith("/") else f"{match.group()}/{text[match.end():]}"
+
+
 def missing(path: Path, model_folder: bool = False) -> str:
     """Why `path`, which does not exist, cannot be read: an object store's URL, nothing there, or
     (where a Hugging Face model folder is wanted) a Hub model id, which a local path also looks

@@ -32,10 +32,10 @@ def test_a_folder_without_checkpoints_says_only_what_is_missing(tmp_path: Path) 
 
 def test_an_object_store_url_is_named_as_one(tmp_path: Path) -> None:
     line = "object stores are not supported yet: copy the checkpoint to a local folder first"
-    assert _error("inspect", "s3://bucket/step-1000") == (2, f"ckptctl: error: s3:/bucket/step-1000: {line}\n")
+    assert _error("inspect", "s3://bucket/step-1000") == (2, f"ckptctl: error: s3://bucket/step-1000: {line}\n")
     assert _error("reshard", "gs://bucket/step-1000", tmp_path / "out", "-n", 2) == (
-        2, f"ckptctl: error: gs:/bucket/step-1000: {line}\n")
-    assert _error("diff", "s3://bucket/a", FIXTURES / "fsdp2_4ranks") == (2, f"ckptctl: error: s3:/bucket/a: {line}\n")
+        2, f"ckptctl: error: gs://bucket/step-1000: {line}\n")
+    assert _error("diff", "s3://bucket/a", FIXTURES / "fsdp2_4ranks") == (2, f"ckptctl: error: s3://bucket/a: {line}\n")
 
 
 def test_import_hf_of_a_hub_id_says_how_to_get_the_folder(tmp_path: Path) -> None:

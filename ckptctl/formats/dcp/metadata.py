@@ -27,7 +27,7 @@ from ckptctl.util.gc_pause import gc_paused
 from ckptctl.formats.dcp.templates import read_metadata
 from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, ChunkTable, TensorEntry
-from ckptctl.storage.source_files import checkpoints_inside, missing, open_source
+from ckptctl.storage.source_files import as_typed, checkpoints_inside, missing, open_source
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -394,7 +394,7 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False,
     (the caller compares the files on disk once they are complete)."""
     root = Path(path)
     if not root.exists():
-        raise CheckpointError(root, missing(root))
+        raise CheckpointError(as_typed(root), missing(root))
     if not root.is_dir():
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     backend = megatron_backend(root)

@@ -26,7 +26,7 @@ from ckptctl.util.errors import CheckpointError
 from ckptctl.storage.hf_files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, parse_json,
                               read_json_object)
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry, dtype_name
-from ckptctl.storage.source_files import missing, open_source
+from ckptctl.storage.source_files import as_typed, missing, open_source
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -281,7 +281,7 @@ def open_safetensors_folder(path: Path, fmt: Any = None, fp8_dtype: DType = bflo
     seen as its dequantized tensor (FP8 ones of `fp8_dtype`), whose chunks are decoded. Quantized
     tensors not decoded are refused, whether or not the folder says it is quantized."""
     if not path.exists():
-        raise CheckpointError(path, missing(path, model_folder=True))
+        raise CheckpointError(as_typed(path), missing(path, model_folder=True))
     if not path.is_dir() and path.suffix != ".safetensors":
         raise CheckpointError(path, "not a safetensors model folder or .safetensors file")
     stored = stored_tensors(path)
