@@ -353,7 +353,6 @@ class DcpCheck:
         self._found: _ReadBack | None = None  # what `early` found
         self.within_seconds = 0.0
         """The seconds `within` took in this process."""
-        self._found_from: bytes | None = None
 
     def start(self) -> None:
         """Read the samples' source elements in a background thread (after any fork of the run)."""
@@ -447,10 +446,9 @@ class DcpCheck:
             self.close()
 
     def _early(self, early: bytes | None) -> _ReadBack:
-        """What `early` found: kept in the process that ran it, else unpickled (once)."""
-        if early is not None and self._found_from is not early:
+        """What `early` found: kept in the process that ran it, else unpickled (once: a check serves one run)."""
+        if self._found is None:
             self._found = pickle.loads(early)  # noqa: S301 - this run's own helper wrote it
-            self._found_from = early
         return self._found
 
     def _read_back(self, written: Path, planned: Mapping[str, int] | None = None) -> _ReadBack:
@@ -621,14 +619,10 @@ def _ends_in_order(ckpt: Checkpoint) -> dict[str, int] | None:
     (`check_tiling` then sorts them all). One pass over the columns, no tuple per entry."""
     tables = [entry.chunks for entry in ckpt.tensors.values()]
     names = tables[0].columns()[0] if tables and type(tables[0]) is ChunkTable else None
-    if names is not None and all(type(t) is ChunkTable and t.columns()[0] is names for t in tables):
-        ends = _ends_by_number(tables, names)  # the reader's tables: files by number, one list of names
-        if ends is None:
-            return None
-    else:
-        ends = _ends_by_name(ckpt)
-        if ends is None:
-            return None
+    shared = names is not None and all(type(t) is ChunkTable and t.columns()[0] is names for t in tables)
+    ends = _ends_by_number(tables, names) if shared else _ends_by_name(ckpt)  # the reader's: one list of names
+    if ends is None:
+        return None
     for entry in ckpt.bytes_entries.values():
         if ends.get(entry.file, 0) != entry.offset:
             return None
@@ -655,7 +649,7 @@ def _ends_by_number(tables: list[ChunkTable], names: list[str]) -> dict[str, int
             if ends[file] != at:
                 return None
             ends[file] = at + length
-    return {name: end for name, end in zip(names, ends) if end}
+    return dict(zip(names, ends))  # every name is some chunk's file
 
 
 def _ends_by_name(ckpt: Checkpoint) -> dict[str, int] | None:

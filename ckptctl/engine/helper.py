@@ -68,7 +68,6 @@ class Helper:
 
     def __init__(self, pid: int, relay: _Relay) -> None:
         self.pid, self._relay = pid, relay
-        self._errors, self._results = relay.errors, relay.results
         self._status: int | None = None
 
     def delivered(self) -> bytes | None:
@@ -78,13 +77,13 @@ class Helper:
 
     def join(self) -> bytes | None:
         self._wait()
-        if self._errors:
-            raise HelperFailedError(self._errors[0])
+        if self._relay.errors:
+            raise HelperFailedError(self._relay.errors[0])
         if self._status:
             code = os.waitstatus_to_exitcode(self._status)
             how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             raise HelperFailedError(f"the helper process ended by {how}")
-        return self._results[0] if self._results else None
+        return self._relay.results[0] if self._relay.results else None
 
     def stop(self) -> None:
         if self._status is None:

@@ -265,7 +265,7 @@ class _StorageFiles:
     size: dict[int, int] = field(default_factory=dict)
     smallest: int = 1 << 63
     """The smallest of those sizes."""
-    boxes: dict[tuple, list[int] | None] = field(default_factory=dict)
+    boxes: dict[tuple, tuple[list[int], int] | None] = field(default_factory=dict)
     """`_chunk_bytes` by (shape, itemsize, offsets, sizes): what tensors chunked alike share."""
 
 
@@ -284,32 +284,33 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
     if keys != offsets or not offsets:
         return None
     key = (shape, dtype.itemsize, tuple(offsets), tuple(sizes))
-    needed = known.boxes.get(key, known)
-    if needed is known:  # boxes not met before: tensors of one shape chunked alike are judged once
-        needed = _chunk_bytes(shape, dtype.itemsize, offsets, sizes)
+    if key not in known.boxes:  # tensors of one shape chunked alike are judged once
         if len(known.boxes) >= _BOXES_KEPT:
             known.boxes.clear()
-        known.boxes[key] = needed
-    if needed is None:
+        known.boxes[key] = _chunk_bytes(shape, dtype.itemsize, offsets, sizes)
+    judged = known.boxes[key]
+    if judged is None:
         return None
+    needed, most = judged
     ids, starts, lengths = places[0::3], places[1::3], places[2::3]
-    if min(lengths) < needed[-1] and any(map(operator.lt, lengths, needed)):
-        return None  # an item too short for its chunk's data (`needed` ends with the most)
+    if min(lengths) < most and any(map(operator.lt, lengths, needed)):
+        return None  # an item too short for its chunk's data
     met = known.number
     new = set(ids).difference(met)
-    for file_id in [i for i in dict.fromkeys(ids) if i in new] if new else ():  # each file once, in the order met
-        file = storage.files[file_id]
-        if file not in files:
-            try:
-                file = _resolve_file(root, file, files, where)
-            except CheckpointError:
-                return None  # named where the chunks come to it in order
-        number = numbers.get(file)
-        if number is None:
-            number = numbers[file] = len(names)
-            names.append(file)
-        met[file_id], known.size[file_id] = number, files[file]
-        known.smallest = min(known.smallest, files[file])
+    if new:
+        for file_id in [i for i in dict.fromkeys(ids) if i in new]:  # each file once, in the order met
+            file = storage.files[file_id]
+            if file not in files:
+                try:
+                    file = _resolve_file(root, file, files, where)
+                except CheckpointError:
+                    return None  # named where the chunks come to it in order
+            number = numbers.get(file)
+            if number is None:
+                number = numbers[file] = len(names)
+                names.append(file)
+            met[file_id], known.size[file_id] = number, files[file]
+            known.smallest = min(known.smallest, files[file])
     ends = list(map(operator.add, starts, lengths))
     if max(ends) > known.smallest and any(map(operator.gt, ends, map(known.size.__getitem__, ids))):
         return None  # an item past its file's end
@@ -319,9 +320,9 @@ def _table_in_order(root: Path, fqn: str, shape: tuple[int, ...], dtype: Any, ch
 
 
 def _chunk_bytes(shape: tuple[int, ...], itemsize: int, offsets: list[tuple[int, ...]],
-                 sizes: list[tuple[int, ...]]) -> list[int] | None:
-    """The bytes each chunk's data takes, then the most of them, when the chunks are of the
-    shape's rank, at distinct offsets and inside the shape; else None."""
+                 sizes: list[tuple[int, ...]]) -> tuple[list[int], int] | None:
+    """The bytes each chunk's data takes, and the most of them (a quick test before the chunk-by-chunk
+    one), when the chunks are of the shape's rank, at distinct offsets and inside the shape; else None."""
     rank = len(shape)
     if len(set(offsets)) != len(offsets) or {*map(len, offsets), *map(len, sizes)} != {rank}:
         return None
@@ -329,7 +330,7 @@ def _chunk_bytes(shape: tuple[int, ...], itemsize: int, offsets: list[tuple[int,
         if max(map(operator.add, map(operator.itemgetter(d), offsets), map(operator.itemgetter(d), sizes))) > shape[d]:
             return None
     needed = list(map(itemsize.__mul__, map(math.prod, sizes)))
-    return needed + [max(needed)]  # the most last, for a quick test before the chunk-by-chunk one
+    return needed, max(needed)
 
 
 _BOXES_KEPT = 256

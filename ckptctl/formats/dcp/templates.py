@@ -513,9 +513,7 @@ class TemplateMachine(PickleMachine):
         if not into:
             self._stack.append(_ChunkPair((offsets[0], sizes[0])))
         else:
-            columns = self._chunks_of(target, self._marks[-1]) if type(target) is list else target
-            columns.offsets += offsets
-            columns.sizes += sizes
+            self._extend_chunks(target, offsets, sizes)
             if n == found and self._data[end:end + 1] == b"e":  # the whole batch: its bytes say the same next time
                 self._remember_run(self._data[self._pos:end], offsets, sizes, count - self._count)
         return self._consumed(n, 5, count, end, into)
@@ -530,10 +528,14 @@ class TemplateMachine(PickleMachine):
         if known is None:
             return False
         offsets, sizes, memo_entries = known
+        self._extend_chunks(target, offsets, sizes)
+        return self._consumed(len(offsets), 5, self._count + memo_entries, end, True)
+
+    def _extend_chunks(self, target: Any, offsets: list, sizes: list) -> None:
+        """Matched chunks into the batch's container (a list becomes the tensor's `ChunkColumns`)."""
         columns = self._chunks_of(target, self._marks[-1]) if type(target) is list else target
         columns.offsets += offsets
         columns.sizes += sizes
-        return self._consumed(len(offsets), 5, self._count + memo_entries, end, True)
 
     def _remember_run(self, run: bytes, offsets: list, sizes: list, memo_entries: int) -> None:
         """Keep what a whole batch of chunk records read as, by its bytes (RUN_CACHE_BYTES of them at most)."""
