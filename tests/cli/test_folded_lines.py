@@ -53,34 +53,28 @@ def lines_of(here: Path, columns: int, *args: object, status: int = 0) -> list[s
     return lines
 
 
-@pytest.mark.parametrize("columns, note", [
-    (80, ["note: vocab padded from 32 to 128 rows with zeros (a multiple of 128 × TP 1, as",
-          "  Megatron pads it)"]),
-    (120, ["note: vocab padded from 32 to 128 rows with zeros (a multiple of 128 × TP 1, as Megatron pads it)"]),
-])
-def test_import_hf_note_and_final_line_fold_at_spaces(here, columns, note):
-    lines = lines_of(here, columns, "import-hf", "hf", "imported-as-megatron-fsdp", "--to", "megatron-fsdp",
-                     "--tp", "1", "--dp", "2")
+IMPORT = ("import-hf", "hf", "imported-as-megatron-fsdp", "--to", "megatron-fsdp", "--tp", "1", "--dp", "2")
+IMPORT_WROTE = (r"wrote imported-as-megatron-fsdp \(15 tensors, 52\.1 kB in 2 data files \+ \.metadata; "
+                r"names checked against LlamaForCausalLM\)")
+EXCLUDED = "model.layers.*.self_attn.rotary_emb.inv_freq_of_older_releases"
+EXPORT = ("export-hf", "megatron", "exported-to-hugging-face", "--hf-config", "hf", "--tp", "1", "--exclude", EXCLUDED)
+EXPORT_WROTE = r"wrote exported-to-hugging-face \(llama, 21 tensors in 1 safetensors file, 8\.8 kB\)"
+
+
+@pytest.mark.parametrize("args, columns, note, wrote", [
+    (IMPORT, 80, ["note: vocab padded from 32 to 128 rows with zeros (a multiple of 128 × TP 1, as",
+                  "  Megatron pads it)"], IMPORT_WROTE),
+    (IMPORT, 120, ["note: vocab padded from 32 to 128 rows with zeros (a multiple of 128 × TP 1, as Megatron pads it)"],
+     IMPORT_WROTE),
+    (EXPORT, 80, [f"note: --exclude '{EXCLUDED}'", "  matches no tensor"], EXPORT_WROTE),
+    (EXPORT, 120, [f"note: --exclude '{EXCLUDED}' matches no tensor"], EXPORT_WROTE),
+], ids=["import-hf-80", "import-hf-120", "export-hf-80", "export-hf-120"])
+def test_a_note_and_the_final_line_fold_at_spaces(here, args, columns, note, wrote):
+    lines = lines_of(here, columns, *args)
     assert lines[0].startswith("writing    ━")
     assert lines[1:1 + len(note)] == note
     final, = unfolded(lines[1 + len(note):])
-    assert re.fullmatch(r"wrote imported-as-megatron-fsdp \(15 tensors, 52\.1 kB in 2 data files \+ \.metadata; "
-                        r"names checked against LlamaForCausalLM\)" + TIMING, final), final
-
-
-@pytest.mark.parametrize("columns, note", [
-    (80, ["note: --exclude 'model.layers.*.self_attn.rotary_emb.inv_freq_of_older_releases'",
-          "  matches no tensor"]),
-    (120, ["note: --exclude 'model.layers.*.self_attn.rotary_emb.inv_freq_of_older_releases' matches no tensor"]),
-])
-def test_export_hf_note_and_final_line_fold_at_spaces(here, columns, note):
-    lines = lines_of(here, columns, "export-hf", "megatron", "exported-to-hugging-face", "--hf-config", "hf",
-                     "--tp", "1", "--exclude", "model.layers.*.self_attn.rotary_emb.inv_freq_of_older_releases")
-    assert lines[0].startswith("writing    ━")
-    assert lines[1:1 + len(note)] == note
-    final, = unfolded(lines[1 + len(note):])
-    assert re.fullmatch(r"wrote exported-to-hugging-face \(llama, 21 tensors in 1 safetensors file, 8\.8 kB\)"
-                        + TIMING, final), final
+    assert re.fullmatch(wrote + TIMING, final), final
 
 
 @pytest.mark.parametrize("columns", [80, 120])

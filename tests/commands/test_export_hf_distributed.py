@@ -32,6 +32,7 @@ from ckptctl.util.errors import CheckpointError
 from fixtures.gloo import run_ranks
 from fixtures.make_fixtures import load_with_torch
 from tests.conftest import FIXTURES, run_cli
+from tests.formats.torch_hf import torch_hf_read
 
 SRC = FIXTURES / "fsdp2_4ranks"
 SHARD = "shard-{:05}-model-{:05}-of-00004.safetensors"
@@ -62,15 +63,6 @@ def _header(path: Path) -> tuple[list, int]:
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return json.loads(raw[8:8 + n], object_pairs_hook=list), 8 + n
-
-
-def _torch_hf_reader(folder: Path) -> dict[str, torch.Tensor]:
-    md = HuggingFaceStorageReader(str(folder)).read_metadata()
-    got = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(got, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
-    return got
 
 
 def _assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -107,7 +99,7 @@ def test_each_rank_writes_its_file_of_each_model_file_and_no_index(out) -> None:
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_torchs_hf_reader_loads_every_tensor_bit_for_bit(out, source, run) -> None:
     want = {k: v.to(torch.bfloat16) if run.endswith("bf16") else v for k, v in source.items()}
-    _assert_exact(_torch_hf_reader(out / run), want)
+    _assert_exact(torch_hf_read(out / run), want)
 
 
 @pytest.mark.parametrize("run", ["n3", "n3bf16"])
@@ -260,7 +252,7 @@ def test_a_0d_tensor_is_rank_1s_and_an_empty_one_every_ranks(out, tmp_path) -> N
                      "w": [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((4, 0), (0, 3))]}
     with safe_open(tmp_path / "dst" / "shard-00001-model-00001-of-00001.safetensors", framework="pt") as f:
         assert sorted(f.keys()) == ["e", "scale", "w"]
-    _assert_exact(_torch_hf_reader(tmp_path / "dst"), {k.removeprefix("model."): v for k, v in state.items()})
+    _assert_exact(torch_hf_read(tmp_path / "dst"), {k.removeprefix("model."): v for k, v in state.items()})
 
 
 def test_dry_run_lists_the_rank_files_the_export_writes(out, tmp_path) -> None:

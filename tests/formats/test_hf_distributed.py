@@ -27,6 +27,7 @@ from ckptctl.formats.dcp.items import ItemReader
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from fixtures.gloo import run_ranks
 from tests.conftest import run_cli
+from tests.formats.torch_hf import torch_hf_read
 
 SHARD = "shard-{:05}-model-00001-of-00001.safetensors"
 
@@ -83,16 +84,6 @@ def saved(tmp_path_factory) -> dict:
     return {"root": root, "hf3": root / "hf3", "hf2": root / "hf2", "loaded_r2": loaded}
 
 
-def _torch_hf_reader(folder: Path) -> dict[str, torch.Tensor]:
-    """torch's own reader of the folder, into zeros of the shapes it finds."""
-    md = HuggingFaceStorageReader(str(folder)).read_metadata()
-    out = {k: torch.zeros(v.size, dtype=v.properties.dtype) for k, v in md.state_dict_metadata.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.load(out, storage_reader=HuggingFaceStorageReader(str(folder)), no_dist=True)
-    return out
-
-
 def _assemble(folder: Path) -> dict[str, torch.Tensor]:
     ckpt = open_checkpoint(folder)
     out = {}
@@ -130,7 +121,7 @@ def test_pieces_are_chunks_at_the_offsets_torch_recorded(saved, name) -> None:
     assert boxes["scale"] == [((), ())]
     got = _assemble(saved[name])
     _assert_exact(got, EXPECTED)
-    _assert_exact(got, _torch_hf_reader(saved[name]))
+    _assert_exact(got, torch_hf_read(saved[name]))
 
 
 @pytest.mark.parametrize("name", ["hf3", "hf2"])
@@ -171,7 +162,7 @@ def test_export_hf_equals_torchs_consolidation(saved, tmp_path) -> None:
     ours, theirs = _read_folder(tmp_path / "ours"), _read_folder(tmp_path / "torch")
     assert sorted(ours) == sorted(theirs)
     _assert_exact({k: v for k, v in ours.items() if v.dim()}, {k: v for k, v in theirs.items() if v.dim()})
-    _assert_exact(ours, _torch_hf_reader(saved["hf3"]))
+    _assert_exact(ours, torch_hf_read(saved["hf3"]))
     _assert_exact(ours, EXPECTED)
 
 
