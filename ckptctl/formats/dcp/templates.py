@@ -68,8 +68,8 @@ _BODY = rb"(\)|" + _INT + rb"{1,3}[\x85\x86\x87]\x94|\(" + _INT + rb"{0,%d}t\x94
 _SIZE_TAIL = rb"\x85\x94R\x94"
 _NEW_OBJECT = rb"\)\x81\x94\}\x94\("
 """NEWOBJ of no arguments, memoized, then its state dict, memoized, and the MARK of its items."""
-_STR = rb"(\x8c(.)(.{0,255}?)\x94|h.|j.{4})"
-"""A short new string (memoized: its length, its text), or a memo reference."""
+_STR = rb"(\x8c..{0,255}?\x94|h.|j.{4})"
+"""A short new string (memoized), or a memo reference: one group, its bytes (`_string` decodes them)."""
 _ONE_INT = re.compile(_INT, re.S)
 _INT_CAPTURE = rb"(" + _INT + rb")"
 _ANY = rb"(h.|j.{4})"
@@ -390,7 +390,7 @@ class TemplateMachine(PickleMachine):
             found = bodies[body] = None if value is None else bodies.setdefault(value, value)
         return found
 
-    def _string(self, raw: bytes, length: bytes | None, text: bytes, limit: int) -> str | None:
+    def _string(self, raw: bytes, limit: int) -> str | None:
         """A matched string (its bytes `raw`: a new one, or a memo reference), None when the plain road must judge it.
 
         Equal bytes give the same answer (a memo entry never changes), so each is decoded and checked once."""
@@ -398,8 +398,9 @@ class TemplateMachine(PickleMachine):
         known = texts.get(raw)
         if known is not None:
             return known
-        if length is not None:
-            if len(text) != length[0]:
+        if raw[0] == 0x8C:  # SHORT_BINUNICODE: its length byte, its text, MEMOIZE
+            text = raw[2:-1]
+            if len(text) != raw[1]:
                 return None
             try:
                 value = str(text, "utf-8")
@@ -545,22 +546,19 @@ class TemplateMachine(PickleMachine):
         self._runs[run] = (offsets, sizes, memo_entries)
         self._run_bytes += len(run)
 
-    def _strings_of(self, raws: tuple[bytes, ...], lengths: tuple, texts: tuple, limit: int) -> tuple[list, int]:
+    def _strings_of(self, raws: tuple[bytes, ...], limit: int) -> tuple[list, int]:
         """A run's column of matched strings (`_string`, each new one decoded once); how many lead
         before the first that is not one this reader takes."""
-        def decode(raw: bytes) -> str | None:
-            at = raws.index(raw)
-            return self._string(raw, lengths[at] or None, texts[at], limit)
-
-        return _complete(list(map(self._texts.setdefault(limit, {}).get, raws)), raws, decode)
+        return _complete(list(map(self._texts.setdefault(limit, {}).get, raws)), raws,
+                         lambda raw: self._string(raw, limit))
 
     def _entry_bytes(self, columns: list[tuple]) -> int:
         """The bytes of storage entries' groups (none inside another: fqn, index, chunk offsets, file,
         offset, length), and of the chunk offsets' fields where an entry has them."""
         named = self._named
         keyed = len(memo_fetch(named["offset"])) + len(memo_fetch(named["Size"])) + len(_SIZE_TAIL)
-        bodies = columns[4]
-        return sum(len(b"".join(columns[i])) for i in (0, 3, 4, 5, 8, 9)) + keyed * (len(bodies) - bodies.count(b""))
+        bodies = columns[2]
+        return sum(len(b"".join(column)) for column in columns) + keyed * (len(bodies) - bodies.count(b""))
 
     def _entry_run(self, match: re.Match) -> bool:
         """The storage entry `match` found, and every one right after it while they go straight into the
@@ -570,10 +568,9 @@ class TemplateMachine(PickleMachine):
         target = self._batch_target()
         into = type(target) is dc.StorageColumns
         columns, found, end = self._run(match, into, self._entry, self._entries, b"ubu", self._entry_bytes)
-        fqn_raws, fqn_lengths, fqn_texts, indices, bodies, file_raws, file_lengths, file_texts, places, lengths = \
-            columns
-        fqns, n = self._strings_of(fqn_raws, fqn_lengths, fqn_texts, MAX_NAME)
-        files, n_files = self._strings_of(file_raws, file_lengths, file_texts, MAX_PATH)
+        fqn_raws, indices, bodies, file_raws, places, lengths = columns
+        fqns, n = self._strings_of(fqn_raws, MAX_NAME)
+        files, n_files = self._strings_of(file_raws, MAX_PATH)
         offsets, n_offsets = _complete(list(map(self._bodies.get, bodies)), bodies, self._size, b"")
         byte_offsets = _offsets(places)
         ints = self._ints
@@ -584,12 +581,12 @@ class TemplateMachine(PickleMachine):
             return False
         if n < found:
             fqns, files, offsets, byte_offsets, sizes = fqns[:n], files[:n], offsets[:n], byte_offsets[:n], sizes[:n]
-            fqn_lengths, file_lengths, bodies = fqn_lengths[:n], file_lengths[:n], bodies[:n]
+            fqn_raws, file_raws, bodies = fqn_raws[:n], file_raws[:n], bodies[:n]
         # an entry's memo entries: its index record and state dict, a new fqn, a Size (its argument
         # tuple, none for an empty one, and its body), its storage record and state dict, a new file
-        new_fqns, new_files = n - fqn_lengths.count(b""), n - file_lengths.count(b"")
-        if new_fqns or new_files:  # each new string's memo index, as the entries before it counted
-            new_fqn, new_file = list(map(bool, fqn_lengths)), list(map(bool, file_lengths))
+        new_fqn, new_file = _new_strings(fqn_raws), _new_strings(file_raws)
+        if new_fqn is not None or new_file is not None:  # each new string's memo index, as the entries before it counted
+            new_fqn, new_file = new_fqn or [False] * n, new_file or [False] * n
             each = map(sum, zip(repeat(4), new_fqn, map(_SIZE_MEMO.get, bodies, repeat(3)), new_file))
             memo_at = list(accumulate(each, initial=self._count))  # each entry's first memo index
             made = sorted([*zip(map((2).__add__, compress(memo_at, new_fqn)), compress(fqns, new_fqn)),
@@ -652,20 +649,20 @@ class TemplateMachine(PickleMachine):
         self._texts_made.append(text)
         return index + 1
 
-    def _index_memoized(self, index: int, fqn: str, fqn_length: bytes | None, body: bytes | None) -> int:
+    def _index_memoized(self, index: int, fqn: str, new_fqn: bool, body: bytes | None) -> int:
         """The memo entries a matched MetadataIndex made from `index` on (its record, state dict, a new
         fqn, a Size and its argument tuples); the next index."""
         index += 2
-        if fqn_length is not None:
+        if new_fqn:
             index = self._made(index, fqn)
         if body is not None:
             index += 2 if body == b")" else 3
         return index
 
     def _plan_item(self, match: re.Match) -> bool:
-        fqn_raw, fqn_length, fqn_text, index, body, type_call, type_get, tensor_data, chunk, properties, \
+        fqn_raw, index, body, type_call, type_get, tensor_data, chunk, properties, \
             new_properties, dtype, layout, memory_format, size = match.groups()
-        fqn = self._string(fqn_raw, fqn_length, fqn_text, MAX_NAME)
+        fqn = self._string(fqn_raw, MAX_NAME)
         if fqn is None or (body is not None and self._size(body) is None) or (
                 index != b"N" and _integer(index) is None):
             return False
@@ -673,7 +670,7 @@ class TemplateMachine(PickleMachine):
             if raw is not None and (raw[1] if raw[0] == 0x68 else struct.unpack_from("<I", raw, 1)[0]) >= self._count:
                 return False  # a reference to no value
         self._charge(16 * GET_WEIGHT)
-        count = self._index_memoized(self._count + 2, fqn, fqn_length, body)  # after the item and its state dict
+        count = self._index_memoized(self._count + 2, fqn, fqn_raw[0] == 0x8C, body)  # after the item and its state dict
         count += (2 if type_call is not None else 0) + (2 if tensor_data is not None else 0) + (
             2 if new_properties is not None else 0)  # a call's argument and result; the other records
         self._count = count
@@ -729,6 +726,15 @@ def _complete(values: list, raws: tuple[bytes, ...], decode: Callable[[bytes], A
                if raw != absent}
     bad = next((raw for raw, value in decoded.items() if value is None), None)
     return list(map(decoded.get, raws, values)), len(values) if bad is None else raws.index(bad)
+
+
+def _new_strings(raws: tuple[bytes, ...]) -> list[bool] | None:
+    """Which of a run's matched strings are new ones (SHORT_BINUNICODE, 0x8C), None when none is
+    (a memo reference's index may hold that byte: then each is looked at)."""
+    if b"\x8c" not in b"".join(raws):
+        return None
+    news = [raw[0] == 0x8C for raw in raws]
+    return news if True in news else None
 
 
 def _offsets(raws: tuple[bytes, ...]) -> list[int | None]:
