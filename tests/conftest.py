@@ -56,6 +56,7 @@ def forks(monkeypatch):
     monkeypatch.setattr(helper, "wanted", lambda records: True)
     monkeypatch.setattr(output_check, "READ_BACK_RECORD_SECONDS", 0.0)
     monkeypatch.setattr(output_check, "SOURCE_SAMPLE_SECONDS", 0.0)
+    monkeypatch.setattr(output_check, "LOCATED_SAMPLE_SECONDS", 0.0)
     monkeypatch.setattr(helper, "start", start)
     return started
 

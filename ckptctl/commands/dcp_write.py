@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, TypeVar
 
-from ckptctl.checks.output_check import DcpCheck
+from ckptctl.checks.output_check import DcpCheck, located_ends
 from ckptctl.checks.verify import verified_bytes, verify_dcp
 from ckptctl.commands.options import RunOptions
 from ckptctl.core.checkpoint import Checkpoint, file_rank
 from ckptctl.core.plan import SourceTensor, source_bytes
-from ckptctl.engine import resolve_device, working_bytes
+from ckptctl.engine import helper, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.dist import Comm
 from ckptctl.engine.output import write_output
@@ -74,12 +74,47 @@ class DcpReport(RunTiming):
         )
 
 
+class LocatingAhead:
+    """The output check's first source reads, done by a process forked before the run plans.
+
+    Planning a big checkpoint keeps one core busy for seconds while a second one idles; the
+    check, later, competes with the writing for both. So a plain run of many chunks on a machine
+    of several cores forks a helper (`engine.helper`) that locates, in the source's archives, the
+    items that hold each tensor's ends (`located_ends`), and the check starts from those places.
+    What it could not locate, or a helper that failed, only leaves the check more to do."""
+
+    def __init__(self, ckpt: Checkpoint, comm: Comm) -> None:
+        chunks = sum(len(entry.chunks) for entry in ckpt.tensors.values())
+        wanted = comm.world_size == 1 and helper.wanted(chunks)
+        self._helper = helper.start(lambda report, deliver: located_ends(ckpt), _no_progress) if wanted else None
+
+    def result(self) -> bytes | None:
+        """What the helper located, once it has (None: nothing was located)."""
+        if self._helper is None:
+            return None
+        try:
+            return self._helper.join()
+        except helper.HelperFailedError:
+            return None
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        if self._helper is not None:
+            self._helper.stop()
+
+
+def _no_progress(nbytes: int) -> None:
+    """Locating reports no bytes."""
+
+
 def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, report: DcpReport, opts: RunOptions,
                      started: float, *, force: bool, verify: bool, progress: ProgressObserver | None, comm: Comm,
-                     views: Mapping[str, SourceTensor] | None = None) -> None:
+                     views: Mapping[str, SourceTensor] | None = None, located: bytes | None = None) -> None:
     """Stream `out` from `ckpt` into an atomic DCP directory at `dst` (this worker's share of the
     rank files; rank 0 the metadata), verify it when asked (against `views`, the source views
-    the plan used; default as reshard sees the source), and time the run into `report`."""
+    the plan used; default as reshard sees the source), and time the run into `report`
+    (`located`: what a `LocatingAhead` found for the check)."""
     check_destination(dst, force, src)
     sources = ChunkSource(ckpt)
 
@@ -91,7 +126,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
         report.verified = True
 
     phases = Phases(progress)
-    check = DcpCheck(ckpt, out, views)
+    check = DcpCheck(ckpt, out, views, located)
     try:
         report.write_bytes = write_output(out.output_plan(), dst, sources, phases, device=resolve_device(opts.device),
                                           workers=opts.workers, force=force, sync=opts.sync,

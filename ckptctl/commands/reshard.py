@@ -26,7 +26,7 @@ from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.core.selection import refuse_empty_selection
 from ckptctl.planners.fsdp2 import Fsdp2Reshard
 from ckptctl.planners.request import PlannedReshard, ReshardRequest
-from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
+from ckptctl.commands.dcp_write import DcpReport, LocatingAhead, write_dcp_output
 from ckptctl.commands.options import RunOptions
 
 TORCH_DIST_LAYOUT = "torch-dist"
@@ -133,12 +133,18 @@ def reshard(
     started = time.perf_counter()
     src, dst = Path(src), Path(dst)
     ckpt = open_checkpoint(src)
-    shared_analysis(ckpt, comm)  # under torchrun each worker analyses a share of the tensors
-    refuse_if_incomplete(ckpt, opts.allow_incomplete)
-    planned = _planned(ckpt, opts)
-    report = ReshardReport.planned(ckpt, planned.output, src, dst, planned.world_size, opts, dry_run, comm)
-    if dry_run:
-        return report
+    ahead = None if dry_run else LocatingAhead(ckpt, comm)  # on a second core, while this one plans
+    try:
+        shared_analysis(ckpt, comm)  # under torchrun each worker analyses a share of the tensors
+        refuse_if_incomplete(ckpt, opts.allow_incomplete)
+        planned = _planned(ckpt, opts)
+        report = ReshardReport.planned(ckpt, planned.output, src, dst, planned.world_size, opts, dry_run, comm)
+        if ahead is None:
+            return report
+        located = ahead.result()
+    finally:
+        if ahead is not None:
+            ahead.stop()
     write_dcp_output(ckpt, planned.output, src, dst, report, opts, started, force=force, verify=verify,
-                     progress=progress, comm=comm, views=planned.views)
+                     progress=progress, comm=comm, views=planned.views, located=located)
     return report

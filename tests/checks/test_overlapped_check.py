@@ -12,13 +12,14 @@ import copy
 import dataclasses
 import functools
 import os
+import pickle
 import shutil
 from array import array
 from pathlib import Path
 
 import pytest
 
-from ckptctl.checks.output_check import DcpCheck
+from ckptctl.checks.output_check import DcpCheck, _ends, located_ends
 from ckptctl.commands.reshard import ReshardOptions, plan_reshard
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.output import write_output
@@ -170,3 +171,45 @@ def test_the_reader_takes_planned_sizes_for_files_still_being_written(tmp_path: 
         open_checkpoint(dst, written_here=True)
     assert str(caught.value) == f"{dst / '__0_0.distcp'}: file is 0 bytes but optim.param_groups.0.amsgrad needs " \
                                 "bytes 0..1261 (truncated?)"
+
+
+def test_the_ends_located_ahead_are_where_the_check_would_find_them(tmp_path: Path) -> None:
+    """`located_ends` (run by a process forked while the run plans) finds each tensor's first and
+    last elements' items where the check's own reads find them, and a check that takes those
+    places reads the same source elements."""
+    src = open_checkpoint(SRC)
+    out = plan_reshard(src, ReshardOptions(world_size=3))
+    located = pickle.loads(located_ends(src))
+    plain = DcpCheck(src, out)
+    plain._read_source()
+    ends = {key: place for key, place in plain._source._places.items() if key in located}
+    assert located == ends and len(located) == sum(len(_ends(e.shape)) for e in src.tensors.values()) == 56
+    ahead = DcpCheck(src, out, located=pickle.dumps(located))
+    assert ahead._source._places == located  # taken before a sample is read
+    ahead._read_source()
+    assert ahead._wants == plain._wants
+    plain.close(), ahead.close()
+
+
+def test_a_run_whose_locating_helper_fails_checks_without_it(fixture_ckpt, tmp_path: Path, forks,
+                                                               monkeypatch) -> None:
+    """The locating helper only spares the check work: one that fails (here: its work raises)
+    leaves the run to locate the items itself, with the same output."""
+    from ckptctl.commands import dcp_write
+    from ckptctl.commands.reshard import reshard
+
+    results: list[bytes | None] = []
+    result = dcp_write.LocatingAhead.result
+    monkeypatch.setattr(dcp_write.LocatingAhead, "result", lambda self: results.append(result(self)) or results[-1])
+
+    def failing(ckpt):
+        raise OSError("out of file descriptors")
+
+    src = fixture_ckpt("fsdp2_4ranks")
+    reshard(src, tmp_path / "ahead", ReshardOptions(world_size=3, sync=False))
+    monkeypatch.setattr(dcp_write, "located_ends", failing)
+    reshard(src, tmp_path / "without", ReshardOptions(world_size=3, sync=False))
+    assert len(forks) == 4 and results[0] == located_ends(open_checkpoint(src))  # what the first run took
+    assert results[1] is None  # failed: the check located the items itself
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ahead").iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "without").iterdir()}

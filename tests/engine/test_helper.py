@@ -35,7 +35,7 @@ def test_a_run_with_a_helper_writes_the_same_bytes(fixture_ckpt, tmp_path, forks
     _cli_reshard(src, tmp_path / "alone", "0")
     _cli_reshard(src, tmp_path / "cli", "1")  # the command line's own helper, from one record up
     report = reshard(src, tmp_path / "helped", ReshardOptions(world_size=3, sync=False), verify=True)
-    assert len(forks) == 1 and report.verified
+    assert len(forks) == 2 and report.verified  # one locates the check's source items while the run plans, one writes
     assert helper.share({"__0_0.distcp": 59561, "__1_0.distcp": 32568, "__2_0.distcp": 24330}) == {
         "__2_0.distcp", "__1_0.distcp"}  # what the helper wrote here: .metadata and two rank files
     assert _tree(tmp_path / "helped") == _tree(tmp_path / "alone") == _tree(tmp_path / "cli")
@@ -50,7 +50,7 @@ def test_a_helpers_error_is_the_runs_and_leaves_no_output(fixture_ckpt, tmp_path
     monkeypatch.setattr(writer, "write_metadata", failing)  # the helper writes .metadata
     with pytest.raises(helper.HelperFailedError, match=r"/\.metadata: cannot write: No space left on device$"):
         reshard(fixture_ckpt("fsdp2_4ranks"), tmp_path / "out", ReshardOptions(world_size=3, sync=False))
-    assert len(forks) == 1 and list(tmp_path.iterdir()) == []
+    assert len(forks) == 2 and list(tmp_path.iterdir()) == []  # the locating helper, the writing one
 
 
 def test_a_helpers_error_and_progress_reach_the_run():
