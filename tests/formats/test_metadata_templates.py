@@ -11,6 +11,7 @@ import mmap
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -373,3 +374,87 @@ def test_a_batch_of_chunks_read_before_is_taken_by_its_bytes(tmp_path, monkeypat
     assert md is not None and _plain(md) == _plain(_oracle(path))
     assert taken == [False, True, False]  # tensor 0's batch is learnt from; 1's read, 2's taken, 3's differs
     assert md.state_dict_metadata["layers.3.weight"].chunks.sizes[-1] == (3, 5)
+
+
+def _alike_entries(tmp_path: Path, tensors: int = 12, ranks: int = 500, small_offset_at: tuple[int, int] | None = None
+                   ) -> Path:
+    """A `.metadata` of `tensors` tensors of one shape, a chunk on each of `ranks` ranks, as torch
+    pickles a reshard's output: each rank file holds a chunk of every tensor, so each batch of
+    1,000 storage entries is the one before but for its tensors' names and byte offsets
+    (BININTs: 4 bytes, from 64 KiB on). `small_offset_at` (tensor, rank): one offset under 64 KiB."""
+    props = TensorProperties(dtype=torch.float32)
+    files = [f"__{r}_0.distcp" for r in range(ranks)]
+    sd, storage = {}, {}
+    for t in range(tensors):
+        fqn = f"layers.{t}.weight"
+        chunks = [ChunkStorageMetadata(torch.Size([r * 2, 0]), torch.Size([2, 5])) for r in range(ranks)]
+        sd[fqn] = TensorStorageMetadata(props, torch.Size([2 * ranks, 5]), chunks)
+        for r, chunk in enumerate(chunks):
+            at = 40 * t if (t, r) == small_offset_at else (1 << 16) + 40 * t
+            storage[MetadataIndex(fqn, torch.Size(chunk.offsets), r)] = _StorageInfo(files[r], at, 40)
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Metadata(sd, storage_data=storage)))
+    return path
+
+
+def _taking(monkeypatch) -> list[bool]:
+    """What each `_repeated_entries` call answered, in order."""
+    taken: list[bool] = []
+    repeated = templates.TemplateMachine._repeated_entries
+    monkeypatch.setattr(templates.TemplateMachine, "_repeated_entries",
+                        lambda self, target, match: taken.append(found := repeated(self, target, match)) or found)
+    return taken
+
+
+def test_a_batch_of_storage_entries_alike_but_for_names_and_offsets_is_taken_by_its_bytes(tmp_path, monkeypatch):
+    """The storage entries of tensors laid alike pickle batches equal but for each entry's FQN
+    reference and byte offset: the second batch of a kind is learnt from, later ones are taken by
+    comparing the rest of their bytes. A batch with one offset under 64 KiB (a BININT2: another
+    opcode) is read anew; what every entry reads as is C's reading."""
+    taken = _taking(monkeypatch)
+    md, machine = _read(_alike_entries(tmp_path))
+    assert md is not None and _plain(md) == _plain(_oracle(tmp_path / ".metadata"))
+    assert taken == [False, False, True, True, True]  # batch 0 is met first (its files' names new), 1 learnt from
+    assert [entry[1] for _, entry in md.storage_data.rows_of("layers.11.weight")][:2] == [(1 << 16) + 440] * 2
+    taken.clear()
+    md, _ = _read(_alike_entries(tmp_path, small_offset_at=(9, 7)))
+    assert md is not None and _plain(md) == _plain(_oracle(tmp_path / ".metadata"))
+    assert taken == [False, False, True, False, True]  # batch 4 (tensors 8 and 9) holds a BININT2
+    assert [entry[1] for _, entry in md.storage_data.rows_of("layers.9.weight")][6:9] == [
+        (1 << 16) + 360, 360, (1 << 16) + 360]
+
+
+def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_or_are_declined(tmp_path, monkeypatch):
+    """Bytes changed at random inside the storage entries of the batches taken by their bytes (a
+    name's reference, an offset, an opcode, anything): whatever the reader accepts, C's unpickler
+    accepts too, and reads the same."""
+    original = _alike_entries(tmp_path).read_bytes()
+    storage_from = original.index(b"__0_0.distcp")  # the first storage entry's file name
+    later = storage_from + (len(original) - storage_from) // 2  # six batches of entries: the last three were taken
+    offsets = [m.start() + 1 for m in re.finditer(rb"J..\x01\x00", original[later:], re.S)]  # a BININT's argument
+    fqn_key = memo_fetch(_read(tmp_path / ".metadata")[1]._named["fqn"])
+    names = [m.start() + len(fqn_key) + 1 for m in re.finditer(re.escape(fqn_key) + rb"j", original[later:])]
+    taken = _taking(monkeypatch)
+    rng = random.Random(4321)
+    path = tmp_path / ".metadata"
+    accepted = declined = 0
+    for _ in range(150):
+        data = bytearray(original)
+        for _ in range(rng.choice((1, 1, 2))):
+            kind = rng.random()
+            if kind < 0.4:  # an offset: any value, or negative
+                data[later + rng.choice(offsets) + rng.randrange(4)] = rng.randrange(256)
+            elif kind < 0.6:  # a name's memo reference: to another value (a name, a file's, anything)
+                data[later + rng.choice(names) + rng.randrange(2)] = rng.randrange(256)
+            elif kind < 0.9:
+                data[rng.randrange(later, len(data) - 40)] = rng.randrange(256)
+            else:
+                del data[rng.randrange(later, len(data) - 40)]
+        path.write_bytes(bytes(data))
+        md, _ = _read(path)
+        if md is None:
+            declined += 1
+            continue
+        accepted += 1
+        assert _outcome(path) == ("ok", _plain(md))
+    assert accepted > 30 and declined > 30 and taken.count(True) > 100  # both roads, and batches taken

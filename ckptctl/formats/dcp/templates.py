@@ -33,7 +33,7 @@ import struct
 from array import array
 from bisect import bisect_left
 from itertools import accumulate, compress, repeat
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from ckptctl.formats.dcp import classes as dc
 from ckptctl.util.gc_pause import gc_paused
@@ -143,6 +143,9 @@ class TemplateMachine(PickleMachine):
         self._plan: re.Pattern | None = None
         self._runs: dict[bytes, tuple[list, list, int]] = {}  # a batch of chunk records' bytes → what they read as
         self._run_bytes = 0
+        self._entry_batches: dict[tuple, _EntryBatch] = {}  # batches of storage entries read before, by `_batch_key`
+        self._entry_keys: set[tuple] = set()  # the keys of batches met once
+        self._entry_batch_bytes = 0
         self._plain = self._matched = 0
         self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
         self._closing = False
@@ -567,6 +570,8 @@ class TemplateMachine(PickleMachine):
         takes."""
         target = self._batch_target()
         into = type(target) is dc.StorageColumns
+        if into and self._repeated_entries(target, match):
+            return True
         columns, found, end = self._run(match, into, self._entry, self._entries, b"ubu", self._entry_bytes)
         fqn_raws, indices, bodies, file_raws, places, lengths = columns
         fqns, n = self._strings_of(fqn_raws, MAX_NAME)
@@ -602,26 +607,78 @@ class TemplateMachine(PickleMachine):
             self._stack.append(_StorageKey((fqns[0], offsets[0])))
             self._stack.append(_StorageRow((files[0], byte_offsets[0], sizes[0])))
             return self._consumed(n, 12, count, end, into)
-        file_ids = list(map(target.file_ids.get, files))
-        if None in file_ids:  # a file met for the first time: numbered in the order met
-            file_ids = list(map(target.file_id, files))
-        starts = [0, *compress(range(1, n), map(operator.is_not, fqns[1:], fqns[:-1])), n]
-        if len(starts) > n // 4:  # the tensors' entries interleaved (torch orders them by rank): one at a time
-            fqn_now = keys = columns = None
-            for fqn, key, row in zip(fqns, offsets, zip(file_ids, byte_offsets, sizes)):
-                if fqn is not fqn_now:
-                    keys, columns = target.rows_for(fqn)
-                    fqn_now = fqn
-                keys.append(key)
-                columns.extend(row)
-            return self._consumed(n, 12, count, end, into)
-        rows = array("q", bytes(24 * n))  # the places interleaved a column at a time
-        rows[0::3], rows[1::3], rows[2::3] = array("q", file_ids), array("q", byte_offsets), array("q", sizes)
-        for a, b in zip(starts, starts[1:]):  # one tensor's entries follow one another
-            keys, columns = target.rows_for(fqns[a])
-            keys += offsets[a:b]
-            columns += rows[3 * a:3 * b]
+        _into_storage(target, fqns, offsets, files, byte_offsets, sizes)
+        if n == found and new_fqn is None and new_file is None and self._data[end:end + 1] == b"u":
+            self._remember_entries((end - self._pos, match.group(3), match.group(4)), end, offsets, files, sizes,
+                                   count - self._count)
         return self._consumed(n, 12, count, end, into)
+
+    def _repeated_entries(self, target: dc.StorageColumns, match: re.Match) -> bool:
+        """Whether the batch of storage entries at the reading position is one read before but for
+        its entries' fqn references and byte offsets (a layer's tensors, their optimizer states: each
+        rank file holds a chunk of each, laid alike), and was taken from what that reading found;
+        the entries are then consumed.
+
+        Pickle opcodes alone decide how their bytes parse, so a batch whose bytes equal the one read
+        before but for the arguments of those references and BININTs (the opcodes kept) holds the
+        same records: only the references are looked up and the offsets unpacked."""
+        data, pos = self._data, self._pos
+        end = data.find(b"ubu", pos, pos + BATCH_SPAN) + 2
+        known = self._entry_batches.get((end - pos, match.group(3), match.group(4))) if end > pos else None
+        if known is None:
+            return False
+        batch = data[pos:end]
+        if b"".join(known.constant_parts(batch)) != known.constant:
+            return False
+        ops = known.fqn_ops
+        args = known.fqn_args(batch)
+        raws = list(map(ops.__add__, args)) if type(ops) is bytes else list(map(operator.add, ops, args))
+        n = len(raws)
+        fqns, decoded = self._strings_of(raws, MAX_NAME)
+        if decoded < n:
+            return False
+        byte_offsets = struct.unpack(f"<{n}i", b"".join(known.byte_offsets(batch)))
+        if min(byte_offsets) < 0:
+            return False
+        _into_storage(target, fqns, known.offsets, known.files, byte_offsets, known.sizes)
+        return self._consumed(n, 12, self._count + known.memo_entries, end, True)
+
+    def _remember_entries(self, key: tuple, end: int, offsets: list, files: list, sizes: list,
+                          memo_entries: int) -> None:
+        """Keep the whole batch of storage entries just read (from the reading position to `end`,
+        no new string among them, every byte offset a BININT) as an `_EntryBatch`, the second time a
+        batch of its `key` (its length, its first entry's chunk offsets and file) is met."""
+        if key in self._entry_batches:
+            return
+        if key not in self._entry_keys:
+            if len(self._entry_keys) > _CACHE_LIMIT:
+                self._entry_keys.clear()
+            self._entry_keys.add(key)
+            return
+        data, pos = self._data, self._pos
+        cuts, fqn_args, byte_offsets, ops = [0], [], [], []
+        at = pos
+        for record in self._entry.finditer(data, pos, end):
+            (fqn_start, fqn_end), (place_start, place_end) = record.span(1), record.span(5)
+            if record.start() != at or data[place_start] != 0x4A:
+                return
+            at = record.end()
+            ops.append(data[fqn_start:fqn_start + 1])
+            cuts += [fqn_start + 1 - pos, fqn_end - pos, place_start + 1 - pos, place_end - pos]
+            fqn_args.append(slice(fqn_start + 1 - pos, fqn_end - pos))
+            byte_offsets.append(slice(place_start + 1 - pos, place_end - pos))
+        if at != end or len(ops) != len(offsets) or len(ops) < 2:
+            return
+        cuts.append(end - pos)
+        constant_parts = operator.itemgetter(*[slice(a, b) for a, b in zip(cuts[0::2], cuts[1::2])])
+        constant = b"".join(constant_parts(data[pos:end]))
+        if self._entry_batch_bytes + 2 * len(constant) > RUN_CACHE_BYTES:
+            self._entry_batches.clear()
+            self._entry_batch_bytes = 0
+        self._entry_batches[key] = _EntryBatch(
+            constant_parts, constant, operator.itemgetter(*fqn_args), ops[0] if ops.count(ops[0]) == len(ops) else ops,
+            operator.itemgetter(*byte_offsets), offsets, files, sizes, memo_entries)
+        self._entry_batch_bytes += 2 * len(constant)
 
     def _cached_integer(self, raw: bytes) -> int | None:
         """`_integer` of a field whose few values repeat (an index, a length), remembered."""
@@ -689,6 +746,48 @@ _PLAN_NAMES = frozenset({"WriteItem", "WriteItemType", "TensorWriteData", "Tenso
 _WRITE_ITEM = dc.WriteItem()
 """What every matched save-plan item reads as: a record whose state is dropped, as `unpickle` drops it."""
 _OPCODES = opcode_table(TemplateMachine)
+
+
+class _EntryBatch:
+    """A batch of storage entries read before: its bytes but for each entry's fqn reference and
+    byte offset arguments (`constant`, what `constant_parts` cuts from a batch's bytes), where those
+    arguments lie (`fqn_args`, `byte_offsets`: 4-byte BININTs), the fqn references' opcodes (one
+    for all, or each entry's), what the rest read as, and the memo entries the batch makes."""
+
+    __slots__ = ("constant_parts", "constant", "fqn_args", "fqn_ops", "byte_offsets", "offsets", "files", "sizes",
+                 "memo_entries")
+
+    def __init__(self, constant_parts: Callable[[bytes], tuple], constant: bytes, fqn_args: Callable[[bytes], tuple],
+                 fqn_ops: bytes | list[bytes], byte_offsets: Callable[[bytes], tuple], offsets: list, files: list,
+                 sizes: list, memo_entries: int) -> None:
+        self.constant_parts, self.constant, self.fqn_args, self.fqn_ops = constant_parts, constant, fqn_args, fqn_ops
+        self.byte_offsets, self.offsets, self.files, self.sizes = byte_offsets, offsets, files, sizes
+        self.memo_entries = memo_entries
+
+
+def _into_storage(target: dc.StorageColumns, fqns: list, offsets: list, files: list, byte_offsets: Sequence[int],
+                  sizes: list) -> None:
+    """A run of storage entries into the storage columns: a tensor's consecutive ones a column at a time."""
+    n = len(fqns)
+    file_ids = list(map(target.file_ids.get, files))
+    if None in file_ids:  # a file met for the first time: numbered in the order met
+        file_ids = list(map(target.file_id, files))
+    starts = [0, *compress(range(1, n), map(operator.is_not, fqns[1:], fqns[:-1])), n]
+    if len(starts) > n // 4:  # the tensors' entries interleaved (torch orders them by rank): one at a time
+        fqn_now = keys = columns = None
+        for fqn, key, row in zip(fqns, offsets, zip(file_ids, byte_offsets, sizes)):
+            if fqn is not fqn_now:
+                keys, columns = target.rows_for(fqn)
+                fqn_now = fqn
+            keys.append(key)
+            columns.extend(row)
+        return
+    rows = array("q", bytes(24 * n))  # the places interleaved a column at a time
+    rows[0::3], rows[1::3], rows[2::3] = array("q", file_ids), array("q", byte_offsets), array("q", sizes)
+    for a, b in zip(starts, starts[1:]):  # one tensor's entries follow one another
+        keys, columns = target.rows_for(fqns[a])
+        keys += offsets[a:b]
+        columns += rows[3 * a:3 * b]
 
 
 def _integer(raw: bytes) -> int | None:
