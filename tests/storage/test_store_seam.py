@@ -1,6 +1,6 @@
 """Formats and engines reach files through `ckptctl.storage.store` only, so that another store
 (an object store) plugs in without touching them: no module under `ckptctl/formats` or
-`ckptctl/engine` opens, maps, lists, stats, reads or writes a path by itself. The few calls that
+`ckptctl/engine` opens, maps, lists, stats, reads or writes a path, or commits an output, by itself. The few calls that
 touch no checkpoint (the process's own /proc files, /dev/null, a pipe) are listed by name here,
 so a new one fails this test until it goes through the store or is listed with its reason."""
 
@@ -13,9 +13,9 @@ from tests.conftest import ROOT
 SEAMED = ("formats", "engine")
 """Packages under ckptctl that must go through the store."""
 PATH_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "stat", "lstat",
-              "listdir", "scandir", "fdopen", "mmap", "walk"}
+              "listdir", "scandir", "fdopen", "mmap", "walk", "atomic_directory", "atomic_file"}
 """Calls that open, map, list or stat a path or descriptor (builtin `open`, `os.open`, `Path.open`,
-`mmap.mmap`, `os.listdir` …)."""
+`mmap.mmap`, `os.listdir` …) or commit an output folder behind the store's back."""
 NOT_CHECKPOINT_FILES = {
     ("formats/pickle/hash_guard.py", "os.open"): "/dev/null for the forked probe's output",
     ("formats/pickle/hash_guard.py", "open"): "/proc/self/statm: the probe's own memory",
@@ -51,7 +51,9 @@ def test_formats_and_engines_open_list_and_stat_nothing_but_through_the_store():
     assert set(NOT_CHECKPOINT_FILES) <= set(found)  # an entry no longer needed is dropped
 
 
-def test_the_seam_check_finds_an_open_a_listing_and_a_stat():
-    source = "import os\nopen('x')\nos.open('x', 0)\nos.listdir('.')\nPath('x').stat()\nfolder.iterdir()\n"
+def test_the_seam_check_finds_an_open_a_listing_a_stat_and_a_commit_and_lets_store_calls_and_preads_by():
+    source = ("import os\nopen('x')\nos.open('x', 0)\nos.listdir('.')\nPath('x').stat()\nfolder.iterdir()\n"
+              "atomic_directory(dst, True)\nos.pread(fd, 1, 0)\nstore.open_read(path)\n")
     calls = [_name(node.func) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
-    assert sorted(filter(None, calls)) == [".stat", "folder.iterdir", "open", "os.listdir", "os.open"]
+    assert sorted(filter(None, calls)) == [".stat", "atomic_directory", "folder.iterdir", "open", "os.listdir",
+                                              "os.open"]
