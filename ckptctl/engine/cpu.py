@@ -24,6 +24,7 @@ from ckptctl.engine.crc import crc32
 from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
+from ckptctl.storage.store import WriteHandle, store_for
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
@@ -343,7 +344,8 @@ def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Seg
 
 
 class OutputFiles:
-    """Output files opened once, pre-sized, shared by all workers (positioned writes).
+    """Output files created once through the directory's store, pre-sized, shared by all workers
+    (positioned writes on each handle's descriptor, taken once).
 
     With `sync` (the default) `close` fsyncs, and writeback starts early: each thread's
     sequential run of writes to a file is handed to the disk every WRITEBACK_BYTES, while
@@ -353,17 +355,18 @@ class OutputFiles:
     def __init__(self, directory: Path, sizes: Mapping[str, int], sync: bool = True) -> None:
         self.directory = directory
         self.sync = sync
+        self.handles: dict[str, WriteHandle] = {}
         self.fds: dict[str, int] = {}
         self._runs = threading.local()  # per thread: file -> [start, end) written but not yet handed over
+        store = store_for(directory)
         for name, size in sizes.items():
-            path = directory / name
             try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                self.fds[name] = fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                reserve(fd, size)
+                self.handles[name] = handle = store.create(directory / name)
+                self.fds[name] = handle.fileno()
+                reserve(handle.fileno(), size)
             except OSError as exc:
-                for fd in self.fds.values():
-                    os.close(fd)
+                for handle in self.handles.values():
+                    handle.close()
                 raise self.error(name, exc) from None
 
     def error(self, name: str, exc: OSError) -> OutputError:
@@ -399,17 +402,17 @@ class OutputFiles:
 
     def close(self) -> None:
         """fsync (with `sync`) and close every file; all are closed even when one fails."""
-        fds, self.fds = self.fds, {}
+        handles, self.handles, self.fds = self.handles, {}, {}
         try:
-            for name, fd in fds.items():
+            for name, handle in handles.items():
                 if self.sync:
                     try:
-                        os.fsync(fd)
+                        handle.sync()
                     except OSError as exc:
                         raise self.error(name, exc) from None
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            for handle in handles.values():
+                handle.close()
 
 
 def block_elements(item: StreamItem, block_bytes: int | None = None) -> int:

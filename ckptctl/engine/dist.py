@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-from ckptctl.storage.atomic import atomic_directory, changed_reads_first, refuse_changed_reads
+from ckptctl.storage.atomic import changed_reads_first, refuse_changed_reads
+from ckptctl.storage.store import store_for
 from ckptctl.util.errors import CkptctlError, UsageError
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.core.analysis import analyze_shares, shared_findings
@@ -208,7 +209,7 @@ def write_atomically(
     shares = assign_files(sizes, comm.world_size, lead_load)
     mine = shares[comm.rank]
     if comm.world_size == 1:
-        with atomic_directory(dst, force, sync=sync) as tmp:
+        with store_for(dst).atomic_folder(dst, force, sync=sync) as tmp:
             write_share(tmp, mine)
             finish(tmp)
         return mine
@@ -223,7 +224,7 @@ def _lead(dst: Path, force: bool, mine: frozenset[str], write_share: Callable[[P
           finish: Callable[[Path], None], comm: Comm, sync: bool) -> None:
     phase = "create"
     try:
-        with atomic_directory(dst, force, tag="dist", sync=sync) as tmp:
+        with store_for(dst).atomic_folder(dst, force, tag="dist", sync=sync) as tmp:
             comm.broadcast(("ok", str(tmp)))
             phase = "write"
             _gathered(comm, lambda: write_share(tmp, mine))

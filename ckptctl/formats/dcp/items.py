@@ -23,10 +23,9 @@ from typing import IO, Any, Callable
 
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.util.errors import CheckpointError
-from ckptctl.storage.file_window import FileWindow
 from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import ReadHandle, store_for
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_SIGNATURE = 0x04034B50
@@ -115,10 +114,13 @@ class RawRecord:
 
 
 class ItemReader:
-    """Opens a checkpoint's files read-only, lazily, and answers where each chunk's bytes are."""
+    """Opens a checkpoint's files read-only, lazily, through its store, and answers where each
+    chunk's bytes are. Hot reads go to the handle's raw descriptor (`fd`), taken once a file."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
+        self._store = store_for(ckpt.path)
+        self._handles: dict[str, ReadHandle] = {}
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._safetensors_headers: dict[tuple[str, int], dict] = {}
@@ -129,8 +131,9 @@ class ItemReader:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()
             self._fds.clear()
 
     def __enter__(self) -> "ItemReader":
@@ -140,13 +143,22 @@ class ItemReader:
         self.close()
 
     def fd(self, file: str) -> int:
+        """The raw descriptor of `file`, for loops of positioned reads."""
         fd = self._fds.get(file)  # an open file's descriptor without the lock (a dict read is atomic)
         if fd is not None:
             return fd
+        return self.handle(file).fileno()
+
+    def handle(self, file: str) -> ReadHandle:
+        """`file` opened through the checkpoint's store (once; threads share it)."""
+        handle = self._handles.get(file)
+        if handle is not None:
+            return handle
         with self._lock:
-            if file not in self._fds:
-                self._fds[file] = open_source(self.ckpt.path / file)[0]
-            return self._fds[file]
+            if file not in self._handles:
+                handle = self._handles[file] = self._store.open_read(self.ckpt.path / file)
+                self._fds[file] = handle.fileno()
+            return self._handles[file]
 
     def _bad(self, chunk: Chunk, reason: str) -> CheckpointError:
         return CheckpointError(self.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {reason}")
@@ -208,9 +220,8 @@ class ItemReader:
 
     def _locate_torch_save(self, entry: TensorEntry, chunk: Chunk, key: tuple, template: _Template | None
                            ) -> RawRecord | None:
-        fd = self.fd(chunk.file)
         try:
-            archive = zipfile.ZipFile(FileWindow(fd, chunk.offset, chunk.length, MAX_ZIP_READ))
+            archive = zipfile.ZipFile(self.handle(chunk.file).window(chunk.offset, chunk.length, MAX_ZIP_READ))
             names = {info.filename: info for info in archive.infolist()}
             pkl = next((n for n in names if n.endswith("/data.pkl") or n == "data.pkl"), None)
             if pkl is None:
@@ -257,8 +268,8 @@ class ItemReader:
                 or len(self._templates) >= MAX_TEMPLATES:
             return None
         holes: list[tuple[int, int]] = []  # (start, stop) in the item
-        fd = self.fd(chunk.file)
-        central = os.pread(fd, chunk.length - archive.start_dir, chunk.offset + archive.start_dir)
+        item = self.handle(chunk.file)
+        central = item.read_at(chunk.length - archive.start_dir, chunk.offset + archive.start_dir)
         pos = 0
         for info in archive.infolist():  # the directory's records, in order
             record_at = archive.start_dir + pos
@@ -266,7 +277,7 @@ class ItemReader:
                 return None  # a directory zipfile reads otherwise than record after record: no template
             name_len, extra_len, comment_len = struct.unpack_from("<HHH", central, pos + 28)
             pos += 46 + name_len + extra_len + comment_len
-            local = os.pread(fd, _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+            local = item.read_at(_LOCAL_HEADER.size, chunk.offset + info.header_offset) \
                 if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
             if len(local) != _LOCAL_HEADER.size:  # a record no check looked at is damaged: no template
                 return None
@@ -277,13 +288,13 @@ class ItemReader:
             holes += [(record_at + 16, record_at + 20), (info.header_offset + 14, info.header_offset + 18)]
             end = start + info.compress_size
             if info.flag_bits & 0x8:  # data descriptor: optional signature, then the CRC
-                at = end + 4 * (os.pread(fd, 4, chunk.offset + end) == b"PK\x07\x08")
+                at = end + 4 * (item.read_at(4, chunk.offset + end) == b"PK\x07\x08")
                 holes.append((at, at + 4))
             if is_id:
                 holes.append((start, end))
         data_end = data_start + nbytes
-        head = os.pread(fd, data_start, chunk.offset)
-        tail = os.pread(fd, tail_len, chunk.offset + data_end)
+        head = item.read_at(data_start, chunk.offset)
+        tail = item.read_at(tail_len, chunk.offset + data_end)
         if chunk.length <= MAX_TEMPLATE_ITEM:
             whole = head + bytes(nbytes) + tail
             return _Template(data_start, nbytes, _kept(whole, 0, [*holes, (data_start, data_end)]), None, None)
@@ -370,8 +381,8 @@ class ItemReader:
         header = self._safetensors_headers.get(key)
         if header is not None:
             return header
-        fd = self.fd(file)
-        prefix = os.pread(fd, 9, offset)
+        blob = self.handle(file)
+        prefix = blob.read_at(9, offset)
         if len(prefix) != 9 or prefix[8:9] != b"{":  # a torch.save item has its method's 0 there
             return None
         (n,) = struct.unpack("<Q", prefix[:8])
@@ -381,7 +392,7 @@ class ItemReader:
         if n >= min(self.ckpt.files.get(file, 0) - offset, MAX_SAFETENSORS_HEADER):
             return None
         try:
-            parsed = json.loads(os.pread(fd, n, offset + 8))
+            parsed = json.loads(blob.read_at(n, offset + 8))
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return None
         meta = parsed.get("__metadata__") if isinstance(parsed, dict) else None
@@ -427,7 +438,7 @@ class ItemReader:
         if length > limit:
             raise CheckpointError(self.ckpt.path / file, f"item at byte {offset}: {length} bytes, over the {limit}-byte "
                                                          "limit for an item read whole")
-        data = os.pread(self.fd(file), length, offset)
+        data = self.handle(file).read_at(length, offset)
         if len(data) != length:
             raise CheckpointError(self.ckpt.path / file, f"short read at byte {offset}")
         if not transforms:

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import operator
 import os
 import re
-import stat
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +25,8 @@ from ckptctl.util.gc_pause import gc_paused
 from ckptctl.formats.dcp.templates import read_metadata
 from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, ChunkTable, TensorEntry
-from ckptctl.storage.source_files import as_typed, checkpoints_inside, missing, open_source
+from ckptctl.storage.source_files import as_typed, checkpoints_inside, missing
+from ckptctl.storage.store import EntryInfo, Store, store_for
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -45,9 +44,10 @@ of few chunks per tensor (the templates interpret each tensor's header), 1.04 s 
 
 def _metadata_files(root: Path) -> list[Path]:
     """`.metadata`, else the per-rank `__{rank}.metadata` files in rank order (none: not DCP's own layout)."""
-    if os.path.lexists(root / METADATA_NAME):  # whatever it is: a device or FIFO is refused when opened
+    store = store_for(root)
+    if store.exists(root / METADATA_NAME):  # whatever it is: a device or FIFO is refused when opened
         return [root / METADATA_NAME]
-    per_rank = sorted((p for p in root.iterdir() if _RANK_METADATA.match(p.name)),
+    per_rank = sorted((root / name for name in store.list(root) if _RANK_METADATA.match(name)),
                       key=lambda p: int(_RANK_METADATA.match(p.name).group(1)))
     return per_rank
 
@@ -62,7 +62,7 @@ def megatron_backend(root: Path) -> str | None:
     (zarr) is refused by name. A `metadata.json` that says nothing of the kind is not ours
     to judge."""
     path = root / MEGATRON_MARKER
-    if not os.path.lexists(path):
+    if not store_for(root).exists(path):
         return None
     text = read_small(path, _MARKER_LIMIT + 1)
     try:
@@ -80,25 +80,22 @@ def megatron_backend(root: Path) -> str | None:
 
 
 def read_small(path: Path, limit: int) -> bytes:
-    """At most `limit` bytes of a small regular file (`open_source`): a marker or a common state."""
-    fd, _ = open_source(path)
-    try:
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
+    """At most `limit` bytes of a small regular file (opened as any source): a marker or a common state."""
+    with store_for(path).open_read(path) as small:
+        return small.read_at(limit, 0)
 
 
 def _load_one(path: Path, written_here: bool = False) -> classes.Metadata:
-    fd, _ = open_source(path)
+    handle = store_for(path).open_read(path)
     try:
-        size = os.fstat(fd).st_size
+        size = handle.size
         if size > MAX_METADATA_BYTES:
             raise CheckpointError(path, f"metadata is implausibly large ({size} bytes)")
         if size == 0:
             raise CheckpointError(path, "corrupt metadata pickle: the file is empty")
-        if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(fd, size)) is not None:
+        if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(handle.fileno(), size)) is not None:
             return md
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as data:  # pages are read as the pickle needs them
+        with handle.whole() as data:  # pages are read as the pickle needs them
             return load_metadata_pickle(data, written_here)
     except UnsafePickleError as exc:
         raise CheckpointError(path, f"hostile or foreign pickle: {exc}") from None
@@ -107,7 +104,7 @@ def _load_one(path: Path, written_here: bool = False) -> classes.Metadata:
     except OSError as exc:
         raise CheckpointError(path, f"cannot read: {exc.strerror or exc}") from None
     finally:
-        os.close(fd)
+        handle.close()
 
 
 @dataclass
@@ -230,11 +227,20 @@ def _resolve_file(root: Path, relative: Any, files: dict[str, int], where: Path)
         raise CheckpointError(full, f"cannot open: {exc.strerror or exc}") from None
     if root.resolve() not in real.parents:
         raise CheckpointError(full, "data file is a link that leaves the checkpoint directory")
-    info = real.stat()
-    if not stat.S_ISREG(info.st_mode):
+    info = store_for(root).info(real)
+    if not info.regular:
         raise CheckpointError(full, "not a regular file")
-    files[relative] = info.st_size
+    files[relative] = info.size
     return relative
+
+
+def _entry(store: Store, path: Path) -> EntryInfo | None:
+    """What `store` says of the regular file at `path`, None for anything else or nothing."""
+    try:
+        info = store.info(path)
+    except OSError:
+        return None
+    return info if info.regular else None
 
 
 def _check_range(root: Path, file: str, offset: int, length: int, files: dict[str, int], fqn: str) -> None:
@@ -441,9 +447,10 @@ def _checkpoint(root: Path, md_paths: list[Path], written_here: bool = False,
         unreferenced = [name for name in planned if name not in referenced]
     else:
         unreferenced = []
-        for name in os.listdir(root):
-            if name.endswith(".distcp") and name not in files and (root / name).is_file():
-                files[name] = (root / name).stat().st_size
+        store = store_for(root)
+        for name in store.list(root):
+            if name.endswith(".distcp") and name not in files and (info := _entry(store, root / name)) is not None:
+                files[name] = info.size
                 unreferenced.append(name)
     return Checkpoint(
         path=root,

@@ -39,6 +39,7 @@ from ckptctl.core.checkpoint import BytesEntry
 from ckptctl.core.output_plan import OutputPlan
 from ckptctl.families.placement import Placed
 from ckptctl.core.plan import CopyItem, SourceTensor, StreamItem, TargetTensor
+from ckptctl.storage.store import store_for
 
 DCP_VERSION = "1.0.0"
 
@@ -271,7 +272,8 @@ def write_metadata(out: DcpOutput, directory: Path) -> None:
     """Write `.metadata` and the extra files into `directory` (the atomic directory fsyncs them
     before the rename)."""
     md = build_metadata(out)
-    with open(directory / ".metadata", "wb") as file, gc_paused():
+    store = store_for(directory)
+    with store.write_stream(directory / ".metadata") as file, gc_paused():
         metadata_out.dump(md, file)
     for name, data in out.extra_files.items():
-        (directory / name).write_bytes(data)
+        store.write_whole(directory / name, data)

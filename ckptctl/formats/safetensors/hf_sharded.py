@@ -27,6 +27,7 @@ from ckptctl.util.errors import CheckpointError
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.core.geometry import Box, union_volume
 from ckptctl.storage.hf_files import ImplausibleJson, parse_json
+from ckptctl.storage.store import store_for
 from ckptctl.core.checkpoint import Checkpoint, ChunkTable, TensorEntry, dtype_name
 from ckptctl.formats.safetensors.reader import SHARDING_KEY, StoredTensor, read_header_and_metadata, shown_name
 
@@ -151,7 +152,7 @@ def _sharded_folder(root: Path) -> Checkpoint:
         stored, metadata = read_header_and_metadata(file)
         offsets = _sharding(file, metadata, stored, files[0])
         version = _version(file, metadata, (version, files[0]) if number else None)
-        sizes[file.name] = file.stat().st_size
+        sizes[file.name] = store_for(file).size(file)
         pieces += len(stored)
         if pieces > MAX_PIECES:
             raise CheckpointError(root, f"implausible checkpoint (more than {MAX_PIECES} tensor pieces)")

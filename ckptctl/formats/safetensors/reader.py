@@ -26,7 +26,8 @@ from ckptctl.util.errors import CheckpointError
 from ckptctl.storage.hf_files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, ImplausibleJson, parse_json,
                               read_json_object)
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry, dtype_name
-from ckptctl.storage.source_files import as_typed, missing, open_source
+from ckptctl.storage.source_files import as_typed, missing
+from ckptctl.storage.store import store_for
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -160,17 +161,18 @@ def read_header(file: Path) -> dict[str, StoredTensor]:
 def read_header_and_metadata(file: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     """`read_header`'s tensors and the file's `__metadata__` (empty when it has none); a
     `__metadata__` other than strings by string is refused, as safetensors' own reader does."""
-    fd, size = open_source(file)
+    handle = store_for(file).open_read(file)
+    size = handle.size
     try:
-        head = os.pread(fd, 8, 0)
+        head = handle.read_at(8, 0)
         (length,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
         if length is None or length > min(size - 8, MAX_HEADER_BYTES):
             raise CheckpointError(file, "not a safetensors file (no header of a plausible length)")
-        raw = os.pread(fd, length, 8)
+        raw = handle.read_at(length, 8)
     except OSError as exc:
         raise CheckpointError(file, f"cannot read: {exc.strerror or exc}") from None
     finally:
-        os.close(fd)
+        handle.close()
     data_start, data_size = 8 + length, size - 8 - length
     try:
         header = parse_json(raw, header_values(data_size))
@@ -300,7 +302,7 @@ def open_safetensors_folder(path: Path, fmt: Any = None, fp8_dtype: DType = bflo
     for name, st in sorted(stored.items()):
         rel = st.file.relative_to(root).as_posix()
         if rel not in files:
-            files[rel] = st.file.stat().st_size
+            files[rel] = store_for(st.file).size(st.file)
         if name not in used:
             tensors[name] = TensorEntry(name, st.shape, st.dtype, row_chunks(st, rel))
     tensors = dict(sorted(tensors.items()))

@@ -23,6 +23,7 @@ from ckptctl.core.dtypes import DType, as_dtype
 from ckptctl.util.errors import CheckpointError
 from ckptctl.core.geometry import Box, full_box, rows_box
 from ckptctl.core.plan import StreamItem, TargetTensor
+from ckptctl.storage.store import store_for
 
 WRITE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
                "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
@@ -104,4 +105,4 @@ def write_index(path: Path, total_parameters: int, total_size: int, weight_map: 
     """`model.safetensors.index.json` as transformers' `save_pretrained` writes it (keys sorted)."""
     doc = {"metadata": {"total_parameters": total_parameters, "total_size": total_size},
            "weight_map": dict(weight_map)}
-    path.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    store_for(path).write_whole(path, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode())

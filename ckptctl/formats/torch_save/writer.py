@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
-import os
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from ckptctl.formats.torch_save.zip import (
 from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_value_pickle
 from ckptctl.core.geometry import full_box
 from ckptctl.core.plan import StreamItem, TargetTensor
+from ckptctl.storage.store import store_for
 
 PICKLE_PROTOCOL = 2
 """torch.save's default protocol, so `data.pkl` reads as torch's own."""
@@ -257,15 +257,10 @@ class TorchSaveFile:
         path = directory / self.name
         data, at = memoryview(self.trailer()), self.trailer_at
         try:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                while data:
-                    n = os.pwrite(fd, data, at)
-                    data, at = data[n:], at + n
+            with store_for(path).reopen(path) as out:
+                out.write_all_at(data, at)
                 if sync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                    out.sync()
         except OSError as exc:
             raise OutputError(path, f"cannot write: {exc.strerror or exc}") from None
 

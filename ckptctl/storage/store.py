@@ -1,0 +1,259 @@
+"""The one interface formats and engines read and write checkpoint bytes through.
+
+A `Store` lists a folder, says how large an entry is, opens an entry for positioned reads,
+creates output entries written at offsets, and puts an output folder or file in place
+atomically. `LocalStore`, the local filesystem, is the one store today; an object store
+(S3, GCS, Azure, `hf://`) plugs in as another `Store`, as torch DCP's `StorageReader` /
+`StorageWriter` sit behind its planner, without touching the formats.
+
+The local store opens inputs with `source_files.open_source` (regular files only, size
+limits, each noted as a source read) and commits with `atomic` (temporary sibling, rename).
+A hot loop that reads or writes millions of times takes the raw descriptor once
+(`fileno()`) and calls `os.pread` / `os.pwrite` on it: no layer in its inner loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import mmap
+import os
+import stat
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, ContextManager, Iterator
+
+from ckptctl.storage.atomic import atomic_directory, atomic_file
+from ckptctl.storage.file_window import FileWindow
+from ckptctl.storage.source_files import open_source
+
+
+@dataclass(frozen=True, slots=True)
+class EntryInfo:
+    """What a store says of one entry without opening it."""
+
+    size: int
+    regular: bool
+    """A regular file (a local link to one counts); a folder, FIFO or device is not."""
+
+
+class ReadHandle(ABC):
+    """An input entry opened for positioned reads; threads share it (no read moves a cursor)."""
+
+    path: Path
+    size: int
+
+    @abstractmethod
+    def read_at(self, length: int, offset: int) -> bytes:
+        """At most `length` bytes from `offset` (fewer at the entry's end), in `os.pread`'s order."""
+
+    @abstractmethod
+    def readinto_at(self, buffer: memoryview | bytearray, offset: int) -> int:
+        """Fill `buffer` from `offset`; the number of bytes read (fewer at the entry's end)."""
+
+    @abstractmethod
+    def whole(self) -> ContextManager[memoryview | mmap.mmap]:
+        """The entry as one buffer, pages read as they are touched where the store can (local: an mmap)."""
+
+    @abstractmethod
+    def window(self, start: int, length: int, max_read: int | None = None) -> io.RawIOBase:
+        """Bytes [start, start + length) as a read-only seekable file, unbuffered, for readers that take
+        one (zipfile); with `max_read`, a larger single read is refused (`file_window.FileWindow`)."""
+
+    @abstractmethod
+    def fileno(self) -> int:
+        """The raw descriptor, for a loop of millions of reads; a store without one raises OSError."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the entry."""
+
+    def __enter__(self) -> "ReadHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class WriteHandle(ABC):
+    """An output entry written at offsets (records land where the plan puts them, in any order)."""
+
+    path: Path
+
+    @abstractmethod
+    def write_at(self, data: bytes | memoryview, offset: int) -> int:
+        """Write some of `data` at `offset`; how many bytes were written (as `os.pwrite`)."""
+
+    def write_all_at(self, data: bytes | memoryview, offset: int) -> None:
+        """Write all of `data` at `offset`."""
+        view = memoryview(data)
+        while len(view):
+            n = self.write_at(view, offset)
+            view, offset = view[n:], offset + n
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make what was written durable."""
+
+    @abstractmethod
+    def fileno(self) -> int:
+        """The raw descriptor, for in-kernel copies and writeback hints; a store without one raises OSError."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the entry (idempotent)."""
+
+    def __enter__(self) -> "WriteHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Store(ABC):
+    """Where a checkpoint's entries live: listed, sized, read at offsets, written, committed."""
+
+    @abstractmethod
+    def list(self, folder: Path) -> list[str]:
+        """The names of `folder`'s entries, in no particular order."""
+
+    @abstractmethod
+    def exists(self, path: Path) -> bool:
+        """Whether anything is at `path` (a broken link counts: what it is, opening it says)."""
+
+    @abstractmethod
+    def info(self, path: Path) -> EntryInfo:
+        """Size and kind of the entry at `path`; OSError when there is none."""
+
+    def size(self, path: Path) -> int:
+        """The size of the entry at `path` in bytes."""
+        return self.info(path).size
+
+    @abstractmethod
+    def open_read(self, path: Path, limit: int | None = None) -> ReadHandle:
+        """Open input `path` for positioned reads: a regular entry of at most `limit` bytes, noted as a
+        source read (it must not change before the output is committed); else a CheckpointError."""
+
+    @abstractmethod
+    def create(self, path: Path) -> WriteHandle:
+        """A new, empty output entry at `path` (its folder made; an existing entry emptied)."""
+
+    @abstractmethod
+    def reopen(self, path: Path) -> WriteHandle:
+        """Output entry `path`, written before, opened again to write at offsets (a trailer)."""
+
+    @abstractmethod
+    def write_stream(self, path: Path) -> ContextManager[BinaryIO]:
+        """A new output entry at `path` written front to back as a file (a pickler's output)."""
+
+    def write_whole(self, path: Path, data: bytes) -> None:
+        """A new output entry at `path` holding `data`."""
+        with self.write_stream(path) as out:
+            out.write(data)
+
+    @abstractmethod
+    def atomic_folder(self, dst: Path, force: bool, tag: str = "", sync: bool = True) -> ContextManager[Path]:
+        """A temporary folder to fill, put in place as `dst` only when the body finishes without
+        error; on any failure nothing is left, and `dst` is untouched."""
+
+    @abstractmethod
+    def atomic_file(self, out: Path, force: bool, sync: bool = True) -> ContextManager[Path]:
+        """A temporary path to fill, put in place as `out` only when the body finishes without error."""
+
+
+class LocalReadHandle(ReadHandle):
+    """A local file opened by `open_source`: its descriptor and size."""
+
+    __slots__ = ("path", "size", "_fd")
+
+    def __init__(self, path: Path, fd: int, size: int) -> None:
+        self.path, self._fd, self.size = path, fd, size
+
+    def read_at(self, length: int, offset: int) -> bytes:
+        return os.pread(self._fd, length, offset)
+
+    def readinto_at(self, buffer: memoryview | bytearray, offset: int) -> int:
+        return os.preadv(self._fd, [buffer], offset)
+
+    @contextlib.contextmanager
+    def whole(self) -> Iterator[mmap.mmap]:
+        with mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) as data:
+            yield data
+
+    def window(self, start: int, length: int, max_read: int | None = None) -> FileWindow:
+        return FileWindow(self._fd, start, length, max_read)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class LocalWriteHandle(WriteHandle):
+    """A local output file's descriptor."""
+
+    __slots__ = ("path", "_fd")
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self._fd = path, fd
+
+    def write_at(self, data: bytes | memoryview, offset: int) -> int:
+        return os.pwrite(self._fd, data, offset)
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class LocalStore(Store):
+    """The local filesystem."""
+
+    def list(self, folder: Path) -> list[str]:
+        return os.listdir(folder)
+
+    def exists(self, path: Path) -> bool:
+        return os.path.lexists(path)
+
+    def info(self, path: Path) -> EntryInfo:
+        found = os.stat(path)
+        return EntryInfo(found.st_size, stat.S_ISREG(found.st_mode))
+
+    def open_read(self, path: Path, limit: int | None = None) -> LocalReadHandle:
+        fd, size = open_source(path, limit)
+        return LocalReadHandle(path, fd, size)
+
+    def create(self, path: Path) -> LocalWriteHandle:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return LocalWriteHandle(path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644))
+
+    def reopen(self, path: Path) -> LocalWriteHandle:
+        return LocalWriteHandle(path, os.open(path, os.O_WRONLY))
+
+    def write_stream(self, path: Path) -> ContextManager[BinaryIO]:
+        return open(path, "wb")
+
+    def atomic_folder(self, dst: Path, force: bool, tag: str = "", sync: bool = True) -> ContextManager[Path]:
+        return atomic_directory(dst, force, tag, sync)
+
+    def atomic_file(self, out: Path, force: bool, sync: bool = True) -> ContextManager[Path]:
+        return atomic_file(out, force, sync)
+
+
+LOCAL = LocalStore()
+
+
+def store_for(path: Path) -> Store:
+    """The store that holds `path`. Only the local one today: an object store's URL is refused where
+    it is opened (`source_files.missing`); here its store will be chosen by scheme."""
+    return LOCAL
