@@ -3,7 +3,9 @@
     python bench/check_cost.py SRC OUT -n N [--reps 3]
 
 OUT is `ckptctl reshard SRC OUT -n N`'s output. A run with a helper process (a plain run of
-20,000 records or more on two cores) splits the check: the helper reads the samples' source
+20,000 records or more on two cores) first forks, while it plans, a process that locates the
+items holding each tensor's ends (`located_ends`: off the writing's two busy cores); then splits
+the check: the helper reads the samples' source
 elements, re-reads `.metadata` and checks its structure while the run writes the data files
 (`DcpCheck.early`); each process compares the files it wrote with their planned sizes, and the
 samples they hold, once written (`within`: timed here for all the files), and the run's last
@@ -20,7 +22,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ckptctl.checks.output_check import DcpCheck
+from ckptctl.checks.output_check import DcpCheck, located_ends
 from ckptctl.commands.reshard import ReshardOptions, plan_reshard
 from ckptctl.formats.dcp.metadata import open_checkpoint
 
@@ -31,6 +33,7 @@ def timed(work) -> tuple[float, float, object]:
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
+LOCATING = "a fork while the run plans: the items that hold each tensor's ends located"
 EARLY = "helper, while the run writes: source samples, re-read .metadata, structure"
 AFTER = "run and helper, each after its files: their sizes, samples; the run's last call"
 READ_AHEAD = "run without a helper, a thread while writing: the source samples"
@@ -52,14 +55,16 @@ def main() -> None:
     args = parser.parse_args()
     src = open_checkpoint(args.src)
     plan = plan_reshard(src, ReshardOptions(world_size=args.world_size))
-    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (EARLY, AFTER, READ_AHEAD, ALONE)}
+    rows: dict[str, list[tuple[float, float]]] = {name: [] for name in (LOCATING, EARLY, AFTER, READ_AHEAD, ALONE)}
     read_ahead(DcpCheck(src, plan))  # the source views' row indexes: the copy builds them (and shares them) anyway
     for _ in range(args.reps):
-        check = DcpCheck(src, plan)
+        wall, cpu, located = timed(lambda: located_ends(src))
+        rows[LOCATING].append((wall, cpu))
+        check = DcpCheck(src, plan, located=located)
         wall, cpu, early = timed(lambda: check.early(args.out))
         rows[EARLY].append((wall, cpu))
         rows[AFTER].append(timed(lambda: check(args.out, early, [check.within(args.out, early, frozenset(plan.files))]))[:2])
-        check = DcpCheck(src, plan)
+        check = DcpCheck(src, plan, located=located)
         rows[READ_AHEAD].append(timed(lambda: read_ahead(check))[:2])
         rows[ALONE].append(timed(lambda: check(args.out))[:2])
     print(f"{len(plan.records):,} records, {args.reps} reps, load average {os.getloadavg()[0]:.2f}")
