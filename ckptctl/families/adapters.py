@@ -225,19 +225,19 @@ class LoraScale:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
 
 
-def read_adapter_config(path: Path) -> LoraScale:
+def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge") -> LoraScale:
     """α, rsLoRA, r and DoRA of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks
-    or alphas, fan_in_fan_out, LoRA biases (export-hf merges none of these yet), a missing or
-    non-numeric α or r."""
+    or alphas, fan_in_fan_out, LoRA biases (what the command `unsupported` says does none of these
+    yet), a missing or non-numeric α or r."""
     data = read_json_object(path, "peft adapter config")
     if data.get("peft_type") != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}, not 'LORA'")
     for key, what in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
         if data.get(key):
-            raise UsageError(f"{path}: has a {key} ({what}), which export-hf does not merge yet")
+            raise UsageError(f"{path}: has a {key} ({what}), which {unsupported} yet")
     for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
-            raise UsageError(f"{path}: {key} is true ({what}), which export-hf does not merge yet")
+            raise UsageError(f"{path}: {key} is true ({what}), which {unsupported} yet")
     for key in ("use_rslora", "use_dora"):  # peft reads any truthy value as true: "false" would be rsLoRA
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, not true or false")
