@@ -104,7 +104,7 @@ def import_hf_command(
       ckptctl import-hf Llama-3.1-8B/ step-0/ --to torchtitan --world-size 8
       ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
       ckptctl import-hf Qwen3-8B-FP8/ ckpt/step-0 --world-size 8
-      ckptctl import-hf Llama-3.1-8B/ ckpt/step-0 --adapter my-lora/ --world-size 8
+      ckptctl import-hf Llama-3.1-8B/ step-0/ --adapter lora/ --world-size 8
     """
 
     def run(comm: Comm, progress: ProgressDisplay) -> ImportReport:

@@ -24,7 +24,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Collection, Mapping
 
 from ckptctl.families.adapters import PEFT_PREFIX, LoraScale, read_adapter_config
 from ckptctl.storage.hf_files import read_json_object
@@ -142,14 +142,55 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
     if peft_named:
         raise CheckpointError(where, f"the base model already has peft's names ({peft_named[0]}): import the base "
                                      "model's own folder")
-    weighted = {n[:-len(".weight")] for n in base if n.endswith(".weight")}
     owners = {n.rsplit(".", 1)[0] for n in base if "." in n}
     modules = {".".join(n.split(".")[:i]) for n in owners for i in range(1, n.count(".") + 2)}
-    saved_modules = sorted(m for m in modules if config.saves(m))
-    nested = [m for m in saved_modules if _module_of(m + ".x", set(saved_modules) - {m})]
+    saved = {m for m in modules if config.saves(m)}
+    nested = sorted(m for m in saved if any(m.startswith(o + ".") for o in saved))
     if nested:
         raise UsageError(f"{config.path}: modules_to_save matches {nested[0]} and a module holding it: which one "
                          "peft trains whole is not guessed")
+    parts, overrides, copies = _folder_parts(folder, saved, config, where)
+    if not parts:
+        raise CheckpointError(where, "holds no LoRA adapter (no <m>.lora_A.weight)")
+    _check_adapters(parts, base, folder, saved, config, where)
+    adapted = set(parts)
+    names: dict[str, str] = {}
+    for name in base:
+        if (lora := _module_of(name, adapted)) is not None:
+            names[name] = f"{PEFT_PREFIX}{lora[0]}.base_layer.{lora[1]}"
+        elif (whole := _module_of(name, saved)) is not None:
+            names[name] = f"{PEFT_PREFIX}{whole[0]}.original_module.{whole[1]}"
+        else:
+            names[name] = PEFT_PREFIX + name
+    lacking = sorted(n for n in base if _module_of(n, saved) and n not in copies)
+    if lacking:
+        raise CheckpointError(where, f"has no {PEFT_PREFIX}{lacking[0]}, the trained copy of a modules_to_save "
+                                     f"module ({config.path.name} names {', '.join(config.saved)})")
+    folder_names: dict[str, str] = {}
+    for inner, name in sorted(copies.items()):
+        if inner not in base or folder[name] != base[inner]:
+            what = f"is {list(folder[name])}, the base's {list(base[inner])}" if inner in base else \
+                "is no parameter of the base model's module"
+            raise CheckpointError(where, f"{name} (modules_to_save) {what}")
+        module, rest = _module_of(inner, saved)
+        folder_names[name] = f"{PEFT_PREFIX}{module}.modules_to_save.{adapter_name}.{rest}"
+    for inner, name in sorted(overrides.items()):  # an adapted embedding's weight, which peft saves and loads
+        if _module_of(inner, adapted) is None or inner not in base or folder[name] != base[inner]:
+            raise CheckpointError(where, f"{name}: an adapted module's own parameter, beside no adapter of that "
+                                         "module or of another shape than the base's")
+        folder_names[name] = names.pop(inner)
+    for module, found in parts.items():
+        for part, name in found.items():
+            leaf = f"{part}.{adapter_name}" if part.startswith("lora_embedding") else f"{part}.{adapter_name}.weight"
+            folder_names[name] = f"{PEFT_PREFIX}{module}.{leaf}"
+    return PeftModelNames(names, folder_names, tuple(sorted(parts)), tuple(sorted(saved)), config.scale.rank or 0)
+
+
+def _folder_parts(folder: Mapping[str, tuple[int, ...]], saved: set[str], config: AdapterFolderConfig,
+                  where: str | Path) -> tuple[dict[str, dict[str, str]], dict[str, str], dict[str, str]]:
+    """The folder's tensors sorted by what they are: each adapted module's LoRA parts (part →
+    name), adapted modules' own parameters (HF name → name), modules_to_save copies (HF name →
+    name); any other is refused."""
     parts: dict[str, dict[str, str]] = {}
     overrides: dict[str, str] = {}
     copies: dict[str, str] = {}
@@ -163,91 +204,62 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
             overrides[f"{match['module']}.{match['param']}"] = name
         elif match is not None:
             parts.setdefault(match["module"], {})[match["lora"] or match["bare"]] = name
-        elif _module_of(inner, set(saved_modules)) is not None:
+        elif _module_of(inner, saved) is not None:
             copies[inner] = name
         else:
             raise CheckpointError(where, f"{name}: neither a LoRA tensor nor a parameter of a modules_to_save module "
                                          f"of {config.path.name}: it has no place in the peft model")
+    return parts, overrides, copies
+
+
+def _check_adapters(parts: Mapping[str, Mapping[str, str]], base: Mapping[str, tuple[int, ...]],
+                    folder: Mapping[str, tuple[int, ...]], saved: set[str], config: AdapterFolderConfig,
+                    where: str | Path) -> None:
+    """Each adapter on a base weight the config adapts, paired with it at the config's r, with DoRA
+    magnitudes as the config says; and every module the config adapts with its adapter here."""
     rank = config.scale.rank
-    adapters = sorted(parts)
-    a_names = {m: found.get("lora_A", found.get("lora_embedding_A")) for m, found in parts.items()}
-    off_rank = [m for m in adapters if a_names[m] is not None and folder[a_names[m]][:1] != (rank,)]
-    for module in adapters:
-        found = parts[module]
+    firsts = {m: found.get("lora_A", found.get("lora_embedding_A")) for m, found in parts.items()}
+    off_rank = [m for m, a in firsts.items() if a is not None and folder[a][:1] != (rank,)]
+    for module, found in sorted(parts.items()):
         first = next(iter(found.values()))
-        if module not in weighted:
+        if f"{module}.weight" not in base:
             raise CheckpointError(where, f"{first}: an adapter on {module}, but the base model has no {module}.weight "
                                          "(is the adapter this model's?)")
         if not config.adapts(module):
             raise CheckpointError(where, f"{first}: an adapter on {module}, which {config.path.name}'s target_modules "
                                          "does not name: peft would not load it")
-        if any(m == module or module.startswith(m + ".") for m in saved_modules):
+        if _module_of(f"{module}.weight", saved) is not None:
             raise CheckpointError(where, f"{first}: an adapter on {module}, which modules_to_save trains whole")
         embedding = "lora_embedding_A" in found or "lora_embedding_B" in found
         pair = ("lora_embedding_A", "lora_embedding_B") if embedding else ("lora_A", "lora_B")
         missing = [p for p in pair if p not in found]
-        if missing or set(found) - {*pair, "lora_magnitude_vector"}:
-            what = missing[0] if missing else sorted(set(found) - set(pair))[0]
-            raise CheckpointError(where, f"{first}: {'has no ' + what + ' beside it' if missing else 'beside ' + what}")
-        w, sa, sb = base[module + ".weight"], folder[found[pair[0]]], folder[found[pair[1]]]
+        if missing:
+            raise CheckpointError(where, f"{first} has no {missing[0]} beside it")
+        if set(found) - {*pair, "lora_magnitude_vector"}:
+            raise CheckpointError(where, f"{first}: beside {sorted(set(found) - set(pair))[0]}")
+        w, sa, sb = base[f"{module}.weight"], folder[found[pair[0]]], folder[found[pair[1]]]
         rows, cols = (w[1], w[0]) if embedding and len(w) == 2 else (w[0], w[-1])
         if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != cols or sb[0] != rows or sa[0] != sb[1]:
             raise CheckpointError(where, f"{PEFT_PREFIX}{module}: {pair[0]} {list(sa)} and {pair[1]} {list(sb)} do not "
                                          f"pair with its base weight {list(w)} (want [r, {cols}] and [{rows}, r])")
         if sa[0] != rank:
-            more = len(off_rank) - 1
-            also = f" (+{counted(more, 'more adapter')})" if more > 0 else ""
+            also = f" (+{counted(len(off_rank) - 1, 'more adapter')})" if len(off_rank) > 1 else ""
             raise CheckpointError(where, f"{found[pair[0]]} has rank {sa[0]} (its rows), but {config.path} says r "
                                          f"{rank}{also}")
         magnitude = found.get("lora_magnitude_vector")
-        if (magnitude is not None) != bool(config.scale.dora) or (magnitude is not None and embedding):
+        if magnitude is not None and embedding:
+            raise CheckpointError(where, f"{magnitude}: DoRA on an embedding, which import-hf does not import yet")
+        if (magnitude is not None) != bool(config.scale.dora):
             held = f"holds DoRA magnitudes ({magnitude})" if magnitude else "holds no DoRA magnitude"
-            why = "DoRA on an embedding, which import-hf does not import yet" if embedding and magnitude else \
-                f"{config.path} says use_dora {str(bool(config.scale.dora)).lower()}"
-            raise CheckpointError(where, f"{PEFT_PREFIX}{module} {held}, but {why}")
+            raise CheckpointError(where, f"{PEFT_PREFIX}{module} {held}, but {config.path} says use_dora "
+                                         f"{str(bool(config.scale.dora)).lower()}")
         if magnitude is not None and folder[magnitude] != (w[0],):
             raise CheckpointError(where, f"{magnitude}: DoRA magnitude {list(folder[magnitude])}, not [{w[0]}] as its "
                                          "base weight's rows")
-    unadapted = sorted(m for m in weighted if config.adapts(m) and m not in parts
-                       and not any(m == s or m.startswith(s + ".") for s in saved_modules))
+    weighted = (n[:-len(".weight")] for n in base if n.endswith(".weight"))
+    unadapted = sorted(m for m in weighted
+                       if config.adapts(m) and m not in parts and _module_of(f"{m}.weight", saved) is None)
     if unadapted:
         more = f" (+{counted(len(unadapted) - 1, 'more module')})" if len(unadapted) > 1 else ""
         raise CheckpointError(where, f"{config.path.name}'s target_modules adapt {unadapted[0]}{more}, which has no "
                                      "adapter here: peft would start it fresh")
-    names: dict[str, str] = {}
-    for name in base:
-        lora = _module_of(name, set(adapters))
-        whole = _module_of(name, set(saved_modules))
-        if lora is not None:
-            names[name] = f"{PEFT_PREFIX}{lora[0]}.base_layer.{lora[1]}"
-        elif whole is not None:
-            names[name] = f"{PEFT_PREFIX}{whole[0]}.original_module.{whole[1]}"
-        else:
-            names[name] = PEFT_PREFIX + name
-    trained = {n for n in base if _module_of(n, set(saved_modules))}
-    lacking = sorted(trained - set(copies))
-    if lacking:
-        raise CheckpointError(where, f"has no {PEFT_PREFIX}{lacking[0]}, the trained copy of a modules_to_save "
-                                     f"module ({config.path.name} names {', '.join(config.saved)})")
-    for inner, name in sorted(copies.items()):
-        if inner not in base or folder[name] != base[inner]:
-            what = f"is {list(folder[name])}, the base's {list(base[inner])}" if inner in base else \
-                "is no parameter of the base model's module"
-            raise CheckpointError(where, f"{name} (modules_to_save) {what}")
-    folder_names: dict[str, str] = {}
-    for inner, name in sorted(overrides.items()):
-        module = _module_of(inner, set(adapters))
-        if module is None or inner not in base or folder[name] != base[inner]:
-            raise CheckpointError(where, f"{name}: an adapted module's own parameter, beside no adapter of that "
-                                         "module or of another shape than the base's")
-        folder_names[name] = names.pop(inner)
-    for module in adapters:
-        for part, name in parts[module].items():
-            leaf = f"{part}.{adapter_name}" if part.startswith("lora_embedding") else f"{part}.{adapter_name}.weight"
-            folder_names[name] = f"{PEFT_PREFIX}{module}.{leaf}"
-    for inner, name in copies.items():
-        module, rest = _module_of(inner, set(saved_modules))
-        folder_names[name] = f"{PEFT_PREFIX}{module}.modules_to_save.{adapter_name}.{rest}"
-    if not adapters:
-        raise CheckpointError(where, "holds no LoRA adapter (no <m>.lora_A.weight)")
-    return PeftModelNames(names, folder_names, tuple(adapters), tuple(saved_modules), rank or 0)
