@@ -57,6 +57,7 @@ from ckptctl.util.progress import ProgressObserver
 from ckptctl.commands.options import RunOptions
 from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
 from ckptctl.commands.import_adapter import check_adapter_options, peft_targets
+from ckptctl.families.adapters import PEFT_PREFIX
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
 
@@ -323,7 +324,7 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
     if stacked:
         notes.append(f"{counted(len(consumed), 'per-expert tensor')} stacked into {counted(len(stacked), 'tensor')} "
                      f"as {cls} holds them in memory")
-    prefix = opts.output_prefix
+    prefix = opts.output_prefix + (PEFT_PREFIX if opts.adapter is not None else "")  # the names `peft_targets` gives
     for name, source in tied.items():
         view = views[source]
         targets.append(identity_target(view, name, cast_dtype(view.dtype, opts.dtype)))

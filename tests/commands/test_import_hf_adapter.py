@@ -320,3 +320,60 @@ def test_adapter_name_without_an_adapter_and_a_pickled_adapter_are_refused(folde
                                                "import-hf does not unpickle: save the adapter with safetensors "
                                                "(adapter_model.safetensors)\n")
     assert not (tmp_path / "dst").exists()
+
+
+def test_export_hf_gives_the_folder_back_and_merges_it_as_peft_does(folders, imported, tmp_path):
+    """The round trip a run makes: imported, trained on, exported. `export-hf --adapter-only` of the
+    import writes the folder's tensors bit for bit, and `--merge-adapters` equals peft's
+    `merge_and_unload()` of the folder on its base."""
+    from safetensors.torch import load_file
+
+    adapter = adapter_dir(folders, "dora-rslora")
+    config = adapter / "adapter_config.json"
+    out = tmp_path / "adapter"
+    res = run_cli("export-hf", imported["dora-rslora"], out, "--hf-config", folders / "base", "--adapter-only",
+                  "--adapter-config", config)
+    assert res.returncode == 0, res.stderr
+    want, got = load_file(adapter / "adapter_model.safetensors"), load_file(out / "adapter_model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    res = run_cli("export-hf", imported["dora-rslora"], tmp_path / "merged", "--hf-config", folders / "base",
+                  "--merge-adapters", "--adapter-config", config)
+    assert res.returncode == 0, res.stderr
+    merged = reference(folders, "dora-rslora").merge_and_unload().state_dict()
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert sorted(got) == sorted(merged) and all(torch.equal(got[n], merged[n]) for n in merged)
+
+
+def test_a_base_that_ties_its_head_keeps_the_head_beside_the_adapters(tmp_path):
+    """A tying base (lm_head not on disk): the peft model's state dict lists
+    `base_model.model.lm_head.weight`, written as a copy of the embeddings, and the model loads."""
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    config = llama_config()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    run = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["v_proj"]))
+    with torch.no_grad():
+        for name, param in run.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    run.save_pretrained(tmp_path / "adapter")
+    res = run_cli("import-hf", tmp_path / "base", tmp_path / "dst", "--adapter", tmp_path / "adapter", "-n", "2")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0] == ("note: model.base_model.model.lm_head.weight written as a copy of "
+                                          "model.base_model.model.model.embed_tokens.weight (LlamaForCausalLM ties "
+                                          "them; model.state_dict() lists both)")
+    torch.manual_seed(7)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig.from_pretrained(tmp_path / "adapter"))
+    state = model.state_dict()
+    saved = dcp.FileSystemReader(str(tmp_path / "dst")).read_metadata().state_dict_metadata
+    assert sorted(saved) == sorted("model." + n for n in state)
+    dcp.load({"model": state}, checkpoint_id=tmp_path / "dst", no_dist=True)
+    want = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    assert all(torch.equal(state[n], t) for n, t in want.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model.eval()(TOKENS).logits, want.eval()(TOKENS).logits)
