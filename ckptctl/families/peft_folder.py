@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Collection, Mapping
 
@@ -58,13 +59,25 @@ class AdapterFolderConfig:
     path: Path
 
     def adapts(self, module: str) -> bool:
-        """Whether peft puts a LoRA on `module` (a module holding a weight of its own)."""
+        """Whether peft puts a LoRA on `module` (a module holding a weight of its own): the module
+        or a dotted tail of it in the list (`key.endswith("." + t)`), looked up tail by tail, so
+        the time is the name's, whatever the list's length."""
         if self.literals is not None:
             return module in self.literals
-        return any(module == t or module.endswith("." + t) for t in self.targets or ())
+        parts = module.split(".")
+        return any(".".join(parts[i:]) in self._targets for i in range(len(parts)))
 
     def saves(self, module: str) -> bool:
-        return any(module.endswith(t) for t in self.saved)
+        """Whether peft trains `module` whole: its name ends with an entry (`key.endswith(t)`, no dot)."""
+        return any(module[i:] in self._saved for i in range(len(module)))
+
+    @cached_property
+    def _targets(self) -> frozenset[str]:
+        return frozenset(self.targets or ())
+
+    @cached_property
+    def _saved(self) -> frozenset[str]:
+        return frozenset(self.saved)
 
 
 def read_folder_config(path: Path) -> AdapterFolderConfig:
@@ -145,7 +158,7 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
     owners = {n.rsplit(".", 1)[0] for n in base if "." in n}
     modules = {".".join(n.split(".")[:i]) for n in owners for i in range(1, n.count(".") + 2)}
     saved = {m for m in modules if config.saves(m)}
-    nested = sorted(m for m in saved if any(m.startswith(o + ".") for o in saved))
+    nested = sorted(m for m in saved if _module_of(m, saved) is not None)  # inside another
     if nested:
         raise UsageError(f"{config.path}: modules_to_save matches {nested[0]} and a module holding it: which one "
                          "peft trains whole is not guessed")

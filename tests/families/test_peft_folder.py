@@ -98,3 +98,27 @@ def test_a_string_of_escaped_names_matches_each_whole_and_nothing_else(tmp_path)
         True, True, False, False]
     listed = config(tmp_path, target_modules=["q_proj"])
     assert [listed.adapts(m) for m in (Q, "q_proj", "model.layers.0.self_attn.xq_proj")] == [True, True, False]
+
+
+def test_modules_to_save_matching_a_module_and_one_inside_it_is_refused(tmp_path):
+    cfg = config(tmp_path, modules_to_save=["layers.0", "self_attn"])
+    with pytest.raises(UsageError) as err:
+        peft_model_names(BASE, lora(), cfg, "default", "W")
+    assert str(err.value) == (f"{tmp_path / 'adapter_config.json'}: modules_to_save matches "
+                              "model.layers.0.self_attn and a module holding it: which one peft trains whole is not "
+                              "guessed")
+
+
+def test_matching_takes_the_name_s_time_not_the_list_s():
+    """100,000 target names: each module is looked up tail by tail (peft's `endswith` semantics)."""
+    import time
+
+    from ckptctl.families.adapters import LoraScale
+    from ckptctl.families.peft_folder import AdapterFolderConfig
+
+    many = tuple(f"x{i}" for i in range(100_000))
+    cfg = AdapterFolderConfig(LoraScale(1, False, 2), many + ("q_proj",), None, many + ("lm_head",), None)
+    started = time.perf_counter()
+    found = [cfg.adapts(f"model.layers.{i}.self_attn.q_proj") and cfg.saves(f"m{i}.lm_head") for i in range(20_000)]
+    assert all(found) and not cfg.adapts("model.layers.0.self_attn.xq_proj") and cfg.saves("model.my_lm_head")
+    assert time.perf_counter() - started < 5
