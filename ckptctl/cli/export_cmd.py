@@ -180,6 +180,9 @@ def export_hf_command(
                                                help="The run's LoRA alpha (not in the checkpoint; or "
                                                     "--adapter-config)."),
     rslora: bool = typer.Option(False, "--rslora", help="With --lora-alpha: the run used rsLoRA (scale α/√r)."),
+    adapter_name: Optional[str] = typer.Option(None, "--adapter-name", metavar="NAME",
+                                               help="The peft adapter to merge or export, of a checkpoint holding "
+                                                    "several (the others are left out)."),
     adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", metavar="<json>",
                                                   help="The run's peft adapter_config.json: α, rsLoRA and r from it "
                                                        "(r is checked against the adapters)."),
@@ -215,7 +218,8 @@ def export_hf_command(
                              device=device, sync=not no_sync, name_check=not no_name_check,
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
-                             rslora=rslora, adapter_config=adapter_config, layout=layout, world_size=world_size)
+                             rslora=rslora, adapter_config=adapter_config, adapter_name=adapter_name, layout=layout,
+                             world_size=world_size)
 
     def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export

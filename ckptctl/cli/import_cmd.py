@@ -61,6 +61,14 @@ def import_hf_command(
     vocab_multiple: int = typer.Option(128, "--make-vocab-size-divisible-by",
                                        help="megatron-fsdp: pad the vocab to a multiple of this × TP, as Megatron "
                                             "does (its option of the same name)."),
+    adapter: Optional[Path] = typer.Option(None, "--adapter", metavar="FOLDER",
+                                           help="fsdp2: a PEFT LoRA folder (adapter_config.json, "
+                                                "adapter_model.safetensors) to import with the model, as the state "
+                                                "dict of get_peft_model(model, its LoraConfig) names them, to go on "
+                                                "training the adapter."),
+    adapter_name: str = typer.Option("default", "--adapter-name", metavar="NAME",
+                                     help="With --adapter: the peft adapter name its tensors take "
+                                          "(get_peft_model's adapter_name)."),
     include: Optional[list[str]] = typer.Option(None, "--include", metavar="<glob>",
                                                 help="Import only HF tensors whose name matches this glob "
                                                      "(repeatable)."),
@@ -96,6 +104,7 @@ def import_hf_command(
       ckptctl import-hf Llama-3.1-8B/ step-0/ --to torchtitan --world-size 8
       ckptctl import-hf Qwen3-8B/ ckpt/step-0 --to megatron-fsdp --tp 2 --dp 4
       ckptctl import-hf Qwen3-8B-FP8/ ckpt/step-0 --world-size 8
+      ckptctl import-hf Llama-3.1-8B/ step-0/ --adapter lora/ --world-size 8
     """
 
     def run(comm: Comm, progress: ProgressDisplay) -> ImportReport:
@@ -104,7 +113,8 @@ def import_hf_command(
         opts = ImportOptions(world_size=world_size, to=to, prefix=prefix, include=tuple(include or ()),
                              exclude=tuple(exclude or ()), dtype=parse_dtype(dtype), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check, arch=arch, tp=tp, dp=dp,
-                             split_fused=split_fused, vocab_multiple=vocab_multiple, megatron_core=megatron_core)
+                             split_fused=split_fused, vocab_multiple=vocab_multiple, megatron_core=megatron_core,
+                             adapter=adapter, adapter_name=adapter_name)
         return import_hf(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress, comm=comm,
                          preparing=progress.preparing)
 

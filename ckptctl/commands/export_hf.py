@@ -120,6 +120,8 @@ class ExportOptions:
     """s = α / √r (rsLoRA) instead of α / r; with `lora_alpha`."""
     adapter_config: Path | None = None
     """The run's peft `adapter_config.json`: α, rsLoRA and r from it."""
+    adapter_name: str | None = None
+    """The peft adapter to export of a checkpoint holding several (None: its only one)."""
     layout: str = "hf"
     """`LAYOUTS`: `distributed` writes `world_size` ranks' shard files of each model file instead."""
     world_size: int | None = None
@@ -460,12 +462,14 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
     if len(flags) == 2:
         raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
     peft = raw and model.prefix.endswith(PEFT_PREFIX)  # a PeftModel's state dict: other names are not peft's
-    found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix) if peft else None
+    found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix,
+                          opts.adapter_name) if peft else None
     if found is None:
         if flags:
             raise UsageError(f"{ckpt.path}: {flags[0]}, but the checkpoint holds no peft LoRA adapter")
         given = [flag for flag, on in (("--lora-alpha", opts.lora_alpha is not None), ("--rslora", opts.rslora),
-                                       ("--adapter-config", opts.adapter_config is not None)) if on]
+                                       ("--adapter-config", opts.adapter_config is not None),
+                                       ("--adapter-name", opts.adapter_name is not None)) if on]
         if given:
             raise UsageError(f"{given[0]} applies to LoRA adapters only, and {ckpt.path} holds none")
         return None
@@ -486,7 +490,7 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
             raise CheckpointError(ckpt.path, f"holds both {model.prefix}{old} and {model.prefix}{new}: which one is "
                                              f"the weight of {new} is not guessed")
         model.entries[new] = model.entries.pop(old)
-    for name in (*found.tensors, *found.originals):  # adapters: operands or PEFT tensors, never HF ones
+    for name in (*found.tensors, *found.originals, *found.others):  # operands or PEFT tensors, never HF ones
         del model.entries[name]
     return found, scale
 
@@ -539,7 +543,15 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
     formula = "m / ‖W + (B @ A) · s‖ per row × (W + (B @ A) · s)" if adapters.dora else "W + (B @ A) · s"
     return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} {'DoRA' if adapters.dora else 'LoRA'} "
             f"adapters (s = {how}, α {scale.alpha:g} from {scale.source}): {formula} in float32, cast once; in bf16 "
-            "this equals peft's float32 merge_and_unload() cast to bf16")
+            f"this equals peft's float32 merge_and_unload() cast to bf16{left_out_adapters(adapters)}")
+
+
+def left_out_adapters(adapters: PeftAdapters) -> str:
+    """`; adapter 'b' left out` when the checkpoint holds adapters other than the one exported."""
+    if not adapters.left_out:
+        return ""
+    return f"; {'adapter' if len(adapters.left_out) == 1 else 'adapters'} {', '.join(map(repr, adapters.left_out))} " \
+           "left out"
 
 
 def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
@@ -580,7 +592,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
     config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None,
                          "CAUSAL_LM" if generative(architectures) else None)
     notes.append(f"{counted(len(adapters.adapters), 'LoRA adapter')} ({adapters.adapter_name!r}) written as a PEFT "
-                 f"folder: load it with PeftModel.from_pretrained(base model, folder)")
+                 f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
     return ExportPlan(
         family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},

@@ -56,6 +56,8 @@ from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
 from ckptctl.util.progress import ProgressObserver
 from ckptctl.commands.options import RunOptions
 from ckptctl.commands.dcp_write import DcpReport, write_dcp_output
+from ckptctl.commands.import_adapter import check_adapter_options, peft_targets
+from ckptctl.families.adapters import PEFT_PREFIX
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
 
@@ -81,6 +83,10 @@ class ImportOptions(RunOptions):
     dp: int | None = None
     split_fused: bool = False
     vocab_multiple: int = VOCAB_MULTIPLE
+    adapter: Path | None = None
+    """fsdp2: a PEFT LoRA folder, imported with the model as a peft model's state dict (`import_adapter`)."""
+    adapter_name: str = "default"
+    """The peft adapter name the folder's tensors are imported under."""
     megatron_core: str | None = None
     """megatron-fsdp: the megatron-core release that loads the output (its module names,
     `megatron.rows.SPELLINGS`); None: the current release (`megatron.rows.CURRENT_RELEASE`)."""
@@ -214,6 +220,10 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
             raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
         if opts.world_size < 1:
             raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
+    if opts.adapter is not None:
+        check_adapter_options(opts.to, opts.include, opts.exclude)
+    elif opts.adapter_name != "default":
+        raise UsageError("--adapter-name names the adapter of --adapter FOLDER")
     config = folder_config(src)
     quantized = quant_format(config, (src.parent if src.is_file() else src) / CONFIG_NAME)
     ckpt = open_safetensors_folder(src, quantized, bfloat16 if opts.dtype in (None, bfloat16) else float32)
@@ -238,6 +248,8 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
             refuse_differing_ties(ckpt, expected, views, src, config)
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
+            if opts.adapter is not None:
+                targets = peft_targets(ckpt, views, targets, opts.adapter, opts.adapter_name, opts.dtype, notes)
         elif opts.to == "torchtitan":
             targets = torchtitan_targets(ckpt, views, config, expected, opts, notes)
         else:
@@ -312,7 +324,7 @@ def fsdp2_targets(views: dict[str, SourceTensor], tied: dict[str, str], expected
     if stacked:
         notes.append(f"{counted(len(consumed), 'per-expert tensor')} stacked into {counted(len(stacked), 'tensor')} "
                      f"as {cls} holds them in memory")
-    prefix = opts.output_prefix
+    prefix = opts.output_prefix + (PEFT_PREFIX if opts.adapter is not None else "")  # the names `peft_targets` gives
     for name, source in tied.items():
         view = views[source]
         targets.append(identity_target(view, name, cast_dtype(view.dtype, opts.dtype)))

@@ -77,6 +77,10 @@ class PeftAdapters:
     """The modules peft trains whole (`modules_to_save`), sorted."""
     originals: tuple[str, ...] = ()
     """The untouched originals of those modules (`<m>.original_module.<param>`): never exported."""
+    others: tuple[str, ...] = ()
+    """The tensors of the adapters not chosen (`--adapter-name`): never exported."""
+    left_out: tuple[str, ...] = ()
+    """The names of those adapters, sorted."""
 
     @property
     def tensors(self) -> set[str]:
@@ -107,25 +111,26 @@ def peft_prefix(names: Sequence[str]) -> str:
     return PEFT_PREFIX if names and all(n.startswith(PEFT_PREFIX) for n in names) else ""
 
 
-def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "") -> PeftAdapters | None:
+def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, prefix: str = "",
+                  chosen: str | None = None) -> PeftAdapters | None:
     """The LoRA adapters among a peft model's tensors (names without `prefix`, the checkpoint's
-    up to `base_model.model.`, which messages put back), or None when there are none. Refused,
-    by name: LoRA biases, several adapter names, an A without its B (or the reverse), DoRA
+    up to `base_model.model.`, which messages put back), or None when there are none; of a model
+    holding several adapters, those named `chosen` (`--adapter-name`), the others' tensors in
+    `others`. Refused, by name: LoRA biases, several adapter names and none chosen (or one chosen
+    that is not there), an A without its B (or the reverse), DoRA
     magnitudes on some modules only or on an embedding, a `modules_to_save` copy without its original
     (or the reverse), and shapes that do not pair ([r, in] and [out, r] with a base [out, in], a
     magnitude [out])."""
     parts: dict[tuple[str, str], dict[str, str]] = {}
-    saved: dict[str, str] = {}
+    saved: dict[tuple[str, str], str] = {}
     originals: dict[str, str] = {}
-    saved_names: set[str] = set()
     for name in sorted(shapes):
         if _TOKENS.search(name):
             raise CheckpointError(where, f"{prefix}{name}: peft trainable tokens (trainable_token_indices), which "
                                          "export-hf does not merge or export yet: without them the export would "
                                          "not be the trained model")
         if (match := _SAVED.match(name)) is not None:
-            saved[f"{match['module']}.{match['param']}"] = name
-            saved_names.add(match["adapter"])
+            saved[(f"{match['module']}.{match['param']}", match["adapter"])] = name
             continue
         if (match := _ORIGINAL.match(name)) is not None:
             originals[f"{match['module']}.{match['param']}"] = name
@@ -147,9 +152,23 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         parts.setdefault((match["module"], match["adapter"]), {})[part] = name
     if not parts:
         if saved or originals:
-            raise CheckpointError(where, f"{prefix}{next(iter({**saved, **originals}.values()))}: a peft "
+            raise CheckpointError(where, f"{prefix}{next(iter([*saved.values(), *originals.values()]))}: a peft "
                                          "modules_to_save module without any LoRA adapter")
         return None
+    names = sorted({adapter for _, adapter in parts} | {adapter for _, adapter in saved})
+    if chosen is not None and chosen not in names:
+        raise CheckpointError(where, f"has no peft adapter {chosen!r} (--adapter-name): its adapters are "
+                                     f"{', '.join(map(repr, names))}")
+    if chosen is None and len(names) > 1:
+        raise CheckpointError(where, f"{len(names)} peft adapters ({', '.join(names)}): pass --adapter-name to "
+                                     "export one")
+    chosen = chosen or names[0]
+    others = sorted([n for (_, adapter), found in parts.items() if adapter != chosen for n in found.values()]
+                    + [n for (_, adapter), n in saved.items() if adapter != chosen])
+    parts = {key: found for key, found in parts.items() if key[1] == chosen}
+    saved = {name: copy for (name, adapter), copy in saved.items() if adapter == chosen}
+    if not parts:
+        raise CheckpointError(where, f"peft adapter {chosen!r} has no LoRA tensor, only modules_to_save copies")
     unpaired = sorted(set(saved) ^ set(originals))
     if unpaired:
         one = saved.get(unpaired[0]) or originals[unpaired[0]]
@@ -159,10 +178,6 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     if misshapen:
         raise CheckpointError(where, f"{prefix}{saved[misshapen[0]]} is {list(shapes[saved[misshapen[0]]])}, its "
                                      f"original_module {list(shapes[originals[misshapen[0]]])}")
-    names = sorted({adapter for _, adapter in parts} | saved_names)
-    if len(names) > 1:
-        raise CheckpointError(where, f"{len(names)} peft adapters ({', '.join(names)}): export-hf exports a "
-                                     "checkpoint of one adapter")
     adapters = []
     for (module, _), found in sorted(parts.items()):
         embedding = "lora_A embedding" in found or "lora_B embedding" in found
@@ -205,7 +220,8 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     renamed = {n: n.replace(BASE_LAYER, ".", 1) for n in shapes if BASE_LAYER in n}
     renamed.update({copy: name for name, copy in saved.items()})
     modules = sorted({_SAVED.match(copy)["module"] for copy in saved.values()})
-    return PeftAdapters(tuple(adapters), names[0], renamed, tuple(modules), tuple(sorted(originals.values())))
+    return PeftAdapters(tuple(adapters), chosen, renamed, tuple(modules), tuple(sorted(originals.values())),
+                        tuple(others), tuple(n for n in names if n != chosen))
 
 
 @dataclass(frozen=True)
@@ -225,19 +241,19 @@ class LoraScale:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
 
 
-def read_adapter_config(path: Path) -> LoraScale:
+def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge") -> LoraScale:
     """α, rsLoRA, r and DoRA of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks
-    or alphas, fan_in_fan_out, LoRA biases (export-hf merges none of these yet), a missing or
-    non-numeric α or r."""
+    or alphas, fan_in_fan_out, LoRA biases (what the command `unsupported` says does none of these
+    yet), a missing or non-numeric α or r."""
     data = read_json_object(path, "peft adapter config")
     if data.get("peft_type") != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}, not 'LORA'")
     for key, what in (("rank_pattern", "per-module ranks"), ("alpha_pattern", "per-module alphas")):
         if data.get(key):
-            raise UsageError(f"{path}: has a {key} ({what}), which export-hf does not merge yet")
+            raise UsageError(f"{path}: has a {key} ({what}), which {unsupported} yet")
     for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
-            raise UsageError(f"{path}: {key} is true ({what}), which export-hf does not merge yet")
+            raise UsageError(f"{path}: {key} is true ({what}), which {unsupported} yet")
     for key in ("use_rslora", "use_dora"):  # peft reads any truthy value as true: "false" would be rsLoRA
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, not true or false")

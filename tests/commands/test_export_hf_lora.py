@@ -509,3 +509,66 @@ def test_an_embedding_adapter_merges_transposed_and_loads(tmp_path):
     loaded = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert torch.equal(loaded(TOKENS).logits, trained()(TOKENS).logits)
+
+
+def two_adapters():
+    """The trained model with a second adapter, 'other' (r 3 on v_proj, B random), beside 'default'."""
+    model = peft_model()
+    model.add_adapter("other", lora_config(r=3, target_modules=["v_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B.other" in name:
+                param.normal_(0, 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("two")
+    dcp.save({"model": two_adapters().state_dict()}, checkpoint_id=root / "ckpt", no_dist=True)
+    llama_config().save_pretrained(root / "base")
+    return root
+
+
+def test_of_several_adapters_none_is_chosen_silently(two, tmp_path):
+    res = export(two, tmp_path / "dst", "--merge-adapters", "--lora-alpha", str(ALPHA))
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {two / 'ckpt'}: 2 peft adapters (default, other): pass --adapter-name to "
+                          "export one\n")
+    res = export(two, tmp_path / "dst", "--merge-adapters", "--lora-alpha", str(ALPHA), "--adapter-name", "mine")
+    assert res.returncode == 2
+    assert res.stderr == (f"ckptctl: error: {two / 'ckpt'}: has no peft adapter 'mine' (--adapter-name): its adapters "
+                          "are 'default', 'other'\n")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_chosen_adapter_merges_as_peft_merges_it_alone_and_its_folder_loads(two, tmp_path):
+    """`--adapter-name other`: merged, peft's `merge_and_unload(adapter_names=["other"])` bit for bit
+    (the 'default' adapter left out, said in a note); as a folder, `PeftModel.from_pretrained` gives
+    the logits of the trained model with 'other' active."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    res = export(two, tmp_path / "merged", "--merge-adapters", "--lora-alpha", str(ALPHA), "--adapter-name", "other",
+                 "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["notes"][-1].endswith("; adapter 'default' left out")
+    want = two_adapters().merge_and_unload(adapter_names=["other"]).state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    base = base_state()
+    assert [n for n in want if not torch.equal(want[n], base[n])] == [
+        "model.layers.0.self_attn.v_proj.weight", "model.layers.1.self_attn.v_proj.weight"]
+    res = export(two, tmp_path / "adapter", "--adapter-only", "--lora-alpha", str(ALPHA), "--adapter-name", "other")
+    assert res.returncode == 0, res.stderr
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["target_modules"]) == (3, ["v_proj"])
+    model = LlamaForCausalLM(llama_config())
+    model.load_state_dict(base)
+    loaded = PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+    trained = two_adapters()
+    trained.set_adapter("other")
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, trained(TOKENS).logits)

@@ -57,11 +57,26 @@ def test_adapters_pair_with_their_base_weights_and_base_layer_is_renamed():
      "original_module beside it"),
     ({"score.modules_to_save.default.weight": (2, 4), "score.original_module.weight": (3, 4)},
      "CKPT: model.base_model.model.score.modules_to_save.default.weight is [2, 4], its original_module [3, 4]"),
-    (lora_shapes(V, adapter="other"), "CKPT: 2 peft adapters (default, other): export-hf exports a checkpoint of one "
-                                      "adapter"),
+    (lora_shapes(V, adapter="other"), "CKPT: 2 peft adapters (default, other): pass --adapter-name to export one"),
 ])
 def test_what_is_not_plain_lora_is_refused_by_name(extra, line):
     assert refusal({**lora_shapes(Q), **extra}) == line
+
+
+def test_a_chosen_adapter_is_found_and_the_other_s_tensors_are_left_out():
+    shapes = {**lora_shapes(Q, adapter="mine"), f"{Q}.lora_A.other.weight": (3, 4), f"{Q}.lora_B.other.weight": (8, 3),
+              **lora_shapes(V, adapter="other"), "lm_head.modules_to_save.mine.weight": (6, 4),
+              "lm_head.original_module.weight": (6, 4)}
+    found = find_adapters(shapes, "CKPT", chosen="mine")
+    assert (found.adapter_name, found.left_out) == ("mine", ("other",))
+    assert [(a.module, a.a, a.rank) for a in found.adapters] == [(Q, f"{Q}.lora_A.mine.weight", 2)]
+    assert found.others == (f"{Q}.lora_A.other.weight", f"{Q}.lora_B.other.weight", f"{V}.lora_A.other.weight",
+                            f"{V}.lora_B.other.weight")
+    assert found.trained_copies == {"lm_head.weight": "lm_head.modules_to_save.mine.weight"}
+    assert found.renamed[f"{V}.base_layer.weight"] == f"{V}.weight"
+    with pytest.raises(CheckpointError) as err:
+        find_adapters(shapes, "CKPT", chosen="default")
+    assert str(err.value) == "CKPT: has no peft adapter 'default' (--adapter-name): its adapters are 'mine', 'other'"
 
 
 def test_a_modules_to_save_copy_takes_the_module_s_name_and_its_original_is_left_out():
