@@ -143,8 +143,8 @@ class TemplateMachine(PickleMachine):
         self._plan: re.Pattern | None = None
         self._runs: dict[bytes, tuple[list, list, int]] = {}  # a batch of chunk records' bytes → what they read as
         self._run_bytes = 0
-        self._entry_batches: dict[tuple, _EntryBatch] = {}  # batches of storage entries read before, by `_batch_key`
-        self._entry_keys: set[tuple] = set()  # the keys of batches met once
+        self._entry_batches: dict[tuple, list[_EntryBatch]] = {}  # by their first entry's chunk offsets and file
+        self._entry_keys: set[tuple] = set()  # the kinds of batches met once
         self._entry_batch_bytes = 0
         self._plain = self._matched = 0
         self._direct: list[int] = []  # the MARK depths matched items went straight in at, innermost last
@@ -609,8 +609,7 @@ class TemplateMachine(PickleMachine):
             return self._consumed(n, 12, count, end, into)
         _into_storage(target, fqns, offsets, files, byte_offsets, sizes)
         if n == found and new_fqn is None and new_file is None and self._data[end:end + 1] == b"u":
-            self._remember_entries((end - self._pos, match.group(3), match.group(4)), end, offsets, files, sizes,
-                                   count - self._count)
+            self._remember_entries(target, end, offsets, files, sizes, count - self._count, match)
         return self._consumed(n, 12, count, end, into)
 
     def _repeated_entries(self, target: dc.StorageColumns, match: re.Match) -> bool:
@@ -623,61 +622,76 @@ class TemplateMachine(PickleMachine):
         before but for the arguments of those references and BININTs (the opcodes kept) holds the
         same records: only the references are looked up and the offsets unpacked."""
         data, pos = self._data, self._pos
-        end = data.find(b"ubu", pos, pos + BATCH_SPAN) + 2
-        known = self._entry_batches.get((end - pos, match.group(3), match.group(4))) if end > pos else None
-        if known is None:
+        for known in self._entry_batches.get((match.group(3), match.group(4)), ()):
+            end = pos + known.length
+            if data[end - 2:end + 1] == b"ubu" and known.target is target:
+                break
+        else:
             return False
         batch = data[pos:end]
         if b"".join(known.constant_parts(batch)) != known.constant:
             return False
-        ops = known.fqn_ops
         args = known.fqn_args(batch)
-        raws = list(map(ops.__add__, args)) if type(ops) is bytes else list(map(operator.add, ops, args))
-        n = len(raws)
-        fqns, decoded = self._strings_of(raws, MAX_NAME)
-        if decoded < n:
+        op = known.fqn_op
+        names = {arg: self._string(op + arg, MAX_NAME) for arg in dict.fromkeys(args)}
+        runs = _runs(args, names)
+        if runs is None:  # a name this reader does not take, or tensors' entries interleaved: the plain road
             return False
+        n = len(args)
         byte_offsets = struct.unpack(f"<{n}i", b"".join(known.byte_offsets(batch)))
         if min(byte_offsets) < 0:
             return False
-        _into_storage(target, fqns, known.offsets, known.files, byte_offsets, known.sizes)
+        rows = array("q", known.rows)
+        rows[1::3] = array("q", byte_offsets)
+        offsets = known.offsets
+        for fqn, a, b in runs:
+            keys, columns = target.rows_for(fqn)
+            keys += offsets[a:b]
+            columns += rows[3 * a:3 * b]
         return self._consumed(n, 12, self._count + known.memo_entries, end, True)
 
-    def _remember_entries(self, key: tuple, end: int, offsets: list, files: list, sizes: list,
-                          memo_entries: int) -> None:
-        """Keep the whole batch of storage entries just read (from the reading position to `end`,
-        no new string among them, every byte offset a BININT) as an `_EntryBatch`, the second time a
-        batch of its `key` (its length, its first entry's chunk offsets and file) is met."""
-        if key in self._entry_batches:
+    def _remember_entries(self, target: dc.StorageColumns, end: int, offsets: list, files: list, sizes: list,
+                          memo_entries: int, first: re.Match) -> None:
+        """Keep the whole batch of storage entries just read into `target` (from the reading position
+        to `end`, no new string among them, their fqn references of one opcode, every byte offset a
+        BININT) as an `_EntryBatch`, the second time a batch of its kind (its length, its `first`
+        entry's chunk offsets and file) is met."""
+        key = (first.group(3), first.group(4))
+        length = end - self._pos
+        alike = self._entry_batches.get(key, ())
+        if any(known.length == length for known in alike):
             return
-        if key not in self._entry_keys:
+        if (length, key) not in self._entry_keys:
             if len(self._entry_keys) > _CACHE_LIMIT:
                 self._entry_keys.clear()
-            self._entry_keys.add(key)
+            self._entry_keys.add((length, key))
             return
         data, pos = self._data, self._pos
-        cuts, fqn_args, byte_offsets, ops = [0], [], [], []
+        cuts, fqn_args, byte_offsets, ops = [0], [], [], set()
         at = pos
         for record in self._entry.finditer(data, pos, end):
             (fqn_start, fqn_end), (place_start, place_end) = record.span(1), record.span(5)
             if record.start() != at or data[place_start] != 0x4A:
                 return
             at = record.end()
-            ops.append(data[fqn_start:fqn_start + 1])
+            ops.add(data[fqn_start:fqn_start + 1])
             cuts += [fqn_start + 1 - pos, fqn_end - pos, place_start + 1 - pos, place_end - pos]
             fqn_args.append(slice(fqn_start + 1 - pos, fqn_end - pos))
             byte_offsets.append(slice(place_start + 1 - pos, place_end - pos))
-        if at != end or len(ops) != len(offsets) or len(ops) < 2:
+        n = len(offsets)
+        if at != end or len(fqn_args) != n or n < 2 or len(ops) != 1:
             return
-        cuts.append(end - pos)
+        cuts.append(length)
         constant_parts = operator.itemgetter(*[slice(a, b) for a, b in zip(cuts[0::2], cuts[1::2])])
         constant = b"".join(constant_parts(data[pos:end]))
+        rows = array("q", bytes(24 * n))  # each entry's file and length; its byte offset filled in per batch
+        rows[0::3], rows[2::3] = array("q", map(target.file_ids.__getitem__, files)), array("q", sizes)
         if self._entry_batch_bytes + 2 * len(constant) > RUN_CACHE_BYTES:
             self._entry_batches.clear()
             self._entry_batch_bytes = 0
-        self._entry_batches[key] = _EntryBatch(
-            constant_parts, constant, operator.itemgetter(*fqn_args), ops[0] if ops.count(ops[0]) == len(ops) else ops,
-            operator.itemgetter(*byte_offsets), offsets, files, sizes, memo_entries)
+        self._entry_batches.setdefault(key, []).append(_EntryBatch(
+            length, constant_parts, constant, ops.pop(), operator.itemgetter(*fqn_args),
+            operator.itemgetter(*byte_offsets), offsets, rows, target, memo_entries))
         self._entry_batch_bytes += 2 * len(constant)
 
     def _cached_integer(self, raw: bytes) -> int | None:
@@ -749,20 +763,37 @@ _OPCODES = opcode_table(TemplateMachine)
 
 
 class _EntryBatch:
-    """A batch of storage entries read before: its bytes but for each entry's fqn reference and
-    byte offset arguments (`constant`, what `constant_parts` cuts from a batch's bytes), where those
-    arguments lie (`fqn_args`, `byte_offsets`: 4-byte BININTs), the fqn references' opcodes (one
-    for all, or each entry's), what the rest read as, and the memo entries the batch makes."""
+    """A batch of storage entries read before: its `length` in bytes; its bytes but for each entry's
+    fqn reference and byte offset arguments (`constant`, what `constant_parts` cuts from a batch's
+    bytes); where those arguments lie (`fqn_args` after the one `fqn_op`, `byte_offsets`: 4-byte
+    BININTs); each entry's chunk offsets, and its file and length in `target`'s numbering (`rows`,
+    byte offsets left 0); and the memo entries the batch makes."""
 
-    __slots__ = ("constant_parts", "constant", "fqn_args", "fqn_ops", "byte_offsets", "offsets", "files", "sizes",
-                 "memo_entries")
+    __slots__ = ("length", "constant_parts", "constant", "fqn_op", "fqn_args", "byte_offsets", "offsets", "rows",
+                 "target", "memo_entries")
 
-    def __init__(self, constant_parts: Callable[[bytes], tuple], constant: bytes, fqn_args: Callable[[bytes], tuple],
-                 fqn_ops: bytes | list[bytes], byte_offsets: Callable[[bytes], tuple], offsets: list, files: list,
-                 sizes: list, memo_entries: int) -> None:
-        self.constant_parts, self.constant, self.fqn_args, self.fqn_ops = constant_parts, constant, fqn_args, fqn_ops
-        self.byte_offsets, self.offsets, self.files, self.sizes = byte_offsets, offsets, files, sizes
-        self.memo_entries = memo_entries
+    def __init__(self, length: int, constant_parts: Callable[[bytes], tuple], constant: bytes, fqn_op: bytes,
+                 fqn_args: Callable[[bytes], tuple], byte_offsets: Callable[[bytes], tuple], offsets: list,
+                 rows: array, target: dc.StorageColumns, memo_entries: int) -> None:
+        self.length, self.constant_parts, self.constant, self.fqn_op = length, constant_parts, constant, fqn_op
+        self.fqn_args, self.byte_offsets, self.offsets, self.rows = fqn_args, byte_offsets, offsets, rows
+        self.target, self.memo_entries = target, memo_entries
+
+
+def _runs(args: tuple[bytes, ...], names: dict[bytes, str | None]) -> list[tuple[str, int, int]] | None:
+    """The consecutive runs of a batch's fqn reference arguments `args`, each with its name (`names`:
+    each distinct argument's), as (name, start, stop); None when a name is not one this reader
+    takes or a reference comes back after another (entries interleaved)."""
+    runs, start = [], 0
+    for arg, name in names.items():
+        if name is None:
+            return None
+        count = args.count(arg)
+        if args[start:start + count].count(arg) != count:
+            return None
+        runs.append((name, start, start + count))
+        start += count
+    return runs
 
 
 def _into_storage(target: dc.StorageColumns, fqns: list, offsets: list, files: list, byte_offsets: Sequence[int],
