@@ -45,7 +45,7 @@ from ckptctl.formats.safetensors.reader import MAX_HEADER_BYTES, blob_header
 from ckptctl.core.geometry import Box, strides
 from ckptctl.core.analysis import Coverage, coverage
 from ckptctl.core.checkpoint import Checkpoint, Chunk, ChunkTable, TensorEntry
-from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, plan_box
 from ckptctl.storage.source_files import open_source
 
 MAX_PICKLE = 1 << 16
@@ -524,15 +524,24 @@ class DcpCheck:
                 if skip(chunk.file):
                     continue
                 want = wants[i] if i < len(wants) else _sample(target, box, self.views, self._source)
-                entry = found.ckpt.tensors[target.fqn]
-                view = source_view(TensorEntry(entry.fqn, entry.shape, entry.dtype, (chunk,)))
-                if _sample(identity_target(view), box, {view.fqn: view}, output) != want:
+                if _written_element(output, found.ckpt.tensors[target.fqn], chunk, box.offsets) != want:
                     raise CheckpointError(written / chunk.file, f"{target.fqn}: element {list(box.offsets)} of "
                                                                 f"{list(target.shape)} differs from the source's")
             for fqn, copy in self.out.bytes_entries.items() if entries else ():
                 _check_bytes_entry(copy, found.ckpt, fqn, self._source, output, written)
         finally:
             output.close()
+
+
+def _written_element(output: ChunkSource, entry: TensorEntry, chunk: Chunk, point: tuple[int, ...]) -> bytes:
+    """The output's element at `point` of `entry`, read by the project's reader from `chunk`, which
+    holds it, at its row-major place there."""
+    index = 0
+    for p, start, n in zip(point, chunk.offsets, chunk.sizes):
+        index = index * n + p - start
+    element = bytearray(entry.itemsize)
+    output.read_into(entry.fqn, chunk, index * entry.itemsize, memoryview(element))
+    return bytes(element)
 
 
 def _size(path: Path) -> int | None:

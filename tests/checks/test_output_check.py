@@ -235,3 +235,31 @@ def test_a_torch_save_export_whose_record_or_directory_is_wrong_is_refused(tmp_p
     os.truncate(out, out.stat().st_size - 3)
     with pytest.raises(CheckpointError, match=rf"^{out}: cannot be read back \("):
         check_torch_save(src, out, out, records, plan.sources)
+
+
+def test_an_output_element_is_read_at_its_row_major_place_in_the_chunk_that_holds_it(tmp_path: Path) -> None:
+    """The check reads an output sample from the chunk the re-read `.metadata` says holds it, at
+    its row-major place there: every element of every chunk of a 3-rank reshard reads as torch's
+    own `dcp.load` of the output reads it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ckptctl.checks.output_check import _written_element
+
+    ckptctl.reshard(SRC, tmp_path / "out", ReshardOptions(world_size=3, sync=False))
+    out = open_checkpoint(tmp_path / "out")
+    loaded = {fqn: torch.empty(e.shape, dtype=e.dtype.torch) for fqn, e in out.tensors.items()}
+    dcp.load(loaded, checkpoint_id=tmp_path / "out", no_dist=True)
+    output = ChunkSource(out)
+    compared = 0
+    try:
+        for fqn, entry in out.tensors.items():
+            for chunk in entry.chunks:
+                for point in torch.cartesian_prod(*(torch.arange(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
+                                                  ).reshape(-1, len(chunk.sizes)).tolist() if chunk.sizes else [[]]:
+                    want = loaded[fqn][tuple(point)].reshape(1).view(torch.uint8).numpy().tobytes()
+                    assert _written_element(output, entry, chunk, tuple(point)) == want, (fqn, point)
+                    compared += 1
+    finally:
+        output.close()
+    assert compared == sum(e.numel for e in out.tensors.values())
