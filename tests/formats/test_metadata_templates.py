@@ -458,3 +458,14 @@ def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_o
         accepted += 1
         assert _outcome(path) == ("ok", _plain(md))
     assert accepted > 30 and declined > 30 and taken.count(True) > 100  # both roads, and batches taken
+
+
+def test_a_batch_taken_by_its_bytes_fills_each_tensors_run_or_is_read_plainly():
+    """The FQN references of a batch taken by its bytes: consecutive runs, each its tensor's;
+    a tensor whose entries come back after another's, or a name the reader does not take, sends
+    the batch down the plain road (None)."""
+    names = {b"\x01\x00\x00\x00": "a", b"\x02\x00\x00\x00": "b"}
+    a, b = names
+    assert templates._runs((a, a, b, b, b), names) == [("a", 0, 2), ("b", 2, 5)]
+    assert templates._runs((a, b, a), names) is None
+    assert templates._runs((a, b), {a: "a", b: None}) is None
