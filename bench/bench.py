@@ -4,7 +4,9 @@ import-hf reads a >= 2 GiB Hugging Face folder instead (3 safetensors shards and
 written once next to the checkpoint): its ratio is to `cp -r` of that folder, in the same run.
 The transposed export (`--arch automodel`) reads a >= 2 GiB checkpoint of NeMo Automodel's
 native grouped experts, against `cp -r` of it and Automodel's own adapter (`to_hf` of the
-checkpoint loaded whole, `save_file`).
+checkpoint loaded whole, `save_file`). import-hf of a >= 2 GiB FP8 block-scaled folder
+(DeepSeek-V3's layout) dequantizes it to bf16, against `cp -r` of that folder (it writes
+twice the bytes it reads).
 
 The checkpoint is written once (cached in bench/.cache) by real FSDP2 on 4 gloo ranks: a
 stack of 4096x4096 fp32 linears with AdamW state after one step. Every contender runs as a
@@ -45,6 +47,9 @@ HF_SHARDS, HF_PER_SHARD = 3, 12  # 36 fp32 4096x4096 tensors: 2.42 GB (2.25 GiB)
 HF_SRC = CACHE / f"hf_{HF_SHARDS}x{HF_PER_SHARD}x{WIDTH}"
 AM_LAYERS, AM_EXPERTS, AM_HIDDEN, AM_INTER = 4, 64, 2048, 768  # bf16: 2.42 GB (2.25 GiB) of grouped experts
 AM_SRC = CACHE / f"automodel_{AM_LAYERS}x{AM_EXPERTS}x{AM_HIDDEN}x{AM_INTER}"
+FP8_SHARDS, FP8_PER_SHARD = 2, 64  # 128 float8_e4m3fn 4096x4096 weights, 128x128-block scales: 2.15 GB (2.00 GiB)
+FP8_SRC = CACHE / f"fp8_{FP8_SHARDS}x{FP8_PER_SHARD}x{WIDTH}"
+FP8_BLOCK = 128
 PY = sys.executable
 
 
@@ -186,6 +191,46 @@ def _automodel_to_hf(src: str, out: str) -> None:
     save_file({k: v.contiguous() for k, v in hf.items()}, out, metadata={"format": "pt"})
 
 
+def _build_fp8(out: str) -> None:
+    """An FP8 block-scaled folder as DeepSeek-V3 publishes one: each weight float8_e4m3fn, its
+    `weight_scale_inv` float32 per 128x128 block (amax / 448), `quantization_config` in config.json."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    root = Path(out)
+    root.mkdir(parents=True)
+    weight_map = {}
+    gen = torch.Generator().manual_seed(0)
+    grid = WIDTH // FP8_BLOCK
+    for shard in range(FP8_SHARDS):
+        name = f"model-{shard + 1:05d}-of-{FP8_SHARDS:05d}.safetensors"
+        tensors = {}
+        for i in range(FP8_PER_SHARD):
+            tiles = torch.randn(WIDTH, WIDTH, generator=gen).reshape(grid, FP8_BLOCK, grid, FP8_BLOCK)
+            scale = tiles.abs().amax(dim=(1, 3)) / 448
+            key = f"layers.{shard * FP8_PER_SHARD + i}.weight"
+            tensors[key] = (tiles / scale[:, None, :, None]).reshape(WIDTH, WIDTH).to(torch.float8_e4m3fn)
+            tensors[f"{key}_scale_inv"] = scale
+        save_file(tensors, root / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (root / "config.json").write_text(json.dumps({"model_type": "raw", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}}))
+
+
+def ensure_fp8_folder() -> Path:
+    if (FP8_SRC / "config.json").exists():
+        return FP8_SRC
+    shutil.rmtree(FP8_SRC, ignore_errors=True)
+    print(f"bench: generating {FP8_SRC} ...", flush=True)
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build_fp8; _build_fp8({str(FP8_SRC)!r})"
+    subprocess.run([PY, "-c", code], check=True)
+    return FP8_SRC
+
+
 def tree_bytes(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -210,7 +255,7 @@ def timed(cmd: list[str], env: dict | None = None) -> tuple[float, int, float | 
     return seconds, usage.ru_maxrss * 1024, check
 
 
-def contenders(src: Path, hf_src: Path, am_src: Path, out: Path,
+def contenders(src: Path, hf_src: Path, am_src: Path, fp8_src: Path, out: Path,
                hf_config: Path) -> dict[str, tuple[list[str], Path]]:
     ckptctl = [PY, "-m", "ckptctl"]
     torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "ckptctl"]
@@ -250,6 +295,10 @@ def contenders(src: Path, hf_src: Path, am_src: Path, out: Path,
         f"ckptctl import-hf -n {TARGET_RANKS} --no-sync (HF folder)": (
             [*ckptctl, "import-hf", str(hf_src), str(out / "impn"), "-n", str(TARGET_RANKS), "--no-name-check",
              "--no-sync"], out / "impn"),
+        FP8_COPY: (["cp", "-r", str(fp8_src), str(out / "fp8cp")], out / "fp8cp"),
+        f"ckptctl import-hf -n {TARGET_RANKS} (FP8 folder, dequantized to bf16)": (
+            [*ckptctl, "import-hf", str(fp8_src), str(out / "fp8imp"), "-n", str(TARGET_RANKS), "--no-name-check"],
+            out / "fp8imp"),
         AM_COPY: (["cp", "-r", str(am_src), str(out / "amcp")], out / "amcp"),
         "Automodel load + to_hf + save_file": (
             [PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _automodel_to_hf; "
@@ -268,7 +317,9 @@ HF_COPY = "cp -r (HF folder)"
 """The base of the import-hf rows: they read the HF folder, not the checkpoint."""
 AM_COPY = "cp -r (Automodel checkpoint)"
 """The base of the Automodel rows: they read a checkpoint of native grouped experts."""
-BASES = {"import-hf": HF_COPY, "Automodel": AM_COPY, "automodel": AM_COPY}
+FP8_COPY = "cp -r (FP8 folder)"
+"""The base of the FP8 import row: it reads an FP8 block-scaled folder, and writes twice its bytes (bf16)."""
+BASES = {"FP8": FP8_COPY, "import-hf": HF_COPY, "Automodel": AM_COPY, "automodel": AM_COPY}
 
 
 def write_hf_config(path: Path) -> Path:
@@ -287,16 +338,17 @@ def main() -> None:
     src = ensure_checkpoint()
     hf_src = ensure_hf_folder()
     am_src = ensure_automodel()
+    fp8_src = ensure_fp8_folder()
     src_bytes = tree_bytes(src)
     out = CACHE / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     hf_config = write_hf_config(CACHE / "hf-config")
-    for warm in (src, hf_src, am_src):  # warm the cache
+    for warm in (src, hf_src, am_src, fp8_src):  # warm the cache
         subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
     runs = {name: ([*cmd, "--json"] if name.startswith("ckptctl") else cmd, target)  # --json: its check's seconds
-            for name, (cmd, target) in contenders(src, hf_src, am_src, out, hf_config).items()
+            for name, (cmd, target) in contenders(src, hf_src, am_src, fp8_src, out, hf_config).items()
             if not args.only or any(s in name for s in args.only)}
     times: dict[str, list[float]] = {n: [] for n in runs}
     rss: dict[str, int] = {n: 0 for n in runs}
@@ -331,6 +383,9 @@ def main() -> None:
           f"given against {HF_COPY!r}")
     print(f"Automodel native experts (bf16 [{AM_EXPERTS}, {AM_HIDDEN}, {2 * AM_INTER}] and [{AM_EXPERTS}, {AM_INTER}, "
           f"{AM_HIDDEN}] x {AM_LAYERS} layers): {am_bytes / 1e9:.2f} GB; its rows are also given against {AM_COPY!r}")
+    fp8_bytes = tree_bytes(fp8_src)
+    print(f"FP8 block-scaled folder (e4m3, 128x128 scales): {fp8_bytes / 1e9:.2f} GB ({fp8_bytes / 2**30:.2f} GiB); "
+          f"its import-hf row (bf16 out: twice the bytes) is also given against {FP8_COPY!r}")
     print(f"source: {src_bytes / 1e9:.2f} GB ({src_bytes / 2**30:.2f} GiB) in {len(list(src.iterdir()))} files; machine: "
           f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, {args.reps} reps\n")
     print("| contender | median s | fastest s | ratio to cp -r (medians) | ratio (fastest) | GB/s written | peak RSS MB "
