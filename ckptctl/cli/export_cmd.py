@@ -31,7 +31,7 @@ def report_json(report: ExportReport) -> dict:
         "src": report.src, "dst": report.dst, "arch": report.arch, "tp": report.tp, "dtype": report.dtype,
         "tensors": report.tensors, "parameters": report.parameters, "files": report.files,
         "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "notes": report.notes,
-        "processes": report.processes, "device": report.device,
+        "processes": report.processes, "device": report.device, "quantization": report.quantization,
     }
 
 
@@ -46,7 +46,7 @@ def preview_json(preview: ExportPreview) -> dict:
         "merged": {t.name: {"lora_A": t.merged[0], "lora_B": t.merged[1], "scale": t.merged[2],
                             "magnitude": t.merged[3]}
                    for t in preview.tensors if t.merged is not None},
-        "notes": preview.notes,
+        "quantization": preview.quantization, "notes": preview.notes,
     }
 
 
@@ -188,6 +188,12 @@ def export_hf_command(
                                     "every model file, as torch's Hugging Face storage writer saves FSDP2 with "
                                     "save_distributed; torch's consolidation merges them)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks of --layout distributed."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="SCHEME",
+                                           help="Write the linear layers' weights as FP8: fp8-block (float8_e4m3fn, "
+                                                "one float32 weight_scale_inv per 128×128 block, as DeepSeek-V3 "
+                                                "publishes; norms, embeddings, router gates, biases and lm_head "
+                                                "kept), or like:REF (the quantized weights, block and scales of the "
+                                                "FP8 model folder REF)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     hub_timeout: float = hub_timeout_option(),
@@ -205,17 +211,20 @@ def export_hf_command(
       ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
       ckptctl export-hf ft/ hf/ --hf-config base/ --merge-adapters --lora-alpha 8
       ckptctl export-hf ft/ ad/ --hf-config base/ --adapter-only --lora-alpha 8
+      ckptctl export-hf ft/ hf-fp8/ --hf-config base/ --quantize fp8-block
     """
 
     def options():
         from ckptctl.commands.export_hf import ExportOptions, parse_size
+        from ckptctl.formats.safetensors.quantize_fp8 import parse_quantize
 
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
                              device=device, sync=not no_sync, name_check=not no_name_check,
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
-                             rslora=rslora, adapter_config=adapter_config, layout=layout, world_size=world_size)
+                             rslora=rslora, adapter_config=adapter_config, layout=layout, world_size=world_size,
+                             quantize=parse_quantize(quantize))
 
     def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export

@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -25,6 +25,7 @@ from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
+from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, scale_bytes
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.core.checkpoint import Checkpoint, Chunk
@@ -547,6 +548,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
     if item.target.delta is not None:
         return _stream_merged(item, sources, files, progress)
+    if isinstance(item.target.properties, Fp8Codes):
+        return _stream_fp8(item, sources, files, progress)
     if numel <= block:
         return _stream_small_item(item, sources, files, progress)
     files.write(item.file, item.head, item.offset)
@@ -635,8 +638,9 @@ def execute(
         copy_item(item, sources, files, progress)
     small: list[StreamItem] = []
     large: list[StreamItem] = []
-    for item in stream_items:
-        (small if item.nbytes < BLOCK_BYTES else large).append(item)
+    for item in stream_items:  # a quantized band writes its scales too: never coalesced with its neighbours
+        (small if item.nbytes < BLOCK_BYTES and not isinstance(item.target.properties, Fp8Codes) else large
+         ).append(item)
     run_on_threads(interleaved_by_file(large), lambda item: stream_item(item, sources, files, progress), workers,
                    "ckptctl", meanwhile=lambda: write_small_records(small, sources, files, progress))
 
@@ -713,6 +717,30 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     _fill_block(sources, memoryview(out), dtype, 0, _segments(item), item.target.add)
     fill_transposed(sources, memoryview(out), dtype, 0, item.box.sizes, transposed_reads(item), item.target.add)
     return out
+
+
+def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
+    """(float8_e4m3fn codes, float32 scales) of a quantized weight's record (`Fp8Codes`): its
+    rows, whole block rows, assembled in float32 from its reads (an exact upcast) and quantized."""
+    codes = item.target.properties
+    base = replace(item.target, dtype=float32, properties=None)
+    values = assemble_bytes(StreamItem("", 0, b"", base, item.box, item.reads), sources)
+    return quantize_fp8(_as_tensor(memoryview(values), float32).view(item.box.sizes), codes.block, codes.ue8m0)
+
+
+def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
+    """A quantized weight's band: its codes at the record's place, its scale rows at theirs in the
+    scale tensor (laid out in the same file)."""
+    import torch
+
+    props = item.target.properties
+    codes, scale = fp8_band(item, sources)
+    files.write(item.file, codes.view(-1).view(torch.uint8).numpy(), item.offset)
+    row = scale.shape[1] * props.scale_dtype.itemsize
+    data = scale_bytes(scale, props.scale_dtype)
+    files.write(item.file, data, props.scale_offset + item.box.offsets[0] // props.block[0] * row)
+    progress(item.nbytes + len(data))
+    return 0
 
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
