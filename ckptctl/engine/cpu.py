@@ -725,7 +725,14 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
     codes = item.target.properties
     base = replace(item.target, dtype=float32, properties=None)
     values = assemble_bytes(StreamItem("", 0, b"", base, item.box, item.reads), sources)
-    return quantize_fp8(_as_tensor(memoryview(values), float32).view(item.box.sizes), codes.block, codes.ue8m0)
+    out, scale = quantize_fp8(_as_tensor(memoryview(values), float32).view(item.box.sizes), codes.block, codes.ue8m0)
+    bad = (~(scale.isfinite() & (scale > 0))).nonzero()
+    if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
+        row, col = (int(i) for i in bad[0])
+        raise UsageError(f"{item.target.fqn}: its block [{item.box.offsets[0] // codes.block[0] + row}, {col}] "
+                         f"({codes.block[0]}×{codes.block[1]}) has no FP8 scale (its largest magnitude gives "
+                         f"{float(scale[row, col])}): a value there is not finite, or too small for a float32 scale")
+    return out, scale
 
 
 def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:

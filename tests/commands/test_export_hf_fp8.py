@@ -331,3 +331,19 @@ def test_weights_written_in_many_bands_are_the_bands_of_the_whole(llama_dcp, tmp
     _export(src, tmp_path / "bands", folder, "fp8-block", verify=True)
     assert (tmp_path / "bands" / "model.safetensors").read_bytes() == \
         (tmp_path / "whole" / "model.safetensors").read_bytes()
+
+
+def test_a_block_without_a_finite_scale_is_refused_naming_it(tmp_path):
+    """An inf in the source makes its block's scale inf (every code of the block NaN or 0): refused,
+    naming the block, nothing written."""
+    def poison(state):
+        state["model.layers.0.mlp.gate_proj.weight"][200, 130] = float("inf")
+
+    folder = _hf_folder(tmp_path / "hf", change=poison)
+    src = _dcp(folder, tmp_path / "dcp")
+    with pytest.raises(CkptctlError) as caught:
+        _export(src, tmp_path / "out", folder, "fp8-block")
+    assert str(caught.value) == (
+        "model.layers.0.mlp.gate_proj.weight: its block [1, 1] (128×128) has no FP8 scale (its largest magnitude "
+        "gives inf): a value there is not finite, or too small for a float32 scale")
+    assert not (tmp_path / "out").exists()

@@ -44,7 +44,7 @@ BLOCK = (128, 128)
 E4M3_MAX = 448.0
 """The largest float8_e4m3fn value: a block's amax is coded as ±448."""
 SCALE_SUFFIX = "_scale_inv"
-BAND_BYTES = 8 << 20
+BAND_BYTES = 4 << 20
 """Codes bytes of one record of a quantized weight (whole block rows): its rows are held in float32
 with a few temporaries (~6× this) per worker while they are quantized."""
 float8_e4m3fn, float8_e8m0fnu, uint8 = DTYPES["float8_e4m3fn"], DTYPES["float8_e8m0fnu"], DTYPES["uint8"]
