@@ -78,10 +78,16 @@ def print_preview_plain(preview: ExportPreview) -> None:
     out = [f"dry run: nothing written to {preview.dst}", summary_line(preview)]
     out += [f"{f.name}  {f.bytes} bytes  {counted(f.tensors, 'tensor')}" for f in preview.files]
     out.append("also " + ", ".join(preview.side_files))
+    weights = (preview.quantization or {}).get("weights", {})
+    scales = {scale: weight for weight, scale in weights.items()}
     for t in preview.tensors:
+        if t.name in scales:
+            out.append(f"{t.name} ← the scales of {scales[t.name]}'s blocks")
+            continue
         add = f" + {t.add:g}" if t.add else ""
         merged = f" {merged_text(t)}" if t.merged is not None else ""
-        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add + merged)
+        fp8 = ", quantized to FP8" if t.name in weights else ""
+        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add + merged + fp8)
     write_out("\n".join(out) + "\n")
 
 

@@ -347,3 +347,30 @@ def test_a_block_without_a_finite_scale_is_refused_naming_it(tmp_path):
         "model.layers.0.mlp.gate_proj.weight: its block [1, 1] (128×128) has no FP8 scale (its largest magnitude "
         "gives inf): a value there is not finite, or too small for a float32 scale")
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_keeps_each_scale_in_its_weights_file(llama_dcp, tmp_path):
+    """Sharded, every scale is in its weight's file and the index (which transformers reads) says
+    so; the tensors are those of the one-file export."""
+    folder, src = llama_dcp
+    _export(src, tmp_path / "one", folder, "fp8-block")
+    _export(src, tmp_path / "sharded", folder, "fp8-block", max_shard_size="200kB")
+    weight_map = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 2
+    for name in (f"model.layers.0.{m}.weight" for m in QUANTIZED):
+        held = safetensors_torch.load_file(tmp_path / "sharded" / weight_map[name])
+        assert name + "_scale_inv" in held and weight_map[name + "_scale_inv"] == weight_map[name]
+    _same_bytes(_tensors(tmp_path / "sharded"), _tensors(tmp_path / "one"))
+
+
+def test_dry_run_lines_say_which_tensors_are_codes_and_scales(llama_dcp, tmp_path):
+    folder, src = llama_dcp
+    run = run_cli("export-hf", src, tmp_path / "out", "--hf-config", folder, "--quantize", "fp8-block", "--dry-run")
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert "model.layers.0.mlp.up_proj.weight ← model.model.layers.0.mlp.up_proj.weight, quantized to FP8" in lines
+    assert ("model.layers.0.mlp.up_proj.weight_scale_inv ← the scales of model.layers.0.mlp.up_proj.weight's "
+            "blocks") in lines
+    assert "model.norm.weight ← model.model.norm.weight" in lines
+    assert run.stderr == ("note: 7 weights written as FP8 e4m3 with 128×128 blocks, float scales, each with its "
+                          "weight_scale_inv; the others as they are\n")
