@@ -26,7 +26,6 @@ file (`Fp8Codes.scale_offset`): memory is one band, and the source is read once.
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,7 +174,7 @@ def like_folder(ref: Path) -> Fp8Layout:
 
 def _refuse_scale_alone(ref: Path, name: str, data: StoredTensor, stored: Mapping[str, StoredTensor]) -> None:
     """A scale-like tensor without its FP8 weight (another spelling, a scalar scale) is a layout not written here."""
-    spelled = name.endswith(("_scale_inv", ".scale", "qscale_weight", "_scale", "input_scale"))
+    spelled = name.endswith(("_scale_inv", ".scale", "qscale_weight", "weight_scale", "input_scale"))
     weight = name.removesuffix(SCALE_SUFFIX)
     if spelled and not (name.endswith(SCALE_SUFFIX) and weight in stored
                         and stored[weight].dtype == float8_e4m3fn):
@@ -228,11 +227,8 @@ def band_rows(rows: int, cols: int, block_rows: int, item_bytes: int | None = No
 
 
 def quantized_count(targets: Mapping[str, Any]) -> int:
+    """How many of the targets are quantized weights."""
     return sum(isinstance(t.properties, Fp8Codes) for t in targets.values())
-
-
-def scale_nbytes(shape: tuple[int, ...], layout: Fp8Layout, name: str) -> int:
-    return math.prod(grid(shape, layout.block)) * layout.scale_of(name)[1].itemsize
 
 
 def quantized_targets(targets: Mapping[str, Any], layout: Fp8Layout, path: Path, selected: bool) -> dict[str, Any]:
