@@ -721,11 +721,13 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
 
 def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
     """(float8_e4m3fn codes, float32 scales) of a quantized weight's record (`Fp8Codes`): its
-    rows, whole block rows, assembled in float32 from its reads (an exact upcast) and quantized."""
+    rows, whole block rows, assembled as the export would write them unquantized (`Fp8Codes.values`),
+    widened to float32 (exact) and quantized."""
     codes = item.target.properties
-    base = replace(item.target, dtype=float32, properties=None)
+    base = replace(item.target, dtype=codes.values, properties=None)
     values = assemble_bytes(StreamItem("", 0, b"", base, item.box, item.reads), sources)
-    out, scale = quantize_fp8(_as_tensor(memoryview(values), float32).view(item.box.sizes), codes.block, codes.ue8m0)
+    widened = _as_tensor(memoryview(values), codes.values).view(item.box.sizes).float()
+    out, scale = quantize_fp8(widened, codes.block, codes.ue8m0)
     bad = (~(scale.isfinite() & (scale > 0))).nonzero()
     if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
         row, col = (int(i) for i in bad[0])

@@ -133,20 +133,26 @@ def test_transformers_loads_the_export_with_the_dequantized_models_logits(llama_
     equal those of the same model holding the dequantized values in bf16."""
     folder, src = llama_dcp
     _export(src, tmp_path / "out", folder, "fp8-block")
-    stored = _tensors(tmp_path / "out")
+    _loads_as_its_dequantized_twin(tmp_path / "out", tmp_path / "twin", 300)
+
+
+def _loads_as_its_dequantized_twin(folder: Path, twin_folder: Path, vocab: int) -> None:
+    """transformers' dequantized load of FP8 `folder` has the state and logits of its twin: the
+    same model with every quantized weight stored as its dequantized bf16 values (the producers'
+    formula), loaded without quantization."""
+    stored = _tensors(folder)
     twin = {name: (dequantized_fp8(value, stored[name + "_scale_inv"], torch.bfloat16)
                    if value.dtype == torch.float8_e4m3fn else value)
             for name, value in stored.items() if not name.endswith("_scale_inv")}
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
     config.pop("quantization_config")
-    write_folder(tmp_path / "twin", config, twin)
+    write_folder(twin_folder, config, twin)
     fp8 = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "out", quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
-        dtype=torch.bfloat16)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "twin", dtype=torch.bfloat16)
+        folder, quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(twin_folder, dtype=torch.bfloat16)
     state, want = fp8.state_dict(), reference.state_dict()
     _same_bytes({k: state[k] for k in want}, want)
-    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(fp8(ids).logits, reference(ids).logits)
 
@@ -374,3 +380,49 @@ def test_dry_run_lines_say_which_tensors_are_codes_and_scales(llama_dcp, tmp_pat
     assert "model.norm.weight ← model.model.norm.weight" in lines
     assert run.stderr == ("note: 7 weights written as FP8 e4m3 with 128×128 blocks, float scales, each with its "
                           "weight_scale_inv; the others as they are\n")
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("llama", dict(hidden_size=256, intermediate_size=384, head_dim=64)),  # blocks across TP shards' columns
+    ("qwen3-moe", {}),  # routers and experts; every block an edge block
+])
+def test_a_megatron_tp2_export_quantized_is_megatron_bridges_quantization_of_the_plain_export(tmp_path, family,
+                                                                                                   overrides):
+    """From a Megatron-FSDP checkpoint saved by real ranks at TP 2 (row-parallel weights split on
+    their columns, so a 128×128 block takes columns of two TP shards): each quantized weight is
+    Megatron-Bridge's quantization of the same weight exported unquantized, every other tensor the
+    same bytes, the values quantized being those written unquantized (here cast to bf16 from the
+    fp32 checkpoint). The MoE routers (`mlp.gate`, 2-D like an nn.Linear's weight) are kept and
+    listed in modules_to_not_convert, with lm_head."""
+    from fixtures import hf_models
+    from fixtures.gloo import run_ranks
+
+    bridge = megatron_bridge_quantization()
+    if bridge is None:
+        pytest.skip("Megatron-Bridge is not installed")
+    ref = hf_models.reference(family, tmp_path / "ref", **overrides)
+    job = hf_models.MegatronJob(str(tmp_path / "ckpt"), hf_models.to_megatron(ref, 2), tp=2, dp=3)
+    run_ranks(hf_models.save_jobs, 2, hf_models.write_jobs([job], tmp_path / "jobs.pt"), timeout=600)
+    for out, extra in (("plain", ()), ("fp8", ("--quantize", "fp8-block", "--verify"))):
+        run = run_cli("export-hf", tmp_path / "ckpt", tmp_path / out, "--hf-config", ref.folder, "--dtype", "bf16",
+                      *extra)
+        assert run.returncode == 0, run.stderr
+    plain, got = _tensors(tmp_path / "plain"), _tensors(tmp_path / "fp8")
+    want = {}
+    for name, value in plain.items():
+        if value.dim() == 2 and "proj" in name:
+            rows, cols = value.shape
+            like = torch.empty(-(-rows // 128), -(-cols // 128), dtype=torch.float32)
+            want[name], want[name + "_scale_inv"] = bridge.quantize_fp8_e4m3fn_like_scale(value.float(), like)
+        else:
+            want[name] = value
+    _same_bytes(got, want)
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    routers = sorted(n.removesuffix(".weight") for n in got if n.endswith("mlp.gate.weight"))
+    if family == "qwen3-moe":
+        assert routers and got[routers[0] + ".weight"].dtype == torch.bfloat16
+        assert any(".experts.1." in n for n in got if n + "_scale_inv" in got)
+        assert config["modules_to_not_convert"] == ["lm_head", *routers]
+        _loads_as_its_dequantized_twin(tmp_path / "fp8", tmp_path / "twin", ref.config.vocab_size)
+    else:
+        assert "modules_to_not_convert" not in config

@@ -4,8 +4,10 @@ A quantized weight W [M, N] is written as `W` float8_e4m3fn codes and `W_scale_i
 the ceil grid [⌈M/bm⌉, ⌈N/bn⌉] of its `bm × bn` blocks, value = code × its block's scale. Each
 block's scale is Megatron-Bridge's (`quantization_utils.scale_from_amax`): amax / 448 in
 float32, 1 for an all-zero block (never 0 or NaN), and with `scale_fmt: ue8m0` rounded up to a
-power of two (clamped to 2^±127); codes are (W in float32 / scale) cast to float8_e4m3fn. An edge
-block is the part of it inside W (the padding Megatron-Bridge adds is zeros: no amax changes).
+power of two (clamped to 2^±127); codes are (W in float32 / scale) cast to float8_e4m3fn. W is
+what the export writes unquantized (the source's values, cast by `--dtype` first), so the FP8
+folder is the quantization of the plain one. An edge block is the part of it inside W (the
+padding Megatron-Bridge adds is zeros: no amax changes).
 
 `fp8-block` quantizes the 2-D `…proj….weight` of linear layers (attention and MLP projections,
 experts' ones), as DeepSeek-V3 and Qwen3-FP8 do, and leaves norms, embeddings, router gates,
@@ -89,9 +91,11 @@ class Fp8Layout:
 
 @dataclass(frozen=True)
 class Fp8Codes:
-    """A quantized weight's codes target's `properties`: its block, scale format, and where its
-    scale tensor lies in the same file (absolute offset; -1 until the file is laid out)."""
+    """A quantized weight's codes target's `properties`: the dtype of the values it quantizes (what
+    the export writes unquantized: the source's, or `--dtype`'s), its block, scale format, and where
+    its scale tensor lies in the same file (absolute offset; -1 until the file is laid out)."""
 
+    values: DType
     block: tuple[int, int]
     ue8m0: bool
     scale: str
@@ -253,7 +257,7 @@ def quantized_targets(targets: Mapping[str, Any], layout: Fp8Layout, path: Path,
         if scale in targets:
             raise CheckpointError(path, f"{name}: its scale's name {scale} is already an output tensor")
         codes = replace(target, dtype=float8_e4m3fn,
-                        properties=Fp8Codes(layout.block, layout.ue8m0, scale, scale_dtype))
+                        properties=Fp8Codes(target.dtype, layout.block, layout.ue8m0, scale, scale_dtype))
         out[name] = codes
         out[scale] = type(target)(scale, grid(target.shape, layout.block), scale_dtype, (), Fp8Scales(codes))
     if layout.quantized is not None and not selected:
