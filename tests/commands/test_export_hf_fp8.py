@@ -426,3 +426,14 @@ def test_a_megatron_tp2_export_quantized_is_megatron_bridges_quantization_of_the
         _loads_as_its_dequantized_twin(tmp_path / "fp8", tmp_path / "twin", ref.config.vocab_size)
     else:
         assert "modules_to_not_convert" not in config
+
+
+def test_without_quantize_an_fp8_configs_quantization_config_is_not_written(tmp_path):
+    """--hf-config an FP8 folder, no --quantize: the weights written are bf16, so its
+    quantization_config (which would make transformers read them as FP8 codes) is left out."""
+    orig, _ = fp8_folder(tmp_path, _llama(seed=4).to(torch.bfloat16))
+    src = _dcp(orig, tmp_path / "dcp")
+    export_hf(src, tmp_path / "out", orig, ExportOptions(workers=2, sync=False), verify=True)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    assert {v.dtype for v in _tensors(tmp_path / "out").values()} == {torch.bfloat16}
