@@ -199,8 +199,9 @@ def export_hf_command(
                                                 "one float32 weight_scale_inv per 128×128 block, as DeepSeek-V3 "
                                                 "publishes; norms, embeddings, router gates, biases and lm_head "
                                                 "kept), or like:REF (the quantized weights, block and scales of the "
-                                                "FP8 model folder REF). The values quantized are those written "
-                                                "otherwise (after --dtype)."),
+                                                "FP8 model folder REF; a block REF's scale codes exactly keeps it, "
+                                                "so unchanged weights come back bit for bit). The values quantized "
+                                                "are those written otherwise (after --dtype)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     hub_timeout: float = hub_timeout_option(),

@@ -25,7 +25,7 @@ from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
-from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, scale_bytes
+from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, scale_bytes, stored_scales
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.core.checkpoint import Checkpoint, Chunk
@@ -727,7 +727,11 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
     base = replace(item.target, dtype=codes.values, properties=None)
     values = assemble_bytes(StreamItem("", 0, b"", base, item.box, item.reads), sources)
     widened = _as_tensor(memoryview(values), codes.values).view(item.box.sizes).float()
-    out, scale = quantize_fp8(widened, codes.block, codes.ue8m0)
+    kept = None
+    if codes.kept is not None:  # like:REF: REF's scales of these block rows, kept where they code them exactly
+        first = item.box.offsets[0] // codes.block[0]
+        kept = stored_scales(codes.kept, first, first - (-item.box.sizes[0] // codes.block[0]))
+    out, scale = quantize_fp8(widened, codes.block, codes.ue8m0, kept, codes.values)
     bad = (~(scale.isfinite() & (scale > 0))).nonzero()
     if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
         row, col = (int(i) for i in bad[0])

@@ -18,7 +18,11 @@ another 2-D weight stays unquantized (a gate that is an `nn.Linear`, as Qwen3-Ne
 `shared_expert_gate`), listing each such module and `lm_head`. `like:REF` takes the set of
 quantized weights, block, scale name, scale dtype and `scale_fmt` from a quantized folder REF,
 so a fine-tuned model goes back out in its original format; a REF layout not written here is
-refused, naming the tensor.
+refused, naming the tensor. A block whose values REF's scale codes exactly (each code × scale,
+rounded to the written dtype, gives the value back: an unchanged weight) keeps that scale and
+those codes, so the folder comes back as REF holds it, bit for bit, whatever formula made REF's
+scales; a changed block is quantized afresh, as Megatron-Bridge's `quantize_fp8_e4m3fn_like_scale`
+does (it takes only the geometry and dtype from REF's scale).
 
 The engine writes a quantized weight in row bands of whole block rows: each band's codes at its
 place, and the band's scale rows into the weight's scale tensor, which is laid out in the same
@@ -54,6 +58,15 @@ _LINEAR = re.compile(r"(^|\.)[A-Za-z0-9_]*proj[A-Za-z0-9_]*\.weight$")
 
 
 @dataclass(frozen=True)
+class RefWeight:
+    """A weight REF holds quantized: its shape and its scale tensor (kept where it codes the
+    exported block exactly: `Fp8Codes.kept`)."""
+
+    shape: tuple[int, ...]
+    scale: StoredTensor
+
+
+@dataclass(frozen=True)
 class Fp8Layout:
     """How `--quantize` writes weights: which are quantized, their block, and their scales' name,
     dtype and format."""
@@ -62,9 +75,8 @@ class Fp8Layout:
     block: tuple[int, int] = BLOCK
     ue8m0: bool = False
     scale_dtype: DType = float32
-    quantized: Mapping[str, tuple[str, DType, tuple[int, ...]]] | None = None
-    """`like:REF`: each quantized weight's scale name, scale dtype and shape in REF; None: the
-    `fp8-block` rule."""
+    quantized: Mapping[str, RefWeight] | None = None
+    """`like:REF`: each weight quantized in REF, by name; None: the `fp8-block` rule."""
     config: Mapping[str, Any] = field(default_factory=dict)
     """The `quantization_config` written into config.json."""
 
@@ -77,7 +89,7 @@ class Fp8Layout:
     def scale_of(self, name: str) -> tuple[str, DType]:
         """The scale tensor's name and dtype of quantized weight `name`."""
         if self.quantized is not None:
-            return self.quantized[name][:2]
+            return self.quantized[name].scale.name, self.quantized[name].scale.dtype
         return name + SCALE_SUFFIX, self.scale_dtype
 
     def describe(self) -> str:
@@ -100,6 +112,8 @@ class Fp8Codes:
     ue8m0: bool
     scale: str
     scale_dtype: DType
+    kept: StoredTensor | None = None
+    """`like:REF`: REF's scale of this weight, kept for each block it codes exactly."""
     scale_offset: int = -1
 
 
@@ -152,7 +166,7 @@ def like_folder(ref: Path) -> Fp8Layout:
         raise UsageError(f"--quantize like:{ref}: {what} is not a layout ckptctl writes (FP8 with "
                          "weight_block_size)")
     stored = stored_tensors(ref)
-    quantized: dict[str, tuple[str, DType, tuple[int, ...]]] = {}
+    quantized: dict[str, RefWeight] = {}
     for name, data in sorted(stored.items()):
         if data.dtype != float8_e4m3fn:
             _refuse_scale_alone(ref, name, data, stored)
@@ -170,7 +184,7 @@ def like_folder(ref: Path) -> Fp8Layout:
         if scale.dtype in (float8_e8m0fnu, uint8) and not fmt.ue8m0:
             raise UsageError(f"--quantize like:{ref}: {_where(ref, scale)}{shown_name(scale.name)}: E8M0 scales "
                              "without scale_fmt ue8m0 in quantization_config")
-        quantized[name] = (scale.name, scale.dtype, data.shape)
+        quantized[name] = RefWeight(data.shape, scale)
     if not quantized:
         raise UsageError(f"--quantize like:{ref}: holds no float8_e4m3fn weight (nothing to copy the layout of)")
     return Fp8Layout(f"{LIKE}{ref}", fmt.block, fmt.ue8m0, float32, quantized, dict(config["quantization_config"]))
@@ -191,9 +205,13 @@ def _where(ref: Path, st: StoredTensor) -> str:
     return f"{st.file.name}: " if st.file != ref else ""
 
 
-def quantize_fp8(values: Any, block: tuple[int, int], ue8m0: bool) -> tuple[Any, Any]:
+def quantize_fp8(values: Any, block: tuple[int, int], ue8m0: bool, kept: Any = None,
+                 written: DType | None = None) -> tuple[Any, Any]:
     """(float8_e4m3fn codes [R, N], float32 scales [⌈R/bm⌉, ⌈N/bn⌉]) of float32 `values` [R, N]:
-    Megatron-Bridge's `_quantize_fp8_2d_blocks` arithmetic, done on a zero-padded copy of the band."""
+    Megatron-Bridge's `_quantize_fp8_2d_blocks` arithmetic, done on a zero-padded copy of the band.
+    With `kept` (float32 scales of the same grid: REF's), a block whose values, of dtype `written`,
+    those scales code exactly (each code × scale rounded to `written` gives the value back) keeps
+    its scale and those codes: an unchanged weight is written as REF holds it, bit for bit."""
     import torch
 
     rows, cols = values.shape
@@ -208,8 +226,36 @@ def quantize_fp8(values: Any, block: tuple[int, int], ue8m0: bool) -> tuple[Any,
     if ue8m0:
         scale = torch.exp2(torch.ceil(torch.log2(scale.clamp(min=2.0 ** -127, max=2.0 ** 127))))
     codes = (blocks / scale[:, :, None, None]).to(torch.float8_e4m3fn)
+    if kept is not None:
+        again = (blocks / kept[:, :, None, None]).to(torch.float8_e4m3fn)
+        back = (again.float() * kept[:, :, None, None]).to(written.torch).float()
+        exact = (back == blocks).flatten(2).all(dim=2) & (kept > 0)  # NaN codes or scales compare unequal
+        scale = torch.where(exact, kept, scale)
+        codes = torch.where(exact[:, :, None, None], again, codes)
     codes = codes.transpose(1, 2).reshape(gm * bm, gn * bn)[:rows, :cols].contiguous()
     return codes, scale
+
+
+def stored_scales(scale: StoredTensor, first: int, stop: int) -> Any:
+    """Rows [first, stop) of a REF scale tensor as float32 (E8M0 bytes b as 2^(b-127)), read from its
+    file at the place its header gives."""
+    import torch
+
+    cols = scale.shape[1]
+    size = scale.dtype.itemsize
+    length = (stop - first) * cols * size
+    try:
+        with open(scale.file, "rb") as handle:
+            handle.seek(scale.start + first * cols * size)
+            raw = handle.read(length)
+    except OSError as exc:
+        raise CheckpointError(scale.file, f"cannot read {scale.name}: {exc.strerror or exc}") from None
+    if len(raw) != length:
+        raise CheckpointError(scale.file, f"{shown_name(scale.name)}: short read")
+    values = torch.frombuffer(bytearray(raw), dtype=torch.uint8 if scale.dtype == uint8 else scale.dtype.torch)
+    if scale.dtype == uint8:
+        return torch.exp2(values.float() - 127).view(stop - first, cols)
+    return values.float().view(stop - first, cols)
 
 
 def scale_bytes(scale: Any, dtype: DType) -> bytes:
@@ -251,13 +297,15 @@ def quantized_targets(targets: Mapping[str, Any], layout: Fp8Layout, path: Path,
                    f"{target.dtype.name} {list(target.shape)}, not a 2-D floating-point weight")
             raise CheckpointError(path, f"{name}: {why}, cannot be written as {layout.describe()}")
         scale, scale_dtype = layout.scale_of(name)
-        if layout.quantized is not None and layout.quantized[name][2] != target.shape:
-            raise UsageError(f"--quantize {layout.scheme}: {shown_name(name)} is {list(layout.quantized[name][2])} "
+        ref = layout.quantized[name] if layout.quantized is not None else None
+        if ref is not None and ref.shape != target.shape:
+            raise UsageError(f"--quantize {layout.scheme}: {shown_name(name)} is {list(ref.shape)} "
                              f"there, {list(target.shape)} in this export")
         if scale in targets:
             raise CheckpointError(path, f"{name}: its scale's name {scale} is already an output tensor")
         codes = replace(target, dtype=float8_e4m3fn,
-                        properties=Fp8Codes(target.dtype, layout.block, layout.ue8m0, scale, scale_dtype))
+                        properties=Fp8Codes(target.dtype, layout.block, layout.ue8m0, scale, scale_dtype,
+                                            ref.scale if ref is not None else None))
         out[name] = codes
         out[scale] = type(target)(scale, grid(target.shape, layout.block), scale_dtype, (), Fp8Scales(codes))
     if layout.quantized is not None and not selected:
