@@ -978,8 +978,8 @@ def quantization_json(plan: ExportPlan) -> dict[str, Any] | None:
     """What `--json` says of `--quantize`: its layout, and each quantized weight with its scale."""
     if plan.quantize is None:
         return None
-    return {**plan.quantize.as_json(), "quantization_config": plan.config["quantization_config"], "weights": {n: t.properties.scale for n, t in sorted(plan.targets.items())
-                                                   if isinstance(t.properties, Fp8Codes)}}
+    weights = {n: t.properties.scale for n, t in sorted(plan.targets.items()) if isinstance(t.properties, Fp8Codes)}
+    return {**plan.quantize.as_json(), "quantization_config": plan.config["quantization_config"], "weights": weights}
 
 
 @recorded_reads()

@@ -265,7 +265,8 @@ def test_dry_run_json_shows_the_quantization(llama_dcp, tmp_path):
                                    "quantization_config": FP8_BLOCK_CONFIG,
                                    "weights": {n: n + "_scale_inv" for n in names}}
     assert doc["weight_map"]["model.layers.0.mlp.up_proj.weight_scale_inv"] == "model.safetensors"
-    assert doc["mapping"]["model.layers.0.mlp.up_proj.weight_scale_inv"] == ["model.model.layers.0.mlp.up_proj.weight"]  # its weight's source
+    scale = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    assert doc["mapping"][scale] == ["model.model.layers.0.mlp.up_proj.weight"]  # its weight's source
     assert not (tmp_path / "out").exists()
 
 
@@ -307,7 +308,8 @@ def test_refusals_are_one_exact_line(llama_dcp, tmp_path):
      "model.layers.0.mlp.up_proj.weight_scale_inv on the 128×128 ceil grid of a 2-D weight: a layout ckptctl does "
      "not write"),
     (lambda cfg, t: t.update({"model.layers.0.mlp.up_proj.input_scale": torch.ones(())}),
-     "model.safetensors: model.layers.0.mlp.up_proj.input_scale: a scale float32 [] of a layout ckptctl does not write"),
+     "model.safetensors: model.layers.0.mlp.up_proj.input_scale: a scale float32 [] of a layout ckptctl does not "
+     "write"),
 ])
 def test_a_reference_layout_not_written_here_is_refused_naming_it(llama_dcp, tmp_path, edit, line):
     folder, src = llama_dcp

@@ -97,8 +97,7 @@ class Fp8Layout:
                 f"{'power-of-two (ue8m0)' if self.ue8m0 else 'float'} scales")
 
     def as_json(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "block": list(self.block), "scale_fmt": "ue8m0" if self.ue8m0 else "float",
-                "quantization_config": dict(self.config)}
+        return {"scheme": self.scheme, "block": list(self.block), "scale_fmt": "ue8m0" if self.ue8m0 else "float"}
 
 
 @dataclass(frozen=True)
