@@ -41,6 +41,7 @@ from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput, metadata_load
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.quantized import DEQUANT
+from ckptctl.checks.quantized_output import expected_bytes, is_quantized
 from ckptctl.formats.safetensors.reader import MAX_HEADER_BYTES, blob_header
 from ckptctl.core.geometry import Box, strides
 from ckptctl.core.analysis import Coverage, coverage
@@ -322,6 +323,8 @@ def _ends(shape: tuple[int, ...]) -> list[Box]:
 
 
 def _sample(target: TargetTensor, box: Box, sources: Mapping[str, SourceTensor], elements: ItemElements) -> bytes:
+    if is_quantized(target):  # a code or scale is its whole block's: the block rows quantized again
+        return expected_bytes(target, box, sources, elements)
     return bytes(assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), elements))
 
 

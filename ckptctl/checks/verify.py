@@ -29,6 +29,8 @@ from ckptctl.engine.cpu import (DECODED_CACHE_BYTES, ChunkSource, Stopped, assem
 from ckptctl.util.errors import CheckpointError
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.formats.safetensors.quantized import DEQUANT, Fp8Weight
+from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, Fp8Scales, band_rows, scale_bytes
+from ckptctl.checks.quantized_output import requantized
 from ckptctl.formats.dcp.items import MAX_ZIP_READ, ItemReader
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.reader import blob_header
@@ -695,6 +697,11 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
     shape = tuple(reader.get(0).get_slice(name).get_shape())
     if shape != target.shape:
         raise CheckpointError(path, f"{name}: shape {list(shape)} instead of {list(target.shape)}")
+    if isinstance(target.properties, Fp8Scales):  # compared with its codes, band by band
+        return
+    if isinstance(target.properties, Fp8Codes):
+        _verify_fp8(path, reader, target, sources, chunks)
+        return
     for box in item_boxes(target.shape, target.dtype.itemsize, VERIFY_BLOCK_BYTES):
         if stopping():
             raise Stopped
@@ -705,6 +712,29 @@ def _verify_tensor(path: Path, reader: _Reader, target: TargetTensor, sources: M
         if got.dtype != target.dtype or tuple(got.shape) != box.sizes or want != _row_major_view(got):
             raise CheckpointError(path, f"{name}: verification failed (rows from {box.offsets[:1]} "
                                         f"differ from the source)")
+
+
+def _verify_fp8(path: Path, reader: _Reader, target: TargetTensor, sources: Mapping[str, SourceTensor],
+                chunks: ChunkSource) -> None:
+    """A quantized weight's codes and its scales, read back band by band, against the source's
+    rows quantized again (`quantized_output.requantized`): FP8's exactness is its bytes."""
+    props = target.properties
+    block = props.block[0]
+    step = band_rows(*target.shape, block, VERIFY_BLOCK_BYTES) // block
+    for first in range(0, -(-target.shape[0] // block), step):
+        if stopping():
+            raise Stopped
+        stop = min(-(-target.shape[0] // block), first + step)
+        codes, scale = requantized(target, first, stop, sources, chunks)
+        handle = reader.get(codes.numel() + scale.numel() * 4)
+        got = handle.get_slice(target.fqn)[first * block:min(target.shape[0], stop * block)]
+        got_scale = handle.get_slice(props.scale)[first:stop]
+        if got.dtype != codes.dtype or bytes(_row_major_view(got)) != bytes(_row_major_view(codes)):
+            raise CheckpointError(path, f"{target.fqn}: verification failed (FP8 codes of rows from "
+                                        f"{first * block} differ from the source's, quantized again)")
+        if bytes(_row_major_view(got_scale)) != scale_bytes(scale, props.scale_dtype):
+            raise CheckpointError(path, f"{props.scale}: verification failed (scales of block rows from {first} "
+                                        "differ from the source's, quantized again)")
 
 
 def _row_major_view(t: Any) -> memoryview:

@@ -31,7 +31,7 @@ def report_json(report: ExportReport) -> dict:
         "src": report.src, "dst": report.dst, "arch": report.arch, "tp": report.tp, "dtype": report.dtype,
         "tensors": report.tensors, "parameters": report.parameters, "files": report.files,
         "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "notes": report.notes,
-        "processes": report.processes, "device": report.device,
+        "processes": report.processes, "device": report.device, "quantization": report.quantization,
     }
 
 
@@ -46,7 +46,7 @@ def preview_json(preview: ExportPreview) -> dict:
         "merged": {t.name: {"lora_A": t.merged[0], "lora_B": t.merged[1], "scale": t.merged[2],
                             "magnitude": t.merged[3]}
                    for t in preview.tensors if t.merged is not None},
-        "notes": preview.notes,
+        "quantization": preview.quantization, "notes": preview.notes,
     }
 
 
@@ -78,10 +78,16 @@ def print_preview_plain(preview: ExportPreview) -> None:
     out = [f"dry run: nothing written to {preview.dst}", summary_line(preview)]
     out += [f"{f.name}  {f.bytes} bytes  {counted(f.tensors, 'tensor')}" for f in preview.files]
     out.append("also " + ", ".join(preview.side_files))
+    weights = (preview.quantization or {}).get("weights", {})
+    scales = {scale: weight for weight, scale in weights.items()}
     for t in preview.tensors:
+        if t.name in scales:
+            out.append(f"{t.name} ← the scales of {scales[t.name]}'s blocks")
+            continue
         add = f" + {t.add:g}" if t.add else ""
         merged = f" {merged_text(t)}" if t.merged is not None else ""
-        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add + merged)
+        fp8 = ", quantized to FP8" if t.name in weights else ""
+        out.append(f"{t.name} ← " + " + ".join(source_text(s) for s in t.sources) + add + merged + fp8)
     write_out("\n".join(out) + "\n")
 
 
@@ -191,6 +197,14 @@ def export_hf_command(
                                     "every model file, as torch's Hugging Face storage writer saves FSDP2 with "
                                     "save_distributed; torch's consolidation merges them)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", "-n", help="Ranks of --layout distributed."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", metavar="SCHEME",
+                                           help="Write the linear layers' weights as FP8: fp8-block (float8_e4m3fn, "
+                                                "one float32 weight_scale_inv per 128×128 block, as DeepSeek-V3 "
+                                                "publishes; norms, embeddings, router gates, biases and lm_head "
+                                                "kept), or like:REF (the quantized weights, block and scales of the "
+                                                "FP8 model folder REF; a block REF's scale codes exactly keeps it, "
+                                                "so unchanged weights come back bit for bit). The values quantized "
+                                                "are those written otherwise (after --dtype)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing DST."),
     json_out: bool = typer.Option(False, "--json", help="Print a JSON summary on stdout (with --dry-run: the plan)."),
     hub_timeout: float = hub_timeout_option(),
@@ -208,10 +222,12 @@ def export_hf_command(
       ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
       ckptctl export-hf ft/ hf/ --hf-config base/ --merge-adapters --lora-alpha 8
       ckptctl export-hf ft/ ad/ --hf-config base/ --adapter-only --lora-alpha 8
+      ckptctl export-hf ft/ hf-fp8/ --hf-config base/ --quantize fp8-block
     """
 
     def options():
         from ckptctl.commands.export_hf import ExportOptions, parse_size
+        from ckptctl.formats.safetensors.quantize_fp8 import parse_quantize
 
         return ExportOptions(arch=arch, tp=tp, dtype=parse_dtype(dtype), max_shard_size=parse_size(max_shard_size),
                              include=tuple(include or ()), exclude=tuple(exclude or ()), workers=max(1, workers),
@@ -219,7 +235,7 @@ def export_hf_command(
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
                              rslora=rslora, adapter_config=adapter_config, adapter_name=adapter_name, layout=layout,
-                             world_size=world_size)
+                             world_size=world_size, quantize=parse_quantize(quantize))
 
     def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:
         from ckptctl.commands.export_hf import export_hf, preview_export

@@ -40,7 +40,10 @@ from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.distributed import ShardFile, layout_shards, record_count, shard_records
-from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
+from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, layout_file,
+                                                write_index)
+from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Layout, Fp8Scales, band_rows, placed,
+                                                      quantization_config, quantized_count, quantized_targets)
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
@@ -125,6 +128,8 @@ class ExportOptions:
     layout: str = "hf"
     """`LAYOUTS`: `distributed` writes `world_size` ranks' shard files of each model file instead."""
     world_size: int | None = None
+    quantize: Fp8Layout | None = None
+    """`--quantize`: the weights written as FP8 block-scaled codes and scales (`quantize_fp8`)."""
 
 
 @dataclass
@@ -153,6 +158,7 @@ class ExportPlan:
     """`--adapter-only`: the PEFT folder's adapter_config.json, written instead of config.json."""
     shards: list[ShardFile] | None = None
     """`--layout distributed`: the ranks' files (`files` are theirs), each holding pieces of its targets."""
+    quantize: Fp8Layout | None = None
 
     @property
     def data_bytes(self) -> int:
@@ -201,13 +207,17 @@ class ExportPlan:
             for f in self.files:
                 if f.name in names:
                     for target in (self.targets[n] for n in self.file_targets[f.name]):
-                        if target.delta is None:
+                        if isinstance(target.properties, Fp8Codes):  # bands of whole block rows; scales with them
+                            yield from file_records(f, [target], fp8_band_bytes(target))
+                        elif isinstance(target.properties, Fp8Scales):
+                            continue
+                        elif target.delta is None:
                             yield from file_records(f, [target])
                         else:  # computed whole: one record
                             yield StreamItem(f.name, f.offsets[target.fqn], b"", target, full_box(target.shape), ())
 
-        count = sum(1 if t.delta is not None else len(item_boxes(t.shape, t.dtype.itemsize))
-                    for t in self.targets.values())
+        count = sum(1 if t.delta is not None else 0 if isinstance(t.properties, Fp8Scales) else
+                    len(item_boxes(t.shape, t.dtype.itemsize, fp8_band_bytes(t))) for t in self.targets.values())
         headers = [CopyItem("", 0, len(f.header), f.name, 0, f.header) for f in self.files]
         return OutputPlan({f.name: f.size for f in self.files}, records, count, self.sources, headers,
                           finish=functools.partial(write_side_files, self), whole_records=True)
@@ -227,6 +237,8 @@ class ExportReport(RunTiming):
     bytes_written: int
     parameters: int = 0
     notes: list[str] = field(default_factory=list)
+    quantization: dict[str, Any] | None = None
+    """`--quantize`: the scheme, block, scale format, quantization_config and weights quantized."""
 
 
 def choose_family(ckpt: Checkpoint, cfg: HFConfig, arch: str) -> tuple[ModelFamily, str]:
@@ -301,6 +313,7 @@ def output_config(cfg: HFConfig, dtype: DType | None) -> dict[str, Any]:
     `architectures` as save_pretrained writes it: REF's, else the transformers class of its
     model_type (left out for a model_type export-hf has no class for)."""
     data = dict(cfg.data)
+    data.pop("quantization_config", None)  # the weights written are not REF's quantized ones (`--quantize` sets it)
     if dtype is not None:
         data["dtype"] = dtype_name(dtype)
         if "torch_dtype" in data:
@@ -404,18 +417,27 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
-    split = shard(targets, parse_size(opts.max_shard_size))
-    files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
-    shards = None
-    if ranks is not None:  # each rank's pieces of each model file
-        shards = layout_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
-        files = [s.file for s in shards]
     floating = Counter()
     for t in targets.values():
         if t.dtype.is_floating_point:
             floating[t.dtype] += t.nbytes
     out_dtype = opts.dtype or (floating.most_common(1)[0][0] if floating else None)
+    if opts.quantize is not None:
+        targets = quantized_targets(targets, opts.quantize, ckpt.path, selected)
+        ctx.notes.append(f"{counted(quantized_count(targets), 'weight')} written as {opts.quantize.describe()}, "
+                         "each with its weight_scale_inv; the others as they are")
+    split = shard(targets, parse_size(opts.max_shard_size))
+    file_names = {name: with_scales(names, targets) for name, names in split.filename_to_tensors.items()}
+    files = [layout_file(name, [targets[n] for n in names]) for name, names in file_names.items()]
+    for f in files:
+        placed(targets, f.offsets)
+    shards = None
+    if ranks is not None:  # each rank's pieces of each model file
+        shards = layout_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
+        files = [s.file for s in shards]
     config = output_config(cfg, out_dtype)
+    if opts.quantize is not None:
+        config["quantization_config"] = quantization_config(opts.quantize, targets)
     ref_files = cfg.ref_files()
     for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
         os.close(open_source(path, MAX_COPIED_BYTES)[0])
@@ -424,9 +446,11 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     return ExportPlan(
         family=family.name, prefix=prefix, tp=tp, expert_tp=etp, targets=targets, sources=sources, files=files,
         file_targets={f.name: list(f.offsets) for f in files},
-        weight_map=dict(split.tensor_to_filename) if split.is_sharded and shards is None else None,
+        weight_map={n: name for name, names in file_names.items() for n in names}
+        if split.is_sharded and shards is None else None,
         config=config, ref_files=ref_files, notes=ctx.notes,
         generation=generation_config(config) if derive else None, expected=expected, selected=selected, shards=shards,
+        quantize=opts.quantize,
     )
 
 
@@ -435,6 +459,12 @@ def check_layout(opts: ExportOptions) -> int | None:
     values, and options, that cannot go together are refused."""
     if opts.layout not in LAYOUTS:
         raise UsageError(f"--layout must be one of {', '.join(LAYOUTS)} (got {opts.layout!r})")
+    if opts.quantize is not None:
+        other = next((flag for flag, on in (("--layout distributed", opts.layout == "distributed"),
+                                            ("--adapter-only", opts.adapter_only),
+                                            ("--merge-adapters", opts.merge_adapters)) if on), None)
+        if other is not None:
+            raise UsageError(f"--quantize writes a model folder of FP8 weights, not with {other}")
     if opts.layout != "distributed":
         if opts.world_size is not None:
             raise UsageError("--world-size applies to --layout distributed only (a model folder is not split by rank)")
@@ -754,7 +784,8 @@ def check_written_names(plan: ExportPlan, out: Path, preparing: Preparing | None
             held.extend(handle.keys())
     if sorted(held) != sorted(n for f in plan.files for n in plan.file_targets[f.name]):
         raise CheckpointError(out, "verification failed: the written tensor names are not the planned ones")
-    names = sorted(set(held))  # rank files: each a rank's piece of the tensors it names
+    scales = {n for n, t in plan.targets.items() if isinstance(t.properties, Fp8Scales)}  # no model parameter
+    names = sorted(set(held) - scales)  # rank files: each a rank's piece of the tensors it names
     if plan.expected is None:
         return
     asking = asking_transformers(preparing, "the written names")
@@ -790,12 +821,33 @@ def check_coverage(ckpt: Checkpoint, targets: Iterable[TargetTensor], sources: M
 
 
 def shard(targets: dict[str, TargetTensor], max_shard_size: int):
-    """huggingface_hub's own shard planner over the targets' byte sizes."""
+    """huggingface_hub's own shard planner over the targets' byte sizes; a quantized weight's scale
+    is counted with it, and planned nowhere (`with_scales` puts it in the weight's file)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
+    def size(t: TargetTensor) -> int:
+        return t.nbytes + (targets[t.properties.scale].nbytes if isinstance(t.properties, Fp8Codes) else 0)
+
     return split_state_dict_into_shards_factory(
-        targets, get_storage_size=lambda t: t.nbytes, filename_pattern=FILENAME_PATTERN,
-        max_shard_size=max_shard_size)
+        {n: t for n, t in targets.items() if not isinstance(t.properties, Fp8Scales)}, get_storage_size=size,
+        filename_pattern=FILENAME_PATTERN, max_shard_size=max_shard_size)
+
+
+def with_scales(names: Iterable[str], targets: Mapping[str, TargetTensor]) -> list[str]:
+    """A file's tensor names with each quantized weight's scale added: its records write both."""
+    out = []
+    for name in names:
+        out.append(name)
+        if isinstance(targets[name].properties, Fp8Codes):
+            out.append(targets[name].properties.scale)
+    return out
+
+
+def fp8_band_bytes(target: TargetTensor) -> int:
+    """A record's bytes for `item_boxes`: whole block rows for a quantized weight's codes."""
+    if not isinstance(target.properties, Fp8Codes) or len(target.shape) != 2:
+        return ITEM_BYTES
+    return band_rows(*target.shape, target.properties.block[0]) * target.shape[1]
 
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kKmMgGtT])(?:([iI][bB])|([bB])))?\s*")
@@ -877,6 +929,7 @@ class ExportPreview:
     side_files: list[str]
     tensors: list[PlannedTensor]
     notes: list[str] = field(default_factory=list)
+    quantization: dict[str, Any] | None = None
 
     @property
     def bytes(self) -> int:
@@ -920,15 +973,25 @@ def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,
     (DST may exist; it is not looked at). `preparing`: as `plan_export`'s."""
     plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
     where = plan.file_of
-    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name], plan_sources(t, plan.sources), t.add,
+    tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name],  # a scale: its weight's sources
+                             plan_sources(t.properties.codes if isinstance(t.properties, Fp8Scales) else t,
+                                          plan.sources), t.add,
                              None if t.delta is None else merged_sources(t.delta))
                for name, t in sorted(plan.targets.items())]
     return ExportPreview(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
         parameters=plan.parameters,
         files=[PlannedFile(f.name, f.size, len(plan.file_targets[f.name])) for f in plan.files],
-        side_files=plan.side_files(), tensors=tensors, notes=list(plan.notes),
+        side_files=plan.side_files(), tensors=tensors, notes=list(plan.notes), quantization=quantization_json(plan),
     )
+
+
+def quantization_json(plan: ExportPlan) -> dict[str, Any] | None:
+    """What `--json` says of `--quantize`: its layout, and each quantized weight with its scale."""
+    if plan.quantize is None:
+        return None
+    weights = {n: t.properties.scale for n, t in sorted(plan.targets.items()) if isinstance(t.properties, Fp8Codes)}
+    return {**plan.quantize.as_json(), "quantization_config": plan.config["quantization_config"], "weights": weights}
 
 
 @recorded_reads()
@@ -961,11 +1024,14 @@ def export_hf(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),
         tensors=len(plan.targets), files=len(plan.files), bytes_written=sum(f.size for f in plan.files),
         parameters=plan.parameters, notes=list(plan.notes), processes=comm.world_size,
-        device=resolve_device(opts.device),
+        device=resolve_device(opts.device), quantization=quantization_json(plan),
     )
     if report.device != "cpu" and any(t.delta is not None for t in plan.targets.values()):
         report.device = "cpu"  # another device's matmul would give other bits than peft's CPU merge
         report.notes.append("merged weights are computed on the CPU: the run uses the CPU engine")
+    if report.device != "cpu" and plan.quantize is not None:
+        report.device = "cpu"
+        report.notes.append("FP8 weights are quantized on the CPU: the run uses the CPU engine")
     sources = ChunkSource(ckpt)
 
     def verify_output(tmp: Path) -> None:
@@ -979,7 +1045,8 @@ def export_hf(
                                         advance)
             read_back = safetensors_read_back(tmp, plan)
         check_written_names(plan, tmp, preparing)
-        copied = {name: t for name, t in plan.targets.items() if t.delta is None}  # merged ones: recomputed above
+        copied = {name: t for name, t in plan.targets.items()  # merged and quantized ones: recomputed above
+                  if t.delta is None and not isinstance(t.properties, (Fp8Codes, Fp8Scales))}
         check_decoded_source(ckpt, copied, plan.sources, read_back, dst, max(1, opts.workers), advance)
         phases.stop()
         report.verified = True

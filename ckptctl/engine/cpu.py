@@ -15,7 +15,7 @@ import math
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -26,6 +26,7 @@ from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError,
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.storage.store import WriteHandle, store_for
 from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
+from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, scale_bytes, stored_scales
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.core.checkpoint import Checkpoint, Chunk
@@ -550,6 +551,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
     if item.target.delta is not None:
         return _stream_merged(item, sources, files, progress)
+    if isinstance(item.target.properties, Fp8Codes):
+        return _stream_fp8(item, sources, files, progress)
     if numel <= block:
         return _stream_small_item(item, sources, files, progress)
     files.write(item.file, item.head, item.offset)
@@ -638,8 +641,9 @@ def execute(
         copy_item(item, sources, files, progress)
     small: list[StreamItem] = []
     large: list[StreamItem] = []
-    for item in stream_items:
-        (small if item.nbytes < BLOCK_BYTES else large).append(item)
+    for item in stream_items:  # a quantized band writes its scales too: never coalesced with its neighbours
+        (small if item.nbytes < BLOCK_BYTES and not isinstance(item.target.properties, Fp8Codes) else large
+         ).append(item)
     run_on_threads(interleaved_by_file(large), lambda item: stream_item(item, sources, files, progress), workers,
                    "ckptctl", meanwhile=lambda: write_small_records(small, sources, files, progress))
 
@@ -716,6 +720,43 @@ def assemble_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     _fill_block(sources, memoryview(out), dtype, 0, _segments(item), item.target.add)
     fill_transposed(sources, memoryview(out), dtype, 0, item.box.sizes, transposed_reads(item), item.target.add)
     return out
+
+
+def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
+    """(float8_e4m3fn codes, float32 scales) of a quantized weight's record (`Fp8Codes`): its
+    rows, whole block rows, assembled as the export would write them unquantized (`Fp8Codes.values`),
+    widened to float32 (exact) and quantized."""
+    codes = item.target.properties
+    base = replace(item.target, dtype=codes.values, properties=None)
+    values = assemble_bytes(StreamItem("", 0, b"", base, item.box, item.reads), sources)
+    widened = _as_tensor(memoryview(values), codes.values).view(item.box.sizes).float()
+    kept = None
+    if codes.kept is not None:  # like:REF: REF's scales of these block rows, kept where they code them exactly
+        first = item.box.offsets[0] // codes.block[0]
+        kept = stored_scales(codes.kept, first, first - (-item.box.sizes[0] // codes.block[0]))
+    out, scale = quantize_fp8(widened, codes.block, codes.ue8m0, kept, codes.values)
+    bad = (~(scale.isfinite() & (scale > 0))).nonzero()
+    if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
+        row, col = (int(i) for i in bad[0])
+        raise UsageError(f"{item.target.fqn}: its block [{item.box.offsets[0] // codes.block[0] + row}, {col}] "
+                         f"({codes.block[0]}×{codes.block[1]}) has no FP8 scale (its largest magnitude gives "
+                         f"{float(scale[row, col])}): a value there is not finite, or too small for a float32 scale")
+    return out, scale
+
+
+def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
+    """A quantized weight's band: its codes at the record's place, its scale rows at theirs in the
+    scale tensor (laid out in the same file)."""
+    import torch
+
+    props = item.target.properties
+    codes, scale = fp8_band(item, sources)
+    files.write(item.file, codes.view(-1).view(torch.uint8).numpy(), item.offset)
+    row = scale.shape[1] * props.scale_dtype.itemsize
+    data = scale_bytes(scale, props.scale_dtype)
+    files.write(item.file, data, props.scale_offset + item.box.offsets[0] // props.block[0] * row)
+    progress(item.nbytes + len(data))
+    return 0
 
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
