@@ -46,7 +46,7 @@ from ckptctl.core.geometry import Box, strides
 from ckptctl.core.analysis import Coverage, coverage
 from ckptctl.core.checkpoint import Checkpoint, Chunk, ChunkTable, TensorEntry
 from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import ReadHandle, store_for
 
 MAX_PICKLE = 1 << 16
 """Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
@@ -177,13 +177,16 @@ class ItemElements:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
+        self._store = store_for(ckpt.path)
+        self._handles: dict[str, ReadHandle] = {}
         self._fds: dict[str, int] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._layouts: dict[bytes, _Layout] = {}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
         self._fds.clear()
 
     def take_places(self, located: bytes) -> int:
@@ -193,8 +196,10 @@ class ItemElements:
         return len(places)
 
     def fd(self, file: str) -> int:
+        """The raw descriptor of `file`, opened through the store once, for loops of positioned reads."""
         if file not in self._fds:
-            self._fds[file] = open_source(self.ckpt.path / file)[0]
+            handle = self._handles[file] = self._store.open_read(self.ckpt.path / file)
+            self._fds[file] = handle.fileno()
         return self._fds[file]
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
@@ -503,9 +508,8 @@ class DcpCheck:
         the entry a fault cuts)."""
         if names is None:
             planned = dict(self.out.files)
-            with os.scandir(written) as found:
-                on_disk = {e.name: e.stat(follow_symlinks=False).st_size for e in found
-                           if e.name.endswith(".distcp")}
+            store = store_for(written)
+            on_disk = {name: store.size(written / name) for name in store.list(written) if name.endswith(".distcp")}
         else:
             planned = {name: self.out.files[name] for name in names}
             on_disk = {name: _size(written / name) for name in names}
@@ -538,7 +542,7 @@ class DcpCheck:
 def _size(path: Path) -> int | None:
     """A file's size, None when it is not there."""
     try:
-        return os.stat(path, follow_symlinks=False).st_size
+        return store_for(path).size(path)
     except FileNotFoundError:
         return None
 
@@ -774,20 +778,17 @@ def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterabl
     try:
         for name, targets in files.items():
             path = folder / name
-            fd = open_source(path)[0]
-            try:
-                _check_safetensors_file(path, fd, list(targets), sources, source)
-            finally:
-                os.close(fd)
+            with store_for(path).open_read(path) as handle:
+                _check_safetensors_file(path, handle, list(targets), sources, source)
         if weight_map is not None:
             _check_index(folder / index_name, files)
     finally:
         source.close()
 
 
-def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], sources: Mapping[str, SourceTensor],
-                            source: ItemElements) -> None:
-    size = os.fstat(fd).st_size
+def _check_safetensors_file(path: Path, handle: ReadHandle, targets: list[TargetTensor],
+                            sources: Mapping[str, SourceTensor], source: ItemElements) -> None:
+    fd, size = handle.fileno(), handle.size
     try:
         header, data = blob_header(fd, 0, size)
         if (header.get("__metadata__") or {}).get("format") != "pt":
@@ -820,11 +821,13 @@ def _dense_element(fd: int, starts: Mapping[str, int], target: TargetTensor, box
 
 def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
     try:
-        with open(path, "rb") as handle:
-            doc = json.loads(handle.read(MAX_HEADER_BYTES))
+        with store_for(path).open_read(path) as handle:
+            doc = json.loads(handle.read_at(min(handle.size, MAX_HEADER_BYTES), 0))
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
+    except CheckpointError as exc:  # not there, or not a regular file
+        raise CheckpointError(path, f"cannot be read back ({exc.reason})") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     held = {t.fqn: name for name, targets in files.items() for t in targets}
@@ -844,10 +847,10 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     `zipfile`, matches its local records, which follow one another up to the directory, and each
     tensor's record (`records`: record name → its tensor) holds its planned bytes with the
     source's first and last elements."""
-    fd = open_source(path)[0]
+    handle = store_for(path).open_read(path)
+    fd, size = handle.fileno(), handle.size
     source = ItemElements(src)
     try:
-        size = os.fstat(fd).st_size
         try:
             with zipfile.ZipFile(window(fd, 0, size, MAX_ZIP_READ)) as archive:
                 infos = archive.infolist()
@@ -876,7 +879,7 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
                         lambda _: shown)
     finally:
         source.close()
-        os.close(fd)
+        handle.close()
 
 
 def _local_record(fd: int, base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import threading
 import time
@@ -72,7 +71,7 @@ from ckptctl.core.output_plan import OutputPlan
 from ckptctl.core.plan import (CopyItem, LowRank, SourceTensor, StreamItem, TargetTensor, identity_target,
                                missing_elements, plan_box, whole_item)
 from ckptctl.core.selection import refuse_empty_selection, selected
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import store_for
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -418,7 +417,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     config = output_config(cfg, out_dtype)
     ref_files = cfg.ref_files()
     for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
-        os.close(open_source(path, MAX_COPIED_BYTES)[0])
+        store_for(path).open_read(path, MAX_COPIED_BYTES).close()
     copied = {p.name for p in ref_files}
     derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
     return ExportPlan(
@@ -758,7 +757,9 @@ def check_written_names(plan: ExportPlan, out: Path, preparing: Preparing | None
     if plan.expected is None:
         return
     asking = asking_transformers(preparing, "the written names")
-    expected = expected_names(json.loads((out / CONFIG_NAME).read_text()), asking).allowing(plan.expected.beyond)
+    with store_for(out).open_read(out / CONFIG_NAME) as written:
+        config = json.loads(written.read_at(written.size, 0))
+    expected = expected_names(config, asking).allowing(plan.expected.beyond)
     expected = expected.for_output(names)
     unclaimed = expected.unclaimed(names)
     if unclaimed:
@@ -1060,17 +1061,23 @@ def shards_read_back(folder: Path, shards: Sequence[ShardFile]) -> ReadBack:
     return read
 
 
+def _json_file(doc: Mapping[str, Any]) -> bytes:
+    """`doc` as transformers writes a JSON config: indented, keys sorted, ASCII, a final newline."""
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_side_files(plan: ExportPlan, out: Path) -> None:
     """Index (when sharded), config.json with the output dtype, the generation config (REF's,
     else derived from the config), tokenizer files of REF; JSON as transformers writes it."""
+    store = store_for(out)
     if plan.weight_map is not None:
         write_index(out / INDEX_NAME, plan.parameters, plan.total_size, plan.weight_map)
     if plan.adapter_config is not None:
-        (out / PEFT_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2, sort_keys=True) + "\n")
+        store.write_whole(out / PEFT_CONFIG, _json_file(plan.adapter_config))
         return
-    (out / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    store.write_whole(out / CONFIG_NAME, _json_file(plan.config))
     if plan.generation is not None:
-        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")
+        store.write_whole(out / GENERATION_CONFIG_NAME, _json_file(plan.generation))
     for path in plan.ref_files:
         try:
             copy_regular(path, out / path.name)
