@@ -71,6 +71,7 @@ from ckptctl.core.output_plan import OutputPlan
 from ckptctl.core.plan import (CopyItem, LowRank, SourceTensor, StreamItem, TargetTensor, identity_target,
                                missing_elements, plan_box, whole_item)
 from ckptctl.core.selection import refuse_empty_selection, selected
+from ckptctl.commands.options import RunOptions
 from ckptctl.storage.store import store_for
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
@@ -85,21 +86,16 @@ SKIPPED_PREFIXES = ("mtp.",)
 """Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
 
 
-@dataclass
-class ExportOptions:
+@dataclass(kw_only=True)
+class ExportOptions(RunOptions):
+    """What export-hf writes, beyond the shared selection, cast and engine options (`include` and
+    `exclude` are glob patterns over the HF tensor names). Keyword-only: `dtype`, third before it
+    was shared, would otherwise take another field's place silently."""
+
     arch: str = "auto"
     tp: int | None = None
-    dtype: DType | None = None
     max_shard_size: int | str = "5GB"
     """Bytes, or a size as transformers writes it (`5GB`, `500MiB`; see `parse_size`)."""
-    include: tuple[str, ...] = ()
-    """Glob patterns over HF tensor names: when given, only tensors matching one are written."""
-    exclude: tuple[str, ...] = ()
-    """Glob patterns over HF tensor names: tensors matching one are not written."""
-    workers: int = 4
-    device: str = "auto"
-    sync: bool = True
-    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
     name_check: bool = True
     """Check the output names against transformers' model for the config (`--no-name-check`: don't)."""
     drop_expert_bias: bool = False
