@@ -50,7 +50,7 @@ from ckptctl.storage.store import ReadHandle, store_for
 
 MAX_PICKLE = 1 << 16
 """Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
-MAX_LAYOUTS = 4096
+MAX_TENSOR_VIEWS = 4096
 """Distinct `data.pkl`s remembered (with what they say) by one reader."""
 SMALL_ITEM = 1 << 16
 """Items up to this size are read whole to be located (one read instead of a few per record)."""
@@ -73,7 +73,7 @@ class _StorageRef:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _TensorView:
     """A tensor as its `data.pkl` describes it: a view of storage record `key`."""
 
     key: str
@@ -84,13 +84,13 @@ class _Layout:
     storage_bytes: int
 
 
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Layout:
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorView:
     dtype = rest[2] if len(rest) >= 3 and isinstance(rest[2], DType) else getattr(storage, "dtype", None)
     if not (isinstance(storage, _StorageRef) and isinstance(dtype, DType) and _ints(offset, *size, *stride)
             and len(size) == len(stride)):
         raise ValueError("not a tensor record")
     nbytes = storage.numel if storage.untyped else storage.numel * dtype.itemsize
-    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
+    return _TensorView(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
 
 
 def _ints(*values: Any) -> bool:
@@ -109,7 +109,7 @@ def _empty_ordered_dict(*args: Any) -> OrderedDict:
 
 
 class _TensorPickle(pickle.Unpickler):
-    """Python's own unpickler, told torch's names for what they are: a record's layout, never a tensor."""
+    """Python's own unpickler, told torch's names for what they are: a view of a record, never a tensor."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
@@ -130,7 +130,7 @@ class _TensorPickle(pickle.Unpickler):
         return _StorageRef(pid[2], None if untyped else BY_STORAGE.get(pid[1][1]), pid[4], untyped)
 
 
-def tensor_layout(pickled: bytes) -> _Layout:
+def tensor_view(pickled: bytes) -> _TensorView:
     """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
     opcodes a tensor record uses (checked first: nothing else is built)."""
     if len(pickled) > MAX_PICKLE:
@@ -138,10 +138,10 @@ def tensor_layout(pickled: bytes) -> _Layout:
     for op, _, _ in pickletools.genops(pickled):
         if op.name not in _PICKLE_OPS:
             raise ValueError(f"opcode {op.name} in a tensor record")
-    layout = _TensorPickle(io.BytesIO(pickled)).load()
-    if not isinstance(layout, _Layout):
+    view = _TensorPickle(io.BytesIO(pickled)).load()
+    if not isinstance(view, _TensorView):
         raise ValueError("data.pkl holds no tensor")
-    return layout
+    return view
 
 
 @dataclass(frozen=True)
@@ -181,7 +181,7 @@ class ItemElements:
         self._handles: dict[str, ReadHandle] = {}
         self._fds: dict[str, int] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
-        self._layouts: dict[bytes, _Layout] = {}
+        self._tensor_views: dict[bytes, _TensorView] = {}
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -257,27 +257,27 @@ class ItemElements:
         with zipfile.ZipFile(item) as archive:
             pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
             pickled = archive.read(pkl)
-            layout = self._layouts.get(pickled)
-            if layout is None:
-                layout = tensor_layout(pickled)
-                if len(self._layouts) < MAX_LAYOUTS:  # a sharded tensor's items repeat a few pickles
-                    self._layouts[pickled] = layout
+            view = self._tensor_views.get(pickled)
+            if view is None:
+                view = tensor_view(pickled)
+                if len(self._tensor_views) < MAX_TENSOR_VIEWS:  # a sharded tensor's items repeat a few pickles
+                    self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
-            record = archive.getinfo(prefix + f"data/{layout.key}")
+            record = archive.getinfo(prefix + f"data/{view.key}")
             little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
-        if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
-                or record.file_size != layout.storage_bytes:
+        if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
+                or record.file_size != view.storage_bytes:
             raise ValueError("its record is another tensor")
         data, _ = _local_record(fd, chunk.offset, record)
         if data + record.file_size > chunk.offset + chunk.length:
             raise ValueError("its record runs past the item")
-        last = layout.offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride))
-        if math.prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
+        last = view.offset + sum((n - 1) * step for n, step in zip(view.size, view.stride))
+        if math.prod(view.size) and (last + 1) * entry.itemsize > record.file_size:
             raise ValueError("its view runs past its storage")
-        if little and (layout.stride == strides(layout.size) or math.prod(layout.size) <= 1):
-            return _Dense(data + layout.offset * entry.itemsize)
+        if little and (view.stride == strides(view.size) or math.prod(view.size) <= 1):
+            return _Dense(data + view.offset * entry.itemsize)
         if little:
-            return _Strided(data + layout.offset * entry.itemsize, layout.size, layout.stride)
+            return _Strided(data + view.offset * entry.itemsize, view.size, view.stride)
         from ckptctl.checks.verify import decode_source_item, raw_bytes  # big-endian: torch swaps its bytes
 
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))

@@ -38,8 +38,8 @@ from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
-from ckptctl.formats.safetensors.distributed import ShardFile, layout_shards, record_count, shard_records
-from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, layout_file, write_index
+from ckptctl.formats.safetensors.distributed import ShardFile, placed_shards, record_count, shard_records
+from ckptctl.formats.safetensors.writer import SafetensorsFile, file_records, item_boxes, placed_file, write_index
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
@@ -325,7 +325,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
     to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model; the names
     are checked against transformers' model under `preparing` (`asking_transformers`)."""
-    ranks = check_layout(opts)
+    ranks = distributed_ranks(opts)
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -400,10 +400,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     split = shard(targets, parse_size(opts.max_shard_size))
-    files = [layout_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
+    files = [placed_file(name, [targets[n] for n in names]) for name, names in split.filename_to_tensors.items()]
     shards = None
     if ranks is not None:  # each rank's pieces of each model file
-        shards = layout_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
+        shards = placed_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
         files = [s.file for s in shards]
     floating = Counter()
     for t in targets.values():
@@ -425,7 +425,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     )
 
 
-def check_layout(opts: ExportOptions) -> int | None:
+def distributed_ranks(opts: ExportOptions) -> int | None:
     """The ranks of `--layout distributed` (None for a model folder); `--layout` and `--world-size`
     values, and options, that cannot go together are refused."""
     if opts.layout not in LAYOUTS:
@@ -581,7 +581,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         sources[view.fqn] = view
         targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
-    files = [layout_file(PEFT_WEIGHTS, list(targets.values()))]
+    files = [placed_file(PEFT_WEIGHTS, list(targets.values()))]
     architectures = output_config(cfg, None).get("architectures") or ()
     modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
     config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None,

@@ -33,7 +33,7 @@ from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.pickle.torch_pickle import Size
 from ckptctl.formats.torch_save.writer import (
-    LOAD_SAFE_GLOBALS, CorruptValueError, TensorSlot, TorchSaveFile, Value, decode_value, layout_torch_save, nest,
+    LOAD_SAFE_GLOBALS, CorruptValueError, TensorSlot, TorchSaveFile, Value, decode_value, placed_torch_save, nest,
     state_pickle,
 )
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
@@ -141,7 +141,7 @@ def plan_export_torch(ckpt: Checkpoint, opts: ExportTorchOptions, values: dict[s
     leaves = [*slots.items(), *((f, Value(f, v)) for f, v in values.items())]
     tree = nest(leaves, ckpt.planner_data, len(ckpt.tensors) + len(ckpt.bytes_entries), str(ckpt.path))
     pickled, order = state_pickle(tree, str(ckpt.path))
-    return ExportTorchPlan(layout_torch_save(name, archive, pickled, order, force_zip64), tree, order, sources)
+    return ExportTorchPlan(placed_torch_save(name, archive, pickled, order, force_zip64), tree, order, sources)
 
 
 def check_output(out: Path, force: bool, src: Path) -> None:
