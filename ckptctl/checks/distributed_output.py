@@ -12,7 +12,6 @@ that holds them, are the source's.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -26,7 +25,7 @@ from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.distributed import VERSION, ShardFile, sharding_metadata
 from ckptctl.formats.safetensors.hf_sharded import VERSION_KEY
 from ckptctl.formats.safetensors.reader import SHARDING_KEY, blob_header
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import store_for
 from ckptctl.util.errors import CheckpointError
 
 
@@ -56,14 +55,14 @@ def check_distributed_safetensors(src: Checkpoint, folder: Path, shards: Sequenc
 
 
 def _check_header(path: Path, shard: ShardFile, targets: Mapping[str, TargetTensor]) -> None:
-    fd = open_source(path)[0]
+    handle = store_for(path).open_read(path)
+    size = handle.size
     try:
-        size = os.fstat(fd).st_size
-        header, data = blob_header(fd, 0, size)
+        header, data = blob_header(handle.fileno(), 0, size)
     except (ValueError, KeyError, TypeError, struct.error, RecursionError) as exc:
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     finally:
-        os.close(fd)
+        handle.close()
     try:
         metadata = header.get("__metadata__") or {}
         if metadata.get("format") != "pt" or metadata.get(VERSION_KEY) != VERSION:

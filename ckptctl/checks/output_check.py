@@ -47,11 +47,11 @@ from ckptctl.core.geometry import Box, strides
 from ckptctl.core.analysis import Coverage, coverage
 from ckptctl.core.checkpoint import Checkpoint, Chunk, ChunkTable, TensorEntry
 from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, plan_box
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import ReadHandle, store_for
 
 MAX_PICKLE = 1 << 16
 """Largest `data.pkl` of an item read here (one tensor's: about 200 bytes)."""
-MAX_LAYOUTS = 4096
+MAX_TENSOR_VIEWS = 4096
 """Distinct `data.pkl`s remembered (with what they say) by one reader."""
 SMALL_ITEM = 1 << 16
 """Items up to this size are read whole to be located (one read instead of a few per record)."""
@@ -74,7 +74,7 @@ class _StorageRef:
 
 
 @dataclass(frozen=True)
-class _Layout:
+class _TensorView:
     """A tensor as its `data.pkl` describes it: a view of storage record `key`."""
 
     key: str
@@ -85,13 +85,13 @@ class _Layout:
     storage_bytes: int
 
 
-def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _Layout:
+def _rebuild(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> _TensorView:
     dtype = rest[2] if len(rest) >= 3 and isinstance(rest[2], DType) else getattr(storage, "dtype", None)
     if not (isinstance(storage, _StorageRef) and isinstance(dtype, DType) and _ints(offset, *size, *stride)
             and len(size) == len(stride)):
         raise ValueError("not a tensor record")
     nbytes = storage.numel if storage.untyped else storage.numel * dtype.itemsize
-    return _Layout(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
+    return _TensorView(storage.key, dtype, offset, tuple(size), tuple(stride), nbytes)
 
 
 def _ints(*values: Any) -> bool:
@@ -110,7 +110,7 @@ def _empty_ordered_dict(*args: Any) -> OrderedDict:
 
 
 class _TensorPickle(pickle.Unpickler):
-    """Python's own unpickler, told torch's names for what they are: a record's layout, never a tensor."""
+    """Python's own unpickler, told torch's names for what they are: a view of a record, never a tensor."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
@@ -131,7 +131,7 @@ class _TensorPickle(pickle.Unpickler):
         return _StorageRef(pid[2], None if untyped else BY_STORAGE.get(pid[1][1]), pid[4], untyped)
 
 
-def tensor_layout(pickled: bytes) -> _Layout:
+def tensor_view(pickled: bytes) -> _TensorView:
     """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
     opcodes a tensor record uses (checked first: nothing else is built)."""
     if len(pickled) > MAX_PICKLE:
@@ -139,10 +139,10 @@ def tensor_layout(pickled: bytes) -> _Layout:
     for op, _, _ in pickletools.genops(pickled):
         if op.name not in _PICKLE_OPS:
             raise ValueError(f"opcode {op.name} in a tensor record")
-    layout = _TensorPickle(io.BytesIO(pickled)).load()
-    if not isinstance(layout, _Layout):
+    view = _TensorPickle(io.BytesIO(pickled)).load()
+    if not isinstance(view, _TensorView):
         raise ValueError("data.pkl holds no tensor")
-    return layout
+    return view
 
 
 @dataclass(frozen=True)
@@ -178,13 +178,16 @@ class ItemElements:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
+        self._store = store_for(ckpt.path)
+        self._handles: dict[str, ReadHandle] = {}
         self._fds: dict[str, int] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
-        self._layouts: dict[bytes, _Layout] = {}
+        self._tensor_views: dict[bytes, _TensorView] = {}
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
         self._fds.clear()
 
     def take_places(self, located: bytes) -> int:
@@ -194,8 +197,10 @@ class ItemElements:
         return len(places)
 
     def fd(self, file: str) -> int:
+        """The raw descriptor of `file`, opened through the store once, for loops of positioned reads."""
         if file not in self._fds:
-            self._fds[file] = open_source(self.ckpt.path / file)[0]
+            handle = self._handles[file] = self._store.open_read(self.ckpt.path / file)
+            self._fds[file] = handle.fileno()
         return self._fds[file]
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
@@ -253,27 +258,27 @@ class ItemElements:
         with zipfile.ZipFile(item) as archive:
             pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
             pickled = archive.read(pkl)
-            layout = self._layouts.get(pickled)
-            if layout is None:
-                layout = tensor_layout(pickled)
-                if len(self._layouts) < MAX_LAYOUTS:  # a sharded tensor's items repeat a few pickles
-                    self._layouts[pickled] = layout
+            view = self._tensor_views.get(pickled)
+            if view is None:
+                view = tensor_view(pickled)
+                if len(self._tensor_views) < MAX_TENSOR_VIEWS:  # a sharded tensor's items repeat a few pickles
+                    self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
-            record = archive.getinfo(prefix + f"data/{layout.key}")
+            record = archive.getinfo(prefix + f"data/{view.key}")
             little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
-        if layout.dtype != entry.dtype or layout.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
-                or record.file_size != layout.storage_bytes:
+        if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
+                or record.file_size != view.storage_bytes:
             raise ValueError("its record is another tensor")
         data, _ = _local_record(fd, chunk.offset, record)
         if data + record.file_size > chunk.offset + chunk.length:
             raise ValueError("its record runs past the item")
-        last = layout.offset + sum((n - 1) * step for n, step in zip(layout.size, layout.stride))
-        if math.prod(layout.size) and (last + 1) * entry.itemsize > record.file_size:
+        last = view.offset + sum((n - 1) * step for n, step in zip(view.size, view.stride))
+        if math.prod(view.size) and (last + 1) * entry.itemsize > record.file_size:
             raise ValueError("its view runs past its storage")
-        if little and (layout.stride == strides(layout.size) or math.prod(layout.size) <= 1):
-            return _Dense(data + layout.offset * entry.itemsize)
+        if little and (view.stride == strides(view.size) or math.prod(view.size) <= 1):
+            return _Dense(data + view.offset * entry.itemsize)
         if little:
-            return _Strided(data + layout.offset * entry.itemsize, layout.size, layout.stride)
+            return _Strided(data + view.offset * entry.itemsize, view.size, view.stride)
         from ckptctl.checks.verify import decode_source_item, raw_bytes  # big-endian: torch swaps its bytes
 
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
@@ -506,9 +511,8 @@ class DcpCheck:
         the entry a fault cuts)."""
         if names is None:
             planned = dict(self.out.files)
-            with os.scandir(written) as found:
-                on_disk = {e.name: e.stat(follow_symlinks=False).st_size for e in found
-                           if e.name.endswith(".distcp")}
+            store = store_for(written)
+            on_disk = {name: store.size(written / name) for name in store.list(written) if name.endswith(".distcp")}
         else:
             planned = {name: self.out.files[name] for name in names}
             on_disk = {name: _size(written / name) for name in names}
@@ -550,7 +554,7 @@ def _written_element(output: ChunkSource, entry: TensorEntry, chunk: Chunk, poin
 def _size(path: Path) -> int | None:
     """A file's size, None when it is not there."""
     try:
-        return os.stat(path, follow_symlinks=False).st_size
+        return store_for(path).size(path)
     except FileNotFoundError:
         return None
 
@@ -788,20 +792,17 @@ def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterabl
     try:
         for name, targets in files.items():
             path = folder / name
-            fd = open_source(path)[0]
-            try:
-                _check_safetensors_file(path, fd, list(targets), sources, source)
-            finally:
-                os.close(fd)
+            with store_for(path).open_read(path) as handle:
+                _check_safetensors_file(path, handle, list(targets), sources, source)
         if weight_map is not None:
             _check_index(folder / index_name, files)
     finally:
         source.close()
 
 
-def _check_safetensors_file(path: Path, fd: int, targets: list[TargetTensor], sources: Mapping[str, SourceTensor],
-                            source: ItemElements) -> None:
-    size = os.fstat(fd).st_size
+def _check_safetensors_file(path: Path, handle: ReadHandle, targets: list[TargetTensor],
+                            sources: Mapping[str, SourceTensor], source: ItemElements) -> None:
+    fd, size = handle.fileno(), handle.size
     try:
         header, data = blob_header(fd, 0, size)
         if (header.get("__metadata__") or {}).get("format") != "pt":
@@ -834,11 +835,13 @@ def _dense_element(fd: int, starts: Mapping[str, int], target: TargetTensor, box
 
 def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
     try:
-        with open(path, "rb") as handle:
-            doc = json.loads(handle.read(MAX_HEADER_BYTES))
+        with store_for(path).open_read(path) as handle:
+            doc = json.loads(handle.read_at(min(handle.size, MAX_HEADER_BYTES), 0))
         weight_map = doc["weight_map"]
         if not isinstance(weight_map, dict):
             raise TypeError("weight_map is not an object")
+    except CheckpointError as exc:  # not there, or not a regular file
+        raise CheckpointError(path, f"cannot be read back ({exc.reason})") from None
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     held = {t.fqn: name for name, targets in files.items() for t in targets}
@@ -858,10 +861,10 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     `zipfile`, matches its local records, which follow one another up to the directory, and each
     tensor's record (`records`: record name → its tensor) holds its planned bytes with the
     source's first and last elements."""
-    fd = open_source(path)[0]
+    handle = store_for(path).open_read(path)
+    fd, size = handle.fileno(), handle.size
     source = ItemElements(src)
     try:
-        size = os.fstat(fd).st_size
         try:
             with zipfile.ZipFile(window(fd, 0, size, MAX_ZIP_READ)) as archive:
                 infos = archive.infolist()
@@ -890,7 +893,7 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
                         lambda _: shown)
     finally:
         source.close()
-        os.close(fd)
+        handle.close()
 
 
 def _local_record(fd: int, base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:

@@ -43,7 +43,7 @@ from ckptctl.core.geometry import (Box, box_flat_ranges, flat_boxes, full_box, r
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
 from ckptctl.util.progress import Advance
 from ckptctl.core.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.store import store_for
 
 
 VERIFY_BLOCK_BYTES = 4 << 20
@@ -303,7 +303,7 @@ class DecodedChunks:
 
     def __init__(self, src: Checkpoint) -> None:
         self.src = src
-        self._files = ItemReader(src)  # lends its open descriptors only
+        self._files = ItemReader(src)  # lends its open handles only
         self._places: dict[tuple[str, str, int], Any] = {}
         self._decoded_bytes = 0
         """Bytes of the whole decoded chunks `_places` holds: at most DECODED_CACHE_BYTES."""
@@ -345,7 +345,7 @@ class DecodedChunks:
         if self.src.safetensors_folder:
             return _safetensors_folder_rows(path, entry, chunk)
         if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":
-            return _safetensors_record_start(fd, chunk, entry, path, os.fstat(fd).st_size)
+            return _safetensors_record_start(fd, chunk, entry, path, self._files.handle(chunk.file).size)
         try:
             start = _torch_record_start(fd, chunk, entry)
         except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
@@ -466,18 +466,18 @@ def _unflat(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files: ItemReader | None = None) -> Any:
     """A torch.save item decoded whole by torch, its stream transforms undone first (not by
-    ckptctl's item reader: `files`, when given, only lends its open descriptors)."""
+    ckptctl's item reader: `files`, when given, only lends its open handles)."""
     import torch
 
     if DEQUANT in chunk.transforms:
         return safetensors_dequantized(entry, chunk)
     path = src.path / chunk.file
-    fd = files.fd(chunk.file) if files is not None else open_source(path)[0]
+    handle = files.handle(chunk.file) if files is not None else store_for(path).open_read(path)
     try:
-        raw = os.pread(fd, chunk.length, chunk.offset)
+        raw = handle.read_at(chunk.length, chunk.offset)
     finally:
         if files is None:
-            os.close(fd)
+            handle.close()
     if len(raw) != chunk.length:
         raise CheckpointError(path, f"item at byte {chunk.offset}: short read")
     if chunk.transforms:
@@ -608,11 +608,8 @@ def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: P
 
 def _safetensors_folder_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> int:
     """A safetensors model file's tensor: where the rows `chunk` covers start."""
-    fd = open_source(path)[0]
-    try:
-        start, info = _safetensors_start(fd, 0, entry.fqn, path, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+    with store_for(path).open_read(path) as handle:
+        start, info = _safetensors_start(handle.fileno(), 0, entry.fqn, path, handle.size)
     if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
         raise CheckpointError(path, f"{entry.fqn}: its header names another tensor than the checkpoint's")
     return start + (chunk.offsets[0] * math.prod(entry.shape[1:]) * entry.itemsize if entry.shape else 0)

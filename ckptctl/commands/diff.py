@@ -58,6 +58,7 @@ from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.util.errors import CastOverflowError, CheckpointError, UsageError
 from ckptctl.storage.source_files import as_typed, missing
+from ckptctl.storage.store import ReadHandle, store_for
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors.reader import StoredTensor, quantized_kind, shown_name, stored_tensors
@@ -334,6 +335,8 @@ class SafetensorsSide:
         self.path = path
         self.notes: list[str] = []
         self.bytes_entries: dict[str, BytesInfo] = {}
+        self._store = store_for(path)
+        self._handles: dict[Path, ReadHandle] = {}
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._stored: dict[str, StoredTensor] = stored_tensors(path)
@@ -350,10 +353,8 @@ class SafetensorsSide:
     def _fd(self, file: Path) -> int:
         with self._lock:
             if file not in self._fds:
-                try:
-                    self._fds[file] = os.open(file, os.O_RDONLY)
-                except OSError as exc:
-                    raise CheckpointError(file, f"cannot open: {exc.strerror or exc}") from None
+                handle = self._handles[file] = self._store.open_read(file)
+                self._fds[file] = handle.fileno()
             return self._fds[file]
 
     def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
@@ -382,8 +383,9 @@ class SafetensorsSide:
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for handle in self._handles.values():
+                handle.close()
+            self._handles.clear()
             self._fds.clear()
 
 
@@ -474,7 +476,7 @@ def format_of(path: Path) -> str:
         raise CheckpointError(path, "not a directory (diff takes DCP checkpoints, safetensors model folders "
                                     "or .safetensors files)")
     try:
-        names = os.listdir(path)
+        names = store_for(path).list(path)
     except OSError as exc:
         raise CheckpointError(path, f"cannot list: {exc.strerror or exc}") from None
     if ".metadata" in names or any(_RANK_METADATA.match(n) for n in names):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 import re
 import threading
 import time
@@ -39,8 +38,8 @@ from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
-from ckptctl.formats.safetensors.distributed import ShardFile, layout_shards, record_count, shard_records
-from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, layout_file,
+from ckptctl.formats.safetensors.distributed import ShardFile, placed_shards, record_count, shard_records
+from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, placed_file,
                                                 write_index)
 from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Layout, Fp8Scales, band_rows, placed,
                                                       quantization_config, quantized_count, quantized_targets)
@@ -75,7 +74,8 @@ from ckptctl.core.output_plan import OutputPlan
 from ckptctl.core.plan import (CopyItem, LowRank, SourceTensor, StreamItem, TargetTensor, identity_target,
                                missing_elements, plan_box, whole_item)
 from ckptctl.core.selection import refuse_empty_selection, selected
-from ckptctl.storage.source_files import open_source
+from ckptctl.commands.options import RunOptions
+from ckptctl.storage.store import store_for
 
 FILENAME_PATTERN = "model{suffix}.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -89,21 +89,16 @@ SKIPPED_PREFIXES = ("mtp.",)
 """Megatron model tensors with no place in the HF model classes (multi-token prediction heads)."""
 
 
-@dataclass
-class ExportOptions:
+@dataclass(kw_only=True)
+class ExportOptions(RunOptions):
+    """What export-hf writes, beyond the shared selection, cast and engine options (`include` and
+    `exclude` are glob patterns over the HF tensor names). Keyword-only: `dtype`, third before it
+    was shared, would otherwise take another field's place silently."""
+
     arch: str = "auto"
     tp: int | None = None
-    dtype: DType | None = None
     max_shard_size: int | str = "5GB"
     """Bytes, or a size as transformers writes it (`5GB`, `500MiB`; see `parse_size`)."""
-    include: tuple[str, ...] = ()
-    """Glob patterns over HF tensor names: when given, only tensors matching one are written."""
-    exclude: tuple[str, ...] = ()
-    """Glob patterns over HF tensor names: tensors matching one are not written."""
-    workers: int = 4
-    device: str = "auto"
-    sync: bool = True
-    """fsync the output before the atomic rename (`--no-sync`: leave it to the kernel, as `cp` does)."""
     name_check: bool = True
     """Check the output names against transformers' model for the config (`--no-name-check`: don't)."""
     drop_expert_bias: bool = False
@@ -343,7 +338,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     only of tensors left out on a condition: expert biases proven zero, tied heads proven equal
     to the embeddings. `ref` (the `--hf-config` given) is a PEFT folder's base model; the names
     are checked against transformers' model under `preparing` (`asking_transformers`)."""
-    ranks = check_layout(opts)
+    ranks = distributed_ranks(opts)
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
     if not model.entries:
@@ -428,19 +423,19 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
                          "each with its weight_scale_inv; the others as they are")
     split = shard(targets, parse_size(opts.max_shard_size))
     file_names = {name: with_scales(names, targets) for name, names in split.filename_to_tensors.items()}
-    files = [layout_file(name, [targets[n] for n in names]) for name, names in file_names.items()]
+    files = [placed_file(name, [targets[n] for n in names]) for name, names in file_names.items()]
     for f in files:
         placed(targets, f.offsets)
     shards = None
     if ranks is not None:  # each rank's pieces of each model file
-        shards = layout_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
+        shards = placed_shards([[targets[n] for n in names] for names in split.filename_to_tensors.values()], ranks)
         files = [s.file for s in shards]
     config = output_config(cfg, out_dtype)
     if opts.quantize is not None:
         config["quantization_config"] = quantization_config(opts.quantize, targets)
     ref_files = cfg.ref_files()
     for path in ref_files:  # a FIFO, device or giant file is refused now, not after the weights are written
-        os.close(open_source(path, MAX_COPIED_BYTES)[0])
+        store_for(path).open_read(path, MAX_COPIED_BYTES).close()
     copied = {p.name for p in ref_files}
     derive = generative(config.get("architectures") or ()) and GENERATION_CONFIG_NAME not in copied
     return ExportPlan(
@@ -454,7 +449,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     )
 
 
-def check_layout(opts: ExportOptions) -> int | None:
+def distributed_ranks(opts: ExportOptions) -> int | None:
     """The ranks of `--layout distributed` (None for a model folder); `--layout` and `--world-size`
     values, and options, that cannot go together are refused."""
     if opts.layout not in LAYOUTS:
@@ -616,7 +611,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         sources[view.fqn] = view
         targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
-    files = [layout_file(PEFT_WEIGHTS, list(targets.values()))]
+    files = [placed_file(PEFT_WEIGHTS, list(targets.values()))]
     architectures = output_config(cfg, None).get("architectures") or ()
     modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
     config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None,
@@ -789,7 +784,9 @@ def check_written_names(plan: ExportPlan, out: Path, preparing: Preparing | None
     if plan.expected is None:
         return
     asking = asking_transformers(preparing, "the written names")
-    expected = expected_names(json.loads((out / CONFIG_NAME).read_text()), asking).allowing(plan.expected.beyond)
+    with store_for(out).open_read(out / CONFIG_NAME) as written:
+        config = json.loads(written.read_at(written.size, 0))
+    expected = expected_names(config, asking).allowing(plan.expected.beyond)
     expected = expected.for_output(names)
     unclaimed = expected.unclaimed(names)
     if unclaimed:
@@ -1127,17 +1124,23 @@ def shards_read_back(folder: Path, shards: Sequence[ShardFile]) -> ReadBack:
     return read
 
 
+def _json_file(doc: Mapping[str, Any]) -> bytes:
+    """`doc` as transformers writes a JSON config: indented, keys sorted, ASCII, a final newline."""
+    return (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode()
+
+
 def write_side_files(plan: ExportPlan, out: Path) -> None:
     """Index (when sharded), config.json with the output dtype, the generation config (REF's,
     else derived from the config), tokenizer files of REF; JSON as transformers writes it."""
+    store = store_for(out)
     if plan.weight_map is not None:
         write_index(out / INDEX_NAME, plan.parameters, plan.total_size, plan.weight_map)
     if plan.adapter_config is not None:
-        (out / PEFT_CONFIG).write_text(json.dumps(plan.adapter_config, indent=2, sort_keys=True) + "\n")
+        store.write_whole(out / PEFT_CONFIG, _json_file(plan.adapter_config))
         return
-    (out / CONFIG_NAME).write_text(json.dumps(plan.config, indent=2, sort_keys=True) + "\n")
+    store.write_whole(out / CONFIG_NAME, _json_file(plan.config))
     if plan.generation is not None:
-        (out / GENERATION_CONFIG_NAME).write_text(json.dumps(plan.generation, indent=2, sort_keys=True) + "\n")
+        store.write_whole(out / GENERATION_CONFIG_NAME, _json_file(plan.generation))
     for path in plan.ref_files:
         try:
             copy_regular(path, out / path.name)

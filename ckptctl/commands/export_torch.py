@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from ckptctl.storage.atomic import atomic_file, lands_in, recorded_reads
+from ckptctl.storage.atomic import lands_in, recorded_reads
+from ckptctl.storage.store import store_for
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, run_on_threads
@@ -32,7 +33,7 @@ from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.pickle.torch_pickle import Size
 from ckptctl.formats.torch_save.writer import (
-    LOAD_SAFE_GLOBALS, CorruptValueError, TensorSlot, TorchSaveFile, Value, decode_value, layout_torch_save, nest,
+    LOAD_SAFE_GLOBALS, CorruptValueError, TensorSlot, TorchSaveFile, Value, decode_value, placed_torch_save, nest,
     state_pickle,
 )
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
@@ -140,7 +141,7 @@ def plan_export_torch(ckpt: Checkpoint, opts: ExportTorchOptions, values: dict[s
     leaves = [*slots.items(), *((f, Value(f, v)) for f, v in values.items())]
     tree = nest(leaves, ckpt.planner_data, len(ckpt.tensors) + len(ckpt.bytes_entries), str(ckpt.path))
     pickled, order = state_pickle(tree, str(ckpt.path))
-    return ExportTorchPlan(layout_torch_save(name, archive, pickled, order, force_zip64), tree, order, sources)
+    return ExportTorchPlan(placed_torch_save(name, archive, pickled, order, force_zip64), tree, order, sources)
 
 
 def check_output(out: Path, force: bool, src: Path) -> None:
@@ -185,7 +186,7 @@ def export_torch(
             return report
         phases = Phases(progress)
         output = plan.output_plan(opts.sync)
-        with atomic_file(out, force, opts.sync) as tmp:
+        with store_for(out).atomic_file(out, force, opts.sync) as tmp:
             advance = phases.start("writing", plan.file.size)
             write_files(output, tmp.parent, {tmp.name}, execute, chunks, max(1, opts.workers), opts.sync, advance)
             output.finish(tmp.parent)
@@ -228,7 +229,8 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
         raise CheckpointError(shown, f"cannot re-read for verification ({type(exc).__name__}: {reason})") from None
     tensors: list[Any] = []
     _match(plan.tree, loaded, (), tensors, shown)
-    fd = os.open(path, os.O_RDONLY)
+    handle = store_for(path).open_read(path)
+    fd = handle.fileno()
     try:
         places = [_record_place(fd, infos, f"{plan.file.archive}/data/{i}", shown) for i in range(len(tensors))]
         bases = {t.untyped_storage().data_ptr() - at for t, (at, _) in zip(tensors, places) if t.numel()}
@@ -242,7 +244,7 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
 
         run_on_threads(range(len(tensors)), check, workers, "ckptctl-verify")
     finally:
-        os.close(fd)
+        handle.close()
     loaded_by_fqn = {target.fqn: tensor for target, tensor in zip(plan.targets, tensors)}
     check_decoded_source(chunks.ckpt, {t.fqn: t for t in plan.targets}, plan.sources,
                          tensor_read_back(loaded_by_fqn.__getitem__), shown, workers, advance)

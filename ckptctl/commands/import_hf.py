@@ -32,7 +32,7 @@ from ckptctl.engine.cpu import ChunkSource, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.storage.atomic import recorded_reads
 from ckptctl.util.errors import CheckpointError, UsageError
-from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.formats.safetensors.quantized import describe_dequantized, quant_format
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.gc_pause import gc_paused
@@ -263,7 +263,7 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
         else:
             tp, dp = opts.grid()
             placements = {t.fqn: megatron_fsdp(t.shape, t.fqn[len(prefix):], tp, dp) for t in kept}
-        output = layout_dcp(kept, placements, views, [], saved_paths((t.fqn for t in kept), prefix))
+        output = place_dcp_records(kept, placements, views, [], saved_paths((t.fqn for t in kept), prefix))
     dequantized_to = dtype_name(opts.dtype or bfloat16) if quantized is not None else None
     return ckpt, ImportPlan(output, views, expected.model_class if expected else None, notes, dequantized_to)
 

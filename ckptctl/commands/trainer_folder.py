@@ -21,8 +21,8 @@ from ckptctl.commands.reshard import ReshardOptions, ReshardReport, reshard
 from ckptctl.core.rank_state import common_ranks, refuse_world_size_change
 from ckptctl.core.selection import selected
 from ckptctl.engine.dist import LOCAL, Comm
-from ckptctl.storage.atomic import atomic_directory, check_destination
-from ckptctl.storage.source_files import open_source
+from ckptctl.storage.atomic import check_destination
+from ckptctl.storage.store import store_for
 from ckptctl.storage.trainer_folder import TrainerFolder
 from ckptctl.util.errors import CheckpointError, OutputError, UsageError
 from ckptctl.util.progress import ProgressObserver, RunTiming
@@ -66,37 +66,35 @@ def _refuse_unreshardable(folder: TrainerFolder, opts: ReshardOptions, comm: Com
 
 def _copy(src: Path, dst: Path) -> int:
     """Copy file `src` to the new file `dst` byte for byte and read the copy back: the same bytes, or an error."""
-    fd, _ = open_source(src)
     digest = hashlib.sha256()
     size = 0
-    try:
-        with open(dst, "xb") as out:
-            while block := os.read(fd, _BLOCK):
-                digest.update(block)
-                out.write(block)
-                size += len(block)
-    finally:
-        os.close(fd)
+    with store_for(src).open_read(src) as source, store_for(dst).write_stream(dst) as out:
+        while block := source.read_at(_BLOCK, size):
+            digest.update(block)
+            out.write(block)
+            size += len(block)
     check = hashlib.sha256()
-    with open(dst, "rb") as back:
-        while block := back.read(_BLOCK):
+    with store_for(dst).open_read(dst) as back:
+        at = 0
+        while block := back.read_at(_BLOCK, at):
             check.update(block)
+            at += len(block)
     if check.digest() != digest.digest():
         raise OutputError(dst, "the copy reads back different bytes than its source")
     return size
 
 
-def _snapshot(folder: TrainerFolder, files: list[str]) -> dict[Path, tuple[int, ...] | None]:
-    """What each file of the parts and each of `files` is now (device, inode, size, modification time)."""
+def _snapshot(folder: TrainerFolder, files: list[str]) -> dict[Path, tuple[int | str, ...] | None]:
+    """What each file of the parts and each of `files` is now (its store's `version`: locally device, inode,
+    size, modification time)."""
+    store = store_for(folder.path)
     paths = [folder.path / n for n in files]
     for part in folder.parts:
-        with os.scandir(folder.path / part) as entries:
-            paths += [Path(e.path) for e in entries]
-    seen: dict[Path, tuple[int, ...] | None] = {}
+        paths += [folder.path / part / name for name in store.list(folder.path / part)]
+    seen: dict[Path, tuple[int | str, ...] | None] = {}
     for path in paths:
         try:
-            info = os.stat(path)
-            seen[path] = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
+            seen[path] = store.version(path)
         except OSError:
             seen[path] = None
     return seen
@@ -133,11 +131,11 @@ def reshard_folder(folder: TrainerFolder, dst: str | os.PathLike, opts: ReshardO
     if dry_run:
         for part in folder.parts:
             report.parts[part] = reshard(folder.path / part, dst / part, opts, dry_run=True, comm=comm)
-        report.copied = {n: (folder.path / n).stat().st_size for n in sorted(keep)}
+        report.copied = {n: store_for(folder.path).size(folder.path / n) for n in sorted(keep)}
         return report
     check_destination(dst, force, folder.path)
     before = _snapshot(folder, keep)
-    with atomic_directory(dst, force, sync=opts.sync) as tmp:
+    with store_for(dst).atomic_folder(dst, force, sync=opts.sync) as tmp:
         for part in folder.parts:
             report.parts[part] = reshard(folder.path / part, tmp / part, opts, verify=verify, progress=progress,
                                          comm=comm)

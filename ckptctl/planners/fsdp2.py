@@ -13,7 +13,7 @@ from ckptctl.core.plan import TargetTensor, identity_target
 from ckptctl.core.rank_state import refuse_dp_change
 from ckptctl.core.selection import selected
 from ckptctl.families.placement import fsdp2
-from ckptctl.formats.dcp.writer import layout_dcp
+from ckptctl.formats.dcp.writer import place_dcp_records
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
 from ckptctl.util.errors import UsageError
 
@@ -47,4 +47,4 @@ class Fsdp2Reshard:
         if isinstance(ckpt.planner_data, dict):
             keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}
             planner = {k: v for k, v in ckpt.planner_data.items() if k in keep}
-        return PlannedReshard(layout_dcp(targets, placements, sources, kept_bytes, planner), self.world_size)
+        return PlannedReshard(place_dcp_records(targets, placements, sources, kept_bytes, planner), self.world_size)

@@ -41,7 +41,7 @@ from typing import Any
 from ckptctl.core.dtypes import DType, bfloat16, float16
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.items import ItemReader
-from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.formats.megatron_args import COMMON, decoded_item
 from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
@@ -120,7 +120,7 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
             placements[target.fqn] = _per_layer(target.shape, world_size) if key.layers else \
                 fsdp2(target.shape, world_size)
         targets += made
-    out = layout_dcp(targets, placements, views, [], None)
+    out = place_dcp_records(targets, placements, views, [], None)
     common = _common_state(ckpt, reader, args, _param_groups(ckpt, reader, params, steps) if states else None)
     try:
         out.extra_files = {COMMON: encode_value(common), "metadata.json": json.dumps(TORCH_DIST_MARKER).encode()}

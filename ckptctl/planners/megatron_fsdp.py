@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.util.errors import CheckpointError, UsageError
-from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.families.base import is_model_key, load_hf_config
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
 from ckptctl.families.nemotron_h import Mamba
@@ -700,7 +700,7 @@ def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
         bytes_names[name] = fqn
         if not (fqn == "args" and new_args is not None):
             kept.append(replace(entry, fqn=name))
-    out = layout_dcp(targets, placements, sources, kept, planner_data(ckpt, planned, bytes_names))
+    out = place_dcp_records(targets, placements, sources, kept, planner_data(ckpt, planned, bytes_names))
     if new_args is not None and "args" in bytes_names:
         out.append_literal("args", new_args)
     return out

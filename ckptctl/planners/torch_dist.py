@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.items import ItemReader
-from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.formats.megatron_args import (
     COMMON, COMMON_STATE, CommonState, common_bytes, common_state, common_where, decoded_item,
 )
@@ -80,7 +80,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
     rewritten_item = common is not None and common.where == COMMON_STATE
     kept = [e for f, e in ckpt.bytes_entries.items()
             if not is_torch_dist_bucket(f) and not (rewritten_item and f == COMMON_STATE)]
-    out = layout_dcp(targets, placements, views, kept, None)
+    out = place_dcp_records(targets, placements, views, kept, None)
     if common is not None and common.where == COMMON:
         extra[COMMON] = new_common
     elif rewritten_item:

@@ -42,7 +42,7 @@ from typing import Any
 
 from ckptctl.core.dtypes import float32
 from ckptctl.util.errors import CheckpointError, UsageError
-from ckptctl.formats.dcp.writer import DcpOutput, layout_dcp
+from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.formats.megatron_args import CommonState
 from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
@@ -150,7 +150,7 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
         for owner, group in groups.items():
             for attr, value in group.items():
                 items[f"optimizer.param_to_group_meta.{prefix}{owner}.{attr}"] = value
-    out = layout_dcp(targets, placements, views, [], None)
+    out = place_dcp_records(targets, placements, views, [], None)
     for fqn, value in items.items():
         try:
             out.append_literal(fqn, encode_value(value))

@@ -131,6 +131,11 @@ class Store(ABC):
         return self.info(path).size
 
     @abstractmethod
+    def version(self, path: Path) -> tuple[int | str, ...]:
+        """What changes when the entry at `path` is rewritten, replaced or resized (an object
+        store's generation or ETag); compared, never read. OSError when there is none."""
+
+    @abstractmethod
     def open_read(self, path: Path, limit: int | None = None) -> ReadHandle:
         """Open input `path` for positioned reads: a regular entry of at most `limit` bytes, noted as a
         source read (it must not change before the output is committed); else a CheckpointError."""
@@ -228,6 +233,10 @@ class LocalStore(Store):
     def info(self, path: Path) -> EntryInfo:
         found = os.stat(path)
         return EntryInfo(found.st_size, stat.S_ISREG(found.st_mode))
+
+    def version(self, path: Path) -> tuple[int, ...]:
+        found = os.stat(path)
+        return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
 
     def open_read(self, path: Path, limit: int | None = None) -> LocalReadHandle:
         fd, size = open_source(path, limit)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from tests.conftest import ROOT
@@ -87,3 +88,24 @@ def test_each_function_is_itself_after_every_module_is_imported():
               "print(callable(ckptctl.reshard), ckptctl.reshard.__module__)")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.splitlines() == ["[]", "True ckptctl.commands.reshard"]
+
+
+def test_every_writing_command_s_options_share_the_run_options_as_keywords():
+    """reshard's, import-hf's, export-torch's and export-hf's options are one `RunOptions` each:
+    the selection, cast and engine settings named alike everywhere. export-hf's take keywords
+    only: `dtype`, once its third positional field, cannot silently become another."""
+    import dataclasses
+
+    import ckptctl
+    from ckptctl.commands.options import RunOptions
+
+    shared = [f.name for f in dataclasses.fields(RunOptions)]
+    for options in (ckptctl.ReshardOptions, ckptctl.ImportOptions, ckptctl.ExportTorchOptions, ckptctl.ExportOptions):
+        assert issubclass(options, RunOptions), options
+        assert [f.name for f in dataclasses.fields(options)][:len(shared)] == shared, options
+    opts = ckptctl.ExportOptions(arch="raw", tp=2, dtype=None, include=("model.*",), workers=2, sync=False,
+                                 layout="distributed", world_size=2)
+    assert (opts.arch, opts.tp, opts.include, opts.workers, opts.sync, opts.max_shard_size) == \
+        ("raw", 2, ("model.*",), 2, False, "5GB")
+    with pytest.raises(TypeError, match="positional"):
+        ckptctl.ExportOptions("raw")

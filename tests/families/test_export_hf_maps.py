@@ -16,7 +16,7 @@ import torch
 
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
 from ckptctl.commands.export_hf import ExportOptions, choose_family, plan_export
-from ckptctl.formats.safetensors.writer import item_boxes, layout_file
+from ckptctl.formats.safetensors.writer import item_boxes, placed_file
 from ckptctl.families.registry import FAMILIES
 from ckptctl.families.base import ExportContext, HFConfig, MegatronModel, RowView, megatron_prefix
 from ckptctl.families.rules import Attention, qkv_views
@@ -198,7 +198,7 @@ def test_shards_follow_huggingface_hub_and_tied_embeddings_are_written_once(refe
 def test_safetensors_header_is_aligned_contiguous_and_in_the_writers_order():
     targets = [TargetTensor("b", (3, 1), torch.bfloat16, ()), TargetTensor("a", (5,), torch.float32, ()),
                TargetTensor("e", (0, 4), torch.float32, ()), TargetTensor("c", (2,), torch.int64, ())]
-    f = layout_file("model.safetensors", targets)
+    f = placed_file("model.safetensors", targets)
     (n,) = struct.unpack("<Q", f.header[:8])
     assert len(f.header) == 8 + n and n % 8 == 0
     header = json.loads(f.header[8:])
@@ -218,7 +218,7 @@ def test_header_is_byte_for_byte_the_one_safetensors_writes(tmp_path):
                "d.fp32": torch.ones(0, 3), "k.i32": torch.ones(3, dtype=torch.int32)}
     save_file(tensors, tmp_path / "ref.safetensors", metadata={"format": "pt"})
     data = (tmp_path / "ref.safetensors").read_bytes()
-    f = layout_file("x.safetensors", [TargetTensor(k, tuple(t.shape), t.dtype, ()) for k, t in tensors.items()])
+    f = placed_file("x.safetensors", [TargetTensor(k, tuple(t.shape), t.dtype, ()) for k, t in tensors.items()])
     assert f.header == data[:len(f.header)] and f.size == len(data)
 
 

@@ -195,7 +195,7 @@ def test_output_check_refuses_an_ordered_dict_filled_by_its_arguments() -> None:
     key of 2^61 shared tuples in C, uninterruptibly. Run in a child, so that a regression is a timeout."""
     pickled = (b"\x80\x02ccollections\nOrderedDict\n)q\x00" + b"".join(b"h%c\x86q%c" % (i, i + 1) for i in range(60))
                + b"K\x01\x86\x85\x85R.")
-    code = ("import sys, pickle; from ckptctl.checks.output_check import tensor_layout\n"
-            "try:\n    tensor_layout(sys.stdin.buffer.read())\nexcept pickle.UnpicklingError as exc:\n    print(exc)")
+    code = ("import sys, pickle; from ckptctl.checks.output_check import tensor_view\n"
+            "try:\n    tensor_view(sys.stdin.buffer.read())\nexcept pickle.UnpicklingError as exc:\n    print(exc)")
     proc = subprocess.run([sys.executable, "-c", code], input=pickled, capture_output=True, timeout=60, cwd=ROOT)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, b"OrderedDict built with arguments\n", b"")

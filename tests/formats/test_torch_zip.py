@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from ckptctl.formats.torch_save.zip import ALIGNMENT, TorchSaveLayout, serialization_id
+from ckptctl.formats.torch_save.zip import ALIGNMENT, TorchSaveRecord, serialization_id
 
 CASES = [
     (torch.float32, (3, 4)), (torch.bfloat16, (5,)), (torch.float16, (2, 3, 2)), (torch.int64, ()),
@@ -27,10 +27,10 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def archive(tensor: torch.Tensor, zip64: bool) -> bytes:
-    layout = TorchSaveLayout(tensor.dtype, tuple(tensor.shape), serialization_id("k"), force_zip64=zip64)
+    record = TorchSaveRecord(tensor.dtype, tuple(tensor.shape), serialization_id("k"), force_zip64=zip64)
     data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
-    blob = layout.head + data + layout.tail(zlib.crc32(data))
-    assert len(blob) == layout.length
+    blob = record.head + data + record.tail(zlib.crc32(data))
+    assert len(blob) == record.length
     return blob
 
 
@@ -47,13 +47,13 @@ def test_torch_loads_streamed_record_bit_exact(dtype, shape, zip64, tmp_path):
 
 
 def test_tensor_data_is_64_byte_aligned():
-    layout = TorchSaveLayout(torch.float32, (10, 10), serialization_id("k"))
-    assert len(layout.head) % ALIGNMENT == 0
+    record = TorchSaveRecord(torch.float32, (10, 10), serialization_id("k"))
+    assert len(record.head) % ALIGNMENT == 0
 
 
-def test_layout_is_deterministic():
-    a = TorchSaveLayout(torch.bfloat16, (4, 4), serialization_id("x@[0, 0]"))
-    b = TorchSaveLayout(torch.bfloat16, (4, 4), serialization_id("x@[0, 0]"))
+def test_a_record_is_deterministic():
+    a = TorchSaveRecord(torch.bfloat16, (4, 4), serialization_id("x@[0, 0]"))
+    b = TorchSaveRecord(torch.bfloat16, (4, 4), serialization_id("x@[0, 0]"))
     assert a.head == b.head and a.tail(123) == b.tail(123)
     assert serialization_id("x") != serialization_id("y") and len(serialization_id("x")) == 40
 
@@ -64,9 +64,9 @@ def test_each_item_carries_its_own_id_and_crc_in_a_shared_shape(zip64):
     blobs = {}
     for key, value in (("a@[0]", 1.0), ("b@[4]", 2.0)):
         tensor = torch.full((4, 4), value)
-        layout = TorchSaveLayout(tensor.dtype, (4, 4), serialization_id(key), force_zip64=zip64)
+        record = TorchSaveRecord(tensor.dtype, (4, 4), serialization_id(key), force_zip64=zip64)
         data = tensor.numpy().tobytes()
-        blobs[key] = zipfile.ZipFile(io.BytesIO(layout.head + data + layout.tail(zlib.crc32(data))))
+        blobs[key] = zipfile.ZipFile(io.BytesIO(record.head + data + record.tail(zlib.crc32(data))))
     for key, archive in blobs.items():
         assert archive.testzip() is None
         assert archive.read("archive/.data/serialization_id") == serialization_id(key).encode()

@@ -165,3 +165,14 @@ def test_an_atomic_file_whose_body_fails_leaves_nothing_and_keeps_what_was_there
     with LOCAL.atomic_file(out, force=True) as work:
         LOCAL.write_whole(work, b"new")
     assert os.listdir(tmp_path) == ["model.pt"] and out.read_bytes() == b"new"
+
+
+def test_a_version_changes_when_an_entry_is_rewritten_and_not_when_it_is_only_read(data_file: Path) -> None:
+    before = LOCAL.version(data_file)
+    with LOCAL.open_read(data_file) as handle:
+        assert handle.read_at(len(DATA), 0) == DATA
+    assert LOCAL.version(data_file) == before
+    os.utime(data_file, ns=(0, 0))
+    assert LOCAL.version(data_file) != before
+    with pytest.raises(FileNotFoundError):
+        LOCAL.version(data_file.parent / "absent")

@@ -148,7 +148,10 @@ class TensorWriteData(_DcpRecord):
 
 
 class Layout(str):
-    """`torch.strided` and friends: DCP pickles a layout as `torch.serialization._get_layout(name)`."""
+    """`torch.strided` and friends: DCP pickles a layout as `torch.serialization._get_layout(name)`.
+
+    Named after torch's own `torch.layout`, the class it stands for in pickles (a tensor's memory
+    format), not ckptctl's "layout" of a checkpoint across ranks and files."""
 
     __slots__ = ()
 

@@ -1,6 +1,6 @@
-"""Lay out and describe a DCP checkpoint that torch's own `FileSystemReader` loads.
+"""Place and describe a DCP checkpoint that torch's own `FileSystemReader` loads.
 
-`layout_dcp` decides, before any byte moves, which file and byte range every output item
+`place_dcp_records` decides, before any byte moves, which file and byte range every output item
 gets (rank r's chunks in `__r_0.distcp`, bytes entries verbatim in rank 0's file), so
 workers can write items in any order and in parallel. `DcpOutput.output_plan` hands it to the
 engine as an `OutputPlan`: each record is made, and its copy runs planned, only when it is about
@@ -34,7 +34,7 @@ from ckptctl.formats.dcp.classes import (
 )
 from ckptctl.core.dtypes import DType
 from ckptctl.util.gc_pause import gc_paused
-from ckptctl.formats.torch_save.zip import TorchSaveLayout, serialization_id
+from ckptctl.formats.torch_save.zip import TorchSaveRecord, serialization_id
 from ckptctl.core.checkpoint import BytesEntry
 from ckptctl.core.output_plan import OutputPlan
 from ckptctl.families.placement import Placed
@@ -109,10 +109,10 @@ class DcpOutput:
     def append_literal_tensor(self, fqn: str, dtype: DType, shape: tuple[int, ...], raw: bytes) -> None:
         """Write tensor `fqn` of `raw` data (its elements, little-endian) whole, as one record at the
         end of rank 0's file."""
-        layout = TorchSaveLayout(dtype, shape, serialization_id(f"{fqn}@{[0] * len(shape)}"))
-        if len(raw) != layout.nbytes:
-            raise ValueError(f"{fqn}: {len(raw)} bytes for {layout.nbytes}")
-        self.literal_tensors[fqn] = (dtype, tuple(shape), self._appended(layout.head + raw + layout.tail(crc32(raw))))
+        record = TorchSaveRecord(dtype, shape, serialization_id(f"{fqn}@{[0] * len(shape)}"))
+        if len(raw) != record.nbytes:
+            raise ValueError(f"{fqn}: {len(raw)} bytes for {record.nbytes}")
+        self.literal_tensors[fqn] = (dtype, tuple(shape), self._appended(record.head + raw + record.tail(crc32(raw))))
 
     def _appended(self, data: bytes) -> CopyItem:
         file = rank_file(0)
@@ -126,7 +126,7 @@ class DcpOutput:
 
 class DcpRecords:
     """Every target chunk's record in planning order (target by target, the order of `.metadata`),
-    held as its place in its rank file only: one integer a record, not a `StreamItem`, its layout
+    held as its place in its rank file only: one integer a record, not a `StreamItem`, its `TorchSaveRecord`
     and its file name (about 0.5 KB each, a gigabyte at a million records). Records are made when
     read (`in_files`: a torchrun worker or a helper makes only its own files')."""
 
@@ -145,8 +145,8 @@ class DcpRecords:
         for target, _, placed, file, offset in self.placed_records():
             if file in names:
                 key = f"{target.fqn}@{list(placed.box.offsets)}"  # the item's serialization id: equal runs, equal bytes
-                layout = TorchSaveLayout(target.dtype, placed.box.sizes, serialization_id(key))
-                yield StreamItem(file, offset, layout.head, target, placed.box, (), layout, layout.tail_len)
+                record = TorchSaveRecord(target.dtype, placed.box.sizes, serialization_id(key))
+                yield StreamItem(file, offset, record.head, target, placed.box, (), record, record.tail_len)
 
     def placements(self) -> dict[str, Sequence[Placed]]:
         """Each target's chunks as placed, by name."""
@@ -169,10 +169,10 @@ class DcpRecords:
 @functools.lru_cache(maxsize=4096)
 def _record_length(dtype: DType, sizes: tuple[int, ...]) -> int:
     """A chunk's record length: every serialization id has the same length, so shape and dtype fix it."""
-    return TorchSaveLayout(dtype, sizes, serialization_id("")).length
+    return TorchSaveRecord(dtype, sizes, serialization_id("")).length
 
 
-def layout_dcp(
+def place_dcp_records(
     targets: Sequence[TargetTensor],
     placements: Mapping[str, Sequence[Placed]],
     sources: Mapping[str, SourceTensor],

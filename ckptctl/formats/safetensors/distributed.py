@@ -9,7 +9,7 @@ an empty record at row `rows`, as DTensor places it). No `.metadata` and no inde
 `consolidate_safetensors_files` merges the pieces into `model-{i:05}-of-{n:05}.safetensors` by
 the `fqn_to_index_mapping` it is given. Here file `i` of `n` is the plain export's, so that
 mapping rebuilds the model's own files. The records are the plain export's row blocks, cut at
-the ranks' rows; the headers are `writer.layout_file`'s, safetensors' own layout.
+the ranks' rows; the headers are `writer.placed_file`'s, safetensors' own format.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from ckptctl.core.plan import StreamItem, TargetTensor
 from ckptctl.families.placement import fsdp2_saved
 from ckptctl.formats.safetensors.hf_sharded import OFFSETS_KEY, VERSION_KEY
 from ckptctl.formats.safetensors.reader import SHARDING_KEY
-from ckptctl.formats.safetensors.writer import ITEM_BYTES, SafetensorsFile, item_boxes, layout_file, write_order
+from ckptctl.formats.safetensors.writer import ITEM_BYTES, SafetensorsFile, item_boxes, placed_file, write_order
 
 VERSION = "1.0"
 """torch's `HF_DCP_VERSION`, as its writer records it (`str(1.0)`)."""
@@ -33,7 +33,7 @@ SHARD_NAME = "shard-{rank:05}-model-{index:05}-of-{count:05}.safetensors"
 
 @dataclass(frozen=True)
 class ShardFile:
-    """One rank's file: its layout and the box of each target it holds (in the file's order)."""
+    """One rank's file: where its tensors are placed, and the box of each target it holds (in the file's order)."""
 
     file: SafetensorsFile
     pieces: dict[str, Box]
@@ -50,7 +50,7 @@ def sharding_metadata(pieces: Mapping[str, Box]) -> dict[str, str]:
     return {"format": "pt", SHARDING_KEY: info, VERSION_KEY: VERSION}
 
 
-def layout_shards(model_files: Sequence[Sequence[TargetTensor]], world_size: int) -> list[ShardFile]:
+def placed_shards(model_files: Sequence[Sequence[TargetTensor]], world_size: int) -> list[ShardFile]:
     """Each rank's file of each model file (`model_files[i - 1]`: file i's targets), rank by rank
     within a model file; a rank that holds no record of a model file writes none of it."""
     out = []
@@ -64,7 +64,7 @@ def layout_shards(model_files: Sequence[Sequence[TargetTensor]], world_size: int
             held = by_rank[rank]
             stored = [replace(target, shape=box.sizes, pieces=()) for target, box in held.values()]
             pieces = {t.fqn: held[t.fqn][1] for t in write_order(stored)}  # the sharding info in file order
-            out.append(ShardFile(layout_file(shard_name(rank, index, count), stored, sharding_metadata(pieces)),
+            out.append(ShardFile(placed_file(shard_name(rank, index, count), stored, sharding_metadata(pieces)),
                                  pieces))
     return out
 

@@ -64,7 +64,7 @@ def write_order(targets: Sequence[TargetTensor]) -> list[TargetTensor]:
     return sorted(targets, key=key)
 
 
-def layout_file(name: str, targets: Sequence[TargetTensor],
+def placed_file(name: str, targets: Sequence[TargetTensor],
                 metadata: Mapping[str, str] | None = None) -> SafetensorsFile:
     """The header of a file holding `targets` (in `write_order`), and each tensor's absolute data offset."""
     header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}

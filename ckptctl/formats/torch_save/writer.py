@@ -180,7 +180,7 @@ def decode_value(raw: bytes, opaque: Any = None) -> Any:
 def encode_value(value: Any, archive: str = "archive") -> bytes:
     """`torch.save(value)` of a plain value (what `decode_value` builds), written without torch:
     an opaque value pickles again as the call of its global (its `__torch_pickle__`)."""
-    file = layout_torch_save("", archive, dumps(value, protocol=PICKLE_PROTOCOL), [])
+    file = placed_torch_save("", archive, dumps(value, protocol=PICKLE_PROTOCOL), [])
     return file.head + file.trailer()
 
 
@@ -265,7 +265,7 @@ class TorchSaveFile:
             raise OutputError(path, f"cannot write: {exc.strerror or exc}") from None
 
 
-def layout_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence[TargetTensor],
+def placed_torch_save(name: str, archive: str, pickled: bytes, targets: Sequence[TargetTensor],
                       force_zip64: bool = False) -> TorchSaveFile:
     """Place `data.pkl`, torch's marker records, one record per target (`data/i` holds
     `targets[i]`, whole) and the trailing records in file `name`.

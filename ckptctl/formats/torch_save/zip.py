@@ -172,8 +172,8 @@ def end_of_directory(count: int, start: int, size: int, zip64: bool) -> bytes:
                              min(size, _ZIP64_LIMIT), min(start, _ZIP64_LIMIT), 0)
 
 
-class TorchSaveLayout:
-    """Byte layout of one tensor item: `head` + `nbytes` of tensor data + `tail(crc)`.
+class TorchSaveRecord:
+    """One tensor item's record as bytes: `head` + `nbytes` of tensor data + `tail(crc)`.
 
     Items of one dtype and shape share their head and a tail template (cached): only the
     serialization id and the data's CRC differ, and both are patched into a copy of the
@@ -212,7 +212,7 @@ class TorchSaveLayout:
         return bytes(out)
 
     __call__ = tail
-    """A layout is its own `tail` callable: a plan keeps the layout, not a bound method per record
+    """A record is its own `tail` callable: a plan keeps the record, not a bound method per record
     (64 bytes each, at a million records)."""
 
 
