@@ -41,7 +41,7 @@ from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.distributed import ShardFile, placed_shards, record_count, shard_records
 from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, placed_file,
                                                 write_index)
-from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Layout, Fp8Scales, band_rows, placed,
+from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Scales, band_rows, placed,
                                                       quantization_config, quantized_count, quantized_targets)
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
@@ -123,7 +123,7 @@ class ExportOptions(RunOptions):
     layout: str = "hf"
     """`LAYOUTS`: `distributed` writes `world_size` ranks' shard files of each model file instead."""
     world_size: int | None = None
-    quantize: Fp8Layout | None = None
+    quantize: Fp8Scheme | None = None
     """`--quantize`: the weights written as FP8 block-scaled codes and scales (`quantize_fp8`)."""
 
 
@@ -153,7 +153,7 @@ class ExportPlan:
     """`--adapter-only`: the PEFT folder's adapter_config.json, written instead of config.json."""
     shards: list[ShardFile] | None = None
     """`--layout distributed`: the ranks' files (`files` are theirs), each holding pieces of its targets."""
-    quantize: Fp8Layout | None = None
+    quantize: Fp8Scheme | None = None
 
     @property
     def data_bytes(self) -> int:

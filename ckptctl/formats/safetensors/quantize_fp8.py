@@ -67,7 +67,7 @@ class RefWeight:
 
 
 @dataclass(frozen=True)
-class Fp8Layout:
+class Fp8Scheme:
     """How `--quantize` writes weights: which are quantized, their block, and their scales' name,
     dtype and format."""
 
@@ -130,13 +130,13 @@ def grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
     return -(-shape[0] // block[0]), -(-shape[1] // block[1])
 
 
-def parse_quantize(value: str | None, hub_timeout: float | None = None) -> Fp8Layout | None:
+def parse_quantize(value: str | None, hub_timeout: float | None = None) -> Fp8Scheme | None:
     """The layout `--quantize VALUE` asks for (None without one); an unknown scheme, or a REF
     layout not written here, refused in one line."""
     if value is None:
         return None
     if value == FP8_BLOCK:
-        return Fp8Layout(FP8_BLOCK, config=_config(BLOCK, False))
+        return Fp8Scheme(FP8_BLOCK, config=_config(BLOCK, False))
     if value.startswith(LIKE) and len(value) > len(LIKE):
         return like_folder(Path(value[len(LIKE):]))
     raise UsageError(f"--quantize {value!r}: not a scheme ckptctl writes ({SCHEMES})")
@@ -148,7 +148,7 @@ def _config(block: tuple[int, int], ue8m0: bool) -> dict[str, Any]:
             **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
 
 
-def like_folder(ref: Path) -> Fp8Layout:
+def like_folder(ref: Path) -> Fp8Scheme:
     """The layout of the FP8 block-scaled folder `ref`: its quantized weights (float8_e4m3fn with a
     `_scale_inv` on the 2-D ceil grid), block, scale dtypes and `scale_fmt`, and its
     `quantization_config` as it is."""
@@ -186,7 +186,7 @@ def like_folder(ref: Path) -> Fp8Layout:
         quantized[name] = RefWeight(data.shape, scale)
     if not quantized:
         raise UsageError(f"--quantize like:{ref}: holds no float8_e4m3fn weight (nothing to copy the layout of)")
-    return Fp8Layout(f"{LIKE}{ref}", fmt.block, fmt.ue8m0, float32, quantized, dict(config["quantization_config"]))
+    return Fp8Scheme(f"{LIKE}{ref}", fmt.block, fmt.ue8m0, float32, quantized, dict(config["quantization_config"]))
 
 
 def _refuse_scale_alone(ref: Path, name: str, data: StoredTensor, stored: Mapping[str, StoredTensor]) -> None:
@@ -280,7 +280,7 @@ def quantized_count(targets: Mapping[str, Any]) -> int:
     return sum(isinstance(t.properties, Fp8Codes) for t in targets.values())
 
 
-def quantized_targets(targets: Mapping[str, Any], layout: Fp8Layout, path: Path, selected: bool) -> dict[str, Any]:
+def quantized_targets(targets: Mapping[str, Any], layout: Fp8Scheme, path: Path, selected: bool) -> dict[str, Any]:
     """`targets` with each weight `layout` quantizes as its codes (float8_e4m3fn, the same pieces)
     followed by its scale (no pieces: the codes' records write it). A REF weight the export
     lacks, or has in another shape, and a weight that is not floating point, are refused."""
@@ -315,7 +315,7 @@ def quantized_targets(targets: Mapping[str, Any], layout: Fp8Layout, path: Path,
     return out
 
 
-def quantization_config(layout: Fp8Layout, targets: Mapping[str, Any]) -> dict[str, Any]:
+def quantization_config(layout: Fp8Scheme, targets: Mapping[str, Any]) -> dict[str, Any]:
     """config.json's `quantization_config`: REF's as it is (`like:REF`), else DeepSeek's, with
     `modules_to_not_convert` where a 2-D weight other than the embeddings and `lm_head` is kept."""
     if layout.quantized is not None:
