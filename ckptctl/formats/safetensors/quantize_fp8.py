@@ -31,7 +31,6 @@ file (`Fp8Codes.scale_offset`): memory is one band, and the source is read once.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,8 @@ from typing import Any, Mapping
 from ckptctl.core.dtypes import DTYPES, DType, float32
 from ckptctl.formats.safetensors.quantized import Fp8Format, quant_format
 from ckptctl.formats.safetensors.reader import StoredTensor, shown_name, stored_tensors
+from ckptctl.storage.hf_files import read_json_object
+from ckptctl.storage.store import store_for
 from ckptctl.util.errors import CheckpointError, UsageError
 
 FP8_BLOCK = "fp8-block"
@@ -153,10 +154,9 @@ def like_folder(ref: Path) -> Fp8Scheme:
     `_scale_inv` on the 2-D ceil grid), block, scale dtypes and `scale_fmt`, and its
     `quantization_config` as it is."""
     config_path = ref / "config.json"
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"--quantize like:{ref}: cannot read {config_path} ({exc})") from None
+    if not store_for(config_path).exists(config_path):
+        raise UsageError(f"--quantize like:{ref}: cannot read {config_path} (no such file)")
+    config = read_json_object(config_path, "config")
     if not isinstance(config, dict) or "quantization_config" not in config:
         raise UsageError(f"--quantize like:{ref}: {config_path} has no quantization_config (not a quantized folder)")
     fmt = quant_format(config, config_path)
@@ -244,9 +244,8 @@ def stored_scales(scale: StoredTensor, first: int, stop: int) -> Any:
     size = scale.dtype.itemsize
     length = (stop - first) * cols * size
     try:
-        with open(scale.file, "rb") as handle:
-            handle.seek(scale.start + first * cols * size)
-            raw = handle.read(length)
+        with store_for(scale.file).open_read(scale.file) as handle:
+            raw = handle.read_at(length, scale.start + first * cols * size)
     except OSError as exc:
         raise CheckpointError(scale.file, f"cannot read {scale.name}: {exc.strerror or exc}") from None
     if len(raw) != length:
