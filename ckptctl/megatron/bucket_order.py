@@ -9,7 +9,8 @@ first, the last and `SAMPLES` between) all equal the masters there is the param 
 None is refused (the bucket holds something else); several (params of one size whose sampled
 masters are equal, such as untrained norms) are refused naming them, unless the buffer so far
 followed the local spec's table, whose next param is one of them (the table decides as it did
-before content was read). The samples pick; verification (`checks.verify.check_master`)
+before content was read). A buffer on TP rank > 0 follows the order found on TP rank 0
+(`TpRankOrder`). The samples pick; verification (`checks.verify.check_master`)
 compares every rebuilt master with its weight in full.
 
 Pure: the elements are read through `ReadElements`, which the caller provides.
@@ -23,7 +24,9 @@ from dataclasses import dataclass, field
 
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.dtypes import DType
-from ckptctl.megatron.buckets import BufferOrder, LocalParam, OrderFor, Window, keyed_places, local_shape
+from ckptctl.megatron.buckets import (
+    REPLICATED, BufferOrder, LocalParam, OrderFor, Window, keyed_places, local_shape,
+)
 from ckptctl.util.errors import CheckpointError
 
 SAMPLES = 16
@@ -37,11 +40,6 @@ where the cast overflows)."""
 def sample_indices(numel: int) -> list[int]:
     """The flat indices of a block of `numel` elements compared: first, last and evenly between."""
     return sorted({0, numel - 1, *(numel * k // SAMPLES for k in range(1, SAMPLES))}) if numel else []
-
-
-def param_name(param: LocalParam) -> str:
-    """A param as messages name it: its key, with its layer (and expert) index in a stack."""
-    return param.key + (f"[{', '.join(map(str, param.lead))}]" if param.lead else "")
 
 
 @dataclass
@@ -64,52 +62,111 @@ class ContentOrder:
     table: list[LocalParam]
     """The buffer's params in the local spec's order (the table's fill order)."""
     left_ids: dict[int, _Candidate] = field(default_factory=dict)
+    """The params not placed yet, by id, in the table's order."""
+    by_first: dict[tuple[DType, bytes | None], dict[int, None]] = field(default_factory=dict)
+    """(dtype, first element) → the ids of the params left that start so: a bucket's first master
+    at a start picks its candidates without comparing it with every param left."""
     following: bool = True
     """Every param placed so far was the table's next one."""
+    placed: list[LocalParam] = field(default_factory=list)
+    """The params placed, in their order."""
+
+    def add(self, candidate: _Candidate) -> None:
+        n = id(candidate.param)
+        self.left_ids[n] = candidate
+        first = candidate.weights[0] if candidate.weights else None  # an empty param never matches
+        self.by_first.setdefault((candidate.dtype, first), {})[n] = None
 
     def next(self, entry: TensorEntry, start: int, length: int, first: bool) -> LocalParam | None:
         if not self.left_ids:
             return None
-        firsts: dict[DType, bytes | None] = {}
         found = []
-        for n, c in self.left_ids.items():
-            if start + c.numel > length or (c.param.alone and not first):
-                continue
-            if c.dtype not in firsts:
-                firsts[c.dtype] = self.read(entry.fqn, [(start,)], c.dtype)[0]
-            if firsts[c.dtype] is None or firsts[c.dtype] != c.weights[0]:
-                continue
-            if self.read(entry.fqn, [(start + i,) for i in c.offsets], c.dtype) == c.weights:
-                found.append(n)
-        table_next = len(self.table) - len(self.left_ids)
-        if len(found) > 1 and self.following and id(self.table[table_next]) in found:
-            found = [id(self.table[table_next])]
+        for dtype in {dtype for dtype, _ in self.by_first}:
+            master = self.read(entry.fqn, [(start,)], dtype)[0]
+            for n in self.by_first.get((dtype, master), {}) if master is not None else ():
+                c = self.left_ids[n]
+                if start + c.numel <= length and (first or not c.param.alone) and \
+                        self.read(entry.fqn, [(start + i,) for i in c.offsets], dtype) == c.weights:
+                    found.append(n)
+        table_next = self.table[len(self.table) - len(self.left_ids)]
+        if len(found) > 1 and self.following and id(table_next) in found:
+            found = [id(table_next)]
         if len(found) != 1:
             if found:
-                names = " and ".join(param_name(self.left_ids[n].param) for n in found)
-                raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at element {start}, {names} are of one size with "
-                                                 "equal fp32 masters: their places in the bucket cannot be told apart "
-                                                 "by content, nor by megatron-core's local spec order")
+                names = " and ".join(self.left_ids[n].param.shown for n in sorted(found, key=self._rank))
+                raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at element {start}, {names} are of one size "
+                                                      "with equal fp32 masters: their places in the bucket cannot be "
+                                                      "told apart by content, nor by megatron-core's local spec order")
             raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at element {start} the fp32 masters are no param's "
-                                             f"weights ({len(self.left_ids)} left to place, "
-                                             f"{param_name(next(iter(self.left_ids.values())).param)} first): "
-                                             "another model or a bucket not laid out as megatron-core lays it")
-        param = self.left_ids.pop(found[0]).param
-        self.following = self.following and param is self.table[table_next]
-        return param
+                                                  f"weights ({len(self.left_ids)} left to place, "
+                                                  f"{next(iter(self.left_ids.values())).param.shown} first): "
+                                                  "another model or a bucket not laid out as megatron-core lays it")
+        placed = self.left_ids.pop(found[0])
+        key = (placed.dtype, placed.weights[0])
+        del self.by_first[key][found[0]]
+        if not self.by_first[key]:
+            del self.by_first[key]
+        self.following = self.following and placed.param is table_next
+        self.placed.append(placed.param)
+        return placed.param
+
+    def _rank(self, n: int) -> int:
+        """Where param id `n` comes in the table's order (messages name params in it)."""
+        return next(i for i, m in enumerate(self.left_ids) if m == n)
 
     def left(self) -> list[LocalParam]:
         return [c.param for c in self.left_ids.values()]
 
 
+@dataclass
+class TpRankOrder:
+    """`BufferOrder` of a buffer on TP rank > 0: the order content found in TP rank 0's buffer of
+    the same params (the same modules register them in the same order), each checked by content
+    but a replicated one: its copy on another TP rank may have drifted from the one saved
+    (megatron-core does not all-reduce over TP the gradient of every replicated param, such as
+    Gated DeltaNet's `out_norm`, whose input is TP-split), and its state is not the one rebuilt."""
+
+    read: ReadElements
+    ckpt: Checkpoint
+    sequence: list[LocalParam]
+    """TP rank 0's params in the order found there."""
+    candidates: dict[int, _Candidate]
+    """This rank's blocks of the params it checks, by id."""
+    count: int = 0
+    """How many are placed."""
+
+    def next(self, entry: TensorEntry, start: int, length: int, first: bool) -> LocalParam | None:
+        if self.count == len(self.sequence) or (self.sequence[self.count].alone and not first):
+            return None
+        param = self.sequence[self.count]
+        c = self.candidates.get(id(param))
+        if c is not None and self.read(entry.fqn, [(start + i,) for i in c.offsets], c.dtype) != c.weights:
+            raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at element {start} the fp32 masters are not the "
+                                                  f"weights of {param.shown}, which TP rank 0's buffer holds there: "
+                                                  "a bucket not laid out as megatron-core lays it")
+        self.count += 1
+        return param
+
+    def left(self) -> list[LocalParam]:
+        return self.sequence[self.count:]
+
+
 def content_order(ckpt: Checkpoint, read: ReadElements) -> OrderFor:
-    """`OrderFor` that places each param by content, reading through `read`."""
+    """`OrderFor` that places each param by content, reading through `read`: on TP rank 0 by
+    search (`ContentOrder`), on the other ranks in the order found there (`TpRankOrder`)."""
+    on_rank_0: dict[tuple[int, ...], ContentOrder] = {}
 
     def order_for(order: list[LocalParam], tp_rank: int, tp: int) -> BufferOrder:
+        same = tuple(map(id, order))  # the groups of one stage, chunk and EP rank share the param objects
+        if tp_rank and same in on_rank_0:
+            return TpRankOrder(read, ckpt, on_rank_0[same].placed,
+                               {id(p): _candidate(ckpt, read, p, tp_rank, tp) for p in order if p.kind != REPLICATED})
         table = list(reversed(order))
         found = ContentOrder(read, ckpt, table)
         for param in table:
-            found.left_ids[id(param)] = _candidate(ckpt, read, param, tp_rank, tp)
+            found.add(_candidate(ckpt, read, param, tp_rank, tp))
+        if not tp_rank:
+            on_rank_0[same] = found
         return found
 
     return order_for

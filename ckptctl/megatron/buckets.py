@@ -183,6 +183,11 @@ class LocalParam:
     """In a bucket of its own, closing the one before at its aligned start: either copy of an
     embedding held by two pipeline stages (megatron-core's `shared_embedding`)."""
 
+    @property
+    def shown(self) -> str:
+        """How messages name it: its key, with its layer (and expert) index in a stack."""
+        return self.key + (f"[{', '.join(map(str, self.lead))}]" if self.lead else "")
+
 
 @dataclass(frozen=True)
 class Bucket:
@@ -465,7 +470,8 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
                    order_for: OrderFor = table_order) -> list[Bucket]:
     """Each optimizer's buckets with their params, per DP group and buffer, as megatron-core lays
     them out: in reverse registration order (`order_for` may find each param's place otherwise:
-    `megatron.bucket_order`), starts padded to `ALIGN`, a bucket closing where its saved length ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP
+    `megatron.bucket_order`), starts padded to `ALIGN`, a bucket closing where its saved length
+    ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP
     rank; an expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP
     `etp`, by default the TP), each holding its EP rank's share of its stage's experts, split by
     the expert TP. Each group has a buffer per model chunk holding params of the optimizer
@@ -581,7 +587,7 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
         out.append(Bucket(tp_rank, tp, b, entries, tuple(placed), optimizer.chain, group, buffer))
     left = picker.left()
     if left:
-        raise CheckpointError(ckpt.path, f"{where}: {len(left)} params ({left[0].key} first) are in no bucket: "
+        raise CheckpointError(ckpt.path, f"{where}: {len(left)} params ({left[0].shown} first) are in no bucket: "
                                          "another model spec or megatron-core version")
     return out
 

@@ -185,8 +185,9 @@ def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -
 def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace
                            ) -> tuple[list[Bucket], dict[int | None, list]]:
     """The dp_reshardable buckets with the params laid out in them, each found by its content
-    (`megatron.bucket_order`: any spec whose params the local spec's table names), and each optimizer's param groups (by its `chained_<i>.` index; None for
-    the one optimizer of a checkpoint without a ChainedOptimizer)."""
+    (`megatron.bucket_order`: any spec whose params the local spec's table names), and each
+    optimizer's param groups (by its `chained_<i>.` index; None for the one optimizer of a
+    checkpoint without a ChainedOptimizer)."""
     tp, pipeline, tied_copy = _pipeline(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
@@ -204,7 +205,8 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
                                          "segments, not as a GPT decoder)")
     order = registration_order(ckpt, model, copy)
     with ElementReader(ckpt) as elements:
-        return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp, content_order(ckpt, elements.read)), groups
+        found = layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp, content_order(ckpt, elements.read))
+    return found, groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],
