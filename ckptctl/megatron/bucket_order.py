@@ -5,12 +5,13 @@ not record: the reverse of the model's registration order, which differs between
 (megatron-core's local spec, Transformer Engine's, a custom one). A DistributedOptimizer copies
 its masters into the weights after each step, so each master, cast to its weight's dtype, IS
 its weight: at each aligned start of a bucket, the one param whose sampled weight elements (the
-first, the last and `SAMPLES` between) all equal the masters there is the param that lies there.
+first, the last and `SAMPLES` - 1 evenly between) all equal the masters there is the param that
+lies there.
 None is refused (the bucket holds something else); several (params of one size whose sampled
 masters are equal, such as untrained norms) are refused naming them, unless the buffer so far
 followed the local spec's table, whose next param is one of them (the table decides as it did
 before content was read). A buffer on TP rank > 0 follows the order found on TP rank 0
-(`TpRankOrder`). The samples pick; verification (`checks.verify.check_master`)
+(`TpRankOrder`). The samples pick, on every run; `--verify` (`checks.verify.check_master`)
 compares every rebuilt master with its weight in full.
 
 Pure: the elements are read through `ReadElements`, which the caller provides.
@@ -30,7 +31,8 @@ from ckptctl.megatron.buckets import (
 from ckptctl.util.errors import CheckpointError
 
 SAMPLES = 16
-"""Elements compared per param, its first and last among them (fewer in a smaller param)."""
+"""Parts a param is sampled at: its first element, each part's start after, and its last (17
+elements; fewer in a smaller param)."""
 
 ReadElements = Callable[[str, Sequence[tuple[int, ...]], DType], list[bytes | None]]
 """(saved tensor, global coordinates, dtype) → each element cast to the dtype, as bytes (None
