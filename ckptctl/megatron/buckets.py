@@ -4,9 +4,11 @@ DistributedOptimizer keeps each TP rank's params, flat, in DDP buckets; torch_di
 `dp_reshardable` format saves each bucket's param / exp_avg / exp_avg_sq as a 1-D tensor
 (`optimizer.distributed.dp_group_idx_<tp rank>.gbuf_idx_<i>.dtype_(…).bucket_idx_<b>.<state>`)
 and not which param lies where. That map is rebuilt here the way megatron-core's
-`_ParamAndGradBuffer` builds it: the params in reverse registration order of the model
-(`LOCAL_SPEC`, megatron-core's local GPT spec), each start padded to 64 elements, a bucket
-closing where its saved length ends. Each param's range is then its TP-local block, placed
+`_ParamAndGradBuffer` builds it: the params in reverse registration order of the model, each
+start padded to 64 elements, a bucket closing where its saved length ends. The order is
+found by content (`megatron.bucket_order`: any spec, megatron-core's local one, Transformer
+Engine's or a custom one) or taken from `LOCAL_SPEC`, megatron-core's local GPT spec, whose
+table also names every param the model may have and its TP rule. Each param's range is then its TP-local block, placed
 in the global tensor by its TP rule (column, row or replicated; SwiGLU fc1's `[W_t; V_t]` as
 two row blocks of torch_dist's `[W_all; V_all]`; a Gated DeltaNet or Mamba `in_proj` or
 `conv1d`, saved in parts, as each part's row block of its own key). Under expert parallelism
@@ -20,7 +22,7 @@ its own (`gbuf_idx_<chunk>`), holding the layers of its virtual stage.
 Nothing here is taken on trust: every bucket must end exactly at its last param, and every
 saved chunk of a bucket (the writer cuts one per param range and per gap) must lie inside
 one param or one gap; a checkpoint of another spec, version or layout is refused, naming what
-was expected. Pure planning: no I/O.
+was expected. Pure planning: no I/O (content is read through the `BufferOrder` the caller gives).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from ckptctl.util.errors import CheckpointError
 from ckptctl.megatron.rows import LAYERS, WORD_EMBEDDING, TpKind, is_expert
@@ -141,7 +145,8 @@ LOCAL_SPEC = (
 """GPTModel with megatron-core's local spec, params in registration order under their torch_dist
 keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
 `pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`; the multi-latent attention spec keeps
-both norms' own names): the order `named_parameters` gives, which the DDP buffer reverses. A
+both norms' own names; Transformer Engine's spec saves the same keys, its params registered in
+another order, which content finds): the order `named_parameters` gives, which the DDP buffer reverses. A
 nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys
 `decoder.layers.<l>.…` where layers differ) and, inside it, per expert (SequentialMLP's
 `local_experts.<e>`, saved as stacks [E, …]): expert by expert, each expert's params in its
@@ -177,6 +182,11 @@ class LocalParam:
     alone: bool = False
     """In a bucket of its own, closing the one before at its aligned start: either copy of an
     embedding held by two pipeline stages (megatron-core's `shared_embedding`)."""
+
+    @property
+    def shown(self) -> str:
+        """How messages name it: its key, with its layer (and expert) index in a stack."""
+        return self.key + (f"[{', '.join(map(str, self.lead))}]" if self.lead else "")
 
 
 @dataclass(frozen=True)
@@ -415,12 +425,53 @@ def local_shape(ckpt: Checkpoint, param: LocalParam, tp: int) -> tuple[int, ...]
     return tuple(n // tp if d == dim else n for d, n in enumerate(shape))
 
 
+class BufferOrder(Protocol):
+    """Which of a buffer's params each bucket holds next, from its first bucket on."""
+
+    def next(self, entry: TensorEntry, start: int, length: int, first: bool) -> LocalParam | None:
+        """The param at aligned element `start` of bucket state `entry` (the fp32 masters), `length`
+        elements long; `first`: none placed in it yet (a param `alone` may only open a bucket).
+        None when none is left; CheckpointError when none or several could be there."""
+
+    def left(self) -> list[LocalParam]:
+        """The params not placed yet."""
+
+
+OrderFor = Callable[[list[LocalParam], int, int], BufferOrder]
+"""(a buffer's params in the local spec's registration order, its TP rank, its TP size) → its
+`BufferOrder`."""
+
+
+@dataclass
+class TableOrder:
+    """A buffer's params in reverse registration order (`LOCAL_SPEC`), as megatron-core fills it."""
+
+    params: list[LocalParam]
+    placed: int = 0
+
+    def next(self, entry: TensorEntry, start: int, length: int, first: bool) -> LocalParam | None:
+        if self.placed == len(self.params) or (self.params[self.placed].alone and not first):
+            return None
+        self.placed += 1
+        return self.params[self.placed - 1]
+
+    def left(self) -> list[LocalParam]:
+        return self.params[self.placed:]
+
+
+def table_order(order: list[LocalParam], tp_rank: int, tp: int) -> BufferOrder:
+    """`OrderFor` of the local spec's table."""
+    return TableOrder(list(reversed(order)))
+
+
 def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
                    optimizers: tuple[Optimizer, ...] = (Optimizer(None, None),), ep: int = 1,
-                   pipeline: Pipeline = Pipeline(), etp: int | None = None) -> list[Bucket]:
+                   pipeline: Pipeline = Pipeline(), etp: int | None = None,
+                   order_for: OrderFor = table_order) -> list[Bucket]:
     """Each optimizer's buckets with their params, per DP group and buffer, as megatron-core lays
-    them out: reverse registration order, starts padded to `ALIGN`, a bucket closing where its
-    saved length ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP
+    them out: in reverse registration order (`order_for` may find each param's place otherwise:
+    `megatron.bucket_order`), starts padded to `ALIGN`, a bucket closing where its saved length
+    ends. A dense optimizer's groups are the model-parallel ranks, PP rank × TP + TP
     rank; an expert optimizer's are (PP rank × EP + EP rank) × ETP + ETP rank (the expert TP
     `etp`, by default the TP), each holding its EP rank's share of its stage's experts, split by
     the expert TP. Each group has a buffer per model chunk holding params of the optimizer
@@ -457,7 +508,7 @@ def layout_buckets(ckpt: Checkpoint, order: list[LocalParam], tp: int,
                                                  "several param or grad dtypes are not rebuilt yet)")
             for buffer, chunk in enumerate(chunks):
                 mine = [p for p, c in ours if c == chunk]
-                out += _group_buckets(ckpt, saved, optimizer, group, buffer, tp_rank, mine, split)
+                out += _group_buckets(ckpt, saved, optimizer, group, buffer, tp_rank, mine, split, order_for)
     return out
 
 
@@ -499,28 +550,30 @@ def _expert_share(ckpt: Checkpoint, experts: list[LocalParam], ep: int) -> int:
 
 
 def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: int, buffer: int, tp_rank: int,
-                   order: list[LocalParam], tp: int) -> list[Bucket]:
-    """One buffer's buckets in a DP group, filled with `order` reversed."""
+                   order: list[LocalParam], tp: int, order_for: OrderFor) -> list[Bucket]:
+    """One buffer's buckets in a DP group, filled with `order`'s params as `order_for` picks them."""
     where = f"{_prefix(optimizer)}dp_group_idx_{group}{f'.gbuf_idx_{buffer}' if buffer else ''}"
     numbers = sorted(b for c, g, f, b in saved if c == optimizer.chain and g == group and f == buffer)
     if numbers != list(range(len(numbers))):
         raise CheckpointError(ckpt.path, f"{where}: buckets {numbers} are not numbered 0…")
     out = []
-    params, next_param = list(reversed(order)), 0
+    picker = order_for(order, tp_rank, tp)
     for b in numbers:
         entries = saved[(optimizer.chain, group, buffer, b)]
         if set(entries) != {"param", "exp_avg", "exp_avg_sq"}:
             raise CheckpointError(ckpt.path, f"{where} bucket {b} holds {sorted(entries)}, "
                                              "expected param, exp_avg and exp_avg_sq (Adam)")
         length = _one_length(ckpt, entries)
-        placed, cursor = [], 0
-        while cursor < length and next_param < len(params):
-            param = params[next_param]
+        placed: list[tuple[LocalParam, int, int]] = []
+        cursor = 0
+        while cursor < length:
             start = -(-cursor // ALIGN) * ALIGN
-            if param.alone and placed:  # the bucket before closes at its aligned start
-                cursor = start
+            if placed and start >= length:  # the bucket closes at an aligned start: before a param alone
+                cursor = start if any(p.alone for p in picker.left()) else cursor
                 break
-            next_param += 1
+            param = picker.next(entries["param"], start, length, not placed)
+            if param is None:
+                break
             cursor = start + math.prod(local_shape(ckpt, param, tp))
             placed.append((param, start, cursor))
             if param.alone:
@@ -528,14 +581,14 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
         if cursor != length:
             at = f"{placed[-1][0].key} ends at {cursor}" if placed else "no param is left for it"
             raise CheckpointError(ckpt.path, f"{where} bucket {b} is {length} elements but {at} "
-                                             "in megatron-core's local GPT spec order: another model spec or "
-                                             "megatron-core version")
+                                             "in megatron-core's layout of the model's parameters: another model "
+                                             "spec or megatron-core version")
         _check_chunks(ckpt, entries, placed)
         out.append(Bucket(tp_rank, tp, b, entries, tuple(placed), optimizer.chain, group, buffer))
-    if next_param < len(params):
-        raise CheckpointError(ckpt.path, f"{where}: {len(params) - next_param} params "
-                                         f"({params[next_param].key} first) are in no bucket: another model spec "
-                                         "or megatron-core version")
+    left = picker.left()
+    if left:
+        raise CheckpointError(ckpt.path, f"{where}: {len(left)} params ({left[0].shown} first) are in no bucket: "
+                                         "another model spec or megatron-core version")
     return out
 
 
@@ -549,7 +602,7 @@ def _one_length(ckpt: Checkpoint, entries: dict[str, TensorEntry]) -> int:
 
 def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: list[tuple[LocalParam, int, int]]) -> None:
     """Every saved chunk lies inside one param's range or one gap: the writer cuts a chunk per
-    range (and per DP shard), so a chunk across a param boundary means the order is not this one."""
+    range (and per DP shard), so a chunk across a param boundary means the layout is not this one."""
     bounds = sorted({0, *(s for _, s, _ in placed), *(e for _, _, e in placed)})
     for entry in entries.values():
         for c in entry.chunks:
@@ -557,8 +610,7 @@ def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: lis
             after = bisect.bisect_right(bounds, lo)
             if after < len(bounds) and bounds[after] < hi:
                 raise CheckpointError(ckpt.path, f"{entry.fqn}: the chunk [{lo}, {hi}) crosses a parameter boundary "
-                                                 "of megatron-core's local GPT spec order: another model spec or "
-                                                 "megatron-core version")
+                                                 "of the layout rebuilt: another model spec or megatron-core version")
 
 
 @dataclass(frozen=True)

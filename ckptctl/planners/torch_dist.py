@@ -28,6 +28,7 @@ from ckptctl.formats.megatron_args import (
     COMMON, COMMON_STATE, CommonState, common_bytes, common_state, common_where, decoded_item,
 )
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
+from ckptctl.engine.elements import ElementReader
 from ckptctl.core.geometry import Box
 from ckptctl.core.analysis import (
     TORCH_DIST_BUCKETS, TORCH_DIST_FORMATS, TORCH_DIST_MASTERS, analysis, is_optimizer_entry, is_torch_dist_bucket,
@@ -38,6 +39,7 @@ from ckptctl.megatron.buckets import (
     GROUPS_ITEM, HYBRID_FINAL_NORM, Bucket, Optimizer, Pipeline, layout_buckets, model_space_targets, parse_layout,
     registration_order,
 )
+from ckptctl.megatron.bucket_order import content_order
 from ckptctl.megatron.fragments import fragment_targets
 from ckptctl.core.checkpoint import Checkpoint, file_rank
 from ckptctl.families.placement import Placed
@@ -180,23 +182,13 @@ def _pipeline(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -
     return tp, Pipeline(pp, vpp, first, last, **counted, layout=layout), not untied
 
 
-def _refuse_other_specs(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace) -> None:
-    """Only the local spec's parameter order is known; Transformer Engine's registers its norms elsewhere."""
-    impl = getattr(args, "transformer_impl", None)
-    if impl != "local":
-        raise _refusal(ckpt, common.where, f"args.transformer_impl is {impl!r}: dp_reshardable buckets are rebuilt "
-                                           "for megatron-core's local spec ('local') only yet; resumed at its grid "
-                                           "with Megatron-LM's --dist-ckpt-optim-fully-reshardable, the run saves a "
-                                           "checkpoint that reshards")
-
-
 def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace
                            ) -> tuple[list[Bucket], dict[int | None, list]]:
-    """The dp_reshardable buckets with the params laid out in them (local spec only:
-    `megatron.buckets`), and each optimizer's param groups (by its `chained_<i>.` index; None for
-    the one optimizer of a checkpoint without a ChainedOptimizer)."""
+    """The dp_reshardable buckets with the params laid out in them, each found by its content
+    (`megatron.bucket_order`: any spec whose params the local spec's table names), and each
+    optimizer's param groups (by its `chained_<i>.` index; None for the one optimizer of a
+    checkpoint without a ChainedOptimizer)."""
     tp, pipeline, tied_copy = _pipeline(ckpt, common, args)
-    _refuse_other_specs(ckpt, common, args)
     groups = bucket_param_groups(ckpt)
     optimizers, ep, etp = _optimizers(ckpt, common, args, groups, tp)
     model = {k for k in ckpt.tensors if not is_optimizer_entry(k) and not k.endswith(BUFFERS)}
@@ -212,7 +204,9 @@ def dp_reshardable_buckets(ckpt: Checkpoint, common: CommonState, args: argparse
                                          "is not rebuilt yet (megatron-core splits it by its pattern's '|' "
                                          "segments, not as a GPT decoder)")
     order = registration_order(ckpt, model, copy)
-    return layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp), groups
+    with ElementReader(ckpt) as elements:
+        found = layout_buckets(ckpt, order, tp, optimizers, ep, pipeline, etp, content_order(ckpt, elements.read))
+    return found, groups
 
 
 def _optimizers(ckpt: Checkpoint, common: CommonState, args: argparse.Namespace, groups: dict[int | None, list],

@@ -20,7 +20,7 @@ match exactly one saved group by `wd_mult` and `is_expert_parallel`, and each sa
 a param; a run with other overrides (decoupled LR, per-layer settings) is refused. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state` (Megatron-FSDP saves none).
 A `dp_reshardable` optimizer (megatron-core 0.19's default) is read from its buckets in place,
-as the torch_dist rewrite reads them (`megatron.buckets`: local spec, one buffer); 0.15's
+as the torch_dist rewrite reads them (`megatron.buckets`, laid out by content; one buffer); 0.15's
 `fully_sharded_model_space` is rewritten first (`ckptctl reshard SRC MID`).
 The router's expert bias, a persistent buffer, is written whole (as Megatron-FSDP saves a buffer)
 with no optimizer state or group.

@@ -138,6 +138,14 @@ optimizer shard over the four DP × CP ranks, so each bucket is padded and cut f
 takes set gradients (`fixtures.megatron_optim.write`: the local attention refuses CP on CPU)."""
 CONTEXT_PARALLEL_TP = ("llama", 2, 1, 0, "0.19", ("cp", 2))
 """The same at TP 2 × CP 2, one bucket per buffer."""
+TE_ORDER = ("llama", 2, 2, 1000, "0.19", ("order", "te"))
+"""The bucketed llama with its params registered in Transformer Engine's order (a stand-in with
+TE's names and order, built from the local modules it fuses: `fixtures.registration_orders`):
+each layer's norms inside `linear_qkv` and `linear_fc1`, registered before their weights, after
+`linear_proj`. The local spec's table does not lay it out; content does."""
+PERMUTED = ("llama", 2, 2, 1000, "0.19", ("order", "permuted"))
+"""The bucketed llama in a custom order no spec has (the MLP before the attention, `linear_qkv`
+before `linear_proj`, the output layer first and the embedding last)."""
 LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016, marks=pytest.mark.full),
            pytest.param(MOE, marks=pytest.mark.full), pytest.param(DEEPSEEK, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(EXPERT_PARALLEL, marks=(needs("0.19"), pytest.mark.full)),
@@ -160,6 +168,9 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            pytest.param(MAMBA_TP, marks=(needs("0.19"), pytest.mark.full)),
            pytest.param(CONTEXT_PARALLEL, marks=(needs("0.19"), pytest.mark.full)),
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
+LOCAL_LAYOUTS = list(LAYOUTS)
+"""The runs of the local spec: its table lays them out too."""
+LAYOUTS += [pytest.param(TE_ORDER, marks=needs("0.19")), pytest.param(PERMUTED, marks=needs("0.19"))]
 
 
 def case_id(case) -> str:
@@ -260,6 +271,135 @@ def test_the_rebuilt_bucket_layout_is_megatron_cores_own(saved, case):
                                      p["start"] - bucket["offset"], p["end"] - bucket["offset"]))
                     want[(int(experts) if chained else None, group, index, bucket["bucket_id"])] = rows
     assert got == want
+
+
+def _bucket_map(ckpt, monkeypatch=None) -> dict:
+    """The params laid out in each bucket of `ckpt`: by content, or (given `monkeypatch`) by the
+    local spec's table."""
+    from ckptctl.megatron import buckets as tables
+    from ckptctl.planners import torch_dist
+    from ckptctl.planners.torch_dist import dp_reshardable_buckets, read_common
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(torch_dist, "content_order", lambda ckpt, read: tables.table_order)
+    common = read_common(ckpt)
+    found, _ = dp_reshardable_buckets(ckpt, common, common.state["args"])
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    return {(b.chain, b.group, b.buffer, b.number): [(p.key, p.lead, s, e) for p, s, e in b.params] for b in found}
+
+
+@pytest.mark.parametrize("case", LOCAL_LAYOUTS, ids=case_id)
+def test_the_bucket_map_found_by_content_is_the_local_spec_tables(saved, case, monkeypatch):
+    """On every run of the local spec, the map found by content is the one its table lays out."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = open_checkpoint(saved[case] / "dp_reshardable")
+    found = _bucket_map(ckpt)
+    assert found == _bucket_map(ckpt, monkeypatch) and found
+
+
+def _extra_states(path) -> dict[str, bytes]:
+    """Every `_extra_state` item of a torch_dist checkpoint, as its raw saved bytes."""
+    from ckptctl.formats.dcp.items import ItemReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    with ItemReader(ckpt) as reader:
+        return {fqn: reader.read_item_bytes(e.file, e.offset, e.length, e.transforms)
+                for fqn, e in ckpt.bytes_entries.items() if "._extra_state/" in fqn}
+
+
+@needs("0.19")
+@pytest.mark.parametrize("order", ["te", "permuted"])
+def test_a_run_in_another_registration_order_is_rebuilt_as_megatron_cores_own_save(saved, tmp_path, order,
+                                                                                   monkeypatch):
+    """A run whose params register in Transformer Engine's order (the stand-in) or a custom one,
+    one bucket per buffer: the rewrite equals megatron-core's own `fully_reshardable` save of the
+    run tensor for tensor, with the same common state, and carries every `_extra_state` item as
+    saved (TE's: a pickle in a uint8 tensor, or an empty one), byte for byte. Args naming
+    Transformer Engine (before, refused by name) do not stop it. The local spec's table cannot lay
+    it out: refused."""
+    from fixtures.registration_orders import EXTRA_STATE
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    ckpt = saved[("llama", 2, 2, 0, "0.19", ("order", order))]
+    got, common = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    assert len(got) == 36 and common["args"].transformer_impl == ("transformer_engine" if order == "te" else "local")
+    extra = _extra_states(tmp_path / "o")  # each linear's, per layer (a ShardedObject: `shard_<layer>_2`)
+    assert extra == _extra_states(ckpt / "dp_reshardable") and len(extra) == 4 * 2
+    if order == "te":  # read back by the test (torch's loader, weights only): a pickle's bytes, or none
+        [qkv], [fc1] = (torch.load(io.BytesIO(extra[f"decoder.layers.{name}._extra_state/shard_1_2"]),
+                                   weights_only=True) for name in ("self_attention.linear_qkv", "mlp.linear_fc1"))
+        assert (bytes(qkv.numpy()), fc1.dtype, fc1.numel()) == (EXTRA_STATE, torch.uint8, 0)
+    with pytest.raises(CheckpointError, match="crosses a parameter boundary of the layout rebuilt: another model "
+                                              "spec or megatron-core version"):
+        _bucket_map(open_checkpoint(ckpt / "dp_reshardable"), monkeypatch)
+
+
+def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
+    """Write `values` (raw, one element per point) over elements `points` of tensor `fqn` where
+    the checkpoint at `path` saved them."""
+    from ckptctl.engine.cpu import ChunkSource
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    entry = ckpt.tensors[fqn]
+    size = entry.dtype.itemsize
+    chunks = ChunkSource(ckpt)
+    try:
+        for n, point in enumerate(points):
+            chunk = next(c for c in entry.chunks
+                         if all(o <= p < o + k for o, k, p in zip(c.offsets, c.sizes, point)))
+            flat = 0
+            for p, o, k in zip(point, chunk.offsets, chunk.sizes):
+                flat = flat * k + p - o
+            record = chunks.record(fqn, chunk)
+            with open(record.path, "r+b") as f:
+                f.seek(record.byte_offset + flat * size)
+                f.write(values[n * size:(n + 1) * size])
+    finally:
+        chunks.close()
+
+
+@needs("0.19")
+def test_params_of_one_size_with_equal_masters_out_of_the_tables_order_are_refused_naming_them(saved, tmp_path):
+    """The Transformer Engine order's run, one bucket per buffer, its layer 0 attention norm made
+    its MLP norm's twin (weight and both TP ranks' fp32 masters, saved bytes overwritten): content
+    cannot tell their places apart, and the buffer no longer follows the local spec's table there."""
+    import shutil
+
+    from ckptctl.engine.elements import ElementReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    src = tmp_path / "src"
+    shutil.copytree(saved[("llama", 2, 2, 0, "0.19", ("order", "te"))] / "dp_reshardable", src)
+    ckpt = open_checkpoint(src)
+    laid = _bucket_map(ckpt)
+    mlp, attention = "decoder.layers.mlp.linear_fc1.layer_norm_weight", \
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
+    hidden = ckpt.tensors[mlp].shape[1]
+    with ElementReader(ckpt) as reader:
+        dtype = ckpt.tensors[mlp].dtype
+        twin = reader.read(mlp, [(0, i) for i in range(hidden)], dtype)
+        writes = [(attention, [(0, i) for i in range(hidden)], b"".join(twin))]
+        for (_, group, _, _), params in laid.items():
+            bucket = next(k for k in ckpt.tensors if k.startswith(f"optimizer.distributed.dp_group_idx_{group}.")
+                          and k.endswith(".param"))
+            start = {key: s for key, lead, s, _ in params if lead == (0,)}
+            masters = reader.read(bucket, [(start[mlp] + i,) for i in range(hidden)], dtype)
+            writes.append((bucket, [(start[attention] + i,) for i in range(hidden)], b"".join(masters)))
+    for fqn, points, values in writes:
+        _overwrite(src, fqn, points, values)
+    run = run_cli("reshard", src, tmp_path / "o")
+    bucket = "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_(torch.float32, torch.float32).bucket_idx_0.param"
+    start = {key: s for key, lead, s, _ in laid[(None, 0, 0, 0)] if lead == (0,)}[mlp]
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src}: {bucket}: at element {start}, {mlp}[0] and "
+                                               f"{attention}[0] are of one size with equal fp32 masters: their "
+                                               "places in the bucket cannot be told apart by content, nor by "
+                                               "megatron-core's local spec order\n")
+    assert not (tmp_path / "o").exists()
 
 
 @needs("0.19")
@@ -1001,9 +1141,8 @@ def test_pipeline_splits_args_do_not_prove_are_refused_naming_why(saved, tmp_pat
              ("account_for_embedding_in_pipeline_split", True, f"{split} as args say: 3 layers do not divide over "
               "2 pipeline stages"),
              ("decoder_last_pipeline_num_layers", 3, f"{split} as args say: -1 layers left over for 1 middle stages"),
-             ("decoder_first_pipeline_num_layers", 2, "dp_group_idx_0 bucket 2 is 4672 elements but "
-              "embedding.word_embeddings.weight ends at 8640 in megatron-core's local GPT spec order: another model "
-              "spec or megatron-core version"),
+             ("decoder_first_pipeline_num_layers", 2, "dp_group_idx_0: 6 params (decoder.layers.mlp.linear_fc2.weight[1] "
+              "first) are in no bucket: another model spec or megatron-core version"),
              ("pipeline_model_parallel_size", 1, "dp_group_idx_<g>: groups [0, 1, 2, 3], "
               "expected one per TP rank 0…1")]
     for i, (name, value, line) in enumerate(cases):
@@ -1229,21 +1368,24 @@ def test_another_spec_order_is_refused(saved, monkeypatch):
                                                 for n, k in buckets.LOCAL_SPEC))
     ckpt = open_checkpoint(saved[BUCKETS] / "dp_reshardable")
     model = {k for k in ckpt.tensors if not k.startswith("optimizer.")}
-    with pytest.raises(CheckpointError, match=r"bucket_idx_1.param: the chunk \[1216, 2368\) crosses a parameter boundary of megatron-core's local "
-                                              "GPT spec order: another model spec or megatron-core version"):
+    with pytest.raises(CheckpointError, match=r"bucket_idx_1.param: the chunk \[1216, 2368\) crosses a parameter boundary of the "
+                                              "layout rebuilt: another model spec or megatron-core version"):
         buckets.layout_buckets(ckpt, buckets.registration_order(ckpt, model), 2)
 
 
 @needs("0.19")
 @pytest.mark.parametrize("layout", ["fsdp2", "megatron-fsdp"])
 def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_path, monkeypatch, layout):
-    """The two norms of a layer swapped in the registration order: of one size, they swap places
-    and every structural check passes, so the rewrite (torch_dist's own layout, or Megatron-FSDP's)
-    runs; `--verify` finds a rebuilt master copy unequal to the weight saved beside it, and nothing
-    is left at DST."""
+    """The two norms of a layer swapped in the local spec's table, and the table taken as the
+    order (content not read): of one size, they swap places and every structural check passes,
+    so the rewrite (torch_dist's own layout, or Megatron-FSDP's) runs; `--verify` finds a rebuilt
+    master copy unequal to the weight saved beside it, and nothing is left at DST."""
     import ckptctl
     from ckptctl.megatron import buckets
+    from ckptctl.planners import torch_dist
     from ckptctl.util.errors import CheckpointError
+
+    monkeypatch.setattr(torch_dist, "content_order", lambda ckpt, read: buckets.table_order)
 
     layer = dict(buckets.LOCAL_SPEC)["decoder.layers."]
     names = [name for name, _ in layer]
@@ -1263,24 +1405,6 @@ def test_verify_refuses_params_of_one_size_laid_out_in_another_order(saved, tmp_
     assert re.fullmatch(rf"{master}: verification failed \(the rebuilt master copy, cast to float32, is not its "
                         rf"param {param}: the source's optimizer state was not laid out as rebuilt\)",
                         err.value.reason), err.value.reason
-    assert not (tmp_path / "o").exists()
-
-
-@pytest.mark.full
-def test_a_spec_that_is_not_the_local_one_is_refused_naming_it(saved, tmp_path):
-    import shutil
-
-    src = tmp_path / "src"
-    shutil.copytree(saved[BUCKETS_016] / "dp_reshardable", src)
-    common = torch.load(src / "common.pt", weights_only=False)
-    common["args"] = argparse.Namespace(**{**vars(common["args"]), "transformer_impl": "transformer_engine"})
-    torch.save(common, src / "common.pt")
-    run = run_cli("reshard", src, tmp_path / "o")
-    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {src / 'common.pt'}: args.transformer_impl is "
-                                               "'transformer_engine': dp_reshardable buckets are rebuilt for "
-                                               "megatron-core's local spec ('local') only yet; resumed at its grid "
-                                               "with Megatron-LM's --dist-ckpt-optim-fully-reshardable, the run saves "
-                                               "a checkpoint that reshards\n")
     assert not (tmp_path / "o").exists()
 
 
