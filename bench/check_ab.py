@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 NO_CHECK = """
-from ckptctl.commands import dcp_write
+from ckptctl.commands import dcp_write, reshard
 
 
 class NoCheck:
@@ -46,7 +46,19 @@ class NoCheck:
         pass
 
 
+class NoLocating:
+    def __init__(self, *args):
+        pass
+
+    def result(self):
+        return None
+
+    def stop(self):
+        pass
+
+
 dcp_write.DcpCheck = NoCheck
+reshard.LocatingAhead = NoLocating  # nor does it fork a process to locate the check's source items
 """
 RUN = "import runpy, sys; sys.argv = ['ckptctl', *sys.argv[1:]]; runpy.run_module('ckptctl', run_name='__main__')"
 
