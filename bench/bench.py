@@ -124,14 +124,20 @@ def _build_hf(out: str) -> None:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
 
 
-def ensure_hf_folder() -> Path:
-    if (HF_SRC / "model.safetensors.index.json").exists():
-        return HF_SRC
-    shutil.rmtree(HF_SRC, ignore_errors=True)
-    print(f"bench: generating {HF_SRC} ...", flush=True)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build_hf; _build_hf({str(HF_SRC)!r})"
+def _ensure_folder(folder: Path, last_written: str, build: str) -> Path:
+    """`folder`, written once by this module's `build(folder)` in a subprocess (its `last_written`
+    file says it is whole)."""
+    if (folder / last_written).exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"bench: generating {folder} ...", flush=True)
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import {build}; {build}({str(folder)!r})"
     subprocess.run([PY, "-c", code], check=True)
-    return HF_SRC
+    return folder
+
+
+def ensure_hf_folder() -> Path:
+    return _ensure_folder(HF_SRC, "model.safetensors.index.json", "_build_hf")
 
 
 def _native_experts(layer: int):
@@ -222,13 +228,7 @@ def _build_fp8(out: str) -> None:
 
 
 def ensure_fp8_folder() -> Path:
-    if (FP8_SRC / "config.json").exists():
-        return FP8_SRC
-    shutil.rmtree(FP8_SRC, ignore_errors=True)
-    print(f"bench: generating {FP8_SRC} ...", flush=True)
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _build_fp8; _build_fp8({str(FP8_SRC)!r})"
-    subprocess.run([PY, "-c", code], check=True)
-    return FP8_SRC
+    return _ensure_folder(FP8_SRC, "config.json", "_build_fp8")
 
 
 def tree_bytes(path: Path) -> int:

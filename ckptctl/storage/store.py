@@ -38,10 +38,30 @@ class EntryInfo:
     """A regular file (a local link to one counts); a folder, FIFO or device is not."""
 
 
-class ReadHandle(ABC):
-    """An input entry opened for positioned reads; threads share it (no read moves a cursor)."""
+class _Handle(ABC):
+    """An entry a store opened: its raw descriptor where it has one, closed once done with."""
 
     path: Path
+
+    @abstractmethod
+    def fileno(self) -> int:
+        """The raw descriptor, for a loop of millions of reads or writes (in-kernel copies, writeback
+        hints); a store without one raises OSError."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let go of the entry (idempotent)."""
+
+    def __enter__(self) -> "_Handle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReadHandle(_Handle):
+    """An input entry opened for positioned reads; threads share it (no read moves a cursor)."""
+
     size: int
 
     @abstractmethod
@@ -61,25 +81,9 @@ class ReadHandle(ABC):
         """Bytes [start, start + length) as a read-only seekable file, unbuffered, for readers that take
         one (zipfile); with `max_read`, a larger single read is refused (`file_window.FileWindow`)."""
 
-    @abstractmethod
-    def fileno(self) -> int:
-        """The raw descriptor, for a loop of millions of reads; a store without one raises OSError."""
 
-    @abstractmethod
-    def close(self) -> None:
-        """Let go of the entry."""
-
-    def __enter__(self) -> "ReadHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class WriteHandle(ABC):
+class WriteHandle(_Handle):
     """An output entry written at offsets (records land where the plan puts them, in any order)."""
-
-    path: Path
 
     @abstractmethod
     def write_at(self, data: bytes | memoryview, offset: int) -> int:
@@ -95,20 +99,6 @@ class WriteHandle(ABC):
     @abstractmethod
     def sync(self) -> None:
         """Make what was written durable."""
-
-    @abstractmethod
-    def fileno(self) -> int:
-        """The raw descriptor, for in-kernel copies and writeback hints; a store without one raises OSError."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Finish the entry (idempotent)."""
-
-    def __enter__(self) -> "WriteHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Store(ABC):
@@ -167,7 +157,21 @@ class Store(ABC):
         """A temporary path to fill, put in place as `out` only when the body finishes without error."""
 
 
-class LocalReadHandle(ReadHandle):
+class _LocalDescriptor:
+    """A local file's descriptor, closed once."""
+
+    _fd: int
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            os.close(fd)
+
+
+class LocalReadHandle(_LocalDescriptor, ReadHandle):
     """A local file opened by `open_source`: its descriptor and size."""
 
     __slots__ = ("path", "size", "_fd")
@@ -189,16 +193,8 @@ class LocalReadHandle(ReadHandle):
     def window(self, start: int, length: int, max_read: int | None = None) -> FileWindow:
         return FileWindow(self._fd, start, length, max_read)
 
-    def fileno(self) -> int:
-        return self._fd
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
-
-
-class LocalWriteHandle(WriteHandle):
+class LocalWriteHandle(_LocalDescriptor, WriteHandle):
     """A local output file's descriptor."""
 
     __slots__ = ("path", "_fd")
@@ -211,14 +207,6 @@ class LocalWriteHandle(WriteHandle):
 
     def sync(self) -> None:
         os.fsync(self._fd)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            os.close(fd)
 
 
 class LocalStore(Store):
