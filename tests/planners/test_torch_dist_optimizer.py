@@ -338,6 +338,44 @@ def test_a_run_in_another_registration_order_is_rebuilt_as_megatron_cores_own_sa
         _bucket_map(open_checkpoint(ckpt / "dp_reshardable"), monkeypatch)
 
 
+TE_DEEPSEEK = ("deepseek-v3", 1, 2, 0, "0.19", ("order", "te"))
+"""A DeepSeek-V3 in Transformer Engine's order (the stand-in, `fixtures.registration_orders`) at
+TP 1 × DP 2, one bucket per buffer: MLA's q/kv norms fused into the up projections
+(`layer_norm_weight`), the MoE layer's experts registered as TEGroupedMLP registers them (every
+expert's fc1, then every expert's fc2). TP 1: TE's MLA down projections are duplicated, which
+column-parallel equals only there."""
+
+
+@needs("0.19")
+def test_te_multi_latent_attention_and_grouped_experts_are_rebuilt_as_megatron_cores_own_save(saved, tmp_path,
+                                                                                              monkeypatch):
+    """The rewrite of the TE-ordered DeepSeek-V3 equals megatron-core's own `fully_reshardable`
+    save tensor for tensor: the fused MLA norms are replicated params of the table, the grouped
+    experts are SequentialMLP's stacks (TEGroupedMLP saves those keys), found by content; each
+    master equals its weight."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    ckpt = saved[TE_DEEPSEEK]
+    got, _ = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    model = open_checkpoint(ckpt / "dp_reshardable").tensors
+    attention = "decoder.layers.{}.self_attention.linear_{}_up_proj.layer_norm_weight"
+    fused = [attention.format(layer, p) for layer in (0, 1) for p in ("q", "kv")]
+    assert all(k in model for k in fused)
+    assert not any("q_layernorm" in k or "kv_layernorm" in k for k in model)
+    fc1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+    assert model[fc1].shape[0] == 4  # [E, …]: the per-expert params stacked by expert
+    for key in (*fused, fc1):
+        assert torch.equal(got[f"optimizer.state.param.{key}"], got[key].float())
+    [bucket] = _bucket_map(open_checkpoint(ckpt / "dp_reshardable")).values()
+    experts = [(key.rpartition("experts.")[2], lead) for key, lead, _, _ in bucket if ".experts.experts." in key]
+    assert experts == [(f"linear_fc{i}.weight", (e,)) for i in (2, 1) for e in (3, 2, 1, 0)]  # registration reversed
+    with pytest.raises(CheckpointError, match=r"bucket_idx_0\.param: the chunk \[15168, 16704\) crosses a parameter "
+                                              "boundary of the layout rebuilt: another model spec or megatron-core "
+                                              "version$"):  # the local spec's table: expert by expert
+        _bucket_map(open_checkpoint(ckpt / "dp_reshardable"), monkeypatch)
+
+
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
     """Write `values` (raw, one element per point) over elements `points` of tensor `fqn` where
     the checkpoint at `path` saved them."""
