@@ -97,8 +97,10 @@ LAYER = (
     ("self_attention.linear_qkv.bias", COLUMN),
     ("self_attention.linear_q_proj.weight", COLUMN),
     ("self_attention.linear_q_down_proj.weight", COLUMN),
+    ("self_attention.linear_q_up_proj.layer_norm_weight", REPLICATED),
     ("self_attention.linear_q_up_proj.weight", COLUMN),
     ("self_attention.linear_kv_down_proj.weight", COLUMN),
+    ("self_attention.linear_kv_up_proj.layer_norm_weight", REPLICATED),
     ("self_attention.linear_kv_up_proj.weight", COLUMN),
     ("self_attention.q_layernorm.weight", REPLICATED),
     ("self_attention.k_layernorm.weight", REPLICATED),
@@ -145,15 +147,17 @@ LOCAL_SPEC = (
 """GPTModel with megatron-core's local spec, params in registration order under their torch_dist
 keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
 `pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`; the multi-latent attention spec keeps
-both norms' own names; Transformer Engine's spec saves the same keys, its params registered in
-another order, which content finds): the order `named_parameters` gives, which the DDP buffer reverses. A
+both norms' own names, Transformer Engine's fuses them into the up projections as
+`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`, registered before their weights;
+Transformer Engine's spec saves the same keys otherwise, TEGroupedMLP's experts SequentialMLP's
+stacks, its params registered in another order, which content finds): the order `named_parameters` gives, which the DDP buffer reverses. A
 nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys
 `decoder.layers.<l>.…` where layers differ) and, inside it, per expert (SequentialMLP's
 `local_experts.<e>`, saved as stacks [E, …]): expert by expert, each expert's params in its
 order, the shared experts after them; then per multi-token prediction layer (`mtp.layers.<i>.`,
 on the last pipeline stage). MLA's projections are the local spec's ColumnParallel
-linears (Transformer Engine's down projections are duplicated instead: a bucket of that spec
-does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
+linears (Transformer Engine's down projections are duplicated instead: the same at TP 1; at a
+larger TP a bucket of that spec does not add up, and is refused). `GATED` is fc1: SwiGLU's `[W; V]` when its rows are twice
 fc2's columns, else column-parallel. A Gated DeltaNet layer (the local spec's layer with
 megatron-core's GatedDeltaNet as its attention) registers its input norm (saved as
 `in_proj.layer_norm_weight`), `dt_bias`, `A_log`, `in_proj` and `conv1d` (`Split`), `out_norm`

@@ -338,6 +338,99 @@ def test_a_run_in_another_registration_order_is_rebuilt_as_megatron_cores_own_sa
         _bucket_map(open_checkpoint(ckpt / "dp_reshardable"), monkeypatch)
 
 
+TE_DEEPSEEK = ("deepseek-v3", 1, 2, 0, "0.19", ("order", "te"))
+"""A DeepSeek-V3 in Transformer Engine's order (the stand-in, `fixtures.registration_orders`) at
+TP 1 × DP 2, one bucket per buffer: MLA's q/kv norms fused into the up projections
+(`layer_norm_weight`), the MoE layer's experts registered as TEGroupedMLP registers them (every
+expert's fc1, then every expert's fc2). TP 1: TE's MLA down projections are duplicated, which
+column-parallel equals only there."""
+
+
+@needs("0.19")
+def test_te_multi_latent_attention_and_grouped_experts_are_rebuilt_as_megatron_cores_own_save(saved, tmp_path,
+                                                                                              monkeypatch):
+    """The rewrite of the TE-ordered DeepSeek-V3 equals megatron-core's own `fully_reshardable`
+    save tensor for tensor: the fused MLA norms are replicated params of the table, the grouped
+    experts are SequentialMLP's stacks (TEGroupedMLP saves those keys), found by content; each
+    master equals its weight."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    ckpt = saved[TE_DEEPSEEK]
+    got, _ = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    model = open_checkpoint(ckpt / "dp_reshardable").tensors
+    attention = "decoder.layers.{}.self_attention.linear_{}_up_proj.layer_norm_weight"
+    fused = [attention.format(layer, p) for layer in (0, 1) for p in ("q", "kv")]
+    assert all(k in model for k in fused)
+    assert not any("q_layernorm" in k or "kv_layernorm" in k for k in model)
+    fc1 = "decoder.layers.1.mlp.experts.experts.linear_fc1.weight"
+    assert model[fc1].shape[0] == 4  # [E, …]: the per-expert params stacked by expert
+    for key in (*fused, fc1):
+        assert torch.equal(got[f"optimizer.state.param.{key}"], got[key].float())
+    [bucket] = _bucket_map(open_checkpoint(ckpt / "dp_reshardable")).values()
+    experts = [(key.rpartition("experts.")[2], lead) for key, lead, _, _ in bucket if ".experts.experts." in key]
+    assert experts == [(f"linear_fc{i}.weight", (e,)) for i in (2, 1) for e in (3, 2, 1, 0)]  # registration reversed
+    with pytest.raises(CheckpointError, match=r"bucket_idx_0\.param: the chunk \[15168, 16704\) crosses a parameter "
+                                              "boundary of the layout rebuilt: another model spec or megatron-core "
+                                              "version$"):  # the local spec's table: expert by expert
+        _bucket_map(open_checkpoint(ckpt / "dp_reshardable"), monkeypatch)
+
+
+def _trapped(path, marker) -> dict[str, bytes]:
+    """Every `_extra_state` item of the torch_dist checkpoint at `path` overwritten, in place and
+    at its length, with a pickle that creates file `marker` when anything unpickles it (the
+    unpickler stops at its STOP, before the padding); the items' new bytes."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    trap = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
+    items = {fqn: e for fqn, e in open_checkpoint(path).bytes_entries.items() if "._extra_state/" in fqn}
+    for entry in items.values():
+        assert entry.length >= len(trap) and not entry.transforms
+        with open(path / entry.file, "r+b") as f:
+            f.seek(entry.offset)
+            f.write(trap.ljust(entry.length, b" "))
+    return {fqn: trap.ljust(e.length, b" ") for fqn, e in items.items()}
+
+
+@needs("0.19")
+def test_te_mla_norms_and_grouped_experts_export_and_extra_state_is_never_decoded(saved, tmp_path):
+    """export-hf of the TE-ordered DeepSeek-V3 maps the fused MLA norms to HF's `q_a_layernorm` /
+    `kv_a_layernorm` and TEGroupedMLP's experts (SequentialMLP's stacks) to HF's experts, exactly;
+    its TE `_extra_state` items, each replaced by a pickle that would create a file if decoded,
+    are left out by export-hf and carried byte for byte by reshard: the file is never created."""
+    import shutil
+    from safetensors.torch import load_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved[TE_DEEPSEEK] / "dp_reshardable", ckpt)
+    model = _load(ckpt)
+    marker = tmp_path / "decoded"
+    trapped = _trapped(ckpt, marker)
+    assert len(trapped) == 22  # every linear's (megatron-core's local ones save one too), per layer
+    assert "decoder.layers.1.self_attention.linear_q_up_proj._extra_state/shard_0_1" in trapped
+
+    class Called(pickle.Unpickler):  # the trap, decoded with its call recorded instead of made
+        def find_class(self, module, name):
+            return lambda *args: (module, name, args)
+
+    assert {Called(io.BytesIO(b)).load() for b in trapped.values()} == {("os", "system", (f"touch {marker}",))}
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("deepseek-v3")))
+    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", tmp_path / "cfg")
+    assert run.returncode == 0, run.stderr
+    hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert not any("extra" in k for k in hf)
+    for layer in (0, 1):
+        for hf_name, part in (("q_a_layernorm", "q"), ("kv_a_layernorm", "kv")):
+            assert torch.equal(hf[f"model.layers.{layer}.self_attn.{hf_name}.weight"],
+                               model[f"decoder.layers.{layer}.self_attention.linear_{part}_up_proj.layer_norm_weight"])
+    fc2 = model["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
+    assert all(torch.equal(hf[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fc2[e]) for e in range(4))
+    run = run_cli("reshard", ckpt, tmp_path / "o")
+    assert run.returncode == 0, run.stderr
+    assert _extra_states(tmp_path / "o") == trapped and not marker.exists()
+
+
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
     """Write `values` (raw, one element per point) over elements `points` of tensor `fqn` where
     the checkpoint at `path` saved them."""
