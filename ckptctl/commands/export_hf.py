@@ -46,6 +46,7 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.commands.bridge_merge import bridge_lora, merge_bridge_adapters, refuse_unplaced_adapters
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -341,7 +342,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     ranks = distributed_ranks(opts)
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
-    if not model.entries:
+    if not model.entries and not model.layer_views:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = family.naming is Naming.HF
     if raw:
@@ -350,7 +351,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
     else:
         tp, etp = resolve_tps(ckpt, model, opts.tp)
-    lora = peft_adapters(ckpt, model, raw, opts)
+    lora = peft_adapters(ckpt, model, raw, opts) if raw else None
+    bridge = None if raw else bridge_lora(ckpt, model, adapter_flags(opts), opts.lora_alpha, peft_flags(opts))
     if lora is not None and opts.adapter_only:
         return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref, preparing)
     if opts.name_check or not raw:  # a model or family rules are built of the config
@@ -360,6 +362,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
+        if bridge is not None:
+            refuse_unplaced_adapters(model, bridge[0], unused, family.name)
         if unused:
             more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
             shown = ", ".join(prefix + n for n in unused[:3]) + more
@@ -412,6 +416,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
+    if bridge is not None:
+        ctx.notes.append(merge_bridge_adapters(model, targets, *bridge, selected))
     floating = Counter()
     for t in targets.values():
         if t.dtype.is_floating_point:
@@ -476,16 +482,28 @@ def distributed_ranks(opts: ExportOptions) -> int | None:
     return opts.world_size
 
 
+def adapter_flags(opts: ExportOptions) -> list[str]:
+    """The adapter flags given, as the user spelled them; both at once refused."""
+    flags = [flag for flag, on in (("--merge-adapters", opts.merge_adapters), ("--adapter-only", opts.adapter_only))
+             if on]
+    if len(flags) == 2:
+        raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
+    return flags
+
+
+def peft_flags(opts: ExportOptions) -> list[str]:
+    """The flags given that only a peft checkpoint's adapters take."""
+    return [flag for flag, on in (("--rslora", opts.rslora), ("--adapter-config", opts.adapter_config is not None),
+                                  ("--adapter-name", opts.adapter_name is not None)) if on]
+
+
 def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: ExportOptions
                   ) -> tuple[PeftAdapters, LoraScale] | None:
     """The checkpoint's peft LoRA adapters and their scale, or None without adapters. The model
     is left seeing the HF names (`<m>.base_layer.weight` as `<m>.weight`) and no adapter tensor.
     Adapters without `--merge-adapters` or `--adapter-only` are refused (the closed world: the
     model alone is not what was trained), as are those flags without adapters."""
-    flags = [flag for flag, on in (("--merge-adapters", opts.merge_adapters), ("--adapter-only", opts.adapter_only))
-             if on]
-    if len(flags) == 2:
-        raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
+    flags = adapter_flags(opts)
     peft = raw and model.prefix.endswith(PEFT_PREFIX)  # a PeftModel's state dict: other names are not peft's
     found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix,
                           opts.adapter_name) if peft else None

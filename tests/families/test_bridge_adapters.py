@@ -58,7 +58,8 @@ def test_summary_of_per_layer_names_with_a_wrapper_prefix():
                  for i in range(3) for part, shape in (("linear_in.weight", (8, 32)), ("linear_out.weight", (64, 8)))}
     per_layer["model.module.decoder.layers.0.self_attention.linear_qkv.weight"] = (64, 32)
     assert bridge_adapter_summary(per_layer) == {"kind": "megatron-bridge-lora", "adapters": [], "modules": 3,
-                                                 "ranks": [8], "targets": {"linear_qkv": 3}, "modules_to_save": []}
+                                                 "ranks": [8], "targets": {"linear_qkv": 3},
+                                                 "modules_to_save": []}
     assert bridge_adapter_summary({"decoder.layers.self_attention.linear_qkv.weight": (2, 64, 32)}) is None
 
 
