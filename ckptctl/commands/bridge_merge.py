@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ckptctl.core.checkpoint import Checkpoint
-from ckptctl.core.dtypes import float32
+from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.core.plan import LowRank, Piece, SourceTensor, StreamItem, TargetTensor, whole_item
+from ckptctl.families.adapters import PEFT_PREFIX, Adapter
 from ckptctl.families.base import MegatronModel, RowView
 from ckptctl.families.bridge_adapters import BridgeAdapter, find_bridge_adapters
 from ckptctl.util.errors import CheckpointError, UsageError
@@ -27,7 +28,7 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
                 peft_only: Sequence[str]) -> tuple[tuple[BridgeAdapter, ...], float] | None:
     """The Megatron model's Megatron-Bridge LoRA adapters and α, or None without adapters.
     `flags`: the adapter flags given (`--merge-adapters`, `--adapter-only`); `peft_only`: the
-    given flags that only a peft checkpoint takes. Adapters without `--merge-adapters` are refused
+    given flags that only a peft checkpoint takes. Adapters without either flag are refused
     (the model alone is not what was trained), as is α not given (Bridge keeps it in the run's
     run_config.yaml, not in the checkpoint). The adapters are left out of the model's names the
     family rules see."""
@@ -42,13 +43,11 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
             raise UsageError(f"{given[0]} applies to LoRA adapters only, and {ckpt.path} holds none")
         return None
     dims = ", ".join(map(str, sorted({a.dim for a in found})))
-    if "--merge-adapters" not in flags:
-        if flags:  # --adapter-only
-            raise UsageError(f"{ckpt.path}: --adapter-only does not write Megatron-Bridge LoRA adapters as a PEFT "
-                             "folder yet; --merge-adapters exports the model with them merged")
+    if not flags:
         raise CheckpointError(ckpt.path, f"holds {counted(len(found), 'Megatron-Bridge LoRA adapter')} (dim {dims}): "
                                          "pass --merge-adapters --lora-alpha ALPHA to export the model with them "
-                                         "merged")
+                                         "merged, or --adapter-only --lora-alpha ALPHA to export them as a PEFT "
+                                         "adapter folder")
     if peft_only:
         raise UsageError(f"{peft_only[0]} applies to peft adapters, not to Megatron-Bridge's")
     if alpha is None:
@@ -82,11 +81,8 @@ def refuse_unplaced_adapters(model: MegatronModel, adapters: Sequence[BridgeAdap
 def _operand(model: MegatronModel, name: str, views: dict[str, SourceTensor]) -> tuple[RowView, StreamItem]:
     """A tensor of the model (a layer's slab of a stack), whole, as a float32 operand."""
     view = model.layer_views[name] if name in model.layer_views else model.view(name)
-    zeros = tuple(0 for _ in view.trailing)
-    pieces = tuple(Piece(view.fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *view.trailing))
-                   for b in view.blocks)
     views.setdefault(view.fqn, model.source_view(view.fqn))
-    return view, whole_item(TargetTensor(view.fqn, (view.rows, *view.trailing), float32, pieces), views)
+    return view, whole_item(TargetTensor(view.fqn, (view.rows, *view.trailing), float32, _whole_rows(view)), views)
 
 
 def _blocks_of(target: TargetTensor, base: RowView) -> tuple[Piece, ...] | None:
@@ -132,3 +128,52 @@ def merge_bridge_adapters(model: MegatronModel, targets: dict[str, TargetTensor]
     return (f"{counted(merged, 'weight')} merged with {counted(len(adapters), 'Megatron-Bridge LoRA adapter')} "
             f"(s = α / dim, α {alpha:g} from --lora-alpha): W + (B @ A) · s in float32 over each whole Megatron "
             "weight, as Megatron-Bridge's LoRAMerge, then split as the base and cast once")
+
+
+def _rows_of(view: RowView, row: int, count: int) -> tuple[int, int]:
+    """The source row of row `row` of `view`, and that the `count` rows from it lie in one block."""
+    block = next((b for b in view.blocks if b.dst_row <= row < b.dst_row + b.rows), None)
+    if block is None or row + count > block.dst_row + block.rows:
+        raise CheckpointError(view.fqn, f"rows {row}..{row + count} are not in one block of the layer's view")
+    return block.src_row + row - block.dst_row, count
+
+
+def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTensor],
+                           adapters: Sequence[BridgeAdapter], wanted: DType | None,
+                           sources: dict[str, SourceTensor]) -> tuple[dict[str, TargetTensor], list[Adapter]]:
+    """`--adapter-only`: each HF module made of an adapted Megatron weight gets the shared A
+    (`linear_in`) whole and its rows of B (`linear_out`), the rows the family rule gives it of
+    the base (q, k, v of linear_qkv; gate, up of linear_fc1), under PEFT's names, copied; and the
+    peft `Adapter` each is; `wanted`: `--dtype`."""
+    out: dict[str, TargetTensor] = {}
+    peft: list[Adapter] = []
+    for adapter in adapters:
+        base = model.layer_views[adapter.weight] if adapter.weight in model.layer_views else model.view(adapter.weight)
+        taken = {name: blocks for name, t in targets.items() if (blocks := _blocks_of(t, base)) is not None}
+        if not taken:
+            raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.a}: a Megatron-Bridge LoRA adapter on "
+                                                   f"{model.prefix}{adapter.module}, which no HF tensor is made of")
+        views = [model.layer_views[n] if n in model.layer_views else model.view(n) for n in (adapter.a, adapter.b)]
+        a_view, b_view = views
+        for view in views:
+            sources.setdefault(view.fqn, model.source_view(view.fqn))
+        for name, blocks in taken.items():
+            module = name.removesuffix(".weight")
+            a_name, b_name = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
+            b_pieces = []
+            for block in blocks:
+                row, rows = _rows_of(b_view, block.src_start[0], block.sizes[0])
+                b_pieces.append(Piece(b_view.fqn, (row, 0), (block.dst_start[0], 0), (rows, adapter.dim)))
+            rows = targets[name].shape[0]
+            out[a_name] = TargetTensor(a_name, (a_view.rows, *a_view.trailing), cast_dtype(sources[a_view.fqn].dtype, wanted),
+                                       _whole_rows(a_view))
+            out[b_name] = TargetTensor(b_name, (rows, adapter.dim), cast_dtype(sources[b_view.fqn].dtype, wanted), tuple(b_pieces))
+            peft.append(Adapter(module, a_name, b_name, adapter.dim))
+    return out, peft
+
+
+def _whole_rows(view: RowView) -> tuple[Piece, ...]:
+    """The pieces of all of `view` (a layer's slab of a stack, or a tensor)."""
+    zeros = tuple(0 for _ in view.trailing)
+    return tuple(Piece(view.fqn, (b.src_row, *zeros), (b.dst_row, *zeros), (b.rows, *view.trailing))
+                 for b in view.blocks)

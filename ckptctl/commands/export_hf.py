@@ -46,7 +46,9 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
-from ckptctl.commands.bridge_merge import bridge_lora, merge_bridge_adapters, refuse_unplaced_adapters
+from ckptctl.commands.bridge_merge import (bridge_adapter_tensors, bridge_lora, merge_bridge_adapters,
+                                           refuse_unplaced_adapters)
+from ckptctl.families.bridge_adapters import BridgeAdapter
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -414,6 +416,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if expected is not None:
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     check_coverage(ckpt, targets.values(), sources)
+    if bridge is not None and opts.adapter_only:
+        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     if bridge is not None:
@@ -638,6 +642,33 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
                  f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
     return ExportPlan(
         family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
+        files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
+        ref_files=[], notes=notes, adapter_config=config,
+    )
+
+
+def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
+                               targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter], alpha: float,
+                               ref: str | Path | None) -> ExportPlan:
+    """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
+    tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
+    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
+    if opts.include or opts.exclude:
+        raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
+    sources: dict[str, SourceTensor] = {}
+    tensors, peft = bridge_adapter_tensors(model, targets, adapters, opts.dtype, sources)
+    check_coverage(ckpt, tensors.values(), sources)
+    files = [placed_file(PEFT_WEIGHTS, list(tensors.values()))]
+    architectures = output_config(cfg, None).get("architectures") or ()
+    found = PeftAdapters(tuple(peft), "default", {})
+    config = peft_config(found, LoraScale(alpha, False), [n.removesuffix(".weight") for n in targets],
+                         str(ref) if ref is not None else None, "CAUSAL_LM" if generative(architectures) else None)
+    modules = counted(len(peft), "PEFT LoRA module")
+    notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
+             f"linear_in as lora_A and its rows of linear_out as lora_B; α {alpha:g} from --lora-alpha): load it "
+             "with PeftModel.from_pretrained(base model, folder)"]
+    return ExportPlan(
+        family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=tensors, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
         ref_files=[], notes=notes, adapter_config=config,
     )

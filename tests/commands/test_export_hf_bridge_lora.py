@@ -114,12 +114,15 @@ def test_bf16_export_is_bridge_fp32_merge_cast_once(bridge, tmp_path):
 
 @pytest.mark.parametrize(("flags", "line"), [
     ((), "ckptctl: error: {ckpt}: holds 8 Megatron-Bridge LoRA adapters (dim 4): pass --merge-adapters --lora-alpha "
-         "ALPHA to export the model with them merged"),
+         "ALPHA to export the model with them merged, or --adapter-only --lora-alpha ALPHA to export them as a PEFT "
+         "adapter folder"),
     (("--merge-adapters",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
                             "(the run's run_config.yaml has it as peft.alpha)"),
-    (("--adapter-only", "--lora-alpha", "8"), "ckptctl: error: {ckpt}: --adapter-only does not write Megatron-Bridge "
-                                              "LoRA adapters as a PEFT folder yet; --merge-adapters exports the model "
-                                              "with them merged"),
+    (("--adapter-only",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
+                          "(the run's run_config.yaml has it as peft.alpha)"),
+    (("--adapter-only", "--lora-alpha", "8", "--include", "*q_proj*"), "ckptctl: error: --include/--exclude do not "
+                                                                       "apply to --adapter-only (a PEFT folder holds "
+                                                                       "every adapter)"),
     (("--merge-adapters", "--lora-alpha", "8", "--rslora"), "ckptctl: error: --rslora applies to peft adapters, not "
                                                             "to Megatron-Bridge's"),
 ])
@@ -168,3 +171,43 @@ def test_adapters_without_base_and_canonical_adapters_are_refused(tmp_path):
     assert (run.returncode, run.stderr.strip()) == (
         2, f"ckptctl: error: {canonical}: decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_in.weight: a "
            "Megatron-Bridge canonical LoRA adapter (linear_fc1_gate), which export-hf does not merge yet")
+
+
+def test_adapter_only_is_a_peft_folder_peft_loads_on_the_base(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "ad", "--hf-config", bridge / "cfg", "--adapter-only",
+                  "--lora-alpha", ALPHA)
+    assert run.returncode == 0, run.stderr
+    assert ("note: 8 Megatron-Bridge LoRA adapters written as 14 PEFT LoRA modules (each with the shared linear_in as "
+            "lora_A and its rows of linear_out as lora_B; α 8 from --lora-alpha): load it with "
+            "PeftModel.from_pretrained(base model, folder)") in run.stderr
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"], sorted(config["target_modules"])) == (
+        DIM, ALPHA, False, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
+    tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    adapters = lora_state()
+    for i in range(LAYERS):  # down_proj is linear_fc2 as it is; every module has its linear's A
+        hf, meg = f"base_model.model.model.layers.{i}.mlp", "decoder.layers.mlp"
+        fc1, fc2 = f"{meg}.linear_fc1.adapter", f"{meg}.linear_fc2.adapter"
+        assert torch.equal(tensors[f"{hf}.down_proj.lora_B.weight"], adapters[f"{fc2}.linear_out.weight"][i])
+        for proj in ("gate_proj", "up_proj"):
+            assert torch.equal(tensors[f"{hf}.{proj}.lora_A.weight"], adapters[f"{fc1}.linear_in.weight"][i])
+        gate_up = torch.cat([tensors[f"{hf}.gate_proj.lora_B.weight"], tensors[f"{hf}.up_proj.lora_B.weight"]])
+        assert torch.equal(gate_up, adapters[f"{fc1}.linear_out.weight"][i])  # torch_dist's fc1 is [W; V]
+    for folder, flags in (("plain", ()), ("merged", ("--merge-adapters", "--lora-alpha", ALPHA))):
+        run = run_cli("export-hf", SRC if folder == "plain" else bridge / "ckpt", tmp_path / folder, "--hf-config",
+                      bridge / "cfg", *flags)
+        assert run.returncode == 0, run.stderr
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    tokens = torch.arange(12).view(2, 6) % 200
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", torch_dtype=torch.float32)
+    lora = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = merged(tokens).logits
+        torch.testing.assert_close(lora(tokens).logits, want, rtol=1e-5, atol=1e-5)
+        unmerged = lora.merge_and_unload()
+        peft_weights = unmerged.state_dict()
+        for name, value in merged.state_dict().items():  # peft's merge of the folder: the merged export's weights
+            torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
