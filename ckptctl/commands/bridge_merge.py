@@ -1,11 +1,12 @@
-"""`export-hf --merge-adapters` of Megatron-Bridge LoRA adapters in a Megatron checkpoint.
+"""`export-hf --merge-adapters` and `--adapter-only` of Megatron-Bridge LoRA adapters in a Megatron checkpoint.
 
 Megatron-Bridge merges an adapter into its Megatron weight whole (`LoRAMerge.merge`:
 W + (α / dim) · (linear_out @ linear_in)) and only then splits a fused weight (linear_qkv's
 q, k, v; linear_fc1's gate and up) into HF tensors. Each HF target here is computed the same
 way: the whole merged Megatron weight of its layer in float32, then the target's blocks of it,
 taken where the family rule takes the base's (a row subset of a matmul need not have the bits
-of the same rows of the whole one, so B is never split first).
+of the same rows of the whole one, so B is never split first). A PEFT folder gives each HF
+module the shared A and the rows of B the rule gives it of the base: copied, nothing computed.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Megatron-Bridge LoRA adapters in a Megatron checkpoint (torch_dist or fsdp_dtensor): what `inspect` names.
+"""Megatron-Bridge LoRA adapters in a Megatron checkpoint (torch_dist or fsdp_dtensor): their names and pairing.
 
 Megatron-Bridge wraps an adapted linear in an `AdapterWrapper` whose state dict keeps the base
 weight under the linear's own name (`<m>.weight`) and puts the adapter under `<m>.adapter.`:
