@@ -32,8 +32,11 @@ ignores them.
       "dtypes": {"float32": n, ...},                          # tensors per dtype
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
       "prefixes": {"model": ["model.module."], "optimizer": ["optimizer.state.module."]},
-      "adapters": null | {"kind": "peft-lora" | "peft-dora", "adapters": [name],  # peft's adapter names
-                          "modules": int, "ranks": [int], "targets": {leaf name: modules},
+      "adapters": null | {"kind": "peft-lora" | "peft-dora"   # peft's
+                                  | "megatron-bridge-lora" | "megatron-bridge-canonical-lora",
+                          "adapters": [name],                  # peft's adapter names (Bridge's: [])
+                          "modules": int, "ranks": [int],      # Bridge's: per layer; its dims
+                          "targets": {leaf name: modules},     # Bridge's: its target_modules names
                           "modules_to_save": [module]},          # modules peft trains whole
       "tensors": {fqn: {
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
@@ -165,11 +168,13 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
     from ckptctl.core.rank_state import rank_states
     from ckptctl.families.adapters import adapter_summary
+    from ckptctl.families.bridge_adapters import bridge_adapter_summary
     from ckptctl.families.base import is_model_key
     from ckptctl.formats.megatron_args import training_args
 
     reports = analysis.reports
     training = training_args(ckpt)
+    model_shapes = {fqn: e.shape for fqn, e in ckpt.tensors.items() if is_model_key(fqn)}
     return {
         "path": str(ckpt.path),
         "format": _format(ckpt, training),
@@ -188,7 +193,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "dtypes": analysis.dtypes,
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
-        "adapters": adapter_summary({fqn: e.shape for fqn, e in ckpt.tensors.items() if is_model_key(fqn)}),
+        "adapters": adapter_summary(model_shapes) or bridge_adapter_summary(model_shapes),
         "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
                             lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
         "bytes_entries": {fqn: {"file": b.file, "offset": b.offset, "length": b.length,
@@ -287,7 +292,8 @@ def _rank_state_line(state: dict[str, Any]) -> str:
 
 
 def _print_summary(doc: dict[str, Any]) -> None:
-    from ckptctl.families.adapters import summary_line as adapters_line
+    from ckptctl.families.adapters import summary_line
+    from ckptctl.families.bridge_adapters import bridge_summary_line
 
     files = doc["files"]
     rows = [
@@ -310,7 +316,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Layouts", _counts(doc["layouts"])),
         ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
          + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
-        *((("Adapters", adapters_line(doc["adapters"])),) if doc["adapters"] else ()),
+        *((("Adapters", (bridge_summary_line if doc["adapters"]["kind"].startswith("megatron-bridge")
+                          else summary_line)(doc["adapters"])),) if doc["adapters"] else ()),
     ]
     show_rows(rows)
 

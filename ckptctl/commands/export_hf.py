@@ -46,6 +46,9 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.commands.bridge_merge import (bridge_adapter_tensors, bridge_lora, merge_bridge_adapters,
+                                           refuse_unplaced_adapters)
+from ckptctl.families.bridge_adapters import BridgeAdapter
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -341,7 +344,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     ranks = distributed_ranks(opts)
     family, prefix = choose_family(ckpt, cfg, opts.arch)
     model = MegatronModel(ckpt, prefix)
-    if not model.entries:
+    if not model.entries and not model.layer_views:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = family.naming is Naming.HF
     if raw:
@@ -350,7 +353,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         tp, etp = 1, 1  # torch_dist saves fused tensors as the whole parts one after another: TP-blocked at 1
     else:
         tp, etp = resolve_tps(ckpt, model, opts.tp)
-    lora = peft_adapters(ckpt, model, raw, opts)
+    lora = peft_adapters(ckpt, model, raw, opts) if raw else None
+    bridge = None if raw else bridge_lora(ckpt, model, adapter_flags(opts), opts.lora_alpha, peft_flags(opts))
     if lora is not None and opts.adapter_only:
         return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref, preparing)
     if opts.name_check or not raw:  # a model or family rules are built of the config
@@ -360,6 +364,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
+        if bridge is not None:
+            refuse_unplaced_adapters(model, bridge[0], unused, family.name)
         if unused:
             more = f" (+{len(unused) - 3} more)" if len(unused) > 3 else ""
             shown = ", ".join(prefix + n for n in unused[:3]) + more
@@ -410,8 +416,12 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if expected is not None:
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     check_coverage(ckpt, targets.values(), sources)
+    if bridge is not None and opts.adapter_only:
+        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
+    if bridge is not None:
+        ctx.notes.append(merge_bridge_adapters(model, targets, *bridge, selected))
     floating = Counter()
     for t in targets.values():
         if t.dtype.is_floating_point:
@@ -476,16 +486,28 @@ def distributed_ranks(opts: ExportOptions) -> int | None:
     return opts.world_size
 
 
+def adapter_flags(opts: ExportOptions) -> list[str]:
+    """The adapter flags given, as the user spelled them; both at once refused."""
+    flags = [flag for flag, on in (("--merge-adapters", opts.merge_adapters), ("--adapter-only", opts.adapter_only))
+             if on]
+    if len(flags) == 2:
+        raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
+    return flags
+
+
+def peft_flags(opts: ExportOptions) -> list[str]:
+    """The flags given that only a peft checkpoint's adapters take."""
+    return [flag for flag, on in (("--rslora", opts.rslora), ("--adapter-config", opts.adapter_config is not None),
+                                  ("--adapter-name", opts.adapter_name is not None)) if on]
+
+
 def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: ExportOptions
                   ) -> tuple[PeftAdapters, LoraScale] | None:
     """The checkpoint's peft LoRA adapters and their scale, or None without adapters. The model
     is left seeing the HF names (`<m>.base_layer.weight` as `<m>.weight`) and no adapter tensor.
     Adapters without `--merge-adapters` or `--adapter-only` are refused (the closed world: the
     model alone is not what was trained), as are those flags without adapters."""
-    flags = [flag for flag, on in (("--merge-adapters", opts.merge_adapters), ("--adapter-only", opts.adapter_only))
-             if on]
-    if len(flags) == 2:
-        raise UsageError("--merge-adapters and --adapter-only exclude each other: pass one")
+    flags = adapter_flags(opts)
     peft = raw and model.prefix.endswith(PEFT_PREFIX)  # a PeftModel's state dict: other names are not peft's
     found = find_adapters({n: e.shape for n, e in model.entries.items()}, ckpt.path, model.prefix,
                           opts.adapter_name) if peft else None
@@ -620,6 +642,33 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
                  f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
     return ExportPlan(
         family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
+        files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
+        ref_files=[], notes=notes, adapter_config=config,
+    )
+
+
+def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
+                               targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter], alpha: float,
+                               ref: str | Path | None) -> ExportPlan:
+    """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
+    tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
+    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
+    if opts.include or opts.exclude:
+        raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
+    sources: dict[str, SourceTensor] = {}
+    tensors, peft = bridge_adapter_tensors(model, targets, adapters, opts.dtype, sources)
+    check_coverage(ckpt, tensors.values(), sources)
+    files = [placed_file(PEFT_WEIGHTS, list(tensors.values()))]
+    architectures = output_config(cfg, None).get("architectures") or ()
+    found = PeftAdapters(tuple(peft), "default", {})
+    config = peft_config(found, LoraScale(alpha, False), [n.removesuffix(".weight") for n in targets],
+                         str(ref) if ref is not None else None, "CAUSAL_LM" if generative(architectures) else None)
+    modules = counted(len(peft), "PEFT LoRA module")
+    notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
+             f"linear_in as lora_A and its rows of linear_out as lora_B; α {alpha:g} from --lora-alpha): load it "
+             "with PeftModel.from_pretrained(base model, folder)"]
+    return ExportPlan(
+        family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=tensors, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
         ref_files=[], notes=notes, adapter_config=config,
     )

@@ -359,6 +359,10 @@ class LowRank:
     row's L2 norm), as peft's DoRA merge does."""
     transposed: bool = False
     """W + ((B @ A) · scale)ᵀ: an embedding's adapter (A [r, vocab], B [dim, r])."""
+    blocks: tuple[Piece, ...] | None = None
+    """The target is these blocks of the merged W, not W itself: a Megatron fused weight (linear_qkv,
+    linear_fc1) merged whole, as Megatron-Bridge's `LoRAMerge` does, then split like its base
+    (`src`: W's name; `src_start`: in W; `dst_start`: in the target)."""
 
 
 def whole_item(target: TargetTensor, sources: Mapping[str, SourceTensor]) -> StreamItem:

@@ -762,9 +762,10 @@ def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
     tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
-    DoRA, cast once to the target's dtype. The whole result is kept per thread while boxes of it
-    are asked for, up to the one that ends it (the output check's samples, `--verify`'s row
-    blocks), so each is computed once, not once per box."""
+    DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
+    target's dtype. The whole result is kept per thread while boxes of it are asked for, up to
+    the one that ends it (the output check's samples, `--verify`'s row blocks), so each is
+    computed once, not once per box."""
     import torch
 
     from ckptctl.engine.cast import cast_into
@@ -784,6 +785,12 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
             w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
+        if delta.blocks is not None:  # the target's rows (q, k or v; gate or up) of a merged fused weight
+            whole, w = w, torch.empty(item.target.shape, dtype=torch.float32)
+            for block in delta.blocks:
+                w[tuple(slice(d, d + n) for d, n in zip(block.dst_start, block.sizes))] = \
+                    whole[tuple(slice(s, s + n) for s, n in zip(block.src_start, block.sizes))]
+            del whole
         result = w
         if item.target.dtype != float32:
             result = torch.empty(w.shape, dtype=item.target.dtype.torch)

@@ -1,0 +1,121 @@
+"""Megatron-Bridge LoRA adapters in a Megatron checkpoint (torch_dist or fsdp_dtensor): their names and pairing.
+
+Megatron-Bridge wraps an adapted linear in an `AdapterWrapper` whose state dict keeps the base
+weight under the linear's own name (`<m>.weight`) and puts the adapter under `<m>.adapter.`:
+`<m>.adapter.linear_in.weight` [dim, in] (A) and `<m>.adapter.linear_out.weight` [out, dim] (B),
+merged as W + (α / dim) · B @ A (`LoRAMerge.merge`). Canonical LoRA keeps one adapter per HF
+projection on a fused linear: `<m>.adapter.adapter_q|k|v.…` on `linear_qkv`,
+`<m>.adapter.adapter_up|gate.…` on `linear_fc1`. A torch_dist save stacks layers, so an
+adapter's tensors lead with the layer axis ([layers, dim, in]). α (and dim) are in the run's
+`run_config.yaml` (`peft.alpha`, `peft.dim`), never in the tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from ckptctl.util.errors import CheckpointError
+from ckptctl.util.wording import counted
+
+_PART = re.compile(r"^(?P<module>.+)\.adapter\.(?:(?P<split>adapter_(?:q|k|v|up|gate))\.)?"
+                   r"(?P<part>linear_in|linear_out)\.(?P<param>weight|bias)$")
+_CANONICAL_TARGETS = {"adapter_q": "linear_q", "adapter_k": "linear_k", "adapter_v": "linear_v",
+                      "adapter_up": "linear_fc1_up", "adapter_gate": "linear_fc1_gate"}
+"""Canonical LoRA's adapter on a fused linear → the target name its `target_modules` gives it."""
+
+
+@dataclass(frozen=True)
+class BridgeAdapter:
+    """One Megatron-Bridge LoRA adapter on one Megatron linear (names without the model's prefix)."""
+
+    module: str
+    """The Megatron module (`decoder.layers.0.self_attention.linear_qkv`)."""
+    a: str
+    """`linear_in.weight` [dim, in]."""
+    b: str
+    """`linear_out.weight` [out, dim]."""
+    dim: int
+
+    @property
+    def weight(self) -> str:
+        """The base weight the adapter is merged into (Bridge's wrapper keeps the linear's own name)."""
+        return f"{self.module}.weight"
+
+
+def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path,
+                         prefix: str = "") -> tuple[BridgeAdapter, ...]:
+    """The Megatron-Bridge LoRA adapters among a Megatron model's per-layer tensors (names without
+    `prefix`, which messages put back), sorted by module. Refused, by name: canonical LoRA's
+    per-projection adapters and adapter biases (not merged yet), a linear_in without its
+    linear_out (or the reverse), an adapter without its base weight (a Bridge LoRA save holds
+    the adapters alone), and shapes that do not pair ([dim, in] and [out, dim] with a base [out, in])."""
+    parts: dict[str, dict[str, str]] = {}
+    for name in sorted(shapes):
+        match = _PART.match(name)
+        if match is None:
+            continue
+        if match["split"] is not None:
+            raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge canonical LoRA adapter "
+                                         f"({_CANONICAL_TARGETS[match['split']]}), which export-hf does not merge yet")
+        if match["param"] != "weight":
+            raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge LoRA adapter bias, which export-hf does "
+                                         "not merge yet")
+        parts.setdefault(match["module"], {})[match["part"]] = name
+    adapters = []
+    for module, found in sorted(parts.items()):
+        missing = {"linear_in", "linear_out"} - set(found)
+        if missing:
+            raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
+        a, b, base = found["linear_in"], found["linear_out"], f"{module}.weight"
+        if base not in shapes:
+            raise CheckpointError(where, f"{prefix}{a}: an adapter on {prefix}{module}, which has no {prefix}{base} "
+                                         "(a Megatron-Bridge LoRA save holds the adapters alone; export-hf merges "
+                                         "them only into a checkpoint that holds the base weights too)")
+        w, sa, sb = shapes[base], shapes[a], shapes[b]
+        if len(w) != 2 or len(sa) != 2 or len(sb) != 2 or sa[1] != w[1] or sb[0] != w[0] or sa[0] != sb[1]:
+            cols, rows = (w[1] if len(w) == 2 else "?"), (w[0] if w else "?")
+            raise CheckpointError(where, f"{prefix}{module}: linear_in {list(sa)} and linear_out {list(sb)} do not "
+                                         f"pair with its base weight {list(w)} (want [dim, {cols}] and [{rows}, dim])")
+        if sa[0] == 0:
+            raise CheckpointError(where, f"{prefix}{a}: dim 0 (linear_in {list(sa)}): α / dim has no value")
+        adapters.append(BridgeAdapter(module, a, b, sa[0]))
+    return tuple(adapters)
+
+
+def bridge_adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
+    """What `inspect` says of the Megatron-Bridge LoRA adapters among a checkpoint's model tensors
+    (full names), without judging them: kind (`megatron-bridge-lora`, or `…-canonical-lora` with
+    per-projection adapters), adapted modules (a layer-stacked key counts once per layer), dims
+    (linear_in's rows) and modules per target name (Bridge's `target_modules` names); None without
+    adapters."""
+    dims: dict[str, int] = {}
+    targets: Counter[str] = Counter()
+    canonical = False
+    for name, shape in shapes.items():
+        match = _PART.match(name)
+        if match is None or match["part"] != "linear_in" or match["param"] != "weight" or len(shape) < 2:
+            continue
+        split = match["split"]
+        canonical = canonical or split is not None
+        target = _CANONICAL_TARGETS[split] if split else match["module"].rsplit(".", 1)[-1]
+        dims[name] = shape[-2]
+        targets[target] += math.prod(shape[:-2])
+    if not dims:
+        return None
+    return {"kind": "megatron-bridge-canonical-lora" if canonical else "megatron-bridge-lora", "adapters": [],
+            "modules": sum(targets.values()), "ranks": sorted(set(dims.values())),
+            "targets": dict(sorted(targets.items())), "modules_to_save": []}
+
+
+def bridge_summary_line(summary: Mapping[str, Any]) -> str:
+    """`Megatron-Bridge LoRA: 4 modules, dim 4 (linear_fc1 ×2, linear_qkv ×2); α is not in the tensors …`."""
+    kind = "Megatron-Bridge canonical LoRA" if summary["kind"] == "megatron-bridge-canonical-lora" \
+        else "Megatron-Bridge LoRA"
+    targets = ", ".join(f"{target} ×{count}" for target, count in summary["targets"].items())
+    return (f"{kind}: {counted(summary['modules'], 'module')}, dim {', '.join(map(str, summary['ranks']))} "
+            f"({targets}); α is not in the tensors (the run's run_config.yaml has it as peft.alpha)")

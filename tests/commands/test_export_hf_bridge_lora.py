@@ -1,0 +1,213 @@
+"""`export-hf --merge-adapters` of Megatron-Bridge LoRA adapters in a Megatron torch_dist checkpoint.
+
+The checkpoint: megatron-core's own torch_dist save of fixtures/data/megatron_torch_dist (a tiny
+Llama, TP 2 at save) with Megatron-Bridge adapters on every linear added under Bridge's names and
+shapes (tests/families/test_bridge_adapters.py), all saved again by torch's `dcp.save` beside the
+fixture's common.pt and metadata.json. The oracle: Megatron-Bridge's own `LoRAMerge.merge`, loaded
+from its file (the package's `__init__` imports transformers names that transformers 5 no longer
+has; lora_merge.py needs torch and megatron-core only), applied to each whole layer weight; those
+merged weights saved as a plain checkpoint and exported by the base rule must be the merged
+export, bit for bit, and transformers must give the same logits from both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from fixtures import megatron_core as mc
+from tests.conftest import ROOT, run_cli
+from tests.families.test_bridge_adapters import DIM, LAYERS, lora_state
+
+SRC = ROOT / "fixtures" / "data" / "megatron_torch_dist"
+ALPHA = 8
+
+
+def bridge_merge():
+    """Megatron-Bridge's `LoRAMerge.merge`, from its own source file."""
+    spec = importlib.util.find_spec("megatron.bridge")
+    path = Path(spec.submodule_search_locations[0]) / "peft" / "lora_merge.py"
+    module_spec = importlib.util.spec_from_file_location("bridge_lora_merge", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.LoRAMerge().merge
+
+
+def save_torch_dist(state: dict[str, torch.Tensor], out: Path) -> Path:
+    dcp.save(state, checkpoint_id=out)
+    for name in ("common.pt", "metadata.json"):
+        shutil.copy(SRC / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bridge(tmp_path_factory) -> Path:
+    """`ckpt` (base + adapters), `merged` (Bridge's merge of them, no adapters), `cfg` (the HF config)."""
+    root = tmp_path_factory.mktemp("bridge_lora")
+    meta = dcp.FileSystemReader(str(SRC)).read_metadata()
+    base = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+            if hasattr(v, "size")}
+    dcp.load(base, checkpoint_id=SRC)
+    adapters = lora_state()
+    save_torch_dist({**base, **adapters}, root / "ckpt")
+    merge = bridge_merge()
+    merged = dict(base)
+    for name in adapters:
+        if name.endswith("adapter.linear_in.weight"):
+            module = name.removesuffix(".adapter.linear_in.weight")
+            a, b = adapters[name], adapters[f"{module}.adapter.linear_out.weight"]
+            merged[f"{module}.weight"] = torch.stack([merge(base[f"{module}.weight"][i], b[i], a[i], ALPHA, DIM,
+                                                            tp_group=None) for i in range(LAYERS)])
+    save_torch_dist(merged, root / "merged")
+    (root / "cfg").mkdir()
+    (root / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("llama")))
+    return root
+
+
+def test_merged_export_is_bridge_merge_split_by_the_base_rule(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA, "--verify")
+    assert run.returncode == 0, run.stderr
+    assert ("note: 14 weights merged with 8 Megatron-Bridge LoRA adapters (s = α / dim, α 8 from --lora-alpha): "
+            "W + (B @ A) · s in float32 over each whole Megatron weight, as Megatron-Bridge's LoRAMerge, then split "
+            "as the base and cast once") in run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    plain = run_cli("export-hf", SRC, tmp_path / "plain", "--hf-config", bridge / "cfg")
+    assert plain.returncode == 0, plain.stderr
+    got, want, unmerged = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "ref", "plain"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    changed = sorted(n for n in want if not torch.equal(got[n], unmerged[n]))
+    assert changed == sorted(f"model.layers.{i}.{m}.weight" for i in range(LAYERS) for m in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj"))
+
+    from transformers import AutoModelForCausalLM
+    tokens = torch.arange(12).view(2, 6) % 200
+    logits = []
+    for folder in ("hf", "ref"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / folder, torch_dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_bf16_export_is_bridge_fp32_merge_cast_once(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA, "--dtype", "bf16")
+    assert run.returncode == 0, run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg", "--dtype", "bf16")
+    assert ref.returncode == 0, ref.stderr
+    got, want = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "ref"))
+    assert all(torch.equal(got[n], want[n]) for n in want) and got["model.layers.0.self_attn.q_proj.weight"].dtype \
+        == torch.bfloat16
+
+
+@pytest.mark.parametrize(("flags", "line"), [
+    ((), "ckptctl: error: {ckpt}: holds 8 Megatron-Bridge LoRA adapters (dim 4): pass --merge-adapters --lora-alpha "
+         "ALPHA to export the model with them merged, or --adapter-only --lora-alpha ALPHA to export them as a PEFT "
+         "adapter folder"),
+    (("--merge-adapters",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
+                            "(the run's run_config.yaml has it as peft.alpha)"),
+    (("--adapter-only",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
+                          "(the run's run_config.yaml has it as peft.alpha)"),
+    (("--adapter-only", "--lora-alpha", "8", "--include", "*q_proj*"), "ckptctl: error: --include/--exclude do not "
+                                                                       "apply to --adapter-only (a PEFT folder holds "
+                                                                       "every adapter)"),
+    (("--merge-adapters", "--lora-alpha", "8", "--rslora"), "ckptctl: error: --rslora applies to peft adapters, not "
+                                                            "to Megatron-Bridge's"),
+])
+def test_refusals(bridge, tmp_path, flags, line):
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "hf", "--hf-config", bridge / "cfg", *flags)
+    assert (run.returncode, run.stderr.strip()) == (2, line.format(ckpt=bridge / "ckpt"))
+    assert not (tmp_path / "hf").exists()
+
+
+def test_flags_without_adapters_are_refused(bridge, tmp_path):
+    run = run_cli("export-hf", SRC, tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters")
+    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {SRC}: --merge-adapters, but the checkpoint "
+                                                       "holds no LoRA adapter")
+
+
+def test_an_adapter_on_a_module_the_family_does_not_know_is_refused(bridge, tmp_path):
+    meta = dcp.FileSystemReader(str(SRC)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=SRC)
+    state.update({"decoder.layers.self_attention.linear_foo.weight": torch.ones(LAYERS, 8, 32),
+                  "decoder.layers.self_attention.linear_foo.adapter.linear_in.weight": torch.ones(LAYERS, DIM, 32),
+                  "decoder.layers.self_attention.linear_foo.adapter.linear_out.weight": torch.ones(LAYERS, 8, DIM)})
+    ckpt = save_torch_dist(state, tmp_path / "ckpt")
+    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {ckpt}: decoder.layers.0.self_attention.linear_foo.adapter.linear_in.weight: a "
+           "Megatron-Bridge LoRA adapter on decoder.layers.0.self_attention.linear_foo, which a llama model has no "
+           "place for (+1 more adapter)")
+
+
+def test_adapters_without_base_and_canonical_adapters_are_refused(tmp_path):
+    only = save_torch_dist(lora_state(), tmp_path / "only")
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(mc.hf_config("llama")))
+    run = run_cli("export-hf", only, tmp_path / "hf", "--hf-config", cfg, "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {only}: decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight: an adapter on "
+           "decoder.layers.0.mlp.linear_fc1, which has no decoder.layers.0.mlp.linear_fc1.weight (a Megatron-Bridge "
+           "LoRA save holds the adapters alone; export-hf merges them only into a checkpoint that holds the base "
+           "weights too)")
+    canonical = save_torch_dist(lora_state(canonical=True), tmp_path / "canonical")
+    run = run_cli("export-hf", canonical, tmp_path / "hf", "--hf-config", cfg, "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {canonical}: decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_in.weight: a "
+           "Megatron-Bridge canonical LoRA adapter (linear_fc1_gate), which export-hf does not merge yet")
+
+
+def test_adapter_only_is_a_peft_folder_peft_loads_on_the_base(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "ad", "--hf-config", bridge / "cfg", "--adapter-only",
+                  "--lora-alpha", ALPHA)
+    assert run.returncode == 0, run.stderr
+    assert ("note: 8 Megatron-Bridge LoRA adapters written as 14 PEFT LoRA modules (each with the shared linear_in as "
+            "lora_A and its rows of linear_out as lora_B; α 8 from --lora-alpha): load it with "
+            "PeftModel.from_pretrained(base model, folder)") in run.stderr
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_rslora"], sorted(config["target_modules"])) == (
+        DIM, ALPHA, False, ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
+    tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    adapters = lora_state()
+    for i in range(LAYERS):  # down_proj is linear_fc2 as it is; every module has its linear's A
+        hf, meg = f"base_model.model.model.layers.{i}.mlp", "decoder.layers.mlp"
+        fc1, fc2 = f"{meg}.linear_fc1.adapter", f"{meg}.linear_fc2.adapter"
+        assert torch.equal(tensors[f"{hf}.down_proj.lora_B.weight"], adapters[f"{fc2}.linear_out.weight"][i])
+        for proj in ("gate_proj", "up_proj"):
+            assert torch.equal(tensors[f"{hf}.{proj}.lora_A.weight"], adapters[f"{fc1}.linear_in.weight"][i])
+        gate_up = torch.cat([tensors[f"{hf}.gate_proj.lora_B.weight"], tensors[f"{hf}.up_proj.lora_B.weight"]])
+        assert torch.equal(gate_up, adapters[f"{fc1}.linear_out.weight"][i])  # torch_dist's fc1 is [W; V]
+    for folder, flags in (("plain", ()), ("merged", ("--merge-adapters", "--lora-alpha", ALPHA))):
+        run = run_cli("export-hf", SRC if folder == "plain" else bridge / "ckpt", tmp_path / folder, "--hf-config",
+                      bridge / "cfg", *flags)
+        assert run.returncode == 0, run.stderr
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    tokens = torch.arange(12).view(2, 6) % 200
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", torch_dtype=torch.float32)
+    lora = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = merged(tokens).logits
+        torch.testing.assert_close(lora(tokens).logits, want, rtol=1e-5, atol=1e-5)
+        unmerged = lora.merge_and_unload()
+        peft_weights = unmerged.state_dict()
+        for name, value in merged.state_dict().items():  # peft's merge of the folder: the merged export's weights
+            torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
