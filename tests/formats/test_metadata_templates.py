@@ -445,7 +445,7 @@ def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_o
     rng = random.Random(4321)
     path = tmp_path / ".metadata"
     accepted = declined = 0
-    for _ in range(150):
+    for _ in range(80):
         data = bytearray(original)
         for _ in range(rng.choice((1, 1, 2))):
             kind = rng.random()
@@ -461,7 +461,7 @@ def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_o
             accepted += 1
         else:
             declined += 1
-    assert accepted > 30 and declined > 30 and taken.count(True) > 100  # both roads, and batches taken
+    assert accepted > 15 and declined > 15 and taken.count(True) > 50  # both roads, and batches taken
 
 
 def test_a_batch_taken_by_its_bytes_fills_each_tensors_run_or_is_read_plainly():

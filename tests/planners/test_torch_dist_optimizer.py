@@ -170,7 +170,7 @@ LAYOUTS = [pytest.param(BUCKETS, marks=needs("0.19")), pytest.param(BUCKETS_016,
            *(pytest.param(case, marks=(needs("0.19"), pytest.mark.full)) for case in UNEVEN_PIPELINES[::2])]
 LOCAL_LAYOUTS = list(LAYOUTS)
 """The runs of the local spec: its table lays them out too."""
-LAYOUTS += [pytest.param(TE_ORDER, marks=needs("0.19")), pytest.param(PERMUTED, marks=needs("0.19"))]
+LAYOUTS += [pytest.param(TE_ORDER, marks=needs("0.19")), pytest.param(PERMUTED, marks=(needs("0.19"), pytest.mark.full))]
 
 
 def case_id(case) -> str:
@@ -311,7 +311,7 @@ def _extra_states(path) -> dict[str, bytes]:
 
 
 @needs("0.19")
-@pytest.mark.parametrize("order", ["te", "permuted"])
+@pytest.mark.parametrize("order", ["te", pytest.param("permuted", marks=pytest.mark.full)])
 def test_a_run_in_another_registration_order_is_rebuilt_as_megatron_cores_own_save(saved, tmp_path, order,
                                                                                    monkeypatch):
     """A run whose params register in Transformer Engine's order (the stand-in) or a custom one,
