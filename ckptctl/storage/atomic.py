@@ -156,12 +156,19 @@ def _clean_stale(dst: Path) -> None:
 
 
 def _make_marked_dir(parent: Path, name: str, tag: str = "") -> Path:
-    """A new, empty temporary directory for output `name` in `parent`, its marker written first."""
+    """A new, empty temporary directory for output `name` in `parent`, its marker written first;
+    neither is left when making them fails or is interrupted (Ctrl-C between the two)."""
     token = f"{os.getpid()}{('-' + tag) if tag else ''}-{secrets.token_hex(4)}"
-    with open(parent / f".{name}{_OWNER_MARK}{token}", "x") as fh:
-        fh.write(json.dumps(owner_record()))
     tmp = parent / f".{name}{_TMP_MARK}{token}"
-    tmp.mkdir()
+    try:
+        with open(_marker_of(tmp), "x") as fh:
+            fh.write(json.dumps(owner_record()))
+        tmp.mkdir()
+    except FileExistsError:  # another run's of the same token (its pid and 32 random bits): not ours
+        raise
+    except BaseException:
+        _remove_marked(tmp)
+        raise
     return tmp
 
 
