@@ -43,7 +43,7 @@ from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.quantized import DEQUANT
 from ckptctl.checks.quantized_output import expected_bytes, is_quantized
 from ckptctl.formats.safetensors.reader import MAX_HEADER_BYTES, blob_header
-from ckptctl.core.geometry import Box, strides
+from ckptctl.core.geometry import Box, flat_index, strides
 from ckptctl.core.analysis import Coverage, coverage
 from ckptctl.core.checkpoint import Checkpoint, Chunk, ChunkTable, TensorEntry
 from ckptctl.core.plan import SourceTensor, StreamItem, TargetTensor, plan_box
@@ -543,9 +543,7 @@ class DcpCheck:
 def _written_element(output: ChunkSource, entry: TensorEntry, chunk: Chunk, point: tuple[int, ...]) -> bytes:
     """The output's element at `point` of `entry`, read by the project's reader from `chunk`, which
     holds it, at its row-major place there."""
-    index = 0
-    for p, start, n in zip(point, chunk.offsets, chunk.sizes):
-        index = index * n + p - start
+    index = flat_index(map(operator.sub, point, chunk.offsets), chunk.sizes)
     element = bytearray(entry.itemsize)
     output.read_into(entry.fqn, chunk, index * entry.itemsize, memoryview(element))
     return bytes(element)

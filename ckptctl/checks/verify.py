@@ -38,7 +38,7 @@ from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput
 from ckptctl.formats.safetensors.writer import SafetensorsFile, item_boxes
 from ckptctl.core.analysis import source_tensors
-from ckptctl.core.geometry import (Box, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box,
+from ckptctl.core.geometry import (Box, box_flat_ranges, flat_boxes, full_box, region_bounds, rows_box, unravel,
                               transposed_order)
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
 from ckptctl.util.progress import Advance
@@ -447,21 +447,13 @@ def dequantized_elements(entry: TensorEntry, chunk: Chunk, first: int, count: in
     if lo // per != (hi - 1) // per:  # rows of several leading indexes: those whole
         axis, step = axis - 1, step * per
         lo, hi = lo // per, (hi - 1) // per + 1
-    lead = _unflat(lo // chunk.sizes[axis], chunk.sizes[:axis]) if axis else ()
+    lead = unravel(lo // chunk.sizes[axis], chunk.sizes[:axis]) if axis else ()
     offsets = (*(o + i for o, i in zip(chunk.offsets, lead)), chunk.offsets[axis] + lo % chunk.sizes[axis],
                *chunk.offsets[axis + 1:])
     sizes = (*(1 for _ in lead), hi - lo, *chunk.sizes[axis + 1:])
     rows = safetensors_dequantized(entry, replace(chunk, offsets=offsets, sizes=sizes))
     skip = first - lo * step
     return raw_bytes(rows.reshape(-1)[skip:skip + count])
-
-
-def _unflat(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def decode_source_item(src: Checkpoint, entry: TensorEntry, chunk: Chunk, files: ItemReader | None = None) -> Any:

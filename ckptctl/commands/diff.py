@@ -62,7 +62,7 @@ from ckptctl.storage.store import ReadHandle, store_for
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors.reader import StoredTensor, quantized_kind, shown_name, stored_tensors
-from ckptctl.core.geometry import Box, full_box
+from ckptctl.core.geometry import Box, full_box, unravel
 from ckptctl.families.base import HFConfig, is_model_key, load_hf_config, megatron_prefix
 from ckptctl.families.torchtitan import torchtitan_prefix
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT
@@ -682,7 +682,7 @@ def _compare_tensor(pair: _Pair, side_a: Side, side_b: Side, atol: float, rtol: 
     max_abs = float("nan") if found.nan else found.max_abs
     if not found.count:
         return EntryDiff(pair.name, CLOSE, a, b, max_abs, None, 0, cast)
-    return EntryDiff(pair.name, DIFFERS, a, b, max_abs, _unravel(found.first, a.shape), found.count, cast)
+    return EntryDiff(pair.name, DIFFERS, a, b, max_abs, unravel(found.first, a.shape), found.count, cast)
 
 
 def _cast(data: bytearray, src: DType, dst: DType) -> bytearray:
@@ -697,15 +697,6 @@ def _cast(data: bytearray, src: DType, dst: DType) -> bytearray:
     out = bytearray(len(data) // src.itemsize * dst.itemsize)
     cast_into(torch.frombuffer(out, dtype=dst.torch), torch.frombuffer(data, dtype=src.torch))
     return out
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The N-D index of row-major element `flat`."""
-    index = []
-    for dim in reversed(shape):
-        flat, rest = divmod(flat, dim)
-        index.append(rest)
-    return tuple(reversed(index))
 
 
 class _Mismatches:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,23 @@ def strides(shape: Sequence[int]) -> tuple[int, ...]:
         out.append(acc)
         acc *= dim
     return tuple(reversed(out))
+
+
+def flat_index(index: Iterable[int], shape: Iterable[int]) -> int:
+    """The row-major position of element `index` in a block of `shape`."""
+    flat = 0
+    for i, size in zip(index, shape):
+        flat = flat * size + i
+    return flat
+
+
+def unravel(flat: int, shape: Sequence[int]) -> tuple[int, ...]:
+    """The index of row-major element `flat` in a block of `shape` (`flat_index` undone)."""
+    index = []
+    for size in reversed(shape):
+        flat, i = divmod(flat, size)
+        index.append(i)
+    return tuple(reversed(index))
 
 
 def full_box(shape: Sequence[int]) -> Box:

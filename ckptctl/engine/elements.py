@@ -8,10 +8,12 @@ masters): each element is one positioned read of its chunk, never the chunk.
 from __future__ import annotations
 
 import bisect
+import operator
 from collections.abc import Sequence
 
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.dtypes import DType
+from ckptctl.core.geometry import flat_index
 from ckptctl.engine.cast import CastOverflowError, cast_into
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.util.errors import CheckpointError
@@ -45,9 +47,7 @@ class ElementReader:
         view = memoryview(raw)
         for n, point in enumerate(points):
             index, (offsets, sizes) = self._chunk_of(fqn, point)
-            flat = 0
-            for at, start, extent in zip(point, offsets, sizes):
-                flat = flat * extent + (at - start)
+            flat = flat_index(map(operator.sub, point, offsets), sizes)
             self._sources.read_into(fqn, entry.chunks[index], flat * size, view[n * size:(n + 1) * size])
         src = torch.frombuffer(raw, dtype=entry.dtype.torch) if raw else torch.empty(0, dtype=entry.dtype.torch)
         out = torch.empty(len(points), dtype=dtype.torch)

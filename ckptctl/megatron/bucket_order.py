@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.dtypes import DType
+from ckptctl.core.geometry import unravel
 from ckptctl.megatron.buckets import (
     REPLICATED, BufferOrder, LocalParam, OrderFor, Window, keyed_places, local_shape,
 )
@@ -182,7 +183,7 @@ def _candidate(ckpt: Checkpoint, read: ReadElements, param: LocalParam, tp_rank:
     places = keyed_places(ckpt, Window(param, tp_rank, tp, shape, 0, numel, {}))
     points: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
     for n, flat in enumerate(offsets):
-        coords = _unravel(flat, shape)
+        coords = unravel(flat, shape)
         for key, src, dst, sizes in places:
             if all(s <= c < s + k for c, s, k in zip(coords, src, sizes)):
                 at = tuple(d + c - s for c, s, d in zip(coords, src, dst))
@@ -198,10 +199,3 @@ def _candidate(ckpt: Checkpoint, read: ReadElements, param: LocalParam, tp_rank:
             weights[n] = value
     return _Candidate(param, numel, dtype, offsets, weights)
 
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for n in reversed(shape):
-        flat, at = divmod(flat, n)
-        out.append(at)
-    return tuple(reversed(out))

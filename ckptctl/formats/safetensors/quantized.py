@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 
 from ckptctl.core.checkpoint import Chunk, TensorEntry, dtype_name
 from ckptctl.core.dtypes import DTYPES, DType, bfloat16, float32
+from ckptctl.core.geometry import flat_index, unravel
 from ckptctl.formats.safetensors.reader import StoredTensor, shown_name
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
@@ -199,7 +200,7 @@ def fp8_chunks(data: StoredTensor, block: tuple[int, int] | None, dtype: DType, 
     file = data.file.relative_to(root).as_posix()
     chunks = []
     for flat in range(math.prod(lead)):
-        index = _unravel(flat, lead)
+        index = unravel(flat, lead)
         for r in range(0, rows, step):
             n = min(rows, r + step) - r
             chunks.append(Chunk(file, data.start + (flat * rows + r) * cols, n * cols, (*index, r, 0),
@@ -207,14 +208,6 @@ def fp8_chunks(data: StoredTensor, block: tuple[int, int] | None, dtype: DType, 
     if not chunks:
         chunks.append(Chunk(file, data.start, 0, (0,) * len(data.shape), data.shape, (DEQUANT,)))
     return tuple(chunks)
-
-
-def _unravel(flat: int, shape: list[int]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        flat, i = divmod(flat, size)
-        index.append(i)
-    return tuple(reversed(index))
 
 
 def _mxfp4_entries(stored: Mapping[str, StoredTensor], root: Path,
@@ -300,7 +293,7 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
     else:
         bm, bn = weight.block
         grid_rows, grid_cols = scale.shape[-2:]
-        lead = _flat(chunk.offsets[:-2], data.shape[:-2])
+        lead = flat_index(chunk.offsets[:-2], data.shape[:-2])
         first, stop = chunk.offsets[-2] // bm, -(-(chunk.offsets[-2] + rows) // bm)
         isz = scale.dtype.itemsize
         raw = _read(fd, weight.root, weight.file(scale), scale.start + (lead * grid_rows + first) * grid_cols * isz,
@@ -328,7 +321,7 @@ def _refuse_non_finite(factors: Any, entry: TensorEntry, weight: Fp8Weight, firs
         scale = weight.scale
         raise CheckpointError(scale.file, f"{entry.fqn}: its scale {scale.name} holds "
                                           f"{float(factors.flatten()[int(bad[0])])} at "
-                                          f"{list(_unravel(at, list(scale.shape)))}: the weights it scales "
+                                          f"{list(unravel(at, scale.shape))}: the weights it scales "
                                           "cannot be decoded")
 
 
@@ -338,13 +331,6 @@ def _fp8_values() -> Any:
     import torch
 
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
-
-
-def _flat(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    flat = 0
-    for i, size in zip(index, shape):
-        flat = flat * size + i
-    return flat
 
 
 def _scale_values(raw: bytearray, dtype: DType) -> Any:
