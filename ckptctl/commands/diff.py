@@ -58,7 +58,7 @@ from ckptctl.core.dtypes import CAST_CHOICES, DType
 from ckptctl.engine.cpu import ASSEMBLE_BYTES, ChunkSource, assemble_bytes, run_on_threads
 from ckptctl.util.errors import CastOverflowError, CheckpointError, UsageError
 from ckptctl.storage.source_files import as_typed, missing
-from ckptctl.storage.store import ReadHandle, store_for
+from ckptctl.storage.store import EntryKind, ReadHandle, store_for
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.safetensors.hf_sharded import is_sharded_folder
 from ckptctl.formats.safetensors.reader import StoredTensor, quantized_kind, shown_name, stored_tensors
@@ -457,8 +457,9 @@ def _mapping_config(ckpt: Checkpoint, other: Path, other_kind: str, hf_config: s
         return hf_config
     where = ""
     if other_kind == SAFETENSORS:
-        folder = other if other.is_dir() else other.parent
-        if os.path.lexists(folder / "config.json"):
+        store = store_for(other)
+        folder = other if store.kind(other) is EntryKind.FOLDER else other.parent
+        if store.exists(folder / "config.json"):
             return folder
         where = f", and {folder} has none"
     whose = f"{names} names" if arch == "auto" and names else "names"
@@ -468,9 +469,10 @@ def _mapping_config(ckpt: Checkpoint, other: Path, other_kind: str, hf_config: s
 
 def format_of(path: Path) -> str:
     """`dcp` for a directory with DCP metadata, `safetensors` for a folder of them or one file."""
-    if not path.exists():
+    kind = store_for(path).kind(path)
+    if kind is EntryKind.MISSING:
         raise CheckpointError(as_typed(path), missing(path))
-    if path.is_file():
+    if kind is EntryKind.FILE:
         if path.suffix == ".safetensors":
             return SAFETENSORS
         raise CheckpointError(path, "not a directory (diff takes DCP checkpoints, safetensors model folders "

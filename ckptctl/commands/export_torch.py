@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ckptctl.storage.atomic import lands_in, recorded_reads
-from ckptctl.storage.store import store_for
+from ckptctl.storage.store import EntryKind, store_for
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.engine import executor, resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, run_on_threads
@@ -149,9 +149,10 @@ def check_output(out: Path, force: bool, src: Path) -> None:
     OUT that is a directory, and an existing OUT unless forced."""
     if lands_in(out, src):
         raise UsageError(f"{out}: output is inside the source {src}; the source is never modified")
-    if out.is_dir():
+    store = store_for(out)
+    if store.kind(out) is EntryKind.FOLDER:
         raise UsageError(f"{out}: is a directory (export-torch writes one file)")
-    if os.path.lexists(out) and not force:
+    if store.exists(out) and not force:
         raise UsageError(f"{out}: output exists (pass --force to replace it)")
 
 

@@ -21,6 +21,7 @@ from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
+from ckptctl.storage.store import EntryKind, store_for
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PICKLED_WEIGHTS = "adapter_model.bin"
@@ -36,16 +37,17 @@ def check_adapter_options(to: str, include: tuple[str, ...], exclude: tuple[str,
 
 def adapter_weights(folder: Path) -> tuple[Path, Path]:
     """The folder's adapter_config.json and adapter_model.safetensors; a pickled one is refused unread."""
-    if not folder.is_dir():
+    store = store_for(folder)
+    if store.kind(folder) is not EntryKind.FOLDER:
         raise CheckpointError(folder, f"not a PEFT adapter folder ({PEFT_CONFIG} and {PEFT_WEIGHTS})")
     weights = folder / PEFT_WEIGHTS
-    if not weights.exists():
-        if (folder / PICKLED_WEIGHTS).exists():
+    if store.kind(weights) is EntryKind.MISSING:
+        if store.kind(folder / PICKLED_WEIGHTS) is not EntryKind.MISSING:
             raise CheckpointError(folder, f"holds {PICKLED_WEIGHTS}, a pickle, which import-hf does not unpickle: "
                                           f"save the adapter with safetensors ({PEFT_WEIGHTS})")
         raise CheckpointError(folder, f"has no {PEFT_WEIGHTS}")
     config = folder / PEFT_CONFIG
-    if not config.exists():
+    if store.kind(config) is EntryKind.MISSING:
         raise CheckpointError(folder, f"has no {PEFT_CONFIG} (its r, lora_alpha and target_modules)")
     return config, weights
 

@@ -60,6 +60,7 @@ from ckptctl.commands.import_adapter import check_adapter_options, peft_targets
 from ckptctl.families.adapters import PEFT_PREFIX
 from ckptctl.core.selection import refuse_empty_selection, selected
 from ckptctl.util.wording import counted
+from ckptctl.storage.store import EntryKind, store_for
 
 TARGETS = ("fsdp2", "torchtitan", "megatron-fsdp")
 """Layouts import-hf writes (`--to`)."""
@@ -144,10 +145,15 @@ class ImportPlan:
     dequantized_to: str | None = None
 
 
+def _config_path(src: Path) -> Path:
+    """Where the `config.json` of a model folder, or of the folder of one `.safetensors` file, is."""
+    return (src.parent if store_for(src).kind(src) is EntryKind.FILE else src) / CONFIG_NAME
+
+
 def folder_config(src: Path) -> dict[str, Any] | None:
     """The folder's `config.json` (beside a single `.safetensors` file), or None when there is none."""
-    path = (src.parent if src.is_file() else src) / CONFIG_NAME
-    if not os.path.lexists(path):  # whatever else it is, `read_config` names it
+    path = _config_path(src)
+    if not store_for(path).exists(path):  # whatever else it is, `read_config` names it
         return None
     return read_config(path)
 
@@ -203,7 +209,7 @@ def check_shapes(ckpt: Checkpoint, expected: ExpectedNames, src: Path, config: d
     if wrong:
         name, got, want = wrong[0]
         more = f"+{counted(len(wrong) - 1, 'more tensor')}; " if len(wrong) > 1 else ""
-        path = (src.parent if src.is_file() else src) / CONFIG_NAME
+        path = _config_path(src)
         raise CheckpointError(ckpt.path, shape_problem(name, got, want, expected.model_class, path, config)
                               + f" ({more}is config.json this model's?)")
 
@@ -225,7 +231,7 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
     elif opts.adapter_name != "default":
         raise UsageError("--adapter-name names the adapter of --adapter FOLDER")
     config = folder_config(src)
-    quantized = quant_format(config, (src.parent if src.is_file() else src) / CONFIG_NAME)
+    quantized = quant_format(config, _config_path(src))
     ckpt = open_safetensors_folder(src, quantized, bfloat16 if opts.dtype in (None, bfloat16) else float32)
     if config is not None and (opts.name_check or opts.to != "fsdp2"):  # a model or family rules are built of it
         refuse_unbacked_counts(config, ckpt.path / CONFIG_NAME, {n: e.shape for n, e in ckpt.tensors.items()},

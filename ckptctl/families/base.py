@@ -11,7 +11,6 @@ of one source tensor. `HFTensor.target()` turns the concatenation of views into 
 from __future__ import annotations
 
 import math
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +22,7 @@ from ckptctl.families.expected import sizing_keys
 from ckptctl.storage.hf_files import read_json_object
 from ckptctl.storage.hub import DEFAULT_HUB_TIMEOUT, resolve_repo
 from ckptctl.storage.source_files import looks_like_repo_id
+from ckptctl.storage.store import EntryKind, store_for
 from ckptctl.core.names import MODEL_PREFIXES, is_training_state
 from ckptctl.megatron.rows import RowBlock, canonical, select_rows, tp_blocked_split
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
@@ -100,9 +100,10 @@ class HFConfig:
         if self.folder is None:
             return []
         found: dict[str, Path] = {}
+        store = store_for(self.folder)
         for pattern in COPIED_REF_FILES:
-            for path in sorted(self.folder.glob(pattern)):
-                if not path.is_dir() and path.name != "config.json":  # a FIFO or device is refused when copied
+            for path in store.glob(self.folder, pattern):
+                if store.kind(path) is not EntryKind.FOLDER and path.name != "config.json":  # a FIFO or device is refused when copied
                     found.setdefault(path.name, path)
         return [found[name] for name in sorted(found)]
 
@@ -113,15 +114,16 @@ def load_hf_config(ref: str | Path, hub_timeout: float = DEFAULT_HUB_TIMEOUT) ->
     within `hub_timeout` seconds)."""
     ref = Path(ref)
     hint = "--hf-config wants a Hugging Face model folder, its config.json, or a Hub model id"
-    if not ref.exists():
+    store = store_for(ref)
+    if store.kind(ref) is EntryKind.MISSING:
         if not looks_like_repo_id(str(ref)):
             raise UsageError(f"{ref}: no such file or directory ({hint})")
         ref = resolve_repo(str(ref), ("config.json", *COPIED_REF_FILES), hub_timeout)
     folder = None
     path = ref
-    if ref.is_dir():
+    if store.kind(ref) is EntryKind.FOLDER:
         folder, path = ref, ref / "config.json"
-        if not os.path.lexists(path):  # whatever else it is, `read_config` names it
+        if not store.exists(path):  # whatever else it is, `read_config` names it
             raise UsageError(f"{ref}: no config.json in this folder ({hint})")
     return HFConfig(path, read_config(path), folder)
 

@@ -23,6 +23,7 @@ from ckptctl.formats.pickle.torch_pickle import Call, Global, ref
 from ckptctl.formats.torch_save.writer import CorruptValueError, decode_value, encode_value
 from ckptctl.formats.pickle.unpickle import STORAGE, UnsafePickleError
 from ckptctl.core.checkpoint import Checkpoint
+from ckptctl.storage.store import EntryKind, store_for
 
 COMMON = "common.pt"
 COMMON_STATE = "common_state/shard_0_1"
@@ -109,7 +110,7 @@ class CommonState:
 
 def common_where(ckpt: Checkpoint) -> str | None:
     """Where a torch_dist checkpoint keeps its common state, None when it has none."""
-    if (ckpt.path / COMMON).is_file():
+    if store_for(ckpt.path).kind(ckpt.path / COMMON) is EntryKind.FILE:
         return COMMON
     return COMMON_STATE if COMMON_STATE in ckpt.bytes_entries else None
 

@@ -45,6 +45,7 @@ from ckptctl.core.checkpoint import Checkpoint, file_rank
 from ckptctl.families.placement import Placed
 from ckptctl.core.plan import SourceTensor, TargetTensor, identity_target
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
+from ckptctl.storage.store import EntryKind, store_for
 
 def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor]]:
     """The rewritten checkpoint, and the source views its pieces read (bucket windows included)."""
@@ -72,7 +73,7 @@ def plan_torch_dist(ckpt: Checkpoint) -> tuple[DcpOutput, dict[str, SourceTensor
         views.update(windows)
         common = read_common(ckpt)
         new_common = _fully_reshardable_common(ckpt, common, None)
-    elif (ckpt.path / COMMON).is_file():
+    elif store_for(ckpt.path).kind(ckpt.path / COMMON) is EntryKind.FILE:
         extra[COMMON] = common_bytes(ckpt)
     copied = [identity_target(sources[k], properties=ckpt.tensors[k].properties) for k in ckpt.tensors
               if k not in replaced]

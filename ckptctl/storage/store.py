@@ -1,6 +1,7 @@
 """The one interface formats and engines read and write checkpoint bytes through.
 
-A `Store` lists a folder, says how large an entry is, opens an entry for positioned reads,
+A `Store` lists a folder, says what an entry is (a folder, a file, nothing) and how large,
+opens an entry for positioned reads,
 creates output entries written at offsets, and puts an output folder or file in place
 atomically. `LocalStore`, the local filesystem, is the one store today; an object store
 (S3, GCS, Azure, `hf://`) plugs in as another `Store`, as torch DCP's `StorageReader` /
@@ -15,6 +16,9 @@ A hot loop that reads or writes millions of times takes the raw descriptor once
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
+import fnmatch
 import io
 import mmap
 import os
@@ -27,6 +31,17 @@ from typing import BinaryIO, ContextManager, Iterator
 from ckptctl.storage.atomic import atomic_directory, atomic_file
 from ckptctl.storage.file_window import FileWindow
 from ckptctl.storage.source_files import open_source
+
+
+class EntryKind(enum.Enum):
+    """What is at a path, links followed (a broken link is MISSING), as `Path.exists` / `is_dir` /
+    `is_file` tell it: how a command decides whether it was given a folder, a file or nothing."""
+
+    MISSING = "missing"
+    FOLDER = "folder"
+    FILE = "file"
+    OTHER = "other"
+    """A FIFO, device or socket: refused where it is opened."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +130,20 @@ class Store(ABC):
     @abstractmethod
     def info(self, path: Path) -> EntryInfo:
         """Size and kind of the entry at `path`; OSError when there is none."""
+
+    @abstractmethod
+    def kind(self, path: Path) -> EntryKind:
+        """Whether `path` is a folder, a file, something else or nothing (an object store: a prefix
+        is a folder); OSError only for a reason other than absence (e.g. permission)."""
+
+    def glob(self, folder: Path, pattern: str) -> list[Path]:
+        """`folder`'s entries whose names match `pattern` (`fnmatch`, case-sensitive; a leading dot
+        matched like any character, as `Path.glob` does), sorted; none when `folder` is not one."""
+        try:
+            names = self.list(folder)
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            return []
+        return sorted(folder / name for name in names if fnmatch.fnmatchcase(name, pattern))
 
     def size(self, path: Path) -> int:
         """The size of the entry at `path` in bytes."""
@@ -209,6 +238,10 @@ class LocalWriteHandle(_LocalDescriptor, WriteHandle):
         os.fsync(self._fd)
 
 
+_ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)
+"""Errors that mean nothing usable is at a path: the ones `Path.exists` takes for "no"."""
+
+
 class LocalStore(Store):
     """The local filesystem."""
 
@@ -221,6 +254,15 @@ class LocalStore(Store):
     def info(self, path: Path) -> EntryInfo:
         found = os.stat(path)
         return EntryInfo(found.st_size, stat.S_ISREG(found.st_mode))
+
+    def kind(self, path: Path) -> EntryKind:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return EntryKind.MISSING
+            raise
+        return EntryKind.FOLDER if stat.S_ISDIR(mode) else EntryKind.FILE if stat.S_ISREG(mode) else EntryKind.OTHER
 
     def version(self, path: Path) -> tuple[int, ...]:
         found = os.stat(path)

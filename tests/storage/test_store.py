@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.storage.atomic import read_paths, recorded_reads, refuse_changed_reads
-from ckptctl.storage.store import LOCAL, EntryInfo, LocalStore, store_for
+from ckptctl.storage.store import LOCAL, EntryInfo, EntryKind, LocalStore, store_for
 from ckptctl.util.errors import CheckpointError
 
 DATA = bytes(range(256)) * 40
@@ -113,6 +113,33 @@ def test_listing_and_sizes(tmp_path: Path, data_file: Path) -> None:
     assert LOCAL.exists(tmp_path / "dangling")  # there, though it leads nowhere: opening it says why
     with pytest.raises(FileNotFoundError):
         LOCAL.info(tmp_path / "absent")
+
+
+def test_kinds_and_globs_answer_as_pathlib_does(tmp_path: Path) -> None:
+    """Commands tell a folder from a file from nothing by the store (`kind`, `glob`), and must
+    decide exactly as they did with `Path.exists` / `is_dir` / `is_file` / `glob`: links followed,
+    a dangling one absent, a FIFO neither, hidden names matched, a missing folder globbing to none."""
+    (tmp_path / "model-00001.safetensors").write_bytes(b"x")
+    (tmp_path / ".hidden.safetensors").write_bytes(b"x")
+    (tmp_path / "dir.safetensors").mkdir()
+    (tmp_path / "tokenizer.json").write_bytes(b"{}")
+    (tmp_path / "Tokenizer.json").write_bytes(b"{}")
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    os.symlink(tmp_path / "model-00001.safetensors", tmp_path / "link.safetensors")
+    os.symlink(tmp_path / "dir.safetensors", tmp_path / "dirlink")
+    os.symlink(tmp_path / "absent", tmp_path / "dangling.safetensors")
+    kinds = {p.name: LOCAL.kind(p) for p in [*tmp_path.iterdir(), tmp_path / "absent", tmp_path / "f" / "x"]}
+    assert kinds == {"model-00001.safetensors": EntryKind.FILE, ".hidden.safetensors": EntryKind.FILE,
+                     "dir.safetensors": EntryKind.FOLDER, "tokenizer.json": EntryKind.FILE,
+                     "Tokenizer.json": EntryKind.FILE, "fifo.safetensors": EntryKind.OTHER,
+                     "link.safetensors": EntryKind.FILE, "dirlink": EntryKind.FOLDER,
+                     "dangling.safetensors": EntryKind.MISSING, "absent": EntryKind.MISSING, "x": EntryKind.MISSING}
+    for p in [*tmp_path.iterdir(), tmp_path / "absent"]:
+        assert (LOCAL.kind(p) is not EntryKind.MISSING, LOCAL.kind(p) is EntryKind.FOLDER,
+                LOCAL.kind(p) is EntryKind.FILE) == (p.exists(), p.is_dir(), p.is_file()), p
+    for pattern in ("*.safetensors", "tokenizer*", "*.json", "*.index.json", "x*"):
+        assert LOCAL.glob(tmp_path, pattern) == sorted(tmp_path.glob(pattern)), pattern
+    assert LOCAL.glob(tmp_path / "absent", "*") == [] == LOCAL.glob(tmp_path / "tokenizer.json", "*")
 
 
 def test_outputs_are_written_at_offsets_in_any_order_and_whole(tmp_path: Path) -> None:

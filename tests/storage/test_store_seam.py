@@ -13,11 +13,11 @@ import ast
 
 from tests.conftest import ROOT
 
-SEAMED = ("formats", "engine", "commands", "checks")
+SEAMED = ("families", "formats", "engine", "planners", "checks", "commands")
 """Packages under ckptctl that must go through the store."""
 PATH_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "stat", "lstat",
               "listdir", "scandir", "fdopen", "mmap", "walk", "atomic_directory", "atomic_file", "open_source",
-              "safe_open"}
+              "safe_open", "exists", "lexists", "is_dir", "is_file", "glob", "rglob"}
 """Calls that open, map, list or stat a path or descriptor (builtin `open`, `os.open`, `Path.open`,
 `mmap.mmap`, `os.listdir`, `source_files.open_source`, safetensors' `safe_open` …) or commit an
 output folder behind the store's back. A call on a store (`store_for(path).atomic_file(…)`,
@@ -26,6 +26,10 @@ NOT_CHECKPOINT_FILES = {
     ("formats/pickle/hash_guard.py", "os.open"): "/dev/null for the forked probe's output",
     ("formats/pickle/hash_guard.py", "open"): "/proc/self/statm: the probe's own memory",
     ("engine/helper.py", "os.fdopen"): "the pipe from a helper process",
+    ("engine/__init__.py", "glob.glob"): "/dev/nvidia*: whether the machine has a GPU",
+    ("engine/dist.py", "os.path.exists"): "/sys/class/net/lo: the loopback interface gloo workers talk over",
+    ("families/expected.py", ".read_text"): "ckptctl's own cache of transformers' names (~/.cache/ckptctl)",
+    ("families/expected.py", "os.fdopen"): "ckptctl's own cache of transformers' names (~/.cache/ckptctl)",
     ("commands/diff.py", "side_a.read_bytes"): "`Side.read_bytes`: a bytes entry by name, through the side's reader",
     ("commands/diff.py", "side_b.read_bytes"): "`Side.read_bytes`: a bytes entry by name, through the side's reader",
     ("commands/export_hf.py", "safe_open"): "--verify's oracle: the written files read by safetensors' own reader, "
@@ -48,7 +52,7 @@ def _name(func: ast.expr) -> str | None:
     if isinstance(func, ast.Name):
         return func.id if func.id in PATH_CALLS else None
     if isinstance(func, ast.Attribute) and func.attr in PATH_CALLS and not _on_a_store(func.value):
-        owner = func.value.id if isinstance(func.value, ast.Name) else ""
+        owner = ast.unparse(func.value) if isinstance(func.value, (ast.Name, ast.Attribute)) else ""
         return f"{owner}.{func.attr}"
     return None
 

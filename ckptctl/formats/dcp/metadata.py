@@ -26,7 +26,7 @@ from ckptctl.formats.dcp.templates import read_metadata
 from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_metadata_pickle
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, ChunkTable, TensorEntry
 from ckptctl.storage.source_files import as_typed, checkpoints_inside, missing
-from ckptctl.storage.store import EntryInfo, Store, store_for
+from ckptctl.storage.store import EntryInfo, EntryKind, Store, store_for
 
 METADATA_NAME = ".metadata"
 _RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
@@ -400,9 +400,11 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False,
     overlaps the writing): these sizes are taken for theirs, unread, and the directory is not listed
     (the caller compares the files on disk once they are complete)."""
     root = Path(path)
-    if not root.exists():
+    store = store_for(root)
+    kind = store.kind(root)
+    if kind is EntryKind.MISSING:
         raise CheckpointError(as_typed(root), missing(root))
-    if not root.is_dir():
+    if kind is not EntryKind.FOLDER:
         raise CheckpointError(root, "not a directory (a DCP checkpoint is a directory)")
     backend = megatron_backend(root)
     md_paths = _metadata_files(root)
@@ -410,8 +412,8 @@ def open_checkpoint(path: str | os.PathLike, *, written_here: bool = False,
         if is_sharded_folder(root):  # torch's HF writer at save_distributed writes no .metadata
             return open_sharded_folder(root)
         raise CheckpointError(root, "no .metadata file (not a DCP checkpoint?)"
-                              + checkpoints_inside(root, lambda p: (p / METADATA_NAME).exists()
-                                                   or (p / "__0.metadata").exists()))
+                              + checkpoints_inside(root, lambda p: store.kind(p / METADATA_NAME) is not EntryKind.MISSING
+                                                   or store.kind(p / "__0.metadata") is not EntryKind.MISSING))
     with gc_paused():  # millions of small acyclic objects: the collector would rescan the growing heap
         ckpt = _checkpoint(root, md_paths, written_here, planned)
     ckpt.megatron_backend = backend

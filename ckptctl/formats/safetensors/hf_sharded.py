@@ -27,7 +27,7 @@ from ckptctl.util.errors import CheckpointError
 from ckptctl.util.gc_pause import gc_paused
 from ckptctl.core.geometry import Box, union_volume
 from ckptctl.storage.hf_files import ImplausibleJson, parse_json
-from ckptctl.storage.store import store_for
+from ckptctl.storage.store import EntryKind, store_for
 from ckptctl.core.checkpoint import Checkpoint, ChunkTable, TensorEntry, dtype_name
 from ckptctl.formats.safetensors.reader import SHARDING_KEY, StoredTensor, read_header_and_metadata, shown_name
 
@@ -55,14 +55,15 @@ class _Tensor:
 
 def safetensors_files(root: Path) -> list[Path]:
     """The folder's `*.safetensors` files, as torch's reader lists them (the folder's own, by name)."""
-    return sorted(p for p in root.glob("*.safetensors") if not p.is_dir())
+    store = store_for(root)
+    return [p for p in store.glob(root, "*.safetensors") if store.kind(p) is not EntryKind.FOLDER]
 
 
 def is_sharded_folder(root: Path) -> bool:
     """Whether `root` holds safetensors files the first of which carries DCP sharding info, and no
     index: an indexed folder is a model's (the writer indexes only what it consolidates), and its
     files are read as the index says."""
-    if any(root.glob("*.safetensors.index.json")):
+    if store_for(root).glob(root, "*.safetensors.index.json"):
         return False
     files = safetensors_files(root)
     return bool(files) and SHARDING_KEY in read_header_and_metadata(files[0])[1]

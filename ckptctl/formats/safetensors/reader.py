@@ -27,7 +27,7 @@ from ckptctl.storage.hf_files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, Implaus
                               read_json_object)
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry, dtype_name
 from ckptctl.storage.source_files import as_typed, missing
-from ckptctl.storage.store import store_for
+from ckptctl.storage.store import EntryKind, store_for
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -79,13 +79,14 @@ class StoredTensor:
 
 def folder_files(path: Path) -> dict[Path, list[str] | None]:
     """The files of a safetensors folder, each with the names its index assigns it (None: all it holds)."""
-    if not path.is_dir():
+    store = store_for(path)
+    if store.kind(path) is not EntryKind.FOLDER:
         return {path: None}
-    indexes = sorted(path.glob("*.safetensors.index.json"))
+    indexes = store.glob(path, "*.safetensors.index.json")
     if len(indexes) > 1:
         raise CheckpointError(path, f"several safetensors indexes ({', '.join(p.name for p in indexes)})")
     if not indexes:  # a FIFO or device among them is refused when its header is read
-        return {p: None for p in sorted(path.glob("*.safetensors")) if not p.is_dir()}
+        return {p: None for p in store.glob(path, "*.safetensors") if store.kind(p) is not EntryKind.FOLDER}
     index = indexes[0]
     weight_map = read_json_object(index, "safetensors index", MAX_INDEX_BYTES, MAX_INDEX_VALUES).get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -96,7 +97,7 @@ def folder_files(path: Path) -> dict[Path, list[str] | None]:
         if not parts or Path(file).is_absolute() or ".." in parts:
             raise CheckpointError(index, f"{shown_name(name)}: file {file[:SHOWN_NAME]!r} is outside the folder")
         full = path / file
-        if not os.path.lexists(full):
+        if not store.exists(full):
             raise CheckpointError(full, f"listed by {index.name} but missing")
         files.setdefault(full, []).append(name)
     return {file: names for file, names in files.items()}
@@ -282,15 +283,16 @@ def open_safetensors_folder(path: Path, fmt: Any = None, fp8_dtype: DType = bflo
     says so), but for the weights of a quantized folder (`fmt`, `quantized.quant_format`): each is
     seen as its dequantized tensor (FP8 ones of `fp8_dtype`), whose chunks are decoded. Quantized
     tensors not decoded are refused, whether or not the folder says it is quantized."""
-    if not path.exists():
+    kind = store_for(path).kind(path)
+    if kind is EntryKind.MISSING:
         raise CheckpointError(as_typed(path), missing(path, model_folder=True))
-    if not path.is_dir() and path.suffix != ".safetensors":
+    if kind is not EntryKind.FOLDER and path.suffix != ".safetensors":
         raise CheckpointError(path, "not a safetensors model folder or .safetensors file")
     stored = stored_tensors(path)
     if not stored:
         raise CheckpointError(path, "no safetensors tensors here (a Hugging Face model folder has "
                                     "model.safetensors or *.safetensors shards)")
-    root = path if path.is_dir() else path.parent
+    root = path if kind is EntryKind.FOLDER else path.parent
     tensors: dict[str, TensorEntry] = {}
     used: set[str] = set()
     if fmt is not None:
