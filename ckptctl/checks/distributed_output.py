@@ -58,7 +58,7 @@ def _check_header(path: Path, shard: ShardFile, targets: Mapping[str, TargetTens
     handle = store_for(path).open_read(path)
     size = handle.size
     try:
-        header, data = blob_header(handle.fileno(), 0, size)
+        header, data = blob_header(handle, 0)
     except (ValueError, KeyError, TypeError, struct.error, RecursionError) as exc:
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     finally:

@@ -19,7 +19,6 @@ import io
 import json
 import math
 import operator
-import os
 import pickle
 import pickletools
 import struct
@@ -180,7 +179,7 @@ class ItemElements:
         self.ckpt = ckpt
         self._store = store_for(ckpt.path)
         self._handles: dict[str, ReadHandle] = {}
-        self._fds: dict[str, int] = {}
+        self._readers: dict[str, Callable[[int, int], bytes]] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._tensor_views: dict[bytes, _TensorView] = {}
 
@@ -188,7 +187,7 @@ class ItemElements:
         for handle in self._handles.values():
             handle.close()
         self._handles.clear()
-        self._fds.clear()
+        self._readers.clear()
 
     def take_places(self, located: bytes) -> int:
         """Take the places `located_ends` found (in a process forked from this run); how many."""
@@ -196,12 +195,18 @@ class ItemElements:
         self._places.update(places)
         return len(places)
 
-    def fd(self, file: str) -> int:
-        """The raw descriptor of `file`, opened through the store once, for loops of positioned reads."""
-        if file not in self._fds:
+    def handle(self, file: str) -> ReadHandle:
+        """`file` opened through the store once."""
+        if file not in self._handles:
             handle = self._handles[file] = self._store.open_read(self.ckpt.path / file)
-            self._fds[file] = handle.fileno()
-        return self._fds[file]
+            self._readers[file] = handle.positioned_reader()
+        return self._handles[file]
+
+    def positioned_reader(self, file: str) -> Callable[[int, int], bytes]:
+        """`file`'s (length, offset) → bytes, for loops of positioned reads."""
+        if file not in self._readers:
+            self.handle(file)
+        return self._readers[file]
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         if DEQUANT in chunk.transforms:  # a quantized weight's: the sampled rows decoded, nothing kept
@@ -214,12 +219,12 @@ class ItemElements:
         if isinstance(place, bytes):
             out[:] = place[byte_start:byte_start + len(out)]
             return
-        fd, isz = self.fd(chunk.file), self.ckpt.tensors[fqn].itemsize
+        read, isz = self.positioned_reader(chunk.file), self.ckpt.tensors[fqn].itemsize
         if isinstance(place, _Strided):  # element by element: a sample is a few
-            data = b"".join(os.pread(fd, isz, place.byte(k, isz)) for k in range(byte_start // isz,
-                                                                               (byte_start + len(out)) // isz))
+            data = b"".join(read(isz, place.byte(k, isz)) for k in range(byte_start // isz,
+                                                                        (byte_start + len(out)) // isz))
         else:
-            data = os.pread(fd, len(out), place.start + byte_start)
+            data = read(len(out), place.start + byte_start)
         if len(data) != len(out):
             raise CheckpointError(self.ckpt.path / chunk.file, f"{fqn}: short read at byte {byte_start}")
         out[:] = data
@@ -241,20 +246,21 @@ class ItemElements:
             from ckptctl.checks.verify import decode_source_item, raw_bytes
 
             return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
-        fd = self.fd(chunk.file)
+        handle = self.handle(chunk.file)
+        read = self.positioned_reader(chunk.file)
         if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
-            start, info = _safetensors_record(fd, 0, entry.fqn)
+            start, info = _safetensors_record(handle, 0, entry.fqn)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
                 raise ValueError("its safetensors record is another tensor")
             row = entry.itemsize * math.prod(entry.shape[1:])
             return _Dense(start + (chunk.offsets[0] * row if entry.shape else 0))
-        if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":  # a SAFETENSORS-format item: its blob's record
-            start, info = _safetensors_record(fd, chunk.offset, entry.fqn)
+        if read(4, chunk.offset) != b"PK\x03\x04":  # a SAFETENSORS-format item: its blob's record
+            start, info = _safetensors_record(handle, chunk.offset, entry.fqn)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
                 raise ValueError("its safetensors record is another tensor")
             return _Dense(start)
-        item = io.BytesIO(os.pread(fd, chunk.length, chunk.offset)) if chunk.length <= SMALL_ITEM \
-            else window(fd, chunk.offset, chunk.length, MAX_ZIP_READ)  # a small item read at once, not record by record
+        item = io.BytesIO(read(chunk.length, chunk.offset)) if chunk.length <= SMALL_ITEM \
+            else window(read, chunk.offset, chunk.length, MAX_ZIP_READ)  # a small item read at once, not record by record
         with zipfile.ZipFile(item) as archive:
             pkl = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
             pickled = archive.read(pkl)
@@ -269,7 +275,7 @@ class ItemElements:
         if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
                 or record.file_size != view.storage_bytes:
             raise ValueError("its record is another tensor")
-        data, _ = _local_record(fd, chunk.offset, record)
+        data, _ = _local_record(read, chunk.offset, record)
         if data + record.file_size > chunk.offset + chunk.length:
             raise ValueError("its record runs past the item")
         last = view.offset + sum((n - 1) * step for n, step in zip(view.size, view.stride))
@@ -305,9 +311,9 @@ def located_ends(ckpt: Checkpoint) -> bytes:
         elements.close()
 
 
-def _safetensors_record(fd: int, at: int, name: str) -> tuple[int, dict]:
+def _safetensors_record(handle: ReadHandle, at: int, name: str) -> tuple[int, dict]:
     """Where tensor `name`'s data starts in the safetensors blob at byte `at`, and its header entry."""
-    header, data = blob_header(fd, at, os.fstat(fd).st_size)
+    header, data = blob_header(handle, at)
     info = header[name]
     begin, _ = info["data_offsets"]
     return data + int(begin), info
@@ -769,8 +775,8 @@ def _check_bytes_entry(copy: Any, dst: Checkpoint, fqn: str, source: ItemElement
     spans = [(0, n), (copy.length - n, n)]
     for at, length in spans:
         want = copy.data[at:at + length] if copy.data is not None else \
-            os.pread(source.fd(copy.src_file), length, copy.src_offset + at)
-        if os.pread(output.reader.fd(entry.file), length, entry.offset + at) != want:
+            source.positioned_reader(copy.src_file)(length, copy.src_offset + at)
+        if output.reader.positioned_reader(entry.file)(length, entry.offset + at) != want:
             raise CheckpointError(written / entry.file, f"{fqn}: bytes entry differs from the source's")
 
 
@@ -800,9 +806,9 @@ def check_safetensors(src: Checkpoint, folder: Path, files: Mapping[str, Iterabl
 
 def _check_safetensors_file(path: Path, handle: ReadHandle, targets: list[TargetTensor],
                             sources: Mapping[str, SourceTensor], source: ItemElements) -> None:
-    fd, size = handle.fileno(), handle.size
+    read, size = handle.positioned_reader(), handle.size
     try:
-        header, data = blob_header(fd, 0, size)
+        header, data = blob_header(handle, 0)
         if (header.get("__metadata__") or {}).get("format") != "pt":
             raise ValueError("its header metadata lacks format=pt")
         records = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -822,13 +828,15 @@ def _check_safetensors_file(path: Path, handle: ReadHandle, targets: list[Target
         raise CheckpointError(path, f"cannot be read back ({exc})") from None
     check_tiling(path.parent, {path.name: size}, {path.name: extents}, {path.name: data})
 
-    compare_samples(targets, sources, source, functools.partial(_dense_element, fd, places), lambda _: path)
+    compare_samples(targets, sources, source, functools.partial(_dense_element, read, places), lambda _: path)
 
 
-def _dense_element(fd: int, starts: Mapping[str, int], target: TargetTensor, box: Box) -> bytes:
-    """The element at `box` of a tensor stored whole, row-major, from byte `starts[target.fqn]` of `fd`."""
+def _dense_element(read: Callable[[int, int], bytes], starts: Mapping[str, int], target: TargetTensor,
+                   box: Box) -> bytes:
+    """The element at `box` of a tensor stored whole, row-major, from byte `starts[target.fqn]` of the
+    file `read` reads."""
     index = sum(o * s for o, s in zip(box.offsets, strides(target.shape)))
-    return os.pread(fd, target.dtype.itemsize, starts[target.fqn] + index * target.dtype.itemsize)
+    return read(target.dtype.itemsize, starts[target.fqn] + index * target.dtype.itemsize)
 
 
 def _check_index(path: Path, files: Mapping[str, Iterable[TargetTensor]]) -> None:
@@ -860,21 +868,21 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
     tensor's record (`records`: record name → its tensor) holds its planned bytes with the
     source's first and last elements."""
     handle = store_for(path).open_read(path)
-    fd, size = handle.fileno(), handle.size
+    read, size = handle.positioned_reader(), handle.size
     source = ItemElements(src)
     try:
         try:
-            with zipfile.ZipFile(window(fd, 0, size, MAX_ZIP_READ)) as archive:
+            with zipfile.ZipFile(window(read, 0, size, MAX_ZIP_READ)) as archive:
                 infos = archive.infolist()
                 directory = archive.start_dir
             extents, places = [], {}
             for info in infos:
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise ValueError(f"{info.filename}: compressed")
-                data, extra = _local_record(fd, 0, info)
+                data, extra = _local_record(read, 0, info)
                 end = data + info.file_size
                 if info.flag_bits & 0x8:
-                    end += _descriptor(fd, end, _has_zip64(extra))
+                    end += _descriptor(read, end, _has_zip64(extra))
                 extents.append((info.header_offset, end, info.filename))
                 places[info.filename] = (data, info.file_size)
         except (ValueError, zipfile.BadZipFile, struct.error, OSError, EOFError) as exc:
@@ -887,29 +895,29 @@ def check_torch_save(src: Checkpoint, path: Path, shown: Path, records: Mapping[
                 raise CheckpointError(shown, f"{target.fqn}: record {name} missing or of another size")
 
         by_fqn = {t.fqn: places[name][0] for name, t in records.items()}
-        compare_samples(records.values(), sources, source, functools.partial(_dense_element, fd, by_fqn),
+        compare_samples(records.values(), sources, source, functools.partial(_dense_element, read, by_fqn),
                         lambda _: shown)
     finally:
         source.close()
         handle.close()
 
 
-def _local_record(fd: int, base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:
+def _local_record(read: Callable[[int, int], bytes], base: int, info: zipfile.ZipInfo) -> tuple[int, bytes]:
     """Where record `info`'s data starts in the file (its archive begins at byte `base`), as its
     local header, which must name it, places it; and that header's extra field."""
-    head = os.pread(fd, 30, base + info.header_offset)
+    head = read(30, base + info.header_offset)
     if head[:4] != b"PK\x03\x04":
         raise ValueError(f"{info.filename}: no local header where the central directory says")
     name_len, extra_len = struct.unpack("<HH", head[26:30])
-    local = os.pread(fd, name_len + extra_len, base + info.header_offset + 30)
+    local = read(name_len + extra_len, base + info.header_offset + 30)
     if local[:name_len].decode("utf-8", "replace") != info.filename:
         raise ValueError(f"{info.filename}: its local header names another record")
     return base + info.header_offset + 30 + name_len + extra_len, local[name_len:]
 
 
-def _descriptor(fd: int, at: int, zip64: bool) -> int:
+def _descriptor(read: Callable[[int, int], bytes], at: int, zip64: bool) -> int:
     """The length of the data descriptor at byte `at`: CRC and both sizes, after an optional signature."""
-    signed = os.pread(fd, 4, at) == b"PK\x07\x08"
+    signed = read(4, at) == b"PK\x07\x08"
     return (4 if signed else 0) + (20 if zip64 else 12)
 
 

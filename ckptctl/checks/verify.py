@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -43,7 +42,7 @@ from ckptctl.core.geometry import (Box, box_flat_ranges, flat_boxes, full_box, r
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
 from ckptctl.util.progress import Advance
 from ckptctl.core.plan import Piece, SourceTensor, StreamItem, TargetTensor, identity_target, plan_box, source_view
-from ckptctl.storage.store import store_for
+from ckptctl.storage.store import ReadHandle, store_for
 
 
 VERIFY_BLOCK_BYTES = 4 << 20
@@ -331,7 +330,7 @@ class DecodedChunks:
         if isinstance(place, torch.Tensor):
             return place.reshape(-1)[first:first + count]
         isz = entry.itemsize
-        data = bytearray(os.pread(self._files.fd(chunk.file), count * isz, place + first * isz))
+        data = bytearray(self._files.positioned_reader(chunk.file)(count * isz, place + first * isz))
         if len(data) != count * isz:
             raise CheckpointError(self.src.path / chunk.file, f"item at byte {chunk.offset}: short read")
         return torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)
@@ -341,13 +340,13 @@ class DecodedChunks:
         path = self.src.path / chunk.file
         if chunk.transforms:
             return decode_source_item(self.src, entry, chunk, self._files)
-        fd = self._files.fd(chunk.file)
+        handle = self._files.handle(chunk.file)
         if self.src.safetensors_folder:
             return _safetensors_folder_rows(path, entry, chunk)
-        if os.pread(fd, 4, chunk.offset) != b"PK\x03\x04":
-            return _safetensors_record_start(fd, chunk, entry, path, self._files.handle(chunk.file).size)
+        if handle.read_at(4, chunk.offset) != b"PK\x03\x04":
+            return _safetensors_record_start(handle, chunk, entry, path)
         try:
-            start = _torch_record_start(fd, chunk, entry)
+            start = _torch_record_start(handle, chunk, entry)
         except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt item
             raise CheckpointError(path, f"item at byte {chunk.offset}: torch cannot load it for verification "
                                         f"({type(exc).__name__})") from None
@@ -541,13 +540,13 @@ _META_LAYOUTS: dict[bytes, tuple[str, Any, tuple[int, ...], bool, int]] = {}
 lays the tensor out (`map_location="meta"`: no data read), for items of the same pickle."""
 
 
-def _torch_record_start(fd: int, chunk: Chunk, entry: TensorEntry) -> int | None:
+def _torch_record_start(handle: ReadHandle, chunk: Chunk, entry: TensorEntry) -> int | None:
     """Where a torch.save item's tensor data starts in its file, found by torch: its zip read by
     torch's C++ reader (`get_record_offset`), its view by `torch.load` to the meta device. None
     when torch would not read it as dense little-endian bytes (it is then decoded whole)."""
     import torch
 
-    item = window(fd, chunk.offset, chunk.length, MAX_ZIP_READ)
+    item = window(handle.positioned_reader(), chunk.offset, chunk.length, MAX_ZIP_READ)
     reader = torch._C.PyTorchFileReader(item)
     if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
         return None
@@ -574,24 +573,24 @@ def _torch_record_start(fd: int, chunk: Chunk, entry: TensorEntry) -> int | None
     return chunk.offset + start
 
 
-def _safetensors_start(fd: int, at: int, name: str, path: Path, file_size: int) -> tuple[int, dict]:
+def _safetensors_start(handle: ReadHandle, at: int, name: str, path: Path) -> tuple[int, dict]:
     """(where tensor `name`'s data starts, its header entry) in the safetensors blob at byte `at`,
     as the header says, the range checked against the file."""
     bad = CheckpointError(path, f"blob at byte {at}: no safetensors record of {name} to verify against")
     try:
-        header, data = blob_header(fd, at, file_size)
+        header, data = blob_header(handle, at)
         info = header[name]
         start, end = (int(v) for v in info["data_offsets"])
     except (ValueError, KeyError, TypeError, RecursionError):
         raise bad from None
-    if not 0 <= start <= end or data + end > file_size:
+    if not 0 <= start <= end or data + end > handle.size:
         raise bad
     return data + start, info
 
 
-def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: Path, file_size: int) -> int:
+def _safetensors_record_start(handle: ReadHandle, chunk: Chunk, entry: TensorEntry, path: Path) -> int:
     """A SAFETENSORS-format item (its offset is its blob's start): where its record's data starts."""
-    start, info = _safetensors_start(fd, chunk.offset, entry.fqn, path, file_size)
+    start, info = _safetensors_start(handle, chunk.offset, entry.fqn, path)
     if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != chunk.sizes:
         raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: its safetensors record is another "
                                     "tensor than the metadata names")
@@ -601,7 +600,7 @@ def _safetensors_record_start(fd: int, chunk: Chunk, entry: TensorEntry, path: P
 def _safetensors_folder_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> int:
     """A safetensors model file's tensor: where the rows `chunk` covers start."""
     with store_for(path).open_read(path) as handle:
-        start, info = _safetensors_start(handle.fileno(), 0, entry.fqn, path, handle.size)
+        start, info = _safetensors_start(handle, 0, entry.fqn, path)
     if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
         raise CheckpointError(path, f"{entry.fqn}: its header names another tensor than the checkpoint's")
     return start + (chunk.offsets[0] * math.prod(entry.shape[1:]) * entry.itemsize if entry.shape else 0)

@@ -44,7 +44,6 @@ missing). The run is *equal* when every entry is `equal` or `close`.
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 import threading
@@ -337,7 +336,6 @@ class SafetensorsSide:
         self.bytes_entries: dict[str, BytesInfo] = {}
         self._store = store_for(path)
         self._handles: dict[Path, ReadHandle] = {}
-        self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
         self._stored: dict[str, StoredTensor] = stored_tensors(path)
         # quantized codes and scales by name: `--compare-as` refuses to read them as values
@@ -350,12 +348,11 @@ class SafetensorsSide:
     def reads_with_torch(self, names: Sequence[str]) -> bool:
         return False
 
-    def _fd(self, file: Path) -> int:
+    def _handle(self, file: Path) -> ReadHandle:
         with self._lock:
-            if file not in self._fds:
-                handle = self._handles[file] = self._store.open_read(file)
-                self._fds[file] = handle.fileno()
-            return self._fds[file]
+            if file not in self._handles:
+                self._handles[file] = self._store.open_read(file)
+            return self._handles[file]
 
     def read(self, name: str, start: int, stop: int, dtype: DType | None = None) -> bytearray:
         stored, isz = self._stored[name], self.tensors[name].dtype.itemsize
@@ -366,7 +363,7 @@ class SafetensorsSide:
         out = bytearray((stop - start) * isz)
         offset = stored.start + start * isz
         try:
-            got = os.preadv(self._fd(stored.file), [out], offset)
+            got = self._handle(stored.file).readinto_at(out, offset)
         except OSError as exc:
             raise CheckpointError(stored.file, f"cannot read at byte {offset}: {exc.strerror or exc}") from None
         if got != len(out):
@@ -386,7 +383,6 @@ class SafetensorsSide:
             for handle in self._handles.values():
                 handle.close()
             self._handles.clear()
-            self._fds.clear()
 
 
 def open_sides(a: Path, b: Path, arch: str, hf_config: str | Path | None, tp: int | None,

@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import os
 import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from ckptctl.storage.atomic import lands_in, recorded_reads
 from ckptctl.storage.store import EntryKind, store_for
@@ -231,15 +230,15 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
     tensors: list[Any] = []
     _match(plan.tree, loaded, (), tensors, shown)
     handle = store_for(path).open_read(path)
-    fd = handle.fileno()
+    read = handle.positioned_reader()
     try:
-        places = [_record_place(fd, infos, f"{plan.file.archive}/data/{i}", shown) for i in range(len(tensors))]
+        places = [_record_place(read, infos, f"{plan.file.archive}/data/{i}", shown) for i in range(len(tensors))]
         bases = {t.untyped_storage().data_ptr() - at for t, (at, _) in zip(tensors, places) if t.numel()}
         if len(bases) > 1:
             raise CheckpointError(shown, "verification failed (tensors are not in the records planned for them)")
 
         def check(index: int) -> None:
-            _check_record(fd, places[index], plan.targets[index], plan.sources, chunks, shown)
+            _check_record(read, places[index], plan.targets[index], plan.sources, chunks, shown)
             if advance is not None:
                 advance(plan.targets[index].nbytes)
 
@@ -251,24 +250,24 @@ def verify_torch_save(path: Path, shown: Path, plan: ExportTorchPlan, chunks: Ch
                          tensor_read_back(loaded_by_fqn.__getitem__), shown, workers, advance)
 
 
-def _record_place(fd: int, infos: dict[str, zipfile.ZipInfo], name: str, shown: Path) -> tuple[int, int]:
+def _record_place(read: Callable[[int, int], bytes], infos: dict[str, zipfile.ZipInfo], name: str, shown: Path) -> tuple[int, int]:
     """(offset of the record's data in the file, its CRC-32) as zipfile reads the central directory."""
     info = infos.get(name)
     if info is None or info.compress_type != zipfile.ZIP_STORED:
         raise CheckpointError(shown, f"verification failed ({name} missing or compressed)")
-    header = os.pread(fd, _LOCAL_HEADER_BYTES, info.header_offset)
+    header = read(_LOCAL_HEADER_BYTES, info.header_offset)
     name_len, extra_len = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
     return info.header_offset + _LOCAL_HEADER_BYTES + name_len + extra_len, info.CRC
 
 
-def _check_record(fd: int, place: tuple[int, int], target: TargetTensor, sources: dict[str, SourceTensor],
+def _check_record(read: Callable[[int, int], bytes], place: tuple[int, int], target: TargetTensor, sources: dict[str, SourceTensor],
                   chunks: ChunkSource, shown: Path) -> None:
     at, want_crc = place
     row = math.prod(target.shape[1:]) * target.dtype.itemsize if target.shape else 0
     crc = 0
     for box in row_blocks(target.shape, target.dtype.itemsize):
         want = assemble_bytes(StreamItem("", 0, b"", target, box, plan_box(target, box, sources)), chunks)
-        got = os.pread(fd, len(want), at + (box.offsets[0] * row if box.offsets else 0))
+        got = read(len(want), at + (box.offsets[0] * row if box.offsets else 0))
         if got != want:
             raise CheckpointError(shown, f"{target.fqn}: verification failed (rows from {box.offsets[:1]} "
                                          f"differ from the source)")

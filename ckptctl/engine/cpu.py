@@ -10,9 +10,7 @@ cast are plain byte moves; torch is imported only to cast or add.
 
 from __future__ import annotations
 
-import errno
 import math
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -21,7 +19,6 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from ckptctl.core.dtypes import DType, float32
 from ckptctl.engine.crc import crc32
-from ckptctl.engine.disk import reserve, start_writeback
 from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.storage.store import WriteHandle, store_for
@@ -61,7 +58,7 @@ RECORDS_REMEMBERED = 1 << 16
 COALESCE_BYTES = 1 << 20
 """Small records that follow one another in a file are written together, up to this many bytes."""
 WRITEBACK_BYTES = 4 << 20
-"""A thread's run of writes to a file is handed to the disk in pieces this large (see `engine.disk`)."""
+"""A thread's run of writes to a file is handed to the disk in pieces this large (see `storage.local_disk`)."""
 
 
 class ChunkSource:
@@ -103,7 +100,7 @@ class ChunkSource:
             import torch  # decoding a transformed (zstd) item goes through torch.load
 
             entry = self.ckpt.tensors[fqn]
-            tensor = (dequantized_chunk(entry, chunk, self.reader.fd) if DEQUANT in chunk.transforms
+            tensor = (dequantized_chunk(entry, chunk, self.reader.handle) if DEQUANT in chunk.transforms
                       else self.reader.read_chunk(entry, chunk))
             flat = tensor.reshape(-1).view(torch.uint8)
             owned = flat.untyped_storage().nbytes() == flat.numel()  # keeps alive no more than it counts
@@ -128,7 +125,7 @@ class ChunkSource:
             out[:] = self.decoded(fqn, chunk)[byte_start: byte_start + len(out)]
             return
         try:
-            got = os.preadv(self.reader.fd(chunk.file), [out], rec.byte_offset + byte_start)
+            got = self.reader.handle(chunk.file).readinto_at(out, rec.byte_offset + byte_start)
         except OSError as exc:
             raise CheckpointError(rec.path, f"cannot read at byte {rec.byte_offset + byte_start}: "
                                             f"{exc.strerror or exc}") from None
@@ -346,7 +343,7 @@ def _clip(segs: list[_Segment], lo: int, hi: int, start: int) -> tuple[list[_Seg
 
 class OutputFiles:
     """Output files created once through the directory's store, pre-sized, shared by all workers
-    (positioned writes on each handle's descriptor, taken once).
+    (positioned writes through each handle's writer, taken once).
 
     With `sync` (the default) `close` fsyncs, and writeback starts early: each thread's
     sequential run of writes to a file is handed to the disk every WRITEBACK_BYTES, while
@@ -357,14 +354,14 @@ class OutputFiles:
         self.directory = directory
         self.sync = sync
         self.handles: dict[str, WriteHandle] = {}
-        self.fds: dict[str, int] = {}
+        self.writers: dict[str, Callable[[bytes | memoryview, int], int]] = {}
         self._runs = threading.local()  # per thread: file -> [start, end) written but not yet handed over
         store = store_for(directory)
         for name, size in sizes.items():
             try:
                 self.handles[name] = handle = store.create(directory / name)
-                self.fds[name] = handle.fileno()
-                reserve(handle.fileno(), size)
+                self.writers[name] = handle.positioned_writer()
+                handle.reserve(size)
             except OSError as exc:
                 for handle in self.handles.values():
                     handle.close()
@@ -379,7 +376,7 @@ class OutputFiles:
         start = offset
         try:
             while len(view):
-                n = os.pwrite(self.fds[name], view, offset)
+                n = self.writers[name](view, offset)
                 view, offset = view[n:], offset + n
         except OSError as exc:
             raise self.error(name, exc) from None
@@ -397,13 +394,13 @@ class OutputFiles:
             start = offset
         end = offset + nbytes
         if end - start >= WRITEBACK_BYTES:
-            start_writeback(self.fds[name], start, end - start)
+            self.handles[name].start_writeback(start, end - start)
             start = end
         runs[name] = (start, end)
 
     def close(self) -> None:
         """fsync (with `sync`) and close every file; all are closed even when one fails."""
-        handles, self.handles, self.fds = self.handles, {}, {}
+        handles, self.handles, self.writers = self.handles, {}, {}
         try:
             for name, handle in handles.items():
                 if self.sync:
@@ -582,20 +579,18 @@ def copy_item(item: CopyItem, sources: ChunkSource, files: OutputFiles, progress
         files.write(item.file, item.data, item.offset)
         progress(len(item.data))
         return
-    src_fd = sources.reader.fd(item.src_file)
-    dst_fd = files.fds[item.file]
-    done, in_kernel = 0, hasattr(os, "copy_file_range")
+    source, output = sources.reader.handle(item.src_file), files.handles[item.file]
+    done, in_store = 0, True
     while done < item.length:
         n = 0
-        if in_kernel:
+        if in_store:
             try:
-                n = os.copy_file_range(src_fd, dst_fd, item.length - done, item.src_offset + done, item.offset + done)
-            except OSError as exc:  # EXDEV (another filesystem), ENOSYS, EOPNOTSUPP, EINVAL: copy by hand
-                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    raise files.error(item.file, exc) from None
-                in_kernel = False
+                n = output.copy_from(source, item.length - done, item.src_offset + done, item.offset + done)
+            except OSError as exc:
+                raise files.error(item.file, exc) from None
+            in_store = n > 0  # the store cannot (another filesystem, say): the rest by hand
         if n <= 0:
-            data = os.pread(src_fd, min(BLOCK_BYTES, item.length - done), item.src_offset + done)
+            data = source.read_at(min(BLOCK_BYTES, item.length - done), item.src_offset + done)
             if not data:
                 raise CheckpointError(sources.ckpt.path / item.src_file, "short read")
             files.write(item.file, data, item.offset + done)

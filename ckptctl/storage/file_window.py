@@ -2,24 +2,24 @@
 
 A DCP item is a whole archive at (offset, length) inside a rank file; readers that take a file
 object find its central directory from its end, so they are handed the item's bytes alone, read
-with positioned reads (threads share the descriptor), never copied out first.
+with positioned reads (threads share the file), never copied out first.
 """
 
 from __future__ import annotations
 
 import io
-import os
 import zipfile
-from typing import Any
+from typing import Any, Callable
 
 
 class FileWindow(io.RawIOBase):
-    """Bytes [start, start + length) of open file `fd`, as a read-only, seekable file. With
-    `max_read`, a larger single read is refused: a zip directory declaring a huge size cannot
-    make its reader allocate it."""
+    """Bytes [start, start + length) of an open entry, read by `read_at` ((length, offset) → bytes,
+    a handle's `positioned_reader`), as a read-only, seekable file. With `max_read`, a larger
+    single read is refused: a zip directory declaring a huge size cannot make its reader allocate it."""
 
-    def __init__(self, fd: int, start: int, length: int, max_read: int | None = None) -> None:
-        self.fd, self.start, self.length, self.pos, self.max_read = fd, start, length, 0, max_read
+    def __init__(self, read_at: Callable[[int, int], bytes], start: int, length: int,
+                 max_read: int | None = None) -> None:
+        self.read_at, self.start, self.length, self.pos, self.max_read = read_at, start, length, 0, max_read
 
     def readable(self) -> bool:
         return True
@@ -40,8 +40,7 @@ class FileWindow(io.RawIOBase):
         return bytes(buffer[:self.readinto(buffer)])
 
     def readinto(self, buffer: Any) -> int:
-        data = os.pread(self.fd, max(0, min(self._allowed(len(buffer)), self.length - self.pos)),
-                        self.start + self.pos)
+        data = self.read_at(max(0, min(self._allowed(len(buffer)), self.length - self.pos)), self.start + self.pos)
         buffer[:len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -52,6 +51,7 @@ class FileWindow(io.RawIOBase):
         return n
 
 
-def window(fd: int, start: int, length: int, max_read: int | None = None) -> io.BufferedReader:
+def window(read_at: Callable[[int, int], bytes], start: int, length: int,
+           max_read: int | None = None) -> io.BufferedReader:
     """`FileWindow` buffered, as readers expect a file to be."""
-    return io.BufferedReader(FileWindow(fd, start, length, max_read))
+    return io.BufferedReader(FileWindow(read_at, start, length, max_read))

@@ -9,8 +9,11 @@ atomically. `LocalStore`, the local filesystem, is the one store today; an objec
 
 The local store opens inputs with `source_files.open_source` (regular files only, size
 limits, each noted as a source read) and commits with `atomic` (temporary sibling, rename).
-A hot loop that reads or writes millions of times takes the raw descriptor once
-(`fileno()`) and calls `os.pread` / `os.pwrite` on it: no layer in its inner loop.
+A hot loop that reads millions of times takes a handle's `positioned_reader()` once: a function
+(length, offset) → bytes with no layer in between (locally `os.pread` bound to the descriptor).
+No format, engine or command holds a descriptor: the kernel's tricks (blocks reserved, writeback
+started early, in-kernel copies) are the local handles' own (`local_disk`), and a store without
+them copies through `read_at` / `write_at`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import enum
 import errno
 import fnmatch
+import functools
 import io
 import mmap
 import os
@@ -26,10 +30,11 @@ import stat
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, ContextManager, Iterator
+from typing import BinaryIO, Callable, ContextManager, Iterator
 
 from ckptctl.storage.atomic import atomic_directory, atomic_file
 from ckptctl.storage.file_window import FileWindow
+from ckptctl.storage.local_disk import copy_range, reserve, start_writeback
 from ckptctl.storage.source_files import open_source
 
 
@@ -54,14 +59,9 @@ class EntryInfo:
 
 
 class _Handle(ABC):
-    """An entry a store opened: its raw descriptor where it has one, closed once done with."""
+    """An entry a store opened, closed once done with."""
 
     path: Path
-
-    @abstractmethod
-    def fileno(self) -> int:
-        """The raw descriptor, for a loop of millions of reads or writes (in-kernel copies, writeback
-        hints); a store without one raises OSError."""
 
     @abstractmethod
     def close(self) -> None:
@@ -88,13 +88,23 @@ class ReadHandle(_Handle):
         """Fill `buffer` from `offset`; the number of bytes read (fewer at the entry's end)."""
 
     @abstractmethod
+    def version(self) -> tuple[int | str, ...]:
+        """What changes when the entry read is rewritten, replaced or resized (`Store.version`, of
+        the entry this handle holds open)."""
+
+    def positioned_reader(self) -> Callable[[int, int], bytes]:
+        """`read_at` as a plain function, taken once by a loop of millions of reads (the local
+        store's is `os.pread` bound to its descriptor: no method call in between)."""
+        return self.read_at
+
+    @abstractmethod
     def whole(self) -> ContextManager[memoryview | mmap.mmap]:
         """The entry as one buffer, pages read as they are touched where the store can (local: an mmap)."""
 
-    @abstractmethod
     def window(self, start: int, length: int, max_read: int | None = None) -> io.RawIOBase:
         """Bytes [start, start + length) as a read-only seekable file, unbuffered, for readers that take
         one (zipfile); with `max_read`, a larger single read is refused (`file_window.FileWindow`)."""
+        return FileWindow(self.positioned_reader(), start, length, max_read)
 
 
 class WriteHandle(_Handle):
@@ -103,6 +113,10 @@ class WriteHandle(_Handle):
     @abstractmethod
     def write_at(self, data: bytes | memoryview, offset: int) -> int:
         """Write some of `data` at `offset`; how many bytes were written (as `os.pwrite`)."""
+
+    def positioned_writer(self) -> Callable[[bytes | memoryview, int], int]:
+        """`write_at` as a plain function, taken once by a loop of millions of writes."""
+        return self.write_at
 
     def write_all_at(self, data: bytes | memoryview, offset: int) -> None:
         """Write all of `data` at `offset`."""
@@ -114,6 +128,20 @@ class WriteHandle(_Handle):
     @abstractmethod
     def sync(self) -> None:
         """Make what was written durable."""
+
+    def reserve(self, size: int) -> None:
+        """Make the entry `size` bytes long before it is written at offsets (locally: its blocks
+        allocated, so a full disk fails the run at its start). OSError when the space is not there."""
+
+    def start_writeback(self, offset: int, length: int) -> None:
+        """Hint that bytes [offset, offset + length) are final: the store may start making them
+        durable while the run goes on. Never waits, never fails."""
+
+    def copy_from(self, source: ReadHandle, length: int, source_offset: int, offset: int) -> int:
+        """Copy up to `length` bytes of `source` from `source_offset` to `offset` without passing
+        them through this process, where the store can (locally: `copy_file_range`); how many were
+        copied, 0 when it cannot (the caller then reads and writes them)."""
+        return 0
 
 
 class Store(ABC):
@@ -186,13 +214,14 @@ class Store(ABC):
         """A temporary path to fill, put in place as `out` only when the body finishes without error."""
 
 
+def _local_version(found: os.stat_result) -> tuple[int, ...]:
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
+
+
 class _LocalDescriptor:
     """A local file's descriptor, closed once."""
 
     _fd: int
-
-    def fileno(self) -> int:
-        return self._fd
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -214,13 +243,16 @@ class LocalReadHandle(_LocalDescriptor, ReadHandle):
     def readinto_at(self, buffer: memoryview | bytearray, offset: int) -> int:
         return os.preadv(self._fd, [buffer], offset)
 
+    def positioned_reader(self) -> Callable[[int, int], bytes]:
+        return functools.partial(os.pread, self._fd)
+
+    def version(self) -> tuple[int, ...]:
+        return _local_version(os.fstat(self._fd))
+
     @contextlib.contextmanager
     def whole(self) -> Iterator[mmap.mmap]:
         with mmap.mmap(self._fd, self.size, access=mmap.ACCESS_READ) as data:
             yield data
-
-    def window(self, start: int, length: int, max_read: int | None = None) -> FileWindow:
-        return FileWindow(self._fd, start, length, max_read)
 
 
 class LocalWriteHandle(_LocalDescriptor, WriteHandle):
@@ -234,8 +266,22 @@ class LocalWriteHandle(_LocalDescriptor, WriteHandle):
     def write_at(self, data: bytes | memoryview, offset: int) -> int:
         return os.pwrite(self._fd, data, offset)
 
+    def positioned_writer(self) -> Callable[[bytes | memoryview, int], int]:
+        return functools.partial(os.pwrite, self._fd)
+
     def sync(self) -> None:
         os.fsync(self._fd)
+
+    def reserve(self, size: int) -> None:
+        reserve(self._fd, size)
+
+    def start_writeback(self, offset: int, length: int) -> None:
+        start_writeback(self._fd, offset, length)
+
+    def copy_from(self, source: ReadHandle, length: int, source_offset: int, offset: int) -> int:
+        if not isinstance(source, LocalReadHandle):
+            return 0
+        return copy_range(source._fd, self._fd, length, source_offset, offset)
 
 
 _ABSENT = (errno.ENOENT, errno.ENOTDIR, errno.EBADF, errno.ELOOP)
@@ -265,8 +311,7 @@ class LocalStore(Store):
         return EntryKind.FOLDER if stat.S_ISDIR(mode) else EntryKind.FILE if stat.S_ISREG(mode) else EntryKind.OTHER
 
     def version(self, path: Path) -> tuple[int, ...]:
-        found = os.stat(path)
-        return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
+        return _local_version(os.stat(path))
 
     def open_read(self, path: Path, limit: int | None = None) -> LocalReadHandle:
         fd, size = open_source(path, limit)

@@ -130,7 +130,7 @@ def test_closing_a_started_check_does_not_wait_for_its_thread(resharded) -> None
     check.start()
     check.close()
     check._thread.join(5)
-    assert not check._thread.is_alive() and check._closed and not check._source._fds
+    assert not check._thread.is_alive() and check._closed and not check._source._handles
 
 
 def test_a_truncated_file_is_refused_by_the_reader(resharded) -> None:

@@ -21,6 +21,7 @@ from ckptctl.engine.crc import crc32
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.core.geometry import Box, full_box
 from ckptctl.core.plan import StreamItem, TargetTensor, identity_target, plan_box, source_view
+from ckptctl.storage import store
 
 
 def item(file: str, offset: int) -> StreamItem:
@@ -40,7 +41,7 @@ def test_no_items_no_order():
 
 def test_each_threads_sequential_run_is_handed_to_the_disk_every_writeback_bytes(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
+    monkeypatch.setattr(store, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
     files = OutputFiles(tmp_path, {"a": 100}, sync=True)
     monkeypatch.setattr(cpu, "WRITEBACK_BYTES", 10)
     for offset in (0, 4, 8, 12):  # one run: handed over at 12 bytes, 4 left
@@ -55,7 +56,7 @@ def test_each_threads_sequential_run_is_handed_to_the_disk_every_writeback_bytes
 
 def test_without_sync_nothing_is_handed_over(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(cpu, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
+    monkeypatch.setattr(store, "start_writeback", lambda fd, offset, length: calls.append((offset, length)))
     files = OutputFiles(tmp_path, {"a": 8 << 20}, sync=False)
     files.write("a", bytes(8 << 20), 0)
     files.close()
@@ -110,7 +111,7 @@ def test_meanwhile_runs_on_the_calling_thread_while_the_pool_runs_the_items():
 def test_without_fallocate_files_are_only_sized(tmp_path, monkeypatch, err):
     import ctypes
 
-    from ckptctl.engine import disk
+    from ckptctl.storage import local_disk as disk
 
     def unsupported(fd, mode, offset, length):
         ctypes.set_errno(err)
@@ -125,7 +126,7 @@ def test_without_fallocate_files_are_only_sized(tmp_path, monkeypatch, err):
 def test_no_space_to_reserve_is_an_error_not_a_sparse_file(tmp_path, monkeypatch):
     import ctypes
 
-    from ckptctl.engine import disk
+    from ckptctl.storage import local_disk as disk
 
     def full(fd, mode, offset, length):
         ctypes.set_errno(errno.ENOSPC)
@@ -202,13 +203,18 @@ def test_small_items_read_front_to_back_are_read_ahead(tmp_path, monkeypatch):
         warnings.simplefilter("ignore", UserWarning)  # no process group: a single-process save
         dcp.save(state, checkpoint_id=tmp_path / "src")
     reads: list[int] = []
-    real_pread = os.pread
-    def counted(fd: int, n: int, at: int) -> bytes:  # the copy's reads, not the output check's thread's
-        if threading.current_thread().name != "ckptctl-check":
-            reads.append(n)
-        return real_pread(fd, n, at)
+    positioned_reader = items.ItemReader.positioned_reader
 
-    monkeypatch.setattr(items.os, "pread", counted)
+    def counting(reader: items.ItemReader, file: str):
+        read = positioned_reader(reader, file)
+
+        def counted(n: int, at: int) -> bytes:  # the copy's reads, not the output check's thread's
+            if threading.current_thread().name != "ckptctl-check":
+                reads.append(n)
+            return read(n, at)
+        return counted
+
+    monkeypatch.setattr(items.ItemReader, "positioned_reader", counting)
     reshard(tmp_path / "src", tmp_path / "out", ReshardOptions(world_size=2, sync=False))
     length = open_checkpoint(tmp_path / "src").tensors["w00"].chunks[0].length
     window = items.READ_AHEAD_MIN

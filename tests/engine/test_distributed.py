@@ -239,7 +239,7 @@ def test_output_on_another_filesystem_copies_bytes_entries_by_hand(fixture_ckpt,
     def cross_device(*args):
         raise OSError(errno.EXDEV, "Invalid cross-device link")
 
-    monkeypatch.setattr("ckptctl.engine.cpu.os.copy_file_range", cross_device)
+    monkeypatch.setattr("ckptctl.storage.local_disk.os.copy_file_range", cross_device)
     dst = tmp_path / "out"
     reshard(fixture_ckpt("fsdp2_4ranks"), dst, ReshardOptions(world_size=5, dtype=torch.bfloat16, device="cpu"))
     same_output(single, dst)

@@ -7,6 +7,7 @@ own classes pickled with chunks and storage keys that share objects, and mutants
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import pickle
@@ -41,7 +42,7 @@ def _read(path: Path) -> tuple[classes.Metadata | None, templates.TemplateMachin
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        machine = templates.TemplateMachine(templates._blocks(fd, size), size)
+        machine = templates.TemplateMachine(templates._blocks(functools.partial(os.pread, fd), size), size)
         try:
             return machine.load(), machine
         except Exception:

@@ -38,7 +38,7 @@ def _decoded(folder: Path, fp8_dtype=bfloat16) -> dict[str, torch.Tensor]:
             for chunk in entry.chunks:
                 assert chunk.transforms == (DEQUANT,)
                 box = tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
-                whole[box] = dequantized_chunk(entry, chunk, reader.fd)
+                whole[box] = dequantized_chunk(entry, chunk, reader.handle)
             out[name] = whole
     return out
 
@@ -164,7 +164,7 @@ def test_a_chunk_reads_only_its_codes_and_its_scale_rows(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "preadv", preadv)
     with ItemReader(ckpt) as reader:
-        dequantized_chunk(entry, entry.chunks[3], reader.fd)
+        dequantized_chunk(entry, entry.chunks[3], reader.handle)
     assert reads == [(stored["w.weight"].start + 384 * 512, 128 * 512),
                      (stored["w.weight_scale_inv"].start + 3 * 4 * 4, 4 * 4)]
 

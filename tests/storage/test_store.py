@@ -44,7 +44,9 @@ def test_positioned_reads_return_exactly_the_bytes_at_their_offsets(data_file: P
         window = handle.window(256, 512)
         window.seek(-4, os.SEEK_END)
         assert window.read() == DATA[764:768]
-        assert os.pread(handle.fileno(), 3, 9) == DATA[9:12]  # the raw descriptor, for hot loops
+        read = handle.positioned_reader()  # for hot loops: os.pread bound to the descriptor
+        assert read(3, 9) == DATA[9:12] and read(8, len(DATA) - 4) == DATA[-4:]
+        assert handle.version() == LOCAL.version(data_file)
 
 
 def test_threads_read_one_handle_at_their_own_offsets(data_file: Path) -> None:
@@ -69,7 +71,7 @@ def test_a_window_refuses_a_read_over_its_bound(data_file: Path) -> None:
 
 def test_a_closed_handle_closes_its_descriptor_once(data_file: Path) -> None:
     handle = LOCAL.open_read(data_file)
-    fd = handle.fileno()
+    fd = handle._fd  # the local descriptor, checked closed
     handle.close()
     handle.close()
     with pytest.raises(OSError):

@@ -1,7 +1,8 @@
-"""Formats, engines, commands and checks reach files through `ckptctl.storage.store` only, so that
-another store (an object store) plugs in without touching them: no module under `ckptctl/formats`,
-`ckptctl/engine`, `ckptctl/commands` or `ckptctl/checks` opens, maps, lists, stats, reads or writes
-a path, or commits an output, by itself. The few calls that touch no checkpoint (the process's own
+"""Families, formats, engines, planners, checks and commands reach files through
+`ckptctl.storage.store` only, so that another store (an object store) plugs in without touching
+them: no module under those packages opens, maps, lists, stats, globs, reads or writes a path or a
+descriptor (`os.pread` on a `fileno()`), asks whether a path is a folder or a file, or commits an
+output, by itself. The few calls that touch no checkpoint (the process's own
 /proc files, /dev/null, a pipe), that only share a name with a path call, or that are a real
 consumer reading the output as it would (safetensors' `safe_open`, the verification's oracle) are
 listed by name here, each with its reason, so a new one fails this test until it goes through the
@@ -17,7 +18,8 @@ SEAMED = ("families", "formats", "engine", "planners", "checks", "commands")
 """Packages under ckptctl that must go through the store."""
 PATH_CALLS = {"open", "read_bytes", "read_text", "write_bytes", "write_text", "iterdir", "stat", "lstat",
               "listdir", "scandir", "fdopen", "mmap", "walk", "atomic_directory", "atomic_file", "open_source",
-              "safe_open", "exists", "lexists", "is_dir", "is_file", "glob", "rglob"}
+              "safe_open", "exists", "lexists", "is_dir", "is_file", "glob", "rglob", "fileno", "pread", "preadv",
+              "pwrite", "pwritev", "copy_file_range", "ftruncate", "fsync"}
 """Calls that open, map, list or stat a path or descriptor (builtin `open`, `os.open`, `Path.open`,
 `mmap.mmap`, `os.listdir`, `source_files.open_source`, safetensors' `safe_open` …) or commit an
 output folder behind the store's back. A call on a store (`store_for(path).atomic_file(…)`,
@@ -75,11 +77,14 @@ def test_formats_and_engines_open_list_and_stat_nothing_but_through_the_store():
     assert set(NOT_CHECKPOINT_FILES) <= set(found)  # an entry no longer needed is dropped
 
 
-def test_the_seam_check_finds_an_open_a_listing_a_stat_and_a_commit_and_lets_store_calls_and_preads_by():
+def test_the_seam_check_finds_opens_listings_stats_descriptor_reads_kinds_and_commits_and_lets_store_calls_by():
     source = ("import os\nopen('x')\nos.open('x', 0)\nos.listdir('.')\nPath('x').stat()\nfolder.iterdir()\n"
               "atomic_directory(dst, True)\nos.pread(fd, 1, 0)\nstore.open_read(path)\nopen_source(path)\n"
               "atomic.atomic_file(out, True)\nstore_for(out).atomic_file(out, True)\nself._store.list(folder)\n"
-              "LOCAL_STORE.atomic_file(out, True)\n")
+              "LOCAL_STORE.atomic_file(out, True)\nhandle.fileno()\nroot.glob('*.safetensors')\n"
+              "(root / 'x').is_dir()\nos.path.lexists(p)\nstore.kind(p)\nstore_for(p).glob(p, '*')\n"
+              "handle.read_at(3, 9)\nread(3, 9)\n")
     calls = [_name(node.func) for node in ast.walk(ast.parse(source)) if isinstance(node, ast.Call)]
-    assert sorted(filter(None, calls)) == [".stat", "atomic.atomic_file", "atomic_directory", "folder.iterdir",
-                                              "open", "open_source", "os.listdir", "os.open"]
+    assert sorted(filter(None, calls)) == [".is_dir", ".stat", "atomic.atomic_file", "atomic_directory",
+                                              "folder.iterdir", "handle.fileno", "open", "open_source", "os.listdir",
+                                              "os.open", "os.path.lexists", "os.pread", "root.glob"]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import json
 import operator
-import os
 import struct
 import threading
 import zipfile
@@ -115,13 +114,13 @@ class RawRecord:
 
 class ItemReader:
     """Opens a checkpoint's files read-only, lazily, through its store, and answers where each
-    chunk's bytes are. Hot reads go to the handle's raw descriptor (`fd`), taken once a file."""
+    chunk's bytes are. Hot reads go through the handle's `positioned_reader`, taken once a file."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
         self._store = store_for(ckpt.path)
         self._handles: dict[str, ReadHandle] = {}
-        self._fds: dict[str, int] = {}
+        self._readers: dict[str, Callable[[int, int], bytes]] = {}
         self._lock = threading.Lock()
         self._safetensors_headers: dict[tuple[str, int], dict] = {}
         self._templates: dict[tuple[Any, tuple[int, ...], int], _Template] = {}
@@ -134,7 +133,7 @@ class ItemReader:
             for handle in self._handles.values():
                 handle.close()
             self._handles.clear()
-            self._fds.clear()
+            self._readers.clear()
 
     def __enter__(self) -> "ItemReader":
         return self
@@ -142,12 +141,13 @@ class ItemReader:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def fd(self, file: str) -> int:
-        """The raw descriptor of `file`, for loops of positioned reads."""
-        fd = self._fds.get(file)  # an open file's descriptor without the lock (a dict read is atomic)
-        if fd is not None:
-            return fd
-        return self.handle(file).fileno()
+    def positioned_reader(self, file: str) -> Callable[[int, int], bytes]:
+        """`file`'s (length, offset) → bytes function, for loops of positioned reads."""
+        read = self._readers.get(file)  # an open file's without the lock (a dict read is atomic)
+        if read is not None:
+            return read
+        self.handle(file)
+        return self._readers[file]
 
     def handle(self, file: str) -> ReadHandle:
         """`file` opened through the checkpoint's store (once; threads share it)."""
@@ -157,7 +157,7 @@ class ItemReader:
         with self._lock:
             if file not in self._handles:
                 handle = self._handles[file] = self._store.open_read(self.ckpt.path / file)
-                self._fds[file] = handle.fileno()
+                self._readers[file] = handle.positioned_reader()
             return self._handles[file]
 
     def _bad(self, chunk: Chunk, reason: str) -> CheckpointError:
@@ -205,7 +205,7 @@ class ItemReader:
                 self._windows[chunk.file] = (at, data, end)
                 return memoryview(data)[start - at:end - at]
         size = min(READ_AHEAD, max(2 * len(data), READ_AHEAD_MIN)) if start == last_end else 0
-        data = os.pread(self.fd(chunk.file), max(chunk.length, size), start)
+        data = self.positioned_reader(chunk.file)(max(chunk.length, size), start)
         with self._windows_lock:
             if chunk.file not in self._windows and len(self._windows) >= READ_WINDOWS:
                 self._windows.clear()
@@ -302,12 +302,12 @@ class ItemReader:
 
     def _matches(self, template: _Template, chunk: Chunk) -> bool:
         """Whether the item holds the template's bytes everywhere but its variable fields and data."""
-        fd = self.fd(chunk.file)
+        read = self.positioned_reader(chunk.file)
         if template.whole is not None:
-            return template.whole.matches(os.pread(fd, chunk.length, chunk.offset))
+            return template.whole.matches(read(chunk.length, chunk.offset))
         data_end = template.data_start + template.nbytes
-        return template.head.matches(os.pread(fd, template.data_start, chunk.offset)) \
-            and template.tail.matches(os.pread(fd, chunk.length - data_end, chunk.offset + data_end))
+        return template.head.matches(read(template.data_start, chunk.offset)) \
+            and template.tail.matches(read(chunk.length - data_end, chunk.offset + data_end))
 
     def _big_endian(self, chunk: Chunk, archive: zipfile.ZipFile, names: dict[str, zipfile.ZipInfo],
                     folder: str) -> bool:
@@ -333,7 +333,7 @@ class ItemReader:
         if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
             raise self._bad(chunk, f"zip entry {info.filename} is compressed (method {info.compress_type}); "
                                    "torch.save stores entries")
-        head = os.pread(self.fd(chunk.file), _LOCAL_HEADER.size, chunk.offset + info.header_offset) \
+        head = self.positioned_reader(chunk.file)(_LOCAL_HEADER.size, chunk.offset + info.header_offset) \
             if 0 <= info.header_offset <= chunk.length - _LOCAL_HEADER.size else b""
         fields = _LOCAL_HEADER.unpack(head) if len(head) == _LOCAL_HEADER.size else (0, 0, 0)
         local_flags, local_version = (fields[2], fields[1]) if fields[0] == _LOCAL_SIGNATURE else (0, 0)
@@ -354,7 +354,7 @@ class ItemReader:
         if fields[0] != _LOCAL_SIGNATURE:
             raise self._bad(chunk, f"zip entry {info.filename}: corrupt local header")
         name_len, extra_len = fields[-2:]
-        name = os.pread(self.fd(chunk.file), name_len, chunk.offset + at + _LOCAL_HEADER.size)
+        name = self.positioned_reader(chunk.file)(name_len, chunk.offset + at + _LOCAL_HEADER.size)
         if name != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437", "replace"):
             raise self._bad(chunk, f"zip entry {info.filename}: local header names another entry")
         start = at + _LOCAL_HEADER.size + name_len + extra_len
@@ -467,7 +467,7 @@ class ItemReader:
 
         record = self.locate(entry, chunk)
         if record is not None:
-            data = bytearray(os.pread(self.fd(chunk.file), record.nbytes, record.byte_offset))
+            data = bytearray(self.positioned_reader(chunk.file)(record.nbytes, record.byte_offset))
             if len(data) != record.nbytes:
                 raise self._bad(chunk, "short read")
             flat = torch.frombuffer(data, dtype=entry.dtype.torch) if data else torch.empty(0, dtype=entry.dtype.torch)

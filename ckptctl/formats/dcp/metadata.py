@@ -93,7 +93,7 @@ def _load_one(path: Path, written_here: bool = False) -> classes.Metadata:
             raise CheckpointError(path, f"metadata is implausibly large ({size} bytes)")
         if size == 0:
             raise CheckpointError(path, "corrupt metadata pickle: the file is empty")
-        if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(handle.fileno(), size)) is not None:
+        if size >= TEMPLATE_MIN_BYTES and (md := read_metadata(handle.positioned_reader(), size)) is not None:
             return md
         with handle.whole() as data:  # pages are read as the pickle needs them
             return load_metadata_pickle(data, written_here)

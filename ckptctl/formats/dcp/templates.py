@@ -27,7 +27,6 @@ held at a time.
 from __future__ import annotations
 
 import operator
-import os
 import re
 import struct
 from array import array
@@ -878,23 +877,24 @@ def _offsets(raws: tuple[bytes, ...]) -> list[int | None]:
     return list(map(_integer, raws))
 
 
-def _blocks(fd: int, size: int) -> Iterator[bytes]:
-    """The pickle's opcodes with its FRAME headers left out, about BLOCK bytes at a time, read by `pread`."""
-    head = os.pread(fd, 2, 0)
+def _blocks(read: Callable[[int, int], bytes], size: int) -> Iterator[bytes]:
+    """The pickle's opcodes with its FRAME headers left out, about BLOCK bytes at a time, by positioned
+    reads (`read`: (length, offset) → bytes)."""
+    head = read(2, 0)
     if len(head) < 2 or head[0] != 0x80 or head[1] < 4:
         raise _Decline
     pieces, held, pos = [head], 2, 2
     while pos < size:
-        header = os.pread(fd, 9, pos)
+        header = read(9, pos)
         if len(header) < 9 or header[0] != 0x95:
             if size - pos > 3:
                 raise _Decline  # unframed data other than the pickler's last few bytes
-            pieces.append(os.pread(fd, size - pos, pos))
+            pieces.append(read(size - pos, pos))
             break
         (n,) = struct.unpack_from("<Q", header, 1)
         if n > MAX_FRAME or n > size - pos - 9:
             raise _Decline
-        payload = os.pread(fd, n, pos + 9)
+        payload = read(n, pos + 9)
         if len(payload) != n:
             raise _Decline
         pieces.append(payload)
@@ -906,9 +906,9 @@ def _blocks(fd: int, size: int) -> Iterator[bytes]:
     yield b"".join(pieces)
 
 
-def read_metadata(fd: int, size: int) -> dc.Metadata | None:
-    """The Metadata the `.metadata` open at `fd` (`size` bytes) holds, or None: read it the ordinary way."""
-    blocks = _blocks(fd, size)
+def read_metadata(read: Callable[[int, int], bytes], size: int) -> dc.Metadata | None:
+    """The Metadata the `.metadata` that `read` reads (`size` bytes) holds, or None: read it the ordinary way."""
+    blocks = _blocks(read, size)
     try:
         with gc_paused():
             md = TemplateMachine(blocks, size).load()

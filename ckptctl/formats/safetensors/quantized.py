@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -36,6 +35,7 @@ from ckptctl.core.checkpoint import Chunk, TensorEntry, dtype_name
 from ckptctl.core.dtypes import DTYPES, DType, bfloat16, float32
 from ckptctl.core.geometry import flat_index, unravel
 from ckptctl.formats.safetensors.reader import StoredTensor, shown_name
+from ckptctl.storage.store import ReadHandle
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
@@ -256,10 +256,10 @@ def _more(n: int) -> str:
     return f" (+{counted(n - 1, 'more')})" if n > 1 else ""
 
 
-def _read(fd: Callable[[str], int], root: Path, file: str, offset: int, length: int) -> bytearray:
+def _read(open_file: Callable[[str], ReadHandle], root: Path, file: str, offset: int, length: int) -> bytearray:
     out = bytearray(length)
     try:
-        got = os.preadv(fd(file), [out], offset) if length else 0
+        got = open_file(file).readinto_at(out, offset) if length else 0
     except OSError as exc:
         raise CheckpointError(root / file, f"cannot read at byte {offset}: {exc.strerror or exc}") from None
     if got != length:
@@ -267,27 +267,28 @@ def _read(fd: Callable[[str], int], root: Path, file: str, offset: int, length: 
     return out
 
 
-def dequantized_chunk(entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]) -> Any:
+def dequantized_chunk(entry: TensorEntry, chunk: Chunk, open_file: Callable[[str], ReadHandle]) -> Any:
     """The chunk's values as a dense tensor of `entry.dtype`, decoded from its codes and their
-    scales with positioned reads (`fd` opens a folder file by its relative name)."""
+    scales with positioned reads (`open_file` opens a folder file by its relative name, once)."""
     weight = entry.properties
     if isinstance(weight, Fp8Weight):
-        return _fp8_chunk(weight, entry, chunk, fd)
+        return _fp8_chunk(weight, entry, chunk, open_file)
     if isinstance(weight, Mxfp4Weight):
-        return _mxfp4_chunk(weight, chunk, fd)
+        return _mxfp4_chunk(weight, chunk, open_file)
     raise CheckpointError(chunk.file, f"{entry.fqn}: a chunk to dequantize of a tensor that is not quantized")
 
 
-def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable[[str], int]) -> Any:
+def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, open_file: Callable[[str], ReadHandle]) -> Any:
     import numpy
     import torch
 
     data, scale = weight.data, weight.scale
     rows, cols = chunk.sizes[-2], chunk.sizes[-1]
-    codes = _read(fd, weight.root, chunk.file, chunk.offset, chunk.length)
+    codes = _read(open_file, weight.root, chunk.file, chunk.offset, chunk.length)
     values = torch.from_numpy(_fp8_values()[numpy.frombuffer(codes, dtype=numpy.uint8)]).reshape(rows, cols)
     if weight.block is None:
-        factors = _scale_values(_read(fd, weight.root, weight.file(scale), scale.start, scale.nbytes), scale.dtype)
+        raw = _read(open_file, weight.root, weight.file(scale), scale.start, scale.nbytes)
+        factors = _scale_values(raw, scale.dtype)
         _refuse_non_finite(factors, entry, weight, 0)
         values.mul_(factors.reshape(()))
     else:
@@ -296,8 +297,8 @@ def _fp8_chunk(weight: Fp8Weight, entry: TensorEntry, chunk: Chunk, fd: Callable
         lead = flat_index(chunk.offsets[:-2], data.shape[:-2])
         first, stop = chunk.offsets[-2] // bm, -(-(chunk.offsets[-2] + rows) // bm)
         isz = scale.dtype.itemsize
-        raw = _read(fd, weight.root, weight.file(scale), scale.start + (lead * grid_rows + first) * grid_cols * isz,
-                    (stop - first) * grid_cols * isz)
+        raw = _read(open_file, weight.root, weight.file(scale),
+                    scale.start + (lead * grid_rows + first) * grid_cols * isz, (stop - first) * grid_cols * isz)
         factors = _scale_values(raw, scale.dtype).reshape(stop - first, grid_cols)
         _refuse_non_finite(factors, entry, weight, (lead * grid_rows + first) * grid_cols)
         per_row = factors.repeat_interleave(bm, dim=0)[:rows]  # rows × grid_cols: 1/bn of the chunk
@@ -349,13 +350,13 @@ def _powers_of_two(bias: int, dtype: Any) -> Any:
     return torch.tensor([2.0 ** (b + bias) for b in range(256)], dtype=torch.float64).to(dtype)
 
 
-def _mxfp4_chunk(weight: Mxfp4Weight, chunk: Chunk, fd: Callable[[str], int]) -> Any:
+def _mxfp4_chunk(weight: Mxfp4Weight, chunk: Chunk, open_file: Callable[[str], ReadHandle]) -> Any:
     import torch
 
     experts, rows, groups, _ = weight.blocks.shape
     count, first = chunk.sizes[0], chunk.offsets[0]
-    codes = torch.frombuffer(_read(fd, weight.root, chunk.file, chunk.offset, chunk.length), dtype=torch.uint8)
-    raw = _read(fd, weight.root, weight.file(weight.scales), weight.scales.start + first * rows * groups,
+    codes = torch.frombuffer(_read(open_file, weight.root, chunk.file, chunk.offset, chunk.length), dtype=torch.uint8)
+    raw = _read(open_file, weight.root, weight.file(weight.scales), weight.scales.start + first * rows * groups,
                 count * rows * groups)
     exponents = torch.frombuffer(raw, dtype=torch.uint8).long().reshape(count, rows, groups, 1)
     lut = torch.tensor(E2M1_VALUES, dtype=torch.bfloat16)

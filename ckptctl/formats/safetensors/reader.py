@@ -14,7 +14,6 @@ import-hf plans and streams it with the engine every other command uses.
 from __future__ import annotations
 
 import math
-import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from ckptctl.storage.hf_files import (MAX_INDEX_BYTES, MAX_INDEX_VALUES, Implaus
                               read_json_object)
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry, dtype_name
 from ckptctl.storage.source_files import as_typed, missing
-from ckptctl.storage.store import EntryKind, store_for
+from ckptctl.storage.store import EntryKind, ReadHandle, store_for
 
 MAX_HEADER_BYTES = 100 << 20
 """A safetensors header longer than this is refused (safetensors' own reader refuses it too)."""
@@ -114,21 +113,20 @@ def header_values(data_size: int) -> int:
     return plausible_tensors(data_size) * VALUES_PER_TENSOR + METADATA_VALUES
 
 
-def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
-    """The JSON header of the safetensors blob at byte `at` of open file `fd` (a model file's is at
+def blob_header(handle: ReadHandle, at: int) -> tuple[dict, int]:
+    """The JSON header of the safetensors blob at byte `at` of open entry `handle` (a model file's is at
     0; a SAFETENSORS-format DCP file's after its bytes items), and where the blob's data starts.
     ValueError when there is no header of a plausible length, or it is not a JSON object.
 
     Headers read lately are remembered (`HEADER_CACHE_BYTES`), by the file's identity and `at`:
     each record of a file is looked up in turn, and a sharded save's files hold thousands each,
     which would otherwise parse the same header thousands of times. Not to be changed by callers."""
-    info = os.fstat(fd)
-    key = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, at)
+    key = (*handle.version(), at)
     with _HEADERS_LOCK:
         found = _HEADERS.get(key)
     if found is not None:
         return found
-    found = _blob_header(fd, at, file_size)
+    found = _blob_header(handle, at)
     with _HEADERS_LOCK:
         global _HEADERS_BYTES
         if _HEADERS_BYTES + found[1] - at > HEADER_CACHE_BYTES:
@@ -139,14 +137,15 @@ def blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
     return found
 
 
-def _blob_header(fd: int, at: int, file_size: int) -> tuple[dict, int]:
-    head = os.pread(fd, 8, at)
+def _blob_header(handle: ReadHandle, at: int) -> tuple[dict, int]:
+    file_size = handle.size
+    head = handle.read_at(8, at)
     if len(head) != 8:
         raise ValueError(f"no safetensors header at byte {at}")
     (length,) = struct.unpack("<Q", head)
     if length > min(file_size - at - 8, MAX_HEADER_BYTES):
         raise ValueError(f"safetensors header of {length} bytes at byte {at}")
-    header = parse_json(os.pread(fd, length, at + 8), header_values(file_size - at - 8 - length))
+    header = parse_json(handle.read_at(length, at + 8), header_values(file_size - at - 8 - length))
     if not isinstance(header, dict):
         raise ValueError("safetensors header is not a JSON object")
     return header, at + 8 + length

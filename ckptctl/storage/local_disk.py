@@ -1,4 +1,5 @@
-"""Kernel hints that let the disk keep up with the copy: blocks reserved up front, writeback started early.
+"""Kernel hints that let the disk keep up with the copy: blocks reserved up front, writeback started
+early, bytes copied file to file in the kernel. The local store's write handles use them.
 
 - **Reserve.** Output files get their blocks at creation (Linux `fallocate`), not one
   delayed allocation per page at writeback; a full disk then fails the run at its start
@@ -11,6 +12,8 @@
   and then wait for the disk with the CPU idle. `sync_file_range(SYNC_FILE_RANGE_WRITE)`
   (start, do not wait) on each written range overlaps the disk's work with the copy, and
   the final fsync finds little left (2 GB reshard 1.4 s → 1.05 s). Elsewhere it does nothing.
+- **In-kernel copies.** A record copied verbatim goes file to file by `copy_file_range` (a
+  reflink or server-side copy where the filesystem has one), never through the process.
 """
 
 from __future__ import annotations
@@ -59,3 +62,20 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to start writing bytes [offset, offset+length) of `fd` to disk; never waits, never fails."""
     if _SYNC_FILE_RANGE is not None:
         _SYNC_FILE_RANGE(fd, offset, length, SYNC_FILE_RANGE_WRITE)
+
+
+_NO_KERNEL_COPY = (errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+"""Another filesystem, an old kernel, a filesystem or file kind without it: copied by hand instead."""
+
+
+def copy_range(src_fd: int, dst_fd: int, length: int, src_offset: int, dst_offset: int) -> int:
+    """Copy up to `length` bytes in the kernel; how many were copied, 0 where it cannot. Raises
+    OSError for any other failure (a full disk)."""
+    if not hasattr(os, "copy_file_range"):
+        return 0
+    try:
+        return os.copy_file_range(src_fd, dst_fd, length, src_offset, dst_offset)
+    except OSError as exc:
+        if exc.errno in _NO_KERNEL_COPY:
+            return 0
+        raise
