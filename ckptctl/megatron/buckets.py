@@ -98,9 +98,11 @@ LAYER = (
     ("self_attention.linear_q_proj.weight", COLUMN),
     ("self_attention.linear_q_down_proj.weight", COLUMN),
     ("self_attention.linear_q_up_proj.layer_norm_weight", REPLICATED),
+    ("self_attention.linear_q_up_proj.layer_norm_bias", REPLICATED),
     ("self_attention.linear_q_up_proj.weight", COLUMN),
     ("self_attention.linear_kv_down_proj.weight", COLUMN),
     ("self_attention.linear_kv_up_proj.layer_norm_weight", REPLICATED),
+    ("self_attention.linear_kv_up_proj.layer_norm_bias", REPLICATED),
     ("self_attention.linear_kv_up_proj.weight", COLUMN),
     ("self_attention.q_layernorm.weight", REPLICATED),
     ("self_attention.k_layernorm.weight", REPLICATED),
@@ -148,7 +150,8 @@ LOCAL_SPEC = (
 keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
 `pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`; the multi-latent attention spec keeps
 both norms' own names, Transformer Engine's fuses them into the up projections as
-`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`, registered before their weights;
+`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight` (and `layer_norm_bias` under LayerNorm),
+registered before their weights;
 Transformer Engine's spec saves the same keys otherwise, TEGroupedMLP's experts SequentialMLP's
 stacks, its params registered in another order, which content finds): the order `named_parameters` gives, which the DDP buffer reverses. A
 nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys

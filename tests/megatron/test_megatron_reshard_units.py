@@ -132,6 +132,8 @@ def test_fused_tensor_names_and_their_saved_components():
     ("output_layer.weight", "column"),
     ("decoder.layers.0.mlp.linear_fc1.weight_v", "column"),
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "replicated"),
+    ("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_bias", "replicated"),
+    ("decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_bias", "replicated"),
     ("decoder.layers.0.mixer.in_proj.weight", "mamba_in_proj"),
     ("decoder.layers.0.mixer.D", "column"),
     ("decoder.layers.0.mixer.x_proj.weight", None),

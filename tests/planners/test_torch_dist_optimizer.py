@@ -431,6 +431,46 @@ def test_te_mla_norms_and_grouped_experts_export_and_extra_state_is_never_decode
     assert _extra_states(tmp_path / "o") == trapped and not marker.exists()
 
 
+TE_DEEPSEEK_LAYERNORM = ("deepseek-v3", 1, 2, 0, "0.19", ("order", "te-layernorm"))
+"""`TE_DEEPSEEK` with MLA's q / kv norms LayerNorms (TE's LayerNormLinear under
+`normalization="LayerNorm"`): each up projection registers `layer_norm_weight`, `layer_norm_bias`,
+then `weight`."""
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_te_mla_layer_norm_bias_is_rebuilt_as_megatron_cores_own_save_and_export_refuses_it(saved, tmp_path):
+    """The fused MLA norms' LayerNorm biases (`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_bias`)
+    are replicated params of the table, found by content after their weights in the buckets
+    (registration reversed); the rewrite equals megatron-core's own `fully_reshardable` save tensor
+    for tensor, each master its weight. DeepSeek-V3's HF norms have no bias: export-hf refuses."""
+    from ckptctl.families.registry import megatron_tp_kind
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = saved[TE_DEEPSEEK_LAYERNORM]
+    got, _ = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    norms = [f"decoder.layers.{layer}.self_attention.linear_{part}_up_proj.layer_norm_{kind}"
+             for layer in (0, 1) for part in ("q", "kv") for kind in ("weight", "bias")]
+    for key in norms:
+        assert megatron_tp_kind(key) == "replicated"
+        assert torch.equal(got[f"optimizer.state.param.{key}"], got[key].float())
+    bias = got["decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_bias"]
+    assert bias.shape == (mc.MLA["q_lora_rank"],) and bias.abs().min() > 0  # off its init (zeros), trained
+    [bucket] = _bucket_map(open_checkpoint(ckpt / "dp_reshardable")).values()
+    up = [key.rpartition(".")[2] for key, lead, _, _ in bucket if "layers.0.self_attention.linear_q_up_proj" in key]
+    assert up == ["weight", "layer_norm_bias", "layer_norm_weight"]  # registration reversed
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("deepseek-v3")))
+    run = run_cli("export-hf", ckpt / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "cfg")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt / 'dp_reshardable'}: 4 model tensors have no "
+                                               "place in a deepseek-v3 model of config.json: "
+                                               + ", ".join(f"decoder.layers.{layer}.self_attention.linear_{part}_up_proj"
+                                                           ".layer_norm_bias" for layer, part in
+                                                           ((0, "kv"), (0, "q"), (1, "kv"))) +
+                                               " (+1 more) (wrong --hf-config or --arch?)\n")
+    assert not (tmp_path / "hf").exists()
+
+
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
     """Write `values` (raw, one element per point) over elements `points` of tensor `fqn` where
     the checkpoint at `path` saved them."""
