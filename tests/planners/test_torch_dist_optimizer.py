@@ -20,6 +20,7 @@ import argparse
 import enum
 import io
 import json
+import math
 import pickle
 import re
 import zipfile
@@ -469,6 +470,57 @@ def test_te_mla_layer_norm_bias_is_rebuilt_as_megatron_cores_own_save_and_export
                                                            ((0, "kv"), (0, "q"), (1, "kv"))) +
                                                " (+1 more) (wrong --hf-config or --arch?)\n")
     assert not (tmp_path / "hf").exists()
+
+
+@needs("0.19")
+@pytest.mark.full
+@pytest.mark.parametrize("ffn", [0, 13], ids=["aligned", "unaligned"])
+def test_te_single_grouped_weight_is_rebuilt_as_megatron_cores_own_save_of_per_gemm_weights(saved, tmp_path, ffn):
+    """Transformer Engine ≥ 2.14's single grouped weight (the stand-in `te-grouped`): each
+    GroupedLinear one param [local experts, out, in], saved under the per-expert keys, laid out in
+    the bucket as its experts' blocks back to back in expert order (expert blocks of 768 and
+    1,536 elements lie on the 64-element grid; with an FFN of 13, fc2's 416 do not, and the next
+    block starts unpadded). megatron-core cannot save that run's `fully_reshardable` state itself
+    (no sharded tensor is the grouped param); ckptctl's map is megatron-core's `param_index_map`,
+    and the rewrite equals megatron-core's own `fully_reshardable` save of the same training with
+    per-GEMM weights (`te`) tensor for tensor (both runs unclipped: a clipped run's total gradient
+    norm rounds by the params' grouping); export-hf writes its experts exactly."""
+    from safetensors.torch import load_file
+
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    run = (*((("moe_ffn", ffn),) if ffn else ()), ("clip", 0.0))  # unclipped: two groupings train alike
+    grouped = saved[("deepseek-v3", 1, 2, 0, "0.19", ("order", "te-grouped"), *run)]
+    per_gemm = saved[("deepseek-v3", 1, 2, 0, "0.19", ("order", "te"), *run)]
+    record = json.loads((grouped / "buffers.json").read_text())
+    assert record["refused"]["fully_reshardable"].startswith("ValueError: Model param Parameter containing:")
+    assert not (grouped / "fully_reshardable").exists()
+    [bucket] = _bucket_map(open_checkpoint(grouped / "dp_reshardable")).values()
+    want = []
+    for p in record["buffers"][0]["params"]:
+        if ".mlp.experts.linear_fc" in p["name"]:  # the grouped param: its experts' blocks in expert order
+            experts, *block = p["local_shape"]
+            size = math.prod(block)
+            key = p["name"].replace(".mlp.experts.", ".mlp.experts.experts.")
+            want += [(key, (e,), p["start"] + e * size, p["start"] + (e + 1) * size) for e in range(experts)]
+    got = [row for row in bucket if ".experts.experts." in row[0]]
+    assert got == want and len(got) == 8
+    assert [start % 64 for _, _, start, _ in got[:4]] == ([0, 0, 0, 0] if not ffn else [0, 32, 0, 32])
+    assert run_cli("inspect", grouped / "dp_reshardable", "--check").returncode == 0
+    result = run_cli("reshard", grouped / "dp_reshardable", tmp_path / "o", "--verify")
+    assert result.returncode == 0, result.stderr
+    got, want = _load(tmp_path / "o"), _load(per_gemm / "fully_reshardable")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.load(grouped / "loss.pt") == torch.load(per_gemm / "loss.pt")
+    (tmp_path / "cfg").mkdir()
+    config = mc.hf_config("deepseek-v3")
+    config["moe_intermediate_size"] = ffn or config["moe_intermediate_size"]
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    export = run_cli("export-hf", grouped / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "cfg")
+    assert export.returncode == 0, export.stderr
+    hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    fc2 = got["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
+    assert all(torch.equal(hf[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fc2[e]) for e in range(4))
 
 
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
