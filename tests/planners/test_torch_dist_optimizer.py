@@ -523,6 +523,48 @@ def test_te_single_grouped_weight_is_rebuilt_as_megatron_cores_own_save_of_per_g
     assert all(torch.equal(hf[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fc2[e]) for e in range(4))
 
 
+@needs("0.19")
+@pytest.mark.full
+def test_te_single_grouped_weight_under_expert_and_tensor_parallelism_in_several_buckets(saved, tmp_path):
+    """A Qwen3-MoE at TP 2 × DP 2 × EP 2 with 1,000-element buckets, its GroupedLinears single
+    grouped weights (`te-grouped`; fc2's TP-local expert blocks of 416 elements off the 64-element
+    grid): each EP × TP rank's expert buckets are rebuilt as megatron-core laid them out (TP rank 1
+    following the slabs content found on TP rank 0), and the rewrite equals the rewrite of the same
+    unclipped training with per-GEMM weights (`te`) tensor for tensor (megatron-core's own
+    `fully_reshardable` save of several buckets is wrong: module docstring)."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    run = (("ep", 2), ("moe_ffn", 26), ("clip", 0.0))
+    grouped = saved[("qwen3-moe", 2, 2, 1000, "0.19", ("order", "te-grouped"), *run)]
+    per_gemm = saved[("qwen3-moe", 2, 2, 1000, "0.19", ("order", "te"), *run)]
+    record = json.loads((grouped / "buffers.json").read_text())
+    found = _bucket_map(open_checkpoint(grouped / "dp_reshardable"))
+    for rank in record["ranks"]:
+        if rank["expert_dp_rank"]:
+            continue
+        group = rank["ep_rank"] * 2 + rank["etp_rank"]
+        [buffer] = rank["expert_parallel_buffers"]
+        params = {p["name"]: p for p in buffer["params"]}
+        for bucket in buffer["buckets"]:
+            want = []
+            for name in bucket["params"]:
+                p = params[name]
+                experts, *block = p["local_shape"]
+                size, layer = math.prod(block), int(name.split(".")[2])
+                key = "decoder.layers." + name.split(".", 3)[3].replace("mlp.experts.", "mlp.experts.experts.")
+                first = rank["ep_rank"] * experts
+                want += [(key, (layer, first + e), p["start"] - bucket["offset"] + e * size,
+                          p["start"] - bucket["offset"] + (e + 1) * size) for e in range(experts)]
+            assert found[(1, group, 0, bucket["bucket_id"])] == want
+    assert {s % 64 for rows in found.values() for key, _, s, _ in rows if "linear_fc2" in key} == {0, 32}
+    for ckpt, out in ((grouped, "g"), (per_gemm, "p")):
+        result = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / out, "--verify")
+        assert result.returncode == 0, result.stderr
+    got, want = _load(tmp_path / "g"), _load(tmp_path / "p")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.load(grouped / "loss.pt") == torch.load(per_gemm / "loss.pt")
+
+
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
     """Write `values` (raw, one element per point) over elements `points` of tensor `fqn` where
     the checkpoint at `path` saved them."""
