@@ -6,8 +6,10 @@ described as `inspect` describes a checkpoint, and its files: which follow a wor
     {
       "path": str, "format": "hf-trainer folder",
       "parts": {name: {"kind": "model" | "optimizer", ...inspect's document of the part}},
-      "rank_files": [{"kind": str, "files": [name], "ranks": int, "exclude": glob}],
-                                     # one file per process: kept by a reshard to `ranks` only
+      "rank_files": [{"kind": str, "files": [name], "ranks": int, "exclude": glob, "shared": bool}],
+                                     # one file per process (shared: one file every process loads,
+                                     # of `ranks` processes, 0 when not known): kept by a reshard
+                                     # to `ranks` only
       "files": [name],               # of no rank: a reshard copies them byte for byte
       "rank_shards": [name],         # use_dcp=False shards: a reshard refuses them
       "others": [name]               # neither a part nor a file: a reshard refuses them
@@ -42,7 +44,8 @@ def folder_document(folder: TrainerFolder, pattern: str | None) -> dict[str, Any
     if pattern is not None and not any(part["tensors"] or part["bytes_entries"] for part in parts.values()):
         raise UsageError(f"--filter {pattern!r} matches none of the entries of {', '.join(parts)}")
     return {"path": str(folder.path), "format": FORMAT, "parts": parts,
-            "rank_files": [{"kind": r.kind, "files": list(r.names), "ranks": r.ranks, "exclude": r.glob}
+            "rank_files": [{"kind": r.kind, "files": list(r.names), "ranks": r.ranks, "exclude": r.glob,
+                            "shared": r.shared}
                            for r in folder.rank_files],
             "files": list(folder.files), "rank_shards": list(folder.rank_shards), "others": list(folder.others)}
 
@@ -52,6 +55,14 @@ def _part_line(part: dict[str, Any]) -> str:
             f"{counted(len(part['bytes_entries']), 'bytes entry', 'bytes entries')}")
 
 
+def _rank_line(shown: str, r: dict[str, Any]) -> str:
+    drop = f"(--exclude '{r['exclude']}' drops it)"
+    if r["shared"] and not r["ranks"]:
+        return f"{shown}: {r['kind']} (one file every process loads) of a world size not known, kept by no reshard {drop}"
+    shared = " (one file every process loads)" if r["shared"] else ""
+    return f"{shown}: {r['kind']} of {r['ranks']} ranks{shared}, kept by a reshard to {r['ranks']} ranks only {drop}"
+
+
 def _rows(doc: dict[str, Any], folder: TrainerFolder) -> list[tuple[str, str]]:
     rank_files = [(state.shown, r) for state, r in zip(folder.rank_files, doc["rank_files"])]
     return [
@@ -59,8 +70,7 @@ def _rows(doc: dict[str, Any], folder: TrainerFolder) -> list[tuple[str, str]]:
         ("Format", "HF Trainer / accelerate checkpoint folder (FSDP, SHARDED_STATE_DICT)"),
         *((part["kind"].capitalize(), f"{name}: {_part_line(part)}")
           for name, part in doc["parts"].items()),
-        *(("Per-rank files", f"{shown}: {r['kind']} of {r['ranks']} ranks, kept by a reshard to {r['ranks']} "
-                             f"ranks only (--exclude '{r['exclude']}' drops it)") for shown, r in rank_files),
+        *(("Per-rank files", _rank_line(shown, r)) for shown, r in rank_files),
         *((("Other files", f"{', '.join(doc['files'])}: of no rank, copied by a reshard as they are"),)
           if doc["files"] else ()),
         *((("Rank shards", f"{', '.join(doc['rank_shards'])}: saved with use_dcp=False, not resharded"),)

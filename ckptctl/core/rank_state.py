@@ -73,6 +73,16 @@ them, their names in a few words, the name a job of one process reads instead). 
 accelerate's `save_state` writes `random_states_<process>.pkl`. Each process loads its own file
 only, and goes on without when there is none (both log it): after a change of world size a
 process finds another's random streams or none."""
+_DATALOADER_FILES = re.compile(r"^dl_state_dict(?:_(?P<index>[1-9][0-9]{0,3}))?\.bin$")
+"""accelerate's dataloader state (`save_accelerator_state` with `use_stateful_dataloader`):
+`dl_state_dict.bin` for the first dataloader, `dl_state_dict_<i>.bin` for dataloader i, each a
+`torch.save` of the StatefulDataLoader's `state_dict()` that every process writes to the same name
+and every process loads. Not per rank by name, but bound to the world size all the same: the
+batches yielded are counted per process (and corrected by `num_processes - 1` for prefetching),
+each process's share of the sampler follows the process count, so at another world size the
+position is another one. Never unpickled here: only named and copied."""
+DATALOADER_KIND = "accelerate's dataloader state"
+DATALOADER_GLOB = "dl_state_dict*.bin"
 
 
 @dataclass(frozen=True)
@@ -87,22 +97,31 @@ class RankFiles:
     template: str
     one_process: str | None
     """The file a job of one process reads (none but its own file at any other size)."""
+    shared: bool = False
+    """One file every process writes and loads, bound to the world size it was saved at
+    (`_DATALOADER_FILES`): `numbers` are not ranks, `saved_world` is that size."""
+    saved_world: int | None = None
+    """A shared file's world size, from the rest of its folder (None: not known)."""
 
     @property
     def ranks(self) -> int:
+        if self.shared:
+            return self.saved_world or 0
         return max(self.numbers) + 1
 
     @property
     def shown(self) -> str:
         """The files in a few words: `rng_state_{0..3}.pth`."""
-        if len(self.names) == 1:
-            return self.names[0]
+        if len(self.names) == 1 or self.shared:
+            return ", ".join(self.names)
         return self.template.format(f"0..{self.ranks - 1}") if len(self.names) == self.ranks else \
             f"{len(self.names)} {self.glob} files"
 
 
-def rank_files(names: Iterable[str]) -> list[RankFiles]:
-    """The per-rank files among a checkpoint folder's file names, by kind."""
+def rank_files(names: Iterable[str], saved_world: Callable[[], int | None] = lambda: None) -> list[RankFiles]:
+    """The per-rank files among a checkpoint folder's file names, by kind, and the files every
+    process loads that are bound to the world size (accelerate's dataloader state), of the world
+    size the per-rank files say, else `saved_world()`'s."""
     found: list[RankFiles] = []
     names = sorted(names)
     for pattern, kind, glob, template, one_process in _RANK_FILES:
@@ -110,12 +129,23 @@ def rank_files(names: Iterable[str]) -> list[RankFiles]:
         if ranks:
             ordered = tuple(sorted(ranks, key=ranks.__getitem__))
             found.append(RankFiles(kind, glob, ordered, tuple(ranks[n] for n in ordered), template, one_process))
+    loaders = {n: int(m["index"] or 0) for n in names if (m := _DATALOADER_FILES.match(n)) is not None}
+    if loaders:
+        ordered = tuple(sorted(loaders, key=loaders.__getitem__))
+        world = {state.ranks for state in found}
+        found.append(RankFiles(DATALOADER_KIND, DATALOADER_GLOB, ordered, tuple(loaders[n] for n in ordered), "",
+                               None, shared=True, saved_world=world.pop() if len(world) == 1 else saved_world()))
     return found
 
 
 def refuse_world_size_change(files: Iterable[RankFiles], kept: Callable[[str], bool], world_size: int) -> None:
     """Refuse a reshard to `world_size` ranks that keeps per-rank files saved at another world size."""
     for state in files:
+        if state.shared and state.ranks != world_size and any(kept(n) for n in state.names):
+            saved = f"of {state.ranks} ranks" if state.ranks else "of a world size not known"
+            raise UsageError(f"{state.shown}: {state.kind} {saved} cannot follow a reshard to {world_size} (one "
+                             "file every process loads, its data position counted per process); pass --exclude "
+                             f"'{state.glob}' to drop it (the resumed job starts its data order afresh)")
         if state.ranks != world_size and any(kept(n) for n in state.names):
             raise UsageError(f"{state.shown}: {state.kind} of {state.ranks} ranks cannot follow a reshard to "
                              f"{world_size} (each process loads its own file); pass --exclude '{state.glob}' to "
@@ -126,7 +156,12 @@ def refuse_world_size_change(files: Iterable[RankFiles], kept: Callable[[str], b
 def common_ranks(state: RankFiles, world_size: int) -> tuple[str, ...]:
     """The files of the ranks a job of `world_size` processes shares with the saved one: each of its
     processes below the saved size resumes its own random streams, the others start theirs afresh.
-    Refused where the loader reads another name at one of the sizes (the Trainer's one process)."""
+    Refused where the loader reads another name at one of the sizes (the Trainer's one process),
+    and for a file every process loads (no rank's share in it to keep)."""
+    if state.shared:
+        raise UsageError(f"{state.shown}: {state.kind} is one file every process loads, its data position counted "
+                         f"per process at the saved world size: no rank's share in it to keep; pass --exclude "
+                         f"'{state.glob}' to drop it")
     if state.one_process is not None and (world_size == 1) != (state.names == (state.one_process,)):
         raise UsageError(f"{state.shown}: a job of {counted(world_size, 'process', 'processes')} reads none of these files ("
                          f"{state.one_process} at one process, one file per process at several); pass --exclude "

@@ -39,13 +39,17 @@ ARCHES = ("auto", *FAMILIES)
 MEGATRON_ONLY: tuple[tuple[str, str], ...] = (
     (MG_LAYER + "self_attention.linear_qkv.layer_norm_bias", REPLICATED),
     (MG_LAYER + "mlp.linear_fc1.layer_norm_bias", REPLICATED),
+    (MG_LAYER + "self_attention.linear_q_up_proj.layer_norm_bias", REPLICATED),
+    (MG_LAYER + "self_attention.linear_kv_up_proj.layer_norm_bias", REPLICATED),
     (MG_LAYER + "input_layernorm.bias", REPLICATED),
     (MG_LAYER + "pre_mlp_layernorm.bias", REPLICATED),
     ("decoder.final_layernorm.bias", REPLICATED),
     ("embedding.position_embeddings.weight", REPLICATED),
 )
 """Megatron-Core GPT tensors of LayerNorm models and learned absolute positions (its layer
-specs: norms and `nn.Embedding` positions are the same on every TP rank)."""
+specs: norms and `nn.Embedding` positions are the same on every TP rank); under multi-latent
+attention Transformer Engine's spec fuses the q / kv norms into the up projections, a LayerNorm's
+bias as `layer_norm_bias` beside `layer_norm_weight`."""
 
 
 def family_for_model_type(model_type: str, naming: Naming = Naming.MEGATRON) -> ModelFamily | None:

@@ -11,8 +11,11 @@ None is refused (the bucket holds something else); several (params of one size w
 masters are equal, such as untrained norms) are refused naming them, unless the buffer so far
 followed the local spec's table, whose next param is one of them (the table decides as it did
 before content was read). A buffer on TP rank > 0 follows the order found on TP rank 0
-(`TpRankOrder`). The samples pick, on every run; `--verify` (`checks.verify.check_master`)
-compares every rebuilt master with its weight in full.
+(`TpRankOrder`). Transformer Engine ≥ 2.14's single grouped weight (one param of a layer's
+local experts, `buckets.grouped_next`) holds its experts' blocks back to back: where a block
+ends off the 64-element grid, the next expert's is looked for right there, unpadded, before
+the aligned start (refused where both would match). The samples pick, on every run; `--verify`
+(`checks.verify.check_master`) compares every rebuilt master with its weight in full.
 
 Pure: the elements are read through `ReadElements`, which the caller provides.
 """
@@ -27,7 +30,7 @@ from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.core.dtypes import DType
 from ckptctl.core.geometry import unravel
 from ckptctl.megatron.buckets import (
-    REPLICATED, BufferOrder, LocalParam, OrderFor, Window, keyed_places, local_shape,
+    ALIGN, REPLICATED, BufferOrder, LocalParam, OrderFor, Window, grouped_next, keyed_places, local_shape,
 )
 from ckptctl.util.errors import CheckpointError
 
@@ -73,6 +76,8 @@ class ContentOrder:
     """Every param placed so far was the table's next one."""
     placed: list[LocalParam] = field(default_factory=list)
     """The params placed, in their order."""
+    grouped: set[int] = field(default_factory=set)
+    """The ids of those placed right after the one before, unaligned: slabs of a single grouped weight."""
 
     def add(self, candidate: _Candidate) -> None:
         n = id(candidate.param)
@@ -104,9 +109,38 @@ class ContentOrder:
                                                   f"weights ({len(self.left_ids)} left to place, "
                                                   f"{next(iter(self.left_ids.values())).param.shown} first): "
                                                   "another model or a bucket not laid out as megatron-core lays it")
-        placed = self.left_ids.pop(found[0])
-        key = (placed.dtype, placed.weights[0])
-        del self.by_first[key][found[0]]
+        return self._take(found[0], table_next)
+
+    def packed(self, entry: TensorEntry, cursor: int, length: int) -> LocalParam | None:
+        """The next expert's slab of the single grouped weight the param placed last is a slab of,
+        when its sampled weights are the masters at unaligned `cursor` (right after it, no padding);
+        refused when they are also the masters at the aligned start after (content cannot tell
+        a grouped weight from padded params)."""
+        before = self.placed[-1] if self.placed else None
+        n = next((n for n, c in self.left_ids.items() if before is not None and grouped_next(before, c.param)), None)
+        if n is None:
+            return None
+        c = self.left_ids[n]
+        if not self._matches(entry, c, cursor, length):
+            return None
+        aligned = -(-cursor // ALIGN) * ALIGN
+        if self._matches(entry, c, aligned, length):
+            raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at elements {cursor} and {aligned} the fp32 masters "
+                                                  f"are both {c.param.shown}'s weights: whether it is a slab of a "
+                                                  "single grouped weight or a param of its own cannot be told apart "
+                                                  "by content")
+        self.grouped.add(n)
+        return self._take(n, self.table[len(self.table) - len(self.left_ids)])
+
+    def _matches(self, entry: TensorEntry, c: _Candidate, start: int, length: int) -> bool:
+        return start + c.numel <= length and \
+            self.read(entry.fqn, [(start + i,) for i in c.offsets], c.dtype) == c.weights
+
+    def _take(self, n: int, table_next: LocalParam) -> LocalParam:
+        """Place param id `n` (left to place) next."""
+        placed = self.left_ids.pop(n)
+        key = (placed.dtype, placed.weights[0] if placed.weights else None)
+        del self.by_first[key][n]
         if not self.by_first[key]:
             del self.by_first[key]
         self.following = self.following and placed.param is table_next
@@ -135,12 +169,26 @@ class TpRankOrder:
     """TP rank 0's params in the order found there."""
     candidates: dict[int, _Candidate]
     """This rank's blocks of the params it checks, by id."""
+    grouped: set[int] = field(default_factory=set)
+    """The ids of the params TP rank 0's buffer holds as slabs of a single grouped weight."""
     count: int = 0
     """How many are placed."""
 
     def next(self, entry: TensorEntry, start: int, length: int, first: bool) -> LocalParam | None:
         if self.count == len(self.sequence) or (self.sequence[self.count].alone and not first):
             return None
+        if id(self.sequence[self.count]) in self.grouped:
+            raise CheckpointError(self.ckpt.path, f"{entry.fqn}: at element {start}, "
+                                                  f"{self.sequence[self.count].shown} is a slab of a single grouped "
+                                                  "weight in TP rank 0's buffer, a param of its own here")
+        return self._check(entry, start)
+
+    def packed(self, entry: TensorEntry, cursor: int, length: int) -> LocalParam | None:
+        if self.count == len(self.sequence) or id(self.sequence[self.count]) not in self.grouped:
+            return None
+        return self._check(entry, cursor)
+
+    def _check(self, entry: TensorEntry, start: int) -> LocalParam:
         param = self.sequence[self.count]
         c = self.candidates.get(id(param))
         if c is not None and self.read(entry.fqn, [(start + i,) for i in c.offsets], c.dtype) != c.weights:
@@ -163,7 +211,8 @@ def content_order(ckpt: Checkpoint, read: ReadElements) -> OrderFor:
         same = tuple(map(id, order))  # the groups of one stage, chunk and EP rank share the param objects
         if tp_rank and same in on_rank_0:
             return TpRankOrder(read, ckpt, on_rank_0[same].placed,
-                               {id(p): _candidate(ckpt, read, p, tp_rank, tp) for p in order if p.kind != REPLICATED})
+                               {id(p): _candidate(ckpt, read, p, tp_rank, tp) for p in order if p.kind != REPLICATED},
+                               on_rank_0[same].grouped)
         table = list(reversed(order))
         found = ContentOrder(read, ckpt, table)
         for param in table:

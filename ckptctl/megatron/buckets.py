@@ -98,9 +98,11 @@ LAYER = (
     ("self_attention.linear_q_proj.weight", COLUMN),
     ("self_attention.linear_q_down_proj.weight", COLUMN),
     ("self_attention.linear_q_up_proj.layer_norm_weight", REPLICATED),
+    ("self_attention.linear_q_up_proj.layer_norm_bias", REPLICATED),
     ("self_attention.linear_q_up_proj.weight", COLUMN),
     ("self_attention.linear_kv_down_proj.weight", COLUMN),
     ("self_attention.linear_kv_up_proj.layer_norm_weight", REPLICATED),
+    ("self_attention.linear_kv_up_proj.layer_norm_bias", REPLICATED),
     ("self_attention.linear_kv_up_proj.weight", COLUMN),
     ("self_attention.q_layernorm.weight", REPLICATED),
     ("self_attention.k_layernorm.weight", REPLICATED),
@@ -148,7 +150,8 @@ LOCAL_SPEC = (
 keys (`input_layernorm` is saved as `linear_qkv.layer_norm_weight`, a MoE layer's
 `pre_mlp_layernorm` as `linear_fc1.layer_norm_weight`; the multi-latent attention spec keeps
 both norms' own names, Transformer Engine's fuses them into the up projections as
-`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight`, registered before their weights;
+`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_weight` (and `layer_norm_bias` under LayerNorm),
+registered before their weights;
 Transformer Engine's spec saves the same keys otherwise, TEGroupedMLP's experts SequentialMLP's
 stacks, its params registered in another order, which content finds): the order `named_parameters` gives, which the DDP buffer reverses. A
 nested table repeats per index: per layer (`decoder.layers.` stacks [L, …], or per-layer keys
@@ -437,8 +440,22 @@ class BufferOrder(Protocol):
         elements long; `first`: none placed in it yet (a param `alone` may only open a bucket).
         None when none is left; CheckpointError when none or several could be there."""
 
+    def packed(self, entry: TensorEntry, cursor: int, length: int) -> LocalParam | None:
+        """The param at unaligned element `cursor`, right where the one placed last ends, when both
+        are slabs of one single grouped weight (`grouped_next`); None when none is there."""
+
     def left(self) -> list[LocalParam]:
         """The params not placed yet."""
+
+
+def grouped_next(before: LocalParam, after: LocalParam) -> bool:
+    """Whether `after` is the expert after `before` of the same layer and key: the next slab of
+    a single grouped weight (Transformer Engine ≥ 2.14's `GroupedLinear(single_grouped_weight=True)`,
+    megatron-core's `moe_single_grouped_weight`: one param [local experts, out, in], which a
+    DistributedOptimizer bucket holds as its experts' blocks back to back, in expert order, with
+    no padding between them, under the per-expert keys TEGroupedMLP saves)."""
+    return (is_expert(after.key) and after.key == before.key and bool(after.lead)
+            and after.lead[:-1] == before.lead[:-1] and after.lead[-1] == before.lead[-1] + 1)
 
 
 OrderFor = Callable[[list[LocalParam], int, int], BufferOrder]
@@ -458,6 +475,9 @@ class TableOrder:
             return None
         self.placed += 1
         return self.params[self.placed - 1]
+
+    def packed(self, entry: TensorEntry, cursor: int, length: int) -> LocalParam | None:
+        return None  # the local spec registers each expert's weights: none is grouped
 
     def left(self) -> list[LocalParam]:
         return self.params[self.placed:]
@@ -571,11 +591,12 @@ def _group_buckets(ckpt: Checkpoint, saved: dict, optimizer: Optimizer, group: i
         placed: list[tuple[LocalParam, int, int]] = []
         cursor = 0
         while cursor < length:
-            start = -(-cursor // ALIGN) * ALIGN
-            if placed and start >= length:  # the bucket closes at an aligned start: before a param alone
+            param = picker.packed(entries["param"], cursor, length) if placed and cursor % ALIGN else None
+            start = cursor if param is not None else -(-cursor // ALIGN) * ALIGN
+            if param is None and placed and start >= length:  # it closes at an aligned start: before a param alone
                 cursor = start if any(p.alone for p in picker.left()) else cursor
                 break
-            param = picker.next(entries["param"], start, length, not placed)
+            param = param or picker.next(entries["param"], start, length, not placed)
             if param is None:
                 break
             cursor = start + math.prod(local_shape(ckpt, param, tp))
@@ -606,8 +627,11 @@ def _one_length(ckpt: Checkpoint, entries: dict[str, TensorEntry]) -> int:
 
 def _check_chunks(ckpt: Checkpoint, entries: dict[str, TensorEntry], placed: list[tuple[LocalParam, int, int]]) -> None:
     """Every saved chunk lies inside one param's range or one gap: the writer cuts a chunk per
-    range (and per DP shard), so a chunk across a param boundary means the layout is not this one."""
-    bounds = sorted({0, *(s for _, s, _ in placed), *(e for _, _, e in placed)})
+    range (and per DP shard), so a chunk across a param boundary means the layout is not this one.
+    Slabs of one single grouped weight (`grouped_next`, back to back) are one param's range."""
+    joined = {s for (before, _, end), (after, s, _) in zip(placed, placed[1:])
+              if s == end and grouped_next(before, after)}
+    bounds = sorted({0, *(s for _, s, _ in placed if s not in joined), *(e for _, _, e in placed if e not in joined)})
     for entry in entries.values():
         for c in entry.chunks:
             lo, hi = c.offsets[0], c.offsets[0] + c.sizes[0]

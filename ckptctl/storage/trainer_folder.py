@@ -6,7 +6,9 @@ accelerate's `save_fsdp_model` writes the model as a DCP checkpoint in `pytorch_
 `optimizer.state.<fqn>.<state>`, `optimizer.param_groups.…`), `<i>` the model's or optimizer's
 index. Beside them the Trainer writes `scheduler.pt`, `trainer_state.json`, `scaler.pt` and one
 `rng_state_<process>.pth` per process, accelerate's `save_state` `scheduler.bin`, `sampler.bin`
-and one `random_states_<process>.pkl` per process (`core.rank_state.rank_files`). With
+and one `random_states_<process>.pkl` per process (`core.rank_state.rank_files`), and with a
+stateful dataloader `dl_state_dict.bin` (`dl_state_dict_<i>.bin` for dataloader i), one file
+every process loads, of the world size its per-rank files say, else its model part's data files. With
 `use_dcp=False` both write per-rank `torch.save` shards instead (`…_rank<process>.bin`), which no
 DCP reader takes.
 """
@@ -90,12 +92,26 @@ def trainer_folder(path: Path) -> TrainerFolder | None:
             others.append(entry.name)
     if not models:
         return None
-    per_rank = rank_files(files)
+    per_rank = rank_files(files, lambda: _part_world(path / sorted(models, key=_index)[0]))
     ranked = {n for state in per_rank for n in state.names}
     shards = sorted(n for n in files if RANK_SHARD.match(n))
     return TrainerFolder(path, tuple(sorted(models, key=_index)), tuple(sorted(optimizers, key=_index)),
                          tuple(per_rank), tuple(sorted(n for n in files if n not in ranked and n not in shards)),
                          tuple(shards), tuple(sorted(others)))
+
+
+_DATA_FILE = re.compile(r"^__(0|[1-9][0-9]{0,5})_[0-9]+\.distcp$")
+
+
+def _part_world(part: Path) -> int | None:
+    """The world size that saved DCP part `part`, by its data files' names (`__<rank>_<i>.distcp`,
+    one rank's each, as torch's FileSystemWriter names them); None when it has none."""
+    try:
+        with os.scandir(part) as scan:
+            ranks = [int(m[1]) for _, e in zip(range(_LISTED), scan) if (m := _DATA_FILE.match(e.name))]
+    except OSError:
+        return None
+    return max(ranks) + 1 if ranks else None
 
 
 def model_part(path: Path) -> Path:

@@ -69,7 +69,7 @@ def test_inspect_shows_both_parts_and_the_per_rank_files(saved) -> None:
     assert {k: v for k, v in doc.items() if k != "parts"} == {
         "path": str(folder), "format": "hf-trainer folder",
         "rank_files": [{"kind": "the Trainer's RNG state", "files": ["rng_state_0.pth", "rng_state_1.pth"],
-                        "ranks": 2, "exclude": "rng_state*.pth"}],
+                        "ranks": 2, "exclude": "rng_state*.pth", "shared": False}],
         "files": ["scheduler.pt", "trainer_state.json"], "rank_shards": [], "others": []}
     assert [(name, part["kind"], part["world_size"], part["groups"]) for name, part in doc["parts"].items()] == [
         ("pytorch_model_fsdp_0", "model", 2, {"model": 8, "optimizer": 0, "other": 0}),
@@ -241,6 +241,85 @@ def test_accelerate_save_state_folder_resharded_to_one_rank(tmp_path: Path) -> N
     _assert_same_state(got, ref)
     assert got["scheduler"]["last_epoch"] == 1 and got["scheduler"]["_last_lr"] == [0.005]
     assert torch.equal(got["rng"], torch.manual_seed(100).get_state())  # rank 0's, as saved
+
+
+def test_dataloader_state_files_are_named_and_bound_to_the_world_size(tmp_path: Path) -> None:
+    """accelerate's `dl_state_dict.bin` / `dl_state_dict_<i>.bin` (by name: nothing is unpickled)
+    take the world size of the folder's per-rank files, else of the model part's data files."""
+    from ckptctl.core.rank_state import rank_files
+    from ckptctl.storage.trainer_folder import trainer_folder
+
+    [rng, loaders] = rank_files(["dl_state_dict_1.bin", "random_states_1.pkl", "dl_state_dict.bin",
+                                 "random_states_0.pkl", "dl_state_dict_01.bin", "scheduler.bin"])
+    assert (rng.names, rng.shared) == (("random_states_0.pkl", "random_states_1.pkl"), False)
+    assert (loaders.kind, loaders.names, loaders.ranks, loaders.glob, loaders.shared, loaders.shown) == (
+        "accelerate's dataloader state", ("dl_state_dict.bin", "dl_state_dict_1.bin"), 2, "dl_state_dict*.bin", True,
+        "dl_state_dict.bin, dl_state_dict_1.bin")
+    [alone] = rank_files(["dl_state_dict.bin"], lambda: 3)
+    assert alone.ranks == 3
+    part = tmp_path / "checkpoint_0" / "pytorch_model_fsdp_0"
+    part.mkdir(parents=True)
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "dl_state_dict.bin"):
+        (part / name).write_bytes(b"")
+    (part.parent / "dl_state_dict.bin").write_bytes(b"")
+    [found] = trainer_folder(part.parent).rank_files
+    assert (found.names, found.ranks) == (("dl_state_dict.bin",), 3)
+    (part / "__2_0.distcp").unlink()
+    (part / "__1_0.distcp").unlink()
+    (part / "__0_0.distcp").unlink()
+    assert trainer_folder(part.parent).rank_files[0].ranks == 0  # not known: kept by no reshard
+    refused = run_cli("reshard", part.parent, tmp_path / "o", "-n", 1)
+    assert (refused.returncode, refused.stderr) == (2, (
+        "ckptctl: error: dl_state_dict.bin: accelerate's dataloader state of a world size not known cannot follow a "
+        "reshard to 1 (one file every process loads, its data position counted per process); pass --exclude "
+        "'dl_state_dict*.bin' to drop it (the resumed job starts its data order afresh)\n"))
+
+
+@pytest.mark.full
+def test_accelerate_dataloader_state_follows_a_reshard_to_its_own_world_size_only(tmp_path: Path) -> None:
+    """accelerate's `save_state` with a stateful data loader at 2 ranks, 3 batches in: `inspect`
+    names `dl_state_dict.bin`; a reshard to 1 rank refuses it by default and with
+    `--keep-common-ranks` (one file every process loads: loaded at 1 process it resumes at sample
+    6, whose batches the 2 ranks had taken), drops it when asked (the loader starts afresh);
+    at 2 ranks it is copied byte for byte and accelerate's loader resumes where it stopped."""
+    ref = run_ranks(tf.save, 2, str(tmp_path), "accelerate", None, True, timeout=240)[0]
+    assert ref["next_batches"] == [[12, 13], [14, 15]]
+    folder = tmp_path / tf.FOLDERS["accelerate"]
+    lines = run_cli("inspect", folder).stdout.splitlines()
+    assert lines[4:6] == [
+        "Per-rank files     random_states_{0..1}.pkl: accelerate's RNG state of 2 ranks, kept by a reshard to 2 ranks "
+        "only (--exclude 'random_states_*.pkl' drops it)",
+        "Per-rank files     dl_state_dict.bin: accelerate's dataloader state of 2 ranks (one file every process "
+        "loads), kept by a reshard to 2 ranks only (--exclude 'dl_state_dict*.bin' drops it)"]
+    doc = json.loads(run_cli("inspect", folder, "--json").stdout)
+    assert doc["rank_files"][1] == {"kind": "accelerate's dataloader state", "files": ["dl_state_dict.bin"],
+                                    "ranks": 2, "exclude": "dl_state_dict*.bin", "shared": True}
+    refused = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--exclude", "random_states_*.pkl")
+    assert (refused.returncode, refused.stderr) == (2, (
+        "ckptctl: error: dl_state_dict.bin: accelerate's dataloader state of 2 ranks cannot follow a reshard to 1 "
+        "(one file every process loads, its data position counted per process); pass --exclude 'dl_state_dict*.bin' "
+        "to drop it (the resumed job starts its data order afresh)\n"))
+    common = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--keep-common-ranks")
+    assert (common.returncode, common.stderr) == (2, (
+        "ckptctl: error: dl_state_dict.bin: accelerate's dataloader state is one file every process loads, its data "
+        "position counted per process at the saved world size: no rank's share in it to keep; pass --exclude "
+        "'dl_state_dict*.bin' to drop it\n"))
+    assert not (tmp_path / "ws1").exists()
+    result = run_cli("reshard", folder, tmp_path / "ws1", "-n", 1, "--keep-common-ranks", "--exclude",
+                     "dl_state_dict*.bin", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["dropped"] == ["dl_state_dict.bin", "random_states_1.pkl"]
+    assert run_ranks(tf.load, 1, str(tmp_path / "ws1"), timeout=240)[0]["next_batches"] == [[0, 1]]  # afresh
+    kept = tmp_path / "kept"  # what keeping it would do: a position counted for 2 processes, read by 1
+    shutil.copytree(tmp_path / "ws1", kept)
+    shutil.copy(folder / "dl_state_dict.bin", kept)
+    assert run_ranks(tf.load, 1, str(kept), timeout=240)[0]["next_batches"] == [[6, 7]]
+    same = run_cli("reshard", folder, tmp_path / "ws2", "-n", 2)
+    assert same.returncode == 0, same.stderr
+    assert (tmp_path / "ws2" / "dl_state_dict.bin").read_bytes() == (folder / "dl_state_dict.bin").read_bytes()
+    got = run_ranks(tf.load, 2, str(tmp_path / "ws2"), timeout=240)[0]
+    _assert_same_state(got, ref)
+    assert got["next_batches"] == ref["next_batches"]
 
 
 @pytest.mark.full

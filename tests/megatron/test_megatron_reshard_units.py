@@ -132,6 +132,8 @@ def test_fused_tensor_names_and_their_saved_components():
     ("output_layer.weight", "column"),
     ("decoder.layers.0.mlp.linear_fc1.weight_v", "column"),
     ("decoder.layers.0.self_attention.linear_qkv.layer_norm_bias", "replicated"),
+    ("decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_bias", "replicated"),
+    ("decoder.layers.1.self_attention.linear_kv_up_proj.layer_norm_bias", "replicated"),
     ("decoder.layers.0.mixer.in_proj.weight", "mamba_in_proj"),
     ("decoder.layers.0.mixer.D", "column"),
     ("decoder.layers.0.mixer.x_proj.weight", None),
@@ -298,3 +300,18 @@ def test_a_split_params_tp_block_is_each_parts_block_in_turn():
                                               r"\[16, 32\], \[32, 32\], \[32, 16\], \[4, 32\], \[4, 32\]\] "
                                               r"do not stack as rows$"):
         local_shape(ckpt, param, 2)
+
+
+def test_a_single_grouped_weights_slabs_are_the_next_expert_of_one_key_and_layer():
+    """Transformer Engine ≥ 2.14's single grouped weight: a bucket holds expert e + 1's block of a
+    key right after expert e's, in one layer; nothing else continues a param unpadded."""
+    from ckptctl.megatron.buckets import COLUMN, ROW, LocalParam, grouped_next
+
+    fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    fc2 = "decoder.layers.mlp.experts.experts.linear_fc2.weight"
+    assert grouped_next(LocalParam(fc1, (1, 2), COLUMN, 1), LocalParam(fc1, (1, 3), COLUMN, 1))
+    assert not grouped_next(LocalParam(fc1, (1, 3), COLUMN, 1), LocalParam(fc1, (1, 2), COLUMN, 1))  # per-GEMM order
+    assert not grouped_next(LocalParam(fc1, (1, 2), COLUMN, 1), LocalParam(fc1, (2, 3), COLUMN, 2))  # another layer
+    assert not grouped_next(LocalParam(fc1, (1, 2), COLUMN, 1), LocalParam(fc2, (1, 3), ROW, 1))  # another key
+    dense = "decoder.layers.mlp.linear_fc1.weight"
+    assert not grouped_next(LocalParam(dense, (1,), COLUMN, 1), LocalParam(dense, (2,), COLUMN, 2))  # not experts

@@ -20,6 +20,7 @@ import argparse
 import enum
 import io
 import json
+import math
 import pickle
 import re
 import zipfile
@@ -429,6 +430,139 @@ def test_te_mla_norms_and_grouped_experts_export_and_extra_state_is_never_decode
     run = run_cli("reshard", ckpt, tmp_path / "o")
     assert run.returncode == 0, run.stderr
     assert _extra_states(tmp_path / "o") == trapped and not marker.exists()
+
+
+TE_DEEPSEEK_LAYERNORM = ("deepseek-v3", 1, 2, 0, "0.19", ("order", "te-layernorm"))
+"""`TE_DEEPSEEK` with MLA's q / kv norms LayerNorms (TE's LayerNormLinear under
+`normalization="LayerNorm"`): each up projection registers `layer_norm_weight`, `layer_norm_bias`,
+then `weight`."""
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_te_mla_layer_norm_bias_is_rebuilt_as_megatron_cores_own_save_and_export_refuses_it(saved, tmp_path):
+    """The fused MLA norms' LayerNorm biases (`linear_q_up_proj` / `linear_kv_up_proj.layer_norm_bias`)
+    are replicated params of the table, found by content after their weights in the buckets
+    (registration reversed); the rewrite equals megatron-core's own `fully_reshardable` save tensor
+    for tensor, each master its weight. DeepSeek-V3's HF norms have no bias: export-hf refuses."""
+    from ckptctl.families.registry import megatron_tp_kind
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    ckpt = saved[TE_DEEPSEEK_LAYERNORM]
+    got, _ = _rewritten_as_its_own(ckpt, tmp_path / "o")
+    norms = [f"decoder.layers.{layer}.self_attention.linear_{part}_up_proj.layer_norm_{kind}"
+             for layer in (0, 1) for part in ("q", "kv") for kind in ("weight", "bias")]
+    for key in norms:
+        assert megatron_tp_kind(key) == "replicated"
+        assert torch.equal(got[f"optimizer.state.param.{key}"], got[key].float())
+    bias = got["decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_bias"]
+    assert bias.shape == (mc.MLA["q_lora_rank"],) and bias.abs().min() > 0  # off its init (zeros), trained
+    [bucket] = _bucket_map(open_checkpoint(ckpt / "dp_reshardable")).values()
+    up = [key.rpartition(".")[2] for key, lead, _, _ in bucket if "layers.0.self_attention.linear_q_up_proj" in key]
+    assert up == ["weight", "layer_norm_bias", "layer_norm_weight"]  # registration reversed
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("deepseek-v3")))
+    run = run_cli("export-hf", ckpt / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "cfg")
+    assert (run.returncode, run.stderr) == (2, f"ckptctl: error: {ckpt / 'dp_reshardable'}: 4 model tensors have no "
+                                               "place in a deepseek-v3 model of config.json: "
+                                               + ", ".join(f"decoder.layers.{layer}.self_attention.linear_{part}_up_proj"
+                                                           ".layer_norm_bias" for layer, part in
+                                                           ((0, "kv"), (0, "q"), (1, "kv"))) +
+                                               " (+1 more) (wrong --hf-config or --arch?)\n")
+    assert not (tmp_path / "hf").exists()
+
+
+@needs("0.19")
+@pytest.mark.full
+@pytest.mark.parametrize("ffn", [0, 13], ids=["aligned", "unaligned"])
+def test_te_single_grouped_weight_is_rebuilt_as_megatron_cores_own_save_of_per_gemm_weights(saved, tmp_path, ffn):
+    """Transformer Engine ≥ 2.14's single grouped weight (the stand-in `te-grouped`): each
+    GroupedLinear one param [local experts, out, in], saved under the per-expert keys, laid out in
+    the bucket as its experts' blocks back to back in expert order (expert blocks of 768 and
+    1,536 elements lie on the 64-element grid; with an FFN of 13, fc2's 416 do not, and the next
+    block starts unpadded). megatron-core cannot save that run's `fully_reshardable` state itself
+    (no sharded tensor is the grouped param); ckptctl's map is megatron-core's `param_index_map`,
+    and the rewrite equals megatron-core's own `fully_reshardable` save of the same training with
+    per-GEMM weights (`te`) tensor for tensor (both runs unclipped: a clipped run's total gradient
+    norm rounds by the params' grouping); export-hf writes its experts exactly."""
+    from safetensors.torch import load_file
+
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    run = (*((("moe_ffn", ffn),) if ffn else ()), ("clip", 0.0))  # unclipped: two groupings train alike
+    grouped = saved[("deepseek-v3", 1, 2, 0, "0.19", ("order", "te-grouped"), *run)]
+    per_gemm = saved[("deepseek-v3", 1, 2, 0, "0.19", ("order", "te"), *run)]
+    record = json.loads((grouped / "buffers.json").read_text())
+    assert record["refused"]["fully_reshardable"].startswith("ValueError: Model param Parameter containing:")
+    assert not (grouped / "fully_reshardable").exists()
+    [bucket] = _bucket_map(open_checkpoint(grouped / "dp_reshardable")).values()
+    want = []
+    for p in record["buffers"][0]["params"]:
+        if ".mlp.experts.linear_fc" in p["name"]:  # the grouped param: its experts' blocks in expert order
+            experts, *block = p["local_shape"]
+            size = math.prod(block)
+            key = p["name"].replace(".mlp.experts.", ".mlp.experts.experts.")
+            want += [(key, (e,), p["start"] + e * size, p["start"] + (e + 1) * size) for e in range(experts)]
+    got = [row for row in bucket if ".experts.experts." in row[0]]
+    assert got == want and len(got) == 8
+    assert [start % 64 for _, _, start, _ in got[:4]] == ([0, 0, 0, 0] if not ffn else [0, 32, 0, 32])
+    assert run_cli("inspect", grouped / "dp_reshardable", "--check").returncode == 0
+    result = run_cli("reshard", grouped / "dp_reshardable", tmp_path / "o", "--verify")
+    assert result.returncode == 0, result.stderr
+    got, want = _load(tmp_path / "o"), _load(per_gemm / "fully_reshardable")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.load(grouped / "loss.pt") == torch.load(per_gemm / "loss.pt")
+    (tmp_path / "cfg").mkdir()
+    config = mc.hf_config("deepseek-v3")
+    config["moe_intermediate_size"] = ffn or config["moe_intermediate_size"]
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps(config))
+    export = run_cli("export-hf", grouped / "dp_reshardable", tmp_path / "hf", "--hf-config", tmp_path / "cfg")
+    assert export.returncode == 0, export.stderr
+    hf = {k: v for f in sorted((tmp_path / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    fc2 = got["decoder.layers.1.mlp.experts.experts.linear_fc2.weight"]
+    assert all(torch.equal(hf[f"model.layers.1.mlp.experts.{e}.down_proj.weight"], fc2[e]) for e in range(4))
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_te_single_grouped_weight_under_expert_and_tensor_parallelism_in_several_buckets(saved, tmp_path):
+    """A Qwen3-MoE at TP 2 × DP 2 × EP 2 with 1,000-element buckets, its GroupedLinears single
+    grouped weights (`te-grouped`; fc2's TP-local expert blocks of 416 elements off the 64-element
+    grid): each EP × TP rank's expert buckets are rebuilt as megatron-core laid them out (TP rank 1
+    following the slabs content found on TP rank 0), and the rewrite equals the rewrite of the same
+    unclipped training with per-GEMM weights (`te`) tensor for tensor (megatron-core's own
+    `fully_reshardable` save of several buckets is wrong: module docstring)."""
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+
+    run = (("ep", 2), ("moe_ffn", 26), ("clip", 0.0))
+    grouped = saved[("qwen3-moe", 2, 2, 1000, "0.19", ("order", "te-grouped"), *run)]
+    per_gemm = saved[("qwen3-moe", 2, 2, 1000, "0.19", ("order", "te"), *run)]
+    record = json.loads((grouped / "buffers.json").read_text())
+    found = _bucket_map(open_checkpoint(grouped / "dp_reshardable"))
+    for rank in record["ranks"]:
+        if rank["expert_dp_rank"]:
+            continue
+        group = rank["ep_rank"] * 2 + rank["etp_rank"]
+        [buffer] = rank["expert_parallel_buffers"]
+        params = {p["name"]: p for p in buffer["params"]}
+        for bucket in buffer["buckets"]:
+            want = []
+            for name in bucket["params"]:
+                p = params[name]
+                experts, *block = p["local_shape"]
+                size, layer = math.prod(block), int(name.split(".")[2])
+                key = "decoder.layers." + name.split(".", 3)[3].replace("mlp.experts.", "mlp.experts.experts.")
+                first = rank["ep_rank"] * experts
+                want += [(key, (layer, first + e), p["start"] - bucket["offset"] + e * size,
+                          p["start"] - bucket["offset"] + (e + 1) * size) for e in range(experts)]
+            assert found[(1, group, 0, bucket["bucket_id"])] == want
+    assert {s % 64 for rows in found.values() for key, _, s, _ in rows if "linear_fc2" in key} == {0, 32}
+    for ckpt, out in ((grouped, "g"), (per_gemm, "p")):
+        result = run_cli("reshard", ckpt / "dp_reshardable", tmp_path / out, "--verify")
+        assert result.returncode == 0, result.stderr
+    got, want = _load(tmp_path / "g"), _load(tmp_path / "p")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert torch.load(grouped / "loss.pt") == torch.load(per_gemm / "loss.pt")
 
 
 def _overwrite(path, fqn: str, points: list[tuple[int, ...]], values: bytes) -> None:
