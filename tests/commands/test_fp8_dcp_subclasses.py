@@ -170,3 +170,17 @@ def test_reshard_keeps_torchao_weights_exactly(torchao_saved, tmp_path, world_si
     assert sorted(saved) == sorted(loaded)
     for name, value in saved.items():
         assert torch.equal(loaded[name][1].view(torch.int16), value.view(torch.int16)), name
+
+
+@pytest.mark.full
+def test_resharded_torchao_loads_without_torchao(torchao_saved, tmp_path):
+    """torch's dcp.load of torchao's save needs torchao imported (its classes are allow-listed for
+    `weights_only` on import); the reshard's plain tensors load into the model without it."""
+    torchao_ckpt, saved = torchao_saved
+    assert fp8_dcp.load_plain(str(torchao_ckpt)) == "CheckpointException"
+    done = run_cli("reshard", torchao_ckpt, tmp_path / "out", "--world-size", "2")
+    assert done.returncode == 0, done.stderr
+    loaded = fp8_dcp.load_plain(str(tmp_path / "out"))
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name].view(torch.int16), value.view(torch.int16)), name
