@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import operator
 import os
 import struct
@@ -289,10 +290,7 @@ class ItemReader:
         if record.file_size != spec.storage_numel * itemsize:
             raise self._bad(chunk, f"tensor record is {record.file_size} bytes but its storage is "
                                    f"{spec.storage_numel} × {itemsize} bytes")
-        numel = 1
-        for d in spec.size:
-            numel *= d
-        if numel and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
+        if math.prod(spec.size) and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
                 >= spec.storage_numel:
             raise self._bad(chunk, "tensor view runs past its storage")
         return self._check_entry(chunk, archive, record)

@@ -13,11 +13,13 @@ whatever the tensor's class pickles as. Two producers are known (facts from thei
 * Transformer Engine's `Float8Tensor` (release 2.16 on) pickles as
   `transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex(data,
   fp8_dtype, scale_inv, dtype, shape[, data_transpose])`: `data` uint8 FP8 codes in the logical
-  shape, `fp8_dtype` TE's `DType(int)` (`transformer_engine.pytorch.constants.DType`, or the
-  pybind `transformer_engine_torch.DType` of earlier releases; 7 e4m3, 8 e5m2), `scale_inv`
-  float32 with one element, `dtype` the logical dtype (what DCP's metadata records), `shape` a
-  torch.Size, `data_transpose` None unless the tensor holds only its transpose (refused here).
-  Its value is float32(code) × scale_inv rounded to `dtype` (TE's `dequantize_fp8.cuh`).
+  shape, `fp8_dtype` TE's `DType(int)` (7 e4m3, 8 e5m2: the pybind `transformer_engine_torch.DType`
+  in 2.16, the Python `transformer_engine.pytorch.constants.DType` from 2.17), `scale_inv` float32
+  with one element, `dtype` the logical dtype (what DCP's metadata records), `shape` a
+  torch.Size, `data_transpose` (TE's current source only) None unless the tensor holds only its
+  transpose (refused here). Its value is float32(code) × scale_inv rounded to `dtype` (TE's
+  `dequantize_fp8.cuh`). Older releases' `Float8Tensor._make_in_reduce_ex` (through `getattr`),
+  and TE's MXFP8, NVFP4 and blockwise tensors, are refused as any unknown global is.
 
 These pickles run in `SubclassMachine`, the pure-Python interpreter with a table of its own:
 each global is a validating stand-in (a constructor of a plain record, or an inert token), so
@@ -26,6 +28,7 @@ nothing from the checkpoint runs and anything else is refused as before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -187,18 +190,11 @@ def _te_float8(spec_type: type) -> Callable[[tuple], Float8RecordSpec]:
         if data.dtype != DTYPES["uint8"] or data.size != tuple(shape):
             raise MalformedPickleError(f"Float8Tensor data is {data.dtype.name} {list(data.size)}, "
                                        f"not uint8 {list(shape)}")
-        if scale_inv.dtype != DTYPES["float32"] or _numel(scale_inv.size) != 1:
+        if scale_inv.dtype != DTYPES["float32"] or math.prod(scale_inv.size) != 1:
             raise UnsafePickleError(f"Float8Tensor scale_inv is {scale_inv.dtype.name} {list(scale_inv.size)}, "
                                     "not one float32 (a per-tensor scale)")
         return Float8RecordSpec(TE_FLOAT8, data, scale_inv, TE_FP8[fp8.value], dtype, tuple(shape))
     return build
-
-
-def _numel(size: tuple[int, ...]) -> int:
-    n = 1
-    for d in size:
-        n *= d
-    return n
 
 
 def subclass_globals(base: dict[tuple[str, str], Any], spec_type: type,
