@@ -184,3 +184,42 @@ def test_resharded_torchao_loads_without_torchao(torchao_saved, tmp_path):
     assert sorted(loaded) == sorted(saved)
     for name, value in saved.items():
         assert torch.equal(loaded[name].view(torch.int16), value.view(torch.int16)), name
+
+
+def _mutations(pickled: bytes):
+    """Each opcode of a real pickle dropped, doubled, and each GLOBAL swapped for every other
+    global the pickle names: the small exhaustive neighbourhood of a real item."""
+    import pickletools
+
+    ops = list(pickletools.genops(pickled))
+    ends = [pos for _, _, pos in ops[1:]] + [len(pickled)]
+    globals_ = sorted({arg for op, arg, _ in ops if op.name == "GLOBAL"})
+    for (op, arg, start), end in zip(ops, ends):
+        yield pickled[:start] + pickled[end:]
+        yield pickled[:end] + pickled[start:]
+        if op.name == "GLOBAL":
+            for other in globals_:
+                if other != arg:
+                    yield pickled[:start] + b"c" + other.replace(" ", "\n").encode() + b"\n" + pickled[end:]
+
+
+@pytest.mark.parametrize("which", ["te", "torchao"])
+def test_mutated_subclass_items_end_in_refusals_only(which, request):
+    """No neighbour of a real subclass item escapes the decoder with anything but its refusals."""
+    from ckptctl.formats.pickle.unpickle import MalformedPickleError, TensorRecordSpec
+
+    if which == "te":
+        pickled = _item_pickle(request.getfixturevalue("te_ckpt")[0], "model.model.layers.0.mlp.up_proj.weight")
+    else:
+        pickled = _item_pickle(request.getfixturevalue("torchao_ckpt"), "model.1.weight")
+    outcomes = {"decoded": 0, "refused": 0}
+    for mutated in _mutations(pickled):
+        try:
+            spec = load_tensor_record_spec(mutated)
+        except (MalformedPickleError, UnsafePickleError) as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 400
+            outcomes["refused"] += 1
+        else:
+            assert type(spec) in (TensorRecordSpec, WrappedRecordSpec, Float8RecordSpec)
+            outcomes["decoded"] += 1
+    assert outcomes["refused"] > 100
