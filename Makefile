@@ -31,6 +31,10 @@ MCORE_015 := $(VENV)/megatron-core-0.15
 # in a `common_state` item and whose default optimizer format is dp_reshardable (it declares
 # Python 3.12; what the fixtures run of it runs on 3.11).
 MCORE_019 := $(VENV)/megatron-core-0.19
+# torchao 0.18.0 beside them (not in the venv's site-packages, where transformers would import it and
+# print its warnings on every export): its float8 training under fully_shard saves the DCP items
+# `fixtures.fp8_dcp` writes; only that fixture's gloo ranks put it first on their sys.path.
+TORCHAO := $(VENV)/torchao-0.18
 
 # torch first (the local CPU wheel), so resolving the package never pulls a CUDA build.
 $(STAMP): pyproject.toml Makefile
@@ -44,6 +48,7 @@ $(ORACLES_STAMP): $(STAMP)
 	$(PY) -m pip install -q --no-deps --ignore-requires-python $(PY312_ORACLES)
 	$(PY) -m pip install -q --no-deps --upgrade --target $(MCORE_015) megatron-core==0.15.3
 	$(PY) -m pip install -q --no-deps --upgrade --ignore-requires-python --target $(MCORE_019) megatron-core==0.19.2
+	$(PY) -m pip install -q --no-deps --upgrade --target $(TORCHAO) torchao==0.18.0
 	touch $(ORACLES_STAMP)
 
 demo: install

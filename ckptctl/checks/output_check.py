@@ -130,16 +130,106 @@ class _TensorPickle(pickle.Unpickler):
         return _StorageRef(pid[2], None if untyped else BY_STORAGE.get(pid[1][1]), pid[4], untyped)
 
 
-def tensor_view(pickled: bytes) -> _TensorView:
+@dataclass(frozen=True)
+class _Float8View:
+    """Transformer Engine's Float8Tensor as its `data.pkl` describes it: FP8 codes (a uint8
+    view) × one float32 `scale_inv`, of logical dtype `dtype`."""
+
+    data: _TensorView
+    scale_inv: _TensorView
+    fp8: DType
+    dtype: DType
+    size: tuple[int, ...]
+
+
+_WRAPPER = ("wrapper", "torch._utils._rebuild_wrapper_subclass")
+_TORCHAO = ("class", "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor")
+_TE_FP8 = {7: DTYPES["float8_e4m3fn"], 8: DTYPES["float8_e5m2"]}  # TE's DType.kFloat8E4M3 / kFloat8E5M2
+
+
+def _from_type_v2(func: Any, cls: Any, args: Any, state: Any) -> _TensorView:
+    """torchao's wrapper (torch's pickling of a wrapper subclass): its value is `state["_tensor"]`."""
+    if func != _WRAPPER or cls != _TORCHAO or type(state) is not dict \
+            or not isinstance(state.get("_tensor"), _TensorView) or state.get("_precomputed_scale") is not None:
+        raise ValueError("not torchao's WeightWithDynamicFloat8CastTensor")
+    inner = state["_tensor"]
+    if type(args) is not tuple or len(args) != 8 or args[1] != inner.dtype or tuple(args[2]) != inner.size:
+        raise ValueError("wrapper and wrapped tensor disagree")
+    return inner
+
+
+class _MMConfig:
+    """torchao's ScaledMMConfig / LinearMMConfig NamedTuples (NEWOBJ): their fields, inert."""
+
+    def __new__(cls, *fields: Any) -> Any:
+        return ("mm-config", fields)
+
+
+def _te_float8(data: Any, fp8: Any, scale_inv: Any, dtype: Any, shape: Any, transpose: Any = None) -> _Float8View:
+    if not (isinstance(data, _TensorView) and isinstance(scale_inv, _TensorView) and isinstance(dtype, DType)
+            and transpose is None and type(fp8) is tuple and fp8[0] == "te-dtype" and fp8[1] in _TE_FP8
+            and data.dtype == DTYPES["uint8"] and tuple(shape) == data.size
+            and scale_inv.dtype == DTYPES["float32"] and math.prod(scale_inv.size) == 1):
+        raise ValueError("not a Transformer Engine Float8Tensor record")
+    return _Float8View(data, scale_inv, _TE_FP8[fp8[1]], dtype, data.size)
+
+
+class _SubclassPickle(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's pure-Python unpickler for the FP8 training subclasses' records: `_TensorPickle`'s
+    names plus theirs, and dict keys checked to be names before they are hashed."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
+            return _from_type_v2
+        if (module, name) == ("torch._utils", "_rebuild_wrapper_subclass"):
+            return _WRAPPER
+        if f"{module}.{name}" == _TORCHAO[1]:
+            return _TORCHAO
+        if module == "torchao.float8.float8_training_tensor" and name in ("ScaledMMConfig", "LinearMMConfig"):
+            return _MMConfig
+        if (module, name) == ("torch", "device"):
+            return str
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return str
+        if (module, name) == ("torch", "Size"):
+            return tuple
+        if (module, name) == ("transformer_engine.pytorch.tensor.float8_tensor", "_make_float8_tensor_in_reduce_ex"):
+            return _te_float8
+        if name == "DType" and module in ("transformer_engine.pytorch.constants", "transformer_engine_torch"):
+            return lambda value: ("te-dtype", value)
+        return _TensorPickle.find_class(self, module, name)  # type: ignore[arg-type]
+
+    persistent_load = _TensorPickle.persistent_load
+
+    def _set_items(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        if type(target) is not dict or any(type(k) is not str for k in items[::2]):
+            raise pickle.UnpicklingError("dict key that is not a name")
+        for i in range(0, len(items), 2):
+            target[items[i]] = items[i + 1]
+
+    dispatch[pickle.SETITEMS[0]] = _set_items
+
+
+_SUBCLASS_OPS = _PICKLE_OPS | {"EMPTY_DICT", "SETITEMS", "NEWOBJ"}
+
+
+def tensor_view(pickled: bytes) -> _TensorView | _Float8View:
     """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
-    opcodes a tensor record uses (checked first: nothing else is built)."""
+    opcodes a tensor record uses (checked first: nothing else is built); torchao's wrapper as the
+    tensor it wraps, TE's Float8Tensor as its codes and scale."""
     if len(pickled) > MAX_PICKLE:
         raise ValueError(f"data.pkl of {len(pickled)} bytes")
+    subclass = b"torch._tensor\n_rebuild_from_type_v2" in pickled or b"transformer_engine" in pickled
+    allowed = _SUBCLASS_OPS if subclass else _PICKLE_OPS
     for op, _, _ in pickletools.genops(pickled):
-        if op.name not in _PICKLE_OPS:
+        if op.name not in allowed:
             raise ValueError(f"opcode {op.name} in a tensor record")
-    view = _TensorPickle(io.BytesIO(pickled)).load()
-    if not isinstance(view, _TensorView):
+    view = (_SubclassPickle if subclass else _TensorPickle)(io.BytesIO(pickled)).load()
+    if not isinstance(view, (_TensorView, _Float8View)):
         raise ValueError("data.pkl holds no tensor")
     return view
 
@@ -270,6 +360,8 @@ class ItemElements:
                 if len(self._tensor_views) < MAX_TENSOR_VIEWS:  # a sharded tensor's items repeat a few pickles
                     self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
+            if isinstance(view, _Float8View):
+                return _dequantized(archive, prefix, entry, chunk, view)
             record = archive.getinfo(prefix + f"data/{view.key}")
             little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
         if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
@@ -288,6 +380,29 @@ class ItemElements:
         from ckptctl.checks.verify import decode_source_item, raw_bytes  # big-endian: torch swaps its bytes
 
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
+
+
+def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View) -> bytes:
+    """A TE Float8Tensor item's value, row-major bytes of the logical dtype, as TE dequantizes:
+    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader)."""
+    import torch
+
+    if view.dtype != entry.dtype or view.size != chunk.sizes:
+        raise ValueError("its record is another tensor")
+    if "little" != (archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in archive.namelist()
+                    else "little"):
+        raise ValueError("big-endian FP8 scale")
+    codes = archive.read(prefix + f"data/{view.data.key}")
+    scale = archive.read(prefix + f"data/{view.scale_inv.key}")
+    numel = math.prod(view.size)
+    if view.data.stride != strides(view.size) and numel > 1 or len(codes) < view.data.offset + numel \
+            or len(scale) < 4 * (view.scale_inv.offset + 1):
+        raise ValueError("its FP8 records do not hold its view")
+    values = torch.frombuffer(bytearray(codes[view.data.offset:view.data.offset + numel]) or bytearray(1),
+                              dtype=torch.uint8)[:numel].view(view.fp8.torch)
+    scale_inv = torch.frombuffer(bytearray(scale[4 * view.scale_inv.offset:4 * view.scale_inv.offset + 4]),
+                                 dtype=torch.float32)
+    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes()
 
 
 def located_ends(ckpt: Checkpoint) -> bytes:

@@ -30,6 +30,7 @@ from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.formats.safetensors.quantized import DEQUANT, Fp8Weight
 from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, Fp8Scales, band_rows, scale_bytes
 from ckptctl.checks.quantized_output import requantized
+from ckptctl.checks.torch_standins import load_subclass_item, names_subclass
 from ckptctl.formats.dcp.items import MAX_ZIP_READ, ItemReader
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.reader import blob_header
@@ -502,6 +503,8 @@ def _torch_load(raw: bytes) -> Any:
     reader = torch._C.PyTorchFileReader(io.BytesIO(raw))
     pickled = reader.get_record("data.pkl")
     little = not reader.has_record("byteorder") or reader.get_record("byteorder") == b"little"
+    if names_subclass(pickled):  # an FP8 training subclass: torch's loader with the allowed stand-ins
+        return load_subclass_item(raw)
     layout = _TORCH_LAYOUTS.get(pickled) if little else None
     if layout is None:
         tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
@@ -551,6 +554,8 @@ def _torch_record_start(handle: ReadHandle, chunk: Chunk, entry: TensorEntry) ->
     if reader.has_record("byteorder") and reader.get_record("byteorder") != b"little":
         return None
     pickled = reader.get_record("data.pkl")
+    if names_subclass(pickled):
+        return None  # decoded whole (`_torch_load`)
     layout = _META_LAYOUTS.get(pickled)
     if layout is None:
         item.seek(0)

@@ -1,7 +1,8 @@
 """`ckptctl inspect CKPT`: what a checkpoint holds, how it is sharded, and whether it is whole.
 
-Reads `.metadata` and file sizes (never tensor bytes), and Megatron's training `args` where a
-checkpoint has them, so it is instant on any size.
+Reads `.metadata` and file sizes (never tensor bytes), Megatron's training `args` where a
+checkpoint has them, and the first 512 bytes of each tensor's first item (which name the class
+it pickles: an FP8 training subclass is decoded and shown), so it is quick on any size.
 `--check` prints only the problems `ckptctl.core.analysis.analyze` finds (coverage gaps or
 overlaps, lost optimizer state), one per line, and exits 1 if there are any; with `--json`
 it prints the document as usual and exits 1 the same way. Data files that no entry points
@@ -38,6 +39,10 @@ ignores them.
                           "modules": int, "ranks": [int],      # Bridge's: per layer; its dims
                           "targets": {leaf name: modules},     # Bridge's: its target_modules names
                           "modules_to_save": [module]},          # modules peft trains whole
+      "subclasses": {fqn: str},   # tensors whose (first) item holds an FP8 training subclass:
+                                  # torchao's WeightWithDynamicFloat8CastTensor (its value the plain
+                                  # tensor it wraps) or Transformer Engine's Float8Tensor (FP8 data +
+                                  # scale_inv, its metadata dtype the logical one); filtered too
       "tensors": {fqn: {
           "shape": [int], "dtype": "bfloat16", "nbytes": int,
           "group": "model" | "optimizer" | "other",
@@ -76,7 +81,7 @@ from ckptctl.cli.common import (
     FILES_LISTED, Fragment, Streamed, emit_json, file_lines, fold_name, human_bytes, json_scalar, run_guarded,
     show_rows, stdout, write_line, write_out,
 )
-from ckptctl.util.errors import UsageError
+from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
 if TYPE_CHECKING:  # the library is imported when the command runs: `ckptctl --help` stays quick
@@ -194,6 +199,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
         "adapters": adapter_summary(model_shapes) or bridge_adapter_summary(model_shapes),
+        "subclasses": _subclasses(ckpt, keep),
         "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
                             lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
         "bytes_entries": {fqn: {"file": b.file, "offset": b.offset, "length": b.length,
@@ -202,6 +208,26 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "problems": [{"fqn": p.fqn, "kind": p.kind, "message": p.message}
                      for p in analysis.problems if keep(p.fqn)],
     }
+
+
+def _subclasses(ckpt: Checkpoint, keep: Any) -> dict[str, str]:
+    """Tensors whose items hold an FP8 training subclass (torchao's wrapper, TE's Float8Tensor),
+    by their first item (`ItemReader.peek_kind`); an item that says so but does not decode is
+    shown with the reason."""
+    from ckptctl.formats.dcp.items import ItemReader
+
+    found: dict[str, str] = {}
+    with ItemReader(ckpt) as reader:
+        for fqn, entry in ckpt.tensors.items():
+            if not entry.chunks or not keep(fqn):
+                continue
+            try:
+                kind = reader.peek_kind(entry, entry.chunks[0])
+            except CheckpointError as exc:
+                kind = f"undecodable: {exc}"
+            if kind is not None:
+                found[fqn] = kind
+    return found
 
 
 def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
@@ -316,6 +342,8 @@ def _print_summary(doc: dict[str, Any]) -> None:
         ("Layouts", _counts(doc["layouts"])),
         ("Prefixes", "model " + (", ".join(repr(p) for p in doc["prefixes"]["model"]) or "-")
          + "; optimizer " + (", ".join(repr(p) for p in doc["prefixes"]["optimizer"]) or "-")),
+        *(("Subclasses" if i == 0 else "", f"{counted(n, 'tensor')}: {kind}")
+          for i, (kind, n) in enumerate(sorted(Counter(doc["subclasses"].values()).items()))),
         *((("Adapters", (bridge_summary_line if doc["adapters"]["kind"].startswith("megatron-bridge")
                           else summary_line)(doc["adapters"])),) if doc["adapters"] else ()),
     ]

@@ -234,6 +234,7 @@ class DcpSide:
         self._sources = sources
         self._targets = {name: _flat(t) for name, t in targets.items()}
         self._chunks = ChunkSource(ckpt)
+        self._chunks.reader.dequantize_fp8 = True  # a TE Float8Tensor item compares by its value, as TE dequantizes it
         self.tensors = {name: TensorInfo(", ".join(_sources_of(t)), t.shape, t.dtype) for name, t in targets.items()}
 
     def check_complete(self, names: Sequence[str]) -> None:

@@ -682,6 +682,7 @@ def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[
     if drop:
         return f"{what} dropped (--drop-expert-bias): the export routes without them"
     chunks = ChunkSource(ckpt)
+    chunks.reader.dequantize_fp8 = True  # a TE Float8Tensor item: its value, as TE dequantizes it
     try:
         nonzero = [fqn for fqn in fqns if not all_zero(chunks, model.source_view(fqn))]
     finally:
@@ -738,6 +739,7 @@ def left_out_tied_heads(ckpt: Checkpoint, model: MegatronModel, cfg: HFConfig, t
                 for t in heads if t.tied_to in tensors]
     notes = []
     chunks = ChunkSource(ckpt)
+    chunks.reader.dequantize_fp8 = True  # a TE Float8Tensor item: its value, as TE dequantizes it
     try:
         for tie in heads:
             if tie.tied_to not in tensors:  # the family refuses or the name check reports it missing
@@ -1079,6 +1081,7 @@ def export_hf(
         report.device = "cpu"
         report.notes.append("FP8 weights are quantized on the CPU: the run uses the CPU engine")
     sources = ChunkSource(ckpt)
+    sources.reader.dequantize_fp8 = True  # a TE Float8Tensor item: its value, as TE dequantizes it
 
     def verify_output(tmp: Path) -> None:
         if plan.shards is not None:  # every piece is compared through `check_decoded_source`

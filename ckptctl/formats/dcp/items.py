@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import operator
 import struct
 import threading
@@ -22,7 +23,9 @@ from typing import IO, Any, Callable
 
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.util.errors import CheckpointError
-from ckptctl.formats.pickle.unpickle import MalformedPickleError, UnsafePickleError, load_tensor_record_spec
+from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec, names_subclass
+from ckptctl.formats.pickle.unpickle import (MalformedPickleError, TensorRecordSpec, UnsafePickleError,
+                                             load_tensor_record_spec)
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
 from ckptctl.storage.store import ReadHandle, store_for
 
@@ -31,6 +34,9 @@ _LOCAL_SIGNATURE = 0x04034B50
 MAX_ZIP_READ = 16 << 20
 """Largest zip structure (central directory, data.pkl) read from an item; torch's are a few kB."""
 MAX_SAFETENSORS_HEADER = 16 << 20
+PEEK_BYTES = 512
+"""What `peek_kind` reads of an item: torch.save's first record is `data.pkl`, its first global
+within a hundred bytes of the item's start."""
 MAX_WHOLE_READ = 1 << 30
 """Largest item read whole into memory when the caller names no bound: a bytes entry (a
 pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
@@ -103,6 +109,15 @@ def _kept(data: bytes, base: int, holes: list[tuple[int, int]]) -> _Fixed:
     return _Fixed(len(data), getter, getter(bytes(data)))
 
 
+@dataclass(frozen=True, slots=True)
+class _Float8Item:
+    """Where a TE Float8Tensor item's FP8 codes (row-major, one byte each) and its scale_inv are."""
+
+    spec: Float8RecordSpec
+    data_at: int
+    scale_at: int
+
+
 @dataclass(frozen=True)
 class RawRecord:
     """A chunk's tensor bytes, row-major and dense: `nbytes` bytes at `byte_offset` of `path`."""
@@ -127,6 +142,11 @@ class ItemReader:
         self._paths: dict[str, Path] = {}
         self._windows: dict[str, tuple[int, bytes, int]] = {}  # file -> (start, bytes, end of the last item read)
         self._windows_lock = threading.Lock()
+        self._kinds: dict[tuple[str, int], str] = {}  # (file, offset) → a wrapped item's kind
+        self._float8: dict[tuple[str, int], _Float8Item] = {}  # (file, offset) → a TE Float8Tensor item
+        self.dequantize_fp8 = False
+        """Whether `read_chunk` may dequantize a TE Float8Tensor item (export-hf, diff): a command
+        that keeps items exactly (reshard) refuses it."""
 
     def close(self) -> None:
         with self._lock:
@@ -236,28 +256,77 @@ class ItemReader:
             raise self._bad(chunk, f"corrupt data.pkl: {exc}") from None
         except _ZIP_ERRORS as exc:
             raise self._bad(chunk, f"not a torch.save archive ({type(exc).__name__}: {exc})") from None
+        wrapped = type(spec) is WrappedRecordSpec  # torchao's wrapper: its value is the plain tensor it holds
+        if wrapped:
+            self._kinds[(chunk.file, chunk.offset)] = f"{spec.kind} (casts to {spec.cast.name})"
+            spec = spec.inner
         if spec.dtype != entry.dtype or spec.size != chunk.sizes:
             raise self._bad(chunk, f"{entry.fqn}: item holds {dtype_name(spec.dtype)} {list(spec.size)}, "
                                    f"metadata says {entry.dtype_name} {list(chunk.sizes)}")
-        record = names.get(pkl[: -len("data.pkl")] + f"data/{spec.storage_key}")
-        if record is None:
-            raise self._bad(chunk, "tensor record missing")
-        itemsize = spec.dtype.itemsize
-        if record.file_size != spec.storage_numel * itemsize:
-            raise self._bad(chunk, f"tensor record is {record.file_size} bytes but its storage is "
-                                   f"{spec.storage_numel} × {itemsize} bytes")
-        if chunk.numel and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
-                >= spec.storage_numel:
-            raise self._bad(chunk, "tensor view runs past its storage")
-        data_start = self._check_entry(chunk, archive, record)
-        if not spec.is_dense or self._big_endian(chunk, archive, names, pkl[: -len("data.pkl")]):
+        folder = pkl[: -len("data.pkl")]
+        if type(spec) is Float8RecordSpec:  # TE's FP8 codes and scale: decoded by `read_chunk` alone
+            self._float8[(chunk.file, chunk.offset)] = self._float8_item(entry, chunk, archive, names, folder, spec)
+            return None
+        data_start = self._record_start(entry, chunk, archive, names, folder, spec)
+        if wrapped and not spec.is_dense:
+            raise self._bad(chunk, f"{entry.fqn}: {self._kinds[(chunk.file, chunk.offset)]} holding a strided tensor")
+        if not spec.is_dense or self._big_endian(chunk, archive, names, folder):
             return None  # decoded by torch (`read_chunk`), which swaps bytes and gathers strides
+        itemsize = spec.dtype.itemsize
         start = data_start + spec.storage_offset * itemsize
         if template is None:
             made = self._template(chunk, archive, start, chunk.numel * itemsize)
             if made is not None:
                 self._templates[key] = made
         return RawRecord(self._path(chunk.file), chunk.offset + start, chunk.numel * itemsize)
+
+    def _record_start(self, entry: TensorEntry, chunk: Chunk, archive: zipfile.ZipFile,
+                      names: dict[str, zipfile.ZipInfo], folder: str, spec: TensorRecordSpec) -> int:
+        """Where the bytes of `spec`'s storage record start in the item, once it is checked to hold them."""
+        record = names.get(folder + f"data/{spec.storage_key}")
+        if record is None:
+            raise self._bad(chunk, "tensor record missing")
+        itemsize = spec.dtype.itemsize
+        if record.file_size != spec.storage_numel * itemsize:
+            raise self._bad(chunk, f"tensor record is {record.file_size} bytes but its storage is "
+                                   f"{spec.storage_numel} × {itemsize} bytes")
+        if math.prod(spec.size) and spec.storage_offset + sum((d - 1) * s for d, s in zip(spec.size, spec.stride)) \
+                >= spec.storage_numel:
+            raise self._bad(chunk, "tensor view runs past its storage")
+        return self._check_entry(chunk, archive, record)
+
+    def _float8_item(self, entry: TensorEntry, chunk: Chunk, archive: zipfile.ZipFile,
+                     names: dict[str, zipfile.ZipInfo], folder: str, spec: Float8RecordSpec) -> _Float8Item:
+        """A TE Float8Tensor item's codes and scale, checked: dense little-endian records in the item."""
+        data_start = self._record_start(entry, chunk, archive, names, folder, spec.data)
+        scale_start = self._record_start(entry, chunk, archive, names, folder, spec.scale_inv)
+        if not spec.data.is_dense or self._big_endian(chunk, archive, names, folder):
+            raise self._bad(chunk, f"{entry.fqn}: {spec.kind} with strided or big-endian data")
+        return _Float8Item(spec, data_start + spec.data.storage_offset,
+                           scale_start + 4 * spec.scale_inv.storage_offset)
+
+    def peek_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
+        """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
+        `data.pkl`, where the first global is named) name one of the subclasses; None for any
+        other without parsing it (one small read: `inspect` asks this of each tensor's first item)."""
+        if chunk.transforms or self.ckpt.safetensors_folder or not chunk.length:
+            return None
+        if not names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset)):
+            return None
+        return self.item_kind(entry, chunk)
+
+    def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
+        """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
+        Float8Tensor (its FP8 format, scale and logical dtype); None for a plain tensor."""
+        if chunk.transforms or self.ckpt.safetensors_folder:
+            return None
+        key = (chunk.file, chunk.offset)
+        if key not in self._kinds and key not in self._float8:
+            self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
+        if key in self._float8:
+            spec = self._float8[key].spec
+            return f"{spec.kind}: {spec.describe()}"
+        return self._kinds.get(key)
 
     def _template(self, chunk: Chunk, archive: zipfile.ZipFile, data_start: int, nbytes: int) -> _Template | None:
         """`chunk`'s validated item as a template: the CRC fields of its tensor record and of its
@@ -466,6 +535,9 @@ class ItemReader:
         import torch
 
         record = self.locate(entry, chunk)
+        float8 = self._float8.get((chunk.file, chunk.offset)) if record is None else None
+        if float8 is not None:
+            return self._dequantized(entry, chunk, float8)
         if record is not None:
             data = bytearray(self.positioned_reader(chunk.file)(record.nbytes, record.byte_offset))
             if len(data) != record.nbytes:
@@ -482,6 +554,24 @@ class ItemReader:
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes or tensor.dtype != entry.dtype:
             raise self._bad(chunk, f"{entry.fqn}: decoded item does not match metadata")
         return tensor.contiguous()
+
+    def _dequantized(self, entry: TensorEntry, chunk: Chunk, item: _Float8Item) -> Any:
+        """A TE Float8Tensor chunk's value as TE's dequantize computes it: float32(code) × scale_inv,
+        rounded to the logical dtype (`dequantize_fp8.cuh`); refused unless `dequantize_fp8`."""
+        import torch
+
+        spec = item.spec
+        if not self.dequantize_fp8:
+            raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
+                                   "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
+        fd = self.fd(chunk.file)
+        codes = bytearray(os.pread(fd, chunk.numel, chunk.offset + item.data_at))
+        scale = os.pread(fd, 4, chunk.offset + item.scale_at)
+        if len(codes) != chunk.numel or len(scale) != 4:
+            raise self._bad(chunk, "short read")
+        values = torch.frombuffer(codes, dtype=torch.uint8) if codes else torch.empty(0, dtype=torch.uint8)
+        scale_inv = torch.frombuffer(bytearray(scale), dtype=torch.float32)
+        return (values.view(spec.fp8.torch).float() * scale_inv).to(entry.dtype.torch).reshape(chunk.sizes)
 
     def load_bytes_value(self, entry: BytesEntry, safe_globals: list | None = None) -> Any:
         """A bytes entry's object, via `torch.load(weights_only=True)` (plus any named safe globals)."""

@@ -63,6 +63,8 @@ from ckptctl.formats.pickle.vm import (
     opcode_table,
 )
 from ckptctl.formats.pickle.torch_pickle import Size
+from ckptctl.formats.pickle.subclass import (Float8RecordSpec, SubclassMachine, WrappedRecordSpec, names_subclass,
+                                             subclass_globals)
 
 __all__ = ["MalformedPickleError", "UnsafePickleError", "load_metadata_pickle", "load_tensor_record_spec",
            "TensorRecordSpec", "load_value_pickle"]
@@ -725,8 +727,20 @@ TENSOR_RECORD_GLOBALS: dict[tuple[str, str], Any] = {
 """What a tensor item's `data.pkl` may name: the rebuild functions, storage types and dtypes."""
 
 
-def load_tensor_record_spec(data: bytes) -> TensorRecordSpec:
-    """Describe the tensor inside a torch.save archive's data.pkl without building it."""
+_SUBCLASS_GLOBALS = subclass_globals(TENSOR_RECORD_GLOBALS, TensorRecordSpec,
+                                     METADATA_GLOBALS[("torch.serialization", "_get_layout")],
+                                     METADATA_GLOBALS[("torch", "Size")])
+"""What a tensor subclass item's `data.pkl` may name besides (see `pickle.subclass`)."""
+
+
+def load_tensor_record_spec(data: bytes) -> TensorRecordSpec | WrappedRecordSpec | Float8RecordSpec:
+    """Describe the tensor inside a torch.save archive's data.pkl without building it: a plain
+    tensor record, or one of the FP8 training subclasses `pickle.subclass` knows."""
+    if names_subclass(data):
+        spec = SubclassMachine(data, _SUBCLASS_GLOBALS, _budget(len(data)), _storage_ref).load()
+        if type(spec) not in (TensorRecordSpec, WrappedRecordSpec, Float8RecordSpec):
+            raise UnsafePickleError("item is not a single tensor")
+        return spec
     spec = _open(_run(data, TENSOR_RECORD_GLOBALS, _storage_ref))
     if type(spec) is not TensorRecordSpec:
         raise UnsafePickleError("item is not a single tensor")

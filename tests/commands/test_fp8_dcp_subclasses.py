@@ -1,0 +1,225 @@
+"""DCP items holding FP8 training tensor subclasses (`fixtures.fp8_dcp`): torchao's float8 training
+wrapper (the real torchao, under fully_shard) and Transformer Engine's Float8Tensor (a stand-in
+following TE's source, its shards DTensors as FSDP2 leaves them, each with its own scale_inv).
+
+Oracles: torch's own `dcp.load` into the torchao-converted sharded model (reshard keeps the
+values bit for bit); TE's dequantize math (float32 code × scale_inv → bf16) per shard; transformers
+loading the exported folder, its logits equal to those of the reference model holding the
+dequantized values; torch's `weights_only` loader (with the stand-ins allowed under the producers'
+names) behind `--verify`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec
+from ckptctl.formats.pickle.unpickle import UnsafePickleError, load_tensor_record_spec
+from fixtures import fp8_dcp
+from tests.conftest import run_cli
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+TE_E4M3 = "transformer_engine Float8Tensor: float8_e4m3fn data + float32 scale_inv, logical bfloat16"
+TE_E5M2 = "transformer_engine Float8Tensor: float8_e5m2 data + float32 scale_inv, logical bfloat16"
+TORCHAO = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor (casts to float8_e4m3fn)"
+
+
+@pytest.fixture(scope="module")
+def te_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("te")
+    fp8_dcp.save_te(str(root / "ckpt"))
+    fp8_dcp.te_config().save_pretrained(root / "cfg")
+    return root / "ckpt", root / "cfg"
+
+
+@pytest.fixture(scope="module")
+def torchao_saved(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    if not fp8_dcp.torchao_available():
+        pytest.skip("torchao not installed (make oracles puts it beside the venv)")
+    path = tmp_path_factory.mktemp("torchao") / "ckpt"
+    kinds, saved = fp8_dcp.save_torchao(str(path))
+    assert kinds == ["0.weight:WeightWithDynamicFloat8CastTensor", "1.bias:Tensor",
+                     "1.weight:WeightWithDynamicFloat8CastTensor"]
+    return path, saved
+
+
+@pytest.fixture(scope="module")
+def torchao_ckpt(torchao_saved) -> Path:
+    return torchao_saved[0]
+
+
+def _item_pickle(ckpt: Path, fqn: str, rank: int = 0) -> bytes:
+    """The `data.pkl` of `fqn`'s item in rank `rank`'s file, read with torch's own metadata loader."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn and v.relative_path == f"__{rank}_0.distcp")
+    item = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    archive = zipfile.ZipFile(io.BytesIO(item))
+    return archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+
+
+def test_te_item_decodes_to_codes_and_scale(te_ckpt):
+    spec = load_tensor_record_spec(_item_pickle(te_ckpt[0], "model.model.layers.0.self_attn.v_proj.weight", rank=1))
+    assert type(spec) is Float8RecordSpec
+    assert (spec.fp8.name, spec.dtype.name, spec.size) == ("float8_e5m2", "bfloat16", (4, 16))
+    assert (spec.data.dtype.name, spec.data.size, spec.data.storage_numel) == ("uint8", (4, 16), 64)
+    assert (spec.scale_inv.dtype.name, spec.scale_inv.size) == ("float32", (1,))
+
+
+def test_te_item_naming_another_reconstructor_is_refused(te_ckpt):
+    """Only TE's known constructor is allowed: the same item naming any other is refused by name."""
+    pickled = _item_pickle(te_ckpt[0], "model.model.layers.0.self_attn.q_proj.weight")
+    other = pickled.replace(b"_make_float8_tensor_in_reduce_ex", b"_make_mxfp8_tensor_in_reduce_ex_")
+    with pytest.raises(UnsafePickleError, match=r"^refuses to load global transformer_engine\.pytorch\.tensor\."
+                                                r"float8_tensor\._make_mxfp8_tensor_in_reduce_ex_$"):
+        load_tensor_record_spec(other)
+
+
+def test_inspect_shows_te_float8(te_ckpt):
+    shown = run_cli("inspect", te_ckpt[0])
+    assert shown.returncode == 0, shown.stderr
+    assert f"Subclasses        5 tensors: {TE_E4M3}\n                  2 tensors: {TE_E5M2}\n" in shown.stdout
+    doc = json.loads(run_cli("inspect", te_ckpt[0], "--json", "--filter", "*self_attn*").stdout)
+    assert doc["subclasses"] == {"model.model.layers.0.self_attn.q_proj.weight": TE_E4M3,
+                                 "model.model.layers.0.self_attn.k_proj.weight": TE_E4M3,
+                                 "model.model.layers.0.self_attn.v_proj.weight": TE_E5M2,
+                                 "model.model.layers.0.self_attn.o_proj.weight": TE_E4M3}
+
+
+def test_export_hf_dequantizes_te_float8_as_te_does(te_ckpt, tmp_path):
+    ckpt, cfg = te_ckpt
+    done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", cfg, "--verify")
+    assert done.returncode == 0, done.stderr
+    got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    expected = fp8_dcp.te_dequantized()
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+    reference = transformers.LlamaForCausalLM(fp8_dcp.te_config())  # float32: the bf16 values exactly
+    reference.load_state_dict(expected)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    tokens = torch.tensor([[1, 5, 9, 2, 33, 17, 4, 60]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, reference(tokens).logits)
+    same = run_cli("diff", ckpt, tmp_path / "hf")
+    assert same.returncode == 0 and "12 tensors: 12 equal, 0 close, 0 differs" in same.stdout, same.stdout + same.stderr
+
+
+def test_reshard_refuses_te_float8(te_ckpt, tmp_path):
+    ckpt = te_ckpt[0]
+    done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].endswith(
+        "model.model.layers.0.self_attn.q_proj.weight is a transformer_engine Float8Tensor (float8_e4m3fn data + "
+        "float32 scale_inv, logical bfloat16); this command keeps tensors exactly and cannot rewrite FP8 items "
+        "(export-hf dequantizes them)")
+    assert done.stderr.splitlines()[-1].startswith(f"ckptctl: error: {ckpt}/__")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("dtype_module, args", [("transformer_engine_torch", 5), ("transformer_engine_torch", 6),
+                                                ("transformer_engine.pytorch.constants", 5)])
+def test_te_float8_forms_across_releases(tmp_path, dtype_module, args):
+    """TE 2.16–2.17 pickle the pybind `transformer_engine_torch.DType`, later the Python IntEnum;
+    the sixth reduce argument (data_transpose) is in TE's current source only."""
+    fp8_dcp.save_te(str(tmp_path / "ckpt"), dtype_module=dtype_module, args=args)
+    fp8_dcp.te_config().save_pretrained(tmp_path / "cfg")
+    done = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "hf", "--hf-config", tmp_path / "cfg", "--verify")
+    assert done.returncode == 0, done.stderr
+    got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    for name, value in fp8_dcp.te_dequantized().items():
+        assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+
+
+def test_torchao_item_decodes_to_its_plain_tensor(torchao_ckpt):
+    spec = load_tensor_record_spec(_item_pickle(torchao_ckpt, "model.0.weight"))
+    assert type(spec) is WrappedRecordSpec and spec.cast.name == "float8_e4m3fn"
+    assert (spec.inner.dtype.name, spec.inner.size, spec.inner.stride) == ("bfloat16", (32, 32), (32, 1))
+
+
+def test_inspect_shows_torchao_wrapper(torchao_ckpt):
+    shown = run_cli("inspect", torchao_ckpt)
+    assert shown.returncode == 0, shown.stderr
+    assert f"Subclasses        2 tensors: {TORCHAO}\n" in shown.stdout
+    doc = json.loads(run_cli("inspect", torchao_ckpt, "--json").stdout)
+    assert doc["subclasses"] == {"model.0.weight": TORCHAO, "model.1.weight": TORCHAO}
+
+
+@pytest.mark.parametrize("world_size", [3, pytest.param(1, marks=pytest.mark.full)])
+def test_reshard_keeps_torchao_weights_exactly(torchao_saved, tmp_path, world_size):
+    """The resharded checkpoint loads with torch's dcp.load into the same torchao-converted,
+    fully_shard'ed model (its weights still torchao's wrappers) with the saved values, bit for bit."""
+    torchao_ckpt, saved = torchao_saved
+    out = tmp_path / f"ws{world_size}"
+    done = run_cli("reshard", torchao_ckpt, out, "--world-size", str(world_size), "--verify")
+    assert done.returncode == 0, done.stderr
+    loaded = fp8_dcp.load_torchao(str(out))
+    assert {k: kind for k, (kind, _) in loaded.items()} == {
+        "0.weight": "WeightWithDynamicFloat8CastTensor", "1.weight": "WeightWithDynamicFloat8CastTensor",
+        "1.bias": "Tensor"}
+    assert sorted(saved) == sorted(loaded)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name][1].view(torch.int16), value.view(torch.int16)), name
+
+
+@pytest.mark.full
+def test_resharded_torchao_loads_without_torchao(torchao_saved, tmp_path):
+    """torch's dcp.load of torchao's save needs torchao imported (its classes are allow-listed for
+    `weights_only` on import); the reshard's plain tensors load into the model without it."""
+    torchao_ckpt, saved = torchao_saved
+    assert fp8_dcp.load_plain(str(torchao_ckpt)) == "CheckpointException"
+    done = run_cli("reshard", torchao_ckpt, tmp_path / "out", "--world-size", "2")
+    assert done.returncode == 0, done.stderr
+    loaded = fp8_dcp.load_plain(str(tmp_path / "out"))
+    assert sorted(loaded) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(loaded[name].view(torch.int16), value.view(torch.int16)), name
+
+
+def _mutations(pickled: bytes):
+    """Each opcode of a real pickle dropped, doubled, and each GLOBAL swapped for every other
+    global the pickle names: the small exhaustive neighbourhood of a real item."""
+    import pickletools
+
+    ops = list(pickletools.genops(pickled))
+    ends = [pos for _, _, pos in ops[1:]] + [len(pickled)]
+    globals_ = sorted({arg for op, arg, _ in ops if op.name == "GLOBAL"})
+    for (op, arg, start), end in zip(ops, ends):
+        yield pickled[:start] + pickled[end:]
+        yield pickled[:end] + pickled[start:]
+        if op.name == "GLOBAL":
+            for other in globals_:
+                if other != arg:
+                    yield pickled[:start] + b"c" + other.replace(" ", "\n").encode() + b"\n" + pickled[end:]
+
+
+@pytest.mark.parametrize("which", ["te", "torchao"])
+def test_mutated_subclass_items_end_in_refusals_only(which, request):
+    """No neighbour of a real subclass item escapes the decoder with anything but its refusals."""
+    from ckptctl.formats.pickle.unpickle import MalformedPickleError, TensorRecordSpec
+
+    if which == "te":
+        pickled = _item_pickle(request.getfixturevalue("te_ckpt")[0], "model.model.layers.0.mlp.up_proj.weight")
+    else:
+        pickled = _item_pickle(request.getfixturevalue("torchao_ckpt"), "model.1.weight")
+    outcomes = {"decoded": 0, "refused": 0}
+    for mutated in _mutations(pickled):
+        try:
+            spec = load_tensor_record_spec(mutated)
+        except (MalformedPickleError, UnsafePickleError) as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 400
+            outcomes["refused"] += 1
+        else:
+            assert type(spec) in (TensorRecordSpec, WrappedRecordSpec, Float8RecordSpec)
+            outcomes["decoded"] += 1
+    assert outcomes["refused"] > 100
