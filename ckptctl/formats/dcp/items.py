@@ -564,9 +564,9 @@ class ItemReader:
         if not self.dequantize_fp8:
             raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
                                    "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
-        fd = self.fd(chunk.file)
-        codes = bytearray(os.pread(fd, chunk.numel, chunk.offset + item.data_at))
-        scale = os.pread(fd, 4, chunk.offset + item.scale_at)
+        read = self.positioned_reader(chunk.file)
+        codes = bytearray(read(chunk.numel, chunk.offset + item.data_at))
+        scale = read(4, chunk.offset + item.scale_at)
         if len(codes) != chunk.numel or len(scale) != 4:
             raise self._bad(chunk, "short read")
         values = torch.frombuffer(codes, dtype=torch.uint8) if codes else torch.empty(0, dtype=torch.uint8)
