@@ -7,36 +7,89 @@ way: the whole merged Megatron weight of its layer in float32, then the target's
 taken where the family rule takes the base's (a row subset of a matmul need not have the bits
 of the same rows of the whole one, so B is never split first). A PEFT folder gives each HF
 module the shared A and the rows of B the rule gives it of the base: copied, nothing computed.
+Canonical LoRA's adapter of one projection (`adapter_q` …) is merged, as Megatron-Bridge merges
+it, into the HF tensor it names (`q_proj` …) once that is split from the fused weight: W_q +
+(α / dim) · B_q @ A_q, and written as that module's own A and B.
+
+α is the run's: `run_config.yaml` in the checkpoint folder (`peft.alpha`), or `--lora-alpha`
+where the folder has none; both given must agree.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Mapping, Sequence
 
-from ckptctl.core.checkpoint import Checkpoint
+from ckptctl.core.checkpoint import Checkpoint, ChunkTable, TensorEntry
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.core.plan import LowRank, Piece, SourceTensor, StreamItem, TargetTensor, whole_item
 from ckptctl.families.adapters import PEFT_PREFIX, Adapter
-from ckptctl.families.base import MegatronModel, RowView
+from ckptctl.families.base import MegatronModel, RowView, is_model_key
 from ckptctl.families.bridge_adapters import BridgeAdapter, find_bridge_adapters
+from ckptctl.formats.bridge_run_config import BridgePeft, read_bridge_peft, run_config_path
+from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
 
+def with_base(ckpt: Checkpoint, base_path: Path) -> Checkpoint:
+    """`--base`: the adapter checkpoint `ckpt` (a Megatron-Bridge LoRA save, adapters alone) seen
+    with the weights of the pretrained checkpoint the run started from (`pretrained_checkpoint`,
+    a Megatron torch_dist save), each chunk read from its own folder (named by its full path).
+    Both torch_dist: their tensors are global, so the two may have been saved at different TP.
+    A model tensor in both is refused: which one is the model's is not guessed."""
+    base = open_checkpoint(base_path)
+    for which, path, backend in (("", ckpt.path, ckpt.megatron_backend), ("--base ", base.path, base.megatron_backend)):
+        if backend != TORCH_DIST:
+            raise UsageError(f"{which}{path}: not a Megatron torch_dist checkpoint (--base joins a Megatron-Bridge "
+                             "LoRA save to its pretrained torch_dist checkpoint)")
+    tensors = dict(ckpt.tensors)
+    files = dict(ckpt.files)
+    files.update({str(base.path / name): size for name, size in base.files.items()})
+    both = sorted(fqn for fqn in base.tensors.keys() & ckpt.tensors.keys() if is_model_key(fqn))
+    if both:
+        more = f" (+{len(both) - 1} more)" if len(both) > 1 else ""
+        raise CheckpointError(ckpt.path, f"{both[0]}{more} is in {base.path} too: which one is the model's is not "
+                                         "guessed (--base is for a Megatron-Bridge LoRA save, which holds the "
+                                         "adapters alone)")
+    for fqn, entry in base.tensors.items():
+        if fqn in tensors:
+            continue  # the run's own: its step, its RNG, its optimizer
+        chunks = entry.chunks
+        if isinstance(chunks, ChunkTable):
+            chunks = chunks.renamed([str(base.path / n) for n in chunks.columns()[0]])
+        else:
+            chunks = tuple(replace(c, file=str(base.path / c.file)) for c in chunks)
+        tensors[fqn] = TensorEntry(fqn, entry.shape, entry.dtype, chunks, entry.properties)
+    return replace(ckpt, tensors=tensors, files=files, rank_conflicts={**base.rank_conflicts, **ckpt.rank_conflicts},
+                   derived={})
+
+
+@dataclass(frozen=True)
+class BridgeAlpha:
+    """The run's LoRA α and where it came from (`--lora-alpha`, or the run_config.yaml's path)."""
+
+    value: float
+    source: str
+
+
 def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], alpha: float | None,
-                peft_only: Sequence[str]) -> tuple[tuple[BridgeAdapter, ...], float] | None:
+                peft_only: Sequence[str], base: str | None = None
+                ) -> tuple[tuple[BridgeAdapter, ...], BridgeAlpha] | None:
     """The Megatron model's Megatron-Bridge LoRA adapters and α, or None without adapters.
     `flags`: the adapter flags given (`--merge-adapters`, `--adapter-only`); `peft_only`: the
-    given flags that only a peft checkpoint takes. Adapters without either flag are refused
-    (the model alone is not what was trained), as is α not given (Bridge keeps it in the run's
-    run_config.yaml, not in the checkpoint). The adapters are left out of the model's names the
-    family rules see."""
+    given flags that only a peft checkpoint takes; `base`: `--base`, whose weights the model
+    holds too. Adapters without either flag are refused (the model alone is not what was
+    trained); α is the checkpoint's run_config.yaml's, else `--lora-alpha`, else refused, and
+    the two given must agree. The adapters are left out of the model's names the family rules see."""
     shapes = {n: e.shape for n, e in model.entries.items()}
     shapes.update({n: (v.rows, *v.trailing) for n, v in model.layer_views.items()})
-    found = find_bridge_adapters(shapes, ckpt.path, model.prefix)
+    found = find_bridge_adapters(shapes, ckpt.path, model.prefix, base)
     if not found:
+        if base is not None:
+            raise UsageError(f"{ckpt.path}: --base, but the checkpoint holds no Megatron-Bridge LoRA adapter")
         if flags:
             raise UsageError(f"{ckpt.path}: {flags[0]}, but the checkpoint holds no LoRA adapter")
         given = [*(["--lora-alpha"] if alpha is not None else []), *peft_only]
@@ -46,16 +99,24 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
     dims = ", ".join(map(str, sorted({a.dim for a in found})))
     if not flags:
         raise CheckpointError(ckpt.path, f"holds {counted(len(found), 'Megatron-Bridge LoRA adapter')} (dim {dims}): "
-                                         "pass --merge-adapters --lora-alpha ALPHA to export the model with them "
-                                         "merged, or --adapter-only --lora-alpha ALPHA to export them as a PEFT "
-                                         "adapter folder")
+                                         "pass --merge-adapters to export the model with them merged, or "
+                                         "--adapter-only to export them as a PEFT adapter folder")
     if peft_only:
         raise UsageError(f"{peft_only[0]} applies to peft adapters, not to Megatron-Bridge's")
-    if alpha is None:
-        raise UsageError(f"{ckpt.path}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha (the run's "
-                         "run_config.yaml has it as peft.alpha)")
-    if not math.isfinite(alpha):
+    if alpha is not None and not math.isfinite(alpha):
         raise UsageError(f"--lora-alpha {alpha:g} is not a finite number")
+    config = run_config_path(ckpt.path)
+    peft = read_bridge_peft(config) if config is not None else None
+    if peft is not None:
+        check_run_config(peft, found, model.prefix)
+        if alpha is not None and alpha != peft.alpha:
+            raise UsageError(f"--lora-alpha {alpha:g} disagrees with {peft.path}, whose peft.alpha is {peft.alpha:g}")
+        chosen = BridgeAlpha(peft.alpha, str(peft.path))
+    elif alpha is None:
+        raise UsageError(f"{ckpt.path}: has no run_config.yaml, where Megatron-Bridge keeps the run's LoRA α "
+                         "(peft.alpha): pass --lora-alpha")
+    else:
+        chosen = BridgeAlpha(alpha, "--lora-alpha")
     for adapter in found:
         for name in (adapter.a, adapter.b):
             entry = model.entries.get(name)
@@ -63,7 +124,20 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
             if not dtype.is_floating_point:
                 raise CheckpointError(ckpt.path, f"{model.prefix}{name}: {dtype.name} is no LoRA factor's dtype")
             model.used.add(name)
-    return found, alpha
+    return found, chosen
+
+
+def check_run_config(peft: BridgePeft, adapters: Sequence[BridgeAdapter], prefix: str) -> None:
+    """Refuse adapters the run's config does not describe: canonical ones from a LoRA run, a dim
+    other than peft.dim (an expert's may be smaller with normalize_moe_lora)."""
+    split = next((a for a in adapters if a.split is not None), None)
+    if split is not None and peft.kind != "canonical-lora":
+        raise CheckpointError(peft.path, f"peft._target_ is LoRA, but {prefix}{split.a} is canonical LoRA's "
+                                         "(is this the run's run_config.yaml?)")
+    for adapter in adapters:
+        if adapter.dim != peft.dim and not (peft.normalize_moe_lora and ".experts." in adapter.module):
+            raise CheckpointError(peft.path, f"peft.dim is {peft.dim}, but {prefix}{adapter.a} has dim {adapter.dim} "
+                                             "(is this the run's run_config.yaml?)")
 
 
 def refuse_unplaced_adapters(model: MegatronModel, adapters: Sequence[BridgeAdapter], unused: Sequence[str],
@@ -107,28 +181,59 @@ def _blocks_of(target: TargetTensor, base: RowView) -> tuple[Piece, ...] | None:
     return tuple(blocks)
 
 
+def _canonical_target(model: MegatronModel, adapter: BridgeAdapter, taken: Mapping[str, tuple[Piece, ...]],
+                      targets: Mapping[str, TargetTensor]) -> str:
+    """The HF target a canonical adapter is merged into: of those made of its linear's weight, the
+    one its `ADAPTER_NAME_MAP` module names (`q_proj` …), whose rows its linear_out must have."""
+    named = [n for n in taken if n.removesuffix(".weight").rsplit(".", 1)[-1] == adapter.hf_module]
+    if len(named) != 1:
+        raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.a}: canonical LoRA's {adapter.split} on "
+                                               f"{model.prefix}{adapter.module}, but {len(named)} of the HF tensors "
+                                               f"made of it are a {adapter.hf_module} (want one)")
+    name = named[0]
+    b = model.layer_views[adapter.b] if adapter.b in model.layer_views else model.view(adapter.b)
+    if b.rows != targets[name].shape[0]:
+        raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.b}: {b.rows} rows, but {name} has "
+                                               f"{targets[name].shape[0]}")
+    return name
+
+
 def merge_bridge_adapters(model: MegatronModel, targets: dict[str, TargetTensor], adapters: Sequence[BridgeAdapter],
-                          alpha: float, selected: bool) -> str:
+                          alpha: BridgeAlpha, selected: bool) -> str:
     """Give each HF target made of an adapted Megatron weight the `delta` that merges its adapter
-    over the whole weight (one layer's), then takes the target's blocks; the note that says so.
-    An adapter no target takes is refused unless `--include`/`--exclude` left its weights out."""
+    over the whole weight (one layer's), then takes the target's blocks; a canonical adapter's
+    target, the delta over the target alone; the note that says so. An adapter no target takes
+    is refused unless `--include`/`--exclude` left its weights out."""
     merged = 0
     for adapter in adapters:
         views: dict[str, SourceTensor] = {}
         base, w = _operand(model, adapter.weight, views)
         taken = {name: blocks for name, t in targets.items() if (blocks := _blocks_of(t, base)) is not None}
+        if adapter.split is not None and taken:
+            name = _canonical_target(model, adapter, taken, targets)
+            taken = {name: taken[name]}
         if not taken:
             if selected:
                 continue
             raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.a}: a Megatron-Bridge LoRA adapter on "
                                                    f"{model.prefix}{adapter.module}, which no HF tensor is made of")
         (_, a), (_, b) = _operand(model, adapter.a, views), _operand(model, adapter.b, views)
+        scale = alpha.value / adapter.dim
         for name, blocks in taken.items():
-            targets[name] = replace(targets[name], delta=LowRank(w, a, b, alpha / adapter.dim, blocks=blocks))
+            if adapter.split is not None:  # Bridge merges W_q + s · B_q @ A_q once q_proj is split out
+                target = targets[name]
+                whole = whole_item(TargetTensor(target.fqn, target.shape, float32, target.pieces), views)
+                targets[name] = replace(target, delta=LowRank(whole, a, b, scale))
+            else:
+                targets[name] = replace(targets[name], delta=LowRank(w, a, b, scale, blocks=blocks))
             merged += 1
+    canonical = sum(a.split is not None for a in adapters)
+    how = ("W + (B @ A) · s in float32 over each whole Megatron weight, as Megatron-Bridge's LoRAMerge, then split "
+           "as the base and cast once")
+    if canonical:
+        how += "; canonical LoRA's over the HF tensor it names (q_proj …), as Bridge merges those"
     return (f"{counted(merged, 'weight')} merged with {counted(len(adapters), 'Megatron-Bridge LoRA adapter')} "
-            f"(s = α / dim, α {alpha:g} from --lora-alpha): W + (B @ A) · s in float32 over each whole Megatron "
-            "weight, as Megatron-Bridge's LoRAMerge, then split as the base and cast once")
+            f"(s = α / dim, α {alpha.value:g} from {alpha.source}): {how}")
 
 
 def _rows_of(view: RowView, row: int, count: int) -> tuple[int, int]:
@@ -144,8 +249,9 @@ def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTen
                            sources: dict[str, SourceTensor]) -> tuple[dict[str, TargetTensor], list[Adapter]]:
     """`--adapter-only`: each HF module made of an adapted Megatron weight gets the shared A
     (`linear_in`) whole and its rows of B (`linear_out`), the rows the family rule gives it of
-    the base (q, k, v of linear_qkv; gate, up of linear_fc1), under PEFT's names, copied; and the
-    peft `Adapter` each is; `wanted`: `--dtype`."""
+    the base (q, k, v of linear_qkv; gate, up of linear_fc1), under PEFT's names, copied; a
+    canonical adapter's module, its own A and B whole; and the peft `Adapter` each is;
+    `wanted`: `--dtype`."""
     out: dict[str, TargetTensor] = {}
     peft: list[Adapter] = []
     for adapter in adapters:
@@ -154,6 +260,9 @@ def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTen
         if not taken:
             raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.a}: a Megatron-Bridge LoRA adapter on "
                                                    f"{model.prefix}{adapter.module}, which no HF tensor is made of")
+        if adapter.split is not None:
+            name = _canonical_target(model, adapter, taken, targets)
+            taken = {name: ()}
         views = [model.layer_views[n] if n in model.layer_views else model.view(n) for n in (adapter.a, adapter.b)]
         a_view, b_view = views
         for view in views:
@@ -161,11 +270,14 @@ def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTen
         for name, blocks in taken.items():
             module = name.removesuffix(".weight")
             a_name, b_name = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
-            b_pieces = []
-            for block in blocks:
-                row, rows = _rows_of(b_view, block.src_start[0], block.sizes[0])
-                b_pieces.append(Piece(b_view.fqn, (row, 0), (block.dst_start[0], 0), (rows, adapter.dim)))
             rows = targets[name].shape[0]
+            if adapter.split is not None:  # its own B, whole
+                b_pieces = list(_whole_rows(b_view))
+            else:
+                b_pieces = []
+                for block in blocks:
+                    row, count = _rows_of(b_view, block.src_start[0], block.sizes[0])
+                    b_pieces.append(Piece(b_view.fqn, (row, 0), (block.dst_start[0], 0), (count, adapter.dim)))
             out[a_name] = TargetTensor(a_name, (a_view.rows, *a_view.trailing), cast_dtype(sources[a_view.fqn].dtype, wanted),
                                        _whole_rows(a_view))
             out[b_name] = TargetTensor(b_name, (rows, adapter.dim), cast_dtype(sources[b_view.fqn].dtype, wanted), tuple(b_pieces))

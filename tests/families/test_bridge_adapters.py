@@ -10,10 +10,15 @@ qkv 64 rows, fc1 96, fc2 48 columns, 2 layers).
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import json
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import yaml
 
 from ckptctl.families.bridge_adapters import bridge_adapter_summary, bridge_summary_line
 from tests.conftest import run_cli
@@ -36,6 +41,58 @@ def lora_state(canonical: bool = False) -> dict[str, torch.Tensor]:
             state[f"{prefix}linear_in.weight"] = torch.randn(LAYERS, DIM, inp, generator=gen)
             state[f"{prefix}linear_out.weight"] = torch.randn(LAYERS, rows, DIM, generator=gen)
     return state
+
+
+PEFT_CLASSES = {"lora": ("lora.py", "LoRA"), "canonical-lora": ("canonical_lora.py", "CanonicalLoRA"),
+                "dora": ("dora.py", "DoRA")}
+"""Megatron-Bridge's PEFT dataclasses: file under megatron/bridge/peft, class."""
+
+
+def _defaults(tree: ast.Module, name: str) -> dict[str, Any]:
+    """The dataclass fields of class `name` in `tree` and their defaults, read from its source:
+    a literal, `field(default_factory=lambda: [...])`, `field(default_factory=set)`, else None."""
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+    fields: dict[str, Any] = {}
+    for node in cls.body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+            kw = {k.arg: k.value for k in value.keywords}
+            factory = kw.get("default_factory")
+            if isinstance(factory, ast.Lambda):
+                value = factory.body
+            elif isinstance(factory, ast.Name):
+                fields[node.target.id] = {"set": set(), "dict": {}, "list": []}[factory.id]
+                continue
+            else:
+                value = kw.get("default")
+        try:
+            fields[node.target.id] = ast.literal_eval(value) if value is not None else None
+        except ValueError:
+            fields[node.target.id] = None
+    return fields
+
+
+def run_config_yaml(kind: str = "lora", lora_dtype: torch.dtype | None = torch.float32, **peft: Any) -> str:
+    """A run_config.yaml as Megatron-Bridge's `ConfigContainer.to_yaml` writes it: the PEFT
+    dataclass (its fields and defaults read from Bridge's own source, with those of its bases
+    `PEFT` and `ModuleMatcher`) as a mapping under `peft` with its class as `_target_`, a torch
+    dtype as its representer writes one (`{_target_: torch.float32, _call_: false}`), the set
+    `params_to_save` as `yaml.safe_dump` writes a set; beside a few other sections."""
+    root = Path(importlib.util.find_spec("megatron.bridge").submodule_search_locations[0]) / "peft"
+    file, cls = PEFT_CLASSES[kind]
+    fields: dict[str, Any] = {}
+    for source, name in (("base.py", "PEFT"), ("module_matcher.py", "ModuleMatcher"), (file, cls)):
+        fields.update(_defaults(ast.parse((root / source).read_text()), name))
+    fields = {k: v for k, v in fields.items() if not k.startswith("_")}
+    if "lora_dtype" in fields:
+        fields["lora_dtype"] = None if lora_dtype is None else {"_target_": str(lora_dtype), "_call_": False}
+    config = {"_target_": "megatron.bridge.training.config.ConfigContainer",
+              "checkpoint": {"_target_": "megatron.bridge.training.config.CheckpointConfig", "ckpt_format": "torch_dist",
+                             "save_optim": True},
+              "peft": {"_target_": f"megatron.bridge.peft.{file[:-3]}.{cls}", **fields, **peft}}
+    return yaml.safe_dump(config, default_flow_style=False)
 
 
 def shapes(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, tuple[int, ...]]:
