@@ -63,8 +63,10 @@ def read_bridge_peft(path: Path) -> BridgePeft:
     except RecursionError:
         raise CheckpointError(path, "not a readable run config (nested too deeply)") from None
     except yaml.YAMLError as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(path, f"not a readable run config ({first})") from None
+        problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise CheckpointError(path, f"not a readable run config ({problem}{where})") from None
     if not isinstance(config, dict):
         raise CheckpointError(path, "not a YAML mapping (is this a Megatron-Bridge run_config.yaml?)")
     peft = config.get("peft")
