@@ -30,6 +30,7 @@ from ckptctl.families.base import MegatronModel, RowView, is_model_key
 from ckptctl.families.bridge_adapters import BridgeAdapter, find_bridge_adapters
 from ckptctl.formats.bridge_run_config import BridgePeft, read_bridge_peft, run_config_path
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
+from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
@@ -76,14 +77,15 @@ class BridgeAlpha:
 
 
 def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], alpha: float | None,
-                peft_only: Sequence[str], base: str | None = None
-                ) -> tuple[tuple[BridgeAdapter, ...], BridgeAlpha] | None:
+                peft_only: Sequence[str], base: str | None = None, tp: int | None = None
+                ) -> tuple[tuple[BridgeAdapter, ...], BridgeAlpha, int | None] | None:
     """The Megatron model's Megatron-Bridge LoRA adapters and α, or None without adapters.
     `flags`: the adapter flags given (`--merge-adapters`, `--adapter-only`); `peft_only`: the
     given flags that only a peft checkpoint takes; `base`: `--base`, whose weights the model
     holds too. Adapters without either flag are refused (the model alone is not what was
     trained); α is the checkpoint's run_config.yaml's, else `--lora-alpha`, else refused, and
-    the two given must agree. The adapters are left out of the model's names the family rules see."""
+    the two given must agree; the run's TP (`--tp`, else args) where an adapter's base is a SwiGLU fc1
+    saved as halves. The adapters are left out of the model's names the family rules see."""
     shapes = {n: e.shape for n, e in model.entries.items()}
     shapes.update({n: (v.rows, *v.trailing) for n, v in model.layer_views.items()})
     found = find_bridge_adapters(shapes, ckpt.path, model.prefix, base)
@@ -124,7 +126,18 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
             if not dtype.is_floating_point:
                 raise CheckpointError(ckpt.path, f"{model.prefix}{name}: {dtype.name} is no LoRA factor's dtype")
             model.used.add(name)
-    return found, chosen
+    return found, chosen, _run_tp(ckpt, tp) if any(a.halves for a in found) else tp
+
+
+def _run_tp(ckpt: Checkpoint, given: int | None) -> int | None:
+    """The run's TP: `--tp`, args' (both: they must agree), or None when neither says."""
+    args = checkpoint_args(ckpt)
+    saved = getattr(args, "tensor_model_parallel_size", None) if args is not None else None
+    if isinstance(saved, bool) or not isinstance(saved, int) or saved < 1:
+        saved = None
+    if given is not None and saved is not None and given != saved:
+        raise UsageError(f"{ckpt.path}: --tp {given} but the checkpoint's args say TP {saved}")
+    return given if given is not None else saved
 
 
 def check_run_config(peft: BridgePeft, adapters: Sequence[BridgeAdapter], prefix: str) -> None:
@@ -145,7 +158,7 @@ def refuse_unplaced_adapters(model: MegatronModel, adapters: Sequence[BridgeAdap
     """Refuse, by the adapter's name, an adapter on a Megatron weight the family's rules have no
     place for (`unused`: the model's names they did not take)."""
     left = set(unused)
-    unplaced = [a for a in adapters if a.weight in left]
+    unplaced = [a for a in adapters if any(name in left for name in a.bases)]
     if unplaced:
         more = f" (+{counted(len(unplaced) - 1, 'more adapter')})" if len(unplaced) > 1 else ""
         raise CheckpointError(model.ckpt.path, f"{model.prefix}{unplaced[0].a}: a Megatron-Bridge LoRA adapter on "
@@ -155,30 +168,93 @@ def refuse_unplaced_adapters(model: MegatronModel, adapters: Sequence[BridgeAdap
 
 def _operand(model: MegatronModel, name: str, views: dict[str, SourceTensor]) -> tuple[RowView, StreamItem]:
     """A tensor of the model (a layer's slab of a stack), whole, as a float32 operand."""
-    view = model.layer_views[name] if name in model.layer_views else model.view(name)
+    view = _view(model, name)
     views.setdefault(view.fqn, model.source_view(view.fqn))
     return view, whole_item(TargetTensor(view.fqn, (view.rows, *view.trailing), float32, _whole_rows(view)), views)
 
 
-def _blocks_of(target: TargetTensor, base: RowView) -> tuple[Piece, ...] | None:
-    """The target's pieces as blocks of the base weight `base` (rows in it), or None when it reads
-    none of it; refused when it reads it otherwise than whole rows, or reads other tensors too."""
-    mine = [p for p in target.pieces if p.src == base.fqn and any(
-        b.src_row <= p.src_start[0] < b.src_row + b.rows for b in base.blocks)]
-    if not mine:
-        return None
-    blocks = []
-    for piece in target.pieces:
-        at = next((b for b in base.blocks if b.src_row <= piece.src_start[0] < b.src_row + b.rows), None) \
-            if piece.src == base.fqn else None
-        whole_rows = (piece.axes is None and not any(piece.src_start[1:]) and piece.sizes[1:] == base.trailing
-                      and at is not None and piece.src_start[0] + piece.sizes[0] <= at.src_row + at.rows)
-        if not whole_rows or target.add or target.logical_shape is not None:
-            raise CheckpointError(target.fqn, f"takes {base.fqn} otherwise than whole rows of one layer's weight, "
-                                              "which export-hf does not merge a Megatron-Bridge adapter into yet")
-        row = at.dst_row + piece.src_start[0] - at.src_row
-        blocks.append(Piece(base.fqn, (row, *piece.src_start[1:]), piece.dst_start, piece.sizes))
-    return tuple(blocks)
+def _view(model: MegatronModel, name: str) -> RowView:
+    return model.layer_views[name] if name in model.layer_views else model.view(name)
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """Rows of a saved tensor that are rows of an adapter's base weight (the weight B's rows follow)."""
+
+    fqn: str
+    src_row: int
+    rows: int
+    row: int
+    """Its first row in the base weight."""
+
+
+@dataclass(frozen=True)
+class _Base:
+    """An adapted Megatron weight as B's rows see it: one layer's slab of a stack, or a SwiGLU fc1
+    saved as its halves (fsdp_dtensor's `weight_w`, `weight_v`) seen fused TP-blocked at the run's TP,
+    [W_0; V_0; W_1; V_1 …], as Bridge's adapter on it is saved."""
+
+    label: str
+    rows: int
+    trailing: tuple[int, ...]
+    segments: tuple[_Segment, ...]
+
+    def operand(self, model: MegatronModel, views: dict[str, SourceTensor]) -> StreamItem:
+        """All of it, as a float32 operand."""
+        zeros = tuple(0 for _ in self.trailing)
+        for seg in self.segments:
+            views.setdefault(seg.fqn, model.source_view(seg.fqn))
+        pieces = tuple(Piece(g.fqn, (g.src_row, *zeros), (g.row, *zeros), (g.rows, *self.trailing))
+                       for g in self.segments)
+        return whole_item(TargetTensor(self.label, (self.rows, *self.trailing), float32, pieces), views)
+
+    def _at(self, fqn: str, row: int) -> _Segment | None:
+        return next((g for g in self.segments if g.fqn == fqn and g.src_row <= row < g.src_row + g.rows), None)
+
+    def blocks_of(self, target: TargetTensor) -> tuple[Piece, ...] | None:
+        """The target's pieces as blocks of this weight (rows in it), or None when it reads none of
+        it; refused when it reads it otherwise than whole rows, or reads other tensors too."""
+        if not any(self._at(p.src, p.src_start[0]) for p in target.pieces if p.src_start):
+            return None
+        blocks = []
+        for piece in target.pieces:
+            whole_rows = (piece.axes is None and piece.src_start and not any(piece.src_start[1:])
+                          and piece.sizes[1:] == self.trailing and not target.add and target.logical_shape is None)
+            row, left, dst = (piece.src_start[0], piece.sizes[0], piece.dst_start[0]) if whole_rows else (0, 0, 0)
+            while whole_rows and left:
+                seg = self._at(piece.src, row)
+                if seg is None:
+                    whole_rows = False
+                    break
+                count = min(left, seg.src_row + seg.rows - row)
+                blocks.append(Piece(self.label, (seg.row + row - seg.src_row, *piece.src_start[1:]),
+                                    (dst, *piece.dst_start[1:]), (count, *piece.sizes[1:])))
+                row, left, dst = row + count, left - count, dst + count
+            if not whole_rows:
+                raise CheckpointError(target.fqn, f"takes {self.label} otherwise than whole rows of one layer's "
+                                                  "weight, which export-hf does not merge a Megatron-Bridge adapter "
+                                                  "into yet")
+        return tuple(blocks)
+
+
+def _base(model: MegatronModel, adapter: BridgeAdapter, tp: int | None) -> _Base:
+    """The base weight of `adapter` (`tp`: the run's, for a SwiGLU fc1 saved as halves)."""
+    if not adapter.halves:
+        view = _view(model, adapter.weight)
+        return _Base(view.fqn, view.rows, view.trailing,
+                     tuple(_Segment(view.fqn, b.src_row, b.rows, b.dst_row) for b in view.blocks))
+    w, v = (_view(model, name) for name in adapter.bases)
+    if tp is None or w.rows % tp:
+        raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.b}: on a SwiGLU fc1 saved as weight_w / "
+                                               f"weight_v, its rows are TP-blocked at the run's TP, which "
+                                               f"{'the args do not say (pass --tp)' if tp is None else f'{tp} does not divide {w.rows} rows by'}")
+    rows = w.rows // tp
+    segments = []
+    for t in range(tp):
+        for part, view in enumerate((w, v)):
+            src, _ = _rows_of(view, t * rows, rows)
+            segments.append(_Segment(view.fqn, src, rows, (2 * t + part) * rows))
+    return _Base(f"{model.prefix}{adapter.weight}", 2 * w.rows, w.trailing, tuple(segments))
 
 
 def _canonical_target(model: MegatronModel, adapter: BridgeAdapter, taken: Mapping[str, tuple[Piece, ...]],
@@ -191,7 +267,7 @@ def _canonical_target(model: MegatronModel, adapter: BridgeAdapter, taken: Mappi
                                                f"{model.prefix}{adapter.module}, but {len(named)} of the HF tensors "
                                                f"made of it are a {adapter.hf_module} (want one)")
     name = named[0]
-    b = model.layer_views[adapter.b] if adapter.b in model.layer_views else model.view(adapter.b)
+    b = _view(model, adapter.b)
     if b.rows != targets[name].shape[0]:
         raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.b}: {b.rows} rows, but {name} has "
                                                f"{targets[name].shape[0]}")
@@ -199,7 +275,7 @@ def _canonical_target(model: MegatronModel, adapter: BridgeAdapter, taken: Mappi
 
 
 def merge_bridge_adapters(model: MegatronModel, targets: dict[str, TargetTensor], adapters: Sequence[BridgeAdapter],
-                          alpha: BridgeAlpha, selected: bool) -> str:
+                          alpha: BridgeAlpha, tp: int | None, selected: bool) -> str:
     """Give each HF target made of an adapted Megatron weight the `delta` that merges its adapter
     over the whole weight (one layer's), then takes the target's blocks; a canonical adapter's
     target, the delta over the target alone; the note that says so. An adapter no target takes
@@ -207,8 +283,9 @@ def merge_bridge_adapters(model: MegatronModel, targets: dict[str, TargetTensor]
     merged = 0
     for adapter in adapters:
         views: dict[str, SourceTensor] = {}
-        base, w = _operand(model, adapter.weight, views)
-        taken = {name: blocks for name, t in targets.items() if (blocks := _blocks_of(t, base)) is not None}
+        base = _base(model, adapter, tp)
+        w = base.operand(model, views)
+        taken = {name: blocks for name, t in targets.items() if (blocks := base.blocks_of(t)) is not None}
         if adapter.split is not None and taken:
             name = _canonical_target(model, adapter, taken, targets)
             taken = {name: taken[name]}
@@ -245,7 +322,7 @@ def _rows_of(view: RowView, row: int, count: int) -> tuple[int, int]:
 
 
 def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTensor],
-                           adapters: Sequence[BridgeAdapter], wanted: DType | None,
+                           adapters: Sequence[BridgeAdapter], tp: int | None, wanted: DType | None,
                            sources: dict[str, SourceTensor]) -> tuple[dict[str, TargetTensor], list[Adapter]]:
     """`--adapter-only`: each HF module made of an adapted Megatron weight gets the shared A
     (`linear_in`) whole and its rows of B (`linear_out`), the rows the family rule gives it of
@@ -255,15 +332,15 @@ def bridge_adapter_tensors(model: MegatronModel, targets: Mapping[str, TargetTen
     out: dict[str, TargetTensor] = {}
     peft: list[Adapter] = []
     for adapter in adapters:
-        base = model.layer_views[adapter.weight] if adapter.weight in model.layer_views else model.view(adapter.weight)
-        taken = {name: blocks for name, t in targets.items() if (blocks := _blocks_of(t, base)) is not None}
+        base = _base(model, adapter, tp)
+        taken = {name: blocks for name, t in targets.items() if (blocks := base.blocks_of(t)) is not None}
         if not taken:
             raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.a}: a Megatron-Bridge LoRA adapter on "
                                                    f"{model.prefix}{adapter.module}, which no HF tensor is made of")
         if adapter.split is not None:
             name = _canonical_target(model, adapter, taken, targets)
             taken = {name: ()}
-        views = [model.layer_views[n] if n in model.layer_views else model.view(n) for n in (adapter.a, adapter.b)]
+        views = [_view(model, n) for n in (adapter.a, adapter.b)]
         a_view, b_view = views
         for view in views:
             sources.setdefault(view.fqn, model.source_view(view.fqn))

@@ -359,7 +359,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if raw and opts.base is not None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
     bridge = None if raw else bridge_lora(ckpt, model, adapter_flags(opts), opts.lora_alpha, peft_flags(opts),
-                                          str(opts.base) if opts.base is not None else None)
+                                          str(opts.base) if opts.base is not None else None, opts.tp)
     if lora is not None and opts.adapter_only:
         return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref, preparing)
     if opts.name_check or not raw:  # a model or family rules are built of the config
@@ -656,14 +656,14 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
 
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                                targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
-                               alpha: BridgeAlpha, ref: str | Path | None) -> ExportPlan:
+                               alpha: BridgeAlpha, tp: int | None, ref: str | Path | None) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
     each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
-    tensors, peft = bridge_adapter_tensors(model, targets, adapters, opts.dtype, sources)
+    tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
     check_coverage(ckpt, tensors.values(), sources)
     files = [placed_file(PEFT_WEIGHTS, list(tensors.values()))]
     architectures = output_config(cfg, None).get("architectures") or ()

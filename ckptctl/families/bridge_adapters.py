@@ -50,6 +50,13 @@ class BridgeAdapter:
     split: str | None = None
     """Canonical LoRA's adapter of one projection of a fused linear (`adapter_q` …), None for one
     on the whole linear."""
+    halves: bool = False
+    """The base is a SwiGLU fc1 saved split, `weight_w` and `weight_v` (fsdp_dtensor), not `weight`."""
+
+    @property
+    def bases(self) -> tuple[str, ...]:
+        """The names its base weight is saved under."""
+        return (f"{self.module}.weight_w", f"{self.module}.weight_v") if self.halves else (self.weight,)
 
     @property
     def hf_module(self) -> str | None:
@@ -90,6 +97,11 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
         if missing:
             raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
         a, b, weight = found["linear_in"], found["linear_out"], f"{module}.weight"
+        halves = [shapes.get(f"{module}.weight_{part}") for part in "wv"]
+        split_base = weight not in shapes and split is None and halves[0] is not None and halves[0] == halves[1] \
+            and len(halves[0]) == 2
+        if split_base:  # fsdp_dtensor's SwiGLU fc1, saved as its halves
+            shapes = {**shapes, weight: (2 * halves[0][0], halves[0][1])}
         if weight not in shapes:
             if base is not None:
                 raise CheckpointError(where, f"{prefix}{a}: an adapter on {prefix}{module}, whose weight "
@@ -108,7 +120,7 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
                                          f"its base weight {list(w)}{f' of {base}' if base else ''} (want {want})")
         if sa[0] == 0:
             raise CheckpointError(where, f"{prefix}{a}: dim 0 (linear_in {list(sa)}): α / dim has no value")
-        adapters.append(BridgeAdapter(module, a, b, sa[0], split))
+        adapters.append(BridgeAdapter(module, a, b, sa[0], split, split_base))
     return tuple(adapters)
 
 

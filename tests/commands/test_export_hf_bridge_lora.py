@@ -291,55 +291,28 @@ def test_base_refusals(bridge, tmp_path):
     assert run.returncode == 2 and "destination overlaps the source" in run.stderr
 
 
-@pytest.mark.parametrize(("peft", "line"), [
-    ({"alpha": 8, "dim": 8}, "peft.dim is 8, but decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight has dim 4 "
-                             "(is this the run's run_config.yaml?)"),
-    ({"alpha": "eight", "dim": 4}, "peft.alpha is 'eight', not a finite number"),
-    ({"alpha": 8, "dim": True}, "peft.dim is True, not a positive integer"),
-])
-def test_run_config_that_does_not_describe_the_adapters_is_refused(bridge, tmp_path, peft, line):
+def test_run_config_that_does_not_describe_the_adapters_is_refused(bridge, tmp_path):
+    """A dim other than the adapters', canonical adapters beside a LoRA run's config, a hostile
+    file: one line naming run_config.yaml (tests/formats/test_bridge_run_config.py has the rest)."""
     ckpt = tmp_path / "only"
     shutil.copytree(bridge / "only", ckpt)
-    (ckpt / "run_config.yaml").write_text(run_config_yaml(**peft))
-    run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC, "--merge-adapters")
-    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {ckpt / 'run_config.yaml'}: {line}")
-
-
-def test_run_config_of_another_peft_or_none_is_refused(bridge, tmp_path):
-    ckpt = tmp_path / "only"
-    shutil.copytree(bridge / "only", ckpt)
-    config = ckpt / "run_config.yaml"
-    for text, line in (
-        (run_config_yaml("dora", alpha=8, dim=4), "peft._target_ is 'megatron.bridge.peft.dora.DoRA', which export-hf "
-                                                  "does not merge (it merges megatron.bridge.peft.lora.LoRA and "
-                                                  "megatron.bridge.peft.canonical_lora.CanonicalLoRA)"),
-        ("peft: null\nmodel: {}\n", "peft is null: the run trained no adapters, yet the checkpoint holds "
-                                    "Megatron-Bridge LoRA adapters"),
-        ("peft: !!python/object/apply:os.system ['true']\n", "not a readable run config (could not determine a "
-                                                             "constructor for the tag "
-                                                             "'tag:yaml.org,2002:python/object/apply:os.system')"),
-        ("- a\n- b\n", "not a YAML mapping (is this a Megatron-Bridge run_config.yaml?)"),
-        (run_config_yaml("canonical-lora", alpha=8, dim=4).replace("CanonicalLoRA", "LoRA").replace(
-            "canonical_lora", "lora"), None),
-    ):
-        config.write_text(text)
-        run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC,
-                      "--merge-adapters")
-        if line is None:  # a LoRA run's config beside LoRA adapters: fine
-            assert run.returncode == 0, run.stderr
-            shutil.rmtree(tmp_path / "hf")
-            continue
-        assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {config}: {line}")
-    config.write_text(run_config_yaml(alpha=8, dim=4))
     canonical = tmp_path / "canonical-only"
     shutil.copytree(bridge / "canonical-only", canonical)
-    (canonical / "run_config.yaml").write_text(run_config_yaml(alpha=8, dim=4))
-    run = run_cli("export-hf", canonical, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC,
-                  "--merge-adapters")
-    assert (run.returncode, run.stderr.strip()) == (
-        2, f"ckptctl: error: {canonical / 'run_config.yaml'}: peft._target_ is LoRA, but "
-           "decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_in.weight is canonical LoRA's (is this the "
-           "run's run_config.yaml?)")
+    for folder, text, line in (
+        (ckpt, run_config_yaml(alpha=8, dim=8), "peft.dim is 8, but decoder.layers.0.mlp.linear_fc1.adapter.linear_in."
+                                                "weight has dim 4 (is this the run's run_config.yaml?)"),
+        (ckpt, "peft: !!python/object/apply:os.system ['true']\n", "not a readable run config (could not determine a "
+                                                                   "constructor for the tag 'tag:yaml.org,2002:python/"
+                                                                   "object/apply:os.system' at line 1)"),
+        (canonical, run_config_yaml(alpha=8, dim=4), "peft._target_ is LoRA, but decoder.layers.0.mlp.linear_fc1."
+                                                     "adapter.adapter_gate.linear_in.weight is canonical LoRA's (is this "
+                                                     "the run's run_config.yaml?)"),
+    ):
+        (folder / "run_config.yaml").write_text(text)
+        run = run_cli("export-hf", folder, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC,
+                      "--merge-adapters")
+        assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {folder / 'run_config.yaml'}: {line}")
+        assert not (tmp_path / "hf").exists()
 
 
 def _canonical_reference(bridge) -> dict[str, torch.Tensor]:
@@ -411,3 +384,82 @@ def test_canonical_lora_adapter_only_is_a_peft_folder_of_its_own_factors(bridge,
         peft_weights = lora.merge_and_unload().state_dict()
         for name, value in model.state_dict().items():
             torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
+
+
+def _load_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, by torch's own `dcp.load`."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def _with_args(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose common.pt holds Megatron-LM's args (the fixture's model: local spec,
+    SwiGLU, TP 2), which the conversion to Megatron-FSDP needs."""
+    import argparse
+
+    shutil.copytree(src, dst)
+    common = torch.load(dst / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, tensor_model_parallel_size=2,
+                                        pipeline_model_parallel_size=1)
+    torch.save(common, dst / "common.pt")
+    return dst
+
+
+@pytest.mark.full
+def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(bridge, tmp_path):
+    """A torch_dist save with Bridge adapters: rewritten at its own layout, every tensor comes back
+    equal (`dcp.load`); converted to Megatron-FSDP's fsdp_dtensor at TP 2 × DP 2, each layer's adapter
+    is its slab, fc1's linear_out TP-blocked [W_0; V_0; W_1; V_1] as Megatron-LM saves an fc1 adapter
+    it does not split (`handle_swiglu_in_state_dict` splits fc1's own weight only), and export-hf
+    merges it (fc1 saved as weight_w / weight_v) to Bridge's merge bit for bit, and writes the same
+    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked."""
+    own = tmp_path / "own"
+    run = run_cli("reshard", bridge / "ckpt", own, "--verify")
+    assert run.returncode == 0, run.stderr
+    want = _load_all(bridge / "ckpt")
+    got = _load_all(own)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+    src = _with_args(bridge / "ckpt", tmp_path / "args")
+    fsdp = tmp_path / "fsdp"
+    run = run_cli("reshard", src, fsdp, "--layout", "megatron-fsdp", "--tp", "2", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load_all(fsdp)
+    for name, stack in lora_state().items():
+        for i in range(LAYERS):
+            saved = got[f"model.module.{name.replace('decoder.layers.', f'decoder.layers.{i}.')}"]
+            if name.endswith("linear_fc1.adapter.linear_out.weight"):
+                w, v = stack[i].chunk(2)
+                assert torch.equal(saved, torch.cat([w[:24], v[:24], w[24:], v[24:]])), name
+            else:
+                assert torch.equal(saved, stack[i]), name
+    inspect = run_cli("inspect", fsdp, "--json")
+    assert json.loads(inspect.stdout)["adapters"]["targets"] == {"linear_fc1": 2, "linear_fc2": 2, "linear_proj": 2,
+                                                                 "linear_qkv": 2}
+
+    run = run_cli("export-hf", fsdp, tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters", "--lora-alpha",
+                  ALPHA, "--verify")
+    assert run.returncode == 0, run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    merged, want = _exported(tmp_path / "hf"), _exported(tmp_path / "ref")
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
+    for folder, ckpt in (("ad-fsdp", fsdp), ("ad-dist", bridge / "ckpt")):
+        run = run_cli("export-hf", ckpt, tmp_path / folder, "--hf-config", bridge / "cfg", "--adapter-only",
+                      "--lora-alpha", ALPHA)
+        assert run.returncode == 0, run.stderr
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ad-fsdp", "ad-dist"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b)
+
+    run = run_cli("export-hf", fsdp, tmp_path / "hf-tp1", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA, "--tp", "1")
+    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {fsdp}: --tp 1 but the checkpoint's args say "
+                                                       "TP 2")
+    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {fsdp}: model.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight: a "
+           "Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved at TP 2, is TP-blocked (Megatron-LM splits "
+           "only fc1's own weight): not converted to torch_dist yet")
