@@ -126,7 +126,7 @@ def bridge_lora(ckpt: Checkpoint, model: MegatronModel, flags: Sequence[str], al
             if not dtype.is_floating_point:
                 raise CheckpointError(ckpt.path, f"{model.prefix}{name}: {dtype.name} is no LoRA factor's dtype")
             model.used.add(name)
-    return found, chosen, _run_tp(ckpt, tp) if any(a.halves for a in found) else tp
+    return found, chosen, _run_tp(ckpt, tp) if any(a.halves and a.split is None for a in found) else tp
 
 
 def _run_tp(ckpt: Checkpoint, given: int | None) -> int | None:
@@ -238,7 +238,10 @@ class _Base:
 
 
 def _base(model: MegatronModel, adapter: BridgeAdapter, tp: int | None) -> _Base:
-    """The base weight of `adapter` (`tp`: the run's, for a SwiGLU fc1 saved as halves)."""
+    """The base weight of `adapter` (`tp`: the run's, for a SwiGLU fc1 saved as halves; a canonical
+    adapter's rows are its projection's own, so its halves are only told apart, at TP 1)."""
+    if adapter.split is not None:
+        tp = 1
     if not adapter.halves:
         view = _view(model, adapter.weight)
         return _Base(view.fqn, view.rows, view.trailing,

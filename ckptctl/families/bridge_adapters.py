@@ -88,6 +88,7 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
                                          "not merge yet")
         parts.setdefault((match["module"], match["split"]), {})[match["part"]] = name
     adapters = []
+    saved = set(shapes)
     whole = {module for module, split in parts if split is None}
     for (module, split), found in sorted(parts.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
         if split is not None and module in whole:
@@ -98,8 +99,7 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
             raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
         a, b, weight = found["linear_in"], found["linear_out"], f"{module}.weight"
         halves = [shapes.get(f"{module}.weight_{part}") for part in "wv"]
-        split_base = weight not in shapes and split is None and halves[0] is not None and halves[0] == halves[1] \
-            and len(halves[0]) == 2
+        split_base = weight not in saved and halves[0] is not None and halves[0] == halves[1] and len(halves[0]) == 2
         if split_base:  # fsdp_dtensor's SwiGLU fc1, saved as its halves
             shapes = {**shapes, weight: (2 * halves[0][0], halves[0][1])}
         if weight not in shapes:

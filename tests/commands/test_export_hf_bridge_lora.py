@@ -415,7 +415,8 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
     is its slab, fc1's linear_out TP-blocked [W_0; V_0; W_1; V_1] as Megatron-LM saves an fc1 adapter
     it does not split (`handle_swiglu_in_state_dict` splits fc1's own weight only), and export-hf
     merges it (fc1 saved as weight_w / weight_v) to Bridge's merge bit for bit, and writes the same
-    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked."""
+    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked. Canonical
+    LoRA's adapters (their own rows, never blocked) convert and merge too."""
     own = tmp_path / "own"
     run = run_cli("reshard", bridge / "ckpt", own, "--verify")
     assert run.returncode == 0, run.stderr
@@ -463,3 +464,14 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
         2, f"ckptctl: error: {fsdp}: model.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight: a "
            "Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved at TP 2, is TP-blocked (Megatron-LM splits "
            "only fc1's own weight): not converted to torch_dist yet")
+
+    # canonical LoRA: each projection's adapter is its own, never TP-blocked; merged as Bridge merges it
+    src = _with_args(bridge / "canonical", tmp_path / "canonical-args")
+    fsdp = tmp_path / "canonical-fsdp"
+    run = run_cli("reshard", src, fsdp, "--layout", "megatron-fsdp", "--tp", "2", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    run = run_cli("export-hf", fsdp, tmp_path / "canonical-hf", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA)
+    assert run.returncode == 0, run.stderr
+    merged, want = _exported(tmp_path / "canonical-hf"), _canonical_reference(bridge)
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
