@@ -146,13 +146,15 @@ def bridge_adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, A
         return None
     return {"kind": "megatron-bridge-canonical-lora" if canonical else "megatron-bridge-lora", "adapters": [],
             "modules": sum(targets.values()), "ranks": sorted(set(dims.values())),
-            "targets": dict(sorted(targets.items())), "modules_to_save": []}
+            "targets": dict(sorted(targets.items())), "modules_to_save": [], "alpha": None, "run_config": None}
 
 
 def bridge_summary_line(summary: Mapping[str, Any]) -> str:
-    """`Megatron-Bridge LoRA: 4 modules, dim 4 (linear_fc1 ×2, linear_qkv ×2); α is not in the tensors …`."""
+    """`Megatron-Bridge LoRA: 4 modules, dim 4 (linear_fc1 ×2, linear_qkv ×2); α 8 (run_config.yaml)`,
+    or `…; α is not in the tensors …` where the checkpoint has no readable run_config.yaml."""
     kind = "Megatron-Bridge canonical LoRA" if summary["kind"] == "megatron-bridge-canonical-lora" \
         else "Megatron-Bridge LoRA"
     targets = ", ".join(f"{target} ×{count}" for target, count in summary["targets"].items())
-    return (f"{kind}: {counted(summary['modules'], 'module')}, dim {', '.join(map(str, summary['ranks']))} "
-            f"({targets}); α is not in the tensors (the run's run_config.yaml has it as peft.alpha)")
+    alpha = (f"α {summary['alpha']:g} (peft.alpha of run_config.yaml)" if summary.get("alpha") is not None
+             else "α is not in the tensors (the run's run_config.yaml has it as peft.alpha)")
+    return f"{kind}: {counted(summary['modules'], 'module')}, dim {', '.join(map(str, summary['ranks']))} ({targets}); {alpha}"

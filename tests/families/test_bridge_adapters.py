@@ -102,11 +102,12 @@ def shapes(state: dict[str, torch.Tensor], prefix: str = "") -> dict[str, tuple[
 def test_summary_counts_modules_per_layer_and_names_bridge_targets():
     assert bridge_adapter_summary(shapes(lora_state())) == {
         "kind": "megatron-bridge-lora", "adapters": [], "modules": 8, "ranks": [DIM],
-        "targets": {"linear_fc1": 2, "linear_fc2": 2, "linear_proj": 2, "linear_qkv": 2}, "modules_to_save": []}
+        "targets": {"linear_fc1": 2, "linear_fc2": 2, "linear_proj": 2, "linear_qkv": 2}, "modules_to_save": [],
+        "alpha": None, "run_config": None}
     assert bridge_adapter_summary(shapes(lora_state(canonical=True))) == {
         "kind": "megatron-bridge-canonical-lora", "adapters": [], "modules": 14, "ranks": [DIM],
         "targets": {"linear_fc1_gate": 2, "linear_fc1_up": 2, "linear_fc2": 2, "linear_k": 2, "linear_proj": 2,
-                    "linear_q": 2, "linear_v": 2}, "modules_to_save": []}
+                    "linear_q": 2, "linear_v": 2}, "modules_to_save": [], "alpha": None, "run_config": None}
 
 
 def test_summary_of_per_layer_names_with_a_wrapper_prefix():
@@ -116,7 +117,7 @@ def test_summary_of_per_layer_names_with_a_wrapper_prefix():
     per_layer["model.module.decoder.layers.0.self_attention.linear_qkv.weight"] = (64, 32)
     assert bridge_adapter_summary(per_layer) == {"kind": "megatron-bridge-lora", "adapters": [], "modules": 3,
                                                  "ranks": [8], "targets": {"linear_qkv": 3},
-                                                 "modules_to_save": []}
+                                                 "modules_to_save": [], "alpha": None, "run_config": None}
     assert bridge_adapter_summary({"decoder.layers.self_attention.linear_qkv.weight": (2, 64, 32)}) is None
 
 
@@ -132,3 +133,22 @@ def test_inspect_names_bridge_adapters(tmp_path):
     assert bridge_summary_line(bridge_adapter_summary(shapes(lora_state()))) == (
         "Megatron-Bridge LoRA: 8 modules, dim 4 (linear_fc1 ×2, linear_fc2 ×2, linear_proj ×2, linear_qkv ×2); α is "
         "not in the tensors (the run's run_config.yaml has it as peft.alpha)")
+
+
+def test_inspect_gives_the_alpha_of_the_runs_run_config(tmp_path):
+    """A Bridge LoRA save with its run_config.yaml: inspect says the run's α, and why not where
+    the file cannot be read (the checkpoint is inspected all the same)."""
+    ckpt = tmp_path / "lora"
+    dcp.save(lora_state(), checkpoint_id=ckpt)
+    (ckpt / "run_config.yaml").write_text(run_config_yaml(alpha=16, dim=DIM))
+    doc = json.loads(run_cli("inspect", ckpt, "--json").stdout)["adapters"]
+    assert (doc["alpha"], doc["run_config"]) == (16, str(ckpt / "run_config.yaml"))
+    shown = " ".join(run_cli("inspect", ckpt).stdout.split())
+    assert ("Adapters Megatron-Bridge LoRA: 8 modules, dim 4 (linear_fc1 ×2, linear_fc2 ×2, linear_proj ×2, "
+            "linear_qkv ×2); α 16 (peft.alpha of run_config.yaml)") in shown
+    (ckpt / "run_config.yaml").write_text("peft: null\n")
+    res = run_cli("inspect", ckpt, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)["adapters"]
+    assert (doc["alpha"], doc["run_config_problem"]) == (None, "peft is null: the run trained no adapters, yet the "
+                                                               "checkpoint holds Megatron-Bridge LoRA adapters")
