@@ -20,14 +20,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from ckptctl.core.checkpoint import Checkpoint, ChunkTable, TensorEntry
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.core.plan import LowRank, Piece, SourceTensor, StreamItem, TargetTensor, whole_item
 from ckptctl.families.adapters import PEFT_PREFIX, Adapter
-from ckptctl.families.base import MegatronModel, RowView, is_model_key
-from ckptctl.families.bridge_adapters import BridgeAdapter, find_bridge_adapters
+from ckptctl.families.base import HFConfig, MegatronModel, MegatronSpec, RowView, is_model_key
+from ckptctl.families.bridge_adapters import BridgeAdapter, find_bridge_adapters, is_bridge_adapter
+from ckptctl.families.protocol import ModelFamily
 from ckptctl.formats.bridge_run_config import BridgePeft, read_bridge_peft, run_config_path
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.megatron_args import checkpoint_args
@@ -66,6 +67,28 @@ def with_base(ckpt: Checkpoint, base_path: Path) -> Checkpoint:
         tensors[fqn] = TensorEntry(fqn, entry.shape, entry.dtype, chunks, entry.properties)
     return replace(ckpt, tensors=tensors, files=files, rank_conflicts={**base.rank_conflicts, **ckpt.rank_conflicts},
                    derived={})
+
+
+def adapters_alone(model: MegatronModel) -> bool:
+    """Whether the model's tensors are Megatron-Bridge LoRA adapters and nothing else (a Bridge
+    LoRA save: its base is the pretrained checkpoint)."""
+    names = [*model.entries, *model.layer_views]
+    return bool(names) and all(is_bridge_adapter(n) for n in names)
+
+
+def shaped_base(ckpt: Checkpoint, cfg: HFConfig, family: ModelFamily, prefix: str, hf_names: Collection[str]
+                ) -> Checkpoint:
+    """`--adapter-only` of a Bridge LoRA save without `--base`: the checkpoint with the base model's
+    tensors as the family's rules shape them for the config (`megatron_shapes`, TP 1: fused
+    weights as torch_dist saves them, [W_all; V_all]; `hf_names`: the HF model's, which say where
+    biases are) — shapes alone, with no chunk: the adapters are laid out by them, and any read of
+    them finds nothing and is refused."""
+    shapes = family.megatron_shapes(cfg, MegatronSpec(1, False, cfg.int("vocab_size"), frozenset(hf_names)))
+    dtype = next(e.dtype for e in ckpt.tensors.values() if is_model_key(e.fqn))
+    tensors = dict(ckpt.tensors)
+    for name, shape in shapes.items():
+        tensors.setdefault(prefix + name, TensorEntry(prefix + name, tuple(shape), dtype, ()))
+    return replace(ckpt, tensors=tensors, derived={})
 
 
 @dataclass(frozen=True)

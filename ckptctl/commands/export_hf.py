@@ -46,8 +46,8 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
-from ckptctl.commands.bridge_merge import (BridgeAlpha, bridge_adapter_tensors, bridge_lora, merge_bridge_adapters,
-                                           refuse_unplaced_adapters, with_base)
+from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
+                                           merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
@@ -349,6 +349,15 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if not model.entries and not model.layer_views:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = family.naming is Naming.HF
+    shaped = None  # transformers' names, when a Bridge LoRA save is laid out by the config's shapes
+    if not raw and opts.adapter_only and opts.base is None and adapters_alone(model):
+        shaped = expected_for(cfg, raw, [], preparing) if opts.name_check else None
+        if shaped is None:
+            raise UsageError(f"{ckpt.path}: holds Megatron-Bridge LoRA adapters alone: --adapter-only lays them out "
+                             "by the base model's shapes, known from transformers' model for the config; pass --base "
+                             "(the pretrained checkpoint) where transformers or the name check is off")
+        ckpt = shaped_base(ckpt, cfg, family, prefix, shaped.required | shaped.optional)
+        model = MegatronModel(ckpt, prefix)
     if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:
@@ -388,8 +397,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         ctx.notes.append(left_out_expert_bias(ckpt, model, ctx.zero_only, cfg, opts.drop_expert_bias))
     if not tensors:
         raise CheckpointError(ckpt.path, "nothing to export")
-    expected = None
-    if opts.name_check:
+    expected = shaped
+    if opts.name_check and shaped is None:
         expected = expected_for(cfg, raw, ctx.notes, preparing)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
@@ -422,9 +431,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
     if expected is not None:
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
+    if bridge is not None and opts.adapter_only:  # the base is not written (nor read: `shaped_base`)
+        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref,
+                                          shaped is not None)
     check_coverage(ckpt, targets.values(), sources)
-    if bridge is not None and opts.adapter_only:
-        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     if bridge is not None:
@@ -656,7 +666,8 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
 
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                                targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
-                               alpha: BridgeAlpha, tp: int | None, ref: str | Path | None) -> ExportPlan:
+                               alpha: BridgeAlpha, tp: int | None, ref: str | Path | None,
+                               shaped: bool = False) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
     each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
@@ -675,6 +686,9 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
              f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}; α {alpha.value:g} from "
              f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]
+    if shaped:
+        notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
+                     f"(transformers' {cfg.model_type} model), no base weight read")
     return ExportPlan(
         family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=tensors, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},

@@ -36,6 +36,11 @@ CANONICAL_HF_MODULES = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v
 (`peft_bridge.ADAPTER_NAME_MAP`, read the other way)."""
 
 
+def is_bridge_adapter(name: str) -> bool:
+    """Whether model tensor `name` is a Megatron-Bridge LoRA adapter's (`<m>.adapter.linear_in.weight` …)."""
+    return _PART.match(name) is not None
+
+
 @dataclass(frozen=True)
 class BridgeAdapter:
     """One Megatron-Bridge LoRA adapter on one Megatron linear (names without the model's prefix)."""

@@ -249,10 +249,23 @@ def test_base_adapter_only_is_the_folder_of_the_full_checkpoint(bridge, tmp_path
     full = run_cli("export-hf", bridge / "ckpt", tmp_path / "full", "--hf-config", bridge / "cfg", "--adapter-only",
                    "--lora-alpha", ALPHA)
     assert full.returncode == 0, full.stderr
-    got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ad", "full"))
-    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
-    assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text()) == \
-        json.loads((tmp_path / "full" / "adapter_config.json").read_text())
+    # without --base: laid out by the shapes the family's rules give the config's model, no base read
+    run = run_cli("export-hf", bridge / "only", tmp_path / "shaped", "--hf-config", bridge / "cfg", "--adapter-only",
+                  "--verify")
+    assert run.returncode == 0, run.stderr
+    assert (f"note: the adapters alone in {bridge / 'only'}: laid out by the base model's shapes for "
+            f"{bridge / 'cfg' / 'config.json'} (transformers' llama model), no base weight read") in run.stderr
+    for folder in ("ad", "shaped"):
+        got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in (folder, "full"))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        assert json.loads((tmp_path / folder / "adapter_config.json").read_text()) == \
+            json.loads((tmp_path / "full" / "adapter_config.json").read_text())
+    run = run_cli("export-hf", bridge / "only", tmp_path / "unchecked", "--hf-config", bridge / "cfg",
+                  "--adapter-only", "--no-name-check")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {bridge / 'only'}: holds Megatron-Bridge LoRA adapters alone: --adapter-only lays them out "
+           "by the base model's shapes, known from transformers' model for the config; pass --base (the pretrained "
+           "checkpoint) where transformers or the name check is off")
 
 
 def test_base_refusals(bridge, tmp_path):
@@ -355,8 +368,8 @@ def test_canonical_lora_merged_is_bridge_merge_of_each_projection(bridge, tmp_pa
 
 
 def test_canonical_lora_adapter_only_is_a_peft_folder_of_its_own_factors(bridge, tmp_path):
-    run = run_cli("export-hf", bridge / "canonical-only", tmp_path / "ad", "--hf-config", bridge / "cfg", "--base", SRC,
-                  "--adapter-only")
+    run = run_cli("export-hf", bridge / "canonical-only", tmp_path / "ad", "--hf-config", bridge / "cfg",
+                  "--adapter-only")  # no --base: laid out by the config's shapes
     assert run.returncode == 0, run.stderr
     assert "note: 14 Megatron-Bridge LoRA adapters written as 14 PEFT LoRA modules" in run.stderr
     tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
