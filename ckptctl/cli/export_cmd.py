@@ -228,7 +228,7 @@ def export_hf_command(
       ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
       ckptctl export-hf ft/ hf/ --hf-config base/ --merge-adapters --lora-alpha 8
       ckptctl export-hf ft/ ad/ --hf-config base/ --adapter-only --lora-alpha 8
-      ckptctl export-hf lora/iter_0000100 hf/ --hf-config base/ --base pretrained/iter_0000000 --merge-adapters
+      ckptctl export-hf lora/ hf/ --hf-config base/ --base pre/ --merge-adapters
       ckptctl export-hf ft/ hf-fp8/ --hf-config base/ --quantize fp8-block
     """
 
