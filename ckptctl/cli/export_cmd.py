@@ -195,9 +195,9 @@ def export_hf_command(
                                                        "(r is checked against the adapters)."),
     base: Optional[Path] = typer.Option(None, "--base", metavar="<ckpt>",
                                         help="For a Megatron-Bridge LoRA save (the adapters alone): the pretrained "
-                                             "Megatron torch_dist checkpoint the run started from "
-                                             "(checkpoint.pretrained_checkpoint), whose weights the adapters are "
-                                             "merged into (--merge-adapters) or laid out by (--adapter-only)."),
+                                             "Megatron torch_dist checkpoint the run started from (its "
+                                             "pretrained_checkpoint), whose weights the adapters are merged into "
+                                             "(--merge-adapters) or laid out by (--adapter-only)."),
     layout: str = typer.Option("hf", "--layout", metavar="LAYOUT", autocompletion=completes("hf", "distributed"),
                                help="hf (a model folder) or distributed (each of --world-size ranks' shard files of "
                                     "every model file, as torch's Hugging Face storage writer saves FSDP2 with "
