@@ -302,6 +302,12 @@ def test_base_refusals(bridge, tmp_path):
            "save to its pretrained torch_dist checkpoint)")
     run = run_cli("export-hf", only, only / "out", *cfg, "--base", SRC, "--merge-adapters")
     assert run.returncode == 2 and "destination overlaps the source" in run.stderr
+    base = tmp_path / "base"
+    shutil.copytree(SRC, base)
+    run = run_cli("export-hf", only, base / "out", *cfg, "--base", base, "--merge-adapters")
+    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {base / 'out'}: destination overlaps the base "
+                                                       f"{base}; the source is never modified")
+    assert sorted(p.name for p in base.iterdir()) == sorted(p.name for p in SRC.iterdir())
 
 
 def test_run_config_that_does_not_describe_the_adapters_is_refused(bridge, tmp_path):
