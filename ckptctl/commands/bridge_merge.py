@@ -271,9 +271,9 @@ def _base(model: MegatronModel, adapter: BridgeAdapter, tp: int | None) -> _Base
                      tuple(_Segment(view.fqn, b.src_row, b.rows, b.dst_row) for b in view.blocks))
     w, v = (_view(model, name) for name in adapter.bases)
     if tp is None or w.rows % tp:
+        why = "which the args do not say (pass --tp)" if tp is None else f"{tp}, which does not divide {w.rows} rows"
         raise CheckpointError(model.ckpt.path, f"{model.prefix}{adapter.b}: on a SwiGLU fc1 saved as weight_w / "
-                                               f"weight_v, its rows are TP-blocked at the run's TP, which "
-                                               f"{'the args do not say (pass --tp)' if tp is None else f'{tp} does not divide {w.rows} rows by'}")
+                              f"weight_v, its rows are TP-blocked at the run's TP, {why}")
     rows = w.rows // tp
     segments = []
     for t in range(tp):
