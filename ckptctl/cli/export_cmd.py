@@ -183,8 +183,9 @@ def export_hf_command(
                                       help="For a peft LoRA checkpoint: write the adapters alone as a PEFT folder "
                                            "that PeftModel.from_pretrained loads on the --hf-config base model."),
     lora_alpha: Optional[float] = typer.Option(None, "--lora-alpha", metavar="α",
-                                               help="The run's LoRA alpha (not in the checkpoint; or "
-                                                    "--adapter-config)."),
+                                               help="The run's LoRA alpha (not in the tensors; or "
+                                                    "--adapter-config; a Megatron-Bridge checkpoint's "
+                                                    "run_config.yaml has it, and must agree)."),
     rslora: bool = typer.Option(False, "--rslora", help="With --lora-alpha: the run used rsLoRA (scale α/√r)."),
     adapter_name: Optional[str] = typer.Option(None, "--adapter-name", metavar="NAME",
                                                help="The peft adapter to merge or export, of a checkpoint holding "
@@ -192,6 +193,11 @@ def export_hf_command(
     adapter_config: Optional[Path] = typer.Option(None, "--adapter-config", metavar="<json>",
                                                   help="The run's peft adapter_config.json: α, rsLoRA and r from it "
                                                        "(r is checked against the adapters)."),
+    base: Optional[Path] = typer.Option(None, "--base", metavar="<ckpt>",
+                                        help="For a Megatron-Bridge LoRA save (the adapters alone): the pretrained "
+                                             "Megatron torch_dist checkpoint the run started from (its "
+                                             "pretrained_checkpoint), whose weights the adapters are merged into "
+                                             "(--merge-adapters) or laid out by (--adapter-only)."),
     layout: str = typer.Option("hf", "--layout", metavar="LAYOUT", autocompletion=completes("hf", "distributed"),
                                help="hf (a model folder) or distributed (each of --world-size ranks' shard files of "
                                     "every model file, as torch's Hugging Face storage writer saves FSDP2 with "
@@ -222,6 +228,7 @@ def export_hf_command(
       ckptctl export-hf ckpt/step-1000 hf/ --hf-config Qwen/Qwen3-8B --dtype bf16
       ckptctl export-hf ft/ hf/ --hf-config base/ --merge-adapters --lora-alpha 8
       ckptctl export-hf ft/ ad/ --hf-config base/ --adapter-only --lora-alpha 8
+      ckptctl export-hf lora/ hf/ --hf-config base/ --base pre/ --merge-adapters
       ckptctl export-hf ft/ hf-fp8/ --hf-config base/ --quantize fp8-block
     """
 
@@ -234,7 +241,8 @@ def export_hf_command(
                              device=device, sync=not no_sync, name_check=not no_name_check,
                              drop_expert_bias=drop_expert_bias, drop_tied_head=drop_tied_head, hub_timeout=hub_timeout,
                              merge_adapters=merge_adapters, adapter_only=adapter_only, lora_alpha=lora_alpha,
-                             rslora=rslora, adapter_config=adapter_config, adapter_name=adapter_name, layout=layout,
+                             rslora=rslora, adapter_config=adapter_config, adapter_name=adapter_name, base=base,
+                             layout=layout,
                              world_size=world_size, quantize=parse_quantize(quantize))
 
     def run(comm: Comm, progress: ProgressDisplay) -> ExportReport | ExportPreview:

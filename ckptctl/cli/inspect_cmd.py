@@ -38,7 +38,10 @@ ignores them.
                           "adapters": [name],                  # peft's adapter names (Bridge's: [])
                           "modules": int, "ranks": [int],      # Bridge's: per layer; its dims
                           "targets": {leaf name: modules},     # Bridge's: its target_modules names
-                          "modules_to_save": [module]},          # modules peft trains whole
+                          "modules_to_save": [module],         # modules peft trains whole
+                          "alpha": float | null,               # Bridge's: peft.alpha of its run_config.yaml
+                          "run_config": path | null,           # Bridge's: that file, where the checkpoint has one
+                          "run_config_problem": str},          # Bridge's: why it could not be read (if so)
       "subclasses": {fqn: str},   # tensors whose (first) item holds an FP8 training subclass:
                                   # torchao's WeightWithDynamicFloat8CastTensor (its value the plain
                                   # tensor it wraps) or Transformer Engine's Float8Tensor (FP8 data +
@@ -198,7 +201,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "dtypes": analysis.dtypes,
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
         "prefixes": {"model": list(analysis.prefixes.model), "optimizer": list(analysis.prefixes.optimizer)},
-        "adapters": adapter_summary(model_shapes) or bridge_adapter_summary(model_shapes),
+        "adapters": adapter_summary(model_shapes) or _with_run_config(ckpt, bridge_adapter_summary(model_shapes)),
         "subclasses": _subclasses(ckpt, keep),
         "tensors": Streamed(sum(1 for r in reports if keep(r.fqn)),
                             lambda: ((r.fqn, _tensor_doc(ckpt, r)) for r in reports if keep(r.fqn))),
@@ -315,6 +318,23 @@ def _rank_state_line(state: dict[str, Any]) -> str:
     first, last = state["entries"][0], state["entries"][-1]
     shown = first if first == last else f"{first} … {last}"
     return f"{shown}: {state['kind']} of DP {state['dp']}, kept by a reshard to DP {state['dp']} only"
+
+
+def _with_run_config(ckpt: Checkpoint, summary: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A Megatron-Bridge adapter summary with the run's α from its run_config.yaml, where the
+    checkpoint has one (`run_config`: its path; `run_config_problem`: why it could not be read)."""
+    from ckptctl.formats.bridge_run_config import read_bridge_peft, run_config_path
+    from ckptctl.util.errors import CheckpointError
+
+    path = run_config_path(ckpt.path) if summary is not None else None
+    if path is None:
+        return summary
+    summary["run_config"] = str(path)
+    try:
+        summary["alpha"] = read_bridge_peft(path).alpha
+    except CheckpointError as exc:
+        summary["run_config_problem"] = exc.reason
+    return summary
 
 
 def _print_summary(doc: dict[str, Any]) -> None:

@@ -30,7 +30,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Container, Iterable, Iterator, Mapping, Sequence
 
-from ckptctl.storage.atomic import check_destination, recorded_reads
+from ckptctl.storage.atomic import check_destination, overlapped_input, recorded_reads
 from ckptctl.engine import resolve_device
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes, equal_tensors
 from ckptctl.engine.dist import LOCAL, Comm
@@ -46,8 +46,8 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
-from ckptctl.commands.bridge_merge import (bridge_adapter_tensors, bridge_lora, merge_bridge_adapters,
-                                           refuse_unplaced_adapters)
+from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
+                                           merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
@@ -123,6 +123,8 @@ class ExportOptions(RunOptions):
     """The run's peft `adapter_config.json`: α, rsLoRA and r from it."""
     adapter_name: str | None = None
     """The peft adapter to export of a checkpoint holding several (None: its only one)."""
+    base: Path | None = None
+    """`--base`: the pretrained Megatron checkpoint a Megatron-Bridge LoRA save (adapters alone) was trained on."""
     layout: str = "hf"
     """`LAYOUTS`: `distributed` writes `world_size` ranks' shard files of each model file instead."""
     world_size: int | None = None
@@ -347,6 +349,15 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     if not model.entries and not model.layer_views:
         raise CheckpointError(ckpt.path, f"no model tensors under prefix {prefix!r}")
     raw = family.naming is Naming.HF
+    shaped = None  # transformers' names, when a Bridge LoRA save is laid out by the config's shapes
+    if not raw and opts.adapter_only and opts.base is None and adapters_alone(model):
+        shaped = expected_for(cfg, raw, [], preparing) if opts.name_check else None
+        if shaped is None:
+            raise UsageError(f"{ckpt.path}: holds Megatron-Bridge LoRA adapters alone: --adapter-only lays them out "
+                             "by the base model's shapes, known from transformers' model for the config; pass --base "
+                             "(the pretrained checkpoint) where transformers or the name check is off")
+        ckpt = shaped_base(ckpt, cfg, family, prefix, shaped.required | shaped.optional)
+        model = MegatronModel(ckpt, prefix)
     if raw:
         tp, etp = opts.tp, None
     elif ckpt.megatron_backend == TORCH_DIST:
@@ -354,13 +365,18 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     else:
         tp, etp = resolve_tps(ckpt, model, opts.tp)
     lora = peft_adapters(ckpt, model, raw, opts) if raw else None
-    bridge = None if raw else bridge_lora(ckpt, model, adapter_flags(opts), opts.lora_alpha, peft_flags(opts))
+    if raw and opts.base is not None:
+        raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
+    bridge = None if raw else bridge_lora(ckpt, model, adapter_flags(opts), opts.lora_alpha, peft_flags(opts),
+                                          str(opts.base) if opts.base is not None else None, opts.tp)
     if lora is not None and opts.adapter_only:
         return plan_adapter_folder(ckpt, cfg, opts, model, *lora, ref, preparing)
     if opts.name_check or not raw:  # a model or family rules are built of the config
         refuse_unbacked_counts(cfg.data, cfg.path, {n: e.shape for n, e in ckpt.tensors.items()}, ckpt.path,
                                "wrong --hf-config?")
     ctx = ExportContext(cfg, model, tp, etp)
+    if opts.base is not None:
+        ctx.notes.append(f"base weights from {opts.base} (--base)")
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
@@ -381,8 +397,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         ctx.notes.append(left_out_expert_bias(ckpt, model, ctx.zero_only, cfg, opts.drop_expert_bias))
     if not tensors:
         raise CheckpointError(ckpt.path, "nothing to export")
-    expected = None
-    if opts.name_check:
+    expected = shaped
+    if opts.name_check and shaped is None:
         expected = expected_for(cfg, raw, ctx.notes, preparing)
     else:
         ctx.notes.append("tensor names not checked (--no-name-check): the output may not load")
@@ -415,9 +431,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
     targets = {name: t.target(cast_dtype(ckpt.tensors[t.sources[0]].dtype, opts.dtype)) for name, t in tensors.items()}
     if expected is not None:
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
+    if bridge is not None and opts.adapter_only:  # the base is not written (nor read: `shaped_base`)
+        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref,
+                                          shaped is not None)
     check_coverage(ckpt, targets.values(), sources)
-    if bridge is not None and opts.adapter_only:
-        return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
     if bridge is not None:
@@ -648,25 +665,30 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
 
 
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
-                               targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter], alpha: float,
-                               ref: str | Path | None) -> ExportPlan:
+                               targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
+                               alpha: BridgeAlpha, tp: int | None, ref: str | Path | None,
+                               shaped: bool = False) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
     each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
-    tensors, peft = bridge_adapter_tensors(model, targets, adapters, opts.dtype, sources)
+    tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
     check_coverage(ckpt, tensors.values(), sources)
     files = [placed_file(PEFT_WEIGHTS, list(tensors.values()))]
     architectures = output_config(cfg, None).get("architectures") or ()
     found = PeftAdapters(tuple(peft), "default", {})
-    config = peft_config(found, LoraScale(alpha, False), [n.removesuffix(".weight") for n in targets],
+    config = peft_config(found, LoraScale(alpha.value, False), [n.removesuffix(".weight") for n in targets],
                          str(ref) if ref is not None else None, "CAUSAL_LM" if generative(architectures) else None)
     modules = counted(len(peft), "PEFT LoRA module")
+    canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
-             f"linear_in as lora_A and its rows of linear_out as lora_B; α {alpha:g} from --lora-alpha): load it "
-             "with PeftModel.from_pretrained(base model, folder)"]
+             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}; α {alpha.value:g} from "
+             f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]
+    if shaped:
+        notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
+                     f"(transformers' {cfg.model_type} model), no base weight read")
     return ExportPlan(
         family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=tensors, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
@@ -1015,11 +1037,21 @@ def merged_sources(delta: LowRank) -> tuple[str, str, float, str | None]:
     return delta.a.target.fqn, delta.b.target.fqn, delta.scale, magnitude
 
 
+def open_export_source(src: Path, opts: ExportOptions) -> Checkpoint:
+    """The checkpoint to export: SRC, with `--base`'s weights beside its adapters (`with_base`)."""
+    ckpt = open_checkpoint(src)
+    if opts.base is None:
+        return ckpt
+    if megatron_prefix(ckpt) is None:
+        raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
+    return with_base(ckpt, opts.base)
+
+
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,
                    preparing: Preparing | None = None) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at). `preparing`: as `plan_export`'s."""
-    plan = plan_export(open_checkpoint(src), load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
+    plan = plan_export(open_export_source(src, opts), load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name],  # a scale: its weight's sources
                              plan_sources(t.properties.codes if isinstance(t.properties, Fp8Scales) else t,
@@ -1064,9 +1096,11 @@ def export_hf(
     """
     started = time.perf_counter()
     cfg = load_hf_config(ref, opts.hub_timeout)
-    ckpt = open_checkpoint(src)
+    ckpt = open_export_source(src, opts)
     plan = plan_export(ckpt, cfg, opts, ref, preparing)
     check_destination(dst, force, src)
+    if opts.base is not None and overlapped_input(dst, [opts.base]) is not None:
+        raise UsageError(f"{dst}: destination overlaps the base {opts.base}; the source is never modified")
     phases = Phases(progress)
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),

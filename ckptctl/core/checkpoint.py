@@ -88,6 +88,12 @@ class ChunkTable(TupleView):
         """Whether any chunk's item is transformed (compressed: read by decoding)."""
         return bool(self._transforms)
 
+    def renamed(self, names: list[str]) -> "ChunkTable":
+        """The same chunks in files named `names` instead (one for each of `columns()`'s names, in order)."""
+        if len(names) != len(self._names):
+            raise ValueError(f"{len(names)} file names for a table of {len(self._names)}")
+        return ChunkTable(names, self._files, self._places, self._offsets, self._sizes, self._transforms)
+
     def __len__(self) -> int:
         return len(self._offsets)
 

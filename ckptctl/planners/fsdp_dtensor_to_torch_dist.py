@@ -244,12 +244,16 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) 
 def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key],
                            names: dict[str, str]) -> None:
     """A SwiGLU fc1 saved fused is TP-blocked ([W_0; V_0; W_1; V_1; …]), torch_dist's is [W_all; V_all]:
-    the same only at TP 1."""
+    the same only at TP 1; so is a Megatron-Bridge adapter's linear_out on it, which is never split."""
     tp = getattr(args, "tensor_model_parallel_size", None)
     if getattr(args, "swiglu", False) is not True or tp == 1:
         return
     for key in keys.values():
         slot = next(iter(key.parts.values()))
+        if None in slot and re.search(r"\blinear_fc1\.adapter\.linear_out\.(weight|bias)$", key.key):
+            raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a Megatron-Bridge adapter's linear_out on a "
+                                             f"SwiGLU fc1, saved at TP {tp}, is TP-blocked (Megatron-LM splits only "
+                                             "fc1's own weight): not converted to torch_dist yet")
         if None in slot and re.search(r"\blinear_fc1\.(weight|bias)$", key.key):
             raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a SwiGLU fc1 saved fused at TP {tp} is "
                                              "TP-blocked; split it first (ckptctl reshard --layout megatron-fsdp "

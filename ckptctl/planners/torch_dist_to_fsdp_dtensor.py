@@ -37,7 +37,7 @@ import math
 import re
 import struct
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ckptctl.core.dtypes import float32
@@ -62,6 +62,11 @@ EXPERTS = "mlp.experts.experts."
 STATE_KEY = re.compile(r"^optimizer\.state\.(?:param|exp_avg|exp_avg_sq)\.(?P<key>.+)$")
 """A fully_reshardable state of model key `key`."""
 SWIGLU_FC1 = re.compile(r"\blinear_fc1\.(?:weight|bias)\d*$")
+SWIGLU_ADAPTER_OUT = re.compile(r"\blinear_fc1\.adapter\.linear_out\.(?:weight|bias)$")
+"""Megatron-Bridge LoRA's linear_out on a SwiGLU fc1: torch_dist saves it [W_all; V_all] as fc1
+(`ParallelLinearAdapter.sharded_state_dict`, `apply_swiglu_sharded_factory`), but Megatron-LM's
+fsdp_dtensor save splits only fc1's own weight and bias (`handle_swiglu_in_state_dict` matches
+`mlp.linear_fc1.weight`): the adapter's DTensor is saved as its TP shards, each [W_t; V_t]."""
 CARRIED = (*COMMON_ITEMS[1:], "opt_param_scheduler")
 """Common-state entries written as fsdp_dtensor items (args too, marked as fsdp_dtensor's)."""
 DROPPED = ("content_metadata", "optimizer", "rng_state", "rerun_state_machine_state")
@@ -88,6 +93,8 @@ class _Param:
     """Its first row in its slab of `key` (a SwiGLU half's offset)."""
     shape: tuple[int, ...]
     owner_shape: tuple[int, ...]
+    tp_blocked: int = 1
+    """The TP its rows are blocked for, [W_0; V_0; W_1; V_1 …] (1: as saved, [W_all; V_all])."""
 
 
 def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
@@ -114,6 +121,8 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     _check_tp(ckpt, args, tp)
     states = fmt is not None
     params, buffers = _params(ckpt, args, spec, fmt)
+    if args.swiglu and tp > 1:  # a Bridge adapter's linear_out on a SwiGLU fc1: not split, so TP-blocked
+        params = [replace(p, tp_blocked=tp) if SWIGLU_ADAPTER_OUT.search(p.name) else p for p in params]
     if fmt == "dp_reshardable":
         buckets, by_optimizer = dp_reshardable_buckets(ckpt, common, args)
         if set(by_optimizer) != {None}:
@@ -347,6 +356,15 @@ class _Stacked:
             return TargetTensor(fqn, (), entry.dtype, (Piece(src, (), (), ()),), entry.properties)
         slab = sum(i * math.prod(entry.shape[d + 1:len(p.lead)]) for d, i in enumerate(p.lead))
         start = (slab * (p.owner_shape[0]) + p.row, *(0,) * (len(p.shape) - 1))
+        if p.tp_blocked > 1:  # [W_all; V_all] → [W_0; V_0; W_1; V_1 …]
+            half, rest = p.shape[0] // 2, (0,) * (len(p.shape) - 1)
+            if p.shape[0] % 2 or half % p.tp_blocked:
+                raise CheckpointError(self.ckpt.path, f"{p.key}: {p.shape[0]} rows of a SwiGLU fc1's adapter do not "
+                                                      f"split into W and V blocks for TP {p.tp_blocked}")
+            rows = half // p.tp_blocked
+            pieces = tuple(Piece(src, (start[0] + part * half + t * rows, *rest), ((2 * t + part) * rows, *rest),
+                                 (rows, *p.shape[1:])) for t in range(p.tp_blocked) for part in (0, 1))
+            return TargetTensor(fqn, p.shape, entry.dtype, pieces, entry.properties)
         return TargetTensor(fqn, p.shape, entry.dtype, (Piece(src, start, (0,) * len(p.shape), p.shape),),
                             entry.properties)
 
@@ -368,6 +386,9 @@ class _Buckets:
         blocks = self.windows[(p.key, p.lead)]
         if not blocks:
             raise CheckpointError(self.ckpt.path, f"{p.key}: no bucket holds it")
+        if p.tp_blocked > 1:
+            raise CheckpointError(self.ckpt.path, f"{p.key}: a SwiGLU fc1's adapter in dp_reshardable buckets, which "
+                                                  f"is not converted to fsdp_dtensor at TP {p.tp_blocked} yet")
         rows = p.owner_shape[0] if p.owner_shape else 0
         stop = p.row + (p.shape[0] if p.shape else 0)
         pieces = []

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from fixtures import megatron_core as mc
 from tests.conftest import ROOT, run_cli
-from tests.families.test_bridge_adapters import DIM, LAYERS, lora_state
+from tests.families.test_bridge_adapters import DIM, LAYERS, lora_state, run_config_yaml
 
 SRC = ROOT / "fixtures" / "data" / "megatron_torch_dist"
 ALPHA = 8
@@ -68,6 +68,14 @@ def bridge(tmp_path_factory) -> Path:
     save_torch_dist(merged, root / "merged")
     (root / "cfg").mkdir()
     (root / "cfg" / "config.json").write_text(json.dumps(mc.hf_config("llama")))
+    # what a Bridge LoRA run saves: the adapters alone, and its run_config.yaml in the same folder
+    save_torch_dist(adapters, root / "only")
+    (root / "only" / "run_config.yaml").write_text(run_config_yaml(alpha=ALPHA, dim=DIM))
+    save_torch_dist({**base, **lora_state(canonical=True)}, root / "canonical")
+    save_torch_dist(lora_state(canonical=True), root / "canonical-only")
+    (root / "canonical-only" / "run_config.yaml").write_text(run_config_yaml("canonical-lora", alpha=ALPHA, dim=DIM))
+    plain = run_cli("export-hf", SRC, root / "plain", "--hf-config", root / "cfg")
+    assert plain.returncode == 0, plain.stderr
     return root
 
 
@@ -113,13 +121,12 @@ def test_bf16_export_is_bridge_fp32_merge_cast_once(bridge, tmp_path):
 
 
 @pytest.mark.parametrize(("flags", "line"), [
-    ((), "ckptctl: error: {ckpt}: holds 8 Megatron-Bridge LoRA adapters (dim 4): pass --merge-adapters --lora-alpha "
-         "ALPHA to export the model with them merged, or --adapter-only --lora-alpha ALPHA to export them as a PEFT "
-         "adapter folder"),
-    (("--merge-adapters",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
-                            "(the run's run_config.yaml has it as peft.alpha)"),
-    (("--adapter-only",), "ckptctl: error: {ckpt}: LoRA α is not in a Megatron-Bridge checkpoint: pass --lora-alpha "
-                          "(the run's run_config.yaml has it as peft.alpha)"),
+    ((), "ckptctl: error: {ckpt}: holds 8 Megatron-Bridge LoRA adapters (dim 4): pass --merge-adapters to export the "
+         "model with them merged, or --adapter-only to export them as a PEFT adapter folder"),
+    (("--merge-adapters",), "ckptctl: error: {ckpt}: has no run_config.yaml, where Megatron-Bridge keeps the run's "
+                            "LoRA α (peft.alpha): pass --lora-alpha"),
+    (("--adapter-only",), "ckptctl: error: {ckpt}: has no run_config.yaml, where Megatron-Bridge keeps the run's LoRA "
+                          "α (peft.alpha): pass --lora-alpha"),
     (("--adapter-only", "--lora-alpha", "8", "--include", "*q_proj*"), "ckptctl: error: --include/--exclude do not "
                                                                        "apply to --adapter-only (a PEFT folder holds "
                                                                        "every adapter)"),
@@ -155,22 +162,13 @@ def test_an_adapter_on_a_module_the_family_does_not_know_is_refused(bridge, tmp_
            "place for (+1 more adapter)")
 
 
-def test_adapters_without_base_and_canonical_adapters_are_refused(tmp_path):
-    only = save_torch_dist(lora_state(), tmp_path / "only")
-    cfg = tmp_path / "cfg"
-    cfg.mkdir()
-    (cfg / "config.json").write_text(json.dumps(mc.hf_config("llama")))
-    run = run_cli("export-hf", only, tmp_path / "hf", "--hf-config", cfg, "--merge-adapters", "--lora-alpha", "8")
+def test_adapters_without_base_are_refused(bridge, tmp_path):
+    only = bridge / "only"
+    run = run_cli("export-hf", only, tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters")
     assert (run.returncode, run.stderr.strip()) == (
         2, f"ckptctl: error: {only}: decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight: an adapter on "
            "decoder.layers.0.mlp.linear_fc1, which has no decoder.layers.0.mlp.linear_fc1.weight (a Megatron-Bridge "
-           "LoRA save holds the adapters alone; export-hf merges them only into a checkpoint that holds the base "
-           "weights too)")
-    canonical = save_torch_dist(lora_state(canonical=True), tmp_path / "canonical")
-    run = run_cli("export-hf", canonical, tmp_path / "hf", "--hf-config", cfg, "--merge-adapters", "--lora-alpha", "8")
-    assert (run.returncode, run.stderr.strip()) == (
-        2, f"ckptctl: error: {canonical}: decoder.layers.0.mlp.linear_fc1.adapter.adapter_gate.linear_in.weight: a "
-           "Megatron-Bridge canonical LoRA adapter (linear_fc1_gate), which export-hf does not merge yet")
+           "LoRA save holds the adapters alone: pass --base, the pretrained checkpoint the run started from)")
 
 
 def test_adapter_only_is_a_peft_folder_peft_loads_on_the_base(bridge, tmp_path):
@@ -211,3 +209,288 @@ def test_adapter_only_is_a_peft_folder_peft_loads_on_the_base(bridge, tmp_path):
         peft_weights = unmerged.state_dict()
         for name, value in merged.state_dict().items():  # peft's merge of the folder: the merged export's weights
             torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
+
+
+def _exported(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def test_base_joins_an_adapter_save_to_its_pretrained_checkpoint(bridge, tmp_path):
+    """A Bridge LoRA save (adapters alone, run_config.yaml beside them) with `--base` (megatron-core's
+    own TP 2 save) merges to Bridge's merge, α from run_config.yaml; and so does its --dry-run."""
+    run = run_cli("export-hf", bridge / "only", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC,
+                  "--merge-adapters", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert f"note: base weights from {SRC} (--base)" in run.stderr
+    assert (f"note: 14 weights merged with 8 Megatron-Bridge LoRA adapters (s = α / dim, α 8 from "
+            f"{bridge / 'only' / 'run_config.yaml'}): W + (B @ A) · s") in run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    got, want = _exported(tmp_path / "hf"), _exported(tmp_path / "ref")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    dry = run_cli("export-hf", bridge / "only", tmp_path / "dry", "--hf-config", bridge / "cfg", "--base", SRC,
+                  "--merge-adapters", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    plan = json.loads(dry.stdout)
+    assert plan["merged"]["model.layers.0.self_attn.q_proj.weight"] == {
+        "lora_A": "decoder.layers.self_attention.linear_qkv.adapter.linear_in.weight",
+        "lora_B": "decoder.layers.self_attention.linear_qkv.adapter.linear_out.weight", "scale": ALPHA / DIM,
+        "magnitude": None}
+    assert plan["mapping"]["model.layers.0.self_attn.q_proj.weight"] == ["decoder.layers.self_attention.linear_qkv.weight"]
+    assert not (tmp_path / "dry").exists()
+
+
+def test_base_adapter_only_is_the_folder_of_the_full_checkpoint(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "only", tmp_path / "ad", "--hf-config", bridge / "cfg", "--base", SRC,
+                  "--adapter-only")
+    assert run.returncode == 0, run.stderr
+    assert (f"α 8 from {bridge / 'only' / 'run_config.yaml'}): load it with PeftModel.from_pretrained(base model, "
+            "folder)") in run.stderr
+    full = run_cli("export-hf", bridge / "ckpt", tmp_path / "full", "--hf-config", bridge / "cfg", "--adapter-only",
+                   "--lora-alpha", ALPHA)
+    assert full.returncode == 0, full.stderr
+    # without --base: laid out by the shapes the family's rules give the config's model, no base read
+    run = run_cli("export-hf", bridge / "only", tmp_path / "shaped", "--hf-config", bridge / "cfg", "--adapter-only",
+                  "--verify")
+    assert run.returncode == 0, run.stderr
+    assert (f"note: the adapters alone in {bridge / 'only'}: laid out by the base model's shapes for "
+            f"{bridge / 'cfg' / 'config.json'} (transformers' llama model), no base weight read") in run.stderr
+    for folder in ("ad", "shaped"):
+        got, want = (load_file(tmp_path / d / "adapter_model.safetensors") for d in (folder, "full"))
+        assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+        assert json.loads((tmp_path / folder / "adapter_config.json").read_text()) == \
+            json.loads((tmp_path / "full" / "adapter_config.json").read_text())
+    run = run_cli("export-hf", bridge / "only", tmp_path / "unchecked", "--hf-config", bridge / "cfg",
+                  "--adapter-only", "--no-name-check")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {bridge / 'only'}: holds Megatron-Bridge LoRA adapters alone: --adapter-only lays them out "
+           "by the base model's shapes, known from transformers' model for the config; pass --base (the pretrained "
+           "checkpoint) where transformers or the name check is off")
+
+
+def test_base_refusals(bridge, tmp_path):
+    cfg = ("--hf-config", bridge / "cfg")
+    only, ckpt = bridge / "only", bridge / "ckpt"
+    meta = dcp.FileSystemReader(str(SRC)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size") and k != "decoder.layers.mlp.linear_fc1.weight"}
+    dcp.load(state, checkpoint_id=SRC)
+    other = save_torch_dist(state, tmp_path / "no-fc1")
+    cases = [
+        ((only, "--base", other, "--merge-adapters"),
+         f"{only}: decoder.layers.0.mlp.linear_fc1.adapter.linear_in.weight: an adapter on "
+         f"decoder.layers.0.mlp.linear_fc1, whose weight decoder.layers.0.mlp.linear_fc1.weight is not in {other} "
+         "either (is it the run's pretrained checkpoint?)"),
+        ((ckpt, "--base", SRC, "--merge-adapters", "--lora-alpha", "8"),
+         f"{ckpt}: decoder.final_layernorm.weight (+8 more) is in {SRC} too: which one is the model's is not guessed "
+         "(--base is for a Megatron-Bridge LoRA save, which holds the adapters alone)"),
+        ((SRC, "--base", SRC, "--merge-adapters"),
+         f"{SRC}: decoder.final_layernorm.weight (+8 more) is in {SRC} too: which one is the model's is not guessed "
+         "(--base is for a Megatron-Bridge LoRA save, which holds the adapters alone)"),
+        ((only, "--base", SRC, "--merge-adapters", "--lora-alpha", "16"),
+         f"--lora-alpha 16 disagrees with {only / 'run_config.yaml'}, whose peft.alpha is 8"),
+    ]
+    for args, line in cases:
+        run = run_cli("export-hf", args[0], tmp_path / "hf", *cfg, *args[1:])
+        assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {line}"), args
+        assert not (tmp_path / "hf").exists()
+    plain = tmp_path / "plain-dcp"
+    dcp.save(lora_state(), checkpoint_id=plain)  # torch's own save: no metadata.json
+    run = run_cli("export-hf", only, tmp_path / "hf", *cfg, "--base", plain, "--merge-adapters")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: --base {plain}: not a Megatron torch_dist checkpoint (--base joins a Megatron-Bridge LoRA "
+           "save to its pretrained torch_dist checkpoint)")
+    run = run_cli("export-hf", only, only / "out", *cfg, "--base", SRC, "--merge-adapters")
+    assert run.returncode == 2 and "destination overlaps the source" in run.stderr
+    base = tmp_path / "base"
+    shutil.copytree(SRC, base)
+    run = run_cli("export-hf", only, base / "out", *cfg, "--base", base, "--merge-adapters")
+    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {base / 'out'}: destination overlaps the base "
+                                                       f"{base}; the source is never modified")
+    assert sorted(p.name for p in base.iterdir()) == sorted(p.name for p in SRC.iterdir())
+
+
+def test_run_config_that_does_not_describe_the_adapters_is_refused(bridge, tmp_path):
+    """A dim other than the adapters', canonical adapters beside a LoRA run's config, a hostile
+    file: one line naming run_config.yaml (tests/formats/test_bridge_run_config.py has the rest)."""
+    ckpt = tmp_path / "only"
+    shutil.copytree(bridge / "only", ckpt)
+    canonical = tmp_path / "canonical-only"
+    shutil.copytree(bridge / "canonical-only", canonical)
+    for folder, text, line in (
+        (ckpt, run_config_yaml(alpha=8, dim=8), "peft.dim is 8, but decoder.layers.0.mlp.linear_fc1.adapter.linear_in."
+                                                "weight has dim 4 (is this the run's run_config.yaml?)"),
+        (ckpt, "peft: !!python/object/apply:os.system ['true']\n", "not a readable run config (could not determine a "
+                                                                   "constructor for the tag 'tag:yaml.org,2002:python/"
+                                                                   "object/apply:os.system' at line 1)"),
+        (canonical, run_config_yaml(alpha=8, dim=4), "peft._target_ is LoRA, but decoder.layers.0.mlp.linear_fc1."
+                                                     "adapter.adapter_gate.linear_in.weight is canonical LoRA's (is this "
+                                                     "the run's run_config.yaml?)"),
+    ):
+        (folder / "run_config.yaml").write_text(text)
+        run = run_cli("export-hf", folder, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", SRC,
+                      "--merge-adapters")
+        assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {folder / 'run_config.yaml'}: {line}")
+        assert not (tmp_path / "hf").exists()
+
+
+def _canonical_reference(bridge) -> dict[str, torch.Tensor]:
+    """Megatron-Bridge's merge of canonical LoRA, as `_merge_canonical_adapter_from_weights` does it:
+    each HF tensor of the base (the plain export) merged with its adapter by `LoRAMerge.merge` in
+    float32 — q_proj with adapter_q …, o_proj and down_proj with linear_proj's and linear_fc2's."""
+    merge = bridge_merge()
+    adapters = lora_state(canonical=True)
+    out = dict(_exported(bridge / "plain"))
+    hf = {"adapter_q": "self_attn.q_proj", "adapter_k": "self_attn.k_proj", "adapter_v": "self_attn.v_proj",
+          "adapter_gate": "mlp.gate_proj", "adapter_up": "mlp.up_proj"}
+    for i in range(LAYERS):
+        for name in adapters:
+            if not name.endswith(".linear_in.weight"):
+                continue
+            prefix = name.removesuffix(".linear_in.weight")
+            leaf = prefix.rsplit(".", 1)[-1]
+            module = hf.get(leaf) or {"linear_proj": "self_attn.o_proj", "linear_fc2": "mlp.down_proj"}[
+                prefix.removesuffix(".adapter").rsplit(".", 1)[-1]]
+            key = f"model.layers.{i}.{module}.weight"
+            out[key] = merge(out[key].float(), adapters[f"{prefix}.linear_out.weight"][i], adapters[name][i], ALPHA,
+                             DIM, tp_group=None)
+    return out
+
+
+def test_canonical_lora_merged_is_bridge_merge_of_each_projection(bridge, tmp_path):
+    want = _canonical_reference(bridge)
+    for src, extra in ((bridge / "canonical", ("--lora-alpha", ALPHA)), (bridge / "canonical-only", ("--base", SRC))):
+        out = tmp_path / src.name
+        run = run_cli("export-hf", src, out, "--hf-config", bridge / "cfg", "--merge-adapters", "--verify", *extra)
+        assert run.returncode == 0, run.stderr
+        assert ("note: 14 weights merged with 14 Megatron-Bridge LoRA adapters (s = α / dim, α 8 from "
+                f"{'--lora-alpha' if src.name == 'canonical' else src / 'run_config.yaml'}): W + (B @ A) · s in float32 "
+                "over each whole Megatron weight, as Megatron-Bridge's LoRAMerge, then split as the base and cast once; "
+                "canonical LoRA's over the HF tensor it names (q_proj …), as Bridge merges those") in run.stderr
+        got = _exported(out)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+
+
+def test_canonical_lora_adapter_only_is_a_peft_folder_of_its_own_factors(bridge, tmp_path):
+    run = run_cli("export-hf", bridge / "canonical-only", tmp_path / "ad", "--hf-config", bridge / "cfg",
+                  "--adapter-only")  # no --base: laid out by the config's shapes
+    assert run.returncode == 0, run.stderr
+    assert "note: 14 Megatron-Bridge LoRA adapters written as 14 PEFT LoRA modules" in run.stderr
+    tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    adapters = lora_state(canonical=True)
+    hf = {"adapter_q": "self_attn.q_proj", "adapter_k": "self_attn.k_proj", "adapter_v": "self_attn.v_proj",
+          "adapter_gate": "mlp.gate_proj", "adapter_up": "mlp.up_proj"}
+    for i in range(LAYERS):
+        for split, module in hf.items():
+            meg = f"decoder.layers.{'self_attention.linear_qkv' if 'attn' in module else 'mlp.linear_fc1'}.adapter.{split}"
+            peft_name = f"base_model.model.model.layers.{i}.{module}"
+            assert torch.equal(tensors[f"{peft_name}.lora_A.weight"], adapters[f"{meg}.linear_in.weight"][i])
+            assert torch.equal(tensors[f"{peft_name}.lora_B.weight"], adapters[f"{meg}.linear_out.weight"][i])
+    merged = run_cli("export-hf", bridge / "canonical-only", tmp_path / "merged", "--hf-config", bridge / "cfg",
+                     "--base", SRC, "--merge-adapters")
+    assert merged.returncode == 0, merged.stderr
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    tokens = torch.arange(12).view(2, 6) % 200
+    base = AutoModelForCausalLM.from_pretrained(bridge / "plain", torch_dtype=torch.float32)
+    lora = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(lora(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
+        peft_weights = lora.merge_and_unload().state_dict()
+        for name, value in model.state_dict().items():
+            torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
+
+
+def _load_all(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint, by torch's own `dcp.load`."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {k: torch.empty(v.size, dtype=v.properties.dtype) for k, v in meta.state_dict_metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=path)
+    return state
+
+
+def _with_args(src: Path, dst: Path) -> Path:
+    """A copy of `src` whose common.pt holds Megatron-LM's args (the fixture's model: local spec,
+    SwiGLU, TP 2), which the conversion to Megatron-FSDP needs."""
+    import argparse
+
+    shutil.copytree(src, dst)
+    common = torch.load(dst / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, tensor_model_parallel_size=2,
+                                        pipeline_model_parallel_size=1)
+    torch.save(common, dst / "common.pt")
+    return dst
+
+
+@pytest.mark.full
+def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(bridge, tmp_path):
+    """A torch_dist save with Bridge adapters: rewritten at its own layout, every tensor comes back
+    equal (`dcp.load`); converted to Megatron-FSDP's fsdp_dtensor at TP 2 × DP 2, each layer's adapter
+    is its slab, fc1's linear_out TP-blocked [W_0; V_0; W_1; V_1] as Megatron-LM saves an fc1 adapter
+    it does not split (`handle_swiglu_in_state_dict` splits fc1's own weight only), and export-hf
+    merges it (fc1 saved as weight_w / weight_v) to Bridge's merge bit for bit, and writes the same
+    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked. Canonical
+    LoRA's adapters (their own rows, never blocked) convert and merge too."""
+    own = tmp_path / "own"
+    run = run_cli("reshard", bridge / "ckpt", own, "--verify")
+    assert run.returncode == 0, run.stderr
+    want = _load_all(bridge / "ckpt")
+    got = _load_all(own)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+    src = _with_args(bridge / "ckpt", tmp_path / "args")
+    fsdp = tmp_path / "fsdp"
+    run = run_cli("reshard", src, fsdp, "--layout", "megatron-fsdp", "--tp", "2", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    got = _load_all(fsdp)
+    for name, stack in lora_state().items():
+        for i in range(LAYERS):
+            saved = got[f"model.module.{name.replace('decoder.layers.', f'decoder.layers.{i}.')}"]
+            if name.endswith("linear_fc1.adapter.linear_out.weight"):
+                w, v = stack[i].chunk(2)
+                assert torch.equal(saved, torch.cat([w[:24], v[:24], w[24:], v[24:]])), name
+            else:
+                assert torch.equal(saved, stack[i]), name
+    inspect = run_cli("inspect", fsdp, "--json")
+    assert json.loads(inspect.stdout)["adapters"]["targets"] == {"linear_fc1": 2, "linear_fc2": 2, "linear_proj": 2,
+                                                                 "linear_qkv": 2}
+
+    run = run_cli("export-hf", fsdp, tmp_path / "hf", "--hf-config", bridge / "cfg", "--merge-adapters", "--lora-alpha",
+                  ALPHA, "--verify")
+    assert run.returncode == 0, run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    merged, want = _exported(tmp_path / "hf"), _exported(tmp_path / "ref")
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
+    for folder, ckpt in (("ad-fsdp", fsdp), ("ad-dist", bridge / "ckpt")):
+        run = run_cli("export-hf", ckpt, tmp_path / folder, "--hf-config", bridge / "cfg", "--adapter-only",
+                      "--lora-alpha", ALPHA)
+        assert run.returncode == 0, run.stderr
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ad-fsdp", "ad-dist"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b)
+
+    run = run_cli("export-hf", fsdp, tmp_path / "hf-tp1", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA, "--tp", "1")
+    assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {fsdp}: --tp 1 but the checkpoint's args say "
+                                                       "TP 2")
+    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {fsdp}: model.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight: a "
+           "Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved at TP 2, is TP-blocked (Megatron-LM splits "
+           "only fc1's own weight): not converted to torch_dist yet")
+
+    # canonical LoRA: each projection's adapter is its own, never TP-blocked; merged as Bridge merges it
+    src = _with_args(bridge / "canonical", tmp_path / "canonical-args")
+    fsdp = tmp_path / "canonical-fsdp"
+    run = run_cli("reshard", src, fsdp, "--layout", "megatron-fsdp", "--tp", "2", "--dp", "2", "--verify")
+    assert run.returncode == 0, run.stderr
+    run = run_cli("export-hf", fsdp, tmp_path / "canonical-hf", "--hf-config", bridge / "cfg", "--merge-adapters",
+                  "--lora-alpha", ALPHA)
+    assert run.returncode == 0, run.stderr
+    merged, want = _exported(tmp_path / "canonical-hf"), _canonical_reference(bridge)
+    assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
