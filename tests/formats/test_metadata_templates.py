@@ -432,7 +432,9 @@ def test_a_batch_of_storage_entries_alike_but_for_names_and_offsets_is_taken_by_
         (1 << 16) + 360, 360, (1 << 16) + 360]
 
 
-def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_or_are_declined(tmp_path, monkeypatch):
+@pytest.mark.parametrize("mutants", [40, pytest.param(200, marks=pytest.mark.full)])
+def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_or_are_declined(tmp_path, monkeypatch,
+                                                                                               mutants):
     """Bytes changed at random inside the storage entries of the batches taken by their bytes (a
     name's reference, an offset, an opcode, anything): whatever the reader accepts, C's unpickler
     accepts too, and reads the same."""
@@ -446,7 +448,7 @@ def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_o
     rng = random.Random(4321)
     path = tmp_path / ".metadata"
     accepted = declined = 0
-    for _ in range(80):
+    for _ in range(mutants):
         data = bytearray(original)
         for _ in range(rng.choice((1, 1, 2))):
             kind = rng.random()
@@ -462,7 +464,7 @@ def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_o
             accepted += 1
         else:
             declined += 1
-    assert accepted > 15 and declined > 15 and taken.count(True) > 50  # both roads, and batches taken
+    assert accepted > mutants // 5 and declined > mutants // 5 and taken.count(True) > mutants // 2  # both roads
 
 
 def test_a_batch_taken_by_its_bytes_fills_each_tensors_run_or_is_read_plainly():

@@ -734,6 +734,7 @@ def test_a_bf16_rewrite_resumes_at_another_tp_within_bf16s_precision(saved, tmp_
 
 
 @needs("0.19")
+@pytest.mark.full  # a TP 2 × PP 2 training of its own; `make test` proves pipelined layouts on the VPP run's buckets
 def test_a_pipelined_rewrite_resumes_without_pipeline_stages_with_the_saved_runs_loss(saved, tmp_path):
     """TP 2 × PP 2: each stage's buckets rebuilt (their layout is megatron-core's own:
     `test_the_rebuilt_bucket_layout_is_megatron_cores_own`), every param state its weight;
@@ -1338,6 +1339,7 @@ def test_args_of_the_wrong_kind_are_one_line_each(rebuilt, tmp_path):
 
 
 @needs("0.19")
+@pytest.mark.full  # the TP 2 × PP 2 training above; `test_pipeline_layouts_are_read_as_megatron_core_reads_them` in make test
 def test_pipeline_splits_args_do_not_prove_are_refused_naming_why(saved, tmp_path):
     """Stages are rebuilt for layers split as args say (evenly, or by stage sizes), with args
     that say whether the embedding is tied (then the last stage holds a copy of it), and as many
