@@ -108,3 +108,67 @@ def test_megatron_cores_torch_dist_rng_state_is_named_and_kept_as_saved(tmp_path
     megatron_rng.write(tmp_path / "shared", 2, False)
     assert json.loads(run_cli("inspect", tmp_path / "shared", "--json").stdout)["rank_state"][0]["dp"] == 1
     assert megatron_rng.load(tmp_path / "shared", 3, False) == [0, 0, 0]
+
+
+def _dcp_with_rng(path, dp: int) -> None:
+    """One process's DCP save of a weight beside `get_rng_state`'s fsdp_dtensor value at DP `dp`
+    with `--data-parallel-random-init` (DP rank d's state seeded with 1234 + 10·d)."""
+    import random
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    states = [{"random_rng_state": random.Random(1234 + 10 * d).getstate(),
+               "torch_rng_state": torch.Generator().manual_seed(1234 + 10 * d).get_state()} for d in range(dp)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"model": {"w": torch.arange(12.0).reshape(4, 3)}, "rng_state": {"(0, 0)": states}},
+                 checkpoint_id=str(path), no_dist=True)
+
+
+def _resumed(path, dp: int) -> list:
+    """Megatron-LM's fsdp_dtensor RNG load at DP `dp` (DCP's partial load of `{'(0, 0)': [dp states]}`):
+    the seed of each DP rank's resumed state, `fresh` where the checkpoint has none."""
+    import random
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    sd = {"rng_state": {"(0, 0)": [{"random_rng_state": None, "torch_rng_state": torch.zeros(5056, dtype=torch.uint8)}
+                                   for _ in range(dp)]}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load(sd, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    seeds = {random.Random(1234 + 10 * d).getstate(): d for d in range(8)}
+    return [seeds.get(s["random_rng_state"], "fresh") for s in sd["rng_state"]["(0, 0)"]]
+
+
+def test_a_plain_reshard_refuses_per_dp_rng_state(tmp_path) -> None:
+    """The CLI end to end on a DCP save holding per-DP RNG state: FSDP2 rows are DP ranks, so `-n 3`
+    refuses, naming it."""
+    from tests.conftest import run_cli
+
+    _dcp_with_rng(tmp_path / "src", 2)
+    refused = run_cli("reshard", tmp_path / "src", tmp_path / "ws3", "-n", 3)
+    assert (refused.returncode, refused.stderr) == (2, (
+        "ckptctl: error: rng_state.(0, 0).{0..1}.*: Megatron's RNG state of DP 2 (one state per DP rank, "
+        "--data-parallel-random-init) cannot follow a reshard to DP 3 (DP rank i resumes state i); pass --exclude "
+        "'rng_state.*' to drop it (every rank starts afresh) or --keep-common-ranks to keep the states of the DP "
+        "ranks both sizes have\n"))
+    assert not (tmp_path / "ws3").exists()
+
+
+@pytest.mark.full
+def test_a_plain_reshard_keeps_the_common_ranks_when_asked(tmp_path) -> None:
+    """`--keep-common-ranks -n 1` keeps DP rank 0's state, which DCP loads back; at DP 3 the source
+    leaves rank 2 its fresh state."""
+    from tests.conftest import run_cli
+
+    _dcp_with_rng(tmp_path / "src", 2)
+    run = run_cli("reshard", tmp_path / "src", tmp_path / "ws1", "-n", 1, "--keep-common-ranks", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert _resumed(tmp_path / "ws1", 1) == [0]
+    assert _resumed(tmp_path / "src", 3) == [0, 1, "fresh"]
