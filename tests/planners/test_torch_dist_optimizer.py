@@ -1620,7 +1620,8 @@ def _rng_load(path, states: dict[str, int]) -> dict[str, list]:
                               for _ in range(dp)] for key, dp in states.items()}}
     load(sd, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
     seeds = {random.Random(1234 + 10 * d).getstate(): d for d in range(8)}
-    return {key: [seeds.get(s["random_rng_state"], "fresh") for s in dp_states] for key, dp_states in sd["rng_state"].items()}
+    return {key: [seeds.get(s["random_rng_state"], "fresh") for s in dp_states]
+            for key, dp_states in sd["rng_state"].items()}
 
 
 @needs("0.19")
