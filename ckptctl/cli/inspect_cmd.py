@@ -29,6 +29,9 @@ ignores them.
       "unreferenced_files": [name],                           # data files no entry points to
       "rank_state": [{"kind": str, "entries": [fqn], "dp": int}],  # per-DP-rank training state:
                                                               # kept by a reshard at the same DP only
+                    # Megatron's RNG state also: "grid": [[pp, tp]] (the ranks saved), "dp": DP
+                    # states per (pp, tp) rank (1: shared by all; null: unknown), "loader": str
+                    # (what Megatron-LM's load_checkpoint does at another DP, TP or PP)
       "groups": {"model": n, "optimizer": n, "other": n},     # all entries, tensors and bytes
       "dtypes": {"float32": n, ...},                          # tensors per dtype
       "layouts": {"shard0-even": n, ...},                     # tensors per layout label
@@ -174,7 +177,7 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
     """The `--json` document (schema in the module docstring); its tensors, chunks and all,
     are made as they are written or shown (`Streamed`), never all at once."""
     keep = (lambda fqn: True) if pattern is None else (lambda fqn: fnmatch.fnmatchcase(fqn, pattern))
-    from ckptctl.core.rank_state import rank_states
+    from ckptctl.core.rank_state import MEGATRON_RNG, megatron_rng, rank_states
     from ckptctl.families.adapters import adapter_summary
     from ckptctl.families.bridge_adapters import bridge_adapter_summary
     from ckptctl.families.base import is_model_key
@@ -195,8 +198,12 @@ def inspect_document(ckpt: Checkpoint, analysis: Analysis, pattern: str | None =
         "total_bytes": ckpt.total_bytes,
         "files": dict(ckpt.files),
         "unreferenced_files": list(ckpt.unreferenced_files),
-        "rank_state": [{"kind": r.kind, "entries": list(r.fqns), "dp": r.ranks}
-                       for r in rank_states(ckpt.bytes_entries)],
+        "rank_state": [*({"kind": r.kind, "entries": list(r.fqns), "dp": r.ranks}
+                         for r in rank_states(ckpt.bytes_entries)),
+                       *({"kind": MEGATRON_RNG, "entries": list(r.fqns), "dp": r.dp, "grid": [list(g) for g in r.grid],
+                          "loader": r.loader}
+                         for r in [megatron_rng([*ckpt.tensors, *ckpt.bytes_entries],
+                                                training.get if training is not None else None)] if r is not None)],
         "groups": analysis.groups,
         "dtypes": analysis.dtypes,
         "layouts": dict(sorted(Counter(shown_layout(r) for r in reports).items())),
@@ -317,6 +324,9 @@ def _unreferenced_warning(doc: dict[str, Any]) -> str:
 def _rank_state_line(state: dict[str, Any]) -> str:
     first, last = state["entries"][0], state["entries"][-1]
     shown = first if first == last else f"{first} … {last}"
+    if "loader" in state:  # Megatron's RNG state, per (PP, TP) rank
+        grid = ", ".join(f"({pp}, {tp})" for pp, tp in state["grid"])
+        return f"{shown}: {state['kind']} of (PP, TP) ranks {grid}, {state['loader']}"
     return f"{shown}: {state['kind']} of DP {state['dp']}, kept by a reshard to DP {state['dp']} only"
 
 

@@ -84,8 +84,9 @@ def reshard_command(
     exclude: Optional[list[str]] = typer.Option(None, "--exclude", help="Drop FQNs matching this glob (repeatable; in "
                                                 "an HF Trainer / accelerate checkpoint-N folder also its files)."),
     keep_common_ranks: bool = typer.Option(False, "--keep-common-ranks",
-                                           help="Keep a Trainer / accelerate folder's per-rank RNG files of the ranks "
-                                                "both world sizes have (the other ranks start theirs afresh)."),
+                                           help="Keep a Trainer / accelerate folder's per-rank RNG files, or a "
+                                                "Megatron-FSDP checkpoint's per-DP RNG state, of the ranks both "
+                                                "sizes have (the other ranks start theirs afresh)."),
     dtype: str = dtype_option(),
     workers: int = typer.Option(min(4, os.cpu_count() or 1), "--workers", help="Copy threads."),
     verify: bool = typer.Option(False, "--verify", help="Re-read the output and compare every tensor with the source."),
@@ -139,9 +140,7 @@ def reshard_command(
         if (folder := trainer_folder(src)) is not None:
             return reshard_folder(folder, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                                   comm=comm, keep_common_ranks=keep_common_ranks)
-        if keep_common_ranks:
-            raise UsageError("--keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint "
-                             "folder; a DCP checkpoint's per-rank entries are dropped with --exclude")
+        opts.keep_common_ranks = keep_common_ranks  # a Megatron-FSDP checkpoint's per-DP RNG state
         return reshard(src, dst, opts, force=force, verify=verify, dry_run=dry_run, progress=progress,
                        comm=comm)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckptctl.storage.atomic import recorded_reads
 from ckptctl.engine.dist import LOCAL, Comm, shared_analysis
-from ckptctl.util.errors import IncompleteCheckpointError
+from ckptctl.util.errors import IncompleteCheckpointError, UsageError
 from ckptctl.formats.dcp.metadata import open_checkpoint
 from ckptctl.formats.dcp.writer import DcpOutput
 from ckptctl.core.analysis import analysis
@@ -51,6 +51,9 @@ class ReshardOptions(RunOptions):
     hf_config: Path | None = None
     hub_timeout: float = DEFAULT_HUB_TIMEOUT
     """Seconds a Hub model id's config may take to download (`--hf-config`)."""
+    keep_common_ranks: bool = False
+    """Keep a Megatron-FSDP checkpoint's per-DP RNG state of the DP ranks both sizes have
+    (`core.rank_state.megatron_rng_selection`)."""
 
     @property
     def megatron(self) -> bool:
@@ -94,6 +97,9 @@ def _planned(ckpt: Checkpoint, opts: ReshardOptions) -> PlannedReshard:
 def planner_request(ckpt: Checkpoint, opts: ReshardOptions) -> ReshardRequest:
     """The request of the planner the source and the options call for, its options checked. A
     Megatron planner is imported only when it is the one: a plain reshard never imports them."""
+    if opts.keep_common_ranks and (ckpt.megatron_backend is not None or opts.layout == TORCH_DIST_LAYOUT):
+        raise UsageError("--keep-common-ranks: a torch_dist checkpoint is rewritten at its own layout, its RNG state "
+                         "as saved, and a conversion between torch_dist and fsdp_dtensor carries none")
     if ckpt.megatron_backend is not None and opts.layout == "megatron-fsdp":  # torch_dist to fsdp_dtensor
         from ckptctl.planners.torch_dist_to_fsdp_dtensor import ToFsdpDtensor
 

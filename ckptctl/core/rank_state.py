@@ -7,6 +7,19 @@ A reshard that keeps those entries for another DP size therefore writes a checkp
 job stops on, and keeping only the ranks both sizes have would stop it the same way. So a DP
 change refuses by default, naming the entries, and the user drops them on purpose
 (`--exclude 'dataloader.*'`: the next job starts its data order afresh).
+
+Megatron-LM saves its RNG state once per (PP, TP) rank (`megatron/training/checkpointing.py`,
+`get_rng_state`): a list of the DP ranks' states (all-gathered over the DP group with
+`--data-parallel-random-init` at DP > 1, else the rank's own state alone). torch_dist keeps it in
+a ShardedObject `rng_state` of global shape (PP, TP) at offset (pp, tp), replicated over DP × CP:
+the entry `rng_state/shard_<pp>.<tp>_<PP>.<TP>`, one pickled list (how many states it holds is
+known from the saved args only). fsdp_dtensor keeps `{'(pp, tp)': list}`, which DCP flattens to
+`rng_state.(<pp>, <tp>).<i>.<field>` (tensors and bytes entries). Its loader (`load_checkpoint`)
+takes entry `dp_rank` with `--data-parallel-random-init`, else entry 0; torch_dist's ignores the
+RNG state at another TP or PP ("(TP, PP) mismatch after resume … RNG state will be ignored");
+fsdp_dtensor's loads with DCP's partial load (unless `--strict-fsdp-dtensor-load`), so an entry the
+job asks for and the checkpoint lacks leaves the job's own fresh state. One entry shared by every
+DP rank follows any DP size; per-DP entries do not (`MegatronRng`).
 """
 
 from __future__ import annotations
@@ -18,6 +31,10 @@ from dataclasses import dataclass
 from ckptctl.util.errors import UsageError
 from ckptctl.util.wording import counted
 
+_RANK = r"0|[1-9][0-9]{0,5}"
+_TORCH_DIST_RNG = re.compile(rf"^(?P<root>[^/]*rng_state)/shard_(?P<pp>{_RANK})\.(?P<tp>{_RANK})_"
+                             rf"(?P<pps>{_RANK})\.(?P<tps>{_RANK})$")
+_FSDP_DTENSOR_RNG = re.compile(rf"^rng_state\.\((?P<pp>{_RANK}), (?P<tp>{_RANK})\)\.(?P<dp>{_RANK})(?:\.|$)")
 _TORCHTITAN_DATALOADER = re.compile(r"^(?P<root>dataloader)\.dp_rank_(?P<rank>0|[1-9][0-9]{0,5})$")
 
 
@@ -167,3 +184,94 @@ def common_ranks(state: RankFiles, world_size: int) -> tuple[str, ...]:
                          f"{state.one_process} at one process, one file per process at several); pass --exclude "
                          f"'{state.glob}' to drop them")
     return tuple(n for n, rank in zip(state.names, state.numbers) if rank < world_size)
+
+
+MEGATRON_RNG = "Megatron's RNG state"
+KEEP_COMMON_APPLIES = ("--keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint folder, or "
+                       "a Megatron-FSDP checkpoint's per-DP RNG state; this checkpoint's per-rank entries are dropped "
+                       "with --exclude")
+
+
+@dataclass(frozen=True)
+class MegatronRng:
+    """Megatron-LM's RNG state in a torch_dist or fsdp_dtensor checkpoint (see the module docstring)."""
+
+    backend: str
+    """`torch_dist` or `fsdp_dtensor`."""
+    fqns: tuple[str, ...]
+    grid: tuple[tuple[int, int], ...]
+    """The (pp, tp) ranks whose state is saved."""
+    dp: int | None
+    """How many DP ranks' states each (pp, tp) rank saved: 1 when every DP rank shares one; None
+    where that is not known (a torch_dist checkpoint without args)."""
+    entry_of: tuple[tuple[str, int], ...] = ()
+    """fsdp_dtensor: each entry's DP rank."""
+
+    @property
+    def per_dp(self) -> bool:
+        return self.dp is None or self.dp > 1
+
+    @property
+    def shown(self) -> str:
+        if self.backend == "torch_dist":
+            return self.fqns[0] if len(self.fqns) == 1 else f"{self.fqns[0]} … {self.fqns[-1]}"
+        ranks = "0" if self.dp == 1 else f"{{0..{self.dp - 1}}}"
+        (pp, tp), = self.grid if len(self.grid) == 1 else ((None, None),)
+        return f"rng_state.({pp}, {tp}).{ranks}.*" if pp is not None else \
+            f"rng_state.(pp, tp).{ranks}.* of {len(self.grid)} (PP, TP) ranks"
+
+    @property
+    def loader(self) -> str:
+        """What Megatron-LM's `load_checkpoint` does with it at another DP, TP or PP size."""
+        other = ("Megatron-LM ignores it at another TP or PP" if self.backend == "torch_dist" else
+                 "at a (pp, tp) not saved Megatron-LM's partial load leaves the job's fresh state")
+        if self.dp is None:
+            return f"states per DP rank not known (no args saved); {other}"
+        if self.dp == 1:
+            return f"one state every DP rank resumes: follows any DP size; {other}"
+        larger = ("fail (IndexError in load_checkpoint)" if self.backend == "torch_dist" else
+                  "start afresh (partial load; --strict-fsdp-dtensor-load fails)")
+        return (f"one state per DP rank of {self.dp} (--data-parallel-random-init): DP rank i resumes state i, "
+                f"at a larger DP ranks ≥ {self.dp} {larger}; {other}")
+
+
+def megatron_rng(names: Iterable[str], args: Callable[[str], object] | None = None) -> MegatronRng | None:
+    """Megatron-LM's RNG state among a checkpoint's entry names (tensors and bytes entries); `args`
+    reads a saved arg (torch_dist: how many DP states each entry holds)."""
+    torch_dist: dict[str, tuple[int, int]] = {}
+    fsdp: dict[str, tuple[int, int, int]] = {}
+    for fqn in names:
+        if (m := _TORCH_DIST_RNG.match(fqn)) is not None:
+            torch_dist[fqn] = (int(m["pp"]), int(m["tp"]))
+        elif (m := _FSDP_DTENSOR_RNG.match(fqn)) is not None:
+            fsdp[fqn] = (int(m["pp"]), int(m["tp"]), int(m["dp"]))
+    if torch_dist:
+        fqns = tuple(sorted(torch_dist, key=torch_dist.__getitem__))
+        random_init = args("data_parallel_random_init") if args is not None else None
+        size = args("data_parallel_size") if args is not None else None
+        dp = (size if random_init and isinstance(size, int) and size > 1 else 1) \
+            if isinstance(random_init, bool) else None
+        return MegatronRng("torch_dist", fqns, tuple(sorted(set(torch_dist.values()))), dp)
+    if fsdp:
+        fqns = tuple(sorted(fsdp, key=lambda f: (fsdp[f], f)))
+        return MegatronRng("fsdp_dtensor", fqns, tuple(sorted({(pp, tp) for pp, tp, _ in fsdp.values()})),
+                           max(d for _, _, d in fsdp.values()) + 1, tuple((f, fsdp[f][2]) for f in fqns))
+    return None
+
+
+def megatron_rng_selection(state: MegatronRng | None, kept: Callable[[str], bool], dp: int,
+                           keep_common: bool) -> Callable[[str], bool]:
+    """The selection of an fsdp_dtensor reshard to DP `dp`: per-DP RNG state saved at another DP
+    size is refused, unless dropped (`--exclude`) or cut to the DP ranks both sizes have
+    (`keep_common`: entry i is DP rank i's, so those kept need no renumbering)."""
+    if keep_common and (state is None or state.backend != "fsdp_dtensor" or not state.per_dp):
+        raise UsageError(KEEP_COMMON_APPLIES)
+    if state is None or not state.per_dp or state.dp == dp or not any(kept(f) for f in state.fqns):
+        return kept
+    if not keep_common:
+        raise UsageError(f"{state.shown}: {MEGATRON_RNG} of DP {state.dp} (one state per DP rank, "
+                         f"--data-parallel-random-init) cannot follow a reshard to DP {dp} (DP rank i resumes "
+                         "state i); pass --exclude 'rng_state.*' to drop it (every rank starts afresh) or "
+                         "--keep-common-ranks to keep the states of the DP ranks both sizes have")
+    rank = dict(state.entry_of)
+    return lambda fqn: kept(fqn) and rank.get(fqn, 0) < dp

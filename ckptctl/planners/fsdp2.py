@@ -10,7 +10,7 @@ from ckptctl.core.analysis import source_tensors
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.core.plan import TargetTensor, identity_target
-from ckptctl.core.rank_state import refuse_dp_change
+from ckptctl.core.rank_state import megatron_rng, megatron_rng_selection, refuse_dp_change
 from ckptctl.core.selection import selected
 from ckptctl.families.placement import fsdp2
 from ckptctl.formats.dcp.writer import place_dcp_records
@@ -24,6 +24,7 @@ class Fsdp2Reshard:
     include: Sequence[str] = ()
     exclude: Sequence[str] = ()
     dtype: DType | None = None
+    keep_common_ranks: bool = False
 
     @classmethod
     def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> Fsdp2Reshard:
@@ -31,18 +32,21 @@ class Fsdp2Reshard:
             raise UsageError("--world-size is required (the number of ranks the output is laid out for)")
         if opts.world_size < 1:
             raise UsageError(f"--world-size must be at least 1 (got {opts.world_size})")
-        return cls(opts.world_size, opts.include, opts.exclude, opts.dtype)
+        return cls(opts.world_size, opts.include, opts.exclude, opts.dtype, opts.keep_common_ranks)
 
     def plan(self, ckpt: Checkpoint) -> PlannedReshard:
         sources = source_tensors(ckpt)
         targets: list[TargetTensor] = []
+        refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, self.include, self.exclude), self.world_size)
+        keep = megatron_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
+                                      lambda f: selected(f, self.include, self.exclude), self.world_size,
+                                      self.keep_common_ranks)  # FSDP2: DP = the world size
         for fqn, src in sources.items():
-            if selected(fqn, self.include, self.exclude):
+            if keep(fqn):
                 targets.append(identity_target(src, dtype=cast_dtype(src.dtype, self.dtype),
                                                properties=ckpt.tensors[fqn].properties))
         placements = {t.fqn: fsdp2(t.shape, self.world_size) for t in targets}
-        kept_bytes = [e for f, e in ckpt.bytes_entries.items() if selected(f, self.include, self.exclude)]
-        refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, self.include, self.exclude), self.world_size)
+        kept_bytes = [e for f, e in ckpt.bytes_entries.items() if keep(f)]
         planner = None
         if isinstance(ckpt.planner_data, dict):
             keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}

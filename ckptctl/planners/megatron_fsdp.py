@@ -41,6 +41,7 @@ from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint
 from ckptctl.families.placement import Placed, flat, fsdp2, megatron_fsdp
+from ckptctl.core.rank_state import megatron_rng, megatron_rng_selection
 from ckptctl.core.selection import selected
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
@@ -104,6 +105,7 @@ class MegatronRequest:
     exclude: tuple[str, ...] = ()
     dtype: DType | None = None
     hub_timeout: float = DEFAULT_HUB_TIMEOUT
+    keep_common_ranks: bool = False
 
     @classmethod
     def from_options(cls, ckpt: Checkpoint, opts: ReshardChoices) -> MegatronRequest:
@@ -131,7 +133,7 @@ class MegatronRequest:
             raise UsageError("--layout megatron-fsdp needs --dp (or --world-size = TP × DP)")
         fused = FusedAction.SPLIT if split_fused else FusedAction.FUSE if fuse else FusedAction.KEEP
         return cls(layout, world_size, tp, dp, source_tp, fused, opts.flat_optimizer, opts.hf_config,
-                   tuple(opts.include), tuple(opts.exclude), opts.dtype, opts.hub_timeout)
+                   tuple(opts.include), tuple(opts.exclude), opts.dtype, opts.hub_timeout, opts.keep_common_ranks)
 
     def plan(self, ckpt: Checkpoint) -> PlannedReshard:
         return PlannedReshard(plan_megatron(ckpt, self), output_world_size(ckpt, self))
@@ -670,6 +672,9 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
 def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
     """The whole output of a Megatron-aware reshard: targets, placement, copy runs. No tensor I/O."""
     layout = resolve_layout(ckpt, req)
+    keep = megatron_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
+                                  lambda f: selected(f, req.include, req.exclude),
+                                  layout.dp if layout.dp is not None else layout.world_size, req.keep_common_ranks)
     sources = source_tensors(ckpt)
     planner = MegatronPlanner(ckpt, req, layout, sources)
     planned = planner.build()
@@ -678,7 +683,7 @@ def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
     targets: list[TargetTensor] = []
     placements: dict[str, list[Placed]] = {}
     for fqn, target in planned.targets.items():
-        if not selected(fqn, req.include, req.exclude):
+        if not keep(fqn):
             continue
         param, param_shape = planned.param_of[fqn]
         placed = layout.place(target.shape, param)
@@ -695,7 +700,7 @@ def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
     bytes_names: dict[str, str] = {}
     for fqn, entry in ckpt.bytes_entries.items():
         name = renames.get(fqn, fqn)
-        if name is None or not selected(name, req.include, req.exclude):
+        if name is None or not keep(name):
             continue
         bytes_names[name] = fqn
         if not (fqn == "args" and new_args is not None):

@@ -35,6 +35,8 @@ class ReshardChoices(Protocol):
     include: Sequence[str]
     exclude: Sequence[str]
     dtype: DType | None
+    keep_common_ranks: bool
+    """Keep the per-DP RNG state of the DP ranks both sizes have (Megatron-FSDP)."""
 
     @property
     def megatron(self) -> bool:

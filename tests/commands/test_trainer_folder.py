@@ -142,8 +142,9 @@ def test_keep_common_ranks_keeps_the_files_both_sizes_have(saved, tmp_path: Path
         "process, one file per process at several); pass --exclude 'rng_state*.pth' to drop them\n"))
     plain = run_cli("reshard", fixture_ckpt("fsdp2_4ranks"), tmp_path / "plain", "-n", 2, "--keep-common-ranks")
     assert (plain.returncode, plain.stderr) == (2, (
-        "ckptctl: error: --keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint folder; a "
-        "DCP checkpoint's per-rank entries are dropped with --exclude\n"))
+        "ckptctl: error: --keep-common-ranks keeps per-rank files of an HF Trainer / accelerate checkpoint folder, or "
+        "a Megatron-FSDP checkpoint's per-DP RNG state; this checkpoint's per-rank entries are dropped with "
+        "--exclude\n"))
     assert sorted(os.listdir(tmp_path)) == ["ws3"]
 
 

@@ -1740,3 +1740,75 @@ def test_a_state_that_is_not_fragments_of_its_param_is_refused_naming_both_shape
                                                         "[2, 64, 32] (each dim's fragment count, then one "
                                                         "fragment's elements)")):
         fragment_targets(ckpt)
+
+
+def _rng_load(path, states: dict[str, int]) -> dict[str, list]:
+    """Megatron-LM's fsdp_dtensor load of the RNG state (`load_checkpoint`: `get_rng_state`'s
+    `{'(pp, tp)': list of the job's DP states}` loaded by DCP with its default partial load), in
+    one process: for each (pp, tp) key, the job's DP size; each state the checkpoint lacks keeps
+    the job's own (here `None` markers: `fresh`)."""
+    import random
+
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    sd = {"rng_state": {key: [{"random_rng_state": ("fresh",), "torch_rng_state": torch.zeros(5056, dtype=torch.uint8)}
+                              for _ in range(dp)] for key, dp in states.items()}}
+    load(sd, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    seeds = {random.Random(1234 + 10 * d).getstate(): d for d in range(8)}
+    return {key: [seeds.get(s["random_rng_state"], "fresh") for s in dp_states]
+            for key, dp_states in sd["rng_state"].items()}
+
+
+@needs("0.19")
+@pytest.mark.full
+def test_megatron_fsdps_per_dp_rng_state_is_named_and_follows_a_dp_change_only_as_asked(saved, rebuilt, tmp_path):
+    """Megatron-FSDP's save at TP 2 × DP 2 with `--data-parallel-random-init` (`fixtures.megatron_fsdp_dtensor`:
+    each (pp, tp) rank's list of its DP ranks' RNG states, `rng_state.(0, <tp>).<dp>.*`): inspect
+    names it with what Megatron-LM's loader does; a reshard to another DP refuses by default; dropped
+    with `--exclude` the output has none; with `--keep-common-ranks` a DP 1 job resumes DP rank 0's
+    state and a DP 4 job ranks 0 and 1's, the others their own fresh state (DCP's partial load,
+    as Megatron-LM loads fsdp_dtensor); at the same DP every state is kept."""
+    from fixtures import megatron_fsdp_dtensor
+
+    src = tmp_path / "src"
+    megatron_fsdp_dtensor.write(rebuilt, saved[BUCKETS] / "buffers.json", src, 2, 2, data_parallel_random_init=True)
+    entries = [f"rng_state.(0, {tp}).{dp}.{field}" for tp in (0, 1) for dp in (0, 1)
+               for field in ("random_rng_state", "torch_rng_state")]
+    loader = ("one state per DP rank of 2 (--data-parallel-random-init): DP rank i resumes state i, at a larger DP "
+              "ranks ≥ 2 start afresh (partial load; --strict-fsdp-dtensor-load fails); at a (pp, tp) not saved "
+              "Megatron-LM's partial load leaves the job's fresh state")
+    assert json.loads(run_cli("inspect", src, "--json").stdout)["rank_state"] == [
+        {"kind": "Megatron's RNG state", "entries": entries, "dp": 2, "grid": [[0, 0], [0, 1]], "loader": loader}]
+    assert f"Per-rank state rng_state.(0, 0).0.random_rng_state … rng_state.(0, 1).1.torch_rng_state: Megatron's " \
+           f"RNG state of (PP, TP) ranks (0, 0), (0, 1), {loader}" in " ".join(run_cli("inspect", src).stdout.split())
+    assert _rng_load(src, {"(0, 0)": 2, "(0, 1)": 2}) == {"(0, 0)": [0, 1], "(0, 1)": [0, 1]}  # as saved
+
+    refused = run_cli("reshard", src, tmp_path / "dp4", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "4")
+    assert (refused.returncode, refused.stderr) == (2, (
+        "ckptctl: error: rng_state.(pp, tp).{0..1}.* of 2 (PP, TP) ranks: Megatron's RNG state of DP 2 (one state "
+        "per DP rank, --data-parallel-random-init) cannot follow a reshard to DP 4 (DP rank i resumes state i); pass "
+        "--exclude 'rng_state.*' to drop it (every rank starts afresh) or --keep-common-ranks to keep the states of "
+        "the DP ranks both sizes have\n"))
+    assert not (tmp_path / "dp4").exists()
+
+    run = run_cli("reshard", src, tmp_path / "dropped", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "4",
+                  "--exclude", "rng_state.*")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run_cli("inspect", tmp_path / "dropped", "--json").stdout)["rank_state"] == []
+    assert _rng_load(tmp_path / "dropped", {"(0, 0)": 4}) == {"(0, 0)": ["fresh"] * 4}
+
+    run = run_cli("reshard", src, tmp_path / "dp1", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "1",
+                  "--keep-common-ranks", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run_cli("inspect", tmp_path / "dp1", "--json").stdout)["rank_state"][0]["entries"] == \
+        [e for e in entries if ").0." in e]
+    assert _rng_load(tmp_path / "dp1", {"(0, 0)": 1}) == {"(0, 0)": [0]}
+    run = run_cli("reshard", src, tmp_path / "dp4", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "4",
+                  "--keep-common-ranks")
+    assert run.returncode == 0, run.stderr
+    assert _rng_load(tmp_path / "dp4", {"(0, 0)": 4}) == {"(0, 0)": [0, 1, "fresh", "fresh"]}
+    run = run_cli("reshard", src, tmp_path / "dp2", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "2")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run_cli("inspect", tmp_path / "dp2", "--json").stdout)["rank_state"][0]["entries"] == entries
+    assert _rng_load(tmp_path / "dp2", {"(0, 0)": 2}) == {"(0, 0)": [0, 1]}
