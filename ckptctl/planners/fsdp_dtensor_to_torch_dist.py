@@ -22,9 +22,20 @@ other modules carry the key names themselves (megatron-core 0.19.2's spec code: 
 CUDA, so that spec is read, not run). The spec comes from `args.transformer_impl`. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state`, which Megatron-FSDP does not
 save (resume with `--dist-ckpt-strictness log_all`). The router's expert bias is a buffer: a model
-tensor kept in its own dtype, with no optimizer state or group. Anything else not named here is
-refused, as are MTP, Transformer Engine's MLA, GDN and Mamba layers, pipeline stages and flat
-(CPU-offloaded) optimizer states, which are not converted yet.
+tensor kept in its own dtype, with no optimizer state or group.
+
+megatron-core's hybrid stack (MambaModel: `decoder.final_norm`) keys every layer on its own
+(`decoder.layers.<i>.…`, never stacked) under its module names (its spec is Transformer Engine's,
+the norms inside the modules or named as keys), and its Mamba mixer (0.19.2's
+`MambaMixer.sharded_state_dict`) keeps `in_proj.weight` in parts `.z .x .B .C .dt` and the conv
+(`conv1d.weight` / `.bias`, 0.19's `conv1d_weight` / `conv1d_bias` params) in parts `.x .B .C`,
+each part TP-sharded on its own: its global tensor is every TP rank's rows of it in rank order.
+Megatron-FSDP saves them fused, TP-blocked at the run's TP (rank t's block `[z_t; x_t; B_t; C_t;
+dt_t]`), so each part is cut out block by block, sized from the layer's own shapes.
+
+Anything else not named here is refused, as are MTP, Transformer Engine's MLA, GDN layers, Mamba
+mixers outside a hybrid stack, pipeline stages and flat (CPU-offloaded) optimizer states, which
+are not converted yet.
 """
 
 from __future__ import annotations
@@ -47,9 +58,10 @@ from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
 from ckptctl.megatron.fsdp_dtensor_names import (
     COMMON_ITEMS, DROPPED_ROOTS, GROUP_META, GROUPED_EXPERT, LAYER, LOCAL_EXPERT, MODEL_PREFIX, SCHEDULER,
-    STATE_PREFIX, SWIGLU_PART, LayerNames, layer_names,
+    STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, LayerNames, layer_names,
 )
-from ckptctl.megatron.rows import BUFFERS
+from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
+from ckptctl.megatron.rows import BUFFERS, MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS, canonical
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -61,6 +73,12 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": False,
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 """What Megatron-LM passes `dist_checkpointing.save` for a `fully_reshardable` DistributedOptimizer."""
+MAMBA_MIXER = re.compile(r"^decoder\.layers\.\d+\.mixer\.")
+"""A Mamba layer's mixer in megatron-core's hybrid stack (module names are its torch_dist keys)."""
+MAMBA_SPLIT = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.)mixer\.(?P<param>in_proj\.weight|conv1d\.weight|conv1d\.bias)$")
+"""The mixer params megatron-core 0.19.2's `MambaMixer.sharded_state_dict` keeps in parts
+(`_split_tensor_factory`): `in_proj.weight.{z,x,B,C,dt}`, `conv1d.{weight,bias}.{x,B,C}`."""
+MAMBA_SAVED_PART = re.compile(r"^decoder\.layers\.\d+\.mixer\.(in_proj|conv1d)\.(weight|bias)\.")
 
 
 @dataclass
@@ -74,6 +92,10 @@ class _Key:
     """The first stacked dim is the layer axis (a layer stack `<ns>.layers.<name>`)."""
     parts: dict[tuple[int, ...], dict[str | None, str]] = field(default_factory=dict)
     """Index along the stacked dims → SwiGLU part (`w`, `v`, None) → module-named param."""
+    split: tuple[tuple[str, int], ...] = ()
+    """A Mamba `in_proj` or conv saved fused, TP-blocked at `tp`, that torch_dist keeps in parts
+    (`<key>.<part>`): (part, rows per TP rank) in the order each rank holds them."""
+    tp: int = 1
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -95,13 +117,17 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     if pp != 1:  # Megatron-FSDP's names of a stage's layers are not known
         raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
                                          "not converted to torch_dist yet")
-    spec = layer_names(ckpt, args)
+    hybrid = HYBRID_FINAL_NORM in names
+    spec = LayerNames((), UNSUPPORTED) if hybrid else layer_names(ckpt, args)
     for part, what in spec.unsupported:
-        found = next((n for n in names if part in n), None)
+        found = next((n for n in names if part in n and not (hybrid and MAMBA_MIXER.match(n))), None)
         if found is not None:
-            raise CheckpointError(ckpt.path, f"{names[found]}: {what} are not converted to torch_dist yet")
-    keys = _torch_dist_keys(ckpt, names, spec)
+            raise CheckpointError(ckpt.path, f"{names[found]}: {_unsupported(found, part, what)} are not converted to "
+                                             "torch_dist yet")
+    keys = _torch_dist_keys(ckpt, names, spec, stack=not hybrid)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
+    if hybrid:
+        _split_mamba(ckpt, args, keys, names)
     params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # a buffer has no optimizer state
     states, steps = _optimizer_states(ckpt, params)
     model_dtype = bfloat16 if getattr(args, "bf16", False) is True else float16 if getattr(args, "fp16", False) is True \
@@ -111,11 +137,11 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     placements: dict[str, list[Placed]] = {}
     for key in keys.values():
         buffer = key.key.endswith(BUFFERS)  # kept in its own dtype (fp32: the router's expert bias)
-        made = [_target(ckpt, key, key.key, names, views, None if buffer else model_dtype)]
+        made = _targets(ckpt, key, key.key, names, views, None if buffer else model_dtype)
         if states and not buffer:
-            made.append(_target(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None))
-            made += [_target(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
-                     for state in ("exp_avg", "exp_avg_sq")]
+            made += _targets(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None)
+            for state in ("exp_avg", "exp_avg_sq"):
+                made += _targets(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
         for target in made:
             placements[target.fqn] = _per_layer(target.shape, world_size) if key.layers else \
                 fsdp2(target.shape, world_size)
@@ -127,6 +153,17 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     except UnsafePickleError as exc:
         raise CheckpointError(ckpt.path, f"the common state cannot be written ({exc})") from None
     return out, views
+
+
+def _unsupported(name: str, part: str, what: str) -> str:
+    """What a module name refused for holding `part` is, said precisely."""
+    if part not in ("in_proj", "mixer.", "conv1d"):
+        return what
+    if ".mixer." in name:
+        return f"Mamba mixers outside megatron-core's hybrid stack (no {HYBRID_FINAL_NORM})"
+    if re.search(r"\bself_attention\.(in_proj|conv1d)\.", name):
+        return "GDN (Gated DeltaNet) layers"
+    return what
 
 
 @dataclass(frozen=True)
@@ -192,8 +229,9 @@ def _model_names(ckpt: Checkpoint) -> dict[str, str]:
     return names
 
 
-def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) -> dict[str, _Key]:
-    """Every torch_dist key and the module-named params it is built from (all of them, each once)."""
+def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames, stack: bool = True) -> dict[str, _Key]:
+    """Every torch_dist key and the module-named params it is built from (all of them, each once);
+    without `stack` (megatron-core's hybrid stack), keyed per layer whatever the layers hold."""
     per_layer: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     parsed = {}
     for name in names:
@@ -201,7 +239,7 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) 
         match = LAYER.match(name)
         if match:
             layer, rest = (match["ns"], int(match["index"])), match["rest"]
-            rest = spec.to_key(rest)
+            rest = canonical(spec.to_key(rest))  # 0.19's `mixer.conv1d_weight` is keyed `mixer.conv1d.weight`
         part = None
         swiglu = SWIGLU_PART.match(rest)
         if swiglu:
@@ -216,7 +254,7 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) 
         if layer is not None:
             per_layer[layer[0]][layer[1]].add(rest)
     stacked = {ns for ns, layers in per_layer.items()
-               if sorted(layers) == list(range(len(layers))) and all(s == layers[0] for s in layers.values())}
+               if stack and sorted(layers) == list(range(len(layers))) and all(s == layers[0] for s in layers.values())}
     keys: dict[str, _Key] = {}
     for name, (layer, rest, expert, part) in parsed.items():
         index: tuple[int, ...] = ()
@@ -254,6 +292,68 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
             raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a SwiGLU fc1 saved fused at TP {tp} is "
                                              "TP-blocked; split it first (ckptctl reshard --layout megatron-fsdp "
                                              "--split-fused), then convert")
+
+
+def _split_mamba(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str]) -> None:
+    """Mark each Mamba `in_proj` and conv param (saved fused, TP-blocked at the run's TP: rank t holds
+    `[z_t; x_t; B_t; C_t; dt_t]`, `[x_t; B_t; C_t]`) with the parts torch_dist keeps, sized from the
+    layer's own shapes: `in_proj` has 2·inner + 2·G·N + H rows, the conv inner + 2·G·N, `A_log` H;
+    `out_proj` (inner columns), the mixer's `norm` (inner) and args' `mamba_*` sizes, where given,
+    must agree."""
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    if type(tp) is not int or tp < 1:
+        raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the Mamba "
+                                         "in_proj and conv are unknown")
+
+    def dims(key: str) -> tuple[int, ...] | None:
+        found = keys.get(key)
+        return None if found is None else ckpt.tensors[names[found.parts[()][None]]].shape
+
+    sized: dict[str, tuple[int, int, int]] = {}
+    for key in keys.values():
+        if MAMBA_SAVED_PART.match(key.key):
+            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a Mamba in_proj or conv "
+                                             "saved in parts is not converted to torch_dist yet (only fused, as "
+                                             "Megatron-FSDP saves it)")
+        match = MAMBA_SPLIT.match(key.key)
+        if match is None:
+            continue
+        layer = match["layer"]
+        if layer not in sized:
+            shapes = [dims(f"{layer}mixer.{p}") for p in ("in_proj.weight", "conv1d.weight", "A_log")]
+            if any(s is None or not s for s in shapes):
+                raise CheckpointError(ckpt.path, f"{layer}mixer: a Mamba mixer needs in_proj.weight, a conv1d weight "
+                                                 "and A_log to size the parts of its in_proj and conv")
+            proj, conv, heads = (s[0] for s in shapes)
+            inner = proj - conv - heads
+            bc = conv - inner
+            checks = [(f"{layer}mixer.out_proj.weight", 1, inner), (f"{layer}mixer.norm.weight", 0, inner)]
+            ok = inner > 0 and bc > 0 and bc % 2 == 0 and not (inner % tp or (bc // 2) % tp or heads % tp) and all(
+                (s := dims(k)) is None or (len(s) > d and s[d] == want) for k, d, want in checks)
+            given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
+                                                         "mamba_state_dim")}
+            if type(given["mamba_num_heads"]) is int:
+                ok = ok and given["mamba_num_heads"] == heads
+                if type(given["mamba_head_dim"]) is int:
+                    ok = ok and given["mamba_head_dim"] * heads == inner
+            if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
+                ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == bc
+            if not ok:
+                raise CheckpointError(ckpt.path, f"{names[keys[layer + 'mixer.in_proj.weight'].parts[()][None]]}: "
+                                                 f"{proj} rows beside a conv of {conv} and {heads} heads are no Mamba "
+                                                 f"[z, x, B, C, dt] at TP {tp} (nor agree with the mixer's out_proj, "
+                                                 "norm and args)")
+            sized[layer] = (inner // tp, bc // 2 // tp, heads // tp)
+        inner, gn, heads = sized[layer]
+        if match["param"] == "in_proj.weight":
+            parts, rows = MAMBA_IN_PROJ_PARTS, (inner, inner, gn, gn, heads)
+        else:
+            parts, rows = MAMBA_CONV1D_PARTS, (inner, gn, gn)
+        shape = dims(key.key)
+        if not shape or shape[0] != sum(rows) * tp:
+            raise CheckpointError(ckpt.path, f"{names[key.parts[()][None]]}: {shape[0] if shape else 0} rows, the "
+                                             f"layer's conv has {sum(rows) * tp}")
+        key.split, key.tp = tuple((p.lstrip("."), r) for p, r in zip(parts, rows)), tp
 
 
 def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:
@@ -329,6 +429,26 @@ def _target(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], view
             at = (*index, half * part[0], *(0,) * (len(part) - 1)) if part else index
             pieces.append(Piece(src, (0,) * len(view.shape), at, (*(1,) * key.lead, *part)))
     return TargetTensor(fqn, shape, dtype or first.dtype, tuple(pieces), first.properties)
+
+
+def _targets(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], views: dict[str, SourceTensor],
+             dtype: DType | None) -> list[TargetTensor]:
+    """`_target`, or for a key torch_dist keeps in parts (`_Key.split`) each part `<fqn>.<part>`:
+    its rows of every TP rank's block, in rank order (what megatron-core's `_split_tensor_factory`
+    saves: each part TP-sharded on its own)."""
+    whole = _target(ckpt, key, fqn, sources, views, dtype)
+    if not key.split:
+        return [whole]
+    lead, stride, at, out = key.lead, sum(rows for _, rows in key.split), 0, []
+    for part, rows in key.split:
+        pieces = tuple(Piece(p.src, (*p.src_start[:lead], t * stride + at, *p.src_start[lead + 1:]),
+                             (*p.dst_start[:lead], t * rows, *p.dst_start[lead + 1:]),
+                             (*p.sizes[:lead], rows, *p.sizes[lead + 1:]))
+                       for p in whole.pieces for t in range(key.tp))
+        out.append(TargetTensor(f"{fqn}.{part}", (*whole.shape[:lead], rows * key.tp, *whole.shape[lead + 1:]),
+                                whole.dtype, pieces, whole.properties))
+        at += rows
+    return out
 
 
 def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:
