@@ -31,11 +31,17 @@ the norms inside the modules or named as keys), and its Mamba mixer (0.19.2's
 (`conv1d.weight` / `.bias`, 0.19's `conv1d_weight` / `conv1d_bias` params) in parts `.x .B .C`,
 each part TP-sharded on its own: its global tensor is every TP rank's rows of it in rank order.
 Megatron-FSDP saves them fused, TP-blocked at the run's TP (rank t's block `[z_t; x_t; B_t; C_t;
-dt_t]`), so each part is cut out block by block, sized from the layer's own shapes.
+dt_t]`), so each part is cut out block by block, sized from the layer's own shapes. Gated DeltaNet
+layers (`self_attention.in_proj`, `.conv1d`, in a GPT decoder or a hybrid stack) likewise: parts
+`.query .key .value .z .beta .alpha` and `.query .key .value` (megatron-core 0.19.2's
+`GatedDeltaNet.sharded_state_dict`); under the local spec a GDN layer's input norm is keyed
+`self_attention.in_proj.layer_norm_` (Transformer Engine's name, as megatron-core's ModelOpt local
+hybrid spec maps it), not `linear_qkv`'s.
 
-Anything else not named here is refused, as are MTP, Transformer Engine's MLA, GDN layers, Mamba
-mixers outside a hybrid stack, pipeline stages and flat (CPU-offloaded) optimizer states, which
-are not converted yet.
+Anything else not named here is refused, as are MTP, Transformer Engine's MLA, Mamba mixers outside
+a hybrid stack, a layer stack of fused GDN params (a model whose every layer is GDN), fused params
+saved in parts, pipeline stages and flat (CPU-offloaded) optimizer states, which are not converted
+yet.
 """
 
 from __future__ import annotations
@@ -61,7 +67,9 @@ from ckptctl.megatron.fsdp_dtensor_names import (
     STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, LayerNames, layer_names,
 )
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
-from ckptctl.megatron.rows import BUFFERS, MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS, canonical
+from ckptctl.megatron.rows import (
+    BUFFERS, GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS, MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS, canonical,
+)
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -75,10 +83,17 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
 """What Megatron-LM passes `dist_checkpointing.save` for a `fully_reshardable` DistributedOptimizer."""
 MAMBA_MIXER = re.compile(r"^decoder\.layers\.\d+\.mixer\.")
 """A Mamba layer's mixer in megatron-core's hybrid stack (module names are its torch_dist keys)."""
-MAMBA_SPLIT = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.)mixer\.(?P<param>in_proj\.weight|conv1d\.weight|conv1d\.bias)$")
-"""The mixer params megatron-core 0.19.2's `MambaMixer.sharded_state_dict` keeps in parts
-(`_split_tensor_factory`): `in_proj.weight.{z,x,B,C,dt}`, `conv1d.{weight,bias}.{x,B,C}`."""
-MAMBA_SAVED_PART = re.compile(r"^decoder\.layers\.\d+\.mixer\.(in_proj|conv1d)\.(weight|bias)\.")
+GDN = re.compile(r"^decoder\.layers\.\d+\.self_attention\.(in_proj|conv1d)\.")
+"""A Gated DeltaNet layer's fused projection or conv (`self_attention.in_proj`, `.conv1d`)."""
+FUSED_SPLIT = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.)(?P<module>mixer|self_attention)\."
+                         r"(?P<param>in_proj\.weight|conv1d\.weight|conv1d\.bias)$")
+"""The params megatron-core 0.19.2's `MambaMixer.sharded_state_dict` and GDN's keep in parts
+(`_split_tensor_factory`): Mamba `in_proj.weight.{z,x,B,C,dt}`, `conv1d.{weight,bias}.{x,B,C}`; GDN
+`in_proj.weight.{query,key,value,z,beta,alpha}`, `conv1d.{weight,bias}.{query,key,value}`."""
+FUSED_SAVED_PART = re.compile(r"^decoder\.layers\.\d+\.(mixer|self_attention)\.(in_proj|conv1d)\.(weight|bias)\.")
+GDN_NORM = ("input_layernorm.", "self_attention.in_proj.layer_norm_")
+"""A GDN layer's input norm in a local spec: keyed as in Transformer Engine's (where `in_proj` holds
+it), as megatron-core 0.19.2's ModelOpt local hybrid spec maps it (`gdn_state_dict_keys_map`)."""
 
 
 @dataclass
@@ -120,14 +135,14 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     hybrid = HYBRID_FINAL_NORM in names
     spec = LayerNames((), UNSUPPORTED) if hybrid else layer_names(ckpt, args)
     for part, what in spec.unsupported:
-        found = next((n for n in names if part in n and not (hybrid and MAMBA_MIXER.match(n))), None)
+        found = next((n for n in names if part in n and not (hybrid and MAMBA_MIXER.match(n) or GDN.match(n))),
+                     None)
         if found is not None:
             raise CheckpointError(ckpt.path, f"{names[found]}: {_unsupported(found, part, what)} are not converted to "
                                              "torch_dist yet")
     keys = _torch_dist_keys(ckpt, names, spec, stack=not hybrid)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
-    if hybrid:
-        _split_mamba(ckpt, args, keys, names)
+    _split_fused(ckpt, args, keys, names)
     params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # a buffer has no optimizer state
     states, steps = _optimizer_states(ckpt, params)
     model_dtype = bfloat16 if getattr(args, "bf16", False) is True else float16 if getattr(args, "fp16", False) is True \
@@ -161,8 +176,6 @@ def _unsupported(name: str, part: str, what: str) -> str:
         return what
     if ".mixer." in name:
         return f"Mamba mixers outside megatron-core's hybrid stack (no {HYBRID_FINAL_NORM})"
-    if re.search(r"\bself_attention\.(in_proj|conv1d)\.", name):
-        return "GDN (Gated DeltaNet) layers"
     return what
 
 
@@ -234,12 +247,18 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames, 
     without `stack` (megatron-core's hybrid stack), keyed per layer whatever the layers hold."""
     per_layer: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     parsed = {}
+    gdn = {name[:-len("self_attention.in_proj.weight")] for name in names if GDN.match(name)
+           and name.endswith(".in_proj.weight")} if spec.renames else set()
     for name in names:
         layer, rest = None, name
         match = LAYER.match(name)
         if match:
             layer, rest = (match["ns"], int(match["index"])), match["rest"]
-            rest = canonical(spec.to_key(rest))  # 0.19's `mixer.conv1d_weight` is keyed `mixer.conv1d.weight`
+            if name[:len(name) - len(rest)] in gdn and rest.startswith(GDN_NORM[0]):
+                rest = GDN_NORM[1] + rest[len(GDN_NORM[0]):]
+            else:
+                rest = spec.to_key(rest)
+            rest = canonical(rest)  # 0.19's `mixer.conv1d_weight` is keyed `mixer.conv1d.weight`
         part = None
         swiglu = SWIGLU_PART.match(rest)
         if swiglu:
@@ -294,66 +313,91 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
                                              "--split-fused), then convert")
 
 
-def _split_mamba(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str]) -> None:
-    """Mark each Mamba `in_proj` and conv param (saved fused, TP-blocked at the run's TP: rank t holds
-    `[z_t; x_t; B_t; C_t; dt_t]`, `[x_t; B_t; C_t]`) with the parts torch_dist keeps, sized from the
-    layer's own shapes: `in_proj` has 2·inner + 2·G·N + H rows, the conv inner + 2·G·N, `A_log` H;
-    `out_proj` (inner columns), the mixer's `norm` (inner) and args' `mamba_*` sizes, where given,
-    must agree."""
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
     tp = getattr(args, "tensor_model_parallel_size", None)
     if type(tp) is not int or tp < 1:
-        raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the Mamba "
+        raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
                                          "in_proj and conv are unknown")
+    return tp
 
-    def dims(key: str) -> tuple[int, ...] | None:
-        found = keys.get(key)
-        return None if found is None else ckpt.tensors[names[found.parts[()][None]]].shape
 
-    sized: dict[str, tuple[int, int, int]] = {}
+def _split_fused(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str]) -> None:
+    """Mark each Mamba or GDN `in_proj` and conv param (saved fused, TP-blocked at the run's TP: rank t
+    holds `[z_t; x_t; B_t; C_t; dt_t]`, `[x_t; B_t; C_t]`; GDN `[q_t; k_t; v_t; z_t; β_t; α_t]`,
+    `[q_t; k_t; v_t]`) with the parts torch_dist keeps, sized from the layer's own shapes (`_sizes`)."""
+    sized: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
     for key in keys.values():
-        if MAMBA_SAVED_PART.match(key.key):
-            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a Mamba in_proj or conv "
-                                             "saved in parts is not converted to torch_dist yet (only fused, as "
-                                             "Megatron-FSDP saves it)")
-        match = MAMBA_SPLIT.match(key.key)
+        if FUSED_SAVED_PART.match(key.key):
+            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a Mamba or GDN in_proj "
+                                             "or conv saved in parts is not converted to torch_dist yet (only fused, "
+                                             "as Megatron-FSDP saves it)")
+        match = FUSED_SPLIT.match(key.key)
         if match is None:
             continue
-        layer = match["layer"]
-        if layer not in sized:
-            shapes = [dims(f"{layer}mixer.{p}") for p in ("in_proj.weight", "conv1d.weight", "A_log")]
-            if any(s is None or not s for s in shapes):
-                raise CheckpointError(ckpt.path, f"{layer}mixer: a Mamba mixer needs in_proj.weight, a conv1d weight "
-                                                 "and A_log to size the parts of its in_proj and conv")
-            proj, conv, heads = (s[0] for s in shapes)
-            inner = proj - conv - heads
-            bc = conv - inner
-            checks = [(f"{layer}mixer.out_proj.weight", 1, inner), (f"{layer}mixer.norm.weight", 0, inner)]
-            ok = inner > 0 and bc > 0 and bc % 2 == 0 and not (inner % tp or (bc // 2) % tp or heads % tp) and all(
-                (s := dims(k)) is None or (len(s) > d and s[d] == want) for k, d, want in checks)
-            given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
-                                                         "mamba_state_dim")}
-            if type(given["mamba_num_heads"]) is int:
-                ok = ok and given["mamba_num_heads"] == heads
-                if type(given["mamba_head_dim"]) is int:
-                    ok = ok and given["mamba_head_dim"] * heads == inner
-            if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
-                ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == bc
-            if not ok:
-                raise CheckpointError(ckpt.path, f"{names[keys[layer + 'mixer.in_proj.weight'].parts[()][None]]}: "
-                                                 f"{proj} rows beside a conv of {conv} and {heads} heads are no Mamba "
-                                                 f"[z, x, B, C, dt] at TP {tp} (nor agree with the mixer's out_proj, "
-                                                 "norm and args)")
-            sized[layer] = (inner // tp, bc // 2 // tp, heads // tp)
-        inner, gn, heads = sized[layer]
-        if match["param"] == "in_proj.weight":
-            parts, rows = MAMBA_IN_PROJ_PARTS, (inner, inner, gn, gn, heads)
-        else:
-            parts, rows = MAMBA_CONV1D_PARTS, (inner, gn, gn)
-        shape = dims(key.key)
-        if not shape or shape[0] != sum(rows) * tp:
+        if key.lead:
+            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a layer stack of fused "
+                                             "GDN params (every layer GDN) is not converted to torch_dist yet")
+        module, tp = match["layer"] + match["module"], _tp(ckpt, args)
+        if module not in sized:
+            sized[module] = _sizes(ckpt, args, keys, names, module, tp)
+        parts = sized[module][match["param"]]
+        shape = ckpt.tensors[names[key.parts[()][None]]].shape
+        if not shape or shape[0] != sum(r for _, r in parts) * tp:
             raise CheckpointError(ckpt.path, f"{names[key.parts[()][None]]}: {shape[0] if shape else 0} rows, the "
-                                             f"layer's conv has {sum(rows) * tp}")
-        key.split, key.tp = tuple((p.lstrip("."), r) for p, r in zip(parts, rows)), tp
+                                             f"layer's conv says {sum(r for _, r in parts) * tp}")
+        key.split, key.tp = parts, tp
+
+
+def _sizes(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str], module: str,
+           tp: int) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Each fused param of Mamba mixer or GDN `module` → (part, rows per TP rank). Mamba's `in_proj`
+    has 2·inner + 2·G·N + H rows, its conv inner + 2·G·N, `A_log` H; GDN's `in_proj` 2·qk + 2·v +
+    2·nv, its conv 2·qk + v, `A_log` nv. `out_proj` (inner or v columns), Mamba's `norm` (inner)
+    and args' `mamba_*` sizes, where given, must agree."""
+
+    def dims(name: str) -> tuple[int, ...] | None:
+        found = keys.get(f"{module}.{name}")
+        return None if found is None or found.lead else ckpt.tensors[names[found.parts[()][None]]].shape
+
+    shapes = [dims(p) for p in ("in_proj.weight", "conv1d.weight", "A_log")]
+    if any(not s for s in shapes):
+        raise CheckpointError(ckpt.path, f"{module}: needs in_proj.weight, a conv1d weight and A_log to size the parts "
+                                         "of its in_proj and conv")
+    proj, conv, heads = (s[0] for s in shapes)
+    mamba = module.endswith(".mixer")
+    if mamba:
+        inner = proj - conv - heads
+        pair = conv - inner
+        checks = [("out_proj.weight", 1, inner), ("norm.weight", 0, inner)]
+    else:
+        inner = proj - 2 * heads - conv
+        pair = conv - inner
+        checks = [("out_proj.weight", 1, inner)]
+    ok = inner > 0 and pair > 0 and pair % 2 == 0 and not (inner % tp or (pair // 2) % tp or heads % tp) and all(
+        (s := dims(name)) is None or (len(s) > d and s[d] == want) for name, d, want in checks)
+    if mamba:
+        given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
+                                                     "mamba_state_dim")}
+        if type(given["mamba_num_heads"]) is int:
+            ok = ok and given["mamba_num_heads"] == heads
+            if type(given["mamba_head_dim"]) is int:
+                ok = ok and given["mamba_head_dim"] * heads == inner
+        if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
+            ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == pair
+    if not ok:
+        what = "Mamba [z, x, B, C, dt]" if mamba else "GDN [q, k, v, z, beta, alpha]"
+        raise CheckpointError(ckpt.path, f"{names[keys[module + '.in_proj.weight'].parts[()][None]]}: {proj} rows "
+                                         f"beside a conv of {conv} and {heads} heads are no {what} at TP {tp} (nor "
+                                         "agree with the out_proj, norm and args)")
+    inner, half, heads = inner // tp, pair // 2 // tp, heads // tp
+    if mamba:
+        in_proj, conv1d = zip(MAMBA_IN_PROJ_PARTS, (inner, inner, half, half, heads)), zip(MAMBA_CONV1D_PARTS,
+                                                                                            (inner, half, half))
+    else:
+        in_proj, conv1d = zip(GDN_IN_PROJ_PARTS, (half, half, inner, inner, heads, heads)), zip(GDN_CONV1D_PARTS,
+                                                                                                 (half, half, inner))
+    in_proj, conv1d = (tuple((p.lstrip("."), r) for p, r in parts) for parts in (in_proj, conv1d))
+    return {"in_proj.weight": in_proj, "conv1d.weight": conv1d, "conv1d.bias": conv1d}
 
 
 def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:

@@ -212,7 +212,7 @@ def test_a_mamba_mixer_whose_sizes_disagree_is_not_converted(run, tmp_path):
         tp = changes.get("tensor_model_parallel_size", 2)
         assert (done.returncode, done.stderr) == (
             2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: 100 rows beside a conv of "
-               f"64 and 4 heads are no Mamba [z, x, B, C, dt] at TP {tp} (nor agree with the mixer's out_proj, norm "
+               f"64 and 4 heads are no Mamba [z, x, B, C, dt] at TP {tp} (nor agree with the out_proj, norm "
                "and args)\n")
         assert not (tmp_path / "out").exists()
 
