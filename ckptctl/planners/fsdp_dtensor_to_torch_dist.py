@@ -22,9 +22,26 @@ other modules carry the key names themselves (megatron-core 0.19.2's spec code: 
 CUDA, so that spec is read, not run). The spec comes from `args.transformer_impl`. RNG state is
 not carried over (resume with `--no-load-rng`), nor `_extra_state`, which Megatron-FSDP does not
 save (resume with `--dist-ckpt-strictness log_all`). The router's expert bias is a buffer: a model
-tensor kept in its own dtype, with no optimizer state or group. Anything else not named here is
-refused, as are MTP, Transformer Engine's MLA, GDN and Mamba layers, pipeline stages and flat
-(CPU-offloaded) optimizer states, which are not converted yet.
+tensor kept in its own dtype, with no optimizer state or group.
+
+megatron-core's hybrid stack (MambaModel: `decoder.final_norm`) keys every layer on its own
+(`decoder.layers.<i>.…`, never stacked) under its module names (its spec is Transformer Engine's,
+the norms inside the modules or named as keys), and its Mamba mixer (0.19.2's
+`MambaMixer.sharded_state_dict`) keeps `in_proj.weight` in parts `.z .x .B .C .dt` and the conv
+(`conv1d.weight` / `.bias`, 0.19's `conv1d_weight` / `conv1d_bias` params) in parts `.x .B .C`,
+each part TP-sharded on its own: its global tensor is every TP rank's rows of it in rank order.
+Megatron-FSDP saves them fused, TP-blocked at the run's TP (rank t's block `[z_t; x_t; B_t; C_t;
+dt_t]`), so each part is cut out block by block, sized from the layer's own shapes. Gated DeltaNet
+layers (`self_attention.in_proj`, `.conv1d`, in a GPT decoder or a hybrid stack) likewise: parts
+`.query .key .value .z .beta .alpha` and `.query .key .value` (megatron-core 0.19.2's
+`GatedDeltaNet.sharded_state_dict`); under the local spec a GDN layer's input norm is keyed
+`self_attention.in_proj.layer_norm_` (Transformer Engine's name, as megatron-core's ModelOpt local
+hybrid spec maps it), not `linear_qkv`'s.
+
+Anything else not named here is refused, as are MTP, Transformer Engine's MLA, Mamba mixers outside
+a hybrid stack, a layer stack of fused GDN params (a model whose every layer is GDN), fused params
+saved in parts, pipeline stages and flat (CPU-offloaded) optimizer states, which are not converted
+yet.
 """
 
 from __future__ import annotations
@@ -47,9 +64,12 @@ from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
 from ckptctl.megatron.fsdp_dtensor_names import (
     COMMON_ITEMS, DROPPED_ROOTS, GROUP_META, GROUPED_EXPERT, LAYER, LOCAL_EXPERT, MODEL_PREFIX, SCHEDULER,
-    STATE_PREFIX, SWIGLU_PART, LayerNames, layer_names,
+    STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, LayerNames, layer_names,
 )
-from ckptctl.megatron.rows import BUFFERS
+from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
+from ckptctl.megatron.rows import (
+    BUFFERS, GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS, MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS, canonical,
+)
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -61,6 +81,19 @@ CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable",
                     "distrib_optim_fully_reshardable_mem_efficient": False,
                     "singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 """What Megatron-LM passes `dist_checkpointing.save` for a `fully_reshardable` DistributedOptimizer."""
+MAMBA_MIXER = re.compile(r"^decoder\.layers\.\d+\.mixer\.")
+"""A Mamba layer's mixer in megatron-core's hybrid stack (module names are its torch_dist keys)."""
+GDN = re.compile(r"^decoder\.layers\.\d+\.self_attention\.(in_proj|conv1d)\.")
+"""A Gated DeltaNet layer's fused projection or conv (`self_attention.in_proj`, `.conv1d`)."""
+FUSED_SPLIT = re.compile(r"^(?P<layer>decoder\.layers\.\d+\.)(?P<module>mixer|self_attention)\."
+                         r"(?P<param>in_proj\.weight|conv1d\.weight|conv1d\.bias)$")
+"""The params megatron-core 0.19.2's `MambaMixer.sharded_state_dict` and GDN's keep in parts
+(`_split_tensor_factory`): Mamba `in_proj.weight.{z,x,B,C,dt}`, `conv1d.{weight,bias}.{x,B,C}`; GDN
+`in_proj.weight.{query,key,value,z,beta,alpha}`, `conv1d.{weight,bias}.{query,key,value}`."""
+FUSED_SAVED_PART = re.compile(r"^decoder\.layers\.\d+\.(mixer|self_attention)\.(in_proj|conv1d)\.(weight|bias)\.")
+GDN_NORM = ("input_layernorm.", "self_attention.in_proj.layer_norm_")
+"""A GDN layer's input norm in a local spec: keyed as in Transformer Engine's (where `in_proj` holds
+it), as megatron-core 0.19.2's ModelOpt local hybrid spec maps it (`gdn_state_dict_keys_map`)."""
 
 
 @dataclass
@@ -74,6 +107,10 @@ class _Key:
     """The first stacked dim is the layer axis (a layer stack `<ns>.layers.<name>`)."""
     parts: dict[tuple[int, ...], dict[str | None, str]] = field(default_factory=dict)
     """Index along the stacked dims → SwiGLU part (`w`, `v`, None) → module-named param."""
+    split: tuple[tuple[str, int], ...] = ()
+    """A Mamba `in_proj` or conv saved fused, TP-blocked at `tp`, that torch_dist keeps in parts
+    (`<key>.<part>`): (part, rows per TP rank) in the order each rank holds them."""
+    tp: int = 1
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -95,13 +132,17 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     if pp != 1:  # Megatron-FSDP's names of a stage's layers are not known
         raise CheckpointError(ckpt.path, f"args.pipeline_model_parallel_size is {pp!r}: pipeline stages' layers are "
                                          "not converted to torch_dist yet")
-    spec = layer_names(ckpt, args)
+    hybrid = HYBRID_FINAL_NORM in names
+    spec = LayerNames((), UNSUPPORTED) if hybrid else layer_names(ckpt, args)
     for part, what in spec.unsupported:
-        found = next((n for n in names if part in n), None)
+        found = next((n for n in names if part in n and not (hybrid and MAMBA_MIXER.match(n) or GDN.match(n))),
+                     None)
         if found is not None:
-            raise CheckpointError(ckpt.path, f"{names[found]}: {what} are not converted to torch_dist yet")
-    keys = _torch_dist_keys(ckpt, names, spec)
+            raise CheckpointError(ckpt.path, f"{names[found]}: {_unsupported(found, part, what)} are not converted to "
+                                             "torch_dist yet")
+    keys = _torch_dist_keys(ckpt, names, spec, stack=not hybrid)
     _refuse_tp_blocked_fc1(ckpt, args, keys, names)
+    _split_fused(ckpt, args, keys, names)
     params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # a buffer has no optimizer state
     states, steps = _optimizer_states(ckpt, params)
     model_dtype = bfloat16 if getattr(args, "bf16", False) is True else float16 if getattr(args, "fp16", False) is True \
@@ -111,11 +152,11 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     placements: dict[str, list[Placed]] = {}
     for key in keys.values():
         buffer = key.key.endswith(BUFFERS)  # kept in its own dtype (fp32: the router's expert bias)
-        made = [_target(ckpt, key, key.key, names, views, None if buffer else model_dtype)]
+        made = _targets(ckpt, key, key.key, names, views, None if buffer else model_dtype)
         if states and not buffer:
-            made.append(_target(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None))
-            made += [_target(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
-                     for state in ("exp_avg", "exp_avg_sq")]
+            made += _targets(ckpt, key, f"optimizer.state.param.{key.key}", names, views, None)
+            for state in ("exp_avg", "exp_avg_sq"):
+                made += _targets(ckpt, key, f"optimizer.state.{state}.{key.key}", states[state], views, None)
         for target in made:
             placements[target.fqn] = _per_layer(target.shape, world_size) if key.layers else \
                 fsdp2(target.shape, world_size)
@@ -127,6 +168,15 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
     except UnsafePickleError as exc:
         raise CheckpointError(ckpt.path, f"the common state cannot be written ({exc})") from None
     return out, views
+
+
+def _unsupported(name: str, part: str, what: str) -> str:
+    """What a module name refused for holding `part` is, said precisely."""
+    if part not in ("in_proj", "mixer.", "conv1d"):
+        return what
+    if ".mixer." in name:
+        return f"Mamba mixers outside megatron-core's hybrid stack (no {HYBRID_FINAL_NORM})"
+    return what
 
 
 @dataclass(frozen=True)
@@ -192,16 +242,23 @@ def _model_names(ckpt: Checkpoint) -> dict[str, str]:
     return names
 
 
-def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) -> dict[str, _Key]:
-    """Every torch_dist key and the module-named params it is built from (all of them, each once)."""
+def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames, stack: bool = True) -> dict[str, _Key]:
+    """Every torch_dist key and the module-named params it is built from (all of them, each once);
+    without `stack` (megatron-core's hybrid stack), keyed per layer whatever the layers hold."""
     per_layer: dict[str, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
     parsed = {}
+    gdn = {name[:-len("self_attention.in_proj.weight")] for name in names if GDN.match(name)
+           and name.endswith(".in_proj.weight")} if spec.renames else set()
     for name in names:
         layer, rest = None, name
         match = LAYER.match(name)
         if match:
             layer, rest = (match["ns"], int(match["index"])), match["rest"]
-            rest = spec.to_key(rest)
+            if name[:len(name) - len(rest)] in gdn and rest.startswith(GDN_NORM[0]):
+                rest = GDN_NORM[1] + rest[len(GDN_NORM[0]):]
+            else:
+                rest = spec.to_key(rest)
+            rest = canonical(rest)  # 0.19's `mixer.conv1d_weight` is keyed `mixer.conv1d.weight`
         part = None
         swiglu = SWIGLU_PART.match(rest)
         if swiglu:
@@ -216,7 +273,7 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames) 
         if layer is not None:
             per_layer[layer[0]][layer[1]].add(rest)
     stacked = {ns for ns, layers in per_layer.items()
-               if sorted(layers) == list(range(len(layers))) and all(s == layers[0] for s in layers.values())}
+               if stack and sorted(layers) == list(range(len(layers))) and all(s == layers[0] for s in layers.values())}
     keys: dict[str, _Key] = {}
     for name, (layer, rest, expert, part) in parsed.items():
         index: tuple[int, ...] = ()
@@ -258,6 +315,93 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
             raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a SwiGLU fc1 saved fused at TP {tp} is "
                                              "TP-blocked; split it first (ckptctl reshard --layout megatron-fsdp "
                                              "--split-fused), then convert")
+
+
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    tp = getattr(args, "tensor_model_parallel_size", None)
+    if type(tp) is not int or tp < 1:
+        raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
+                                         "in_proj and conv are unknown")
+    return tp
+
+
+def _split_fused(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str]) -> None:
+    """Mark each Mamba or GDN `in_proj` and conv param (saved fused, TP-blocked at the run's TP: rank t
+    holds `[z_t; x_t; B_t; C_t; dt_t]`, `[x_t; B_t; C_t]`; GDN `[q_t; k_t; v_t; z_t; β_t; α_t]`,
+    `[q_t; k_t; v_t]`) with the parts torch_dist keeps, sized from the layer's own shapes (`_sizes`)."""
+    sized: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
+    for key in keys.values():
+        if FUSED_SAVED_PART.match(key.key):
+            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a Mamba or GDN in_proj "
+                                             "or conv saved in parts is not converted to torch_dist yet (only fused, "
+                                             "as Megatron-FSDP saves it)")
+        match = FUSED_SPLIT.match(key.key)
+        if match is None:
+            continue
+        if key.lead:
+            raise CheckpointError(ckpt.path, f"{names[next(iter(key.parts.values()))[None]]}: a layer stack of fused "
+                                             "GDN params (every layer GDN) is not converted to torch_dist yet")
+        module, tp = match["layer"] + match["module"], _tp(ckpt, args)
+        if module not in sized:
+            sized[module] = _sizes(ckpt, args, keys, names, module, tp)
+        parts = sized[module][match["param"]]
+        shape = ckpt.tensors[names[key.parts[()][None]]].shape
+        if not shape or shape[0] != sum(r for _, r in parts) * tp:
+            raise CheckpointError(ckpt.path, f"{names[key.parts[()][None]]}: {shape[0] if shape else 0} rows, the "
+                                             f"layer's conv says {sum(r for _, r in parts) * tp}")
+        key.split, key.tp = parts, tp
+
+
+def _sizes(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str], module: str,
+           tp: int) -> dict[str, tuple[tuple[str, int], ...]]:
+    """Each fused param of Mamba mixer or GDN `module` → (part, rows per TP rank). Mamba's `in_proj`
+    has 2·inner + 2·G·N + H rows, its conv inner + 2·G·N, `A_log` H; GDN's `in_proj` 2·qk + 2·v +
+    2·nv, its conv 2·qk + v, `A_log` nv. `out_proj` (inner or v columns), Mamba's `norm` (inner)
+    and args' `mamba_*` sizes, where given, must agree."""
+
+    def dims(name: str) -> tuple[int, ...] | None:
+        found = keys.get(f"{module}.{name}")
+        return None if found is None or found.lead else ckpt.tensors[names[found.parts[()][None]]].shape
+
+    shapes = [dims(p) for p in ("in_proj.weight", "conv1d.weight", "A_log")]
+    if any(not s for s in shapes):
+        raise CheckpointError(ckpt.path, f"{module}: needs in_proj.weight, a conv1d weight and A_log to size the parts "
+                                         "of its in_proj and conv")
+    proj, conv, heads = (s[0] for s in shapes)
+    mamba = module.endswith(".mixer")
+    if mamba:
+        inner = proj - conv - heads
+        pair = conv - inner
+        checks = [("out_proj.weight", 1, inner), ("norm.weight", 0, inner)]
+    else:
+        inner = proj - 2 * heads - conv
+        pair = conv - inner
+        checks = [("out_proj.weight", 1, inner)]
+    ok = inner > 0 and pair > 0 and pair % 2 == 0 and not (inner % tp or (pair // 2) % tp or heads % tp) and all(
+        (s := dims(name)) is None or (len(s) > d and s[d] == want) for name, d, want in checks)
+    if mamba:
+        given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
+                                                     "mamba_state_dim")}
+        if type(given["mamba_num_heads"]) is int:
+            ok = ok and given["mamba_num_heads"] == heads
+            if type(given["mamba_head_dim"]) is int:
+                ok = ok and given["mamba_head_dim"] * heads == inner
+        if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
+            ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == pair
+    if not ok:
+        what = "Mamba [z, x, B, C, dt]" if mamba else "GDN [q, k, v, z, beta, alpha]"
+        raise CheckpointError(ckpt.path, f"{names[keys[module + '.in_proj.weight'].parts[()][None]]}: {proj} rows "
+                                         f"beside a conv of {conv} and {heads} heads are no {what} at TP {tp} (nor "
+                                         "agree with the out_proj, norm and args)")
+    inner, half, heads = inner // tp, pair // 2 // tp, heads // tp
+    if mamba:
+        in_proj, conv1d = zip(MAMBA_IN_PROJ_PARTS, (inner, inner, half, half, heads)), zip(MAMBA_CONV1D_PARTS,
+                                                                                            (inner, half, half))
+    else:
+        in_proj, conv1d = zip(GDN_IN_PROJ_PARTS, (half, half, inner, inner, heads, heads)), zip(GDN_CONV1D_PARTS,
+                                                                                                 (half, half, inner))
+    in_proj, conv1d = (tuple((p.lstrip("."), r) for p, r in parts) for parts in (in_proj, conv1d))
+    return {"in_proj.weight": in_proj, "conv1d.weight": conv1d, "conv1d.bias": conv1d}
 
 
 def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:
@@ -333,6 +477,26 @@ def _target(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], view
             at = (*index, half * part[0], *(0,) * (len(part) - 1)) if part else index
             pieces.append(Piece(src, (0,) * len(view.shape), at, (*(1,) * key.lead, *part)))
     return TargetTensor(fqn, shape, dtype or first.dtype, tuple(pieces), first.properties)
+
+
+def _targets(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], views: dict[str, SourceTensor],
+             dtype: DType | None) -> list[TargetTensor]:
+    """`_target`, or for a key torch_dist keeps in parts (`_Key.split`) each part `<fqn>.<part>`:
+    its rows of every TP rank's block, in rank order (what megatron-core's `_split_tensor_factory`
+    saves: each part TP-sharded on its own)."""
+    whole = _target(ckpt, key, fqn, sources, views, dtype)
+    if not key.split:
+        return [whole]
+    lead, stride, at, out = key.lead, sum(rows for _, rows in key.split), 0, []
+    for part, rows in key.split:
+        pieces = tuple(Piece(p.src, (*p.src_start[:lead], t * stride + at, *p.src_start[lead + 1:]),
+                             (*p.dst_start[:lead], t * rows, *p.dst_start[lead + 1:]),
+                             (*p.sizes[:lead], rows, *p.sizes[lead + 1:]))
+                       for p in whole.pieces for t in range(key.tp))
+        out.append(TargetTensor(f"{fqn}.{part}", (*whole.shape[:lead], rows * key.tp, *whole.shape[lead + 1:]),
+                                whole.dtype, pieces, whole.properties))
+        at += rows
+    return out
 
 
 def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:

@@ -154,9 +154,87 @@ def test_a_checkpoint_with_both_spellings_of_one_param_is_refused(run, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def test_torch_dist_conversion_of_0_19s_fsdp_dtensor_refuses_the_mamba_mixer_by_name(run, tmp_path):
-    """Mamba mixers are not converted between fsdp_dtensor and torch_dist (either spelling): refused by name."""
-    done = run_cli("reshard", run / "fsdp", tmp_path / "out", "--layout", "torch-dist")
-    assert (done.returncode, done.stderr) == (2, f"ckptctl: error: {run / 'fsdp'}: model.module.decoder.layers.0."
-                                                 "mixer.in_proj.weight: GDN or Mamba projections are not converted "
-                                                 "to torch_dist yet\n")
+def _tensors(folder) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_with_torch(folder).items() if isinstance(v, torch.Tensor)}
+
+
+def test_torch_dist_conversion_of_0_19s_fsdp_dtensor_is_megatron_cores_own_torch_dist_save(run, tmp_path):
+    """fsdp_dtensor → torch_dist of the hybrid model: every tensor, model and optimizer, is the one
+    megatron-core 0.19.2's own torch_dist save of the run holds — the in_proj and conv (saved fused
+    per TP rank, 0.19's `conv1d_weight`) in its `MambaMixer.sharded_state_dict` parts
+    (`in_proj.weight.z` …, `conv1d.weight.x` …), each layer keyed on its own as the hybrid stack
+    keys them, the norms under their module names. The saved run has `_extra_state` besides, which
+    Megatron-FSDP does not save."""
+    saved = load_with_torch(run / "tp2" / "fully_reshardable")
+    want = {k: v for k, v in saved.items() if isinstance(v, torch.Tensor)}
+    for files in (1, 2):
+        out = tmp_path / str(files)
+        done = run_cli("reshard", run / "fsdp", out, "--layout", "torch-dist", "--world-size", files, "--verify")
+        assert done.returncode == 0, done.stderr
+        got = _tensors(out)
+        assert sorted(got) == sorted(want)
+        assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    assert {k.rpartition("/")[0] for k in saved if k not in want} == {
+        "common_state", *(f"{k}._extra_state" for k in ("decoder.layers.0.mixer.in_proj", "decoder.layers.0.mixer."
+                          "out_proj", "decoder.layers.1.self_attention.linear_proj", "decoder.layers.1.self_attention."
+                          "linear_qkv", "decoder.layers.2.mlp.linear_fc1", "decoder.layers.2.mlp.linear_fc2",
+                          "output_layer"))}
+    assert {f"decoder.layers.0.mixer.in_proj.weight.{p}" for p in ("z", "x", "B", "C", "dt")} | {
+        f"optimizer.state.exp_avg_sq.decoder.layers.0.mixer.conv1d.bias.{p}" for p in "xBC"} <= set(got)
+
+
+@pytest.mark.full
+def test_megatron_core_0_19_resumes_the_converted_hybrid_checkpoint_with_the_saved_runs_loss(run, tmp_path):
+    """megatron-core 0.19.2's own `dist_checkpointing.load` of the conversion into its MambaModel and
+    DistributedOptimizer, at the run's TP 2 × DP 1 and at TP 1 × DP 2 (`--dist-ckpt-strictness
+    log_all`: no `_extra_state`), then a step: the saved run's own next loss and the one after it."""
+    from fixtures import megatron_optim
+
+    out = tmp_path / "td"
+    done = run_cli("reshard", run / "fsdp", out, "--layout", "torch-dist")
+    assert done.returncode == 0, done.stderr
+    want = torch.load(run / "tp2" / "loss.pt")
+    for tp, dp in ((2, 1), (1, 2)):
+        resumed = megatron_optim.load(out, tp, dp, tmp_path / f"loss{tp}.pt", kind="nemotron-h", mcore="0.19",
+                                      strict="log_all")
+        assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+            "fully_reshardable", want["step2"], want["after_step2"]), (tp, dp)
+
+
+def test_a_mamba_mixer_whose_sizes_disagree_is_not_converted(run, tmp_path):
+    """The parts are sized from the layer's own shapes; args that say other sizes are refused, as is
+    a TP the heads do not divide, each in one line, writing nothing."""
+    from tests.planners.test_torch_dist_optimizer import _with_args
+
+    for n, changes in enumerate(({"mamba_num_heads": 8, "mamba_head_dim": 4}, {"tensor_model_parallel_size": 8})):
+        src = _with_args(run / "fsdp", tmp_path / f"src{n}", **changes)
+        done = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
+        tp = changes.get("tensor_model_parallel_size", 2)
+        assert (done.returncode, done.stderr) == (
+            2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: 100 rows beside a conv of "
+               f"64 and 4 heads are no Mamba [z, x, B, C, dt] at TP {tp} (nor agree with the out_proj, norm "
+               "and args)\n")
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_mamba_mixer_outside_a_hybrid_stack_is_refused_by_name(run, tmp_path):
+    """Without the hybrid stack's final norm the layers' keys are unknown: refused, naming the mixer."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src = tmp_path / "no_final_norm"
+    shutil.copytree(run / "fsdp", src)
+    md = FileSystemReader(str(src)).read_metadata()
+    dropped = [k for k in md.state_dict_metadata if "decoder.final_norm." in k]
+    assert dropped
+    for k in dropped:
+        del md.state_dict_metadata[k]
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in dropped}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    done = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
+    assert (done.returncode, done.stderr) == (
+        2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: Mamba mixers outside "
+           "megatron-core's hybrid stack (no decoder.final_norm.weight) are not converted to torch_dist yet\n")
+    assert not (tmp_path / "out").exists()

@@ -265,8 +265,8 @@ def test_converting_to_torch_dist_refuses_what_it_cannot_name(tmp_path):
                              "model's norms are known for 'local' and 'transformer_engine' only\n")
     gdn = tmp_path / "gdn"
     mc.save_full(gdn, tp=1, transformer_impl="local")
-    assert refused(gdn) == (f"ckptctl: error: {gdn}: model.module.decoder.layers.0.self_attention.in_proj."
-                            "layer_norm_weight: GDN or Mamba projections are not converted to torch_dist yet\n")
+    assert refused(gdn) == (f"ckptctl: error: {gdn}: optimizer.param_to_group_meta has no settings for "
+                            "decoder.final_layernorm.weight (26 params lack them)\n")
     assert refused(gdn, "--tp", "2") == ("ckptctl: error: --layout torch-dist writes the whole checkpoint as "
                                          "megatron-core's torch_dist, which megatron-core loads at any TP and DP: "
                                          "pass at most --world-size (the number of files)\n")

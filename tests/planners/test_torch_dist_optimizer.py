@@ -876,6 +876,34 @@ def test_split_param_buckets_rebuild_megatron_cores_own_save_and_resume_with_the
 
 @needs("0.19")
 @pytest.mark.full
+def test_a_megatron_fsdp_gdn_checkpoint_converted_to_torch_dist_is_megatron_cores_own_save(saved, tmp_path):
+    """Gated DeltaNet at TP 2 as Megatron-FSDP saves it (`in_proj` and `conv1d` fused, TP-blocked; the
+    input norm under its local module name) converted to torch_dist: every tensor is megatron-core
+    0.19.2's own torch_dist save of the run (`in_proj.weight.query` …, `conv1d.weight.query` …, the
+    norm keyed `self_attention.in_proj.layer_norm_weight`), and 0.19.2 resumes it at TP 2 × DP 1 and
+    TP 1 × DP 2 exactly as it resumes its own save (not the run's own next loss at TP 2: without
+    sequence parallelism megatron-core does not sum GDN `out_norm`'s gradient over TP ranks)."""
+    from fixtures import megatron_fsdp_dtensor, megatron_optim
+
+    own = saved[GDN_TP] / "fully_reshardable"
+    fsdp, out = tmp_path / "fsdp", tmp_path / "td"
+    megatron_fsdp_dtensor.write(own, saved[GDN_TP] / "buffers.json", fsdp, 2, 1)
+    run = run_cli("reshard", fsdp, out, "--layout", "torch-dist", "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _load(out), _load(own)
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert {f"decoder.layers.0.self_attention.in_proj.weight.{p}" for p in SPLIT_PARAMS["qwen3-next"][3]} | {
+        "decoder.layers.0.self_attention.in_proj.layer_norm_weight"} <= set(got)
+    for tp, dp in ((2, 1), (1, 2)):
+        resumed, theirs = (megatron_optim.load(src, tp, dp, tmp_path / f"{name}{tp}.pt", kind="qwen3-next",
+                                               mcore="0.19", strict="log_all") for name, src in (("td", out),
+                                                                                                 ("own", own)))
+        assert (resumed["sharding_type"], resumed["step"], resumed["after_step"]) == (
+            "fully_reshardable", theirs["step"], theirs["after_step"]), (tp, dp)
+
+
+@needs("0.19")
+@pytest.mark.full
 def test_a_hybrid_stack_under_pipeline_parallelism_is_refused_naming_it(saved, tmp_path):
     """megatron-core splits a hybrid (Mamba) stack over pipeline stages by its pattern's `|`
     segments, which the GPT decoder's split does not describe: its buckets are refused by name."""
