@@ -130,8 +130,9 @@ class WriteHandle(_Handle):
         """Make what was written durable."""
 
     def reserve(self, size: int) -> None:
-        """Make the entry `size` bytes long before it is written at offsets (locally: its blocks
-        allocated, so a full disk fails the run at its start). OSError when the space is not there."""
+        """Prepare the entry for `size` bytes written at offsets (locally: sized, its blocks
+        allocated, so a full disk fails the run at its start; OSError when the space is not there).
+        By default nothing: a plan's writes cover every byte of its files."""
 
     def start_writeback(self, offset: int, length: int) -> None:
         """Hint that bytes [offset, offset + length) are final: the store may start making them
