@@ -196,18 +196,23 @@ def test_adapter_only_is_a_peft_folder_peft_loads_on_the_base(bridge, tmp_path):
                       bridge / "cfg", *flags)
         assert run.returncode == 0, run.stderr
 
+    _loads_as_the_merged_export(tmp_path / "plain", tmp_path / "ad", tmp_path / "merged")
+
+
+def _loads_as_the_merged_export(plain: Path, adapter: Path, merged: Path) -> None:
+    """The PEFT folder `adapter` on the plain export gives the merged export's logits, and peft's
+    own merge of it the merged export's weights."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     tokens = torch.arange(12).view(2, 6) % 200
-    base = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", torch_dtype=torch.float32)
-    lora = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(plain, torch_dtype=torch.float32)
+    lora = PeftModel.from_pretrained(base, adapter).eval()
+    model = AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32).eval()
     with torch.no_grad():
-        want = merged(tokens).logits
-        torch.testing.assert_close(lora(tokens).logits, want, rtol=1e-5, atol=1e-5)
-        unmerged = lora.merge_and_unload()
-        peft_weights = unmerged.state_dict()
-        for name, value in merged.state_dict().items():  # peft's merge of the folder: the merged export's weights
+        torch.testing.assert_close(lora(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
+        peft_weights = lora.merge_and_unload().state_dict()
+        for name, value in model.state_dict().items():
             torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
 
 
@@ -392,17 +397,7 @@ def test_canonical_lora_adapter_only_is_a_peft_folder_of_its_own_factors(bridge,
                      "--base", SRC, "--merge-adapters")
     assert merged.returncode == 0, merged.stderr
 
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-    tokens = torch.arange(12).view(2, 6) % 200
-    base = AutoModelForCausalLM.from_pretrained(bridge / "plain", torch_dtype=torch.float32)
-    lora = PeftModel.from_pretrained(base, tmp_path / "ad").eval()
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(lora(tokens).logits, model(tokens).logits, rtol=1e-5, atol=1e-5)
-        peft_weights = lora.merge_and_unload().state_dict()
-        for name, value in model.state_dict().items():
-            torch.testing.assert_close(peft_weights[name], value, rtol=1e-6, atol=1e-6)
+    _loads_as_the_merged_export(bridge / "plain", tmp_path / "ad", tmp_path / "merged")
 
 
 def _load_all(path: Path) -> dict[str, torch.Tensor]:
