@@ -46,6 +46,8 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.commands.automodel_peft import refuse_export
+from ckptctl.storage.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter
@@ -1038,7 +1040,10 @@ def merged_sources(delta: LowRank) -> tuple[str, str, float, str | None]:
 
 
 def open_export_source(src: Path, opts: ExportOptions) -> Checkpoint:
-    """The checkpoint to export: SRC, with `--base`'s weights beside its adapters (`with_base`)."""
+    """The checkpoint to export: SRC, with `--base`'s weights beside its adapters (`with_base`);
+    a NeMo Automodel PEFT save (a PEFT folder, no DCP) is refused naming the commands that merge it."""
+    if (automodel := automodel_peft(src)) is not None:
+        raise refuse_export(automodel)
     ckpt = open_checkpoint(src)
     if opts.base is None:
         return ckpt

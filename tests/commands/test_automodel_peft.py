@@ -1,0 +1,139 @@
+"""A NeMo Automodel LoRA run's checkpoint, written by Automodel's own code (`fixtures.automodel_lora`:
+`apply_lora_to_linear_modules` on a tiny Llama, FSDP2 on 2 gloo ranks, its `Checkpointer` with
+`is_peft=True`), as a user points ckptctl at it.
+
+Automodel saves the model as a PEFT folder in `<step>/model/` (not DCP), so: `inspect` names
+the adapters (LoRA, modules, rank, α, s, targets) and the optimizer part; `export-hf` of the
+step refuses with the two commands that merge it; `import-hf BASE TMP --adapter <step>` takes
+the step folder; the export of that import with `--merge-adapters` is Automodel's own merge
+(`LinearLoRA.materialize_effective_weight`) bit for bit, and `--adapter-only` gives back
+Automodel's adapter tensors exactly. Oracles: Automodel's merge, peft's `PeftModel.from_pretrained`
+of the folder Automodel wrote, transformers' `from_pretrained` of the merged folder.
+All behind `full` (Automodel's import and the two-rank save take ~25 s).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import automodel_lora
+from fixtures.gloo import run_ranks
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.full,
+              pytest.mark.skipif(not automodel_lora.available(), reason="nemo_automodel is not installed")]
+pytest.importorskip("peft")
+
+TOKENS = torch.tensor([[1, 5, 9, 2, 33, 17, 4, 60, 3]])
+
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory) -> Path:
+    """`root/base` (the pretrained HF model) and `root/run/epoch_0_step_1` (Automodel's save)."""
+    root = tmp_path_factory.mktemp("automodel-lora")
+    automodel_lora.save_base(str(root / "base"))
+    run_ranks(automodel_lora.save, 2, str(root / "run"), timeout=300)
+    return root
+
+
+def step(root: Path) -> Path:
+    return root / "run" / automodel_lora.STEP
+
+
+def read_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_automodel_saves_a_peft_folder_peft_loads_with_the_trained_logits(run):
+    """The fact the rest builds on: `model/` is PEFT's own format, names without an adapter name."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder = step(run) / "model"
+    assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors",
+                                                         "automodel_peft_config.json"]
+    names = sorted(read_folder(folder))
+    assert len(names) == 28 and names[0] == "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["use_dora"]) == (5, 7, False)
+    assert config["target_modules"][0] == "model.layers.0.mlp.down_proj"  # full names, not leaf names
+    trained, _ = automodel_lora.trained_model()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "base"), folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+def test_inspect_names_the_adapters_the_optimizer_and_the_merge(run):
+    s = step(run)
+    result = run_cli("inspect", s)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"{s}: NeMo Automodel PEFT checkpoint",
+        f"  adapters: {s}/model, a PEFT folder (PeftModel.from_pretrained loads it as is): LoRA, 14 modules, rank 5, "
+        "α 7 (s = α / r = 1.4) (down_proj ×2, gate_proj ×2, k_proj ×2, o_proj ×2, q_proj ×2, up_proj ×2, v_proj ×2)",
+        "  automodel: use_triton false, dropout 0.0, lora_dtype null",
+        f"  optimizer: {s}/optim, a DCP checkpoint (ckptctl inspect {s}/optim)",
+        f"  merged model: ckptctl import-hf BASE TMP --adapter {s} then ckptctl export-hf TMP DST --hf-config BASE "
+        f"--merge-adapters --adapter-config {s}/model/adapter_config.json",
+    ]
+    doc = json.loads(run_cli("inspect", s / "model", "--json").stdout)
+    assert doc["format"] == "nemo-automodel peft" and doc["optimizer"] is None
+    assert doc["adapters"]["kind"] == "lora" and (doc["adapters"]["rank"], doc["adapters"]["alpha"]) == (5, 7)
+    assert doc["automodel"]["target_modules"][0] == "*.q_proj"
+    assert run_cli("inspect", s / "optim").returncode == 0  # the optimizer part is a DCP checkpoint
+
+
+def test_export_hf_of_the_step_is_refused_naming_the_commands_that_merge_it(run, tmp_path):
+    s = step(run)
+    result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", run / "base", "--merge-adapters")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint: its model/ is a PEFT adapter folder (the adapters "
+        "alone; PeftModel.from_pretrained loads it as is), which export-hf does not read; for merged weights: "
+        f"ckptctl import-hf BASE TMP --adapter {s} then ckptctl export-hf TMP DST --hf-config BASE --merge-adapters "
+        f"--adapter-config {s}/model/adapter_config.json\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def imported(run, tmp_path_factory) -> Path:
+    """`import-hf base TMP --adapter <step>` at 2 ranks: the peft model's FSDP2 DCP."""
+    out = tmp_path_factory.mktemp("automodel-import") / "ckpt"
+    result = run_cli("import-hf", run / "base", out, "--adapter", step(run), "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    assert f"14 LoRA adapters (rank 5) of {step(run)}/model written under peft's names" in result.stderr
+    return out
+
+
+def test_merged_export_is_automodels_own_merge_bit_for_bit(run, imported, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = step(run) / "model" / "adapter_config.json"
+    result = run_cli("export-hf", imported, tmp_path / "hf", "--hf-config", run / "base", "--merge-adapters",
+                     "--adapter-config", config)
+    assert result.returncode == 0, result.stderr
+    got, want = read_folder(tmp_path / "hf"), automodel_lora.merged_state()
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    trained, _ = automodel_lora.trained_model()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+def test_adapter_only_export_gives_back_automodels_adapter_exactly(run, imported, tmp_path):
+    config = step(run) / "model" / "adapter_config.json"
+    result = run_cli("export-hf", imported, tmp_path / "ad", "--hf-config", run / "base", "--adapter-only",
+                     "--adapter-config", config)
+    assert result.returncode == 0, result.stderr
+    got, want = read_folder(tmp_path / "ad"), read_folder(step(run) / "model")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    written = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert (written["r"], written["lora_alpha"]) == (5, 7)
