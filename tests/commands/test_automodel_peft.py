@@ -137,3 +137,38 @@ def test_adapter_only_export_gives_back_automodels_adapter_exactly(run, imported
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     written = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert (written["r"], written["lora_alpha"]) == (5, 7)
+
+
+@pytest.fixture(scope="module")
+def dora(tmp_path_factory) -> Path:
+    """A DoRA run (`use_dora=True`) saved as `run` is, and its import at 2 ranks."""
+    root = tmp_path_factory.mktemp("automodel-dora")
+    automodel_lora.save_base(str(root / "base"))
+    run_ranks(automodel_lora.save_dora, 2, str(root / "run"), timeout=300)
+    result = run_cli("import-hf", root / "base", root / "ckpt", "--adapter", step(root), "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    return root
+
+
+def test_a_dora_run_merges_as_peft_merges_automodels_folder(dora, tmp_path):
+    """Automodel has no DoRA merge of its own (`materialize_effective_weight` refuses DoRA): the
+    oracle is peft's `merge_and_unload()` of the folder Automodel wrote, bit for bit, and the
+    merged model gives the DoRA model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    s = step(dora)
+    assert ": DoRA, 14 modules, rank 5," in run_cli("inspect", s).stdout
+    assert any(k.endswith(".lora_magnitude_vector") for k in read_folder(s / "model"))
+    result = run_cli("export-hf", dora / "ckpt", tmp_path / "hf", "--hf-config", dora / "base", "--merge-adapters",
+                     "--adapter-config", s / "model" / "adapter_config.json")
+    assert result.returncode == 0, result.stderr
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dora / "base"), s / "model")
+    want = peft.merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "hf")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    trained, _ = automodel_lora.trained_model(use_dora=True)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
