@@ -29,6 +29,35 @@ AUTOMODEL_KEYS = ("use_triton", "use_dora", "dropout", "dropout_position", "lora
 """The fields of automodel_peft_config.json `inspect` shows (Automodel's PeftConfig but dim and alpha)."""
 
 
+def _parameter_modules(config: dict[str, Any], path: Any) -> tuple[str, ...]:
+    """The modules whose parameters `target_parameters` adapts (`mlp.experts` of
+    `mlp.experts.gate_up_proj`): peft wraps each parameter, nesting `base_layer`s."""
+    names = config.get("target_parameters") or []
+    if not (isinstance(names, list) and all(isinstance(n, str) and "." in n for n in names)):
+        raise UsageError(f"{path}: target_parameters is {json.dumps(names)}, not a list of parameter names")
+    return tuple(sorted({n.rsplit(".", 1)[0] for n in names}))
+
+
+def _on_parameter(module: str, wrapped: tuple[str, ...]) -> bool:
+    """Whether `module` (a LoRA tensor's, up to `.lora_A`) is a ParamWrapper of a `target_parameters` module."""
+    while module.endswith(".base_layer"):
+        module = module[:-len(".base_layer")]
+    return any(module == w or module.endswith("." + w) for w in wrapped)
+
+
+def export_refusal_detail(found: AutomodelPeft) -> str | None:
+    """Why the adapters cannot be merged at all yet (LoRA on MoE expert parameters), or None."""
+    path = found.adapter / ADAPTER_CONFIG
+    if store_for(path).kind(path) is EntryKind.MISSING:
+        return None
+    names = read_json_object(path, "peft adapter config").get("target_parameters")
+    if not names:
+        return None
+    return (f"{found.path}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
+            f"(target_parameters {json.dumps(names)} in {path}), which ckptctl does not merge or import yet; "
+            "PeftModel.from_pretrained loads its PEFT folder as is")
+
+
 def merge_hint(found: AutomodelPeft) -> str:
     """The two commands that give the merged model (BASE: the pretrained model's HF folder)."""
     return (f"ckptctl import-hf BASE TMP --adapter {found.path} then ckptctl export-hf TMP DST --hf-config BASE "
@@ -36,6 +65,8 @@ def merge_hint(found: AutomodelPeft) -> str:
 
 
 def refuse_export(found: AutomodelPeft) -> UsageError:
+    if (detail := export_refusal_detail(found)) is not None:
+        return UsageError(detail)
     what = "its model/ is a PEFT adapter folder" if found.step is not None else "a PEFT adapter folder"
     return UsageError(f"{found.path}: a NeMo Automodel PEFT checkpoint: {what} (the adapters alone; "
                       "PeftModel.from_pretrained loads it as is), which export-hf does not read; for merged "
@@ -54,9 +85,14 @@ def describe(found: AutomodelPeft) -> dict[str, Any]:
     config = read_json_object(config_path, "peft adapter config")
     automodel = read_json_object(found.adapter / AUTOMODEL_PEFT_CONFIG, "Automodel PEFT config")
     tensors = open_safetensors_folder(weights).tensors
+    wrapped = _parameter_modules(config, config_path)
     parts: dict[str, dict[str, tuple[int, ...]]] = {}
+    on_parameters = 0
     for name in sorted(tensors):
         match = _PART.match(name[len(PEFT_PREFIX):]) if name.startswith(PEFT_PREFIX) else None
+        if match is not None and _on_parameter(match["module"], wrapped):
+            on_parameters += 1  # peft's ParamWrapper (MoE experts): neither checked nor merged here
+            continue
         if match is None:
             raise CheckpointError(weights, f"{name}: not a LoRA tensor under {PEFT_PREFIX} (<m>.lora_A.weight, "
                                            "<m>.lora_B.weight, <m>.lora_magnitude_vector)")
@@ -76,7 +112,7 @@ def describe(found: AutomodelPeft) -> dict[str, Any]:
             raise CheckpointError(weights, f"{PEFT_PREFIX}{module} {'holds' if 'magnitude' in found_parts else 'has no'} "
                                            f"DoRA magnitude, but {config_path} says use_dora "
                                            f"{str(bool(scale.dora)).lower()}")
-    if not parts and not config.get("target_parameters"):
+    if not parts and not on_parameters:
         raise CheckpointError(weights, "holds no LoRA adapter (no <m>.lora_A.weight)")
     return {
         "path": str(found.path), "format": "nemo-automodel peft",
@@ -86,9 +122,10 @@ def describe(found: AutomodelPeft) -> dict[str, Any]:
                      "alpha": scale.alpha, "scale": scale.scale(scale.rank or 1), "rslora": scale.rslora,
                      "targets": dict(sorted(Counter(m.rsplit(".", 1)[-1] for m in parts).items())),
                      "target_parameters": config.get("target_parameters") or [],
+                     "parameter_tensors": on_parameters,
                      "base_model": config.get("base_model_name_or_path") or None},
         "automodel": {k: automodel[k] for k in AUTOMODEL_KEYS if k in automodel},
-        "merge": merge_hint(found),
+        "merge": None if on_parameters else merge_hint(found),
     }
 
 
@@ -97,8 +134,9 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     ad = doc["adapters"]
     kind = "DoRA" if ad["kind"] == "dora" else "LoRA"
     targets = ", ".join(f"{leaf} ×{count}" for leaf, count in ad["targets"].items())
-    experts = (f"; LoRA on {len(ad['target_parameters'])} parameters (target_parameters: MoE experts), which "
-               "import-hf does not import yet" if ad["target_parameters"] else "")
+    experts = (f"; and LoRA on {len(ad['target_parameters'])} MoE expert parameters "
+               f"({', '.join(ad['target_parameters'])}: {ad['parameter_tensors']} tensors as peft's ParamWrapper), "
+               "which ckptctl does not merge or import yet" if ad["target_parameters"] else "")
     am = doc["automodel"]
     settings = ", ".join(f"{k} {json.dumps(v)}" for k, v in am.items() if k in ("use_triton", "dropout", "lora_dtype"))
     base = f"; base model {ad['base_model']}" if ad["base_model"] else ""
@@ -109,5 +147,5 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
              f"  automodel: {settings}"]
     if doc["optimizer"] is not None:
         lines.append(f"  optimizer: {doc['optimizer']}, a DCP checkpoint (ckptctl inspect {doc['optimizer']})")
-    lines.append(f"  merged model: {doc['merge']}")
+    lines.append(f"  merged model: {doc['merge'] or 'not yet: ckptctl does not merge LoRA on MoE expert parameters'}")
     return lines

@@ -172,3 +172,38 @@ def test_a_dora_run_merges_as_peft_merges_automodels_folder(dora, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory) -> Path:
+    """Automodel's own Qwen3-MoE with LoRA on q_proj and on its grouped experts, saved (PEFT) by its Checkpointer."""
+    from fixtures import automodel, hf_models
+
+    if not automodel.available():
+        pytest.skip("Automodel's Qwen3-MoE is not importable here")
+    root = tmp_path_factory.mktemp("automodel-moe-lora")
+    ref = hf_models.reference("qwen3-moe", root / "base", **automodel.AUTOMODEL_OVERRIDES)
+    run_ranks(automodel_lora.save_moe, 1, str(root / "run"), str(ref.folder), timeout=300)
+    return root
+
+
+def test_lora_on_moe_experts_is_named_by_inspect_and_refused_by_export_and_import(moe, tmp_path):
+    s = step(moe)
+    config = json.loads((s / "model" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in read_folder(s / "model")
+    lines = run_cli("inspect", s).stdout.splitlines()
+    assert lines[1].endswith("LoRA, 2 modules, rank 4, α 8 (s = α / r = 2) (q_proj ×2); and LoRA on 2 MoE expert "
+                             "parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj: 8 tensors as peft's "
+                             f"ParamWrapper), which ckptctl does not merge or import yet; base model {moe / 'base'}")
+    assert lines[-1] == "  merged model: not yet: ckptctl does not merge LoRA on MoE expert parameters"
+    result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", moe / "base", "--merge-adapters")
+    assert result.returncode == 2 and result.stderr == (
+        f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
+        f'(target_parameters ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] in {s}/model/adapter_config.json), '
+        "which ckptctl does not merge or import yet; PeftModel.from_pretrained loads its PEFT folder as is\n")
+    result = run_cli("import-hf", moe / "base", tmp_path / "imp", "--adapter", s, "--world-size", "1")
+    assert result.returncode == 2 and result.stderr == (
+        f'ckptctl: error: {s}/model/adapter_config.json: target_parameters is ["mlp.experts.gate_up_proj", '
+        '"mlp.experts.down_proj"], which import-hf does not import yet\n')
+    assert not (tmp_path / "out").exists() and not (tmp_path / "imp").exists()
