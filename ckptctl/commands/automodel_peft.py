@@ -1,12 +1,16 @@
-"""A NeMo Automodel PEFT save (`storage.automodel_peft`): what `inspect` says of it, and why
-`export-hf` sends the user through `import-hf --adapter`.
+"""A NeMo Automodel PEFT save (`storage.automodel_peft`): what `inspect` says of it, and the
+peft model `export-hf` exports of it (`peft_source`).
 
 Its `model/` is a PEFT LoRA folder that `PeftModel.from_pretrained` loads as is: Automodel's
 `LinearLoRA` keeps the base weight at `<m>.weight` and the adapter at `<m>.lora_A.weight`
 [dim, in] / `<m>.lora_B.weight` [out, dim] (DoRA: `<m>.lora_magnitude`, saved as
 `<m>.lora_magnitude_vector`), merged as W + (alpha / dim) · B · A (no rsLoRA), which is peft's
 merge at r = dim, α = alpha, as `adapter_config.json` says. The folder holds the adapters alone:
-the base weights are the pretrained model the run started from.
+the base weights are the pretrained model the run started from (an HF folder). `export-hf` sees
+the two as one checkpoint under the peft model's names (`families.peft_folder`, as `import-hf
+--adapter` names them: `<m>.base_layer.weight`, `<m>.lora_A.default.weight`), each tensor read
+from its own file under its own name (`TensorEntry.record`), so the export's merge, adapter
+folder and checks are those of a peft model's FSDP2 checkpoint.
 """
 
 from __future__ import annotations
@@ -14,9 +18,14 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
+from ckptctl.commands.import_adapter import adapter_weights
+from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.families.adapters import PEFT_PREFIX, read_adapter_config
+from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.storage.automodel_peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AUTOMODEL_PEFT_CONFIG, AutomodelPeft)
 from ckptctl.storage.hf_files import read_json_object
@@ -58,19 +67,47 @@ def export_refusal_detail(found: AutomodelPeft) -> str | None:
             "PeftModel.from_pretrained loads its PEFT folder as is")
 
 
-def merge_hint(found: AutomodelPeft) -> str:
-    """The two commands that give the merged model (BASE: the pretrained model's HF folder)."""
-    return (f"ckptctl import-hf BASE TMP --adapter {found.path} then ckptctl export-hf TMP DST --hf-config BASE "
-            f"--merge-adapters --adapter-config {found.adapter / ADAPTER_CONFIG}")
-
-
-def refuse_export(found: AutomodelPeft) -> UsageError:
+def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Checkpoint:
+    """The peft model of the run's base model (`base`, else `ref`, the `--hf-config` folder, which
+    must then hold the weights) and its adapter folder, as one checkpoint of safetensors files.
+    Refused: LoRA on MoE expert parameters, a base without safetensors weights, and whatever the
+    adapter folder's check refuses (`peft_model_names`: an adapter on a module the base lacks, a
+    rank other than `r`, a module the config adapts without adapter …)."""
     if (detail := export_refusal_detail(found)) is not None:
-        return UsageError(detail)
-    what = "its model/ is a PEFT adapter folder" if found.step is not None else "a PEFT adapter folder"
-    return UsageError(f"{found.path}: a NeMo Automodel PEFT checkpoint: {what} (the adapters alone; "
-                      "PeftModel.from_pretrained loads it as is), which export-hf does not read; for merged "
-                      f"weights: {merge_hint(found)}")
+        raise UsageError(detail)
+    if base is None:
+        local = Path(ref)
+        if store_for(local).kind(local) is not EntryKind.FOLDER or not stored_tensors_here(local):
+            raise UsageError(f"{found.path}: a NeMo Automodel PEFT checkpoint holds the adapters alone: pass --base "
+                             "(the pretrained model's Hugging Face folder) or an --hf-config folder holding its "
+                             "safetensors weights")
+        base = local
+    config_path, weights = adapter_weights(found.adapter)
+    model = open_safetensors_folder(base)
+    adapter = open_safetensors_folder(weights)
+    names = peft_model_names({n: e.shape for n, e in model.tensors.items()},
+                             {n: e.shape for n, e in adapter.tensors.items()},
+                             read_folder_config(config_path), "default", weights)
+    tensors: dict[str, TensorEntry] = {}
+    files: dict[str, int] = {}
+    for source, renamed in ((model, names.base), (adapter, names.folder)):
+        paths = {f: str((source.path / f).resolve()) for f in source.files}
+        files.update((paths[f], size) for f, size in source.files.items())
+        for name, peft_name in renamed.items():
+            entry = source.tensors[name]
+            tensors[peft_name] = replace(entry, fqn=peft_name, record=name,
+                                         chunks=tuple(replace(c, file=paths[c.file]) for c in entry.chunks))
+    return Checkpoint(path=found.path, tensors=tensors, bytes_entries={}, files=files, safetensors_folder=True)
+
+
+def stored_tensors_here(folder: Path) -> bool:
+    """Whether an HF folder holds safetensors weights (a config-only folder does not)."""
+    return bool(store_for(folder).glob(folder, "*.safetensors"))
+
+
+def merge_hint(found: AutomodelPeft) -> str:
+    """The command that gives the merged model (BASE: the pretrained model's HF folder, with its weights)."""
+    return f"ckptctl export-hf {found.path} DST --hf-config BASE --merge-adapters"
 
 
 def describe(found: AutomodelPeft) -> dict[str, Any]:

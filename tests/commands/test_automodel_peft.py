@@ -3,12 +3,12 @@
 `is_peft=True`), as a user points ckptctl at it.
 
 Automodel saves the model as a PEFT folder in `<step>/model/` (not DCP), so: `inspect` names
-the adapters (LoRA, modules, rank, α, s, targets) and the optimizer part; `export-hf` of the
-step refuses with the two commands that merge it; `import-hf BASE TMP --adapter <step>` takes
-the step folder; the export of that import with `--merge-adapters` is Automodel's own merge
-(`LinearLoRA.materialize_effective_weight`) bit for bit, and `--adapter-only` gives back
-Automodel's adapter tensors exactly. Oracles: Automodel's merge, peft's `PeftModel.from_pretrained`
-of the folder Automodel wrote, transformers' `from_pretrained` of the merged folder.
+the adapters (LoRA, modules, rank, α, s, targets) and the optimizer part; `export-hf <step>
+--merge-adapters` with the base model's folder (`--hf-config`, or `--base`) is Automodel's own
+merge (`LinearLoRA.materialize_effective_weight`) bit for bit, `--adapter-only` gives back
+Automodel's adapter tensors exactly; `import-hf BASE TMP --adapter <step>` takes the step
+folder. Oracles: Automodel's merge, peft's `PeftModel.from_pretrained` / `merge_and_unload` of
+the folder Automodel wrote, transformers' `from_pretrained` of the merged folder.
 All behind `full` (Automodel's import and the two-rank save take ~25 s).
 """
 
@@ -79,8 +79,7 @@ def test_inspect_names_the_adapters_the_optimizer_and_the_merge(run):
         "α 7 (s = α / r = 1.4) (down_proj ×2, gate_proj ×2, k_proj ×2, o_proj ×2, q_proj ×2, up_proj ×2, v_proj ×2)",
         "  automodel: use_triton false, dropout 0.0, lora_dtype null",
         f"  optimizer: {s}/optim, a DCP checkpoint (ckptctl inspect {s}/optim)",
-        f"  merged model: ckptctl import-hf BASE TMP --adapter {s} then ckptctl export-hf TMP DST --hf-config BASE "
-        f"--merge-adapters --adapter-config {s}/model/adapter_config.json",
+        f"  merged model: ckptctl export-hf {s} DST --hf-config BASE --merge-adapters",
     ]
     doc = json.loads(run_cli("inspect", s / "model", "--json").stdout)
     assert doc["format"] == "nemo-automodel peft" and doc["optimizer"] is None
@@ -89,16 +88,60 @@ def test_inspect_names_the_adapters_the_optimizer_and_the_merge(run):
     assert run_cli("inspect", s / "optim").returncode == 0  # the optimizer part is a DCP checkpoint
 
 
-def test_export_hf_of_the_step_is_refused_naming_the_commands_that_merge_it(run, tmp_path):
+def test_export_hf_of_the_step_is_automodels_merge_bit_for_bit(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    result = run_cli("export-hf", step(run), tmp_path / "hf", "--hf-config", run / "base", "--merge-adapters",
+                     "--verify")
+    assert result.returncode == 0, result.stderr
+    assert (f"14 weights merged with 'default' LoRA adapters (s = α / r, α 7 from {step(run)}/model/"
+            "adapter_config.json)") in result.stderr
+    got, want = read_folder(tmp_path / "hf"), automodel_lora.merged_state()
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    trained, _ = automodel_lora.trained_model()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+def test_export_hf_adapter_only_of_the_step_gives_back_automodels_adapter(run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    result = run_cli("export-hf", step(run), tmp_path / "ad", "--hf-config", run / "base", "--adapter-only")
+    assert result.returncode == 0, result.stderr
+    got, want = read_folder(tmp_path / "ad"), read_folder(step(run) / "model")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    trained, _ = automodel_lora.trained_model()
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "base"), tmp_path / "ad").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(peft(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
+
+
+def test_the_base_weights_come_from_base_when_hf_config_holds_none(run, tmp_path):
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_bytes((run / "base" / "config.json").read_bytes())
     s = step(run)
-    result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", run / "base", "--merge-adapters")
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == (
-        f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint: its model/ is a PEFT adapter folder (the adapters "
-        "alone; PeftModel.from_pretrained loads it as is), which export-hf does not read; for merged weights: "
-        f"ckptctl import-hf BASE TMP --adapter {s} then ckptctl export-hf TMP DST --hf-config BASE --merge-adapters "
-        f"--adapter-config {s}/model/adapter_config.json\n")
-    assert not (tmp_path / "out").exists()
+    result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", config_only, "--merge-adapters")
+    assert result.returncode == 2 and result.stderr == (
+        f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint holds the adapters alone: pass --base (the "
+        "pretrained model's Hugging Face folder) or an --hf-config folder holding its safetensors weights\n")
+    result = run_cli("export-hf", s, tmp_path / "bf16", "--hf-config", config_only, "--base", run / "base",
+                     "--merge-adapters", "--dtype", "bf16")
+    assert result.returncode == 0, result.stderr
+    got, want = read_folder(tmp_path / "bf16"), automodel_lora.merged_state()
+    assert [k for k in want if not torch.equal(got[k], want[k].to(torch.bfloat16))] == []  # rounded once
+    result = run_cli("export-hf", s, run / "base" / "out", "--hf-config", run / "base", "--merge-adapters")
+    assert result.returncode == 2 and result.stderr == (
+        f"ckptctl: error: {run / 'base' / 'out'}: destination overlaps the base {run / 'base'}; the source is never "
+        "modified\n")
+    result = run_cli("export-hf", s, tmp_path / "a8", "--hf-config", run / "base", "--merge-adapters",
+                     "--lora-alpha", "8")
+    assert result.returncode == 2 and result.stderr == (
+        f"ckptctl: error: --lora-alpha 8 disagrees with {s}/model/adapter_config.json, whose lora_alpha is 7\n")
 
 
 @pytest.fixture(scope="module")
@@ -111,42 +154,22 @@ def imported(run, tmp_path_factory) -> Path:
     return out
 
 
-def test_merged_export_is_automodels_own_merge_bit_for_bit(run, imported, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    config = step(run) / "model" / "adapter_config.json"
+def test_the_step_imported_with_its_base_merges_as_automodel_merges(run, imported, tmp_path):
+    """`import-hf --adapter <step>`: the peft model's FSDP2 DCP, whose own merged export is Automodel's merge."""
     result = run_cli("export-hf", imported, tmp_path / "hf", "--hf-config", run / "base", "--merge-adapters",
-                     "--adapter-config", config)
+                     "--adapter-config", step(run) / "model" / "adapter_config.json")
     assert result.returncode == 0, result.stderr
     got, want = read_folder(tmp_path / "hf"), automodel_lora.merged_state()
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    trained, _ = automodel_lora.trained_model()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
-
-
-def test_adapter_only_export_gives_back_automodels_adapter_exactly(run, imported, tmp_path):
-    config = step(run) / "model" / "adapter_config.json"
-    result = run_cli("export-hf", imported, tmp_path / "ad", "--hf-config", run / "base", "--adapter-only",
-                     "--adapter-config", config)
-    assert result.returncode == 0, result.stderr
-    got, want = read_folder(tmp_path / "ad"), read_folder(step(run) / "model")
-    assert sorted(got) == sorted(want)
-    assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    written = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
-    assert (written["r"], written["lora_alpha"]) == (5, 7)
 
 
 @pytest.fixture(scope="module")
 def dora(tmp_path_factory) -> Path:
-    """A DoRA run (`use_dora=True`) saved as `run` is, and its import at 2 ranks."""
+    """A DoRA run (`use_dora=True`) saved as `run` is."""
     root = tmp_path_factory.mktemp("automodel-dora")
     automodel_lora.save_base(str(root / "base"))
     run_ranks(automodel_lora.save_dora, 2, str(root / "run"), timeout=300)
-    result = run_cli("import-hf", root / "base", root / "ckpt", "--adapter", step(root), "--world-size", "2")
-    assert result.returncode == 0, result.stderr
     return root
 
 
@@ -160,8 +183,7 @@ def test_a_dora_run_merges_as_peft_merges_automodels_folder(dora, tmp_path):
     s = step(dora)
     assert ": DoRA, 14 modules, rank 5," in run_cli("inspect", s).stdout
     assert any(k.endswith(".lora_magnitude_vector") for k in read_folder(s / "model"))
-    result = run_cli("export-hf", dora / "ckpt", tmp_path / "hf", "--hf-config", dora / "base", "--merge-adapters",
-                     "--adapter-config", s / "model" / "adapter_config.json")
+    result = run_cli("export-hf", s, tmp_path / "hf", "--hf-config", dora / "base", "--merge-adapters")
     assert result.returncode == 0, result.stderr
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(dora / "base"), s / "model")
     want = peft.merge_and_unload().state_dict()
