@@ -339,7 +339,7 @@ class ItemElements:
         handle = self.handle(chunk.file)
         read = self.positioned_reader(chunk.file)
         if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
-            start, info = _safetensors_record(handle, 0, entry.fqn)
+            start, info = _safetensors_record(handle, 0, entry.stored_name)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
                 raise ValueError("its safetensors record is another tensor")
             row = entry.itemsize * math.prod(entry.shape[1:])

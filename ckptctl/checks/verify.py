@@ -605,7 +605,7 @@ def _safetensors_record_start(handle: ReadHandle, chunk: Chunk, entry: TensorEnt
 def _safetensors_folder_rows(path: Path, entry: TensorEntry, chunk: Chunk) -> int:
     """A safetensors model file's tensor: where the rows `chunk` covers start."""
     with store_for(path).open_read(path) as handle:
-        start, info = _safetensors_start(handle, 0, entry.fqn, path)
+        start, info = _safetensors_start(handle, 0, entry.stored_name, path)
     if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
         raise CheckpointError(path, f"{entry.fqn}: its header names another tensor than the checkpoint's")
     return start + (chunk.offsets[0] * math.prod(entry.shape[1:]) * entry.itemsize if entry.shape else 0)

@@ -135,7 +135,8 @@ def print_preview_table(preview: ExportPreview) -> None:
 @app.command("export-hf")
 def export_hf_command(
     src: Path = typer.Argument(..., help="Source DCP checkpoint directory, or an HF Trainer / accelerate "
-                                         "checkpoint-N folder (its model part; opened read-only)."),
+                                         "checkpoint-N folder (its model part), or a NeMo Automodel PEFT step folder (its model/ "
+                                         "adapters on the base model's weights; opened read-only)."),
     dst: Path = typer.Argument(..., help="Output Hugging Face model folder (written atomically)."),
     hf_config: str = typer.Option(..., "--hf-config", metavar="<ref>",
                                   help="HF model folder with config.json, the config file, or a Hub model id "
@@ -197,7 +198,9 @@ def export_hf_command(
                                         help="For a Megatron-Bridge LoRA save (the adapters alone): the pretrained "
                                              "Megatron torch_dist checkpoint the run started from (its "
                                              "pretrained_checkpoint), whose weights the adapters are merged into "
-                                             "(--merge-adapters) or laid out by (--adapter-only)."),
+                                             "(--merge-adapters) or laid out by (--adapter-only); for a NeMo "
+                                             "Automodel PEFT save, the pretrained model's Hugging Face folder "
+                                             "(default: the --hf-config folder)."),
     layout: str = typer.Option("hf", "--layout", metavar="LAYOUT", autocompletion=completes("hf", "distributed"),
                                help="hf (a model folder) or distributed (each of --world-size ranks' shard files of "
                                     "every model file, as torch's Hugging Face storage writer saves FSDP2 with "

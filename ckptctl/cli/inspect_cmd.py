@@ -480,8 +480,19 @@ def inspect_command(
             raise UsageError(f"--filter {pattern!r} matches none of the {total} entries")
         return doc
 
+    from ckptctl.storage.automodel_peft import automodel_peft
     from ckptctl.storage.trainer_folder import trainer_folder
 
+    if (automodel := automodel_peft(ckpt)) is not None:  # a NeMo Automodel PEFT save: a PEFT folder, no DCP
+        from ckptctl.commands.automodel_peft import describe, summary_lines
+
+        found = run_guarded(lambda: describe(automodel))
+        if json_out:
+            emit_json(found)
+        else:
+            for line in summary_lines(found):
+                write_line(line)
+        return
     if (folder := trainer_folder(ckpt)) is not None:  # an HF Trainer / accelerate checkpoint-N/: its parts
         from ckptctl.cli.inspect_folder import show_folder
 

@@ -46,6 +46,8 @@ from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Sc
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.commands.automodel_peft import peft_source
+from ckptctl.storage.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter
@@ -1037,21 +1039,30 @@ def merged_sources(delta: LowRank) -> tuple[str, str, float, str | None]:
     return delta.a.target.fqn, delta.b.target.fqn, delta.scale, magnitude
 
 
-def open_export_source(src: Path, opts: ExportOptions) -> Checkpoint:
-    """The checkpoint to export: SRC, with `--base`'s weights beside its adapters (`with_base`)."""
+def open_export_source(src: Path, opts: ExportOptions, ref: str | Path) -> tuple[Checkpoint, ExportOptions]:
+    """The checkpoint to export, and the options it is exported with: SRC, with `--base`'s weights
+    beside its adapters (`with_base`); a NeMo Automodel PEFT save (`automodel_peft.peft_source`)
+    as the peft model of its base (`--base`, else the `--hf-config` folder) and its adapter
+    folder, α from its adapter_config.json unless `--adapter-config` names another."""
+    if (automodel := automodel_peft(src)) is not None:
+        ckpt = peft_source(automodel, opts.base, ref)
+        if opts.adapter_config is None:
+            opts = replace(opts, adapter_config=automodel.adapter / PEFT_CONFIG)
+        return ckpt, replace(opts, base=None)
     ckpt = open_checkpoint(src)
     if opts.base is None:
-        return ckpt
+        return ckpt, opts
     if megatron_prefix(ckpt) is None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
-    return with_base(ckpt, opts.base)
+    return with_base(ckpt, opts.base), opts
 
 
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,
                    preparing: Preparing | None = None) -> ExportPreview:
     """The plan of an export, as `--dry-run` shows it: reads metadata and REF only, writes nothing
     (DST may exist; it is not looked at). `preparing`: as `plan_export`'s."""
-    plan = plan_export(open_export_source(src, opts), load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
+    ckpt, opts = open_export_source(src, opts, ref)
+    plan = plan_export(ckpt, load_hf_config(ref, opts.hub_timeout), opts, ref, preparing)
     where = plan.file_of
     tensors = [PlannedTensor(name, t.shape, dtype_name(t.dtype), where[name],  # a scale: its weight's sources
                              plan_sources(t.properties.codes if isinstance(t.properties, Fp8Scales) else t,
@@ -1096,11 +1107,15 @@ def export_hf(
     """
     started = time.perf_counter()
     cfg = load_hf_config(ref, opts.hub_timeout)
-    ckpt = open_export_source(src, opts)
+    given = opts
+    ckpt, opts = open_export_source(src, opts, ref)
     plan = plan_export(ckpt, cfg, opts, ref, preparing)
     check_destination(dst, force, src)
-    if opts.base is not None and overlapped_input(dst, [opts.base]) is not None:
-        raise UsageError(f"{dst}: destination overlaps the base {opts.base}; the source is never modified")
+    base = given.base if given.base is not None or ckpt.path != src else None
+    if base is None and automodel_peft(src) is not None:
+        base = Path(ref)  # the base weights came from --hf-config's folder
+    if base is not None and overlapped_input(dst, [base]) is not None:
+        raise UsageError(f"{dst}: destination overlaps the base {base}; the source is never modified")
     phases = Phases(progress)
     report = ExportReport(
         src=str(src), dst=str(dst), arch=plan.family, tp=plan.tp, dtype=str(plan.config.get("dtype", "")),

@@ -21,6 +21,7 @@ from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
+from ckptctl.storage.automodel_peft import automodel_peft
 from ckptctl.storage.store import EntryKind, store_for
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -33,6 +34,13 @@ def check_adapter_options(to: str, include: tuple[str, ...], exclude: tuple[str,
         raise UsageError(f"--adapter writes a peft model as FSDP2 saves it: it has no --to {to}")
     if include or exclude:
         raise UsageError("--include/--exclude do not apply to --adapter (the peft model loads every tensor)")
+
+
+def adapter_folder(folder: Path) -> Path:
+    """The PEFT folder `--adapter` names: the folder, or the `model/` folder of a NeMo Automodel
+    PEFT step folder (`epoch_<e>_step_<s>/`, whose model Automodel saves as a PEFT folder)."""
+    found = automodel_peft(folder)
+    return found.adapter if found is not None else folder
 
 
 def adapter_weights(folder: Path) -> tuple[Path, Path]:
@@ -56,6 +64,7 @@ def peft_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], targets: list
                  adapter_name: str, dtype: DType | None, notes: list[str]) -> list[TargetTensor]:
     """The base model's targets renamed as the peft model holds them, and the folder's tensors as
     targets of their own; the folder's entries join `ckpt` and `views` under their peft names."""
+    folder = adapter_folder(folder)
     config_path, weights = adapter_weights(folder)
     config = read_folder_config(config_path)
     adapter = open_safetensors_folder(weights)

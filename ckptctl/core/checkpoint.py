@@ -129,9 +129,17 @@ class TensorEntry:
     dtype: DType
     chunks: tuple[Chunk, ...] | ChunkTable
     properties: Any = None
+    record: str | None = None
+    """Of a safetensors folder's tensor seen under another name (a NeMo Automodel PEFT save's
+    base and adapter as the peft model names them): its name in its file's header."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_dtype(self.dtype))
+
+    @property
+    def stored_name(self) -> str:
+        """The name its safetensors record has: `record`, else its own."""
+        return self.record or self.fqn
 
     @property
     def numel(self) -> int:
