@@ -480,7 +480,7 @@ def inspect_command(
             raise UsageError(f"--filter {pattern!r} matches none of the {total} entries")
         return doc
 
-    from ckptctl.storage.automodel_peft import automodel_peft
+    from ckptctl.formats.automodel_peft import automodel_peft
     from ckptctl.storage.trainer_folder import trainer_folder
 
     if (automodel := automodel_peft(ckpt)) is not None:  # a NeMo Automodel PEFT save: a PEFT folder, no DCP

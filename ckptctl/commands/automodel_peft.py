@@ -27,7 +27,7 @@ from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.families.adapters import PEFT_PREFIX, read_adapter_config
 from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
-from ckptctl.storage.automodel_peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AUTOMODEL_PEFT_CONFIG, AutomodelPeft)
+from ckptctl.formats.automodel_peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AUTOMODEL_PEFT_CONFIG, AutomodelPeft)
 from ckptctl.storage.hf_files import read_json_object
 from ckptctl.storage.store import EntryKind, store_for
 from ckptctl.util.errors import CheckpointError, UsageError

@@ -47,7 +47,7 @@ from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
 from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
                                       find_adapters, peft_config, read_adapter_config, resolve_scale)
 from ckptctl.commands.automodel_peft import peft_source
-from ckptctl.storage.automodel_peft import automodel_peft
+from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter

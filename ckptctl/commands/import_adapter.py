@@ -21,7 +21,7 @@ from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
-from ckptctl.storage.automodel_peft import automodel_peft
+from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.storage.store import EntryKind, store_for
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
