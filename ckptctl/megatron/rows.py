@@ -117,6 +117,42 @@ SwiGLU fc1 and Megatron-Bridge's training GDN. Mamba's are split only by megatro
 torch_dist save, so they are read either way but written fused."""
 
 
+def mixer_part_rows(mamba: bool, proj: int, conv: int, heads: int, inner_sizes: Sequence[int | None],
+                    args: object, tp: int) -> dict[str, tuple[tuple[str, int], ...]] | None:
+    """Each fused param of a Mamba mixer (`mamba`) or GDN layer → (part, rows per TP rank at `tp`),
+    in the order each rank holds them, from the layer's fused rows: `proj` (in_proj), `conv` (the
+    conv weight), `heads` (A_log). Mamba's `in_proj` has 2·inner + 2·G·N + H rows, its conv
+    inner + 2·G·N; GDN's `in_proj` 2·qk + 2·v + 2·nv, its conv 2·qk + v. Each of `inner_sizes`
+    (sizes the layer holds that must be `inner`: out_proj's columns, Mamba's norm; None where
+    absent) and, for Mamba, args' `mamba_*` sizes where given must agree. None when they do not, or
+    `tp` does not divide them.
+    One geometry: Megatron-FSDP's fused save cut into torch_dist's parts and back."""
+    inner = proj - conv - heads if mamba else proj - 2 * heads - conv
+    pair = conv - inner
+    ok = inner > 0 and pair > 0 and pair % 2 == 0 and not (inner % tp or (pair // 2) % tp or heads % tp) and all(
+        got is None or got == inner for got in inner_sizes)
+    if mamba:
+        given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
+                                                     "mamba_state_dim")}
+        if type(given["mamba_num_heads"]) is int:
+            ok = ok and given["mamba_num_heads"] == heads
+            if type(given["mamba_head_dim"]) is int:
+                ok = ok and given["mamba_head_dim"] * heads == inner
+        if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
+            ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == pair
+    if not ok:
+        return None
+    inner, half, heads = inner // tp, pair // 2 // tp, heads // tp
+    if mamba:
+        in_proj, conv1d = zip(MAMBA_IN_PROJ_PARTS, (inner, inner, half, half, heads)), zip(MAMBA_CONV1D_PARTS,
+                                                                                            (inner, half, half))
+    else:
+        in_proj, conv1d = zip(GDN_IN_PROJ_PARTS, (half, half, inner, inner, heads, heads)), zip(GDN_CONV1D_PARTS,
+                                                                                                 (half, half, inner))
+    in_proj, conv1d = (tuple((p.lstrip("."), r) for p, r in parts) for parts in (in_proj, conv1d))
+    return {"in_proj.weight": in_proj, "conv1d.weight": conv1d, "conv1d.bias": conv1d}
+
+
 def is_expert(name: str) -> bool:
     """Routed-expert params (expert tensor parallel, not the dense TP)."""
     return ".mlp.experts." in name or name.startswith("mlp.experts.")

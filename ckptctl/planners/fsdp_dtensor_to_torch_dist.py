@@ -67,9 +67,7 @@ from ckptctl.megatron.fsdp_dtensor_names import (
     STATE_PREFIX, SWIGLU_PART, UNSUPPORTED, LayerNames, layer_names,
 )
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
-from ckptctl.megatron.rows import (
-    BUFFERS, GDN_CONV1D_PARTS, GDN_IN_PROJ_PARTS, MAMBA_CONV1D_PARTS, MAMBA_IN_PROJ_PARTS, canonical,
-)
+from ckptctl.megatron.rows import BUFFERS, canonical, mixer_part_rows
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -357,7 +355,8 @@ def _sizes(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], na
     """Each fused param of Mamba mixer or GDN `module` → (part, rows per TP rank). Mamba's `in_proj`
     has 2·inner + 2·G·N + H rows, its conv inner + 2·G·N, `A_log` H; GDN's `in_proj` 2·qk + 2·v +
     2·nv, its conv 2·qk + v, `A_log` nv. `out_proj` (inner or v columns), Mamba's `norm` (inner)
-    and args' `mamba_*` sizes, where given, must agree."""
+    and args' `mamba_*` sizes, where given, must agree (`rows.mixer_part_rows`: the one geometry
+    the fsdp_dtensor conversion fuses the parts back with)."""
 
     def dims(name: str) -> tuple[int, ...] | None:
         found = keys.get(f"{module}.{name}")
@@ -369,39 +368,15 @@ def _sizes(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], na
                                          "of its in_proj and conv")
     proj, conv, heads = (s[0] for s in shapes)
     mamba = module.endswith(".mixer")
-    if mamba:
-        inner = proj - conv - heads
-        pair = conv - inner
-        checks = [("out_proj.weight", 1, inner), ("norm.weight", 0, inner)]
-    else:
-        inner = proj - 2 * heads - conv
-        pair = conv - inner
-        checks = [("out_proj.weight", 1, inner)]
-    ok = inner > 0 and pair > 0 and pair % 2 == 0 and not (inner % tp or (pair // 2) % tp or heads % tp) and all(
-        (s := dims(name)) is None or (len(s) > d and s[d] == want) for name, d, want in checks)
-    if mamba:
-        given = {a: getattr(args, a, None) for a in ("mamba_num_heads", "mamba_head_dim", "mamba_num_groups",
-                                                     "mamba_state_dim")}
-        if type(given["mamba_num_heads"]) is int:
-            ok = ok and given["mamba_num_heads"] == heads
-            if type(given["mamba_head_dim"]) is int:
-                ok = ok and given["mamba_head_dim"] * heads == inner
-        if type(given["mamba_num_groups"]) is int and type(given["mamba_state_dim"]) is int:
-            ok = ok and given["mamba_num_groups"] * given["mamba_state_dim"] * 2 == pair
-    if not ok:
+    checks = [("out_proj.weight", 1), ("norm.weight", 0)] if mamba else [("out_proj.weight", 1)]
+    parts = mixer_part_rows(mamba, proj, conv, heads, [None if (s := dims(name)) is None else s[d] if len(s) > d
+                                                       else -1 for name, d in checks], args, tp)
+    if parts is None:
         what = "Mamba [z, x, B, C, dt]" if mamba else "GDN [q, k, v, z, beta, alpha]"
         raise CheckpointError(ckpt.path, f"{names[keys[module + '.in_proj.weight'].parts[()][None]]}: {proj} rows "
                                          f"beside a conv of {conv} and {heads} heads are no {what} at TP {tp} (nor "
                                          "agree with the out_proj, norm and args)")
-    inner, half, heads = inner // tp, pair // 2 // tp, heads // tp
-    if mamba:
-        in_proj, conv1d = zip(MAMBA_IN_PROJ_PARTS, (inner, inner, half, half, heads)), zip(MAMBA_CONV1D_PARTS,
-                                                                                            (inner, half, half))
-    else:
-        in_proj, conv1d = zip(GDN_IN_PROJ_PARTS, (half, half, inner, inner, heads, heads)), zip(GDN_CONV1D_PARTS,
-                                                                                                 (half, half, inner))
-    in_proj, conv1d = (tuple((p.lstrip("."), r) for p, r in parts) for parts in (in_proj, conv1d))
-    return {"in_proj.weight": in_proj, "conv1d.weight": conv1d, "conv1d.bias": conv1d}
+    return parts
 
 
 def _check_complete(ckpt: Checkpoint, key: _Key, names: dict[str, str]) -> None:

@@ -24,6 +24,14 @@ as the torch_dist rewrite reads them (`megatron.buckets`, laid out by content; o
 `fully_sharded_model_space` is rewritten first (`ckptctl reshard SRC MID`).
 The router's expert bias, a persistent buffer, is written whole (as Megatron-FSDP saves a buffer)
 with no optimizer state or group.
+megatron-core's hybrid stack (MambaModel: `decoder.final_norm`) keys every layer on its own under
+its module names; its Mamba mixer's `in_proj.weight` is saved in parts `.z .x .B .C .dt` and its
+conv (`conv1d.weight` / `.bias`) in parts `.x .B .C`, each part's key holding every TP rank's rows
+of it in rank order (`MambaMixer.sharded_state_dict`). Megatron-FSDP saves them fused, TP-blocked
+at the output TP (rank t's block `[z_t; x_t; B_t; C_t; dt_t]`), named as the module names them
+(0.19's `conv1d_weight`): each is built block by block from its parts, sized from the layer's
+shapes by the geometry the torch_dist conversion cuts them with (`rows.mixer_part_rows`). Mamba
+mixers outside a hybrid stack, GDN layers and a hybrid model's dp_reshardable buckets are refused.
 A checkpoint saved with `singleton_local_shards` (a key per layer and per expert, fc1 as
 `weight_w` / `weight_v`) converts to the same output as its stacks; one saved by pipeline stages
 (its layer indices are global) converts to one stage.
@@ -46,11 +54,13 @@ from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
 from ckptctl.formats.megatron_args import CommonState
 from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
-from ckptctl.megatron.fsdp_dtensor_names import COMMON_ITEMS, LAYER, SWIGLU_PART, LayerNames, layer_names, optimizer_prefix
+from ckptctl.megatron.fsdp_dtensor_names import (
+    COMMON_ITEMS, LAYER, SWIGLU_PART, UNSUPPORTED, LayerNames, layer_names, optimizer_prefix,
+)
 from ckptctl.core.geometry import full_box
 from ckptctl.core.analysis import analysis, is_layer_stacked, is_optimizer_entry, is_torch_dist_bucket
-from ckptctl.megatron.rows import BUFFERS, LAYERS, WORD_EMBEDDING
-from ckptctl.megatron.buckets import Window, block_places, bucket_windows, window_view
+from ckptctl.megatron.rows import BUFFERS, LAYERS, WORD_EMBEDDING, CURRENT_RELEASE, mixer_part_rows, respelled
+from ckptctl.megatron.buckets import HYBRID_FINAL_NORM, Window, block_places, bucket_windows, window_view
 from ckptctl.megatron.tp import tp_dp_grid
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.families.placement import Placed, megatron_fsdp
@@ -75,6 +85,12 @@ param), RNG state (resume with `--no-load-rng`), the rerun state machine (Megatr
 for fsdp_dtensor)."""
 _CHAINED = ("experts trained with expert parallelism (or their own TP) have an optimizer of their own, chained "
             "to the dense one: not converted to fsdp_dtensor yet")
+MAMBA_PART = re.compile(r"^(?P<mixer>decoder\.layers\.\d+\.mixer)\."
+                        r"(?P<param>in_proj\.weight|conv1d\.weight|conv1d\.bias)\.(?P<part>[^.]+)$")
+"""A part of a Mamba mixer's fused param, as megatron-core 0.19.2's `MambaMixer.sharded_state_dict`
+saves it in megatron-core's hybrid stack (`in_proj.weight.z` …, `conv1d.weight.x` …)."""
+MAMBA_OTHER = re.compile(r"^decoder\.layers\.\d+\.mixer\.(?!in_proj\.|conv1d)")
+"""The rest of a Mamba mixer in the hybrid stack (A_log, D, dt_bias, norm, out_proj): plain params."""
 DROPPED_ITEMS = re.compile(r"(^|\.)_extra_state(/|$)|^rng_state(/|$)|^common_state/")
 
 
@@ -95,6 +111,10 @@ class _Param:
     owner_shape: tuple[int, ...]
     tp_blocked: int = 1
     """The TP its rows are blocked for, [W_0; V_0; W_1; V_1 …] (1: as saved, [W_all; V_all])."""
+    parts: tuple[tuple[str, int], ...] = ()
+    """A Mamba mixer's fused param torch_dist keeps in parts: (the part's key, its rows per TP rank),
+    in the order each rank holds them; the output is TP-blocked at `tp_blocked` ([z_0; x_0; … dt_0;
+    z_1 …]), each part's key holding every rank's rows of it in rank order."""
 
 
 def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
@@ -113,14 +133,16 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     if cp not in (None, 1):
         raise CheckpointError(ckpt.path, f"args.context_parallel_size is {cp!r:.64}: Megatron-FSDP shards a "
                                          "context-parallel run over DP × CP ranks, not converted to fsdp_dtensor yet")
-    spec = layer_names(ckpt, args)
+    hybrid = HYBRID_FINAL_NORM in ckpt.tensors  # megatron-core's hybrid stack: every layer keyed on its own
+    spec = LayerNames((), UNSUPPORTED) if hybrid else layer_names(ckpt, args)
     if type(getattr(args, "swiglu", None)) is not bool:
         raise CheckpointError(ckpt.path, f"args.swiglu is {getattr(args, 'swiglu', None)!r:.64}: whether fc1 is gated "
                                          "(saved split into weight_w / weight_v) is not known")
     tp, dp = tp_dp_grid(ckpt, args, tp, dp, world_size)
     _check_tp(ckpt, args, tp)
     states = fmt is not None
-    params, buffers = _params(ckpt, args, spec, fmt)
+    params, buffers = _params(ckpt, args, spec, fmt, hybrid)
+    params = _fused_mixers(ckpt, args, params, tp, (0, 15) if ckpt.mcore_metadata else CURRENT_RELEASE)
     if args.swiglu and tp > 1:  # a Bridge adapter's linear_out on a SwiGLU fc1: not split, so TP-blocked
         params = [replace(p, tp_blocked=tp) if SWIGLU_ADAPTER_OUT.search(p.name) else p for p in params]
     if fmt == "dp_reshardable":
@@ -247,8 +269,8 @@ def _check_tp(ckpt: Checkpoint, args: argparse.Namespace, tp: int) -> None:
                          "not done yet")
 
 
-def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
-            fmt: str | None) -> tuple[list[_Param], list[_Param]]:
+def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, fmt: str | None,
+            hybrid: bool = False) -> tuple[list[_Param], list[_Param]]:
     """Every param of the model, each once, and every persistent buffer (no optimizer state), from
     the torch_dist keys; every other entry is claimed (an optimizer state of a model param, a
     bucket) or dropped by name, or the checkpoint is refused."""
@@ -279,10 +301,74 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames,
         for lead, name in _names(ckpt, args, spec, key):
             params += _halves(ckpt, args, key, lead, name, tuple(entry.shape[len(lead):]))
     for p in params:
+        if hybrid and (MAMBA_PART.match(p.name) or MAMBA_OTHER.match(p.name)):
+            continue  # a Mamba mixer of the hybrid stack (`_fused_mixers`)
         for part, what in spec.unsupported:
             if part in p.name:
+                if ".mixer." in p.name and not hybrid:
+                    what = f"Mamba mixers outside megatron-core's hybrid stack (no {HYBRID_FINAL_NORM})"
                 raise CheckpointError(ckpt.path, f"{p.key}: {what} are not converted to fsdp_dtensor yet")
     return params, buffers
+
+
+def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Param], tp: int,
+                  release: tuple[int, int]) -> list[_Param]:
+    """`params` with each Mamba mixer's `in_proj` and conv parts (`MAMBA_PART`) made one fused param
+    as Megatron-FSDP saves it at TP `tp`, named as megatron-core `release` names the module (0.19's
+    `conv1d_weight`: torch_dist keys do not tell 0.16–0.18 from 0.19, but a `.metadata` with
+    `MCoreMetadata` is ≤ 0.15's, `conv1d.weight`), the parts sized from the layer's shapes by the
+    geometry the torch_dist conversion cuts them with (`rows.mixer_part_rows`); each saved part must
+    be that size."""
+    found: dict[tuple[str, str], dict[str, _Param]] = {}
+    out: list[_Param | tuple[str, str]] = []
+    by_name = {p.name: p for p in params}
+    for p in params:
+        match = MAMBA_PART.match(p.name)
+        if match is None:
+            out.append(p)
+            continue
+        group = (match["mixer"], match["param"])
+        if group not in found:
+            found[group] = {}
+            out.append(group)
+        found[group][match["part"]] = p
+    sized: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
+    fused: dict[tuple[str, str], _Param] = {}
+    for (mixer, param), parts in found.items():
+        if mixer not in sized:
+            def rows(name: str) -> int | None:
+                saved = found.get((mixer, name))
+                return sum(p.shape[0] for p in saved.values()) if saved and all(p.shape for p in saved.values()) \
+                    else None
+            a_log = by_name.get(f"{mixer}.A_log")
+            proj, conv, heads = rows("in_proj.weight"), rows("conv1d.weight"), a_log.shape[0] if a_log and \
+                a_log.shape else None
+            if proj is None or conv is None or heads is None:
+                raise CheckpointError(ckpt.path, f"{mixer}: needs in_proj.weight and conv1d.weight in parts and A_log "
+                                                 "to size its fused in_proj and conv")
+            inner = [None if (q := by_name.get(f"{mixer}.{n}")) is None else q.shape[d] if len(q.shape) > d else -1
+                     for n, d in (("out_proj.weight", 1), ("norm.weight", 0))]
+            sizes = mixer_part_rows(True, proj, conv, heads, inner, args, tp)
+            if sizes is None:
+                raise CheckpointError(ckpt.path, f"{mixer}.in_proj.weight: {proj} rows in parts beside a conv of "
+                                                 f"{conv} and {heads} heads are no Mamba [z, x, B, C, dt] at TP "
+                                                 f"{tp} (nor agree with the out_proj, norm and args)")
+            sized[mixer] = sizes
+        want = sized[mixer][param]
+        if sorted(parts) != sorted(part for part, _ in want):
+            raise CheckpointError(ckpt.path, f"{mixer}.{param}: saved in parts {', '.join(sorted(parts))}; "
+                                             f"megatron-core's MambaMixer keeps {', '.join(p for p, _ in want)}")
+        first = parts[want[0][0]]
+        for part, n in want:
+            got = parts[part]
+            if got.shape[0] != n * tp or got.shape[1:] != first.shape[1:]:
+                raise CheckpointError(ckpt.path, f"{got.key}: shape {list(got.shape)}, the layer's sizes say "
+                                                 f"[{n * tp}, {', '.join(map(str, first.shape[1:]))}]")
+        name = respelled(f"{mixer}.{param}", release)
+        shape = (sum(n for _, n in want) * tp, *first.shape[1:])
+        fused[(mixer, param)] = _Param(name, name, first.key, (), 0, shape, shape, tp,
+                                       tuple((parts[part].key, n) for part, n in want))
+    return [fused[p] if isinstance(p, tuple) else p for p in out]
 
 
 def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, key: str) -> list[tuple[tuple[int, ...], str]]:
@@ -354,6 +440,16 @@ class _Stacked:
             views[src] = layer_stacked_view(entry, len(p.lead)) if p.lead else source_view(entry)
         if not p.shape:
             return TargetTensor(fqn, (), entry.dtype, (Piece(src, (), (), ()),), entry.properties)
+        if p.parts:  # every part's rows of rank t, then rank t + 1's …
+            rest, pieces, at = (0,) * (len(p.shape) - 1), [], 0
+            for t in range(p.tp_blocked):
+                for key, rows in p.parts:
+                    part = f"optimizer.state.{state}.{key}" if self.states else key
+                    if part not in views:
+                        views[part] = source_view(self.ckpt.tensors[part])
+                    pieces.append(Piece(part, (t * rows, *rest), (at, *rest), (rows, *p.shape[1:])))
+                    at += rows
+            return TargetTensor(fqn, p.shape, entry.dtype, tuple(pieces), entry.properties)
         slab = sum(i * math.prod(entry.shape[d + 1:len(p.lead)]) for d, i in enumerate(p.lead))
         start = (slab * (p.owner_shape[0]) + p.row, *(0,) * (len(p.shape) - 1))
         if p.tp_blocked > 1:  # [W_all; V_all] → [W_0; V_0; W_1; V_1 …]
@@ -383,6 +479,9 @@ class _Buckets:
         """(window, state) → its view's name and view, made once."""
 
     def target(self, fqn: str, state: str, p: _Param, views: dict[str, SourceTensor]) -> TargetTensor:
+        if p.parts:
+            raise CheckpointError(self.ckpt.path, f"{p.key}: a Mamba mixer's in_proj or conv in dp_reshardable buckets "
+                                                  "is not converted to fsdp_dtensor yet (fully_reshardable is)")
         blocks = self.windows[(p.key, p.lead)]
         if not blocks:
             raise CheckpointError(self.ckpt.path, f"{p.key}: no bucket holds it")

@@ -12,6 +12,7 @@ both spellings; import-hf writes the one of the release it is told (0.19 by defa
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -237,4 +238,105 @@ def test_a_mamba_mixer_outside_a_hybrid_stack_is_refused_by_name(run, tmp_path):
     assert (done.returncode, done.stderr) == (
         2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: Mamba mixers outside "
            "megatron-core's hybrid stack (no decoder.final_norm.weight) are not converted to torch_dist yet\n")
+    assert not (tmp_path / "out").exists()
+
+
+def _decoded(folder) -> dict:
+    """Every entry of a DCP checkpoint, tensors and decoded items, by flattened name."""
+    return _flat_all(load_with_torch(folder))
+
+
+def _flat_all(tree, prefix: str = "") -> dict:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items()
+                for k, v in _flat_all(sub, f"{prefix}.{key}" if prefix else key).items()}
+    return {prefix: tree}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return vars(a) == vars(b) if hasattr(a, "__dict__") and hasattr(b, "__dict__") else a == b
+
+
+def _as_the_runs_own(got: dict, want: dict, scheduler: bool, grid: dict | None = None) -> None:
+    """`got` is the run's own Megatron-FSDP save `want`, entry for entry, but for what legitimately
+    differs: each param's group `step` (written for Transformer Engine's FusedAdam beside torch
+    Adam's per-param step), the RNG state (not carried over) and, where the source's common state
+    holds none (`scheduler` False: megatron-core's torch_dist save of the fixture run), the
+    scheduler and FLOPs counter; and at another grid, args' sizes (`grid`: the output's, where the
+    fixture keeps the run's args as they were)."""
+    extra = {k for k in got if k.startswith("optimizer.param_to_group_meta.") and k.endswith(".step")}
+    assert len(extra) == 18 and set(got) - set(want) == extra
+    absent = {k for k in want if k.startswith("rng_state")}
+    if not scheduler:
+        absent |= {k for k in want if k.startswith("opt_param_scheduler.")} | {"num_floating_point_operations_so_far"}
+    assert absent and set(want) - set(got) == absent
+    if grid:
+        args = vars(want["args"])
+        assert {k: args[k] for k in grid} != grid
+        want = {**want, "args": argparse.Namespace(**{**args, **grid})}
+    assert [k for k in want if k in got and not _same(got[k], want[k])] == []
+
+
+def test_megatron_cores_torch_dist_save_of_the_hybrid_model_converts_to_the_runs_own_megatron_fsdp_save(run, tmp_path):
+    """torch_dist → fsdp_dtensor of megatron-core 0.19.2's hybrid (Mamba) model: the Mamba in_proj and
+    conv, saved in `MambaMixer.sharded_state_dict`'s parts (`in_proj.weight.z` …, `conv1d.weight.x`
+    …), are fused and TP-blocked at the run's TP 2 (0.19's `conv1d_weight` names) by the geometry the
+    torch_dist conversion cuts them with: every tensor, model and optimizer, is the run's own
+    Megatron-FSDP save (`_as_the_runs_own`)."""
+    out = tmp_path / "fsdp"
+    done = run_cli("reshard", run / "tp2" / "fully_reshardable", out, "--layout", "megatron-fsdp", "--dp", 1)
+    assert done.returncode == 0, done.stderr
+    got, want = _decoded(out), _decoded(run / "fsdp")
+    _as_the_runs_own(got, want, scheduler=False)
+    assert got[f"model.module.{CONV}"].shape == (64, 1, 4) and f"optimizer.state.module.module.{CONV}.exp_avg" in got
+
+
+@pytest.mark.full
+def test_the_hybrid_models_torch_dist_converts_at_another_tp_and_round_trips(run, tmp_path):
+    """At TP 1 × DP 2 the conversion is the run's own Megatron-FSDP save at TP 1 × DP 2 (the parts
+    blocked for TP 1); fsdp_dtensor → torch_dist → fsdp_dtensor is the identity, every entry (the
+    group steps aside, and the RNG state, which is not carried over). A dp_reshardable save's Mamba
+    params are refused by name."""
+    out = tmp_path / "tp1"
+    done = run_cli("reshard", run / "tp2" / "fully_reshardable", out, "--layout", "megatron-fsdp", "--tp", 1,
+                   "--dp", 2, "--verify")
+    assert done.returncode == 0, done.stderr
+    _as_the_runs_own(_decoded(out), _decoded(run / "fsdp_tp1"), scheduler=False,
+                     grid={"tensor_model_parallel_size": 1, "data_parallel_size": 2, "expert_tensor_parallel_size": 1})
+    for src, dst, layout in ((run / "fsdp", tmp_path / "td", ("torch-dist",)),
+                             (tmp_path / "td", tmp_path / "back", ("megatron-fsdp", "--dp", 1))):
+        done = run_cli("reshard", src, dst, "--layout", *layout)
+        assert done.returncode == 0, done.stderr
+    _as_the_runs_own(_decoded(tmp_path / "back"), _decoded(run / "fsdp"), scheduler=True)
+    src = run / "tp2" / "dp_reshardable"
+    done = run_cli("reshard", src, tmp_path / "no", "--layout", "megatron-fsdp", "--dp", 1)
+    assert (done.returncode, done.stderr) == (
+        2, f"ckptctl: error: {src}: decoder.layers.0.mixer.conv1d.weight.x: a Mamba mixer's in_proj or conv in "
+           "dp_reshardable buckets is not converted to fsdp_dtensor yet (fully_reshardable is)\n")
+    assert not (tmp_path / "no").exists()
+
+
+def test_a_torch_dist_mamba_mixer_outside_a_hybrid_stack_is_refused_by_name(run, tmp_path):
+    """torch_dist → fsdp_dtensor: without the hybrid stack's final norm the mixer's module names are
+    unknown: refused, naming its first part."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    src = tmp_path / "no_final_norm"
+    shutil.copytree(run / "tp2" / "fully_reshardable", src)
+    md = FileSystemReader(str(src)).read_metadata()
+    dropped = [k for k in md.state_dict_metadata if "decoder.final_norm." in k]
+    assert len(dropped) == 4
+    for k in dropped:
+        del md.state_dict_metadata[k]
+    md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn not in dropped}
+    (src / ".metadata").write_bytes(pickle.dumps(md))
+    done = run_cli("reshard", src, tmp_path / "out", "--layout", "megatron-fsdp", "--dp", 1)
+    assert (done.returncode, done.stderr) == (
+        2, f"ckptctl: error: {src}: decoder.layers.0.mixer.conv1d.weight.x: Mamba mixers outside megatron-core's "
+           "hybrid stack (no decoder.final_norm.weight) are not converted to fsdp_dtensor yet\n")
     assert not (tmp_path / "out").exists()

@@ -832,7 +832,8 @@ SPLIT_PARAMS = {
                    "decoder.layers.0.self_attention.in_proj.layer_norm_weight: GDN or Mamba projections are not "
                    "converted to fsdp_dtensor yet"),
     "nemotron-h": (MAMBA_TP, MAMBA_BUCKETS, "decoder.layers.0.mixer.in_proj.weight", ("z", "x", "B", "C", "dt"),
-                   "decoder.layers.0.mixer.conv1d.weight.x: Mamba mixers are not converted to fsdp_dtensor yet"),
+                   "decoder.layers.0.mixer.conv1d.weight.x: a Mamba mixer's in_proj or conv in dp_reshardable "
+                   "buckets is not converted to fsdp_dtensor yet (fully_reshardable is)"),
 }
 """Per model kind with params megatron-core saves in parts (Gated DeltaNet, Mamba): its TP 2 and
 bucketed runs, its `in_proj` and the parts it is saved in, and the Megatron-FSDP refusal."""
@@ -850,7 +851,7 @@ def test_split_param_buckets_rebuild_megatron_cores_own_save_and_resume_with_the
     TP 2 with the saved run's loss bit for bit — for GDN the step on the loaded state only: without
     sequence parallelism megatron-core 0.19.2 does not sum GDN `out_norm`'s gradient over TP ranks,
     so a TP 2 step makes its copies differ (a checkpoint in model space keeps TP rank 0's).
-    Megatron-FSDP conversion refuses both by name."""
+    Megatron-FSDP conversion refuses both buckets by name (GDN's layers, Mamba's in_proj and conv)."""
     from fixtures import megatron_optim
 
     tp_run, bucketed, in_proj, parts, refusal = SPLIT_PARAMS[kind]
