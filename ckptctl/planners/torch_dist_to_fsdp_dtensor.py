@@ -51,7 +51,7 @@ from typing import Any
 from ckptctl.core.dtypes import float32
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.formats.dcp.writer import DcpOutput, place_dcp_records
-from ckptctl.formats.megatron_args import CommonState
+from ckptctl.formats.megatron_args import CommonState, megatron_core_versions
 from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
 from ckptctl.megatron.fsdp_dtensor_names import (
@@ -142,7 +142,7 @@ def plan_to_fsdp_dtensor(ckpt: Checkpoint, tp: int | None, dp: int | None,
     _check_tp(ckpt, args, tp)
     states = fmt is not None
     params, buffers = _params(ckpt, args, spec, fmt, hybrid)
-    params = _fused_mixers(ckpt, args, params, tp, (0, 15) if ckpt.mcore_metadata else CURRENT_RELEASE)
+    params = _fused_mixers(ckpt, args, params, tp, _saving_release(ckpt))
     if args.swiglu and tp > 1:  # a Bridge adapter's linear_out on a SwiGLU fc1: not split, so TP-blocked
         params = [replace(p, tp_blocked=tp) if SWIGLU_ADAPTER_OUT.search(p.name) else p for p in params]
     if fmt == "dp_reshardable":
@@ -311,12 +311,24 @@ def _params(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, fmt: s
     return params, buffers
 
 
+def _saving_release(ckpt: Checkpoint) -> tuple[int, int] | None:
+    """The megatron-core release whose module names the output takes: the one that saved the
+    checkpoint, where it tells (`megatron_core_versions`: `MCoreMetadata` ≤ 0.15, the
+    `common_state` item ≥ 0.19); None where it does not (`common.pt`: 0.16–0.18, or a checkpoint
+    written by other code)."""
+    if ckpt.mcore_metadata:
+        return 0, 15
+    saved = megatron_core_versions(ckpt)
+    return CURRENT_RELEASE if saved is not None and saved[0] == "0.19 or newer" else None
+
+
 def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Param], tp: int,
-                  release: tuple[int, int]) -> list[_Param]:
+                  release: tuple[int, int] | None) -> list[_Param]:
     """`params` with each Mamba mixer's `in_proj` and conv parts (`MAMBA_PART`) made one fused param
     as Megatron-FSDP saves it at TP `tp`, named as megatron-core `release` names the module (0.19's
-    `conv1d_weight`: torch_dist keys do not tell 0.16–0.18 from 0.19, but a `.metadata` with
-    `MCoreMetadata` is ≤ 0.15's, `conv1d.weight`), the parts sized from the layer's shapes by the
+    `conv1d_weight`, ≤ 0.18's `conv1d.weight`: torch_dist keys are the same for both, and a name
+    Megatron-FSDP's partial load does not find leaves the job's fresh weights in place, so with no
+    release known the mixer is refused), the parts sized from the layer's shapes by the
     geometry the torch_dist conversion cuts them with (`rows.mixer_part_rows`); each saved part must
     be that size."""
     found: dict[tuple[str, str], dict[str, _Param]] = {}
@@ -332,6 +344,12 @@ def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Para
             found[group] = {}
             out.append(group)
         found[group][match["part"]] = p
+    if found and release is None:
+        mixer = next(iter(found))[0]
+        raise CheckpointError(ckpt.path, f"{mixer}: megatron-core names a Mamba mixer's conv conv1d.weight up to "
+                                         "0.18 and conv1d_weight from 0.19, and this torch_dist checkpoint (its common "
+                                         "state in common.pt) does not say which release saved it: not converted to "
+                                         "fsdp_dtensor")
     sized: dict[str, dict[str, tuple[tuple[str, int], ...]]] = {}
     fused: dict[tuple[str, str], _Param] = {}
     for (mixer, param), parts in found.items():
