@@ -335,10 +335,10 @@ class LocalStore(Store):
         return atomic_file(out, force, sync)
 
 
-LOCAL = LocalStore()
+LOCAL_STORE = LocalStore()
 
 
 def store_for(path: Path) -> Store:
     """The store that holds `path`. Only the local one today: an object store's URL is refused where
     it is opened (`source_files.missing`); here its store will be chosen by scheme."""
-    return LOCAL
+    return LOCAL_STORE

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, ContextManager, Iterator
 
 from ckptctl.storage import store
-from ckptctl.storage.store import LOCAL, EntryInfo, EntryKind, ReadHandle, Store, WriteHandle
+from ckptctl.storage.store import LOCAL_STORE, EntryInfo, EntryKind, ReadHandle, Store, WriteHandle
 
 
 class _PlainRead(ReadHandle):
@@ -80,22 +80,22 @@ class PlainStore(Store):
     """Local files reached only through positioned reads and writes of bytes."""
 
     def list(self, folder: Path) -> list[str]:
-        return LOCAL.list(folder)
+        return LOCAL_STORE.list(folder)
 
     def exists(self, path: Path) -> bool:
-        return LOCAL.exists(path)
+        return LOCAL_STORE.exists(path)
 
     def info(self, path: Path) -> EntryInfo:
-        return LOCAL.info(path)
+        return LOCAL_STORE.info(path)
 
     def kind(self, path: Path) -> EntryKind:
-        return LOCAL.kind(path)
+        return LOCAL_STORE.kind(path)
 
     def version(self, path: Path) -> tuple[int | str, ...]:
-        return LOCAL.version(path)
+        return LOCAL_STORE.version(path)
 
     def open_read(self, path: Path, limit: int | None = None) -> ReadHandle:
-        with LOCAL.open_read(path, limit) as checked:  # a regular file within its limit, noted as read
+        with LOCAL_STORE.open_read(path, limit) as checked:  # a regular file within its limit, noted as read
             size, version = checked.size, checked.version()
         return _PlainRead(path, size, version)
 
@@ -107,19 +107,19 @@ class PlainStore(Store):
         return _PlainWrite(path, "r+b")
 
     def write_stream(self, path: Path) -> ContextManager[BinaryIO]:
-        return LOCAL.write_stream(path)
+        return LOCAL_STORE.write_stream(path)
 
     def atomic_folder(self, dst: Path, force: bool, tag: str = "", sync: bool = True) -> ContextManager[Path]:
-        return LOCAL.atomic_folder(dst, force, tag, sync)
+        return LOCAL_STORE.atomic_folder(dst, force, tag, sync)
 
     def atomic_file(self, out: Path, force: bool, sync: bool = True) -> ContextManager[Path]:
-        return LOCAL.atomic_file(out, force, sync)
+        return LOCAL_STORE.atomic_file(out, force, sync)
 
 
 if __name__ == "__main__":
     import sys
 
-    store.LOCAL = PlainStore()  # `store_for` answers with it from now on
+    store.LOCAL_STORE = PlainStore()  # `store_for` answers with it from now on
     sys.argv[0] = "ckptctl"
     from ckptctl.cli import run
 
