@@ -312,7 +312,8 @@ def _extra_states(path) -> dict[str, bytes]:
 
 
 @needs("0.19")
-@pytest.mark.parametrize("order", ["te", pytest.param("permuted", marks=pytest.mark.full)])
+@pytest.mark.parametrize("order", [pytest.param("te", marks=pytest.mark.full),  # make test: TE's order by
+                                   pytest.param("permuted", marks=pytest.mark.full)])  # its bucketed run and MLA run
 def test_a_run_in_another_registration_order_is_rebuilt_as_megatron_cores_own_save(saved, tmp_path, order,
                                                                                    monkeypatch):
     """A run whose params register in Transformer Engine's order (the stand-in) or a custom one,
