@@ -652,15 +652,25 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         sources[view.fqn] = view
         targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
-    files = [placed_file(PEFT_WEIGHTS, list(targets.values()))]
-    architectures = output_config(cfg, None).get("architectures") or ()
     modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
-    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None,
-                         "CAUSAL_LM" if generative(architectures) else None)
+    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None, _peft_task_type(cfg))
     notes.append(f"{counted(len(adapters.adapters), 'LoRA adapter')} ({adapters.adapter_name!r}) written as a PEFT "
                  f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
+    return _peft_folder_plan(model.prefix, targets, sources, notes, config)
+
+
+def _peft_task_type(cfg: HFConfig) -> str | None:
+    """adapter_config.json's `task_type`: CAUSAL_LM for a generative model, else none."""
+    return "CAUSAL_LM" if generative(output_config(cfg, None).get("architectures") or ()) else None
+
+
+def _peft_folder_plan(prefix: str, targets: dict[str, TargetTensor], sources: dict[str, SourceTensor],
+                      notes: list[str], config: dict[str, Any]) -> ExportPlan:
+    """The plan of a PEFT folder: every tensor in `adapter_model.safetensors`, `config` as its
+    adapter_config.json."""
+    files = [placed_file(PEFT_WEIGHTS, list(targets.values()))]
     return ExportPlan(
-        family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
+        family="peft-lora", prefix=prefix, tp=None, expert_tp=None, targets=targets, sources=sources,
         files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
         ref_files=[], notes=notes, adapter_config=config,
     )
@@ -678,11 +688,9 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
     check_coverage(ckpt, tensors.values(), sources)
-    files = [placed_file(PEFT_WEIGHTS, list(tensors.values()))]
-    architectures = output_config(cfg, None).get("architectures") or ()
     found = PeftAdapters(tuple(peft), "default", {})
     config = peft_config(found, LoraScale(alpha.value, False), [n.removesuffix(".weight") for n in targets],
-                         str(ref) if ref is not None else None, "CAUSAL_LM" if generative(architectures) else None)
+                         str(ref) if ref is not None else None, _peft_task_type(cfg))
     modules = counted(len(peft), "PEFT LoRA module")
     canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
@@ -691,11 +699,7 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
     if shaped:
         notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
                      f"(transformers' {cfg.model_type} model), no base weight read")
-    return ExportPlan(
-        family="peft-lora", prefix=model.prefix, tp=None, expert_tp=None, targets=tensors, sources=sources,
-        files=files, file_targets={f.name: list(f.offsets) for f in files}, weight_map=None, config={},
-        ref_files=[], notes=notes, adapter_config=config,
-    )
+    return _peft_folder_plan(model.prefix, tensors, sources, notes, config)
 
 
 def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[str], cfg: HFConfig,
