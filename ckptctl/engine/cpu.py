@@ -22,7 +22,7 @@ from ckptctl.engine.crc import crc32
 from ckptctl.util.errors import CastOverflowError, CheckpointError, OutputError, UsageError
 from ckptctl.formats.dcp.items import ItemReader, RawRecord
 from ckptctl.storage.store import WriteHandle, store_for
-from ckptctl.formats.safetensors.quantized import DEQUANT, dequantized_chunk
+from ckptctl.formats.safetensors.quantized import DEQUANT, DEQUANT_CHUNK_BYTES, dequantized_chunk, dequantized_into
 from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, scale_bytes, stored_scales
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
@@ -115,6 +115,9 @@ class ChunkSource:
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
+        if DEQUANT in chunk.transforms and dequantized_into(self.ckpt.tensors[fqn], chunk, byte_start, out,
+                                                            self.reader.handle):
+            return  # an FP8 weight's rows, decoded into place
         if (fqn, chunk.file, chunk.offset) not in self._records:  # a small item like a validated one: one read
             data = self.reader.small_data(self.ckpt.tensors[fqn], chunk)
             if data is not None:
@@ -413,6 +416,14 @@ class OutputFiles:
                 handle.close()
 
 
+def reads_dequantized(item: StreamItem) -> bool:
+    """Whether a record reads dequantized chunks. It is streamed in blocks of DEQUANT_CHUNK_BYTES, each
+    decoded straight into its block: a decode's fixed costs (its scales read, a dozen torch calls) are
+    paid per block. Measured on the bench's 2.1 GB FP8 folder, one core: 0.45 s of CPU per GB of bf16
+    in 256 KiB blocks, 0.21 s in 2 MiB ones."""
+    return any(DEQUANT in read.chunk.transforms for read in item.reads if isinstance(read, SourceRead))
+
+
 def block_elements(item: StreamItem, block_bytes: int | None = None) -> int:
     """Elements per block of `item`: `block_bytes` (default BLOCK_BYTES) of its widest dtype, source or target."""
     widest = max(item.target.dtype.itemsize, max((r.dtype.itemsize for r in item.reads), default=1))
@@ -545,7 +556,8 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     dtype = item.target.dtype
     numel = item.box.numel
     transposed = transposed_reads(item)
-    block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
+    block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed
+                           else DEQUANT_CHUNK_BYTES if reads_dequantized(item) else None)
     if item.target.delta is not None:
         return _stream_merged(item, sources, files, progress)
     if isinstance(item.target.properties, Fp8Codes):

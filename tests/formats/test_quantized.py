@@ -102,6 +102,58 @@ def test_uint8_e8m0_bytes_are_the_powers_transformers_reads_for_every_byte():
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+def _every_byte_blocks(block_rows: int, block_cols: int) -> torch.Tensor:
+    """Codes of [128 × block_rows, 128 × block_cols] blocks, each holding all 256 bytes 64 times, shuffled."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = [torch.arange(256, dtype=torch.uint8).repeat(64)[torch.randperm(128 * 128, generator=gen)].reshape(128, 128)
+              for _ in range(block_rows * block_cols)]
+    rows = [torch.cat(blocks[r * block_cols:(r + 1) * block_cols], dim=1) for r in range(block_rows)]
+    return torch.cat(rows, dim=0).view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_fp8_byte_at_scales_across_float32s_range_is_the_formula(tmp_path, monkeypatch, dtype):
+    """Every e4m3 byte, in block rows decoded alone, at scales whose products are float32
+    subnormals, near 1, or overflow to inf: block row 0 the widening by shifted bits, row 1 its
+    NaN bytes' and row 2 its too-large scales' (≥ 2^8) lookup. Bit for bit the producers'
+    formula; a NaN byte decodes as NaN."""
+    monkeypatch.setattr(quantized, "DEQUANT_CHUNK_BYTES", 128 * 512 * 2)
+    assert quantized._shift_is_exact()  # this CPU widens by shifted bits (none that flushes subnormals)
+    lookups = []
+    monkeypatch.setattr(quantized, "_fp8_values", lambda real=quantized._fp8_values: lookups.append(1) or real())
+    codes = _every_byte_blocks(3, 4).view(torch.uint8)
+    for rows in (slice(0, 128), slice(256, 384)):  # NaN bytes in row 1 only
+        codes[rows] = torch.where(codes[rows] & 0x7F == 0x7F, 0, codes[rows])
+    codes = codes.view(torch.float8_e4m3fn)
+    scale = torch.tensor([[2.0 ** -140, 1.3 * 2.0 ** -130, 0.00123, 1.9 * 2.0 ** 7],
+                          [1.0, 3.7e-5, 2.0 ** -149, 0.5],
+                          [2.0 ** 8, 2.0 ** 120, 3e38, 1.7]], dtype=torch.float32)
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    got = _decoded(folder, bfloat16 if dtype == torch.bfloat16 else float32)["w.weight"]
+    assert len(lookups) == 2  # rows 1 and 2
+    want = dequantized_fp8(codes, scale, dtype)
+    nan = torch.isnan(want)
+    assert nan[128:256].sum() == 2 * 64 * 4 and not nan[:128].any() and torch.isinf(want[256:]).any()
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+def test_a_range_of_a_chunk_is_the_chunk_s_bytes_there(tmp_path):
+    """What the engine reads of an FP8 chunk (`dequantized_into`): whole rows decoded into place,
+    ranges cut across rows through a row buffer, each the chunk's bytes at those elements."""
+    codes, scale = quantized_fp8(torch.randn(300, 200, generator=torch.Generator().manual_seed(8)))
+    folder = write_folder(tmp_path, {"quantization_config": FP8}, {"w.weight": codes, "w.weight_scale_inv": scale})
+    ckpt = open_safetensors_folder(folder, quant_format({"quantization_config": FP8}, folder), bfloat16)
+    entry = ckpt.tensors["w.weight"]
+    with ItemReader(ckpt) as reader:
+        for chunk in entry.chunks:
+            whole = bytes(dequantized_chunk(entry, chunk, reader.handle).reshape(-1).view(torch.uint8).numpy())
+            for first, count in ((0, 200), (200, 400), (130 * 200, 5 * 200), (1, 1), (199, 2), (57, 1000), (0, 0)):
+                out = bytearray(2 * count)
+                assert quantized.dequantized_into(entry, chunk, 2 * first, memoryview(out), reader.handle)
+                assert out == whole[2 * first:2 * (first + count)]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_mxfp4_every_code_at_every_scale_byte_is_transformers_decode(tmp_path, monkeypatch, dtype):
     """All 256 code pairs × all 256 E8M0 bytes (0: 2^-127; 255: 2^128, inf but for a zero code),
