@@ -386,24 +386,24 @@ def _fp8_scaled_codes(codes: Any, bits: Any, values: Any, factors: Any) -> Any:
     An e4m3 byte shifted into a bfloat16's sign, exponent and mantissa bits (`_shifted_codes`) is
     its value over 2^120 (its zero exponent one of bfloat16's subnormals), so it is widened with
     integer passes instead of a lookup per byte: about 4× faster. Bytes of NaN (0x7F, 0xFF: the
-    only ones shifted past 448 / 2^120), factors that would overflow, or a CPU treating subnormal
-    operands as zero take the lookup `_fp8_values`, torch's own widening."""
+    bytes whose low seven bits are all set; `bits`' first bytes hold each byte with its eighth
+    set, to find them), factors that would overflow, or a CPU treating subnormal operands as
+    zero take the lookup `_fp8_values`, torch's own widening."""
+    import numpy
     import torch
 
     shifted = factors * SHIFTED
-    if not bool(torch.isinf(shifted).any()) and _shift_is_exact():
-        values.copy_(_shifted_codes(codes, bits))
-        low, high = torch.aminmax(values)
-        if float(high) <= E4M3_MAX / SHIFTED and float(low) >= -E4M3_MAX / SHIFTED:
-            factors.copy_(shifted)
-            return values
-    return torch.from_numpy(_fp8_values()[codes.view(torch.uint8).numpy()])
+    unsigned = codes.view(torch.uint8).numpy()
+    nan = int(numpy.bitwise_or(unsigned, 0x80, out=bits.view(torch.uint8)[:len(codes)].numpy()).max()) == 0xFF
+    if nan or bool(torch.isinf(shifted).any()) or not _shift_is_exact():
+        return torch.from_numpy(_fp8_values()[unsigned])
+    factors.copy_(shifted)
+    values.copy_(_shifted_codes(codes, bits))
+    return values
 
 
 SHIFTED = 2.0 ** 120
 """An e4m3 exponent's bias (7) below a bfloat16's (127): a code's bits in a bfloat16's are its value over this."""
-E4M3_MAX = 448.0
-"""The largest finite float8_e4m3fn value (0x7E); its NaN bytes, shifted, are 480 over `SHIFTED`."""
 
 
 def _shifted_codes(codes: Any, bits: Any) -> Any:
