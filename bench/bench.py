@@ -296,9 +296,14 @@ def contenders(src: Path, hf_src: Path, am_src: Path, fp8_src: Path, out: Path,
             [*ckptctl, "import-hf", str(hf_src), str(out / "impn"), "-n", str(TARGET_RANKS), "--no-name-check",
              "--no-sync"], out / "impn"),
         FP8_COPY: (["cp", "-r", str(fp8_src), str(out / "fp8cp")], out / "fp8cp"),
+        "cp -r + sync (FP8 folder)": (["sh", "-c", f"cp -r {fp8_src} {out / 'fp8cps'} && sync -f {out / 'fp8cps'}"],
+                                      out / "fp8cps"),
         f"ckptctl import-hf -n {TARGET_RANKS} (FP8 folder, dequantized to bf16)": (
             [*ckptctl, "import-hf", str(fp8_src), str(out / "fp8imp"), "-n", str(TARGET_RANKS), "--no-name-check"],
             out / "fp8imp"),
+        f"ckptctl import-hf -n {TARGET_RANKS} --no-sync (FP8 folder, dequantized to bf16)": (
+            [*ckptctl, "import-hf", str(fp8_src), str(out / "fp8impn"), "-n", str(TARGET_RANKS), "--no-name-check",
+             "--no-sync"], out / "fp8impn"),
         AM_COPY: (["cp", "-r", str(am_src), str(out / "amcp")], out / "amcp"),
         "Automodel load + to_hf + save_file": (
             [PY, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r}); from bench.bench import _automodel_to_hf; "
@@ -335,21 +340,22 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--only", nargs="*", help="substrings of contender names to run")
     args = parser.parse_args()
-    src = ensure_checkpoint()
-    hf_src = ensure_hf_folder()
-    am_src = ensure_automodel()
-    fp8_src = ensure_fp8_folder()
+    src = ensure_checkpoint().resolve()  # resolved: `cp -r` of a link to a folder copies the link
+    hf_src = ensure_hf_folder().resolve()
+    am_src = ensure_automodel().resolve()
+    fp8_src = ensure_fp8_folder().resolve()
     src_bytes = tree_bytes(src)
     out = CACHE / "out"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     hf_config = write_hf_config(CACHE / "hf-config")
-    for warm in (src, hf_src, am_src, fp8_src):  # warm the cache
-        subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     subprocess.run([PY, "-m", "compileall", "-q", str(ROOT / "ckptctl")], check=True)
     runs = {name: ([*cmd, "--json"] if name.startswith("ckptctl") else cmd, target)  # --json: its check's seconds
             for name, (cmd, target) in contenders(src, hf_src, am_src, fp8_src, out, hf_config).items()
             if not args.only or any(s in name for s in args.only)}
+    for warm in (src, hf_src, am_src, fp8_src):  # warm the cache with the sources the contenders read
+        if any(str(warm) in " ".join(cmd) for cmd, _ in runs.values()):
+            subprocess.run(["cat", *map(str, warm.iterdir())], stdout=subprocess.DEVNULL, check=True)
     times: dict[str, list[float]] = {n: [] for n in runs}
     rss: dict[str, int] = {n: 0 for n in runs}
     checks: dict[str, list[float]] = {n: [] for n in runs}
