@@ -561,8 +561,10 @@ def stream_item(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
     dtype = item.target.dtype
     numel = item.box.numel
     transposed = transposed_reads(item)
-    block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed
-                           else DEQUANT_BLOCK_BYTES if reads_dequantized(item) else None)
+    block = block_elements(item, TRANSPOSE_BLOCK_BYTES if transposed else None)
+    if not transposed and reads_dequantized(item):  # whole rows: each decoded into place (`dequantized_into`)
+        row = item.box.sizes[-1] if item.box.sizes else 1
+        block = max(row, block_elements(item, DEQUANT_BLOCK_BYTES) // max(1, row) * row)
     if item.target.delta is not None:
         return _stream_merged(item, sources, files, progress)
     if isinstance(item.target.properties, Fp8Codes):
