@@ -244,7 +244,7 @@ def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
     from ckptctl.formats.megatron_args import megatron_core_versions
 
     found = megatron_core_versions(ckpt)
-    return None if found is None else {"versions": found[0], "evidence": found[1]}
+    return None if found is None else {"versions": found.versions, "evidence": found.evidence}
 
 
 TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
