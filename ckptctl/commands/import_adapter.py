@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Sequence
 
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.dtypes import DType, cast_dtype
@@ -61,15 +62,17 @@ def adapter_weights(folder: Path) -> tuple[Path, Path]:
 
 
 def peft_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], targets: list[TargetTensor], folder: Path,
-                 adapter_name: str, dtype: DType | None, notes: list[str]) -> list[TargetTensor]:
+                 adapter_name: str, dtype: DType | None, notes: list[str],
+                 order: Sequence[str] | None = None) -> list[TargetTensor]:
     """The base model's targets renamed as the peft model holds them, and the folder's tensors as
-    targets of their own; the folder's entries join `ckpt` and `views` under their peft names."""
+    targets of their own; the folder's entries join `ckpt` and `views` under their peft names
+    (`order`: the model's parameter names in its own order, which peft nests ParamWrappers by)."""
     folder = adapter_folder(folder)
     config_path, weights = adapter_weights(folder)
     config = read_folder_config(config_path)
     adapter = open_safetensors_folder(weights)
     names = peft_model_names({t.fqn: t.shape for t in targets}, {n: e.shape for n, e in adapter.tensors.items()},
-                             config, adapter_name, weights)
+                             config, adapter_name, weights, order)
     files = {file: str((adapter.path / file).resolve()) for file in adapter.files}
     for file, path in files.items():
         ckpt.files[path] = adapter.files[file]

@@ -756,8 +756,8 @@ def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
-    tensor in float32 (its operands upcast exactly; of an expert stack, expert by expert), each row then scaled by m / its L2 norm for
-    DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
+    tensor in float32 (its operands upcast exactly; of an expert stack, expert by expert), each
+    row then scaled by m / its L2 norm for DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
     target's dtype. The whole result is kept per thread while boxes of it are asked for, up to
     the one that ends it (the output check's samples, `--verify`'s row blocks), so each is
     computed once, not once per box."""

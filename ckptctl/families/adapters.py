@@ -223,8 +223,8 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
                                      f"original_module {list(shapes[originals[misshapen[0]]])}")
     chains = _parameter_chains(every, shapes, where, prefix)
     chosen_levels: dict[str, list[int]] = {}  # the chosen adapter's wrapper levels of each module, outermost first
-    for path, _ in sorted(parts, key=lambda key: _wrapper_level(key[0])):
-        stem, level = _wrapper_level(path)
+    for path, _ in sorted(parts, key=lambda key: wrapper_level(key[0])):
+        stem, level = wrapper_level(path)
         chosen_levels.setdefault(stem, []).append(level)
     adapters = []
     for (module, _), found in sorted(parts.items()):
@@ -235,7 +235,7 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
             raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
         base = f"{module}{BASE_LAYER}weight"
         a, b = found[pair[0]], found[pair[1]]
-        stem, level = _wrapper_level(module)
+        stem, level = wrapper_level(module)
         if base not in shapes and stem in chains:  # peft's ParamWrapper: LoRA on a parameter of `stem`
             if "lora_magnitude_vector" in found:
                 raise CheckpointError(where, f"{prefix}{found['lora_magnitude_vector']}: DoRA on a parameter, which "
@@ -278,7 +278,7 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
                         tuple(others), tuple(n for n in names if n != chosen))
 
 
-def _wrapper_level(path: str) -> tuple[str, int]:
+def wrapper_level(path: str) -> tuple[str, int]:
     """(the module a LoRA tensor's module path wraps, how many wrappers are around this one):
     `experts.base_layer` is (`experts`, 1)."""
     level = 0
@@ -287,7 +287,7 @@ def _wrapper_level(path: str) -> tuple[str, int]:
     return path, level
 
 
-def _fit(a: tuple[int, ...], b: tuple[int, ...], param: tuple[int, ...]) -> tuple[int, bool | None] | None:
+def parameter_fit(a: tuple[int, ...], b: tuple[int, ...], param: tuple[int, ...]) -> tuple[int, bool | None] | None:
     """(E, transposed) when A and B are shaped as peft shapes a ParamWrapper's on `param` (E 0 for
     a matrix [out, in]; transposed None when a square stack fits both [E, out, in] and
     [E, in, out]), else None."""
@@ -315,7 +315,7 @@ def _parameter_chains(parts: Mapping[tuple[str, str], Mapping[str, str]], shapes
     for (path, _), tensors in sorted(parts.items()):
         if f"{path}{BASE_LAYER}weight" in shapes or "lora_A" not in tensors or "lora_B" not in tensors:
             continue
-        stem, level = _wrapper_level(path)
+        stem, level = wrapper_level(path)
         found.setdefault(stem, {}).setdefault(level, []).append((tensors["lora_A"], tensors["lora_B"]))
     chains: dict[str, dict[int, tuple[str, int, bool | None]]] = {}
     for stem, levels in found.items():
@@ -330,7 +330,8 @@ def _parameter_chains(parts: Mapping[tuple[str, str], Mapping[str, str]], shapes
                 raise CheckpointError(where, f"{prefix}{stem}{'.base_layer' * level}: a peft ParamWrapper without "
                                              "LoRA tensors (lora_A, lora_B) between others")
             (a, b), *more = levels[level]
-            fits = {p: fit for p, shape in params.items() if (fit := _fit(shapes[a], shapes[b], shape)) is not None}
+            fits = {p: fit for p, shape in params.items()
+                    if (fit := parameter_fit(shapes[a], shapes[b], shape)) is not None}
             shown = f"lora_A {list(shapes[a])} and lora_B {list(shapes[b])}"
             if not fits:
                 have = ", ".join(f"{p} {list(s)}" for p, s in sorted(params.items()))
@@ -344,7 +345,7 @@ def _parameter_chains(parts: Mapping[tuple[str, str], Mapping[str, str]], shapes
                 raise CheckpointError(where, f"{prefix}{a}: a LoRA on {module}.{param}, a stack of one expert "
                                              f"{list(params[param])}, which peft merges as a matrix: export-hf does "
                                              "not merge it yet")
-            odd = next((x for x, y in more if _fit(shapes[x], shapes[y], params[param]) is None), None)
+            odd = next((x for x, y in more if parameter_fit(shapes[x], shapes[y], params[param]) is None), None)
             if odd is not None:
                 raise CheckpointError(where, f"{prefix}{odd}: lora_A {list(shapes[odd])} does not fit {module}.{param}"
                                              f", which {prefix}{a} beside it adapts")
