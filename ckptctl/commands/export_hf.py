@@ -621,9 +621,11 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
 
 
 def expert_orientation(ckpt: Checkpoint, prefix: str, adapter: Adapter, expected: ExpectedNames | None) -> bool:
-    """Whether an expert stack holds each expert as [in, out] (transformers' `is_transposed`): its
-    adapter's shapes say it unless its matrices are square, transformers' model always; the two
-    must agree, and a square stack without transformers' answer is refused."""
+    """Whether an expert stack holds each expert as [in, out] (transformers' `is_transposed`), which
+    the LoRA merges by, as peft since 0.19.1 does: its adapter's shapes say it unless its
+    matrices are square, transformers' model always; the two must agree (peft before 0.19.1
+    shaped a LoRA on a stack of [E, out, in] as on [E, in, out], huggingface/peft#3165: this peft
+    does not load such a LoRA), and a square stack without transformers' answer is refused."""
     said = expected is not None and adapter.weight in expected.transposed
     if not adapter.experts:
         return False
@@ -632,9 +634,10 @@ def expert_orientation(ckpt: Checkpoint, prefix: str, adapter: Adapter, expected
                                          "are square: whether it holds them as [out, in] or [in, out] is transformers' "
                                          "experts class's (is_transposed), which --no-name-check does not ask")
     if adapter.transposed is not None and expected is not None and said != adapter.transposed:
-        held = "[in, out]" if adapter.transposed else "[out, in]"
-        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: its shapes hold {adapter.weight}'s experts as {held}, "
-                              f"but a {expected.model_class} holds them the other way (wrong --hf-config?)")
+        held = "in, out" if adapter.transposed else "out, in"
+        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: shaped for {adapter.weight} held as [E, {held}], but "
+                                         f"a {expected.model_class} holds it the other way (a LoRA of peft before "
+                                         "0.19.1, huggingface/peft#3165, or a wrong --hf-config?)")
     return said if adapter.transposed is None else adapter.transposed
 
 
@@ -660,6 +663,8 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         expected = expected_for(cfg, True, notes, preparing)
         if expected is not None:
             refuse_unknown_modules(ckpt, adapters, expected.for_output(model.entries))
+            for adapter in adapters.adapters:  # shaped as this peft shapes them, or it would not load them
+                expert_orientation(ckpt, model.prefix, adapter, expected)
     else:
         notes.append("adapted modules not checked (--no-name-check): the folder may not load")
     targets: dict[str, TargetTensor] = {}

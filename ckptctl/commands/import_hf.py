@@ -256,7 +256,7 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
             targets = fsdp2_targets(views, tied, expected, opts, notes)
             if opts.adapter is not None:
                 targets = peft_targets(ckpt, views, targets, opts.adapter, opts.adapter_name, opts.dtype, notes,
-                                       list(expected.shapes) if expected is not None else None)
+                                       expected)
         elif opts.to == "torchtitan":
             targets = torchtitan_targets(ckpt, views, config, expected, opts, notes)
         else:

@@ -33,9 +33,10 @@ import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Collection, Mapping, Sequence
+from typing import Collection, Mapping
 
 from ckptctl.families.adapters import PEFT_PREFIX, LoraScale, parameter_fit, read_adapter_config, wrapper_level
+from ckptctl.families.expected import ExpectedNames
 from ckptctl.storage.hf_files import read_json_object
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
@@ -169,15 +170,15 @@ def _module_of(name: str, modules: Collection[str]) -> tuple[str, str] | None:
 
 def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, tuple[int, ...]],
                      config: AdapterFolderConfig, adapter_name: str, where: str | Path,
-                     order: Sequence[str] | None = None) -> PeftModelNames:
+                     model: ExpectedNames | None = None) -> PeftModelNames:
     """The peft model's names for the base model's tensors (`base`, HF names as the model holds
     them) and the adapter folder's (`folder`, PEFT's saved names), adapter `adapter_name`;
     refused with one line (naming `where`, the folder's weights file): an adapter on a module the
     base has no weight for, a rank or shape that does not pair with it or differs from the
     config's `r`, DoRA magnitudes against the config's `use_dora`, a module the config adapts with
     no adapter in the folder (or the reverse), a modules_to_save module's parameter missing, and
-    any folder tensor with no place; LoRA on parameters as `_check_wrappers` says (`order`: the
-    model's parameter names in its own order, transformers', when known)."""
+    any folder tensor with no place; LoRA on parameters as `_check_wrappers` says (`model`:
+    transformers' model of the base, when the name check asked it)."""
     if not re.fullmatch(r"[^.\s]+", adapter_name):
         raise UsageError(f"--adapter-name {adapter_name!r} is no peft adapter name (one word, no dot)")
     peft_named = sorted(n for n in base if n.startswith(PEFT_PREFIX))
@@ -200,7 +201,7 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
     parts = {path: found for path, found in parts.items() if path not in on_parameters}
     _check_adapters(parts, base, folder, saved, config, where)
     wrappers = {module: 1 for module in parts}
-    wrappers.update(_check_wrappers(on_parameters, base, folder, config, where, order))
+    wrappers.update(_check_wrappers(on_parameters, base, folder, config, where, model))
     parts.update(on_parameters)
     names: dict[str, str] = {}
     for name in base:
@@ -236,19 +237,21 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
 
 def _check_wrappers(parts: Mapping[str, Mapping[str, str]], base: Mapping[str, tuple[int, ...]],
                     folder: Mapping[str, tuple[int, ...]], config: AdapterFolderConfig, where: str | Path,
-                    order: Sequence[str] | None) -> dict[str, int]:
+                    model: ExpectedNames | None) -> dict[str, int]:
     """Each module whose parameters the config's `target_parameters` wraps → its wrappers, one per
     wrapped parameter: the folder's LoRA at `<m>` (the outermost), `<m>.base_layer` (the next) …
     each fitting one wrapped parameter as peft shapes a ParamWrapper's (A [E·r, in], B [out, r·E])
-    at the config's r, no two on one parameter, nested as peft nests them (the parameter the
-    module registers first innermost, checked where `order` is known). Refused: a wrapped
+    at the config's r, no two on one parameter; where transformers' `model` is known, nested as
+    peft nests them (the parameter the module registers first innermost) and shaped for the
+    stack's orientation (`is_transposed`: peft before 0.19.1 shaped them otherwise,
+    huggingface/peft#3165, and this peft would not load them). Refused: a wrapped
     parameter without its adapter here (peft would start it fresh), a level missing or holding
     other tensors, shapes no parameter or several fit."""
     levels: dict[str, dict[int, Mapping[str, str]]] = {}
     for path, found in parts.items():
         stem, level = wrapper_level(path)
         levels.setdefault(stem, {})[level] = found
-    position = {name: i for i, name in enumerate(order or ())}
+    position = {name: i for i, name in enumerate(model.shapes if model is not None else ())}
     wrappers: dict[str, int] = {}
     for stem, found in sorted(levels.items()):
         params = {n[len(stem) + 1:]: base[n] for n in base
@@ -277,7 +280,14 @@ def _check_wrappers(parts: Mapping[str, Mapping[str, str]], base: Mapping[str, t
                                              f"{'no parameter' if not fits else ' and '.join(sorted(fits))} of {stem} "
                                              f"({have}) as peft shapes a ParamWrapper's LoRA (A [E·r, in], "
                                              "B [out, r·E])")
-            (param, (experts, _)), = fits.items()
+            (param, (experts, transposed)), = fits.items()
+            held = model is not None and f"{stem}.{param}" in model.transposed
+            if experts and model is not None and transposed is not None and transposed != held:
+                raise CheckpointError(where, f"{tensors['lora_A']}: lora_A {list(sa)} and lora_B {list(sb)} are "
+                                             f"shaped for {stem}.{param} held as [E, {'out, in' if held else 'in, out'}]"
+                                             f", but a {model.model_class} holds it as [E, "
+                                             f"{'in, out' if held else 'out, in'}] (a LoRA of peft before 0.19.1, "
+                                             "huggingface/peft#3165?)")
             if param in taken:
                 raise CheckpointError(where, f"{tensors['lora_A']}: a second LoRA on {stem}.{param}")
             if sa[0] != config.scale.rank * max(experts, 1):
@@ -285,7 +295,7 @@ def _check_wrappers(parts: Mapping[str, Mapping[str, str]], base: Mapping[str, t
                                              f"{counted(max(experts, 1), 'expert')}), but {config.path} says r "
                                              f"{config.scale.rank}")
             taken[param] = level
-        if order is not None:  # peft nests them as the module registers them: the first innermost
+        if model is not None:  # peft nests them as the module registers them: the first innermost
             registered = sorted(params, key=lambda p: position.get(f"{stem}.{p}", len(position)))
             if any(taken[p] != depth - 1 - i for i, p in enumerate(registered)):
                 raise CheckpointError(where, f"{first}: the folder nests the LoRA of {stem} as "
