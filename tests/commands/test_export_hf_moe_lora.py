@@ -195,8 +195,9 @@ def test_the_import_loads_into_the_peft_model_at_2_ranks_with_the_trained_logits
     want = trained.state_dict()
     assert sorted(got["state"]) == sorted(want)
     assert [n for n in want if not torch.equal(got["state"][n], want[n])] == []
-    with torch.no_grad():
-        assert torch.equal(got["logits"], trained(TOKENS).logits)
+    with torch.no_grad():  # the sharded MoE's forward sums in another order: close, the state bit for bit
+        torch.testing.assert_close(got["logits"], trained(TOKENS).logits, rtol=0, atol=1e-5)
+        assert not torch.allclose(got["logits"], base_model()(TOKENS).logits, rtol=0, atol=1e-2)
 
 
 def test_inspect_names_the_expert_stacks_and_their_experts(moe):
