@@ -207,7 +207,7 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     chosen = chosen or names[0]
     others = sorted([n for (_, adapter), found in parts.items() if adapter != chosen for n in found.values()]
                     + [n for (_, adapter), n in saved.items() if adapter != chosen])
-    every = parts
+    every_adapter = parts
     parts = {key: found for key, found in parts.items() if key[1] == chosen}
     saved = {name: copy for (name, adapter), copy in saved.items() if adapter == chosen}
     if not parts:
@@ -221,7 +221,7 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     if misshapen:
         raise CheckpointError(where, f"{prefix}{saved[misshapen[0]]} is {list(shapes[saved[misshapen[0]]])}, its "
                                      f"original_module {list(shapes[originals[misshapen[0]]])}")
-    chains = _parameter_chains(every, shapes, where, prefix)
+    chains = _parameter_chains(every_adapter, shapes, where, prefix)
     chosen_levels: dict[str, list[int]] = {}  # the chosen adapter's wrapper levels of each module, outermost first
     for path, _ in sorted(parts, key=lambda key: wrapper_level(key[0])):
         stem, level = wrapper_level(path)

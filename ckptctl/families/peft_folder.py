@@ -112,6 +112,10 @@ def read_folder_config(path: Path) -> AdapterFolderConfig:
     if not (isinstance(parameters, list) and all(isinstance(t, str) and "." in t.strip(".") for t in parameters)):
         raise UsageError(f"{path}: target_parameters is {json.dumps(parameters)}, not a list of parameter names "
                          "(<module>.<parameter>)")
+    for key, what in (("lora_dropout", "dropout"), ("use_dora", "DoRA")):
+        if parameters and data.get(key):
+            raise UsageError(f"{path}: {key} is {json.dumps(data[key])} beside target_parameters: peft's "
+                             f"ParamWrapper has no {what}, and get_peft_model refuses it")
     targets = data.get("target_modules")
     literals = None
     if targets is None and parameters:

@@ -4,8 +4,9 @@ merged or as a PEFT folder, imported back, as a user runs them.
 A tiny transformers 5 Qwen3-MoE (E 4, H 32, 2F 24, F 12: no two sizes alike, so a swapped
 dim cannot pass) wrapped by peft with LoRA on `q_proj` and on both expert stacks
 (`mlp.experts.gate_up_proj` [E, 2F, H], `mlp.experts.down_proj` [E, H, F]: two nested
-ParamWrappers per layer), r 3, α 7, lora_B random, is saved by `dcp.save` of its state dict
-(`make test`), and `fully_shard`ed on 2 gloo ranks (`make test-full`). The oracles are peft's:
+ParamWrappers per layer), r 3, α 7, lora_B random, is saved by `dcp.save` of its state dict,
+and `fully_shard`ed on 2 gloo ranks. `make test` proves the merge (and inspect) on the first;
+`make test-full` the rest, and everything on the FSDP2 save. The oracles are peft's:
 `merge_and_unload()` (bit for bit in float32), `PeftModel.from_pretrained` of the folder
 (the trained model's logits), `get_peft_model` of the folder's config loading the import at
 2 ranks; transformers' `from_pretrained` of the merged folder.
@@ -108,6 +109,8 @@ def moe_fsdp2(tmp_path_factory):
 
 
 SAVES = ["moe", pytest.param("moe_fsdp2", marks=pytest.mark.full)]
+"""The merge is proven on both by `make test-full`, on the first by `make test`; the rest is `full`."""
+FULL_SAVES = [pytest.param(save, marks=pytest.mark.full) for save in ("moe", "moe_fsdp2")]
 
 
 def export(root: Path, dst: Path, *args: str):
@@ -144,6 +147,7 @@ def test_merged_expert_stacks_are_peft_merge_bit_for_bit_and_give_its_logits(req
         assert torch.equal(loaded(TOKENS).logits, merged(TOKENS).logits)
 
 
+@pytest.mark.full
 def test_a_bf16_merge_is_the_fp32_merge_rounded_once(moe, tmp_path):
     res = export(moe, tmp_path / "bf16", "--merge-adapters", "--lora-alpha", str(ALPHA), "--dtype", "bf16")
     assert res.returncode == 0, res.stderr
@@ -152,7 +156,7 @@ def test_a_bf16_merge_is_the_fp32_merge_rounded_once(moe, tmp_path):
     assert [n for n in want if got[n].dtype != torch.bfloat16 or not torch.equal(got[n], want[n])] == []
 
 
-@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("save", FULL_SAVES)
 def test_the_adapter_folder_names_target_parameters_and_loads_with_the_trained_logits(request, save, tmp_path):
     root = request.getfixturevalue(save)
     from peft import PeftModel
@@ -174,6 +178,7 @@ def test_the_adapter_folder_names_target_parameters_and_loads_with_the_trained_l
         assert torch.equal(loaded(TOKENS).logits, peft_model()(TOKENS).logits)
 
 
+@pytest.mark.full
 def test_the_import_of_the_folder_is_the_trained_state_dict_bit_for_bit(moe, tmp_path):
     res = run_cli("import-hf", moe / "base-hf", tmp_path / "imp", "--adapter", moe / "adapter", "--world-size",
                   str(WORLD), "--verify")
@@ -213,6 +218,7 @@ def test_inspect_names_the_expert_stacks_and_their_experts(moe):
             "4 experts; α is not in the checkpoint") in shown
 
 
+@pytest.mark.full
 def test_an_adapter_on_one_stack_of_two_merges_and_loads(tmp_path):
     """One ParamWrapper on a module of two parameters: the other (`down_proj`) sits under its
     `.base_layer` too, and is exported as it is."""
@@ -257,6 +263,7 @@ def gpt_oss_peft():
     return model.eval()
 
 
+@pytest.mark.full
 def test_a_transposed_square_stack_merges_as_peft_and_needs_transformers_to_tell(tmp_path):
     import torch.distributed.checkpoint as dcp
     from transformers import GptOssConfig
@@ -278,6 +285,7 @@ def test_a_transposed_square_stack_merges_as_peft_and_needs_transformers_to_tell
     assert not (tmp_path / "unchecked").exists()
 
 
+@pytest.mark.full
 def test_a_lora_shaped_for_the_other_orientation_is_refused_by_name(moe, tmp_path):
     """peft before 0.19.1 read every stack as [E, in, out]: its LoRA on a Qwen3-MoE's gate_up_proj
     [E, 2F, H] is A [E·r, 2F], B [H, r·E], which this peft does not load."""

@@ -168,3 +168,13 @@ def test_parameter_wrappers_peft_would_not_load_as_written_are_refused(tmp_path,
     with pytest.raises((CheckpointError, UsageError)) as err:
         peft_model_names(MOE, folder, moe_config(tmp_path, **data), "default", "W", model)
     assert str(err.value) == line.format(path=tmp_path / "adapter_config.json")
+
+
+@pytest.mark.parametrize("data, line", [
+    ({"lora_dropout": 0.1}, "lora_dropout is 0.1 beside target_parameters: peft's ParamWrapper has no dropout"),
+    ({"use_dora": True}, "use_dora is true beside target_parameters: peft's ParamWrapper has no DoRA"),
+])
+def test_what_peft_refuses_beside_target_parameters_is_refused(tmp_path, data, line):
+    with pytest.raises(UsageError) as err:
+        moe_config(tmp_path, **data)
+    assert str(err.value) == f"{tmp_path / 'adapter_config.json'}: {line}, and get_peft_model refuses it"
