@@ -41,8 +41,8 @@ from ckptctl.storage.hf_files import read_json_object
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
-UNSUPPORTED_KEYS = ("layers_to_transform", "layers_pattern", "exclude_modules", "trainable_token_indices", "layer_replication", "alora_invocation_tokens", "arrow_config",
-                    "use_qalora", "use_bdlora")
+UNSUPPORTED_KEYS = ("layers_to_transform", "layers_pattern", "exclude_modules", "trainable_token_indices",
+                    "layer_replication", "alora_invocation_tokens", "arrow_config", "use_qalora", "use_bdlora")
 """adapter_config.json keys that change which modules peft adapts, or what it adds to them, in
 ways import-hf does not follow yet: set, they are refused rather than half-followed."""
 _LITERAL = re.compile(r"(?:\\.|[^.^$*+?{}\[\]()\\|])+")
@@ -130,7 +130,8 @@ def read_folder_config(path: Path) -> AdapterFolderConfig:
             raise UsageError(f"{path}: target_modules is the pattern {json.dumps(targets)}; import-hf matches a list "
                              "of names or |-joined literal names (it runs no pattern from a file)")
         literals, targets = frozenset(pieces), None
-    elif not (isinstance(targets, list) and (targets or parameters) and all(isinstance(t, str) and t for t in targets)):
+    elif not (isinstance(targets, list) and (targets or parameters)
+              and all(isinstance(t, str) and t for t in targets)):
         raise UsageError(f"{path}: target_modules is {json.dumps(targets)}, not a list of module names")
     saved = data.get("modules_to_save") or []
     if not (isinstance(saved, list) and all(isinstance(t, str) and t for t in saved)):
@@ -199,8 +200,8 @@ def peft_model_names(base: Mapping[str, tuple[int, ...]], folder: Mapping[str, t
     parts, overrides, copies = _folder_parts(folder, saved, config, where)
     if not parts:
         raise CheckpointError(where, "holds no LoRA adapter (no <m>.lora_A.weight)")
-    stems = {stem for path in parts for stem in [wrapper_level(path)[0]]
-             if any(config.wraps(n) for n in base if n.startswith(f"{stem}.") and "." not in n[len(stem) + 1:])}
+    wrapped = {n.rsplit(".", 1)[0] for n in base if config.wraps(n)}  # modules whose parameters peft wraps
+    stems = {wrapper_level(path)[0] for path in parts} & wrapped
     on_parameters = {path: found for path, found in parts.items() if wrapper_level(path)[0] in stems}
     parts = {path: found for path, found in parts.items() if path not in on_parameters}
     _check_adapters(parts, base, folder, saved, config, where)
@@ -287,11 +288,11 @@ def _check_wrappers(parts: Mapping[str, Mapping[str, str]], base: Mapping[str, t
             (param, (experts, transposed)), = fits.items()
             held = model is not None and f"{stem}.{param}" in model.transposed
             if experts and model is not None and transposed is not None and transposed != held:
+                shaped, holds = ("out, in", "in, out") if held else ("in, out", "out, in")
                 raise CheckpointError(where, f"{tensors['lora_A']}: lora_A {list(sa)} and lora_B {list(sb)} are "
-                                             f"shaped for {stem}.{param} held as [E, {'out, in' if held else 'in, out'}]"
-                                             f", but a {model.model_class} holds it as [E, "
-                                             f"{'in, out' if held else 'out, in'}] (a LoRA of peft before 0.19.1, "
-                                             "huggingface/peft#3165?)")
+                                             f"shaped for {stem}.{param} held as [E, {shaped}], but a "
+                                             f"{model.model_class} holds it as [E, {holds}] (a LoRA of peft before "
+                                             "0.19.1, huggingface/peft#3165?)")
             if param in taken:
                 raise CheckpointError(where, f"{tensors['lora_A']}: a second LoRA on {stem}.{param}")
             if sa[0] != config.scale.rank * max(experts, 1):

@@ -163,6 +163,11 @@ def expected(order):
      f"W: {P}{X}.base_layer.lora_A.weight: the folder nests the LoRA of {X} as down_proj in gate_up_proj, but peft "
      "nests them as the model registers them: gate_up_proj in down_proj"),
     ({"r": 2}, WRAPPED, None, f"W: {P}{X}.lora_A.weight has rank 3 (its rows over 4 experts), but {{path}} says r 2"),
+    ({}, {**WRAPPED, f"{P}{X}.base_layer.lora_A.weight": (12, 24), f"{P}{X}.base_layer.lora_B.weight": (32, 12)},
+     expected([f"{X}.gate_up_proj", f"{X}.down_proj"]),
+     f"W: {P}{X}.base_layer.lora_A.weight: lora_A [12, 24] and lora_B [32, 12] are shaped for {X}.gate_up_proj held "
+     "as [E, in, out], but a Qwen3MoeForCausalLM holds it as [E, out, in] (a LoRA of peft before 0.19.1, "
+     "huggingface/peft#3165?)"),
 ])
 def test_parameter_wrappers_peft_would_not_load_as_written_are_refused(tmp_path, data, folder, model, line):
     with pytest.raises((CheckpointError, UsageError)) as err:
