@@ -44,8 +44,9 @@ from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, fil
 from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Scales, band_rows, placed,
                                                       quantization_config, quantized_count, quantized_targets)
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
-from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
-                                      find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, Adapter, LoraScale, PeftAdapters,
+                                      check_against_config, find_adapters, peft_config, read_adapter_config,
+                                      resolve_scale)
 from ckptctl.commands.automodel_peft import peft_source
 from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
@@ -438,7 +439,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
                                           shaped is not None)
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
-        ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
+        ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora, expected))
     if bridge is not None:
         ctx.notes.append(merge_bridge_adapters(model, targets, *bridge, selected))
     floating = Counter()
@@ -541,7 +542,8 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
         return None
     if not flags:
         raise CheckpointError(ckpt.path, f"holds {counted(len(found.adapters), 'peft LoRA adapter')} (rank "
-                                         f"{', '.join(map(str, found.ranks))} on {', '.join(found.targets)}): pass "
+                                         f"{', '.join(map(str, found.ranks))} on "
+                                         f"{', '.join(found.targets + found.parameters)}): pass "
                                          "--merge-adapters to export the model with them merged, or --adapter-only "
                                          "to export them as a PEFT adapter folder")
     unfit = sorted(n for n in found.tensors if not model.entries[n].dtype.is_floating_point)
@@ -565,7 +567,7 @@ def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: E
     """Refuse an adapter on a module whose weight transformers' model has no place for."""
     unknown = expected.unclaimed(a.weight for a in adapters.adapters)
     if unknown:
-        more = f" (+{counted(len(unknown) - 1, 'more')})" if len(unknown) > 1 else ""
+        more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise CheckpointError(ckpt.path, f"a LoRA adapter on {unknown[0].removesuffix('.weight')}{more}, which a "
                                          f"{expected.model_class} has no weight for (wrong --hf-config?)")
 
@@ -587,9 +589,12 @@ def adapter_operand(model: MegatronModel, name: str) -> tuple[TargetTensor, Sour
 
 
 def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, TargetTensor],
-                   sources: Mapping[str, SourceTensor], adapters: PeftAdapters, scale: LoraScale) -> str:
+                   sources: Mapping[str, SourceTensor], adapters: PeftAdapters, scale: LoraScale,
+                   expected: ExpectedNames | None = None) -> str:
     """Give each adapted weight the `delta` that merges its adapter (its W, A and B planned whole;
-    a weight `--include`/`--exclude` left out needs none); the note that says so."""
+    a weight `--include`/`--exclude` left out needs none); the note that says so. An expert
+    stack's orientation is its adapter's shapes', checked against transformers' model
+    (`expected`), which alone tells it for square matrices."""
     merged = 0
     for adapter in adapters.adapters:
         target = targets.get(adapter.weight)
@@ -602,14 +607,38 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
         a, b, *magnitude = (whole_item(t, views) for t, _ in operands)
         base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
         delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude,
-                        transposed=adapter.embedding)
+                        transposed=adapter.embedding or expert_orientation(ckpt, model.prefix, adapter, expected),
+                        experts=adapter.experts)
         targets[adapter.weight] = replace(target, delta=delta)
         merged += 1
     how = "α / √r" if scale.rslora else "α / r"
     formula = "m / ‖W + (B @ A) · s‖ per row × (W + (B @ A) · s)" if adapters.dora else "W + (B @ A) · s"
+    if any(a.experts for a in adapters.adapters):
+        formula += " (expert by expert in a stack, as peft's ParamWrapper)"
     return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} {'DoRA' if adapters.dora else 'LoRA'} "
             f"adapters (s = {how}, α {scale.alpha:g} from {scale.source}): {formula} in float32, cast once; in bf16 "
             f"this equals peft's float32 merge_and_unload() cast to bf16{left_out_adapters(adapters)}")
+
+
+def expert_orientation(ckpt: Checkpoint, prefix: str, adapter: Adapter, expected: ExpectedNames | None) -> bool:
+    """Whether an expert stack holds each expert as [in, out] (transformers' `is_transposed`), which
+    the LoRA merges by, as peft since 0.19.1 does: its adapter's shapes say it unless its
+    matrices are square, transformers' model always; the two must agree (peft before 0.19.1
+    shaped a LoRA on a stack of [E, out, in] as on [E, in, out], huggingface/peft#3165: this peft
+    does not load such a LoRA), and a square stack without transformers' answer is refused."""
+    said = expected is not None and adapter.weight in expected.transposed
+    if not adapter.experts:
+        return False
+    if adapter.transposed is None and expected is None:
+        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: a LoRA on {adapter.weight}, whose experts' matrices "
+                                         "are square: whether it holds them as [out, in] or [in, out] is transformers' "
+                                         "experts class's (is_transposed), which --no-name-check does not ask")
+    if adapter.transposed is not None and expected is not None and said != adapter.transposed:
+        held = "in, out" if adapter.transposed else "out, in"
+        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: shaped for {adapter.weight} held as [E, {held}], but "
+                                         f"a {expected.model_class} holds it the other way (a LoRA of peft before "
+                                         "0.19.1, huggingface/peft#3165, or a wrong --hf-config?)")
+    return said if adapter.transposed is None else adapter.transposed
 
 
 def left_out_adapters(adapters: PeftAdapters) -> str:
@@ -633,7 +662,9 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
     if opts.name_check:
         expected = expected_for(cfg, True, notes, preparing)
         if expected is not None:
-            refuse_unknown_modules(ckpt, adapters, expected)
+            refuse_unknown_modules(ckpt, adapters, expected.for_output(model.entries))
+            for adapter in adapters.adapters:  # shaped as this peft shapes them, or it would not load them
+                expert_orientation(ckpt, model.prefix, adapter, expected)
     else:
         notes.append("adapted modules not checked (--no-name-check): the folder may not load")
     targets: dict[str, TargetTensor] = {}
@@ -645,7 +676,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
                 continue
             view = model.source_view(model.prefix + name)
             sources[view.fqn] = view
-            out = f"{PEFT_PREFIX}{adapter.module}.{part}"
+            out = f"{PEFT_PREFIX}{adapter.wrapped}.{part}"
             targets[out] = identity_target(view, out, cast_dtype(view.dtype, opts.dtype))
     for name, copy in adapters.trained_copies.items():  # modules_to_save: under the module's own names
         view = model.source_view(model.prefix + copy)
@@ -653,7 +684,8 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
     modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
-    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None, _peft_task_type(cfg))
+    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None, _peft_task_type(cfg),
+                         model.entries)
     notes.append(f"{counted(len(adapters.adapters), 'LoRA adapter')} ({adapters.adapter_name!r}) written as a PEFT "
                  f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
     return _peft_folder_plan(model.prefix, targets, sources, notes, config)

@@ -756,8 +756,8 @@ def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
-    tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
-    DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
+    tensor in float32 (its operands upcast exactly; of an expert stack, expert by expert), each
+    row then scaled by m / its L2 norm for DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
     target's dtype. The whole result is kept per thread while boxes of it are asked for, up to
     the one that ends it (the output check's samples, `--verify`'s row blocks), so each is
     computed once, not once per box."""
@@ -773,9 +773,13 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         _SCRATCH.merged = None
         w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes)
                    for op in (delta.base, delta.a, delta.b))
-        product = torch.matmul(b, a)
+        if delta.experts:  # peft's ParamWrapper: the einsum of its get_delta_weight, bit for bit
+            spec = "o r e, e r i -> e i o" if delta.transposed else "o r e, e r i -> e o i"
+            product = torch.einsum(spec, b.view(b.shape[0], -1, delta.experts), a.view(delta.experts, -1, a.shape[1]))
+        else:
+            product = torch.matmul(b, a)
         product.mul_(delta.scale)
-        w.add_(product.T if delta.transposed else product)
+        w.add_(product.T if delta.transposed and not delta.experts else product)
         del product
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)

@@ -149,33 +149,6 @@ def test_peft_trainable_tokens_are_refused_not_dropped(tmp_path, mode):
     assert not (tmp_path / "dst").exists()
 
 
-def test_lora_on_fused_expert_parameters_is_named_for_what_it_is(tmp_path):
-    """peft's `target_parameters` on a transformers 5 Qwen3-MoE's fused expert stack
-    (`mlp.experts.base_layer.gate_up_proj`, `mlp.experts.lora_A.default.weight` [r·E, H]): refused,
-    one line, naming the parameter LoRA (was: 'which has no ….experts.base_layer.weight')."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
-    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    config.save_pretrained(tmp_path / "base")
-    at = "model.base_model.model.model.layers.0.mlp.experts"
-    for mode in ("--merge-adapters", "--adapter-only"):
-        res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "dst", "--hf-config", tmp_path / "base", mode,
-                      "--lora-alpha", "8")
-        assert (res.returncode, res.stderr) == (
-            2, f"ckptctl: error: {tmp_path / 'ckpt'}: {at}.lora_A.default.weight: a LoRA on a parameter of "
-               f"model.layers.0.mlp.experts (peft target_parameters, beside {at}.base_layer.down_proj (+1 more)), "
-               "which export-hf does not merge or export yet\n")
-        assert not (tmp_path / "dst").exists()
-
-
 def test_a_dcp_of_peft_adapter_weights_alone_is_named_for_what_it_is(tmp_path):
     """`dcp.save` of `get_peft_model_state_dict(model)` (PEFT's names, no adapter name: `….lora_A.weight`)
     was refused as 'a LoRA bias (lora_bias)'."""
