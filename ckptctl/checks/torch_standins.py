@@ -204,6 +204,7 @@ def subclass_safe_globals() -> list:
                  (_te_blockwise, f"{_TE}.float8_blockwise_tensor._make_float8_blockwise_tensor_in_reduce_ex"),
                  (_te_nvfp4, f"{_TE}.nvfp4_tensor._make_nvfp4_tensor_in_reduce_ex"),
                  (_te_getattr, "builtins.getattr"),
+                 (_te_float8_old, f"{_TE}.float8_tensor.Float8Tensor._make_in_reduce_ex"),  # what getattr gives
                  *te_classes, *quantizers, *configs, *enums]
     return _SAFE
 
