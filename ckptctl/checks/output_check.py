@@ -368,9 +368,13 @@ class _SubclassPickle(pickle._Unpickler):  # type: ignore[name-defined]
 
 
 class _PybindDType(_Built):
-    """TE ≤ 2.15's `transformer_engine_torch.DType`: NEWOBJ, then BUILD with its integer."""
+    """`transformer_engine_torch.DType`: called with its integer (2.16 on), or NEWOBJ then BUILD
+    with it (≤ 2.15's plain pybind11 enum)."""
 
     name = "DType"
+
+    def __new__(cls, *value: Any) -> Any:
+        return ("te-dtype", *value) if value else object.__new__(cls)
 
 
 _SUBCLASS_OPS = _PICKLE_OPS | {"EMPTY_DICT", "SETITEMS", "SETITEM", "NEWOBJ", "BUILD", "BINFLOAT"}
