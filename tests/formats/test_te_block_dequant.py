@@ -16,10 +16,17 @@ import math
 import pytest
 import torch
 
+from ckptctl.formats.dcp import block_scaled
 from ckptctl.formats.dcp.block_scaled import BLOCKWISE, MXFP8, NVFP4, BlockScaleError, BlockScaling, dequantize
 from fixtures import te_blocks_dcp as te
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.fixture(params=[block_scaled.BAND_ROWS, 128], ids=["one-band", "bands-of-128"])
+def band(request, monkeypatch):
+    """Rows dequantized at a time: the tensors here in one band, or in several."""
+    monkeypatch.setattr(block_scaled, "BAND_ROWS", request.param)
 
 
 def _same(got: torch.Tensor, expected: torch.Tensor) -> bool:
@@ -29,11 +36,11 @@ def _same(got: torch.Tensor, expected: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
-def test_mxfp8_is_te_dequantize(fp8, dtype):
-    codes, scales, _, _ = te.mxfp8_records(torch.Generator().manual_seed(1), (96, 256), fp8)
+def test_mxfp8_is_te_dequantize(fp8, dtype, band):
+    codes, scales, _, _ = te.mxfp8_records(torch.Generator().manual_seed(1), (260, 256), fp8)
     assert {0x00, 0x80, 0x01, 0x7E if fp8 == torch.float8_e4m3fn else 0x7B} <= set(codes.flatten().tolist())
-    assert scales.shape == (128, 8) and int(scales[0, 0]) == 0 and int(scales[95, 7]) == 254
-    got = dequantize(BlockScaling(MXFP8, str(fp8).split(".")[1], (1, 32), "E8M0"), (96, 256), dtype, codes, scales)
+    assert scales.shape == (384, 8) and int(scales[0, 0]) == 0 and int(scales[259, 7]) == 254
+    got = dequantize(BlockScaling(MXFP8, str(fp8).split(".")[1], (1, 32), "E8M0"), (260, 256), dtype, codes, scales)
     expected = te.reference_mxfp8(codes, scales, fp8, dtype)
     assert _same(got, expected)
     assert torch.isinf(expected.float()).any() and (expected.float().abs() < torch.finfo(dtype).tiny).any()
@@ -49,7 +56,7 @@ def test_mxfp8_folds_leading_dims_into_rows():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("two_d, shape", [(True, (200, 300)), (False, (200, 300)), (True, (128, 128)),
                                           (False, (6, 130))])
-def test_blockwise_is_te_dequantize(two_d, shape, dtype):
+def test_blockwise_is_te_dequantize(two_d, shape, dtype, band):
     codes, scales = te.blockwise_records(torch.Generator().manual_seed(3), shape, torch.float8_e4m3fn, two_d)
     m, n = shape
     assert scales.shape == ((-(-m // 128), -(-(-(-n // 128)) // 4) * 4) if two_d else (-(-n // 128), -(-m // 4) * 4))
@@ -64,7 +71,7 @@ def test_blockwise_is_te_dequantize(two_d, shape, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("row_amax, e4m3_max", [(False, 448), (True, 256)])
-def test_nvfp4_is_te_dequantize(row_amax, e4m3_max, dtype):
+def test_nvfp4_is_te_dequantize(row_amax, e4m3_max, dtype, band):
     packed, scales, amax = te.nvfp4_records(torch.Generator().manual_seed(4), (130, 64), row_amax)
     assert set((packed & 0xF).flatten().tolist()) == set(range(16)) and scales.shape == (256, 4)
     assert {0x00, 0x01, 0x7E} <= set(scales[:130, :4].flatten().tolist())  # 0, the least subnormal, 448

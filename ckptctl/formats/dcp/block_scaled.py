@@ -103,6 +103,11 @@ class BlockScaling:
         return f"{codes}, {self.scales} scales {list(scale_shape)} per {shown} block{second}, logical {dtype}"
 
 
+BAND_ROWS = 1024
+"""Rows dequantized at a time (a multiple of 128, the tallest block): the float32 intermediates
+of a band, not of the whole tensor, are what memory holds beside the result."""
+
+
 def dequantize(scaling: BlockScaling, shape: tuple[int, ...], dtype: Any, data: Any, scales: Any,
                amax: Any = None) -> Any:
     """The tensor TE's dequantize gives: `data` the rowwise codes (uint8, any shape of the right
@@ -111,13 +116,24 @@ def dequantize(scaling: BlockScaling, shape: tuple[int, ...], dtype: Any, data: 
     import torch
 
     m, n = BlockScaling.flat(shape)
-    rows, cols = scaling.scale_shape(shape)
-    scales = scales.reshape(rows, cols)
+    scales = scales.reshape(scaling.scale_shape(shape))
+    data = data.reshape(m, n // 2 if scaling.codes == "e2m1" else n)
+    out = torch.empty((m, n), dtype=dtype)
+    for start in range(0, m, BAND_ROWS):
+        stop = min(m, start + BAND_ROWS)
+        out[start:stop] = _band(scaling, start, stop, n, data[start:stop], scales, amax).to(dtype)
+    return out.reshape(shape)
+
+
+def _band(scaling: BlockScaling, start: int, stop: int, n: int, data: Any, scales: Any, amax: Any) -> Any:
+    """Rows [start, stop) in float32, before the rounding to the logical dtype."""
+    import torch
+
     if scaling.kind == NVFP4:
-        return _nvfp4(scaling, m, n, data, scales, amax).to(dtype).reshape(shape)
-    codes = data.reshape(m, n).view(getattr(torch, scaling.codes)).float()
+        return _nvfp4(scaling, start, stop, n, data, scales, amax)
+    codes = data.view(getattr(torch, scaling.codes)).float()
     if scaling.kind == MXFP8:
-        used = scales[:m, :n // 32]
+        used = scales[start:stop, :n // 32]
         if bool((used == 255).any()):
             raise BlockScaleError("MXFP8Tensor with a NaN E8M0 scale (code 255)")
         spread = used.repeat_interleave(32, dim=1)
@@ -126,13 +142,11 @@ def dequantize(scaling: BlockScaling, shape: tuple[int, ...], dtype: Any, data: 
                                   "main, 0 in its releases)")
         factor = (spread.to(torch.int32) << 23).view(torch.float32)
     elif scaling.block == (1, 128):
-        used = scales[:, :m].t()
-        factor = _finite(used, "float32 scale").repeat_interleave(128, dim=1)[:, :n]
+        factor = _finite(scales[:, start:stop].t(), "float32 scale").repeat_interleave(128, dim=1)[:, :n]
     else:
-        used = scales[:, :-(-n // 128)]
-        factor = _finite(used, "float32 scale").repeat_interleave(128, dim=0)[:m]
-        factor = factor.repeat_interleave(128, dim=1)[:, :n]
-    return (codes * factor).to(dtype).reshape(shape)
+        used = _finite(scales[start // 128:-(-stop // 128), :-(-n // 128)], "float32 scale")
+        factor = used.repeat_interleave(128, dim=0)[:stop - start].repeat_interleave(128, dim=1)[:, :n]
+    return codes * factor
 
 
 def _finite(values: Any, what: str) -> Any:
@@ -143,19 +157,17 @@ def _finite(values: Any, what: str) -> Any:
     return values
 
 
-def _nvfp4(scaling: BlockScaling, m: int, n: int, data: Any, scales: Any, amax: Any) -> Any:
+def _nvfp4(scaling: BlockScaling, start: int, stop: int, n: int, packed: Any, scales: Any, amax: Any) -> Any:
     import torch
 
-    packed = data.reshape(m, n // 2)
-    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(m, n).long()
+    nibbles = torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(stop - start, n).long()
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
-    values = table[nibbles]
-    block = _finite(scales[:m, :n // 16].view(torch.float8_e4m3fn).float(), "E4M3 scale")
-    amax = _finite(amax.reshape(-1).to(torch.float32), "amax")
-    amax = amax.reshape(m, 1) if scaling.row_amax else amax.reshape(1, 1)
+    block = _finite(scales[start:stop, :n // 16].view(torch.float8_e4m3fn).float(), "E4M3 scale")
+    amax = amax.reshape(-1).to(torch.float32)
+    amax = _finite(amax[start:stop].reshape(-1, 1) if scaling.row_amax else amax.reshape(1, 1), "amax")
     factor_inv = torch.tensor(1.0 / (6.0 * scaling.e4m3_max), dtype=torch.float32)
     final = (block * amax) * factor_inv
-    return values * final.repeat_interleave(16, dim=1)
+    return table[nibbles] * final.repeat_interleave(16, dim=1)
 
 
-__all__ = ["BLOCKWISE", "BlockScaleError", "BlockScaling", "MXFP8", "NVFP4", "dequantize"]
+__all__ = ["BAND_ROWS", "BLOCKWISE", "BlockScaleError", "BlockScaling", "MXFP8", "NVFP4", "dequantize"]
