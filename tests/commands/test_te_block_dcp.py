@@ -101,6 +101,40 @@ def test_reshard_refuses_te_block_kinds_by_name(te_saved, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def _record_at(ckpt: Path, fqn: str, key: str) -> int:
+    """The file offset of storage record `key` of `fqn`'s item in rank 0's file (by torch's metadata and zipfile)."""
+    import io
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn and v.relative_path == "__0_0.distcp")
+    item = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    record = next(i for i in zipfile.ZipFile(io.BytesIO(item)).infolist() if i.filename.endswith(f"/data/{key}"))
+    name_len, extra_len = struct.unpack_from("<HH", item, record.header_offset + 26)
+    return info.offset + record.header_offset + 30 + name_len + extra_len
+
+
+def test_export_hf_refuses_a_nan_e8m0_scale(te_saved, tmp_path):
+    """A scale TE's dequantize would spread NaN from is refused with the item and the tensor named."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(te_saved[0], ckpt)
+    fqn = f"{LAYER}self_attn.q_proj.weight"
+    spec = load_tensor_record_spec(_item_pickle(ckpt, fqn))
+    at = _record_at(ckpt, fqn, spec.scales.storage_key) + 5 * 4 + 1  # row 5, block 1: inside the tensor
+    with open(ckpt / "__0_0.distcp", "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff")
+    done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", te_saved[1])
+    assert done.returncode == 2 and done.stderr.startswith(f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte ")
+    assert done.stderr.endswith(f": {fqn}: MXFP8Tensor with a NaN E8M0 scale (code 255)\n"), done.stderr
+    assert not (tmp_path / "hf").exists()
+
+
 VARIANT_REFUSALS = {
     "swizzled": (UnsafePickleError, "Transformer Engine MXFP8Tensor with GEMM-swizzled scales"),
     "columnwise-only": (UnsafePickleError, "Transformer Engine MXFP8Tensor holding only its columnwise data"),
@@ -155,3 +189,9 @@ def test_te_2_15_forms(tmp_path):
         f"{LAYER}mlp.down_proj.weight": "transformer_engine Float8Tensor: float8_e4m3fn data + float32 scale_inv, "
                                         "logical bfloat16"}
     _exports_as_te_dequantizes(tmp_path / "ckpt", tmp_path / "cfg", values, tmp_path / "hf")
+    for fqn in (f"{LAYER}mlp.down_proj.weight", f"{LAYER}self_attn.q_proj.weight"):  # getattr, pybind DType
+        for mutated in _mutations(_item_pickle(tmp_path / "ckpt", fqn)):
+            try:
+                load_tensor_record_spec(mutated)
+            except (MalformedPickleError, UnsafePickleError) as exc:
+                assert "\n" not in str(exc) and len(str(exc)) < 400
