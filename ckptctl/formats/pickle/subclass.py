@@ -118,9 +118,11 @@ def _linear(args: tuple) -> _MMConfig:
     return _MMConfig("LinearMMConfig", args)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Config:
-    """One of torchao's config dataclasses (NEWOBJ + BUILD of its fields), inert: its fields by name."""
+    """One of torchao's config dataclasses (NEWOBJ + BUILD of its fields), inert: its fields by name.
+    Compared and hashed by identity: configs nest, and a pickle could nest them deep enough that
+    hashing one (as a dict key) by its fields would recurse past Python's limit."""
 
     name: str
     fields: tuple[tuple[str, Any], ...]
