@@ -55,7 +55,8 @@ def _exports_as_te_dequantizes(ckpt: Path, cfg: Path, values: dict[str, torch.Te
     got = safetensors_torch.load_file(out / "model.safetensors")
     assert sorted(got) == sorted(values)
     for name, value in values.items():
-        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+        assert got[name].dtype == torch.bfloat16, name
+        assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
     same = run_cli("diff", ckpt, out)
     assert same.returncode == 0 and "12 tensors: 12 equal, 0 close, 0 differs" in same.stdout, same.stdout + same.stderr
 

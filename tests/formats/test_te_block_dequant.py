@@ -128,3 +128,12 @@ def test_nan_scales_are_refused(which, line):
     with pytest.raises(BlockScaleError) as refused:
         dequantize(*args)
     assert str(refused.value) == line
+
+
+def test_records_of_another_shape_are_refused():
+    """Whatever decoded the records, a row-scaled NVFP4 amax of one element is not spread over its rows."""
+    packed, scales, amax = te.nvfp4_records(torch.Generator().manual_seed(7), (4, 32), True)
+    with pytest.raises(BlockScaleError) as refused:
+        dequantize(BlockScaling(NVFP4, "e2m1", (1, 16), "E4M3", 448, True), (4, 32), torch.bfloat16, packed, scales,
+                   amax[:1])
+    assert str(refused.value) == "NVFP4Tensor records do not hold a tensor of [4, 32]"

@@ -116,8 +116,12 @@ def dequantize(scaling: BlockScaling, shape: tuple[int, ...], dtype: Any, data: 
     import torch
 
     m, n = BlockScaling.flat(shape)
-    scales = scales.reshape(scaling.scale_shape(shape))
-    data = data.reshape(m, n // 2 if scaling.codes == "e2m1" else n)
+    width, scale_shape = (n // 2 if scaling.codes == "e2m1" else n), scaling.scale_shape(shape)
+    amax_numel = None if amax is None else amax.numel()
+    if data.numel() != m * width or scales.numel() != math.prod(scale_shape) or amax_numel != scaling.amax_numel(shape):
+        raise BlockScaleError(f"{scaling.kind} records do not hold a tensor of {list(shape)}")
+    scales = scales.reshape(scale_shape)
+    data = data.reshape(m, width)
     out = torch.empty((m, n), dtype=dtype)
     for start in range(0, m, BAND_ROWS):
         stop = min(m, start + BAND_ROWS)

@@ -143,7 +143,7 @@ def _spec(kind: str, scaling: BlockScaling, spec_type: type, size: tuple[int, ..
     scales = _tensor(row_scale, f"{kind} rowwise scale_inv", spec_type, scale_dtype, scaling.scale_shape(size))
     if amax is not None:
         amax = _tensor(amax, f"{kind} rowwise amax", spec_type, "float32")
-        if amax.size not in ((scaling.amax_numel(size),), ()):
+        if amax.size != (scaling.amax_numel(size),) and (amax.size != () or scaling.row_amax):
             raise MalformedPickleError(f"{kind} rowwise amax is {list(amax.size)}, not {scaling.amax_numel(size)} "
                                        "float32")
     return BlockScaledRecordSpec(f"transformer_engine {kind}", scaling, data, scales, amax, dtype, size)
