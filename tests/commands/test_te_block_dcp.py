@@ -98,7 +98,7 @@ def test_reshard_refuses_te_block_kinds_by_name(te_saved, tmp_path):
     assert done.returncode == 2
     assert done.stderr == (f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte 0: {LAYER}mlp.down_proj.weight is a "
                            f"{MX_E4M3.replace(': ', ' (', 1)}); this command keeps tensors exactly and cannot rewrite "
-                           "FP8 items (export-hf dequantizes them)\n")
+                           "block-scaled items (export-hf dequantizes them)\n")
     assert not (tmp_path / "out").exists()
 
 

@@ -606,7 +606,8 @@ class ItemReader:
         spec = item.spec
         if not self.dequantize_fp8:
             raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
-                                   "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
+                                   "tensors exactly and cannot rewrite block-scaled items (export-hf dequantizes "
+                                   "them)")
         read, records = self.positioned_reader(chunk.file), []
         for record, start in zip(spec.records(), item.starts):
             nbytes = math.prod(record.size) * record.dtype.itemsize
