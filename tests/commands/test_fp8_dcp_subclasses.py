@@ -22,6 +22,7 @@ import torch
 from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec
 from ckptctl.formats.pickle.unpickle import UnsafePickleError, load_tensor_record_spec
 from fixtures import fp8_dcp
+from fixtures.gloo import RankError
 from tests.conftest import run_cli
 
 transformers = pytest.importorskip("transformers")
@@ -170,6 +171,59 @@ def test_reshard_keeps_torchao_weights_exactly(torchao_saved, tmp_path, world_si
     assert sorted(saved) == sorted(loaded)
     for name, value in saved.items():
         assert torch.equal(loaded[name][1].view(torch.int16), value.view(torch.int16)), name
+
+
+TORCHAO_MOE = "torchao.prototype.moe_training.tensor.Float8TrainingWeightWrapperTensor (casts to float8_e4m3fn)"
+
+
+@pytest.fixture(scope="module")
+def torchao_moe_saved(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    if not fp8_dcp.torchao_available():
+        pytest.skip("torchao not installed (make oracles puts it beside the venv)")
+    path = tmp_path_factory.mktemp("torchao_moe") / "ckpt"
+    kinds, saved = fp8_dcp.save_torchao(str(path), recipe="moe")
+    assert kinds == ["0.weight:Float8TrainingWeightWrapperTensor", "1.bias:Float8TrainingWeightWrapperTensor",
+                     "1.weight:Float8TrainingWeightWrapperTensor"]
+    return path, saved
+
+
+@pytest.mark.full
+def test_torchao_moe_wrapper_is_shown_and_resharded_exactly(torchao_moe_saved, tmp_path):
+    """torchao's MoE training wrapper holds the bf16 weight as WeightWithDynamicFloat8CastTensor
+    does: inspect names it, its item decodes to that tensor, and the resharded checkpoint loads with
+    torch's dcp.load into the same converted, fully_shard'ed model (still wrapped) bit for bit —
+    which torch cannot do with the original (torchao allow-lists no class of it for `weights_only`)."""
+    ckpt, saved = torchao_moe_saved
+    shown = run_cli("inspect", ckpt)
+    assert shown.returncode == 0 and f"Subclasses        3 tensors: {TORCHAO_MOE}\n" in shown.stdout, shown.stderr
+    spec = load_tensor_record_spec(_item_pickle(ckpt, "model.1.bias", rank=1))
+    assert type(spec) is WrappedRecordSpec and (spec.inner.dtype.name, spec.inner.size) == ("bfloat16", (8,))
+    with pytest.raises(RankError, match="Unsupported global: GLOBAL torchao.prototype.moe_training.tensor."
+                                        "Float8TrainingWeightWrapperTensor"):
+        fp8_dcp.load_torchao(str(ckpt), recipe="moe")
+    done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3", "--verify")
+    assert done.returncode == 0, done.stderr
+    loaded = fp8_dcp.load_torchao(str(tmp_path / "out"), recipe="moe")
+    assert {k: kind for k, (kind, _) in loaded.items()} == dict.fromkeys(saved, "Float8TrainingWeightWrapperTensor")
+    for name, value in saved.items():
+        assert torch.equal(loaded[name][1].view(torch.int16), value.view(torch.int16)), name
+
+
+@pytest.mark.full
+def test_mutated_torchao_moe_items_end_in_refusals_only(torchao_moe_saved):
+    from ckptctl.formats.pickle.unpickle import MalformedPickleError, TensorRecordSpec
+
+    outcomes = {"decoded": 0, "refused": 0}
+    for mutated in _mutations(_item_pickle(torchao_moe_saved[0], "model.0.weight")):
+        try:
+            spec = load_tensor_record_spec(mutated)
+        except (MalformedPickleError, UnsafePickleError) as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 400
+            outcomes["refused"] += 1
+        else:
+            assert type(spec) in (TensorRecordSpec, WrappedRecordSpec)
+            outcomes["decoded"] += 1
+    assert outcomes["refused"] > 500
 
 
 @pytest.mark.full

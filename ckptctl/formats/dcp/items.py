@@ -23,7 +23,9 @@ from typing import IO, Any, Callable
 
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.util.errors import CheckpointError
+from ckptctl.formats.dcp.block_scaled import BlockScaleError, dequantize
 from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec, names_subclass
+from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec
 from ckptctl.formats.pickle.unpickle import (MalformedPickleError, TensorRecordSpec, UnsafePickleError,
                                              load_tensor_record_spec)
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
@@ -118,6 +120,14 @@ class _Float8Item:
     scale_at: int
 
 
+@dataclass(frozen=True, slots=True)
+class _BlockItem:
+    """Where a TE block-scaled item's records (rowwise codes, scales, NVFP4's amax) start."""
+
+    spec: BlockScaledRecordSpec
+    starts: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class RawRecord:
     """A chunk's tensor bytes, row-major and dense: `nbytes` bytes at `byte_offset` of `path`."""
@@ -144,6 +154,7 @@ class ItemReader:
         self._windows_lock = threading.Lock()
         self._kinds: dict[tuple[str, int], str] = {}  # (file, offset) → a wrapped item's kind
         self._float8: dict[tuple[str, int], _Float8Item] = {}  # (file, offset) → a TE Float8Tensor item
+        self._blocks: dict[tuple[str, int], _BlockItem] = {}  # (file, offset) → a TE block-scaled item
         self.dequantize_fp8 = False
         """Whether `read_chunk` may dequantize a TE Float8Tensor item (export-hf, diff): a command
         that keeps items exactly (reshard) refuses it."""
@@ -267,6 +278,9 @@ class ItemReader:
         if type(spec) is Float8RecordSpec:  # TE's FP8 codes and scale: decoded by `read_chunk` alone
             self._float8[(chunk.file, chunk.offset)] = self._float8_item(entry, chunk, archive, names, folder, spec)
             return None
+        if type(spec) is BlockScaledRecordSpec:  # TE's MXFP8, blockwise, NVFP4: decoded by `read_chunk` alone
+            self._blocks[(chunk.file, chunk.offset)] = self._block_item(entry, chunk, archive, names, folder, spec)
+            return None
         data_start = self._record_start(entry, chunk, archive, names, folder, spec)
         if wrapped and not spec.is_dense:
             raise self._bad(chunk, f"{entry.fqn}: {self._kinds[(chunk.file, chunk.offset)]} holding a strided tensor")
@@ -305,6 +319,14 @@ class ItemReader:
         return _Float8Item(spec, data_start + spec.data.storage_offset,
                            scale_start + 4 * spec.scale_inv.storage_offset)
 
+    def _block_item(self, entry: TensorEntry, chunk: Chunk, archive: zipfile.ZipFile,
+                    names: dict[str, zipfile.ZipInfo], folder: str, spec: BlockScaledRecordSpec) -> _BlockItem:
+        """A TE block-scaled item's records, checked: dense little-endian records in the item."""
+        if self._big_endian(chunk, archive, names, folder) or not all(r.is_dense for r in spec.records()):
+            raise self._bad(chunk, f"{entry.fqn}: {spec.kind} with strided or big-endian records")
+        return _BlockItem(spec, tuple(self._record_start(entry, chunk, archive, names, folder, r)
+                                      + r.storage_offset * r.dtype.itemsize for r in spec.records()))
+
     def peek_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
         """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
         `data.pkl`, where the first global is named) name one of the subclasses; None for any
@@ -321,10 +343,10 @@ class ItemReader:
         if chunk.transforms or self.ckpt.safetensors_folder:
             return None
         key = (chunk.file, chunk.offset)
-        if key not in self._kinds and key not in self._float8:
+        if key not in self._kinds and key not in self._float8 and key not in self._blocks:
             self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
-        if key in self._float8:
-            spec = self._float8[key].spec
+        if key in self._float8 or key in self._blocks:
+            spec = self._float8[key].spec if key in self._float8 else self._blocks[key].spec
             return f"{spec.kind}: {spec.describe()}"
         return self._kinds.get(key)
 
@@ -538,6 +560,9 @@ class ItemReader:
         float8 = self._float8.get((chunk.file, chunk.offset)) if record is None else None
         if float8 is not None:
             return self._dequantized(entry, chunk, float8)
+        block = self._blocks.get((chunk.file, chunk.offset)) if record is None else None
+        if block is not None:
+            return self._block_dequantized(entry, chunk, block)
         if record is not None:
             data = bytearray(self.positioned_reader(chunk.file)(record.nbytes, record.byte_offset))
             if len(data) != record.nbytes:
@@ -572,6 +597,29 @@ class ItemReader:
         values = torch.frombuffer(codes, dtype=torch.uint8) if codes else torch.empty(0, dtype=torch.uint8)
         scale_inv = torch.frombuffer(bytearray(scale), dtype=torch.float32)
         return (values.view(spec.fp8.torch).float() * scale_inv).to(entry.dtype.torch).reshape(chunk.sizes)
+
+    def _block_dequantized(self, entry: TensorEntry, chunk: Chunk, item: _BlockItem) -> Any:
+        """A TE block-scaled chunk's value as TE's dequantize computes it (`block_scaled.dequantize`);
+        refused unless `dequantize_fp8`, and where TE's dequantize gives no value."""
+        import torch
+
+        spec = item.spec
+        if not self.dequantize_fp8:
+            raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
+                                   "tensors exactly and cannot rewrite block-scaled items (export-hf dequantizes "
+                                   "them)")
+        read, records = self.positioned_reader(chunk.file), []
+        for record, start in zip(spec.records(), item.starts):
+            nbytes = math.prod(record.size) * record.dtype.itemsize
+            raw = bytearray(read(nbytes, chunk.offset + start))
+            if len(raw) != nbytes:
+                raise self._bad(chunk, "short read")
+            records.append(torch.frombuffer(raw, dtype=record.dtype.torch) if raw
+                           else torch.empty(0, dtype=record.dtype.torch))
+        try:
+            return dequantize(spec.scaling, spec.size, entry.dtype.torch, *records)
+        except BlockScaleError as exc:
+            raise self._bad(chunk, f"{entry.fqn}: {exc}") from None
 
     def load_bytes_value(self, entry: BytesEntry, safe_globals: list | None = None) -> Any:
         """A bytes entry's object, via `torch.load(weights_only=True)` (plus any named safe globals)."""
