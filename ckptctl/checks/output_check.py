@@ -37,6 +37,7 @@ from ckptctl.engine.cpu import ChunkSource, assemble_bytes
 from ckptctl.util.errors import CheckpointError
 from ckptctl.formats.dcp.items import MAX_ZIP_READ
 from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.dcp.te_float8 import as_values, float8_of, stored_dtype, value_view
 from ckptctl.formats.dcp.writer import DcpOutput, metadata_load
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.quantized import DEQUANT
@@ -494,8 +495,12 @@ class DcpCheck:
             from ckptctl.core.analysis import source_tensors
 
             views = out.sources or source_tensors(src)
-        self.out, self.views = out, views
-        self.samples = _planned_samples(out, CHUNK_SAMPLES)
+        self.out = out
+        self.views = {**views, **{p.src: value_view(views[p.src], t) for t in out.targets.values()
+                                  if float8_of(t) is not None for p in t.pieces}}
+        """The views, a TE Float8Tensor target's as its values: its samples compare values, each side
+        dequantized as TE does, so its codes and its scale are checked together."""
+        self.samples = [(as_values(t), box, i) for t, box, i in _planned_samples(out, CHUNK_SAMPLES)]
         self._source = ItemElements(src)
         ends = sum(index is None for _, _, index in self.samples) if located and self._source.take_places(located) else 0
         records = len(out.records)
@@ -646,6 +651,7 @@ class DcpCheck:
                  entries: bool = True) -> None:
         """Compare the samples, but those in the files `skip` names, and (with `entries`) the bytes entries."""
         output = ChunkSource(found.ckpt)  # the output at its places as read back by the project's reader
+        output.reader.dequantize_fp8 = True  # a TE Float8Tensor's elements: its values, as the samples hold them
         try:
             wants = found.wants or self._wants
             for i, ((target, box, _), chunk) in enumerate(zip(self.samples, found.chunks)):
@@ -747,7 +753,7 @@ COVERAGES_KEPT = 256
 
 
 def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
-    planned = {**{f: (t.shape, t.dtype) for f, t in out.targets.items()},
+    planned = {**{f: (t.shape, stored_dtype(t)) for f, t in out.targets.items()},
                **{f: (shape, dtype) for f, (dtype, shape, _) in out.literal_tensors.items()}}
     for fqn, (shape, dtype) in planned.items():
         entry = dst.tensors.get(fqn)

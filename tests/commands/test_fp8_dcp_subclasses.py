@@ -34,10 +34,19 @@ TORCHAO = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor (casts to
 
 @pytest.fixture(scope="module")
 def te_ckpt(tmp_path_factory) -> tuple[Path, Path]:
+    """Each rank's shard with its own scale_inv: every item decodes on its own."""
     root = tmp_path_factory.mktemp("te")
-    fp8_dcp.save_te(str(root / "ckpt"))
+    fp8_dcp.save_te(str(root / "ckpt"), scales="per-shard")
     fp8_dcp.te_config().save_pretrained(root / "cfg")
     return root / "ckpt", root / "cfg"
+
+
+@pytest.fixture(scope="module")
+def te_shared(tmp_path_factory) -> Path:
+    """One scale_inv for all shards of a parameter, as TE's FSDP2 path saves them."""
+    path = tmp_path_factory.mktemp("te-shared") / "ckpt"
+    fp8_dcp.save_te(str(path))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +109,7 @@ def test_export_hf_dequantizes_te_float8_as_te_does(te_ckpt, tmp_path):
     done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", cfg, "--verify")
     assert done.returncode == 0, done.stderr
     got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
-    expected = fp8_dcp.te_dequantized()
+    expected = fp8_dcp.te_dequantized(scales="per-shard")
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
@@ -114,16 +123,94 @@ def test_export_hf_dequantizes_te_float8_as_te_does(te_ckpt, tmp_path):
     assert same.returncode == 0 and "12 tensors: 12 equal, 0 close, 0 differs" in same.stdout, same.stdout + same.stderr
 
 
-def test_reshard_refuses_te_float8(te_ckpt, tmp_path):
+FP8_NAMES = [n for n, v in fp8_dcp.te_full().items() if isinstance(v, tuple)]
+
+
+def _assert_loaded_exactly(loaded: list[dict], world_size: int, scales: str) -> None:
+    """Every rank's local shards, as torch's dcp.load put them in the model: the saved codes of
+    its rows and the scale_inv saved for them, bit for bit; the bf16 tensors equal."""
+    full = fp8_dcp.te_full()
+    for rank, shards in enumerate(loaded):
+        for name, value in full.items():
+            kind, got, scale = shards[name]
+            whole = value[0] if isinstance(value, tuple) else value
+            per = -(-whole.shape[0] // world_size)
+            lo, hi = min(rank * per, whole.shape[0]), min((rank + 1) * per, whole.shape[0])
+            want = whole[lo:hi]
+            if isinstance(value, tuple):
+                assert kind == "Float8StandIn" and torch.equal(got, want), (rank, name)
+                assert scale.view(torch.int32).equal(fp8_dcp.te_shard_scale(name, lo, scales).view(torch.int32))
+            else:
+                assert kind == "Tensor" and torch.equal(got.view(torch.int16), want.view(torch.int16)), (rank, name)
+
+
+def test_reshard_keeps_te_float8_items(te_shared, tmp_path):
+    """TE's FSDP2 shards share one scale_inv: resharded 2 → 3 ranks (a rank's rows from both saved
+    shards), every item is TE's Float8Tensor pickle again, in the source's form, and torch's own
+    dcp.load into Float8Tensor (stand-in) shards at 3 ranks gives the saved codes and scale_inv."""
+    out = tmp_path / "ws3"
+    done = run_cli("reshard", te_shared, out, "--world-size", "3", "--verify")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.rstrip().endswith(", verified")
+    _assert_loaded_exactly(fp8_dcp.load_te(str(out), 3), 3, "shared")
+    spec = load_tensor_record_spec(_item_pickle(out, "model.model.layers.0.mlp.up_proj.weight", rank=1))
+    assert type(spec) is Float8RecordSpec
+    assert (spec.fp8.name, spec.dtype.name, spec.size, spec.dtype_module, spec.args) == (
+        "float8_e5m2", "bfloat16", (11, 16), "transformer_engine.pytorch.constants", 6)
+
+
+def test_reshard_refuses_joining_te_float8_shards_of_different_scales(te_ckpt, tmp_path):
     ckpt = te_ckpt[0]
     done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")
     assert done.returncode == 2
-    assert done.stderr.splitlines()[-1].endswith(
-        "model.model.layers.0.self_attn.q_proj.weight is a transformer_engine Float8Tensor (float8_e4m3fn data + "
-        "float32 scale_inv, logical bfloat16); this command keeps tensors exactly and cannot rewrite FP8 items "
-        "(export-hf dequantizes them)")
-    assert done.stderr.splitlines()[-1].startswith(f"ckptctl: error: {ckpt}/__")
+    assert done.stderr.splitlines()[-1] == (
+        "ckptctl: error: model.model.layers.0.self_attn.q_proj.weight: rows [0, 16) join transformer_engine "
+        "Float8Tensor items of 2 different scale_inv (0.00244140625, 0.0048828125): TE's FSDP2 shards share one "
+        "scale, and keeping FP8 codes exactly needs one; reshard to a world size whose chunks keep within its saved "
+        "shards, or export-hf it (dequantized)")
     assert not (tmp_path / "out").exists()
+
+
+def test_reshard_refuses_casting_te_float8(te_shared, tmp_path):
+    done = run_cli("reshard", te_shared, tmp_path / "out", "--world-size", "1", "--dtype", "float32")
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1] == (
+        "ckptctl: error: --dtype float32: model.model.layers.0.self_attn.q_proj.weight is a transformer_engine "
+        "Float8Tensor, whose FP8 codes reshard keeps as they are (export-hf dequantizes it)")
+
+
+def test_verify_refuses_te_float8_items_of_other_scales(te_ckpt, te_shared, tmp_path):
+    """--verify's Float8Tensor check decodes both sides by torch's loader: the same codes under
+    another scale_inv (the per-shard save's output checked against the shared one) fail it."""
+    from ckptctl.checks.float8_output import verify_float8
+    from ckptctl.commands.reshard import ReshardOptions, plan_reshard
+    from ckptctl.formats.dcp.items import ItemReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    out = tmp_path / "ws4"
+    assert run_cli("reshard", te_ckpt[0], out, "--world-size", "4").returncode == 0
+    fqn, dst = "model.model.layers.0.mlp.down_proj.weight", open_checkpoint(out)
+    for source, fails in ((te_ckpt[0], False), (te_shared, True)):
+        src = open_checkpoint(source)
+        target = plan_reshard(src, ReshardOptions(world_size=4)).targets[fqn]
+        with ItemReader(src) as src_items, ItemReader(dst) as dst_items:
+            if not fails:
+                verify_float8(src, src_items, dst, dst_items, target, out)
+                continue
+            with pytest.raises(CheckpointError, match=r"rows \[8, 12\) of the item at \[8, 0\], decoded by torch, "
+                                                      r"are not the codes and scale_inv of the source's item at \[8, 0\]"):
+                verify_float8(src, src_items, dst, dst_items, target, out)
+
+
+@pytest.mark.full
+def test_reshard_keeps_each_shards_own_te_scale(te_ckpt, tmp_path):
+    """Shards of their own scales, resharded 2 → 4 ranks (each new chunk inside one saved shard):
+    each keeps its shard's scale_inv."""
+    out = tmp_path / "ws4"
+    done = run_cli("reshard", te_ckpt[0], out, "--world-size", "4", "--verify")
+    assert done.returncode == 0, done.stderr
+    _assert_loaded_exactly(fp8_dcp.load_te(str(out), 4), 4, "per-shard")
 
 
 @pytest.mark.full
@@ -139,6 +226,11 @@ def test_te_float8_forms_across_releases(tmp_path, dtype_module, args):
     got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
     for name, value in fp8_dcp.te_dequantized().items():
         assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+    done = run_cli("reshard", tmp_path / "ckpt", tmp_path / "ws1", "--world-size", "1", "--verify")
+    assert done.returncode == 0, done.stderr
+    spec = load_tensor_record_spec(_item_pickle(tmp_path / "ws1", "model.model.layers.0.self_attn.o_proj.weight"))
+    assert (spec.dtype_module, spec.args, spec.size) == (dtype_module, args, (16, 16))
+    _assert_loaded_exactly(fp8_dcp.load_te(str(tmp_path / "ws1"), 1), 1, "shared")
 
 
 def test_torchao_item_decodes_to_its_plain_tensor(torchao_ckpt):
