@@ -203,6 +203,20 @@ def test_verify_refuses_te_float8_items_of_other_scales(te_ckpt, te_shared, tmp_
                 verify_float8(src, src_items, dst, dst_items, target, out)
 
 
+def test_export_torch_writes_te_float8_as_its_values(te_ckpt, tmp_path):
+    """torch.load(weights_only=True), export-torch's reader, cannot build TE's class without TE:
+    the file holds each Float8Tensor's values as TE dequantizes them, and says which."""
+    out = tmp_path / "model.pt"
+    done = run_cli("export-torch", te_ckpt[0], out, "--verify", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["dequantized_fp8"] == [f"model.{n}" for n in FP8_NAMES]
+    got = torch.load(out, weights_only=True)["model"]
+    expected = fp8_dcp.te_dequantized(scales="per-shard")
+    assert sorted(got) == sorted(expected)
+    for name, value in expected.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16))
+
+
 @pytest.mark.full
 def test_reshard_keeps_each_shards_own_te_scale(te_ckpt, tmp_path):
     """Shards of their own scales, resharded 2 → 4 ranks (each new chunk inside one saved shard):
