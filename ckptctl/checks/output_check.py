@@ -273,6 +273,11 @@ class ItemElements:
         self._readers: dict[str, Callable[[int, int], bytes]] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._tensor_views: dict[bytes, _TensorView] = {}
+        self._scales: dict[tuple[str, str, int], bytes] = {}  # a TE Float8Tensor chunk → its scale_inv
+
+    def float8_scale(self, fqn: str, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk this reader read as a TE Float8Tensor item; None for any other."""
+        return self._scales.get((fqn, chunk.file, chunk.offset))
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -362,7 +367,9 @@ class ItemElements:
                     self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
             if isinstance(view, _Float8View):
-                return _dequantized(archive, prefix, entry, chunk, view)
+                values, self._scales[(entry.fqn, chunk.file, chunk.offset)] = _dequantized(archive, prefix, entry,
+                                                                                           chunk, view)
+                return values
             record = archive.getinfo(prefix + f"data/{view.key}")
             little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
         if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
@@ -383,9 +390,11 @@ class ItemElements:
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
 
 
-def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View) -> bytes:
+def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View
+                 ) -> tuple[bytes, bytes]:
     """A TE Float8Tensor item's value, row-major bytes of the logical dtype, as TE dequantizes:
-    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader)."""
+    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader); and its
+    scale_inv's four bytes."""
     import torch
 
     if view.dtype != entry.dtype or view.size != chunk.sizes:
@@ -403,7 +412,7 @@ def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chun
                               dtype=torch.uint8)[:numel].view(view.fp8.torch)
     scale_inv = torch.frombuffer(bytearray(scale[4 * view.scale_inv.offset:4 * view.scale_inv.offset + 4]),
                                  dtype=torch.float32)
-    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes()
+    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes(), bytes(scale_inv.numpy())
 
 
 def located_ends(ckpt: Checkpoint) -> bytes:

@@ -34,16 +34,16 @@ TORCHAO = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor (casts to
 
 @pytest.fixture(scope="module")
 def te_ckpt(tmp_path_factory) -> tuple[Path, Path]:
-    """Each rank's shard with its own scale_inv: every item decodes on its own."""
+    """Each rank's shard with its own scale_inv, two weights e5m2: every item decodes on its own."""
     root = tmp_path_factory.mktemp("te")
-    fp8_dcp.save_te(str(root / "ckpt"), scales="per-shard")
+    fp8_dcp.save_te(str(root / "ckpt"), scales="per-shard", formats="mixed")
     fp8_dcp.te_config().save_pretrained(root / "cfg")
     return root / "ckpt", root / "cfg"
 
 
 @pytest.fixture(scope="module")
 def te_shared(tmp_path_factory) -> Path:
-    """One scale_inv for all shards of a parameter, as TE's FSDP2 path saves them."""
+    """One scale_inv for all shards of a parameter, as TE's FSDP2 path saves them, weights e4m3 (TE's recipes)."""
     path = tmp_path_factory.mktemp("te-shared") / "ckpt"
     fp8_dcp.save_te(str(path))
     return path
@@ -109,7 +109,7 @@ def test_export_hf_dequantizes_te_float8_as_te_does(te_ckpt, tmp_path):
     done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", cfg, "--verify")
     assert done.returncode == 0, done.stderr
     got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
-    expected = fp8_dcp.te_dequantized(scales="per-shard")
+    expected = fp8_dcp.te_dequantized(scales="per-shard", formats="mixed")
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
@@ -126,10 +126,10 @@ def test_export_hf_dequantizes_te_float8_as_te_does(te_ckpt, tmp_path):
 FP8_NAMES = [n for n, v in fp8_dcp.te_full().items() if isinstance(v, tuple)]
 
 
-def _assert_loaded_exactly(loaded: list[dict], world_size: int, scales: str) -> None:
+def _assert_loaded_exactly(loaded: list[dict], world_size: int, scales: str, formats: str = "e4m3") -> None:
     """Every rank's local shards, as torch's dcp.load put them in the model: the saved codes of
     its rows and the scale_inv saved for them, bit for bit; the bf16 tensors equal."""
-    full = fp8_dcp.te_full()
+    full = fp8_dcp.te_full(formats)
     for rank, shards in enumerate(loaded):
         for name, value in full.items():
             kind, got, scale = shards[name]
@@ -139,7 +139,7 @@ def _assert_loaded_exactly(loaded: list[dict], world_size: int, scales: str) -> 
             want = whole[lo:hi]
             if isinstance(value, tuple):
                 assert kind == "Float8StandIn" and torch.equal(got, want), (rank, name)
-                assert scale.view(torch.int32).equal(fp8_dcp.te_shard_scale(name, lo, scales).view(torch.int32))
+                assert scale.view(torch.int32).equal(fp8_dcp.te_shard_scale(name, lo, scales, formats).view(torch.int32))
             else:
                 assert kind == "Tensor" and torch.equal(got.view(torch.int16), want.view(torch.int16)), (rank, name)
 
@@ -156,7 +156,7 @@ def test_reshard_keeps_te_float8_items(te_shared, tmp_path):
     spec = load_tensor_record_spec(_item_pickle(out, "model.model.layers.0.mlp.up_proj.weight", rank=1))
     assert type(spec) is Float8RecordSpec
     assert (spec.fp8.name, spec.dtype.name, spec.size, spec.dtype_module, spec.args) == (
-        "float8_e5m2", "bfloat16", (11, 16), "transformer_engine.pytorch.constants", 6)
+        "float8_e4m3fn", "bfloat16", (11, 16), "transformer_engine.pytorch.constants", 6)
 
 
 def test_reshard_refuses_joining_te_float8_shards_of_different_scales(te_ckpt, tmp_path):
@@ -211,10 +211,58 @@ def test_export_torch_writes_te_float8_as_its_values(te_ckpt, tmp_path):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["dequantized_fp8"] == [f"model.{n}" for n in FP8_NAMES]
     got = torch.load(out, weights_only=True)["model"]
-    expected = fp8_dcp.te_dequantized(scales="per-shard")
+    expected = fp8_dcp.te_dequantized(scales="per-shard", formats="mixed")
     assert sorted(got) == sorted(expected)
     for name, value in expected.items():
         assert got[name].dtype == torch.bfloat16 and torch.equal(got[name].view(torch.int16), value.view(torch.int16))
+
+
+def test_export_hf_fp8_block_keeps_te_codes_and_scale(te_shared, tmp_path):
+    """A per-tensor scale is one scale for every 128×128 block: `--quantize fp8-block` of TE's
+    e4m3 weights writes TE's codes bit for bit and its scale_inv in every block (not the
+    scale amax / 448 quantizing TE's values again gives: the fixture's codes stop below 448), and
+    transformers' FP8 load (dequantizing on CPU) has TE's values and their model's logits."""
+    fp8_dcp.te_config().save_pretrained(tmp_path / "cfg")
+    out = tmp_path / "hf"
+    done = run_cli("export-hf", te_shared, out, "--hf-config", tmp_path / "cfg", "--quantize", "fp8-block", "--verify")
+    assert done.returncode == 0, done.stderr
+    assert ("note: 7 weights from Transformer Engine Float8Tensor items: a block whose rows share one scale_inv that "
+            "codes TE's values exactly keeps that scale and those values (e4m3: TE's codes, bit for bit); any other "
+            "is quantized from the values\n") in done.stderr
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    for name in FP8_NAMES:
+        codes, scale, fp8 = fp8_dcp.te_full()[name]
+        assert fp8 == got[name].dtype == torch.float8_e4m3fn and torch.equal(got[name].view(torch.uint8), codes), name
+        assert got[name + "_scale_inv"].view(torch.int32).equal(scale.view(1, 1).view(torch.int32)), name
+    expected = fp8_dcp.te_dequantized()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        out, quantization_config=transformers.FineGrainedFP8Config(dequantize=True), dtype=torch.bfloat16)
+    reference = transformers.LlamaForCausalLM(fp8_dcp.te_config()).to(torch.bfloat16)
+    reference.load_state_dict(expected)
+    state = loaded.state_dict()
+    for name, value in expected.items():
+        assert torch.equal(state[name].view(torch.int16), value.view(torch.int16)), name
+    tokens = torch.tensor([[1, 5, 9, 2, 33, 17, 4, 60]])
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, reference(tokens).logits)
+
+
+@pytest.mark.full
+def test_export_hf_fp8_block_quantizes_te_blocks_joining_scales_from_their_values(te_ckpt, tmp_path):
+    """A block of rows from two shards of different scale_inv has no one scale to keep: it is
+    quantized from TE's values (Megatron-Bridge's formula), as any bf16 weight."""
+    from tests.formats.quantized_folders import quantized_fp8
+
+    ckpt, cfg = te_ckpt
+    done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", cfg, "--quantize", "fp8-block", "--verify")
+    assert done.returncode == 0, done.stderr
+    got = safetensors_torch.load_file(tmp_path / "hf" / "model.safetensors")
+    values = fp8_dcp.te_dequantized(scales="per-shard", formats="mixed")
+    for name in FP8_NAMES:
+        codes, scale = quantized_fp8(values[name])
+        assert not torch.equal(got[name].view(torch.uint8), fp8_dcp.te_full("mixed")[name][0]), name
+        assert torch.equal(got[name].view(torch.uint8), codes.view(torch.uint8)), name
+        assert got[name + "_scale_inv"].view(torch.int32).equal(scale.view(torch.int32)), name
 
 
 @pytest.mark.full
@@ -224,7 +272,7 @@ def test_reshard_keeps_each_shards_own_te_scale(te_ckpt, tmp_path):
     out = tmp_path / "ws4"
     done = run_cli("reshard", te_ckpt[0], out, "--world-size", "4", "--verify")
     assert done.returncode == 0, done.stderr
-    _assert_loaded_exactly(fp8_dcp.load_te(str(out), 4), 4, "per-shard")
+    _assert_loaded_exactly(fp8_dcp.load_te(str(out), 4, "mixed"), 4, "per-shard", "mixed")
 
 
 @pytest.mark.full

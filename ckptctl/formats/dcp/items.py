@@ -319,12 +319,18 @@ class ItemReader:
         if key not in self._kinds and key not in self._float8:
             self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
         item = self._float8.get(key)
+        return None if item is None else (item.spec, self.located_scale(chunk))
+
+    def located_scale(self, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk already located as a TE Float8Tensor item (a chunk
+        is located before it is read); None for any other."""
+        item = self._float8.get((chunk.file, chunk.offset))
         if item is None:
             return None
         scale = self.positioned_reader(chunk.file)(4, chunk.offset + item.scale_at)
         if len(scale) != 4:
             raise self._bad(chunk, "short read")
-        return item.spec, scale
+        return scale
 
     def holds_float8(self, entry: TensorEntry) -> bool:
         """Whether the tensor's first non-empty item is a TE Float8Tensor (one small read for any other)."""
