@@ -81,4 +81,5 @@ def _parts(ckpt: Checkpoint, items: ItemReader, entry: TensorEntry, chunk: Chunk
         return load_float8_parts(raw)
     except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt or foreign item
         raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch cannot load it as a "
-                                    f"Transformer Engine Float8Tensor for verification ({type(exc).__name__})") from None
+                                    f"Transformer Engine Float8Tensor for verification "
+                                    f"({type(exc).__name__})") from None

@@ -412,7 +412,8 @@ def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chun
                               dtype=torch.uint8)[:numel].view(view.fp8.torch)
     scale_inv = torch.frombuffer(bytearray(scale[4 * view.scale_inv.offset:4 * view.scale_inv.offset + 4]),
                                  dtype=torch.float32)
-    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes(), bytes(scale_inv.numpy())
+    dequantized = (values.float() * scale_inv).to(entry.dtype.torch)
+    return dequantized.view(torch.uint8).numpy().tobytes(), bytes(scale_inv.numpy())
 
 
 def located_ends(ckpt: Checkpoint) -> bytes:

@@ -78,7 +78,8 @@ def _te_float8_parts(data: Any, fp8_dtype: Any, scale_inv: Any, dtype: Any, shap
             or tuple(data.shape) != tuple(shape) or not isinstance(scale_inv, torch.Tensor) \
             or scale_inv.dtype != torch.float32 or scale_inv.numel() != 1 or type(fp8_dtype) is not _TeCode:
         raise ValueError("not a Transformer Engine Float8Tensor")
-    return Float8Parts(data, scale_inv.reshape(1), fp8_dtype.value, fp8_dtype.module, dtype, tuple(shape), 5 + len(rest))
+    return Float8Parts(data, scale_inv.reshape(1), fp8_dtype.value, fp8_dtype.module, dtype, tuple(shape),
+                       5 + len(rest))
 
 
 _FLOAT8_SAFE = [(_te_float8_parts, "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex"),

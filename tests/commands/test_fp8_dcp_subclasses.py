@@ -1,12 +1,14 @@
 """DCP items holding FP8 training tensor subclasses (`fixtures.fp8_dcp`): torchao's float8 training
 wrapper (the real torchao, under fully_shard) and Transformer Engine's Float8Tensor (a stand-in
-following TE's source, its shards DTensors as FSDP2 leaves them, each with its own scale_inv).
+following TE's source, its shards DTensors as FSDP2 leaves them, sharing one scale_inv as TE's
+FSDP2 path saves them, or each with its own).
 
-Oracles: torch's own `dcp.load` into the torchao-converted sharded model (reshard keeps the
-values bit for bit); TE's dequantize math (float32 code × scale_inv → bf16) per shard; transformers
-loading the exported folder, its logits equal to those of the reference model holding the
-dequantized values; torch's `weights_only` loader (with the stand-ins allowed under the producers'
-names) behind `--verify`.
+Oracles: torch's own `dcp.load` into the torchao-converted sharded model, and into Float8Tensor
+(stand-in) shards at the new world size (reshard keeps values, codes and scales bit for bit);
+TE's dequantize math (float32 code × scale_inv → bf16) per shard; transformers loading the
+exported folder (plain, or FP8 dequantized on CPU), its logits equal to those of the reference
+model holding the dequantized values; torch's `weights_only` loader (with the stand-ins allowed
+under the producers' names) behind `--verify`, and behind export-torch's file.
 """
 
 from __future__ import annotations
@@ -139,7 +141,8 @@ def _assert_loaded_exactly(loaded: list[dict], world_size: int, scales: str, for
             want = whole[lo:hi]
             if isinstance(value, tuple):
                 assert kind == "Float8StandIn" and torch.equal(got, want), (rank, name)
-                assert scale.view(torch.int32).equal(fp8_dcp.te_shard_scale(name, lo, scales, formats).view(torch.int32))
+                saved = fp8_dcp.te_shard_scale(name, lo, scales, formats)
+                assert scale.view(torch.int32).equal(saved.view(torch.int32)), (rank, name)
             else:
                 assert kind == "Tensor" and torch.equal(got.view(torch.int16), want.view(torch.int16)), (rank, name)
 
@@ -171,6 +174,7 @@ def test_reshard_refuses_joining_te_float8_shards_of_different_scales(te_ckpt, t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.full
 def test_reshard_refuses_casting_te_float8(te_shared, tmp_path):
     done = run_cli("reshard", te_shared, tmp_path / "out", "--world-size", "1", "--dtype", "float32")
     assert done.returncode == 2
@@ -179,6 +183,7 @@ def test_reshard_refuses_casting_te_float8(te_shared, tmp_path):
         "Float8Tensor, whose FP8 codes reshard keeps as they are (export-hf dequantizes it)")
 
 
+@pytest.mark.full
 def test_verify_refuses_te_float8_items_of_other_scales(te_ckpt, te_shared, tmp_path):
     """--verify's Float8Tensor check decodes both sides by torch's loader: the same codes under
     another scale_inv (the per-shard save's output checked against the shared one) fail it."""

@@ -604,7 +604,8 @@ class ItemReader:
         spec = item.spec
         if not self.dequantize_fp8:
             raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
-                                   "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
+                                   "tensors exactly and cannot rewrite FP8 items here (reshard keeps them at FSDP2's "
+                                   "layout; export-hf and export-torch dequantize them)")
         read = self.positioned_reader(chunk.file)
         codes = bytearray(read(chunk.numel, chunk.offset + item.data_at))
         scale = read(4, chunk.offset + item.scale_at)

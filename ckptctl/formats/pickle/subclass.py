@@ -202,7 +202,8 @@ def _te_float8(spec_type: type) -> Callable[[tuple], Float8RecordSpec]:
         if scale_inv.dtype != DTYPES["float32"] or math.prod(scale_inv.size) != 1:
             raise UnsafePickleError(f"Float8Tensor scale_inv is {scale_inv.dtype.name} {list(scale_inv.size)}, "
                                     "not one float32 (a per-tensor scale)")
-        return Float8RecordSpec(TE_FLOAT8, data, scale_inv, TE_FP8[fp8.value], dtype, tuple(shape), fp8.module, len(args))
+        return Float8RecordSpec(TE_FLOAT8, data, scale_inv, TE_FP8[fp8.value], dtype, tuple(shape), fp8.module,
+                                len(args))
     return build
 
 
@@ -221,7 +222,8 @@ def subclass_globals(base: dict[tuple[str, str], Any], spec_type: type,
         ("torch.serialization", "_get_layout"): get_layout,
         ("torch", "Size"): torch_size,
         TE_RECONSTRUCTOR: Constructor(".".join(TE_RECONSTRUCTOR), call=_te_float8(spec_type)),
-        **{(module, "DType"): Constructor("transformer_engine DType", call=_te_dtype(module)) for module in TE_DTYPE_MODULES},
+        **{(module, "DType"): Constructor("transformer_engine DType", call=_te_dtype(module))
+           for module in TE_DTYPE_MODULES},
     }
 
 
