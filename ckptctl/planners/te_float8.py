@@ -38,8 +38,7 @@ def float8_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> T
                                                                  f"{TE_FLOAT8} item, where its tensor's others are")
         spec, scale = found
         forms.add((spec.fp8, spec.dtype, spec.dtype_module, spec.args))
-        if chunk.numel:
-            rows.append(Float8Rows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scale))
+        rows.append(Float8Rows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scale))
     if len(forms) != 1:
         raise CheckpointError(entry.fqn, f"its {TE_FLOAT8} items differ in FP8 format or reduce form "
                               f"({', '.join(sorted(f'{f[0].name}/{f[2]}/{f[3]} args' for f in forms))})")

@@ -162,6 +162,23 @@ def test_reshard_keeps_te_float8_items(te_shared, tmp_path):
         "float8_e4m3fn", "bfloat16", (11, 16), "transformer_engine.pytorch.constants", 6)
 
 
+def test_te_float8_target_chunk_takes_the_scale_its_rows_share():
+    """The scale a target chunk's item gets: its source rows' one scale, none when they hold two;
+    an empty chunk (FSDP2's past the last row) the scale of the row before it."""
+    from ckptctl.core.dtypes import DTYPES
+    from ckptctl.core.geometry import Box
+    from ckptctl.formats.dcp.te_float8 import Float8Rows, TeFloat8Target
+    from ckptctl.util.errors import CheckpointError
+
+    a, b = b"\x00\x00\x80\x3b", b"\x00\x00\x00\x3c"  # 2^-8 and 2^-7, float32 little-endian
+    target = TeFloat8Target("w", DTYPES["bfloat16"], DTYPES["float8_e4m3fn"], "transformer_engine_torch", 5,
+                            (Float8Rows(0, 8, a), Float8Rows(8, 16, b), Float8Rows(16, 16, a)))
+    assert [target.scale_of(Box((lo, 0), (n, 4))) for lo, n in ((0, 8), (2, 3), (8, 8), (16, 0), (0, 0))] == [a, a, b, b, a]
+    with pytest.raises(CheckpointError, match=r"^w: rows \[6, 10\) join transformer_engine Float8Tensor items of "
+                                              r"2 different scale_inv \(0\.00390625, 0\.0078125\): "):
+        target.scale_of(Box((6, 0), (4, 4)))
+
+
 def test_reshard_refuses_joining_te_float8_shards_of_different_scales(te_ckpt, tmp_path):
     ckpt = te_ckpt[0]
     done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")

@@ -333,8 +333,8 @@ class ItemReader:
         return scale
 
     def holds_float8(self, entry: TensorEntry) -> bool:
-        """Whether the tensor's first non-empty item is a TE Float8Tensor (one small read for any other)."""
-        first = next((c for c in entry.chunks if c.numel), None)
+        """Whether the tensor's first item is a TE Float8Tensor (one small read for any other)."""
+        first = next((c for c in entry.chunks if c.length), None)
         return first is not None and self.names_subclass(first) and self.float8_item(entry, first) is not None
 
     def _codes(self, entry: TensorEntry, chunk: Chunk) -> RawRecord:

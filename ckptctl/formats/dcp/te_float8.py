@@ -40,8 +40,8 @@ _TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
 
 @dataclass(frozen=True)
 class Float8Rows:
-    """Source rows [start, end) of a Float8Tensor tensor, held by one item, and its scale_inv's
-    four bytes (float32, little-endian)."""
+    """Source rows [start, end) of a Float8Tensor tensor, held by one item (none, for an empty
+    one), and its scale_inv's four bytes (float32, little-endian)."""
 
     start: int
     end: int
@@ -64,12 +64,14 @@ class TeFloat8Target:
     requires_grad: bool = False
 
     def scale_of(self, box: Box) -> bytes:
-        """The scale_inv of a target chunk of whole rows: the one its source rows share (an empty
-        chunk takes its row's neighbour's); refused when they hold different scales."""
-        lo, hi = (box.offsets[0], box.offsets[0] + box.sizes[0]) if box.sizes else (0, 1)
+        """The scale_inv of a target chunk of whole rows: the one its source rows share; refused
+        when they hold different scales. An empty chunk (no code to scale) takes the scale of the
+        row before it (of an empty tensor, its first item's)."""
+        lo, hi = box.offsets[0], box.offsets[0] + box.sizes[0]
         if hi == lo:
-            lo, hi = max(lo - 1, 0), max(lo, 1)
-        scales = sorted({r.scale for r in self.rows if r.start < hi and lo < r.end})
+            row = max(lo - 1, 0)
+            return next((r for r in self.rows if r.start <= row < r.end), self.rows[0]).scale
+        scales = list(dict.fromkeys(r.scale for r in self.rows if r.start < hi and lo < r.end and r.start < r.end))
         if len(scales) != 1:
             raise CheckpointError(self.fqn, f"rows [{lo}, {hi}) join {TE_FLOAT8} items of "
                                             f"{len(scales) or 'no'} different scale_inv"
