@@ -37,6 +37,9 @@ MAX_SAFETENSORS_HEADER = 16 << 20
 PEEK_BYTES = 512
 """What `peek_kind` reads of an item: torch.save's first record is `data.pkl`, its first global
 within a hundred bytes of the item's start."""
+FLOAT8_ITEM_OVERHEAD = 64 << 10
+"""More than a TE Float8Tensor item holds besides its codes (its `data.pkl`, scale_inv and zip
+records: about 3 kB)."""
 MAX_WHOLE_READ = 1 << 30
 """Largest item read whole into memory when the caller names no bound: a bytes entry (a
 pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
@@ -333,9 +336,11 @@ class ItemReader:
         return scale
 
     def holds_float8(self, entry: TensorEntry) -> bool:
-        """Whether the tensor's first item is a TE Float8Tensor (one small read for any other)."""
+        """Whether the tensor's first item is a TE Float8Tensor (one small read for any other; none
+        for an item longer than a Float8Tensor's of its chunk could be)."""
         first = next((c for c in entry.chunks if c.length), None)
-        return first is not None and self.names_subclass(first) and self.float8_item(entry, first) is not None
+        return first is not None and first.length <= first.numel + FLOAT8_ITEM_OVERHEAD \
+            and self.names_subclass(first) and self.float8_item(entry, first) is not None
 
     def _codes(self, entry: TensorEntry, chunk: Chunk) -> RawRecord:
         """Where a TE Float8Tensor chunk's FP8 codes are (`fp8_codes`)."""

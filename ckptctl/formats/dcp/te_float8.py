@@ -72,10 +72,12 @@ class TeFloat8Target:
             row = max(lo - 1, 0)
             return next((r for r in self.rows if r.start <= row < r.end), self.rows[0]).scale
         scales = list(dict.fromkeys(r.scale for r in self.rows if r.start < hi and lo < r.end and r.start < r.end))
+        if not scales:
+            raise CheckpointError(self.fqn, f"rows [{lo}, {hi}) are in no saved {TE_FLOAT8} item: there is no "
+                                            "scale_inv to keep")
         if len(scales) != 1:
-            raise CheckpointError(self.fqn, f"rows [{lo}, {hi}) join {TE_FLOAT8} items of "
-                                            f"{len(scales) or 'no'} different scale_inv"
-                                            f"{' (' + ', '.join(_floats(scales)) + ')' if scales else ''}: TE's FSDP2 "
+            raise CheckpointError(self.fqn, f"rows [{lo}, {hi}) join {TE_FLOAT8} items of {len(scales)} different "
+                                            f"scale_inv ({', '.join(_floats(scales[:4]))}{', …' if len(scales) > 4 else ''}): TE's FSDP2 "
                                             "shards share one scale, and keeping FP8 codes exactly needs one; "
                                             "reshard to a world size whose chunks keep within its saved shards, or "
                                             "export-hf it (dequantized)")
@@ -95,7 +97,7 @@ class TeFloat8Target:
 
 
 def _floats(scales: list[bytes]) -> list[str]:
-    return [repr(struct.unpack("<f", s)[0]) for s in scales[:4]]
+    return [repr(struct.unpack("<f", s)[0]) for s in scales]
 
 
 @functools.lru_cache(maxsize=4096)
