@@ -95,6 +95,21 @@ def test_te_item_naming_another_reconstructor_is_refused(te_ckpt):
         load_tensor_record_spec(other)
 
 
+def test_te_item_with_its_transpose_is_refused_by_name(te_ckpt):
+    """TE's current `__reduce_ex__` passes `data_transpose` only for a tensor holding its transpose
+    alone; such an item (its sixth argument a tensor) is refused, by name, not rewritten."""
+    import pickletools
+
+    pickled = _item_pickle(te_ckpt[0], "model.model.layers.0.self_attn.q_proj.weight")
+    ops = list(pickletools.genops(pickled))
+    first = next(i for i, (op, _, _) in enumerate(ops) if op.name == "REDUCE")
+    data_memo = ops[first + 1][1]  # the memo index of `data`, the first tensor rebuilt
+    at = pickled.rindex(b"Nt")
+    transposed = pickled[:at] + b"h" + bytes([data_memo]) + pickled[at + 1:]
+    with pytest.raises(UnsafePickleError, match=r"^Transformer Engine Float8Tensor holding only its transpose"):
+        load_tensor_record_spec(transposed)
+
+
 def test_inspect_shows_te_float8(te_ckpt):
     shown = run_cli("inspect", te_ckpt[0])
     assert shown.returncode == 0, shown.stderr
