@@ -18,12 +18,9 @@ from ckptctl.checks.torch_standins import Float8Parts, load_float8_parts
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
 from ckptctl.core.plan import TargetTensor
 from ckptctl.formats.dcp.items import ItemReader
-from ckptctl.formats.dcp.te_float8 import float8_of
-from ckptctl.formats.pickle.subclass import TE_FP8
+from ckptctl.formats.dcp.te_float8 import TE_CODE, float8_of
 from ckptctl.util.errors import CheckpointError
 from ckptctl.util.progress import Advance
-
-_TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
 
 
 def verify_float8(src: Checkpoint, src_items: ItemReader, dst: Checkpoint, dst_items: ItemReader,
@@ -41,7 +38,7 @@ def verify_float8(src: Checkpoint, src_items: ItemReader, dst: Checkpoint, dst_i
     for chunk in dst_entry.chunks:
         got = _parts(dst, dst_items, dst_entry, chunk)
         form = (got.fp8, got.dtype_module, str(got.dtype), got.args, got.shape)
-        want = (_TE_CODE[float8.fp8], float8.dtype_module, str(float8.logical.torch), float8.args, chunk.sizes)
+        want = (TE_CODE[float8.fp8], float8.dtype_module, str(float8.logical.torch), float8.args, chunk.sizes)
         if form != want:
             raise CheckpointError(written, f"{target.fqn}: verification failed (the item at {list(chunk.offsets)} "
                                            f"is a Float8Tensor of another form: {form} instead of {want})")

@@ -303,6 +303,31 @@ def test_export_hf_fp8_block_quantizes_te_blocks_joining_scales_from_their_value
 
 
 @pytest.mark.full
+def test_reshard_at_the_saved_size_writes_torch_saves_records(te_shared, tmp_path):
+    """At the saved world size every item holds the records torch.save wrote for TE's tensor (the
+    stand-in's `__reduce_ex__`): the same `data.pkl`, codes and scale_inv, all but the
+    serialization id, which torch draws at random."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    out = tmp_path / "ws2"
+    assert run_cli("reshard", te_shared, out, "--world-size", "2").returncode == 0
+    for path in (te_shared, out):
+        assert len(FileSystemReader(str(path)).read_metadata().storage_data) == 24
+    for name in FP8_NAMES:
+        for rank in (0, 1):
+            records = []
+            for path in (te_shared, out):
+                md = FileSystemReader(str(path)).read_metadata()
+                info = next(v for k, v in md.storage_data.items()
+                            if k.fqn == f"model.{name}" and v.relative_path == f"__{rank}_0.distcp")
+                item = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+                archive = zipfile.ZipFile(io.BytesIO(item))
+                records.append({n.split("/", 1)[1]: archive.read(n) for n in archive.namelist()
+                                if not n.endswith("serialization_id")})
+            assert records[0] == records[1] and len(records[0]) == 7, (name, rank)
+
+
+@pytest.mark.full
 def test_reshard_keeps_each_shards_own_te_scale(te_ckpt, tmp_path):
     """Shards of their own scales, resharded 2 → 4 ranks (each new chunk inside one saved shard):
     each keeps its shard's scale_inv."""

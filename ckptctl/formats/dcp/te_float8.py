@@ -35,7 +35,8 @@ from ckptctl.util.errors import CheckpointError
 
 CODES = DTYPES["uint8"]
 """What a Float8Tensor target is planned and copied as: its FP8 codes, one byte an element."""
-_TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
+TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
+"""TE's DType value of each FP8 format."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def _skeleton(form: tuple[DType, DType, str, int], sizes: tuple[int, ...]) -> _S
     """The item's head: TE's reduce call over its codes (`data/0`) and scale (`data/1`), as
     `torch.save` pickles `Float8Tensor.__reduce_ex__`'s value."""
     logical, fp8, dtype_module, args = form
-    call = (tensor_reduce(CODES, sizes, "0"), Call(ref(dtype_module, "DType"), (_TE_CODE[fp8],)),
+    call = (tensor_reduce(CODES, sizes, "0"), Call(ref(dtype_module, "DType"), (TE_CODE[fp8],)),
             tensor_reduce(DTYPES["float32"], (1,), "1"), logical, Size(sizes)) + (None,) * (args - 5)
     return archive_skeleton(dumps(Call(ref(*TE_RECONSTRUCTOR), call), protocol=2), math.prod(sizes), False)
 
