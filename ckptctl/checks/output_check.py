@@ -38,6 +38,7 @@ from ckptctl.util.errors import CheckpointError
 from ckptctl.formats.dcp.block_scaled import BLOCKWISE, MXFP8, NVFP4, BlockScaling, dequantize
 from ckptctl.formats.dcp.items import MAX_ZIP_READ
 from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.dcp.te_float8 import as_values, float8_of, stored_dtype, value_view
 from ckptctl.formats.dcp.writer import DcpOutput, metadata_load
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.quantized import DEQUANT
@@ -435,6 +436,11 @@ class ItemElements:
         self._readers: dict[str, Callable[[int, int], bytes]] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._tensor_views: dict[bytes, _TensorView] = {}
+        self._scales: dict[tuple[str, str, int], bytes] = {}  # a TE Float8Tensor chunk → its scale_inv
+
+    def float8_scale(self, fqn: str, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk this reader read as a TE Float8Tensor item; None for any other."""
+        return self._scales.get((fqn, chunk.file, chunk.offset))
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -524,7 +530,9 @@ class ItemElements:
                     self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
             if isinstance(view, _Float8View):
-                return _dequantized(archive, prefix, entry, chunk, view)
+                values, self._scales[(entry.fqn, chunk.file, chunk.offset)] = _dequantized(archive, prefix, entry,
+                                                                                           chunk, view)
+                return values
             if isinstance(view, _BlockView):
                 return _block_dequantized(archive, prefix, entry, chunk, view)
             record = archive.getinfo(prefix + f"data/{view.key}")
@@ -547,9 +555,11 @@ class ItemElements:
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
 
 
-def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View) -> bytes:
+def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View
+                 ) -> tuple[bytes, bytes]:
     """A TE Float8Tensor item's value, row-major bytes of the logical dtype, as TE dequantizes:
-    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader)."""
+    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader); and its
+    scale_inv's four bytes."""
     import torch
 
     if view.dtype != entry.dtype or view.size != chunk.sizes:
@@ -567,7 +577,8 @@ def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chun
                               dtype=torch.uint8)[:numel].view(view.fp8.torch)
     scale_inv = torch.frombuffer(bytearray(scale[4 * view.scale_inv.offset:4 * view.scale_inv.offset + 4]),
                                  dtype=torch.float32)
-    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes()
+    dequantized = (values.float() * scale_inv).to(entry.dtype.torch)
+    return dequantized.view(torch.uint8).numpy().tobytes(), bytes(scale_inv.numpy())
 
 
 def _block_dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk,
@@ -682,8 +693,12 @@ class DcpCheck:
             from ckptctl.core.analysis import source_tensors
 
             views = out.sources or source_tensors(src)
-        self.out, self.views = out, views
-        self.samples = _planned_samples(out, CHUNK_SAMPLES)
+        self.out = out
+        self.views = {**views, **{p.src: value_view(views[p.src], t) for t in out.targets.values()
+                                  if float8_of(t) is not None for p in t.pieces}}
+        """The views, a TE Float8Tensor target's as its values: its samples compare values, each side
+        dequantized as TE does, so its codes and its scale are checked together."""
+        self.samples = [(as_values(t), box, i) for t, box, i in _planned_samples(out, CHUNK_SAMPLES)]
         self._source = ItemElements(src)
         ends = sum(index is None for _, _, index in self.samples) if located and self._source.take_places(located) else 0
         records = len(out.records)
@@ -834,6 +849,7 @@ class DcpCheck:
                  entries: bool = True) -> None:
         """Compare the samples, but those in the files `skip` names, and (with `entries`) the bytes entries."""
         output = ChunkSource(found.ckpt)  # the output at its places as read back by the project's reader
+        output.reader.dequantize_fp8 = True  # a TE Float8Tensor's elements: its values, as the samples hold them
         try:
             wants = found.wants or self._wants
             for i, ((target, box, _), chunk) in enumerate(zip(self.samples, found.chunks)):
@@ -935,7 +951,7 @@ COVERAGES_KEPT = 256
 
 
 def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
-    planned = {**{f: (t.shape, t.dtype) for f, t in out.targets.items()},
+    planned = {**{f: (t.shape, stored_dtype(t)) for f, t in out.targets.items()},
                **{f: (shape, dtype) for f, (dtype, shape, _) in out.literal_tensors.items()}}
     for fqn, (shape, dtype) in planned.items():
         entry = dst.tensors.get(fqn)

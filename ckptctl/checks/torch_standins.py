@@ -8,8 +8,10 @@ unpickler, with its own checks, builds the item: torchao's wrappers as inert wra
 whose `_tensor` (`_data`) is the value, TE's reconstructors as the value TE's dequantize gives
 (float32 code × scale_inv, rounded to the logical dtype; the block-scaled kinds by
 `formats.dcp.block_scaled.dequantize`), TE's quantizers and torchao's configs as inert objects.
-No producer's code is imported or run. The pickled forms are described in
-`ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
+A second set (`load_float8_parts`) builds TE's Float8Tensor items as their reconstructor's
+arguments — codes, scale_inv, FP8 format, DType module, logical dtype, shape — for the check of a
+reshard that keeps them. No producer's code is imported or run. The pickled forms are described
+in `ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import collections
 import io
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 MARKERS = (b"torch._tensor\n_rebuild_from_type_v2", b"transformer_engine")
@@ -144,6 +147,62 @@ def _te_float8(data: Any, fp8_dtype: Any, scale_inv: Any, dtype: Any, shape: Any
             or scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
         raise ValueError("not a Transformer Engine Float8Tensor")
     return (data.view(fp8).float() * scale_inv.reshape(1)[0]).to(dtype)
+
+
+@dataclass(frozen=True)
+class Float8Parts:
+    """What torch's loader builds of a TE Float8Tensor item under `float8_safe_globals`: the
+    reconstructor's arguments as pickled, nothing computed (`--verify` of a reshard that keeps them)."""
+
+    codes: Any  # uint8 tensor of the logical shape
+    scale_inv: Any  # float32 tensor of one element
+    fp8: int  # TE's DType value
+    dtype_module: str  # the module TE's DType class was named under
+    dtype: Any  # the logical torch dtype
+    shape: tuple[int, ...]
+    args: int  # 5, or 6 with data_transpose (None)
+
+
+@dataclass(frozen=True)
+class _TeCode:
+    module: str
+    value: int
+
+
+def _te_code(module: str) -> Any:
+    def te_dtype(value: Any) -> _TeCode:
+        return _TeCode(module, _te_dtype(value))
+    return te_dtype
+
+
+def _te_float8_parts(data: Any, fp8_dtype: Any, scale_inv: Any, dtype: Any, shape: Any, *rest: Any) -> Float8Parts:
+    import torch
+
+    if rest not in ((), (None,)) or not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 \
+            or tuple(data.shape) != tuple(shape) or not isinstance(scale_inv, torch.Tensor) \
+            or scale_inv.dtype != torch.float32 or scale_inv.numel() != 1 or type(fp8_dtype) is not _TeCode:
+        raise ValueError("not a Transformer Engine Float8Tensor")
+    return Float8Parts(data, scale_inv.reshape(1), fp8_dtype.value, fp8_dtype.module, dtype, tuple(shape),
+                       5 + len(rest))
+
+
+_FLOAT8_SAFE = [(_te_float8_parts, "transformer_engine.pytorch.tensor.float8_tensor._make_float8_tensor_in_reduce_ex"),
+                *((_te_code(module), f"{module}.DType")
+                  for module in ("transformer_engine.pytorch.constants", "transformer_engine_torch"))]
+"""The stand-ins `load_float8_parts` allows: TE's reconstructor keeping its arguments, its DType
+keeping the module it was named under."""
+
+
+def load_float8_parts(raw: bytes) -> Float8Parts:
+    """A TE Float8Tensor item's codes, scale and form, by `torch.load(weights_only=True)` allowed
+    `_FLOAT8_SAFE`; ValueError for any other item."""
+    import torch
+
+    with _LOADING, torch.serialization.safe_globals(_FLOAT8_SAFE):
+        parts = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    if type(parts) is not Float8Parts:
+        raise ValueError("not a Transformer Engine Float8Tensor item")
+    return parts
 
 
 _SAFE: list | None = None

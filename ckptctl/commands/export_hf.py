@@ -37,6 +37,7 @@ from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
+from ckptctl.formats.dcp.items import ItemReader
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.distributed import ShardFile, placed_shards, record_count, shard_records
 from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, placed_file,
@@ -451,6 +452,11 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         targets = quantized_targets(targets, opts.quantize, ckpt.path, selected)
         ctx.notes.append(f"{counted(quantized_count(targets), 'weight')} written as {opts.quantize.describe()}, "
                          "each with its weight_scale_inv; the others as they are")
+        from_te = te_float8_weights(ckpt, targets) if opts.quantize.quantized is None else 0
+        if from_te:
+            ctx.notes.append(f"{counted(from_te, 'weight')} from Transformer Engine Float8Tensor items: a block whose "
+                             "rows share one scale_inv that codes TE's values exactly keeps that scale and those "
+                             "values (e4m3: TE's codes, bit for bit); any other is quantized from the values")
     split = shard(targets, parse_size(opts.max_shard_size))
     file_names = {name: with_scales(names, targets) for name, names in split.filename_to_tensors.items()}
     files = [placed_file(name, [targets[n] for n in names]) for name, names in file_names.items()]
@@ -732,6 +738,13 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
         notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
                      f"(transformers' {cfg.model_type} model), no base weight read")
     return _peft_folder_plan(model.prefix, tensors, sources, notes, config)
+
+
+def te_float8_weights(ckpt: Checkpoint, targets: Mapping[str, TargetTensor]) -> int:
+    """How many quantized weights read a TE Float8Tensor (their blocks may keep its scale: `engine.cpu.te_scales`)."""
+    with ItemReader(ckpt) as reader:
+        return sum(any(reader.holds_float8(ckpt.tensors[p.src]) for p in t.pieces if p.src in ckpt.tensors)
+                   for t in targets.values() if isinstance(t.properties, Fp8Codes))
 
 
 def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[str], cfg: HFConfig,

@@ -11,6 +11,7 @@ cast are plain byte moves; torch is imported only to cast or add.
 from __future__ import annotations
 
 import math
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -112,6 +113,10 @@ class ChunkSource:
                 self._decoded[key] = data
                 self._decoded_bytes += len(data)
         return memoryview(data)
+
+    def float8_scale(self, fqn: str, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk read as a TE Float8Tensor item; None for any other."""
+        return self.reader.located_scale(chunk)
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
@@ -729,6 +734,8 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
     if codes.kept is not None:  # like:REF: REF's scales of these block rows, kept where they code them exactly
         first = item.box.offsets[0] // codes.block[0]
         kept = stored_scales(codes.kept, first, first - (-item.box.sizes[0] // codes.block[0]))
+    elif not codes.ue8m0:  # a TE Float8Tensor's scale_inv, kept (and its codes) where they code its values exactly
+        kept = te_scales(item, sources, codes.block)
     out, scale = quantize_fp8(widened, codes.block, codes.ue8m0, kept, codes.values)
     bad = (~(scale.isfinite() & (scale > 0))).nonzero()
     if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
@@ -737,6 +744,34 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
                          f"({codes.block[0]}×{codes.block[1]}) has no FP8 scale (its largest magnitude gives "
                          f"{float(scale[row, col])}): a value there is not finite, or too small for a float32 scale")
     return out, scale
+
+
+def te_scales(item: StreamItem, sources: Any, block: tuple[int, int]) -> Any:
+    """Per block of a quantized weight's band (float32 [⌈R/bm⌉, ⌈N/bn⌉]): the scale_inv of the TE
+    Float8Tensor items all its elements are read from, where they share one (NaN elsewhere); None
+    when none is read from one. `quantize_fp8` keeps such a scale where it codes the block's values
+    exactly: a per-tensor scale is one scale for every block, and the codes it gives back are TE's
+    own (a finite e4m3 code c is the one code whose value c × s rounds to the value TE dequantizes)."""
+    import torch
+
+    rows, cols = item.box.sizes
+    per = None
+    for read in item.reads:
+        raw = sources.float8_scale(read.fqn, read.chunk)
+        if raw is None or not isinstance(read, SourceRead):  # a transposed piece of one: left NaN, quantized afresh
+            continue
+        if per is None:
+            per = torch.full((rows * cols,), float("nan"))
+        scale = struct.unpack("<f", raw)[0]
+        for run in read.runs:
+            per[run.dst:run.dst + run.length] = scale
+    if per is None:
+        return None
+    (bm, bn), (gm, gn) = block, (-(-rows // block[0]), -(-cols // block[1]))
+    least, most = torch.full((gm * bm, gn * bn), math.inf), torch.full((gm * bm, gn * bn), -math.inf)
+    least[:rows, :cols] = most[:rows, :cols] = per.view(rows, cols)
+    least, most = least.view(gm, bm, gn, bn).amin(dim=(1, 3)), most.view(gm, bm, gn, bn).amax(dim=(1, 3))
+    return torch.where(least == most, least, torch.full_like(least, float("nan")))
 
 
 def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:

@@ -24,7 +24,7 @@ from typing import IO, Any, Callable
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.util.errors import CheckpointError
 from ckptctl.formats.dcp.block_scaled import BlockScaleError, dequantize
-from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec, names_subclass
+from ckptctl.formats.pickle.subclass import TE_FLOAT8, Float8RecordSpec, WrappedRecordSpec, names_subclass
 from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec
 from ckptctl.formats.pickle.unpickle import (MalformedPickleError, TensorRecordSpec, UnsafePickleError,
                                              load_tensor_record_spec)
@@ -39,6 +39,9 @@ MAX_SAFETENSORS_HEADER = 16 << 20
 PEEK_BYTES = 512
 """What `peek_kind` reads of an item: torch.save's first record is `data.pkl`, its first global
 within a hundred bytes of the item's start."""
+FLOAT8_ITEM_OVERHEAD = 64 << 10
+"""More than a TE Float8Tensor item holds besides its codes (its `data.pkl`, scale_inv and zip
+records: about 3 kB)."""
 MAX_WHOLE_READ = 1 << 30
 """Largest item read whole into memory when the caller names no bound: a bytes entry (a
 pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
@@ -158,6 +161,9 @@ class ItemReader:
         self.dequantize_fp8 = False
         """Whether `read_chunk` may dequantize a TE Float8Tensor item (export-hf, diff): a command
         that keeps items exactly (reshard) refuses it."""
+        self.fp8_codes: frozenset[str] = frozenset()
+        """Tensors whose chunks are read as their TE Float8Tensor items' FP8 codes, one byte an
+        element (a reshard that keeps them: `formats.dcp.te_float8`); any other item of theirs is refused."""
 
     def close(self) -> None:
         with self._lock:
@@ -196,6 +202,8 @@ class ItemReader:
 
     def locate(self, entry: TensorEntry, chunk: Chunk) -> RawRecord | None:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
+        if entry.fqn in self.fp8_codes:
+            return self._codes(entry, chunk)
         if chunk.transforms:
             return None
         if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
@@ -214,7 +222,8 @@ class ItemReader:
         in one `pread`; None when it is not small, no item of its kind was validated yet, or it
         differs from the template (`locate` then parses it). At a million tiny chunks, one read
         per chunk instead of two."""
-        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM:
+        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM \
+                or entry.fqn in self.fp8_codes:
             return None
         template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
         if template is None or template.whole is None:
@@ -327,15 +336,52 @@ class ItemReader:
         return _BlockItem(spec, tuple(self._record_start(entry, chunk, archive, names, folder, r)
                                       + r.storage_offset * r.dtype.itemsize for r in spec.records()))
 
+    def float8_item(self, entry: TensorEntry, chunk: Chunk) -> tuple[Float8RecordSpec, bytes] | None:
+        """A TE Float8Tensor chunk's spec and its scale_inv's four bytes; None for any other item."""
+        if chunk.transforms or self.ckpt.safetensors_folder or self._safetensors_header(chunk.file, chunk.offset):
+            return None
+        key = (chunk.file, chunk.offset)
+        if key not in self._kinds and key not in self._float8:
+            self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
+        item = self._float8.get(key)
+        return None if item is None else (item.spec, self.located_scale(chunk))
+
+    def located_scale(self, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk already located as a TE Float8Tensor item (a chunk
+        is located before it is read); None for any other."""
+        item = self._float8.get((chunk.file, chunk.offset))
+        if item is None:
+            return None
+        scale = self.positioned_reader(chunk.file)(4, chunk.offset + item.scale_at)
+        if len(scale) != 4:
+            raise self._bad(chunk, "short read")
+        return scale
+
+    def holds_float8(self, entry: TensorEntry) -> bool:
+        """Whether the tensor's first item is a TE Float8Tensor (one small read for any other; none
+        for an item longer than a Float8Tensor's of its chunk could be)."""
+        first = next((c for c in entry.chunks if c.length), None)
+        return first is not None and first.length <= first.numel + FLOAT8_ITEM_OVERHEAD \
+            and self.names_subclass(first) and self.float8_item(entry, first) is not None
+
+    def _codes(self, entry: TensorEntry, chunk: Chunk) -> RawRecord:
+        """Where a TE Float8Tensor chunk's FP8 codes are (`fp8_codes`)."""
+        if self.float8_item(entry, chunk) is None:
+            raise self._bad(chunk, f"{entry.fqn}: not a {TE_FLOAT8} item, where its tensor's others are")
+        return RawRecord(self._path(chunk.file), chunk.offset + self._float8[(chunk.file, chunk.offset)].data_at,
+                         chunk.numel)
+
     def peek_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
         """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
         `data.pkl`, where the first global is named) name one of the subclasses; None for any
         other without parsing it (one small read: `inspect` asks this of each tensor's first item)."""
+        return self.item_kind(entry, chunk) if self.names_subclass(chunk) else None
+
+    def names_subclass(self, chunk: Chunk) -> bool:
+        """Whether the chunk's item's first `PEEK_BYTES` name one of the subclasses (one small read)."""
         if chunk.transforms or self.ckpt.safetensors_folder or not chunk.length:
-            return None
-        if not names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset)):
-            return None
-        return self.item_kind(entry, chunk)
+            return False
+        return names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset))
 
     def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
         """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
@@ -588,7 +634,8 @@ class ItemReader:
         spec = item.spec
         if not self.dequantize_fp8:
             raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
-                                   "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
+                                   "tensors exactly and cannot rewrite FP8 items here (reshard keeps them at FSDP2's "
+                                   "layout; export-hf and export-torch dequantize them)")
         read = self.positioned_reader(chunk.file)
         codes = bytearray(read(chunk.numel, chunk.offset + item.data_at))
         scale = read(4, chunk.offset + item.scale_at)

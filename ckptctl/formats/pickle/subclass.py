@@ -46,6 +46,8 @@ TORCHAO_WRAPPER = "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor"
 TORCHAO_MOE_WRAPPER = "torchao.prototype.moe_training.tensor.Float8TrainingWeightWrapperTensor"
 TE_FLOAT8 = "transformer_engine Float8Tensor"
 TE_RECONSTRUCTOR = ("transformer_engine.pytorch.tensor.float8_tensor", "_make_float8_tensor_in_reduce_ex")
+TE_DTYPE_MODULES = ("transformer_engine.pytorch.constants", "transformer_engine_torch")
+"""Where TE's DType class lives, by release: the Python IntEnum (2.17 on), the pybind enum (2.16)."""
 TE_FP8 = {7: DTYPES["float8_e4m3fn"], 8: DTYPES["float8_e5m2"]}
 """TE's DType values of its FP8 formats (transformer_engine.h: kFloat8E4M3 = 7, kFloat8E5M2 = 8)."""
 LOGICAL = frozenset(DTYPES[n] for n in ("bfloat16", "float16", "float32"))
@@ -74,6 +76,10 @@ class Float8RecordSpec:
     fp8: DType
     dtype: DType
     size: tuple[int, ...]
+    dtype_module: str = "transformer_engine.pytorch.constants"
+    """The module of the DType class the item names (see the module docstring): a rewrite names it again."""
+    args: int = 6
+    """How many arguments the item passes to the reconstructor (5 before TE's `data_transpose`, 6 after)."""
 
     def describe(self) -> str:
         return f"{self.fp8.name} data + float32 scale_inv, logical {self.dtype.name}"
@@ -89,6 +95,7 @@ class _Token:
 @dataclass(frozen=True)
 class _TeDType:
     value: int
+    module: str
 
 
 _REBUILD_WRAPPER = _Token("torch._utils._rebuild_wrapper_subclass")
@@ -175,10 +182,12 @@ def _device(args: tuple) -> str:
     return args[0]
 
 
-def _te_dtype(args: tuple) -> _TeDType:
-    if len(args) != 1 or type(args[0]) is not int or not 0 <= args[0] <= 16:
-        raise MalformedPickleError("Transformer Engine DType needs one small integer")
-    return _TeDType(args[0])
+def _te_dtype(module: str) -> Callable[[tuple], _TeDType]:
+    def build(args: tuple) -> _TeDType:
+        if len(args) != 1 or type(args[0]) is not int or not 0 <= args[0] <= 16:
+            raise MalformedPickleError("Transformer Engine DType needs one small integer")
+        return _TeDType(args[0], module)
+    return build
 
 
 def _record(value: Any, what: str, spec_type: type) -> Any:
@@ -265,14 +274,14 @@ def _te_float8(spec_type: type) -> Callable[[tuple], Float8RecordSpec]:
         if scale_inv.dtype != DTYPES["float32"] or math.prod(scale_inv.size) != 1:
             raise UnsafePickleError(f"Float8Tensor scale_inv is {scale_inv.dtype.name} {list(scale_inv.size)}, "
                                     "not one float32 (a per-tensor scale)")
-        return Float8RecordSpec(TE_FLOAT8, data, scale_inv, TE_FP8[fp8.value], dtype, tuple(shape))
+        return Float8RecordSpec(TE_FLOAT8, data, scale_inv, TE_FP8[fp8.value], dtype, tuple(shape), fp8.module,
+                                len(args))
     return build
 
 
 def subclass_globals(base: dict[tuple[str, str], Any], spec_type: type,
                      get_layout: Constructor, torch_size: Constructor) -> dict[tuple[str, str], Any]:
     """`base` (what a plain tensor record may name) plus these subclasses' stand-ins."""
-    te_dtype = Constructor("transformer_engine DType", call=_te_dtype)
     return {
         **base,
         ("torch._tensor", "_rebuild_from_type_v2"): Constructor("torch._tensor._rebuild_from_type_v2",
@@ -288,8 +297,8 @@ def subclass_globals(base: dict[tuple[str, str], Any], spec_type: type,
         ("torch.serialization", "_get_layout"): get_layout,
         ("torch", "Size"): torch_size,
         TE_RECONSTRUCTOR: Constructor(".".join(TE_RECONSTRUCTOR), call=_te_float8(spec_type)),
-        ("transformer_engine.pytorch.constants", "DType"): te_dtype,
-        ("transformer_engine_torch", "DType"): te_dtype,
+        **{(module, "DType"): Constructor("transformer_engine DType", call=_te_dtype(module))
+           for module in TE_DTYPE_MODULES},
     }
 
 
