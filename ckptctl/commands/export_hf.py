@@ -52,6 +52,7 @@ from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.families.bridge_adapters import BridgeAdapter
+from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -719,14 +720,22 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
+    tensors, on_modules, parameters = fuse_expert_adapters(tensors, peft, targets, str(ckpt.path))
     check_coverage(ckpt, tensors.values(), sources)
-    found = PeftAdapters(tuple(peft), "default", {})
-    config = peft_config(found, LoraScale(alpha.value, False), [n.removesuffix(".weight") for n in targets],
+    found = PeftAdapters(tuple(on_modules), "default", {})
+    config = peft_config(found, LoraScale(alpha.value, False),
+                         [n.removesuffix(".weight") for n in targets if not is_per_expert(n)],
                          str(ref) if ref is not None else None, _peft_task_type(cfg))
-    modules = counted(len(peft), "PEFT LoRA module")
+    if parameters:
+        config["target_parameters"] = parameters
+    modules = counted(len(on_modules), "PEFT LoRA module")
+    if parameters:
+        modules += f" and {counted(sum(n.endswith('.lora_A.weight') for n in tensors) - len(on_modules), 'expert parameter')}"
     canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
+    experts = (f"; the experts' as PEFT's target_parameters {', '.join(parameters)} of transformers 5's fused experts"
+               if parameters else "")
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
-             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}; α {alpha.value:g} from "
+             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}{experts}; α {alpha.value:g} from "
              f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]
     if shaped:
         notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "

@@ -1,0 +1,145 @@
+"""LoRA on MoE experts as PEFT writes it for transformers 5's fused expert parameters (`target_parameters`).
+
+transformers 5 holds a layer's experts as 3-D parameters of one module (`mlp.experts.gate_up_proj`
+[E, 2F, H], `down_proj` [E, H, F]: `families.experts.STACKED`), not as linears, so a PEFT LoRA on
+`mlp.experts.<e>.gate_proj` finds no module to wrap. PEFT adapts such a parameter with a
+`ParamWrapper` (LoraConfig `target_parameters`, peft ≥ 0.17): `lora_A` [E·r, in], expert e's A its
+rows e·r …; `lora_B` [out, r·E], expert e's B its columns e, E + e, 2E + e … (peft's
+`get_delta_weight`: A reshaped [E, r, in], B reshaped [out, r, E]), merged as
+W_e + (α / r) · B_e @ A_e. Two parameters of one module are wrapped one inside the other, in
+`target_parameters` order: the first adapted is the inner one, its tensors under
+`mlp.experts.base_layer.`, the outer one's under `mlp.experts.`. Every expert of the stack is
+adapted at one rank, so experts adapted at different ranks, or some experts not at all, or gate
+and up with different A (canonical LoRA's adapter_gate / adapter_up) are refused by name.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from ckptctl.core.plan import Piece, TargetTensor
+from ckptctl.families.adapters import PEFT_PREFIX, Adapter
+from ckptctl.families.experts import STACKED
+from ckptctl.util.errors import CheckpointError
+
+_EXPERT_MODULE = re.compile(r"^(?P<layer>.*\.)mlp\.experts\.(?P<e>\d+)\.(?P<leaf>[^.]+)$")
+_PER_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def is_per_expert(name: str) -> bool:
+    """Whether HF name `name` is one expert's (`…mlp.experts.<e>.…`), which transformers 5 may fuse."""
+    return _PER_EXPERT.search(name) is not None
+
+
+def _parts() -> dict[str, tuple[str, int]]:
+    """An expert's HF module leaf → (its stacked parameter, its place among that one's parts)."""
+    return {part.removesuffix(".weight"): (stacked, i) for stacked, parts in STACKED.items()
+            for i, part in enumerate(parts)}
+
+
+def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence[Adapter],
+                         targets: Mapping[str, TargetTensor], where: str
+                         ) -> tuple[dict[str, TargetTensor], list[Adapter], list[str]]:
+    """The PEFT folder's tensors with every per-expert module's LoRA (`mlp.experts.<e>.gate_proj` …)
+    moved into its layer's ParamWrapper tensors (module docstring); the adapters left on modules;
+    and `target_parameters` (empty without expert adapters). `targets`: the HF model's tensors,
+    which say each stack's experts and rows; `where`: what refusals name."""
+    parts = _parts()
+    out = dict(tensors)
+    kept: list[Adapter] = []
+    stacks: dict[tuple[str, str], dict[int, dict[int, Adapter]]] = {}
+    for adapter in adapters:
+        match = _EXPERT_MODULE.match(adapter.module)
+        if match is None or match["leaf"] not in parts:
+            if is_per_expert(adapter.module):
+                raise CheckpointError(where, f"{adapter.module}: a LoRA adapter on one expert's linear, which "
+                                             "transformers 5 holds in a fused expert parameter PEFT's "
+                                             "target_parameters adapts only for mlp.experts.{gate_up,down}_proj")
+            kept.append(adapter)
+            continue
+        stacked, part = parts[match["leaf"]]
+        stacks.setdefault((match["layer"], stacked), {}).setdefault(int(match["e"]), {})[part] = adapter
+    if not stacks:
+        return out, kept, []
+    ranks = sorted({a.rank for a in adapters})
+    if len(ranks) > 1:
+        odd = next(a for by_e in stacks.values() for by_part in by_e.values() for a in by_part.values())
+        raise CheckpointError(where, f"{odd.module}: LoRA ranks {', '.join(map(str, ranks))} in one run: a PEFT "
+                                     "folder with target_parameters takes one rank (normalize_moe_lora's smaller "
+                                     "expert rank is not written yet)")
+    rank = ranks[0]
+    adapted: dict[str, set[str]] = {}
+    for (layer, stacked), experts in sorted(stacks.items()):
+        adapted.setdefault(layer, set()).add(stacked)
+        wanted = _experts_of(targets, layer, stacked)
+        first = next(iter(next(iter(experts.values())).values()))
+        missing = [f"{layer}mlp.experts.{e}.{p.removesuffix('.weight')}" for e in range(wanted)
+                   for i, p in enumerate(STACKED[stacked]) if i not in experts.get(e, {})]
+        if missing or len(experts) != wanted:
+            raise CheckpointError(where, f"{first.module}: LoRA on some of {layer}mlp.experts' experts but not "
+                                         f"{missing[0] if missing else 'all'}: PEFT's target_parameters adapts every "
+                                         "expert of the fused parameter")
+        for e, by_part in experts.items():
+            a_pieces = {out[by_part[i].a].pieces for i in by_part}
+            if len(a_pieces) != 1:
+                raise CheckpointError(where, f"{by_part[1].module}: its lora_A is not {by_part[0].module}'s: the "
+                                             f"fused {stacked.rsplit('.', 1)[-1]} has one A per expert")
+        out.update(_wrapper_tensors(out, layer, stacked, experts, rank, wanted))
+        for by_part in experts.values():
+            for adapter in by_part.values():
+                del out[adapter.a], out[adapter.b]
+    layers = {m["layer"] for name in targets if (m := _EXPERT_MODULE.match(name.removesuffix(".weight")))}
+    first_set = next(iter(adapted.values()))
+    uneven = sorted(layer for layer in layers if adapted.get(layer) != first_set)
+    if uneven:
+        def leaves(names: set[str]) -> str:
+            return ", ".join(sorted(n.rsplit(".", 1)[-1] for n in names)) or "nothing"
+
+        raise CheckpointError(where, f"{uneven[0]}mlp.experts: its experts' LoRA adapts "
+                                     f"{leaves(adapted.get(uneven[0], set()))}, other layers' {leaves(first_set)}: "
+                                     "PEFT's target_parameters names the same parameters in every layer")
+    order = [p for p in STACKED if p in first_set]
+    for layer in adapted:
+        renamed = {}
+        for depth, stacked in enumerate(order):
+            inner = "base_layer." * (len(order) - 1 - depth)
+            for factor in ("lora_A", "lora_B"):
+                old = f"{PEFT_PREFIX}{layer}{stacked}.{factor}.weight"
+                renamed[old] = f"{PEFT_PREFIX}{layer}mlp.experts.{inner}{factor}.weight"
+        for old, new in renamed.items():
+            out[new] = replace(out.pop(old), fqn=new)
+    return out, kept, [p.removeprefix("mlp.") for p in order]
+
+
+def _experts_of(targets: Mapping[str, TargetTensor], layer: str, stacked: str) -> int:
+    """How many experts the HF model's layer has (its `mlp.experts.<e>.<part>` tensors)."""
+    first = STACKED[stacked][0]
+    count = 0
+    while f"{layer}mlp.experts.{count}.{first}" in targets:
+        count += 1
+    return count
+
+
+def _wrapper_tensors(tensors: Mapping[str, TargetTensor], layer: str, stacked: str,
+                     experts: Mapping[int, Mapping[int, Adapter]], rank: int, count: int) -> dict[str, TargetTensor]:
+    """One layer's stacked parameter's `lora_A` [E·r, in] and `lora_B` [out, r·E] (module docstring),
+    made of the per-expert modules' tensors' pieces (temporarily named `<layer><stacked>.lora_*`)."""
+    a0 = tensors[experts[0][0].a]
+    a_pieces, b_pieces = [], []
+    rows = sum(tensors[experts[0][i].b].shape[0] for i in range(len(STACKED[stacked])))
+    for e in range(count):
+        a = tensors[experts[e][0].a]
+        a_pieces += [replace(p, dst_start=(e * rank + p.dst_start[0], *p.dst_start[1:])) for p in a.pieces]
+        offset = 0
+        for i in range(len(STACKED[stacked])):
+            b = tensors[experts[e][i].b]
+            for p in b.pieces:
+                for k in range(rank):
+                    b_pieces.append(Piece(p.src, (p.src_start[0], p.src_start[1] + k),
+                                          (offset + p.dst_start[0], k * count + e), (p.sizes[0], 1)))
+            offset += b.shape[0]
+    a_name, b_name = (f"{PEFT_PREFIX}{layer}{stacked}.{f}.weight" for f in ("lora_A", "lora_B"))
+    return {a_name: TargetTensor(a_name, (count * rank, a0.shape[1]), a0.dtype, tuple(a_pieces)),
+            b_name: TargetTensor(b_name, (rows, rank * count), tensors[experts[0][0].b].dtype, tuple(b_pieces))}

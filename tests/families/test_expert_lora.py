@@ -1,0 +1,95 @@
+"""Per-expert LoRA as PEFT's `target_parameters` on transformers 5's fused experts: layout and refusals.
+
+The layout is proven against peft itself in tests/commands/test_export_hf_bridge_moe_lora.py
+(the folder loads and gives the merged model's logits); here, the geometry of the pieces and the
+cases PEFT's ParamWrapper cannot express, refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptctl.core.plan import Piece, TargetTensor
+from ckptctl.families.adapters import PEFT_PREFIX, Adapter
+from ckptctl.families.expert_lora import fuse_expert_adapters
+from ckptctl.util.errors import CheckpointError
+
+E, R, H, F = 2, 3, 8, 5
+
+
+def _module(layer: int, e: int, leaf: str) -> str:
+    return f"model.layers.{layer}.mlp.experts.{e}.{leaf}"
+
+
+def _case(layers: int = 1, skip: tuple[str, ...] = (), split_a: bool = False, rank: int = R):
+    """PEFT tensors as `bridge_adapter_tensors` makes them: per expert, gate and up share fc1's A
+    (`A<l>.<e>.fc1`), each its rows of B; down its own A and B."""
+    tensors, adapters, targets = {}, [], {}
+    for layer in range(layers):
+        for e in range(E):
+            for leaf, rows, cols in (("gate_proj", F, H), ("up_proj", F, H), ("down_proj", H, F)):
+                module = _module(layer, e, leaf)
+                targets[f"{module}.weight"] = TargetTensor(f"{module}.weight", (rows, cols), "float32", ())
+                if module in skip:
+                    continue
+                fc = "fc2" if leaf == "down_proj" else "fc1"
+                a_src = f"A{layer}.{e}.{leaf if split_a else fc}"
+                offset = F if leaf == "up_proj" else 0
+                a, b = f"{PEFT_PREFIX}{module}.lora_A.weight", f"{PEFT_PREFIX}{module}.lora_B.weight"
+                tensors[a] = TargetTensor(a, (rank, cols), "float32", (Piece(a_src, (0, 0), (0, 0), (rank, cols)),))
+                tensors[b] = TargetTensor(b, (rows, rank), "float32",
+                                          (Piece(f"B{layer}.{e}.{fc}", (offset, 0), (0, 0), (rows, rank)),))
+                adapters.append(Adapter(module, a, b, rank))
+    return tensors, adapters, targets
+
+
+def test_experts_become_one_wrapper_per_fused_parameter():
+    tensors, adapters, targets = _case()
+    out, kept, parameters = fuse_expert_adapters(tensors, adapters, targets, "ckpt")
+    assert (kept, parameters) == ([], ["experts.gate_up_proj", "experts.down_proj"])
+    layer = f"{PEFT_PREFIX}model.layers.0.mlp.experts."
+    assert sorted(out) == [f"{layer}{inner}{f}.weight" for inner in ("base_layer.", "") for f in ("lora_A", "lora_B")]
+    gate_up_a, gate_up_b = out[f"{layer}base_layer.lora_A.weight"], out[f"{layer}base_layer.lora_B.weight"]
+    assert gate_up_a.shape == (E * R, H) and gate_up_b.shape == (2 * F, R * E)
+    assert gate_up_a.pieces == (Piece("A0.0.fc1", (0, 0), (0, 0), (R, H)), Piece("A0.1.fc1", (0, 0), (R, 0), (R, H)))
+    # expert 1's up_proj rows (B rows F.. of its fc1) at rows F.., its rank k at column k·E + 1
+    assert Piece("B0.1.fc1", (F, 2), (F, 2 * E + 1), (F, 1)) in gate_up_b.pieces
+    assert len(gate_up_b.pieces) == E * 2 * R
+    assert out[f"{layer}lora_B.weight"].shape == (H, R * E)
+
+
+@pytest.mark.parametrize(("case", "line"), [
+    (dict(skip=(_module(0, 1, "up_proj"),)),
+     "model.layers.0.mlp.experts.0.gate_proj: LoRA on some of model.layers.0.mlp.experts' experts but not "
+     "model.layers.0.mlp.experts.1.up_proj: PEFT's target_parameters adapts every expert of the fused parameter"),
+    (dict(split_a=True),
+     "model.layers.0.mlp.experts.0.up_proj: its lora_A is not model.layers.0.mlp.experts.0.gate_proj's: the fused "
+     "gate_up_proj has one A per expert"),
+    (dict(layers=2, skip=(_module(1, 0, "down_proj"), _module(1, 1, "down_proj"))),
+     "model.layers.1.mlp.experts: its experts' LoRA adapts gate_up_proj, other layers' down_proj, gate_up_proj: "
+     "PEFT's target_parameters names the same parameters in every layer"),
+])
+def test_what_target_parameters_cannot_express_is_refused(case, line):
+    tensors, adapters, targets = _case(**case)
+    with pytest.raises(CheckpointError) as err:
+        fuse_expert_adapters(tensors, adapters, targets, "ckpt")
+    assert str(err.value) == f"ckpt: {line}"
+
+
+def test_an_expert_rank_other_than_the_modules_is_refused():
+    tensors, adapters, targets = _case()
+    other = Adapter("model.layers.0.self_attn.q_proj", "qa", "qb", R + 1)
+    with pytest.raises(CheckpointError) as err:
+        fuse_expert_adapters(tensors, [*adapters, other], targets, "ckpt")
+    assert str(err.value) == ("ckpt: model.layers.0.mlp.experts.0.gate_proj: LoRA ranks 3, 4 in one run: a PEFT "
+                              "folder with target_parameters takes one rank (normalize_moe_lora's smaller expert rank "
+                              "is not written yet)")
+
+
+def test_an_expert_linear_transformers_does_not_fuse_is_refused():
+    adapter = Adapter("model.layers.0.block_sparse_moe.experts.0.w1", "a", "b", R)
+    with pytest.raises(CheckpointError) as err:
+        fuse_expert_adapters({}, [adapter], {}, "ckpt")
+    assert str(err.value) == ("ckpt: model.layers.0.block_sparse_moe.experts.0.w1: a LoRA adapter on one expert's "
+                              "linear, which transformers 5 holds in a fused expert parameter PEFT's target_parameters "
+                              "adapts only for mlp.experts.{gate_up,down}_proj")
