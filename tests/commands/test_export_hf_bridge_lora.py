@@ -429,7 +429,7 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
     is its slab, fc1's linear_out TP-blocked [W_0; V_0; W_1; V_1] as Megatron-LM saves an fc1 adapter
     it does not split (`handle_swiglu_in_state_dict` splits fc1's own weight only), and export-hf
     merges it (fc1 saved as weight_w / weight_v) to Bridge's merge bit for bit, and writes the same
-    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked. Canonical
+    PEFT folder; the way back to torch_dist unblocks fc1's adapter to the first save's tensors. Canonical
     LoRA's adapters (their own rows, never blocked) convert and merge too."""
     own = tmp_path / "own"
     run = run_cli("reshard", bridge / "ckpt", own, "--verify")
@@ -473,11 +473,10 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
                   "--lora-alpha", ALPHA, "--tp", "1")
     assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {fsdp}: --tp 1 but the checkpoint's args say "
                                                        "TP 2")
-    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist")
-    assert (run.returncode, run.stderr.strip()) == (
-        2, f"ckptctl: error: {fsdp}: model.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight: a "
-           "Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved at TP 2, is TP-blocked (Megatron-LM splits "
-           "only fc1's own weight): not converted to torch_dist yet")
+    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist", "--verify")
+    assert run.returncode == 0, run.stderr
+    back = _load_all(tmp_path / "back")  # fc1's adapter unblocked to torch_dist's [W_all; V_all], as saved at first
+    assert all(torch.equal(back[name], stack) for name, stack in lora_state().items())
 
     # canonical LoRA: each projection's adapter is its own, never TP-blocked; merged as Bridge merges it
     src = _with_args(bridge / "canonical", tmp_path / "canonical-args")
