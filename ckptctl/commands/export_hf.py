@@ -51,6 +51,7 @@ from ckptctl.commands.automodel_peft import peft_source
 from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
+from ckptctl.commands.hf_base import is_hf_folder, with_hf_base
 from ckptctl.families.bridge_adapters import BridgeAdapter
 from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
@@ -380,7 +381,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
                                "wrong --hf-config?")
     ctx = ExportContext(cfg, model, tp, etp)
     if opts.base is not None:
-        ctx.notes.append(f"base weights from {opts.base} (--base)")
+        how = f", a Hugging Face folder read through the {family.name} rules" if ckpt.dense_files else ""
+        ctx.notes.append(f"base weights from {opts.base} (--base{how})")
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
@@ -1099,6 +1101,10 @@ def open_export_source(src: Path, opts: ExportOptions, ref: str | Path) -> tuple
         return ckpt, opts
     if megatron_prefix(ckpt) is None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
+    if is_hf_folder(opts.base):
+        cfg = load_hf_config(ref, opts.hub_timeout)
+        family, prefix = choose_family(ckpt, cfg, opts.arch)
+        return with_hf_base(ckpt, opts.base, cfg, family, prefix), opts
     return with_base(ckpt, opts.base), opts
 
 

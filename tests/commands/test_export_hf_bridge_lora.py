@@ -488,3 +488,54 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
     assert run.returncode == 0, run.stderr
     merged, want = _exported(tmp_path / "canonical-hf"), _canonical_reference(bridge)
     assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
+
+
+def test_an_hf_folder_as_base_merges_as_the_torch_dist_base(bridge, tmp_path):
+    """The pretrained model as users hold it, the HF folder (here the plain export of the fixture's
+    model): each Megatron weight is read back from its HF tensors' rows through the family's rules
+    (linear_qkv's query groups, fc1's [gate; up]); the merge is Bridge's, bit for bit, and so is the
+    PEFT folder."""
+    hf_base = bridge / "plain"
+    run = run_cli("export-hf", bridge / "only", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", hf_base,
+                  "--merge-adapters", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert f"note: base weights from {hf_base} (--base, a Hugging Face folder read through the llama rules)" \
+        in run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    got, want = _exported(tmp_path / "hf"), _exported(tmp_path / "ref")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    for folder, base in (("ad", hf_base), ("ad-dist", SRC)):
+        run = run_cli("export-hf", bridge / "only", tmp_path / folder, "--hf-config", bridge / "cfg", "--base", base,
+                      "--adapter-only")
+        assert run.returncode == 0, run.stderr
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ad", "ad-dist"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b)
+
+
+def test_an_hf_base_the_config_does_not_describe_is_refused(bridge, tmp_path):
+    from safetensors.torch import save_file
+
+    plain = _exported(bridge / "plain")
+    cases = [("stray", {**plain, "model.extra.weight": torch.zeros(2)},
+              "model.extra.weight: a tensor a llama model of {cfg} has no place for (is --hf-config the base's "
+              "config?)"),
+             ("short", {k: v for k, v in plain.items() if k != "model.norm.weight"},
+              "has no model.norm.weight, which a llama model of {cfg} has (is --base the run's pretrained model?)"),
+             ("wide", {**plain, "model.norm.weight": torch.zeros(33)},
+              "model.norm.weight: shape [33], a llama model of {cfg} has [32] (is --hf-config the base's config?)")]
+    for name, tensors, line in cases:
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, folder / "model.safetensors")
+        shutil.copy(bridge / "plain" / "config.json", folder / "config.json")
+        run = run_cli("export-hf", bridge / "only", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", folder,
+                      "--merge-adapters")
+        want = f"ckptctl: error: {folder}: {line.format(cfg=bridge / 'cfg' / 'config.json')}"
+        assert (run.returncode, run.stderr.strip()) == (2, want), name
+        assert not (tmp_path / "hf").exists()
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base",
+                  bridge / "plain", "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {bridge / 'ckpt'}: holds model weights beside its Megatron-Bridge LoRA adapters: an HF "
+           "--base is for a Bridge LoRA save, which holds the adapters alone")

@@ -145,3 +145,14 @@ def test_grouped_expert_adapters_saved_alone_merge_with_base(moe, tmp_path, expe
     plain = tmp_path / "plain"
     assert run_cli("export-hf", run_dir / "base", plain, "--hf-config", moe / "cfg").returncode == 0
     _loads_as_the_merged_export(plain, tmp_path / "ad", tmp_path / "hf")
+
+
+@pytest.mark.full
+def test_an_hf_folder_as_base_of_expert_adapters_merges_as_bridge(moe, tmp_path):
+    """The HF folder of the pretrained MoE model (its per-expert gate/up/down read back as each expert's
+    fc1 [gate; up] and fc2) as `--base` of the adapters-alone save: Bridge's merge, bit for bit."""
+    run = run_cli("export-hf", moe / "sequential" / "only", tmp_path / "hf", "--hf-config", moe / "cfg", "--base",
+                  moe / "plain", "--merge-adapters", "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _exported(tmp_path / "hf"), _exported(moe / "ref")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)

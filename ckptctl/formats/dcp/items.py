@@ -198,7 +198,7 @@ class ItemReader:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
         if chunk.transforms:
             return None
-        if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
+        if self.ckpt.dense(chunk.file):  # a safetensors folder's: its header was checked on opening
             return RawRecord(self._path(chunk.file), chunk.offset, chunk.length)
         key = (entry.dtype, chunk.sizes, chunk.length)
         template = self._templates.get(key)
@@ -214,7 +214,7 @@ class ItemReader:
         in one `pread`; None when it is not small, no item of its kind was validated yet, or it
         differs from the template (`locate` then parses it). At a million tiny chunks, one read
         per chunk instead of two."""
-        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM:
+        if chunk.transforms or self.ckpt.dense(chunk.file) or chunk.length > MAX_TEMPLATE_ITEM:
             return None
         template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
         if template is None or template.whole is None:
@@ -331,7 +331,7 @@ class ItemReader:
         """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
         `data.pkl`, where the first global is named) name one of the subclasses; None for any
         other without parsing it (one small read: `inspect` asks this of each tensor's first item)."""
-        if chunk.transforms or self.ckpt.safetensors_folder or not chunk.length:
+        if chunk.transforms or self.ckpt.dense(chunk.file) or not chunk.length:
             return None
         if not names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset)):
             return None
@@ -340,7 +340,7 @@ class ItemReader:
     def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
         """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
         Float8Tensor (its FP8 format, scale and logical dtype); None for a plain tensor."""
-        if chunk.transforms or self.ckpt.safetensors_folder:
+        if chunk.transforms or self.ckpt.dense(chunk.file):
             return None
         key = (chunk.file, chunk.offset)
         if key not in self._kinds and key not in self._float8 and key not in self._blocks:
