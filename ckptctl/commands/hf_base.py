@@ -22,6 +22,7 @@ from ckptctl.commands.bridge_merge import adapters_alone, shaped_base
 from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
 from ckptctl.core.dtypes import float32
 from ckptctl.families.base import ExportContext, HFConfig, MegatronModel
+from ckptctl.families.bridge_adapters import refuse_bridge_dora
 from ckptctl.families.protocol import ModelFamily
 from ckptctl.formats.safetensors.hf_sharded import safetensors_files
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
@@ -40,7 +41,9 @@ def is_hf_folder(path: Path) -> bool:
 def with_hf_base(ckpt: Checkpoint, hf_path: Path, cfg: HFConfig, family: ModelFamily, prefix: str) -> Checkpoint:
     """`ckpt` (a Bridge LoRA save: adapters alone) with the Megatron weights `family`'s rules make of
     the HF folder `hf_path` for `cfg`, each a TensorEntry whose chunks are rows of the folder's tensors."""
-    if not adapters_alone(MegatronModel(ckpt, prefix)):
+    model = MegatronModel(ckpt, prefix)
+    refuse_bridge_dora([*model.entries, *model.layer_views], ckpt.path, prefix)
+    if not adapters_alone(model):
         raise UsageError(f"{ckpt.path}: holds model weights beside its Megatron-Bridge LoRA adapters: an HF --base "
                          "is for a Bridge LoRA save, which holds the adapters alone")
     hf = open_safetensors_folder(hf_path)

@@ -539,3 +539,17 @@ def test_an_hf_base_the_config_does_not_describe_is_refused(bridge, tmp_path):
     assert (run.returncode, run.stderr.strip()) == (
         2, f"ckptctl: error: {bridge / 'ckpt'}: holds model weights beside its Megatron-Bridge LoRA adapters: an HF "
            "--base is for a Bridge LoRA save, which holds the adapters alone")
+
+
+def test_a_bridge_dora_save_is_refused_by_its_magnitude(bridge, tmp_path):
+    """`DoRALinear`'s `adapter.weight_magnitude` beside the factors: refused by name, whatever the base."""
+    state = {**lora_state(), "decoder.layers.self_attention.linear_qkv.adapter.weight_magnitude": torch.ones(LAYERS, 64)}
+    ckpt = save_torch_dist(state, tmp_path / "dora")
+    (ckpt / "run_config.yaml").write_text(run_config_yaml("dora", alpha=ALPHA, dim=DIM))
+    for base in (SRC, bridge / "plain"):
+        run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", base,
+                      "--merge-adapters")
+        assert (run.returncode, run.stderr.strip()) == (
+            2, f"ckptctl: error: {ckpt}: decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude: a "
+               "Megatron-Bridge DoRA magnitude, which export-hf does not merge (Megatron-Bridge has no DoRA merge of "
+               "its own to be equal to)"), base
