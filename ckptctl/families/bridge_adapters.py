@@ -36,6 +36,9 @@ CANONICAL_HF_MODULES = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v
 (`peft_bridge.ADAPTER_NAME_MAP`, read the other way)."""
 
 
+_GROUPED_EXPERTS = re.compile(r"\.experts\.linear_fc[12]$")
+"""TEGroupedMLP's grouped linears as its model names them (a torch_dist save's stack is seen per expert,
+`…experts.local_experts.<e>.linear_fc1`)."""
 _DORA_MAGNITUDE = re.compile(r"^(?P<module>.+)\.adapter\.weight_magnitude$")
 """Megatron-Bridge DoRA's `ParallelLinearDoRAAdapter.weight_magnitude` [out] (`dora_layers.py`)."""
 
@@ -106,6 +109,11 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
         if match["param"] != "weight":
             raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge LoRA adapter bias, which export-hf does "
                                          "not merge yet")
+        if _GROUPED_EXPERTS.search(match["module"]):
+            raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge adapter on grouped experts (TEGroupedMLP) "
+                                         "as its model holds it (one shared by an EP rank's experts, or packed "
+                                         "[E, …]), which export-hf does not merge yet (a torch_dist save's, with "
+                                         "its global expert axis, it does)")
         parts.setdefault((match["module"], match["split"]), {})[match["part"]] = name
     adapters = []
     saved = set(shapes)

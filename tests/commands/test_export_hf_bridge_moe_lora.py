@@ -156,3 +156,45 @@ def test_an_hf_folder_as_base_of_expert_adapters_merges_as_bridge(moe, tmp_path)
     assert run.returncode == 0, run.stderr
     got, want = _exported(tmp_path / "hf"), _exported(moe / "ref")
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _with_args(run: Path, dst: Path, grouped: bool) -> Path:
+    """A copy of the run's save whose common.pt holds Megatron-LM's args (local spec, SwiGLU, TP 1, 4
+    experts; `grouped`: args.moe_grouped_gemm, TEGroupedMLP), which the conversion to Megatron-FSDP needs."""
+    import argparse
+
+    shutil.copytree(run / "ckpt", dst)
+    common = torch.load(dst / "common.pt", weights_only=False)
+    common["args"] = argparse.Namespace(transformer_impl="local", swiglu=True, tensor_model_parallel_size=1,
+                                        pipeline_model_parallel_size=1, num_experts=EXPERTS,
+                                        moe_grouped_gemm=grouped, expert_model_parallel_size=1)
+    torch.save(common, dst / "common.pt")
+    return dst
+
+
+def test_grouped_expert_adapters_are_not_written_per_expert_in_megatron_fsdp(moe, tmp_path):
+    """Under args.moe_grouped_gemm Bridge's model holds an expert adapter once per EP rank (or packed),
+    never as `linear_fc1.adapter.linear_in.weight<e>`: the conversion is refused, not written so."""
+    src = _with_args(moe / "sequential", tmp_path / "grouped", grouped=True)
+    run = run_cli("reshard", src, tmp_path / "fsdp", "--layout", "megatron-fsdp", "--tp", "1", "--dp", "1")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {src}: decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_in.weight: a "
+           "Megatron-Bridge adapter on grouped experts (args.moe_grouped_gemm: TEGroupedMLP), which Bridge's model "
+           "holds as one adapter shared by an EP rank's experts or packed [E, …], never per expert: not converted to "
+           "Megatron-FSDP yet")
+    assert not (tmp_path / "fsdp").exists()
+
+
+@pytest.mark.full
+def test_sequential_expert_adapters_in_megatron_fsdp_merge_as_bridge(moe, tmp_path):
+    """SequentialMLP's adapters converted to Megatron-FSDP (`…local_experts.<e>.linear_fc1.adapter.…`, one
+    tensor per expert and layer): merged to Bridge's merge, bit for bit."""
+    src = _with_args(moe / "sequential", tmp_path / "seq", grouped=False)
+    fsdp = tmp_path / "fsdp"
+    run = run_cli("reshard", src, fsdp, "--layout", "megatron-fsdp", "--tp", "1", "--dp", "1", "--verify")
+    assert run.returncode == 0, run.stderr
+    run = run_cli("export-hf", fsdp, tmp_path / "hf", "--hf-config", moe / "cfg", "--merge-adapters", "--lora-alpha",
+                  ALPHA, "--verify")
+    assert run.returncode == 0, run.stderr
+    got, want = _exported(tmp_path / "hf"), _exported(moe / "ref")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
