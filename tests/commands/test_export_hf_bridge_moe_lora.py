@@ -120,18 +120,19 @@ def test_expert_adapters_as_peft_target_parameters_load_as_the_merged_model(moe,
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("experts", ["shared", "per-expert"])
-def test_grouped_expert_adapters_saved_alone_merge_with_base(moe, tmp_path, experts):
-    """TEGroupedMLP's adapters — Bridge's default one shared by every expert (its global expert axis
-    written from one tensor), or `GroupedExpertLinearAdapter`'s one per expert — saved alone with
-    the run's run_config.yaml, joined to the pretrained checkpoint by `--base`: Bridge's merge of
-    each expert, bit for bit; and the PEFT folder loads as that merged model."""
+@pytest.mark.parametrize("experts", ["shared", "per-expert", "sequential"])
+def test_expert_adapters_saved_alone_at_ep_2_merge_with_base(moe, tmp_path, experts):
+    """Saved at EP 2 (two ranks, two experts each): TEGroupedMLP's adapters — Bridge's default one
+    shared by an EP rank's experts (written to its global expert slots), or `GroupedExpertLinearAdapter`'s
+    one per expert — and SequentialMLP's, saved alone with the run's run_config.yaml, joined to the
+    pretrained checkpoint by `--base`: Bridge's merge of each expert, bit for bit; and the PEFT folder
+    loads as that merged model."""
     run_dir = tmp_path / experts
-    bridge_lora.write(run_dir, experts, DIM, ALPHA)
+    bridge_lora.write(run_dir, experts, DIM, ALPHA, ep=2)
     only = run_dir / "only"
     (only / "run_config.yaml").write_text(run_config_yaml(alpha=ALPHA, dim=DIM))
     fc1 = _load_all(only)["decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_out.weight"]
-    assert torch.equal(fc1[0, 0], fc1[0, 3]) == (experts == "shared")
+    assert torch.equal(fc1[0, 0], fc1[0, 3]) == (experts == "shared")  # rank 0's expert 0, rank 1's expert 3
     ref = tmp_path / "ref"
     run = run_cli("export-hf", _reference(run_dir, tmp_path / "merged-ref"), ref, "--hf-config", moe / "cfg")
     assert run.returncode == 0, run.stderr
