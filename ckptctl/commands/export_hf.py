@@ -439,7 +439,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     if bridge is not None and opts.adapter_only:  # the base is not written (nor read: `shaped_base`)
         return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref,
-                                          shaped is not None)
+                                          shaped is not None, expected.in_memory if expected is not None else None)
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora, expected))
@@ -714,15 +714,17 @@ def _peft_folder_plan(prefix: str, targets: dict[str, TargetTensor], sources: di
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                                targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
                                alpha: BridgeAlpha, tp: int | None, ref: str | Path | None,
-                               shaped: bool = False) -> ExportPlan:
+                               shaped: bool = False, in_memory: frozenset[str] | None = None) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
-    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
+    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim. Experts' as
+    `target_parameters` where transformers holds them fused (`in_memory`: its in-memory names,
+    `ExpectedNames.in_memory`; None where the names are not checked)."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
-    tensors, on_modules, parameters = fuse_expert_adapters(tensors, peft, targets, str(ckpt.path))
+    tensors, on_modules, parameters = fuse_expert_adapters(tensors, peft, targets, in_memory, str(ckpt.path))
     check_coverage(ckpt, tensors.values(), sources)
     found = PeftAdapters(tuple(on_modules), "default", {})
     config = peft_config(found, LoraScale(alpha.value, False),

@@ -16,7 +16,7 @@ and up with different A (canonical LoRA's adapter_gate / adapter_up) are refused
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 
 from ckptctl.core.plan import Piece, TargetTensor
@@ -40,12 +40,17 @@ def _parts() -> dict[str, tuple[str, int]]:
 
 
 def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence[Adapter],
-                         targets: Mapping[str, TargetTensor], where: str
+                         targets: Mapping[str, TargetTensor], in_memory: Collection[str] | None, where: str
                          ) -> tuple[dict[str, TargetTensor], list[Adapter], list[str]]:
     """The PEFT folder's tensors with every per-expert module's LoRA (`mlp.experts.<e>.gate_proj` …)
     moved into its layer's ParamWrapper tensors (module docstring); the adapters left on modules;
     and `target_parameters` (empty without expert adapters). `targets`: the HF model's tensors,
-    which say each stack's experts and rows; `where`: what refusals name."""
+    which say each stack's experts and rows; `in_memory`: the names transformers' model holds in
+    memory where they differ from those it saves (empty: the same, so each expert is a linear
+    PEFT wraps as it is; None: not known, and expert adapters are refused); `where`: what
+    refusals name."""
+    if in_memory is not None and not in_memory:
+        return dict(tensors), list(adapters), []
     parts = _parts()
     out = dict(tensors)
     kept: list[Adapter] = []
@@ -75,6 +80,10 @@ def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence
         adapted.setdefault(layer, set()).add(stacked)
         wanted = _experts_of(targets, layer, stacked)
         first = next(iter(next(iter(experts.values())).values()))
+        if in_memory is None or f"{layer}{stacked}" not in in_memory:
+            why = ("transformers' model for the config is not known (the name check is off), nor so how it holds "
+                   "the experts" if in_memory is None else f"transformers' model holds no {layer}{stacked} to adapt")
+            raise CheckpointError(where, f"{first.module}: a LoRA adapter on an expert, but {why}")
         missing = [f"{layer}mlp.experts.{e}.{p.removesuffix('.weight')}" for e in range(wanted)
                    for i, p in enumerate(STACKED[stacked]) if i not in experts.get(e, {})]
         if missing or len(experts) != wanted:

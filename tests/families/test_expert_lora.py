@@ -15,6 +15,8 @@ from ckptctl.families.expert_lora import fuse_expert_adapters
 from ckptctl.util.errors import CheckpointError
 
 E, R, H, F = 2, 3, 8, 5
+IN_MEMORY = frozenset(f"model.layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj"))
+"""transformers 5's in-memory names of the experts (`ExpectedNames.in_memory`)."""
 
 
 def _module(layer: int, e: int, leaf: str) -> str:
@@ -45,7 +47,7 @@ def _case(layers: int = 1, skip: tuple[str, ...] = (), split_a: bool = False, ra
 
 def test_experts_become_one_wrapper_per_fused_parameter():
     tensors, adapters, targets = _case()
-    out, kept, parameters = fuse_expert_adapters(tensors, adapters, targets, "ckpt")
+    out, kept, parameters = fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
     assert (kept, parameters) == ([], ["experts.gate_up_proj", "experts.down_proj"])
     layer = f"{PEFT_PREFIX}model.layers.0.mlp.experts."
     assert sorted(out) == [f"{layer}{inner}{f}.weight" for inner in ("base_layer.", "") for f in ("lora_A", "lora_B")]
@@ -72,7 +74,7 @@ def test_experts_become_one_wrapper_per_fused_parameter():
 def test_what_target_parameters_cannot_express_is_refused(case, line):
     tensors, adapters, targets = _case(**case)
     with pytest.raises(CheckpointError) as err:
-        fuse_expert_adapters(tensors, adapters, targets, "ckpt")
+        fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
     assert str(err.value) == f"ckpt: {line}"
 
 
@@ -80,7 +82,7 @@ def test_an_expert_rank_other_than_the_modules_is_refused():
     tensors, adapters, targets = _case()
     other = Adapter("model.layers.0.self_attn.q_proj", "qa", "qb", R + 1)
     with pytest.raises(CheckpointError) as err:
-        fuse_expert_adapters(tensors, [*adapters, other], targets, "ckpt")
+        fuse_expert_adapters(tensors, [*adapters, other], targets, IN_MEMORY, "ckpt")
     assert str(err.value) == ("ckpt: model.layers.0.mlp.experts.0.gate_proj: LoRA ranks 3, 4 in one run: a PEFT "
                               "folder with target_parameters takes one rank (normalize_moe_lora's smaller expert rank "
                               "is not written yet)")
@@ -89,7 +91,22 @@ def test_an_expert_rank_other_than_the_modules_is_refused():
 def test_an_expert_linear_transformers_does_not_fuse_is_refused():
     adapter = Adapter("model.layers.0.block_sparse_moe.experts.0.w1", "a", "b", R)
     with pytest.raises(CheckpointError) as err:
-        fuse_expert_adapters({}, [adapter], {}, "ckpt")
+        fuse_expert_adapters({}, [adapter], {}, IN_MEMORY, "ckpt")
     assert str(err.value) == ("ckpt: model.layers.0.block_sparse_moe.experts.0.w1: a LoRA adapter on one expert's "
                               "linear, which transformers 5 holds in a fused expert parameter PEFT's target_parameters "
                               "adapts only for mlp.experts.{gate_up,down}_proj")
+
+
+def test_experts_are_fused_only_where_transformers_holds_them_fused():
+    """In-memory names equal to the saved ones (none given): each expert a linear PEFT wraps as it
+    is; not known (the name check off) or not fused there: refused by name."""
+    tensors, adapters, targets = _case()
+    assert fuse_expert_adapters(tensors, adapters, targets, frozenset(), "ckpt") == (tensors, adapters, [])
+    for in_memory, module, why in (
+            (None, "down_proj", "transformers' model for the config is not known (the name check is off), nor so how "
+                                "it holds the experts"),
+            (frozenset({"model.layers.0.mlp.experts.down_proj"}), "gate_proj",
+             "transformers' model holds no model.layers.0.mlp.experts.gate_up_proj to adapt")):
+        with pytest.raises(CheckpointError) as err:
+            fuse_expert_adapters(tensors, adapters, targets, in_memory, "ckpt")
+        assert str(err.value) == f"ckpt: model.layers.0.mlp.experts.0.{module}: a LoRA adapter on an expert, but {why}"
