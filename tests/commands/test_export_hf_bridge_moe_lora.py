@@ -133,6 +133,10 @@ def test_expert_adapters_saved_alone_at_ep_2_merge_with_base(moe, tmp_path, expe
     (only / "run_config.yaml").write_text(run_config_yaml(alpha=ALPHA, dim=DIM))
     fc1 = _load_all(only)["decoder.layers.mlp.experts.experts.linear_fc1.adapter.linear_out.weight"]
     assert torch.equal(fc1[0, 0], fc1[0, 3]) == (experts == "shared")  # rank 0's expert 0, rank 1's expert 3
+    run = run_cli("reshard", run_dir / "ckpt", tmp_path / "again", "--verify")  # kept at its layout, bit for bit
+    assert run.returncode == 0, run.stderr
+    saved, again = _load_all(run_dir / "ckpt"), _load_all(tmp_path / "again")
+    assert sorted(saved) == sorted(again) and all(torch.equal(saved[n], again[n]) for n in saved)
     ref = tmp_path / "ref"
     run = run_cli("export-hf", _reference(run_dir, tmp_path / "merged-ref"), ref, "--hf-config", moe / "cfg")
     assert run.returncode == 0, run.stderr
