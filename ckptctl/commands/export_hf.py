@@ -1103,11 +1103,12 @@ def open_export_source(src: Path, opts: ExportOptions, ref: str | Path) -> tuple
         return ckpt, opts
     if megatron_prefix(ckpt) is None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
-    if is_hf_folder(opts.base):
+    base = Path(opts.base).absolute()  # its chunks are named by their full path, read beside SRC's
+    if is_hf_folder(base):
         cfg = load_hf_config(ref, opts.hub_timeout)
         family, prefix = choose_family(ckpt, cfg, opts.arch)
-        return with_hf_base(ckpt, opts.base, cfg, family, prefix), opts
-    return with_base(ckpt, opts.base), opts
+        return with_hf_base(ckpt, base, cfg, family, prefix), opts
+    return with_base(ckpt, base), opts
 
 
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,

@@ -24,6 +24,7 @@ from ckptctl.core.dtypes import float32
 from ckptctl.families.base import ExportContext, HFConfig, MegatronModel
 from ckptctl.families.bridge_adapters import refuse_bridge_dora
 from ckptctl.families.protocol import ModelFamily
+from ckptctl.formats.dcp.metadata import TORCH_DIST
 from ckptctl.formats.safetensors.hf_sharded import safetensors_files
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.storage.store import store_for
@@ -41,6 +42,10 @@ def is_hf_folder(path: Path) -> bool:
 def with_hf_base(ckpt: Checkpoint, hf_path: Path, cfg: HFConfig, family: ModelFamily, prefix: str) -> Checkpoint:
     """`ckpt` (a Bridge LoRA save: adapters alone) with the Megatron weights `family`'s rules make of
     the HF folder `hf_path` for `cfg`, each a TensorEntry whose chunks are rows of the folder's tensors."""
+    if ckpt.megatron_backend != TORCH_DIST:
+        raise UsageError(f"{ckpt.path}: not a Megatron torch_dist checkpoint: an HF --base is joined to a torch_dist "
+                         "Megatron-Bridge LoRA save (a Megatron-FSDP one's fused adapters are TP-blocked at its run's "
+                         "TP), not yet to others")
     model = MegatronModel(ckpt, prefix)
     refuse_bridge_dora([*model.entries, *model.layer_views], ckpt.path, prefix)
     if not adapters_alone(model):

@@ -539,6 +539,14 @@ def test_an_hf_base_the_config_does_not_describe_is_refused(bridge, tmp_path):
     assert (run.returncode, run.stderr.strip()) == (
         2, f"ckptctl: error: {bridge / 'ckpt'}: holds model weights beside its Megatron-Bridge LoRA adapters: an HF "
            "--base is for a Bridge LoRA save, which holds the adapters alone")
+    plain_dcp = tmp_path / "plain-dcp"
+    dcp.save(lora_state(), checkpoint_id=plain_dcp)  # torch's own save: no metadata.json, not torch_dist
+    run = run_cli("export-hf", plain_dcp, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", bridge / "plain",
+                  "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {plain_dcp}: not a Megatron torch_dist checkpoint: an HF --base is joined to a torch_dist "
+           "Megatron-Bridge LoRA save (a Megatron-FSDP one's fused adapters are TP-blocked at its run's TP), not yet "
+           "to others")
 
 
 def test_a_bridge_dora_save_is_refused_by_its_magnitude(bridge, tmp_path):
