@@ -24,11 +24,13 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
 from fixtures import bridge_lora
+from fixtures import megatron_bridge as mb
 from fixtures import megatron_core as mc
 from tests.commands.test_export_hf_bridge_lora import _load_all, _loads_as_the_merged_export, bridge_merge
 from tests.conftest import run_cli
 from tests.families.test_bridge_adapters import run_config_yaml
 
+pytestmark = pytest.mark.skipif(not mb.available(), reason="megatron-core or megatron-bridge is not installed")
 ALPHA, DIM = 8, 4
 EXPERTS, LAYERS = mc.MOE["num_moe_experts"], mc.DIMS["layers"]
 
