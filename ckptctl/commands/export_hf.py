@@ -724,20 +724,19 @@ def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOpti
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
-    tensors, on_modules, parameters = fuse_expert_adapters(tensors, peft, targets, in_memory, str(ckpt.path))
+    tensors, written = fuse_expert_adapters(tensors, peft, targets, in_memory, str(ckpt.path))
     check_coverage(ckpt, tensors.values(), sources)
-    found = PeftAdapters(tuple(on_modules), "default", {})
+    found = PeftAdapters(tuple(written), "default", {})
     config = peft_config(found, LoraScale(alpha.value, False),
                          [n.removesuffix(".weight") for n in targets if not is_per_expert(n)],
-                         str(ref) if ref is not None else None, _peft_task_type(cfg))
-    if parameters:
-        config["target_parameters"] = parameters
-    modules = counted(len(on_modules), "PEFT LoRA module")
-    if parameters:
-        modules += f" and {counted(sum(n.endswith('.lora_A.weight') for n in tensors) - len(on_modules), 'expert parameter')}"
+                         str(ref) if ref is not None else None, _peft_task_type(cfg), in_memory or ())
+    on_parameters = sum(a.parameter is not None for a in written)
+    modules = counted(len(written) - on_parameters, "PEFT LoRA module")
+    if on_parameters:
+        modules += f" and {counted(on_parameters, 'expert parameter')}"
     canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
-    experts = (f"; the experts' as PEFT's target_parameters {', '.join(parameters)} of transformers 5's fused experts"
-               if parameters else "")
+    experts = (f"; the experts' as PEFT's target_parameters {', '.join(config['target_parameters'])} of transformers "
+               "5's fused experts" if on_parameters else "")
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
              f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}{experts}; α {alpha.value:g} from "
              f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]

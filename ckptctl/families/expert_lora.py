@@ -6,11 +6,13 @@ transformers 5 holds a layer's experts as 3-D parameters of one module (`mlp.exp
 `ParamWrapper` (LoraConfig `target_parameters`, peft ≥ 0.17): `lora_A` [E·r, in], expert e's A its
 rows e·r …; `lora_B` [out, r·E], expert e's B its columns e, E + e, 2E + e … (peft's
 `get_delta_weight`: A reshaped [E, r, in], B reshaped [out, r, E]), merged as
-W_e + (α / r) · B_e @ A_e. Two parameters of one module are wrapped one inside the other, in
-`target_parameters` order: the first adapted is the inner one, its tensors under
-`mlp.experts.base_layer.`, the outer one's under `mlp.experts.`. Every expert of the stack is
-adapted at one rank, so experts adapted at different ranks, or some experts not at all, or gate
-and up with different A (canonical LoRA's adapter_gate / adapter_up) are refused by name.
+W_e + (α / r) · B_e @ A_e. Two parameters of one module are wrapped one inside the other in the
+order the module registers them (peft's nesting; transformers registers gate_up_proj, then
+down_proj): the first is the inner one, its tensors under `mlp.experts.base_layer.`, the outer
+one's under `mlp.experts.`. The wrappers are `Adapter`s of a parameter, which `peft_config`
+writes as `target_parameters`. A ParamWrapper adapts every expert of its stack at one rank, so
+some experts left out, experts of one stack at different ranks, or gate and up with different A
+(canonical LoRA's adapter_gate / adapter_up) are refused by name.
 """
 
 from __future__ import annotations
@@ -41,16 +43,16 @@ def _parts() -> dict[str, tuple[str, int]]:
 
 def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence[Adapter],
                          targets: Mapping[str, TargetTensor], in_memory: Collection[str] | None, where: str
-                         ) -> tuple[dict[str, TargetTensor], list[Adapter], list[str]]:
+                         ) -> tuple[dict[str, TargetTensor], list[Adapter]]:
     """The PEFT folder's tensors with every per-expert module's LoRA (`mlp.experts.<e>.gate_proj` …)
-    moved into its layer's ParamWrapper tensors (module docstring); the adapters left on modules;
-    and `target_parameters` (empty without expert adapters). `targets`: the HF model's tensors,
-    which say each stack's experts and rows; `in_memory`: the names transformers' model holds in
-    memory where they differ from those it saves (empty: the same, so each expert is a linear
-    PEFT wraps as it is; None: not known, and expert adapters are refused); `where`: what
-    refusals name."""
+    moved into its layer's ParamWrapper tensors (module docstring), and the adapters: those on
+    modules as they were, the ParamWrappers' as `Adapter`s of a parameter (which `peft_config`
+    writes as `target_parameters`). `targets`: the HF model's tensors, which say each stack's
+    experts and rows; `in_memory`: the names transformers' model holds in memory where they differ
+    from those it saves (empty: the same, so each expert is a linear PEFT wraps as it is; None: not
+    known, and expert adapters are refused); `where`: what refusals name."""
     if in_memory is not None and not in_memory:
-        return dict(tensors), list(adapters), []
+        return dict(tensors), list(adapters)
     parts = _parts()
     out = dict(tensors)
     kept: list[Adapter] = []
@@ -66,18 +68,8 @@ def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence
             continue
         stacked, part = parts[match["leaf"]]
         stacks.setdefault((match["layer"], stacked), {}).setdefault(int(match["e"]), {})[part] = adapter
-    if not stacks:
-        return out, kept, []
-    ranks = sorted({a.rank for a in adapters})
-    if len(ranks) > 1:
-        odd = next(a for by_e in stacks.values() for by_part in by_e.values() for a in by_part.values())
-        raise CheckpointError(where, f"{odd.module}: LoRA ranks {', '.join(map(str, ranks))} in one run: a PEFT "
-                                     "folder with target_parameters takes one rank (normalize_moe_lora's smaller "
-                                     "expert rank is not written yet)")
-    rank = ranks[0]
-    adapted: dict[str, set[str]] = {}
+    adapted: dict[str, list[str]] = {}
     for (layer, stacked), experts in sorted(stacks.items()):
-        adapted.setdefault(layer, set()).add(stacked)
         wanted = _experts_of(targets, layer, stacked)
         first = next(iter(next(iter(experts.values())).values()))
         if in_memory is None or f"{layer}{stacked}" not in in_memory:
@@ -90,36 +82,37 @@ def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence
             raise CheckpointError(where, f"{first.module}: LoRA on some of {layer}mlp.experts' experts but not "
                                          f"{missing[0] if missing else 'all'}: PEFT's target_parameters adapts every "
                                          "expert of the fused parameter")
-        for e, by_part in experts.items():
-            a_pieces = {out[by_part[i].a].pieces for i in by_part}
-            if len(a_pieces) != 1:
+        odd = next((a for by_part in experts.values() for a in by_part.values() if a.rank != first.rank), None)
+        if odd is not None:
+            raise CheckpointError(where, f"{odd.module}: LoRA rank {odd.rank}, {first.module}'s {first.rank}: the "
+                                         "fused parameter's ParamWrapper has one rank for every expert")
+        for by_part in experts.values():
+            if len({out[a.a].pieces for a in by_part.values()}) != 1:
                 raise CheckpointError(where, f"{by_part[1].module}: its lora_A is not {by_part[0].module}'s: the "
                                              f"fused {stacked.rsplit('.', 1)[-1]} has one A per expert")
-        out.update(_wrapper_tensors(out, layer, stacked, experts, rank, wanted))
+        out.update(_wrapper_tensors(out, layer, stacked, experts, first.rank, wanted))
         for by_part in experts.values():
             for adapter in by_part.values():
                 del out[adapter.a], out[adapter.b]
-    layers = {m["layer"] for name in targets if (m := _EXPERT_MODULE.match(name.removesuffix(".weight")))}
-    first_set = next(iter(adapted.values()))
-    uneven = sorted(layer for layer in layers if adapted.get(layer) != first_set)
-    if uneven:
-        def leaves(names: set[str]) -> str:
-            return ", ".join(sorted(n.rsplit(".", 1)[-1] for n in names)) or "nothing"
+        adapted.setdefault(layer, []).append(stacked)
+    wrapped: list[Adapter] = []
+    for layer, params in adapted.items():  # peft nests a module's wrappers as it registers them, the first
+        params.sort(key=list(STACKED).index)  # innermost (transformers registers gate_up_proj, then down_proj)
+        for i, stacked in enumerate(params):
+            module, parameter = f"{layer}{stacked}".rsplit(".", 1)
+            count = _experts_of(targets, layer, stacked)
+            adapter = Adapter(module, "", "", _rank(out, layer, stacked, count), parameter=parameter, experts=count,
+                              depth=len(params) - 1 - i)
+            names = {f: f"{PEFT_PREFIX}{adapter.wrapped}.{f}.weight" for f in ("lora_A", "lora_B")}
+            for factor, name in names.items():
+                out[name] = replace(out.pop(f"{PEFT_PREFIX}{layer}{stacked}.{factor}.weight"), fqn=name)
+            wrapped.append(replace(adapter, a=names["lora_A"], b=names["lora_B"]))
+    return out, kept + wrapped
 
-        raise CheckpointError(where, f"{uneven[0]}mlp.experts: its experts' LoRA adapts "
-                                     f"{leaves(adapted.get(uneven[0], set()))}, other layers' {leaves(first_set)}: "
-                                     "PEFT's target_parameters names the same parameters in every layer")
-    order = [p for p in STACKED if p in first_set]
-    for layer in adapted:
-        renamed = {}
-        for depth, stacked in enumerate(order):
-            inner = "base_layer." * (len(order) - 1 - depth)
-            for factor in ("lora_A", "lora_B"):
-                old = f"{PEFT_PREFIX}{layer}{stacked}.{factor}.weight"
-                renamed[old] = f"{PEFT_PREFIX}{layer}mlp.experts.{inner}{factor}.weight"
-        for old, new in renamed.items():
-            out[new] = replace(out.pop(old), fqn=new)
-    return out, kept, [p.removeprefix("mlp.") for p in order]
+
+def _rank(tensors: Mapping[str, TargetTensor], layer: str, stacked: str, experts: int) -> int:
+    """The rank of a layer's stacked parameter's ParamWrapper: its lora_A's rows over its experts."""
+    return tensors[f"{PEFT_PREFIX}{layer}{stacked}.lora_A.weight"].shape[0] // experts
 
 
 def _experts_of(targets: Mapping[str, TargetTensor], layer: str, stacked: str) -> int:

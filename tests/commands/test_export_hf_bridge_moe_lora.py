@@ -96,17 +96,18 @@ def test_expert_adapters_merged_are_bridge_merge_of_each_expert(moe, tmp_path):
 
 def test_expert_adapters_as_peft_target_parameters_load_as_the_merged_model(moe, tmp_path):
     """The experts' LoRA as PEFT's ParamWrapper on transformers 5's fused `gate_up_proj` / `down_proj`:
-    expert e's A rows e·r…, its B columns e, E + e, … (peft's own reshape), gate then up."""
+    expert e's A rows e·r…, its B columns e, E + e, … (peft's own reshape), gate then up; gate_up_proj's
+    wrapper inside down_proj's, as peft nests them in the order the module registers them."""
     run = run_cli("export-hf", moe / "sequential" / "ckpt", tmp_path / "ad", "--hf-config", moe / "cfg",
                   "--adapter-only", "--lora-alpha", ALPHA)
     assert run.returncode == 0, run.stderr
     assert ("note: 20 Megatron-Bridge LoRA adapters written as 8 PEFT LoRA modules and 4 expert parameters (each with "
             "the shared linear_in as lora_A and its rows of linear_out as lora_B; the experts' as PEFT's "
-            "target_parameters experts.gate_up_proj, experts.down_proj of transformers 5's fused experts; α 8 from "
+            "target_parameters experts.down_proj, experts.gate_up_proj of transformers 5's fused experts; α 8 from "
             "--lora-alpha)") in run.stderr
     config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
     assert (config["target_modules"], config["target_parameters"], config["r"]) == (
-        ["k_proj", "o_proj", "q_proj", "v_proj"], ["experts.gate_up_proj", "experts.down_proj"], DIM)
+        ["k_proj", "o_proj", "q_proj", "v_proj"], ["experts.down_proj", "experts.gate_up_proj"], DIM)
     tensors = load_file(tmp_path / "ad" / "adapter_model.safetensors")
     adapters = _load_all(moe / "sequential" / "only")
     fc1 = "decoder.layers.mlp.experts.experts.linear_fc1.adapter"

@@ -7,6 +7,8 @@ cases PEFT's ParamWrapper cannot express, refused by name.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from ckptctl.core.plan import Piece, TargetTensor
@@ -47,10 +49,13 @@ def _case(layers: int = 1, skip: tuple[str, ...] = (), split_a: bool = False, ra
 
 def test_experts_become_one_wrapper_per_fused_parameter():
     tensors, adapters, targets = _case()
-    out, kept, parameters = fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
-    assert (kept, parameters) == ([], ["experts.gate_up_proj", "experts.down_proj"])
+    out, written = fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
     layer = f"{PEFT_PREFIX}model.layers.0.mlp.experts."
     assert sorted(out) == [f"{layer}{inner}{f}.weight" for inner in ("base_layer.", "") for f in ("lora_A", "lora_B")]
+    assert written == [Adapter("model.layers.0.mlp.experts", f"{layer}base_layer.lora_A.weight",
+                               f"{layer}base_layer.lora_B.weight", R, parameter="gate_up_proj", experts=E, depth=1),
+                       Adapter("model.layers.0.mlp.experts", f"{layer}lora_A.weight", f"{layer}lora_B.weight", R,
+                               parameter="down_proj", experts=E)]
     gate_up_a, gate_up_b = out[f"{layer}base_layer.lora_A.weight"], out[f"{layer}base_layer.lora_B.weight"]
     assert gate_up_a.shape == (E * R, H) and gate_up_b.shape == (2 * F, R * E)
     assert gate_up_a.pieces == (Piece("A0.0.fc1", (0, 0), (0, 0), (R, H)), Piece("A0.1.fc1", (0, 0), (R, 0), (R, H)))
@@ -60,6 +65,16 @@ def test_experts_become_one_wrapper_per_fused_parameter():
     assert out[f"{layer}lora_B.weight"].shape == (H, R * E)
 
 
+def test_a_layer_with_one_adapted_parameter_has_one_wrapper():
+    """Layer 1 adapts gate_up_proj alone: its wrapper is the only one, outermost (no base_layer)."""
+    tensors, adapters, targets = _case(layers=2, skip=(_module(1, 0, "down_proj"), _module(1, 1, "down_proj")))
+    out, written = fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
+    assert [(a.module, a.parameter, a.depth) for a in written] == [
+        ("model.layers.0.mlp.experts", "gate_up_proj", 1), ("model.layers.0.mlp.experts", "down_proj", 0),
+        ("model.layers.1.mlp.experts", "gate_up_proj", 0)]
+    assert f"{PEFT_PREFIX}model.layers.1.mlp.experts.lora_A.weight" in out
+
+
 @pytest.mark.parametrize(("case", "line"), [
     (dict(skip=(_module(0, 1, "up_proj"),)),
      "model.layers.0.mlp.experts.0.gate_proj: LoRA on some of model.layers.0.mlp.experts' experts but not "
@@ -67,9 +82,6 @@ def test_experts_become_one_wrapper_per_fused_parameter():
     (dict(split_a=True),
      "model.layers.0.mlp.experts.0.up_proj: its lora_A is not model.layers.0.mlp.experts.0.gate_proj's: the fused "
      "gate_up_proj has one A per expert"),
-    (dict(layers=2, skip=(_module(1, 0, "down_proj"), _module(1, 1, "down_proj"))),
-     "model.layers.1.mlp.experts: its experts' LoRA adapts gate_up_proj, other layers' down_proj, gate_up_proj: "
-     "PEFT's target_parameters names the same parameters in every layer"),
 ])
 def test_what_target_parameters_cannot_express_is_refused(case, line):
     tensors, adapters, targets = _case(**case)
@@ -78,14 +90,15 @@ def test_what_target_parameters_cannot_express_is_refused(case, line):
     assert str(err.value) == f"ckpt: {line}"
 
 
-def test_an_expert_rank_other_than_the_modules_is_refused():
+def test_experts_of_one_stack_at_different_ranks_are_refused():
     tensors, adapters, targets = _case()
-    other = Adapter("model.layers.0.self_attn.q_proj", "qa", "qb", R + 1)
+    odd = next(a for a in adapters if a.module == _module(0, 1, "down_proj"))
+    adapters = [replace(a, rank=R + 1) if a is odd else a for a in adapters]
     with pytest.raises(CheckpointError) as err:
-        fuse_expert_adapters(tensors, [*adapters, other], targets, IN_MEMORY, "ckpt")
-    assert str(err.value) == ("ckpt: model.layers.0.mlp.experts.0.gate_proj: LoRA ranks 3, 4 in one run: a PEFT "
-                              "folder with target_parameters takes one rank (normalize_moe_lora's smaller expert rank "
-                              "is not written yet)")
+        fuse_expert_adapters(tensors, adapters, targets, IN_MEMORY, "ckpt")
+    assert str(err.value) == ("ckpt: model.layers.0.mlp.experts.1.down_proj: LoRA rank 4, "
+                              "model.layers.0.mlp.experts.0.down_proj's 3: the fused parameter's ParamWrapper has one "
+                              "rank for every expert")
 
 
 def test_an_expert_linear_transformers_does_not_fuse_is_refused():
@@ -101,7 +114,7 @@ def test_experts_are_fused_only_where_transformers_holds_them_fused():
     """In-memory names equal to the saved ones (none given): each expert a linear PEFT wraps as it
     is; not known (the name check off) or not fused there: refused by name."""
     tensors, adapters, targets = _case()
-    assert fuse_expert_adapters(tensors, adapters, targets, frozenset(), "ckpt") == (tensors, adapters, [])
+    assert fuse_expert_adapters(tensors, adapters, targets, frozenset(), "ckpt") == (tensors, adapters)
     for in_memory, module, why in (
             (None, "down_proj", "transformers' model for the config is not known (the name check is off), nor so how "
                                 "it holds the experts"),
