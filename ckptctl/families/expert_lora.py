@@ -12,7 +12,8 @@ down_proj): the first is the inner one, its tensors under `mlp.experts.base_laye
 one's under `mlp.experts.`. The wrappers are `Adapter`s of a parameter, which `peft_config`
 writes as `target_parameters`. A ParamWrapper adapts every expert of its stack at one rank, so
 some experts left out, experts of one stack at different ranks, or gate and up with different A
-(canonical LoRA's adapter_gate / adapter_up) are refused by name.
+(canonical LoRA's adapter_gate / adapter_up) are refused by name; so are experts at another rank
+than the other modules (`normalize_moe_lora`), whose `rank_pattern` entry is not proven to load.
 """
 
 from __future__ import annotations
@@ -107,6 +108,12 @@ def fuse_expert_adapters(tensors: Mapping[str, TargetTensor], adapters: Sequence
             for factor, name in names.items():
                 out[name] = replace(out.pop(f"{PEFT_PREFIX}{layer}{stacked}.{factor}.weight"), fqn=name)
             wrapped.append(replace(adapter, a=names["lora_A"], b=names["lora_B"]))
+    odd = next((w for w in wrapped if any(a.rank != w.rank for a in (*kept, *wrapped))), None)
+    if odd is not None:
+        ranks = ", ".join(map(str, sorted({a.rank for a in (*kept, *wrapped)})))
+        raise CheckpointError(where, f"{odd.weight}: LoRA ranks {ranks} in one folder, the experts' among them "
+                                     "(normalize_moe_lora?): a rank_pattern entry for a ParamWrapper is not written "
+                                     "yet")
     return out, kept + wrapped
 
 

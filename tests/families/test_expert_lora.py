@@ -123,3 +123,13 @@ def test_experts_are_fused_only_where_transformers_holds_them_fused():
         with pytest.raises(CheckpointError) as err:
             fuse_expert_adapters(tensors, adapters, targets, in_memory, "ckpt")
         assert str(err.value) == f"ckpt: model.layers.0.mlp.experts.0.{module}: a LoRA adapter on an expert, but {why}"
+
+
+def test_experts_at_another_rank_than_the_modules_are_refused():
+    tensors, adapters, targets = _case()
+    other = Adapter("model.layers.0.self_attn.q_proj", "qa", "qb", R + 1)
+    with pytest.raises(CheckpointError) as err:
+        fuse_expert_adapters(tensors, [*adapters, other], targets, IN_MEMORY, "ckpt")
+    assert str(err.value) == ("ckpt: model.layers.0.mlp.experts.gate_up_proj: LoRA ranks 3, 4 in one folder, the "
+                              "experts' among them (normalize_moe_lora?): a rank_pattern entry for a ParamWrapper is "
+                              "not written yet")
