@@ -507,6 +507,8 @@ class ItemElements:
             return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
         handle = self.handle(chunk.file)
         read = self.positioned_reader(chunk.file)
+        if chunk.file in self.ckpt.dense_files:  # rows of a joined folder's tensor (`hf_base`), checked there
+            return _Dense(chunk.offset)
         if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
             start, info = _safetensors_record(handle, 0, entry.stored_name)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:

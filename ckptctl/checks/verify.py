@@ -348,6 +348,8 @@ class DecodedChunks:
         if chunk.transforms:
             return decode_source_item(self.src, entry, chunk, self._files)
         handle = self._files.handle(chunk.file)
+        if chunk.file in self.src.dense_files:  # rows of a joined folder's tensor (`hf_base`), checked there
+            return chunk.offset
         if self.src.safetensors_folder:
             return _safetensors_folder_rows(path, entry, chunk)
         if handle.read_at(4, chunk.offset) != b"PK\x03\x04":

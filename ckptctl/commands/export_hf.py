@@ -52,7 +52,9 @@ from ckptctl.commands.automodel_peft import peft_source
 from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
+from ckptctl.commands.hf_base import is_hf_folder, with_hf_base
 from ckptctl.families.bridge_adapters import BridgeAdapter
+from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -380,7 +382,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
                                "wrong --hf-config?")
     ctx = ExportContext(cfg, model, tp, etp)
     if opts.base is not None:
-        ctx.notes.append(f"base weights from {opts.base} (--base)")
+        how = f", a Hugging Face folder read through the {family.name} rules" if ckpt.dense_files else ""
+        ctx.notes.append(f"base weights from {opts.base} (--base{how})")
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
@@ -437,7 +440,7 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     if bridge is not None and opts.adapter_only:  # the base is not written (nor read: `shaped_base`)
         return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref,
-                                          shaped is not None)
+                                          shaped is not None, expected.in_memory if expected is not None else None)
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
         ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora, expected))
@@ -717,22 +720,31 @@ def _peft_folder_plan(prefix: str, targets: dict[str, TargetTensor], sources: di
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                                targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
                                alpha: BridgeAlpha, tp: int | None, ref: str | Path | None,
-                               shaped: bool = False) -> ExportPlan:
+                               shaped: bool = False, in_memory: frozenset[str] | None = None) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
-    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
+    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim. Experts' as
+    `target_parameters` where transformers holds them fused (`in_memory`: its in-memory names,
+    `ExpectedNames.in_memory`; None where the names are not checked)."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
+    tensors, written = fuse_expert_adapters(tensors, peft, targets, in_memory, str(ckpt.path))
     check_coverage(ckpt, tensors.values(), sources)
-    found = PeftAdapters(tuple(peft), "default", {})
-    config = peft_config(found, LoraScale(alpha.value, False), [n.removesuffix(".weight") for n in targets],
-                         str(ref) if ref is not None else None, _peft_task_type(cfg))
-    modules = counted(len(peft), "PEFT LoRA module")
+    found = PeftAdapters(tuple(written), "default", {})
+    config = peft_config(found, LoraScale(alpha.value, False),
+                         [n.removesuffix(".weight") for n in targets if not is_per_expert(n)],
+                         str(ref) if ref is not None else None, _peft_task_type(cfg), in_memory or ())
+    on_parameters = sum(a.parameter is not None for a in written)
+    modules = counted(len(written) - on_parameters, "PEFT LoRA module")
+    if on_parameters:
+        modules += f" and {counted(on_parameters, 'expert parameter')}"
     canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
+    experts = (f"; the experts' as PEFT's target_parameters {', '.join(config['target_parameters'])} of transformers "
+               "5's fused experts" if on_parameters else "")
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
-             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}; α {alpha.value:g} from "
+             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}{experts}; α {alpha.value:g} from "
              f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]
     if shaped:
         notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
@@ -1103,7 +1115,12 @@ def open_export_source(src: Path, opts: ExportOptions, ref: str | Path) -> tuple
         return ckpt, opts
     if megatron_prefix(ckpt) is None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
-    return with_base(ckpt, opts.base), opts
+    base = Path(opts.base).absolute()  # its chunks are named by their full path, read beside SRC's
+    if is_hf_folder(base):
+        cfg = load_hf_config(ref, opts.hub_timeout)
+        family, prefix = choose_family(ckpt, cfg, opts.arch)
+        return with_hf_base(ckpt, base, cfg, family, prefix), opts
+    return with_base(ckpt, base), opts
 
 
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,

@@ -392,6 +392,11 @@ def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Para
 def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, key: str) -> list[tuple[tuple[int, ...], str]]:
     """(index along the stacked dims, module name) of each param torch_dist key `key` holds."""
     entry = ckpt.tensors[key]
+    if EXPERTS in key and ".adapter." in key and getattr(args, "moe_grouped_gemm", False) is True:
+        raise CheckpointError(ckpt.path, f"{key}: a Megatron-Bridge adapter on grouped experts (args.moe_grouped_gemm: "
+                                         "TEGroupedMLP), which Bridge's model holds as one adapter shared by an EP "
+                                         "rank's experts or packed [E, …], never per expert: not converted to "
+                                         "Megatron-FSDP yet")
     if key.startswith(LAYERS) and not key[len(LAYERS)].isdigit():
         if not is_layer_stacked(entry) or len(entry.shape) < 2:
             raise CheckpointError(ckpt.path, f"{key}: a layer stack [L, …] saved other than a layer per chunk")

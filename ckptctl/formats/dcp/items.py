@@ -206,7 +206,7 @@ class ItemReader:
             return self._codes(entry, chunk)
         if chunk.transforms:
             return None
-        if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
+        if self.ckpt.dense(chunk.file):  # a safetensors folder's: its header was checked on opening
             return RawRecord(self._path(chunk.file), chunk.offset, chunk.length)
         key = (entry.dtype, chunk.sizes, chunk.length)
         template = self._templates.get(key)
@@ -222,7 +222,7 @@ class ItemReader:
         in one `pread`; None when it is not small, no item of its kind was validated yet, or it
         differs from the template (`locate` then parses it). At a million tiny chunks, one read
         per chunk instead of two."""
-        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM \
+        if chunk.transforms or self.ckpt.dense(chunk.file) or chunk.length > MAX_TEMPLATE_ITEM \
                 or entry.fqn in self.fp8_codes:
             return None
         template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
@@ -338,7 +338,7 @@ class ItemReader:
 
     def float8_item(self, entry: TensorEntry, chunk: Chunk) -> tuple[Float8RecordSpec, bytes] | None:
         """A TE Float8Tensor chunk's spec and its scale_inv's four bytes; None for any other item."""
-        if chunk.transforms or self.ckpt.safetensors_folder or self._safetensors_header(chunk.file, chunk.offset):
+        if chunk.transforms or self.ckpt.dense(chunk.file) or self._safetensors_header(chunk.file, chunk.offset):
             return None
         key = (chunk.file, chunk.offset)
         if key not in self._kinds and key not in self._float8:
@@ -379,14 +379,14 @@ class ItemReader:
 
     def names_subclass(self, chunk: Chunk) -> bool:
         """Whether the chunk's item's first `PEEK_BYTES` name one of the subclasses (one small read)."""
-        if chunk.transforms or self.ckpt.safetensors_folder or not chunk.length:
+        if chunk.transforms or self.ckpt.dense(chunk.file) or not chunk.length:
             return False
         return names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset))
 
     def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
         """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
         Float8Tensor (its FP8 format, scale and logical dtype); None for a plain tensor."""
-        if chunk.transforms or self.ckpt.safetensors_folder:
+        if chunk.transforms or self.ckpt.dense(chunk.file):
             return None
         key = (chunk.file, chunk.offset)
         if key not in self._kinds and key not in self._float8 and key not in self._blocks:
