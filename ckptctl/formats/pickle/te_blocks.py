@@ -227,11 +227,15 @@ def _old_float8(spec_type: type) -> Callable[[tuple], Any]:
     return build
 
 
+_PYBIND_DTYPE_MODULE = "transformer_engine_torch"
+"""Where TE's pybind11 DType lives (≤ 2.15 pickle it by NEWOBJ + BUILD, 2.16 call it with its value)."""
+
+
 def _pybind_dtype(state: Any) -> _TeDType:
     """TE ≤ 2.15's pybind11 DType: NEWOBJ, then BUILD with its integer (`__setstate__`)."""
     if state is None:
         raise MalformedPickleError("Transformer Engine DType created without its value")
-    return _te_dtype((state,))
+    return _te_dtype(_PYBIND_DTYPE_MODULE)((state,))
 
 
 def te_block_globals(spec_type: type) -> dict[tuple[str, str], Any]:
@@ -251,8 +255,8 @@ def te_block_globals(spec_type: type) -> dict[tuple[str, str], Any]:
     table[("builtins", "getattr")] = table[("__builtin__", "getattr")] = getattr_
     for module, name in _QUANTIZERS:
         table[(module, name)] = Constructor(f"{module}.{name}", from_state=_quantizer(name, spec_type))
-    table[("transformer_engine_torch", "DType")] = Constructor("transformer_engine DType", call=_te_dtype,
-                                                               from_state=_pybind_dtype)
+    table[(_PYBIND_DTYPE_MODULE, "DType")] = Constructor("transformer_engine DType",
+                                                         call=_te_dtype(_PYBIND_DTYPE_MODULE), from_state=_pybind_dtype)
     return table
 
 
