@@ -42,9 +42,12 @@ from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
 UNSUPPORTED_KEYS = ("layers_to_transform", "layers_pattern", "exclude_modules", "trainable_token_indices",
-                    "layer_replication", "alora_invocation_tokens", "arrow_config", "use_qalora", "use_bdlora")
+                    "layer_replication", "alora_invocation_tokens", "arrow_config", "use_qalora", "use_bdlora",
+                    "kasa_config")
 """adapter_config.json keys that change which modules peft adapts, or what it adds to them, in
-ways import-hf does not follow yet: set, they are refused rather than half-followed."""
+ways import-hf does not follow yet: set, they are refused rather than half-followed. (KaSA
+truncates the base weight by SVD when the adapter is added and puts a learned diagonal between
+B and A: its merge is not W + s · B @ A.)"""
 _LITERAL = re.compile(r"(?:\\.|[^.^$*+?{}\[\]()\\|])+")
 """One alternative of a `target_modules` string that is a literal name (`re.escape`d or plain)."""
 _FOLDER_PART = re.compile(r"^(?P<module>.+)\.(?:(?P<lora>lora_A|lora_B)\.weight|(?P<bare>lora_magnitude_vector|"
@@ -106,7 +109,7 @@ def read_folder_config(path: Path) -> AdapterFolderConfig:
     scale = read_adapter_config(path, "import-hf does not import")
     data = read_json_object(path, "peft adapter config")
     for key in UNSUPPORTED_KEYS:
-        if data.get(key):
+        if data.get(key) not in (None, False, []):  # an empty sub-config ({}) is peft's variant at its defaults
             raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, which import-hf does not import yet")
     parameters = data.get("target_parameters") or []
     if not (isinstance(parameters, list) and all(isinstance(t, str) and "." in t.strip(".") for t in parameters)):
