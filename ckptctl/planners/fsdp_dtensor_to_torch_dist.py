@@ -68,6 +68,7 @@ from ckptctl.megatron.fsdp_dtensor_names import (
 )
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
 from ckptctl.megatron.rows import BUFFERS, canonical, mixer_part_rows
+from ckptctl.megatron.tp import tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -316,10 +317,16 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
 
 
 def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    """The TP the fused in_proj and conv are blocked at: args', unless the RowParallel chunks show
+    another (a TP split seen on disk is the save's own; one column, as any FSDP2 rows show, proves nothing)."""
     tp = getattr(args, "tensor_model_parallel_size", None)
     if type(tp) is not int or tp < 1:
         raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
                                          "in_proj and conv are unknown")
+    seen = tp_from_geometry(ckpt)
+    if seen not in (None, 1, tp):
+        raise CheckpointError(ckpt.path, f"args say TP {tp} but RowParallel chunks show TP {seen}: the TP blocks of "
+                              "the fused in_proj and conv are unknown")
     return tp
 
 
