@@ -493,7 +493,7 @@ def inspect_command(
             for line in summary_lines(found):
                 write_line(line)
         return
-    if (folder := trainer_folder(ckpt)) is not None:  # an HF Trainer / accelerate checkpoint-N/: its parts
+    if (folder := run_guarded(lambda: trainer_folder(ckpt))) is not None:  # an HF Trainer / accelerate checkpoint-N/
         from ckptctl.cli.inspect_folder import show_folder
 
         if run_guarded(lambda: show_folder(folder, pattern, json_out, chunks, check)) and check:
