@@ -13,7 +13,7 @@ from ckptctl.core.plan import TargetTensor, identity_target
 from ckptctl.core.rank_state import megatron_rng, plain_reshard_rng_selection, refuse_dp_change
 from ckptctl.core.selection import selected
 from ckptctl.families.placement import fsdp2
-from ckptctl.formats.megatron_args import checkpoint_args
+from ckptctl.formats.megatron_args import context_parallel
 from ckptctl.formats.dcp.writer import place_dcp_records
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
 from ckptctl.util.errors import UsageError
@@ -41,7 +41,7 @@ class Fsdp2Reshard:
         refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, self.include, self.exclude), self.world_size)
         keep = plain_reshard_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
                                            lambda f: selected(f, self.include, self.exclude), self.world_size,
-                                           self.keep_common_ranks, lambda: _context_parallel(ckpt))
+                                           self.keep_common_ranks, lambda: context_parallel(ckpt))
         for fqn, src in sources.items():
             if keep(fqn):
                 targets.append(identity_target(src, dtype=cast_dtype(src.dtype, self.dtype),
@@ -53,9 +53,3 @@ class Fsdp2Reshard:
             keep = {t.fqn for t in targets} | {e.fqn for e in kept_bytes}
             planner = {k: v for k, v in ckpt.planner_data.items() if k in keep}
         return PlannedReshard(place_dcp_records(targets, placements, sources, kept_bytes, planner), self.world_size)
-
-
-def _context_parallel(ckpt: Checkpoint) -> int:
-    """The saved run's CP size (Megatron-FSDP's args), 1 where args do not say."""
-    cp = getattr(checkpoint_args(ckpt), "context_parallel_size", None)
-    return cp if type(cp) is int and cp > 0 else 1

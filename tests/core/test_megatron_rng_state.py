@@ -201,7 +201,8 @@ def test_a_plain_reshard_of_a_tensor_parallel_run_counts_dp_ranks_over_its_tp_an
     """A plain reshard keeps a Megatron-FSDP checkpoint's TP-blocked tensors as they are, so the job
     that loads it runs at the saved TP (and CP): `-n` ranks are DP = n / (TP × PP × CP). At TP 2 ×
     DP 2 the run's own 4 ranks keep every state (they were refused as "DP 4"); 2 ranks are DP 1;
-    8 ranks DP 4; a world size the grid does not divide is refused, naming it."""
+    8 ranks DP 4; a world size the grid does not divide is refused, naming it. A Megatron-aware
+    reshard to FSDP2 rows counts them over the target TP (`--tp`, else the saved one) alike."""
     from tests.conftest import run_cli
 
     src = tmp_path / "src"
@@ -213,17 +214,21 @@ def test_a_plain_reshard_of_a_tensor_parallel_run_counts_dp_ranks_over_its_tp_an
     assert run.returncode == 0, run.stderr
     assert [dp for _, dp in megatron_rng(_names(tmp_path / "dp1")).entry_of] == [0] * 4
     state = "ckptctl: error: rng_state.(pp, tp).{0..1}.* of 2 (PP, TP) ranks: Megatron's RNG state of DP 2"
-    for n, line in ((8, " (one state per DP rank, --data-parallel-random-init) cannot follow a reshard to DP 4 (DP "
-                        "rank i resumes state i); pass --exclude 'rng_state.*' to drop it (every rank starts afresh) "
-                        "or --keep-common-ranks to keep the states of the DP ranks both sizes have\n"),
-                    (3, " cannot follow a reshard to 3 ranks, which are no multiple of its 2 (PP, TP) ranks; pass "
-                        "--exclude 'rng_state.*' to drop it (every rank starts afresh)\n")):
+    dp4 = (" (one state per DP rank, --data-parallel-random-init) cannot follow a reshard to DP 4 (DP rank i resumes "
+           "state i); pass --exclude 'rng_state.*' to drop it (every rank starts afresh) or --keep-common-ranks to "
+           "keep the states of the DP ranks both sizes have\n")
+    for n, line in ((8, dp4), (3, " cannot follow a reshard to 3 ranks, which are no multiple of its 2 (PP, TP) ranks; "
+                                  "pass --exclude 'rng_state.*' to drop it (every rank starts afresh)\n")):
         refused = run_cli("reshard", src, tmp_path / f"n{n}", "-n", n)
         assert (refused.returncode, refused.stderr) == (2, state + line)
         assert not (tmp_path / f"n{n}").exists()
     _megatron_fsdp_with_rng(tmp_path / "cp", 2, 2, cp=2)
     run = run_cli("reshard", tmp_path / "cp", tmp_path / "cp8", "-n", 8)
     assert run.returncode == 0, run.stderr
+    run = run_cli("reshard", src, tmp_path / "split", "-n", 4, "--split-fused")  # FSDP2 rows, Megatron-aware
+    assert run.returncode == 0, run.stderr
+    refused = run_cli("reshard", src, tmp_path / "tp1", "-n", 4, "--tp", 1)  # the job at TP 1: DP 4
+    assert (refused.returncode, refused.stderr) == (2, state + dp4)
 
 
 def _names(path) -> list[str]:
