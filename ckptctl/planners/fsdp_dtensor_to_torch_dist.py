@@ -301,9 +301,9 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
                            names: dict[str, str]) -> None:
     """A SwiGLU fc1 saved fused is TP-blocked ([W_0; V_0; W_1; V_1; …]), torch_dist's is [W_all; V_all]:
     the same only at TP 1; so is a Megatron-Bridge adapter's linear_out on it, which is never split."""
-    tp = getattr(args, "tensor_model_parallel_size", None)
-    if getattr(args, "swiglu", False) is not True or tp == 1:
+    if getattr(args, "swiglu", False) is not True or _blocked_tp(ckpt, args) == 1:
         return
+    tp = getattr(args, "tensor_model_parallel_size", None)
     for key in keys.values():
         slot = next(iter(key.parts.values()))
         if None in slot and re.search(r"\blinear_fc1\.adapter\.linear_out\.(weight|bias)$", key.key):
@@ -316,17 +316,23 @@ def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dic
                                              "--split-fused), then convert")
 
 
-def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
-    """The TP the fused in_proj and conv are blocked at: args', unless the RowParallel chunks show
-    another (a TP split seen on disk is the save's own; one column, as any FSDP2 rows show, proves nothing)."""
+def _blocked_tp(ckpt: Checkpoint, args: argparse.Namespace) -> Any:
+    """args' TP, which fused tensors are blocked at, unless the RowParallel chunks show another (a TP
+    split seen on disk is the save's own; one column, as any FSDP2 rows show, proves nothing)."""
     tp = getattr(args, "tensor_model_parallel_size", None)
+    seen = tp_from_geometry(ckpt)
+    if seen not in (None, 1, tp):
+        raise CheckpointError(ckpt.path, f"args say TP {tp!r:.32} but RowParallel chunks show TP {seen}: the TP "
+                                         "blocks of its fused tensors are unknown")
+    return tp
+
+
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    """The TP the fused in_proj and conv are blocked at (`_blocked_tp`)."""
+    tp = _blocked_tp(ckpt, args)
     if type(tp) is not int or tp < 1:
         raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
                                          "in_proj and conv are unknown")
-    seen = tp_from_geometry(ckpt)
-    if seen not in (None, 1, tp):
-        raise CheckpointError(ckpt.path, f"args say TP {tp} but RowParallel chunks show TP {seen}: the TP blocks of "
-                              "the fused in_proj and conv are unknown")
     return tp
 
 

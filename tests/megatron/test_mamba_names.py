@@ -225,8 +225,8 @@ def test_args_whose_tp_the_chunks_contradict_are_not_trusted_to_cut_the_fused_mi
         src = _with_args(run / "fsdp", tmp_path / f"src{tp}", tensor_model_parallel_size=tp)
         done = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
         assert (done.returncode, done.stderr) == (
-            2, f"ckptctl: error: {src}: args say TP {tp} but RowParallel chunks show TP 2: the TP blocks of the "
-               "fused in_proj and conv are unknown\n")
+            2, f"ckptctl: error: {src}: args say TP {tp} but RowParallel chunks show TP 2: the TP blocks of its "
+               "fused tensors are unknown\n")
         assert not (tmp_path / "out").exists()
 
 
