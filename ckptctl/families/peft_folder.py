@@ -42,12 +42,10 @@ from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
 UNSUPPORTED_KEYS = ("layers_to_transform", "layers_pattern", "exclude_modules", "trainable_token_indices",
-                    "layer_replication", "alora_invocation_tokens", "arrow_config", "use_qalora", "use_bdlora",
-                    "kasa_config")
+                    "layer_replication", "use_qalora", "use_bdlora")
 """adapter_config.json keys that change which modules peft adapts, or what it adds to them, in
-ways import-hf does not follow yet: set, they are refused rather than half-followed. (KaSA
-truncates the base weight by SVD when the adapter is added and puts a learned diagonal between
-B and A: its merge is not W + s · B @ A.)"""
+ways import-hf does not follow yet: set, they are refused rather than half-followed (as are the
+LoRA variants `read_adapter_config` refuses)."""
 _LITERAL = re.compile(r"(?:\\.|[^.^$*+?{}\[\]()\\|])+")
 """One alternative of a `target_modules` string that is a literal name (`re.escape`d or plain)."""
 _FOLDER_PART = re.compile(r"^(?P<module>.+)\.(?:(?P<lora>lora_A|lora_B)\.weight|(?P<bare>lora_magnitude_vector|"

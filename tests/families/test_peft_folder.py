@@ -82,7 +82,8 @@ def test_folders_that_do_not_fit_are_refused_by_name(tmp_path, targets, folder, 
                                              "file)"),
     ({"target_modules": []}, "target_modules is [], not a list of module names"),
     ({"exclude_modules": ["k_proj"]}, "exclude_modules is [\"k_proj\"], which import-hf does not import yet"),
-    ({"kasa_config": {}}, "kasa_config is {}, which import-hf does not import yet"),  # peft: KaSA at its defaults
+    ({"kasa_config": {}}, "kasa_config is set (KaSA: the base weight truncated by SVD, a learned diagonal between B "
+                          "and A), which import-hf does not import yet"),  # {}: peft's KaSA at its defaults
     ({"use_bdlora": {}}, "use_bdlora is {}, which import-hf does not import yet"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out is true (transposed (Conv1D) weights), which import-hf does not "
                                "import yet"),
