@@ -101,14 +101,15 @@ class AdapterFolderConfig:
         return frozenset(self.parameters)
 
 
-def read_folder_config(path: Path) -> AdapterFolderConfig:
+def read_folder_config(path: Path, unsupported: str = "import-hf does not import") -> AdapterFolderConfig:
     """α, r, DoRA and rsLoRA (`read_adapter_config`), and the modules adapted and trained whole;
-    refused: a target_modules string that is a pattern, `all-linear`, keys of `UNSUPPORTED_KEYS`."""
-    scale = read_adapter_config(path, "import-hf does not import")
+    refused: a target_modules string that is a pattern, `all-linear`, keys of `UNSUPPORTED_KEYS`
+    (which the command `unsupported` says it does not follow yet)."""
+    scale = read_adapter_config(path, unsupported)
     data = read_json_object(path, "peft adapter config")
     for key in UNSUPPORTED_KEYS:
         if data.get(key) not in (None, False, []):  # an empty sub-config ({}) is peft's variant at its defaults
-            raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, which import-hf does not import yet")
+            raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, which {unsupported} yet")
     parameters = data.get("target_parameters") or []
     if not (isinstance(parameters, list) and all(isinstance(t, str) and "." in t.strip(".") for t in parameters)):
         raise UsageError(f"{path}: target_parameters is {json.dumps(parameters)}, not a list of parameter names "

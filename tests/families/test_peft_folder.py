@@ -94,6 +94,17 @@ def test_configs_import_hf_does_not_follow_are_refused(tmp_path, data, line):
     assert str(err.value) == f"{tmp_path / 'adapter_config.json'}: {line}"
 
 
+def test_refusals_name_the_command_that_reads_the_folder(tmp_path):
+    """export-hf of a NeMo Automodel step reads its PEFT folder too: its refusals said
+    "which import-hf does not import yet"."""
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+                                "layers_to_transform": [0]}))
+    with pytest.raises(UsageError) as err:
+        read_folder_config(path, "export-hf does not read")
+    assert str(err.value) == f"{path}: layers_to_transform is [0], which export-hf does not read yet"
+
+
 def test_a_string_of_escaped_names_matches_each_whole_and_nothing_else(tmp_path):
     cfg = config(tmp_path, target_modules=r"model\.layers\.0\.self_attn\.q_proj|lm_head")
     assert cfg.literals == {Q, "lm_head"}
