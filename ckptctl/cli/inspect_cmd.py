@@ -483,7 +483,7 @@ def inspect_command(
     from ckptctl.formats.automodel_peft import automodel_peft
     from ckptctl.storage.trainer_folder import trainer_folder
 
-    if (automodel := automodel_peft(ckpt)) is not None:  # a NeMo Automodel PEFT save: a PEFT folder, no DCP
+    if (automodel := run_guarded(lambda: automodel_peft(ckpt))) is not None:  # a NeMo Automodel PEFT folder
         from ckptctl.commands.automodel_peft import describe, summary_lines
 
         found = run_guarded(lambda: describe(automodel))
