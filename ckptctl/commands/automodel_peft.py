@@ -88,7 +88,7 @@ def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Che
     adapter = open_safetensors_folder(weights)
     names = peft_model_names({n: e.shape for n, e in model.tensors.items()},
                              {n: e.shape for n, e in adapter.tensors.items()},
-                             read_folder_config(config_path), "default", weights)
+                             read_folder_config(config_path, "export-hf does not read"), "default", weights)
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     for source, renamed in ((model, names.base), (adapter, names.folder)):

@@ -808,6 +808,7 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         _SCRATCH.merged = None
         w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes)
                    for op in (delta.base, delta.a, delta.b))
+        infinite = int(w.numel() - torch.isfinite(w).sum())
         if delta.experts:  # peft's ParamWrapper: the einsum of its get_delta_weight, bit for bit
             spec = "o r e, e r i -> e i o" if delta.transposed else "o r e, e r i -> e o i"
             product = torch.einsum(spec, b.view(b.shape[0], -1, delta.experts), a.view(delta.experts, -1, a.shape[1]))
@@ -819,6 +820,11 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
             w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
+        grown = int(w.numel() - torch.isfinite(w).sum()) - infinite
+        if grown > 0 and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()):
+            raise UsageError(f"{item.target.fqn}: {grown} finite value{'s' if grown != 1 else ''} become inf or NaN "
+                             f"when its LoRA adapter is merged (W + (B @ A) · {delta.scale:g} in float32): check the "
+                             "LoRA α")
         if delta.blocks is not None:  # the target's rows (q, k or v; gate or up) of a merged fused weight
             whole, w = w, torch.empty(item.target.shape, dtype=torch.float32)
             for block in delta.blocks:

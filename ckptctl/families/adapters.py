@@ -373,10 +373,18 @@ class LoraScale:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
 
 
+VARIANTS = (("alora_invocation_tokens", "aLoRA: the adapter acts only after its invocation tokens"),
+            ("arrow_config", "Arrow: a per-token router over LoRA experts"),
+            ("kasa_config", "KaSA: the base weight truncated by SVD, a learned diagonal between B and A"))
+"""peft's LoRA variants whose tensors are a plain LoRA's but whose model is not W + s · B @ A
+(peft refuses to merge the first two, and truncates KaSA's base weight first): set, an adapter
+config describes a model neither a merge nor a plain LoRA folder gives."""
+
+
 def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge") -> LoraScale:
     """α, rsLoRA, r and DoRA of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks
-    or alphas, fan_in_fan_out, LoRA biases (what the command `unsupported` says does none of these
-    yet), a missing or non-numeric α or r."""
+    or alphas, fan_in_fan_out, LoRA biases, the `VARIANTS` (what the command `unsupported` says
+    does none of these yet), a missing or non-numeric α or r."""
     data = read_json_object(path, "peft adapter config")
     if data.get("peft_type") != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}, not 'LORA'")
@@ -386,6 +394,9 @@ def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge
     for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
             raise UsageError(f"{path}: {key} is true ({what}), which {unsupported} yet")
+    for key, what in VARIANTS:
+        if data.get(key) not in (None, False, []):  # an empty sub-config ({}) is the variant at its defaults
+            raise UsageError(f"{path}: {key} is set ({what}), which {unsupported} yet")
     for key in ("use_rslora", "use_dora"):  # peft reads any truthy value as true: "false" would be rsLoRA
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, not true or false")

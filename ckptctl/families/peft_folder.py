@@ -42,9 +42,10 @@ from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
 
 UNSUPPORTED_KEYS = ("layers_to_transform", "layers_pattern", "exclude_modules", "trainable_token_indices",
-                    "layer_replication", "alora_invocation_tokens", "arrow_config", "use_qalora", "use_bdlora")
+                    "layer_replication", "use_qalora", "use_bdlora")
 """adapter_config.json keys that change which modules peft adapts, or what it adds to them, in
-ways import-hf does not follow yet: set, they are refused rather than half-followed."""
+ways import-hf does not follow yet: set, they are refused rather than half-followed (as are the
+LoRA variants `read_adapter_config` refuses)."""
 _LITERAL = re.compile(r"(?:\\.|[^.^$*+?{}\[\]()\\|])+")
 """One alternative of a `target_modules` string that is a literal name (`re.escape`d or plain)."""
 _FOLDER_PART = re.compile(r"^(?P<module>.+)\.(?:(?P<lora>lora_A|lora_B)\.weight|(?P<bare>lora_magnitude_vector|"
@@ -100,14 +101,15 @@ class AdapterFolderConfig:
         return frozenset(self.parameters)
 
 
-def read_folder_config(path: Path) -> AdapterFolderConfig:
+def read_folder_config(path: Path, unsupported: str = "import-hf does not import") -> AdapterFolderConfig:
     """α, r, DoRA and rsLoRA (`read_adapter_config`), and the modules adapted and trained whole;
-    refused: a target_modules string that is a pattern, `all-linear`, keys of `UNSUPPORTED_KEYS`."""
-    scale = read_adapter_config(path, "import-hf does not import")
+    refused: a target_modules string that is a pattern, `all-linear`, keys of `UNSUPPORTED_KEYS`
+    (which the command `unsupported` says it does not follow yet)."""
+    scale = read_adapter_config(path, unsupported)
     data = read_json_object(path, "peft adapter config")
     for key in UNSUPPORTED_KEYS:
-        if data.get(key):
-            raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, which import-hf does not import yet")
+        if data.get(key) not in (None, False, []):  # an empty sub-config ({}) is peft's variant at its defaults
+            raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, which {unsupported} yet")
     parameters = data.get("target_parameters") or []
     if not (isinstance(parameters, list) and all(isinstance(t, str) and "." in t.strip(".") for t in parameters)):
         raise UsageError(f"{path}: target_parameters is {json.dumps(parameters)}, not a list of parameter names "

@@ -44,6 +44,12 @@ def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
     return value if isinstance(value, argparse.Namespace) else None
 
 
+def context_parallel(ckpt: Checkpoint) -> int:
+    """The saved run's CP size (Megatron-FSDP's args), 1 where args do not say."""
+    cp = getattr(checkpoint_args(ckpt), "context_parallel_size", None)
+    return cp if type(cp) is int and cp > 0 else 1
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A value of a class no allow-list knows, kept as its global's name and arguments (never

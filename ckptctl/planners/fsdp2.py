@@ -11,10 +11,11 @@ from ckptctl.core.analysis import source_tensors
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.core.plan import TargetTensor, identity_target
-from ckptctl.core.rank_state import megatron_rng, megatron_rng_selection, refuse_dp_change
+from ckptctl.core.rank_state import megatron_rng, plain_reshard_rng_selection, refuse_dp_change
 from ckptctl.core.selection import selected
 from ckptctl.families.placement import fsdp2
 from ckptctl.formats.dcp.items import ItemReader
+from ckptctl.formats.megatron_args import context_parallel
 from ckptctl.formats.dcp.writer import place_dcp_records
 from ckptctl.formats.pickle.subclass import TE_FLOAT8
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
@@ -42,9 +43,9 @@ class Fsdp2Reshard:
         sources = source_tensors(ckpt)
         targets: list[TargetTensor] = []
         refuse_dp_change(ckpt.bytes_entries, lambda f: selected(f, self.include, self.exclude), self.world_size)
-        keep = megatron_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
-                                      lambda f: selected(f, self.include, self.exclude), self.world_size,
-                                      self.keep_common_ranks)  # FSDP2: DP = the world size
+        keep = plain_reshard_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
+                                           lambda f: selected(f, self.include, self.exclude), self.world_size,
+                                           self.keep_common_ranks, lambda: context_parallel(ckpt))
         with ItemReader(ckpt) as reader:
             for fqn, src in sources.items():
                 if not keep(fqn):

@@ -68,6 +68,7 @@ from ckptctl.megatron.fsdp_dtensor_names import (
 )
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
 from ckptctl.megatron.rows import BUFFERS, canonical, mixer_part_rows
+from ckptctl.megatron.tp import tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -304,9 +305,9 @@ def _tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, 
     the same only at TP 1. A Megatron-Bridge adapter's linear_out on it, which Megatron-LM never splits
     (`handle_swiglu_in_state_dict` splits fc1's own weight only), is marked to be unblocked at the
     run's TP (`_Key.swiglu_blocked`); fc1's own weight saved fused is refused."""
-    tp = getattr(args, "tensor_model_parallel_size", None)
-    if getattr(args, "swiglu", False) is not True or tp == 1:
+    if getattr(args, "swiglu", False) is not True or _blocked_tp(ckpt, args) == 1:
         return
+    tp = getattr(args, "tensor_model_parallel_size", None)
     for key in keys.values():
         slot = next(iter(key.parts.values()))
         if None in slot and re.search(r"\blinear_fc1\.adapter\.linear_out\.(weight|bias)$", key.key):
@@ -322,8 +323,20 @@ def _tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, 
                                              "--split-fused), then convert")
 
 
-def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+def _blocked_tp(ckpt: Checkpoint, args: argparse.Namespace) -> Any:
+    """args' TP, which fused tensors are blocked at, unless the RowParallel chunks show another (a TP
+    split seen on disk is the save's own; one column, as any FSDP2 rows show, proves nothing)."""
     tp = getattr(args, "tensor_model_parallel_size", None)
+    seen = tp_from_geometry(ckpt)
+    if seen not in (None, 1, tp):
+        raise CheckpointError(ckpt.path, f"args say TP {tp!r:.32} but RowParallel chunks show TP {seen}: the TP "
+                                         "blocks of its fused tensors are unknown")
+    return tp
+
+
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    """The TP the fused in_proj and conv are blocked at (`_blocked_tp`)."""
+    tp = _blocked_tp(ckpt, args)
     if type(tp) is not int or tp < 1:
         raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
                                          "in_proj and conv are unknown")

@@ -82,6 +82,9 @@ def test_folders_that_do_not_fit_are_refused_by_name(tmp_path, targets, folder, 
                                              "file)"),
     ({"target_modules": []}, "target_modules is [], not a list of module names"),
     ({"exclude_modules": ["k_proj"]}, "exclude_modules is [\"k_proj\"], which import-hf does not import yet"),
+    ({"kasa_config": {}}, "kasa_config is set (KaSA: the base weight truncated by SVD, a learned diagonal between B "
+                          "and A), which import-hf does not import yet"),  # {}: peft's KaSA at its defaults
+    ({"use_bdlora": {}}, "use_bdlora is {}, which import-hf does not import yet"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out is true (transposed (Conv1D) weights), which import-hf does not "
                                "import yet"),
 ])
@@ -89,6 +92,17 @@ def test_configs_import_hf_does_not_follow_are_refused(tmp_path, data, line):
     with pytest.raises(UsageError) as err:
         config(tmp_path, **data)
     assert str(err.value) == f"{tmp_path / 'adapter_config.json'}: {line}"
+
+
+def test_refusals_name_the_command_that_reads_the_folder(tmp_path):
+    """export-hf of a NeMo Automodel step reads its PEFT folder too: its refusals said
+    "which import-hf does not import yet"."""
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+                                "layers_to_transform": [0]}))
+    with pytest.raises(UsageError) as err:
+        read_folder_config(path, "export-hf does not read")
+    assert str(err.value) == f"{path}: layers_to_transform is [0], which export-hf does not read yet"
 
 
 def test_a_string_of_escaped_names_matches_each_whole_and_nothing_else(tmp_path):
