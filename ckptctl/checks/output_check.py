@@ -35,8 +35,10 @@ from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 from ckptctl.core.dtypes import BY_SAFETENSORS, BY_STORAGE, DTYPES, DType
 from ckptctl.engine.cpu import ChunkSource, assemble_bytes
 from ckptctl.util.errors import CheckpointError
+from ckptctl.formats.dcp.block_scaled import BLOCKWISE, MXFP8, NVFP4, BlockScaling, dequantize
 from ckptctl.formats.dcp.items import MAX_ZIP_READ
 from ckptctl.formats.dcp.metadata import open_checkpoint
+from ckptctl.formats.dcp.te_float8 import as_values, float8_of, stored_dtype, value_view
 from ckptctl.formats.dcp.writer import DcpOutput, metadata_load
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.quantized import DEQUANT
@@ -142,17 +144,65 @@ class _Float8View:
     size: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class _BlockView:
+    """A Transformer Engine block-scaled tensor (MXFP8, blockwise FP8, NVFP4) as its `data.pkl`
+    describes it: rowwise codes, padded rowwise scales, NVFP4's amax (`formats.dcp.block_scaled`)."""
+
+    scaling: BlockScaling
+    data: _TensorView
+    scales: _TensorView
+    amax: _TensorView | None
+    dtype: DType
+    size: tuple[int, ...]
+
+
+class _Built:
+    """An object a pickle makes by NEWOBJ + BUILD (a TE quantizer, TE ≤ 2.15's pybind DType, a
+    torchao config): inert, its class's name and the state BUILD gave it."""
+
+    name = ""
+
+    def __setstate__(self, state: Any) -> None:
+        if self.state is not None:
+            raise ValueError("state set twice")
+        self.state = state
+
+    state: Any = None
+
+
+def _built(name: str) -> type:
+    return type(name, (_Built,), {"name": name})
+
+
 _WRAPPER = ("wrapper", "torch._utils._rebuild_wrapper_subclass")
 _TORCHAO = ("class", "torchao.float8.fsdp_utils.WeightWithDynamicFloat8CastTensor")
+_TORCHAO_MOE = ("class", "torchao.prototype.moe_training.tensor.Float8TrainingWeightWrapperTensor")
+_TORCHAO_CONFIGS = {"torchao.prototype.moe_training.config": ("Float8TrainingOpConfig",),
+                    "torchao.float8.config": ("Float8LinearConfig", "CastConfig", "Float8GemmConfig")}
+_TORCHAO_ENUMS = ("ScalingType", "ScalingGranularity")
+_TE = "transformer_engine.pytorch.tensor."
+_TE_QUANTIZERS = {f"{_TE}mxfp8_tensor": "MXFP8Quantizer", f"{_TE}float8_blockwise_tensor": "Float8BlockQuantizer",
+                  f"{_TE}nvfp4_tensor": "NVFP4Quantizer"}
 _TE_FP8 = {7: DTYPES["float8_e4m3fn"], 8: DTYPES["float8_e5m2"]}  # TE's DType.kFloat8E4M3 / kFloat8E5M2
 
 
 def _from_type_v2(func: Any, cls: Any, args: Any, state: Any) -> _TensorView:
-    """torchao's wrapper (torch's pickling of a wrapper subclass): its value is `state["_tensor"]`."""
-    if func != _WRAPPER or cls != _TORCHAO or type(state) is not dict \
-            or not isinstance(state.get("_tensor"), _TensorView) or state.get("_precomputed_scale") is not None:
+    """torchao's wrappers (torch's pickling of a wrapper subclass): the value is `state["_tensor"]`
+    (WeightWithDynamicFloat8CastTensor) or `state["_data"]` (Float8TrainingWeightWrapperTensor)."""
+    if func != _WRAPPER or type(state) is not dict:
+        raise ValueError("not a torchao wrapper")
+    if cls == _TORCHAO_MOE:
+        config = state.get("config")
+        if set(state) != {"_data", "config"} or not isinstance(config, _Built) \
+                or config.name != "Float8TrainingOpConfig":
+            raise ValueError("not torchao's Float8TrainingWeightWrapperTensor")
+        state = {"_tensor": state["_data"]}
+    elif cls != _TORCHAO or state.get("_precomputed_scale") is not None:
         raise ValueError("not torchao's WeightWithDynamicFloat8CastTensor")
-    inner = state["_tensor"]
+    inner = state.get("_tensor")
+    if not isinstance(inner, _TensorView):
+        raise ValueError("torchao wrapper without its tensor")
     if type(args) is not tuple or len(args) != 8 or args[1] != inner.dtype or tuple(args[2]) != inner.size:
         raise ValueError("wrapper and wrapped tensor disagree")
     return inner
@@ -167,11 +217,83 @@ class _MMConfig:
 
 def _te_float8(data: Any, fp8: Any, scale_inv: Any, dtype: Any, shape: Any, transpose: Any = None) -> _Float8View:
     if not (isinstance(data, _TensorView) and isinstance(scale_inv, _TensorView) and isinstance(dtype, DType)
-            and transpose is None and type(fp8) is tuple and fp8[0] == "te-dtype" and fp8[1] in _TE_FP8
+            and transpose is None and _te_dtype(fp8) in _TE_FP8
             and data.dtype == DTYPES["uint8"] and tuple(shape) == data.size
             and scale_inv.dtype == DTYPES["float32"] and math.prod(scale_inv.size) == 1):
         raise ValueError("not a Transformer Engine Float8Tensor record")
-    return _Float8View(data, scale_inv, _TE_FP8[fp8[1]], dtype, data.size)
+    return _Float8View(data, scale_inv, _TE_FP8[_te_dtype(fp8)], dtype, data.size)
+
+
+def _te_dtype(value: Any) -> int | None:
+    """TE's DType as pickled: `DType(int)` (2.16 on) or a pybind enum NEWOBJ + BUILD (≤ 2.15)."""
+    if isinstance(value, _Built) and value.name == "DType":
+        value = ("te-dtype", value.state)
+    return value[1] if type(value) is tuple and len(value) == 2 and value[0] == "te-dtype" else None
+
+
+def _block_view(scaling: BlockScaling, shape: Any, row: Any, row_scale: Any, dtype: Any, quantizer: Any,
+                swizzled: Any, amax: Any = None) -> _BlockView:
+    if not (isinstance(row, _TensorView) and isinstance(row_scale, _TensorView) and isinstance(dtype, DType)
+            and swizzled is False and (quantizer is None or isinstance(quantizer, _Built))
+            and scaling.unfit(tuple(shape)) is None and row.dtype == DTYPES["uint8"]
+            and row.size == scaling.data_shape(tuple(shape)) and row_scale.size == scaling.scale_shape(tuple(shape))
+            and (amax is None or isinstance(amax, _TensorView) and amax.dtype == DTYPES["float32"])):
+        raise ValueError(f"not a Transformer Engine {scaling.kind} record this check reads")
+    return _BlockView(scaling, row, row_scale, amax, dtype, tuple(shape))
+
+
+def _te_mxfp8(row: Any, row_scale: Any, _col: Any, _col_scale: Any, fp8: Any, dtype: Any, shape: Any,
+              quantizer: Any = None, swizzled: Any = False) -> _BlockView:
+    codes = _TE_FP8.get(_te_dtype(fp8))
+    if codes is None:
+        raise ValueError("not an MXFP8Tensor record")
+    return _block_view(BlockScaling(MXFP8, codes.name, (1, 32), "E8M0"), shape, row, row_scale, dtype, quantizer,
+                       swizzled)
+
+
+def _te_blockwise(shape: Any, row: Any, row_scale: Any, _col: Any, _col_scale: Any, fp8: Any, dtype: Any,
+                  quantizer: Any, two_d: Any, data_format: Any = None) -> _BlockView:
+    codes = _TE_FP8.get(_te_dtype(fp8))
+    if codes is None or type(two_d) is not bool or data_format is not None:
+        raise ValueError("not a Float8BlockwiseQTensor record this check reads")
+    scaling = BlockScaling(BLOCKWISE, codes.name, (128, 128) if two_d else (1, 128), "float32")
+    return _block_view(scaling, shape, row, row_scale, dtype, quantizer, False)
+
+
+def _te_nvfp4(shape: Any, row: Any, row_scale: Any, _col: Any, _col_scale: Any, amax: Any, _col_amax: Any,
+              fp4: Any, dtype: Any, quantizer: Any, swizzled: Any = False, row_scaled: Any = False,
+              _four_over_six: Any = False, e4m3_max: Any = 448) -> _BlockView:
+    if _te_dtype(fp4) != 10 or type(row_scaled) is not bool or e4m3_max not in (448, 256) or amax is None:
+        raise ValueError("not an NVFP4Tensor record this check reads")
+    scaling = BlockScaling(NVFP4, "e2m1", (1, 16), "E4M3", e4m3_max, row_scaled)
+    return _block_view(scaling, shape, row, row_scale, dtype, quantizer, swizzled, amax)
+
+
+_TE_RECONSTRUCTORS = {("mxfp8_tensor", "_make_mxfp8_tensor_in_reduce_ex"): _te_mxfp8,
+                      ("mxfp8_tensor", "MXFP8Tensor"): _te_mxfp8,
+                      ("float8_blockwise_tensor", "_make_float8_blockwise_tensor_in_reduce_ex"): _te_blockwise,
+                      ("float8_blockwise_tensor", "Float8BlockwiseQTensor"): _te_blockwise,
+                      ("nvfp4_tensor", "_make_nvfp4_tensor_in_reduce_ex"): _te_nvfp4,
+                      ("nvfp4_tensor", "NVFP4Tensor"): _te_nvfp4}
+"""TE's reconstructors, and its classes whose `_make_in_reduce_ex` (TE ≤ 2.15, through getattr)
+is the same function; Float8Tensor's own is `_te_float8` (five arguments there)."""
+
+
+class _TeClass:
+    """A TE tensor class named as a value: only `getattr(cls, "_make_in_reduce_ex")` is asked of it."""
+
+    def __init__(self, reconstructor: Callable[..., Any]) -> None:
+        self._make_in_reduce_ex = reconstructor
+
+
+def _getattr(obj: Any, name: Any) -> Any:
+    if type(obj) is not _TeClass or name != "_make_in_reduce_ex":
+        raise ValueError("getattr of anything but a Transformer Engine tensor's _make_in_reduce_ex")
+    return obj._make_in_reduce_ex
+
+
+def _te_float8_old(data: Any, fp8: Any, scale_inv: Any, dtype: Any, shape: Any) -> _Float8View:
+    return _te_float8(data, fp8, scale_inv, dtype, shape)
 
 
 class _SubclassPickle(pickle._Unpickler):  # type: ignore[name-defined]
@@ -198,7 +320,23 @@ class _SubclassPickle(pickle._Unpickler):  # type: ignore[name-defined]
         if (module, name) == ("transformer_engine.pytorch.tensor.float8_tensor", "_make_float8_tensor_in_reduce_ex"):
             return _te_float8
         if name == "DType" and module in ("transformer_engine.pytorch.constants", "transformer_engine_torch"):
-            return lambda value: ("te-dtype", value)
+            return _PybindDType if module == "transformer_engine_torch" else lambda value: ("te-dtype", value)
+        if module.startswith(_TE) and (module[len(_TE):], name) in _TE_RECONSTRUCTORS:
+            make = _TE_RECONSTRUCTORS[(module[len(_TE):], name)]
+            return _TeClass(make) if name[0].isupper() else make
+        if (module, name) == ("transformer_engine.pytorch.tensor.float8_tensor", "Float8Tensor"):
+            return _TeClass(_te_float8_old)
+        if _TE_QUANTIZERS.get(module) == name or (module == f"{_TE}float8_tensor" and name in (
+                "Float8Quantizer", "Float8CurrentScalingQuantizer")):
+            return _built(name)
+        if (module, name) in (("builtins", "getattr"), ("__builtin__", "getattr")):
+            return _getattr
+        if f"{module}.{name}" == _TORCHAO_MOE[1]:
+            return _TORCHAO_MOE
+        if name in _TORCHAO_CONFIGS.get(module, ()):
+            return _built(name)
+        if module == "torchao.float8.config" and name in _TORCHAO_ENUMS:
+            return lambda value: (name, value)
         return _TensorPickle.find_class(self, module, name)  # type: ignore[arg-type]
 
     persistent_load = _TensorPickle.persistent_load
@@ -213,11 +351,37 @@ class _SubclassPickle(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch[pickle.SETITEMS[0]] = _set_items
 
+    def _set_item(self) -> None:
+        value, key = self.stack.pop(), self.stack.pop()
+        if type(self.stack[-1]) is not dict or type(key) is not str:
+            raise pickle.UnpicklingError("dict key that is not a name")
+        self.stack[-1][key] = value
 
-_SUBCLASS_OPS = _PICKLE_OPS | {"EMPTY_DICT", "SETITEMS", "NEWOBJ"}
+    dispatch[pickle.SETITEM[0]] = _set_item
+
+    def _build(self) -> None:
+        state, target = self.stack.pop(), self.stack[-1]
+        if not isinstance(target, _Built):
+            raise pickle.UnpicklingError("BUILD of something but a new quantizer, DType or config")
+        target.__setstate__(state)
+
+    dispatch[pickle.BUILD[0]] = _build
 
 
-def tensor_view(pickled: bytes) -> _TensorView | _Float8View:
+class _PybindDType(_Built):
+    """`transformer_engine_torch.DType`: called with its integer (2.16 on), or NEWOBJ then BUILD
+    with it (≤ 2.15's plain pybind11 enum)."""
+
+    name = "DType"
+
+    def __new__(cls, *value: Any) -> Any:
+        return ("te-dtype", *value) if value else object.__new__(cls)
+
+
+_SUBCLASS_OPS = _PICKLE_OPS | {"EMPTY_DICT", "SETITEMS", "SETITEM", "NEWOBJ", "BUILD", "BINFLOAT"}
+
+
+def tensor_view(pickled: bytes) -> _TensorView | _Float8View | _BlockView:
     """What a torch.save item's `data.pkl` says of its tensor, by Python's unpickler over the
     opcodes a tensor record uses (checked first: nothing else is built); torchao's wrapper as the
     tensor it wraps, TE's Float8Tensor as its codes and scale."""
@@ -229,7 +393,7 @@ def tensor_view(pickled: bytes) -> _TensorView | _Float8View:
         if op.name not in allowed:
             raise ValueError(f"opcode {op.name} in a tensor record")
     view = (_SubclassPickle if subclass else _TensorPickle)(io.BytesIO(pickled)).load()
-    if not isinstance(view, (_TensorView, _Float8View)):
+    if not isinstance(view, (_TensorView, _Float8View, _BlockView)):
         raise ValueError("data.pkl holds no tensor")
     return view
 
@@ -272,6 +436,11 @@ class ItemElements:
         self._readers: dict[str, Callable[[int, int], bytes]] = {}
         self._places: dict[tuple[str, str, int], _Dense | _Strided | bytes] = {}
         self._tensor_views: dict[bytes, _TensorView] = {}
+        self._scales: dict[tuple[str, str, int], bytes] = {}  # a TE Float8Tensor chunk → its scale_inv
+
+    def float8_scale(self, fqn: str, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk this reader read as a TE Float8Tensor item; None for any other."""
+        return self._scales.get((fqn, chunk.file, chunk.offset))
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -338,6 +507,8 @@ class ItemElements:
             return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
         handle = self.handle(chunk.file)
         read = self.positioned_reader(chunk.file)
+        if chunk.file in self.ckpt.dense_files:  # rows of a joined folder's tensor (`hf_base`), checked there
+            return _Dense(chunk.offset)
         if self.ckpt.safetensors_folder:  # a model file: the chunk is rows of its tensor
             start, info = _safetensors_record(handle, 0, entry.stored_name)
             if BY_SAFETENSORS.get(info["dtype"]) != entry.dtype or tuple(info["shape"]) != entry.shape:
@@ -361,7 +532,11 @@ class ItemElements:
                     self._tensor_views[pickled] = view
             prefix = pkl.filename[:-len("data.pkl")]
             if isinstance(view, _Float8View):
-                return _dequantized(archive, prefix, entry, chunk, view)
+                values, self._scales[(entry.fqn, chunk.file, chunk.offset)] = _dequantized(archive, prefix, entry,
+                                                                                           chunk, view)
+                return values
+            if isinstance(view, _BlockView):
+                return _block_dequantized(archive, prefix, entry, chunk, view)
             record = archive.getinfo(prefix + f"data/{view.key}")
             little = prefix + "byteorder" not in archive.namelist() or archive.read(prefix + "byteorder") == b"little"
         if view.dtype != entry.dtype or view.size != chunk.sizes or record.compress_type != zipfile.ZIP_STORED \
@@ -382,9 +557,11 @@ class ItemElements:
         return raw_bytes(decode_source_item(self.ckpt, entry, chunk))
 
 
-def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View) -> bytes:
+def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk, view: _Float8View
+                 ) -> tuple[bytes, bytes]:
     """A TE Float8Tensor item's value, row-major bytes of the logical dtype, as TE dequantizes:
-    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader)."""
+    float32(code) × scale_inv, rounded (read here by `zipfile`, not by the item reader); and its
+    scale_inv's four bytes."""
     import torch
 
     if view.dtype != entry.dtype or view.size != chunk.sizes:
@@ -402,7 +579,31 @@ def _dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chun
                               dtype=torch.uint8)[:numel].view(view.fp8.torch)
     scale_inv = torch.frombuffer(bytearray(scale[4 * view.scale_inv.offset:4 * view.scale_inv.offset + 4]),
                                  dtype=torch.float32)
-    return (values.float() * scale_inv).to(entry.dtype.torch).view(torch.uint8).numpy().tobytes()
+    dequantized = (values.float() * scale_inv).to(entry.dtype.torch)
+    return dequantized.view(torch.uint8).numpy().tobytes(), bytes(scale_inv.numpy())
+
+
+def _block_dequantized(archive: zipfile.ZipFile, prefix: str, entry: TensorEntry, chunk: Chunk,
+                       view: _BlockView) -> bytes:
+    """A TE block-scaled item's value, row-major bytes of the logical dtype, as TE dequantizes
+    (`formats.dcp.block_scaled.dequantize`), its records read here by `zipfile`."""
+    import torch
+
+    if view.dtype != entry.dtype or view.size != chunk.sizes:
+        raise ValueError("its record is another tensor")
+    if prefix + "byteorder" in archive.namelist() and archive.read(prefix + "byteorder") != b"little":
+        raise ValueError("big-endian block-scaled records")
+    records = []
+    for record in (view.data, view.scales) + ((view.amax,) if view.amax is not None else ()):
+        raw = archive.read(prefix + f"data/{record.key}")
+        numel, itemsize = math.prod(record.size), record.dtype.itemsize
+        if record.stride != strides(record.size) and numel > 1 \
+                or len(raw) < (record.offset + numel) * itemsize:
+            raise ValueError("its block-scaled records do not hold their views")
+        window_ = bytearray(raw[record.offset * itemsize:(record.offset + numel) * itemsize]) or bytearray(itemsize)
+        records.append(torch.frombuffer(window_, dtype=record.dtype.torch)[:numel])
+    value = dequantize(view.scaling, view.size, entry.dtype.torch, *records)
+    return value.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 def located_ends(ckpt: Checkpoint) -> bytes:
@@ -494,8 +695,12 @@ class DcpCheck:
             from ckptctl.core.analysis import source_tensors
 
             views = out.sources or source_tensors(src)
-        self.out, self.views = out, views
-        self.samples = _planned_samples(out, CHUNK_SAMPLES)
+        self.out = out
+        self.views = {**views, **{p.src: value_view(views[p.src], t) for t in out.targets.values()
+                                  if float8_of(t) is not None for p in t.pieces}}
+        """The views, a TE Float8Tensor target's as its values: its samples compare values, each side
+        dequantized as TE does, so its codes and its scale are checked together."""
+        self.samples = [(as_values(t), box, i) for t, box, i in _planned_samples(out, CHUNK_SAMPLES)]
         self._source = ItemElements(src)
         ends = sum(index is None for _, _, index in self.samples) if located and self._source.take_places(located) else 0
         records = len(out.records)
@@ -646,6 +851,7 @@ class DcpCheck:
                  entries: bool = True) -> None:
         """Compare the samples, but those in the files `skip` names, and (with `entries`) the bytes entries."""
         output = ChunkSource(found.ckpt)  # the output at its places as read back by the project's reader
+        output.reader.dequantize_fp8 = True  # a TE Float8Tensor's elements: its values, as the samples hold them
         try:
             wants = found.wants or self._wants
             for i, ((target, box, _), chunk) in enumerate(zip(self.samples, found.chunks)):
@@ -747,7 +953,7 @@ COVERAGES_KEPT = 256
 
 
 def _check_dcp_structure(dst: Checkpoint, out: DcpOutput, written: Path) -> None:
-    planned = {**{f: (t.shape, t.dtype) for f, t in out.targets.items()},
+    planned = {**{f: (t.shape, stored_dtype(t)) for f, t in out.targets.items()},
                **{f: (shape, dtype) for f, (dtype, shape, _) in out.literal_tensors.items()}}
     for fqn, (shape, dtype) in planned.items():
         entry = dst.tensors.get(fqn)

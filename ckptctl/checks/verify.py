@@ -30,7 +30,9 @@ from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.formats.safetensors.quantized import DEQUANT, Fp8Weight
 from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, Fp8Scales, band_rows, scale_bytes
 from ckptctl.checks.quantized_output import requantized
+from ckptctl.checks.float8_output import verify_float8
 from ckptctl.checks.torch_standins import load_subclass_item, names_subclass
+from ckptctl.formats.dcp.te_float8 import float8_of
 from ckptctl.formats.dcp.items import MAX_ZIP_READ, ItemReader
 from ckptctl.storage.file_window import window
 from ckptctl.formats.safetensors.reader import blob_header
@@ -110,6 +112,8 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
             raise CheckpointError(written, f"{missing}: missing from the output")
 
         source, output = Digests(src_sources, src_chunks), Digests(dst_sources, dst_chunks)
+        kept_fp8 = [t for t in out.targets.values() if float8_of(t) is not None]  # codes and scales, by torch
+        copied = {fqn: t for fqn, t in out.targets.items() if float8_of(t) is None}
 
         def check(fqn: str) -> None:
             if source(out.targets[fqn]) != output(identity_target(dst_sources[fqn])):
@@ -117,9 +121,11 @@ def verify_dcp(src: Checkpoint, src_chunks: ChunkSource, out: DcpOutput, written
             if advance is not None:
                 advance(out.targets[fqn].nbytes)
 
-        run_on_threads(list(out.targets), check, workers, "ckptctl-verify")
-        check_decoded_source(src, out.targets, src_sources, dcp_read_back(dst, dst_chunks, dst_sources), written,
+        run_on_threads(list(copied), check, workers, "ckptctl-verify")
+        check_decoded_source(src, copied, src_sources, dcp_read_back(dst, dst_chunks, dst_sources), written,
                              workers, advance)
+        run_on_threads(kept_fp8, lambda t: verify_float8(src, src_chunks.reader, dst, dst_chunks.reader, t, written,
+                                                         advance), workers, "ckptctl-verify")
 
         def check_pair(pair: tuple[str, TargetTensor]) -> None:
             check_master(*pair, source, output, written)
@@ -342,6 +348,8 @@ class DecodedChunks:
         if chunk.transforms:
             return decode_source_item(self.src, entry, chunk, self._files)
         handle = self._files.handle(chunk.file)
+        if chunk.file in self.src.dense_files:  # rows of a joined folder's tensor (`hf_base`), checked there
+            return chunk.offset
         if self.src.safetensors_folder:
             return _safetensors_folder_rows(path, entry, chunk)
         if handle.read_at(4, chunk.offset) != b"PK\x03\x04":

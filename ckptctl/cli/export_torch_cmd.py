@@ -27,7 +27,7 @@ def report_json(report: ExportTorchReport) -> dict:
     return {
         "src": report.src, "out": report.out, "tensors": report.tensors, "values": report.values,
         "bytes": report.bytes_written, **timing_json(report), "verified": report.verified, "device": report.device,
-        "dry_run": report.dry_run,
+        "dry_run": report.dry_run, "dequantized_fp8": report.dequantized,
     }
 
 
@@ -53,7 +53,9 @@ def export_torch_command(
     decoded without running code from the checkpoint; one that cannot be is refused by name
     (leave it out with --exclude). Megatron's args (an argparse.Namespace) is kept, as torch
     keeps it: torch.load with weights_only needs argparse.Namespace allowed through
-    torch.serialization.safe_globals for such a file, or pass --exclude args.
+    torch.serialization.safe_globals for such a file, or pass --exclude args. Transformer
+    Engine Float8Tensor weights are written as their values (float32 code × scale_inv, in
+    their logical dtype, as TE dequantizes), named in the summary and --json.
 
     Examples:
       ckptctl export-torch demo/ckpt /tmp/model.pt
@@ -80,6 +82,8 @@ def export_torch_command(
                        ("Entries", f"{tensors}, {others}"),
                        ("File", f"one torch.save file, {human_bytes(report.bytes_written)}")], out, force)
             return
-        say(f"wrote {out} ({tensors}, {others}, {human_bytes(report.bytes_written)})" + timing_summary(report))
+        fp8 = f"; {counted(len(report.dequantized), 'Transformer Engine Float8Tensor')} dequantized to their values" \
+            if report.dequantized else ""
+        say(f"wrote {out} ({tensors}, {others}, {human_bytes(report.bytes_written)}{fp8})" + timing_summary(report))
 
     run_distributed(json_out, "gloo", run, show, cast="keep" if dry_run else dtype)

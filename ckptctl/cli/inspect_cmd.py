@@ -244,7 +244,7 @@ def _megatron_core_doc(ckpt: Checkpoint) -> dict[str, str] | None:
     from ckptctl.formats.megatron_args import megatron_core_versions
 
     found = megatron_core_versions(ckpt)
-    return None if found is None else {"versions": found[0], "evidence": found[1]}
+    return None if found is None else {"versions": found.versions, "evidence": found.evidence}
 
 
 TRAINING_FIELDS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size",
@@ -483,7 +483,7 @@ def inspect_command(
     from ckptctl.formats.automodel_peft import automodel_peft
     from ckptctl.storage.trainer_folder import trainer_folder
 
-    if (automodel := automodel_peft(ckpt)) is not None:  # a NeMo Automodel PEFT save: a PEFT folder, no DCP
+    if (automodel := run_guarded(lambda: automodel_peft(ckpt))) is not None:  # a NeMo Automodel PEFT folder
         from ckptctl.commands.automodel_peft import describe, summary_lines
 
         found = run_guarded(lambda: describe(automodel))
@@ -493,7 +493,7 @@ def inspect_command(
             for line in summary_lines(found):
                 write_line(line)
         return
-    if (folder := trainer_folder(ckpt)) is not None:  # an HF Trainer / accelerate checkpoint-N/: its parts
+    if (folder := run_guarded(lambda: trainer_folder(ckpt))) is not None:  # an HF Trainer / accelerate checkpoint-N/
         from ckptctl.cli.inspect_folder import show_folder
 
         if run_guarded(lambda: show_folder(folder, pattern, json_out, chunks, check)) and check:

@@ -63,8 +63,9 @@ def export_refusal_detail(found: AutomodelPeft) -> str | None:
     if not names:
         return None
     return (f"{found.path}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
-            f"(target_parameters {json.dumps(names)} in {path}), which ckptctl does not merge or import yet; "
-            "PeftModel.from_pretrained loads its PEFT folder as is")
+            f"(target_parameters {json.dumps(names)} in {path}), which export-hf does not merge from a base folder "
+            "of per-expert weights yet: import-hf BASE DCP --adapter STEP, then export-hf DCP DST --merge-adapters "
+            "(or --adapter-only); PeftModel.from_pretrained loads its PEFT folder as is")
 
 
 def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Checkpoint:
@@ -87,7 +88,7 @@ def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Che
     adapter = open_safetensors_folder(weights)
     names = peft_model_names({n: e.shape for n, e in model.tensors.items()},
                              {n: e.shape for n, e in adapter.tensors.items()},
-                             read_folder_config(config_path), "default", weights)
+                             read_folder_config(config_path, "export-hf does not read"), "default", weights)
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     for source, renamed in ((model, names.base), (adapter, names.folder)):
@@ -173,7 +174,8 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     targets = ", ".join(f"{leaf} ×{count}" for leaf, count in ad["targets"].items())
     experts = (f"; and LoRA on {len(ad['target_parameters'])} MoE expert parameters "
                f"({', '.join(ad['target_parameters'])}: {ad['parameter_tensors']} tensors as peft's ParamWrapper), "
-               "which ckptctl does not merge or import yet" if ad["target_parameters"] else "")
+               "which import-hf --adapter takes and export-hf merges from its import" if ad["target_parameters"]
+               else "")
     am = doc["automodel"]
     settings = ", ".join(f"{k} {json.dumps(v)}" for k, v in am.items() if k in ("use_triton", "dropout", "lora_dtype"))
     base = f"; base model {ad['base_model']}" if ad["base_model"] else ""
@@ -184,5 +186,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
              f"  automodel: {settings}"]
     if doc["optimizer"] is not None:
         lines.append(f"  optimizer: {doc['optimizer']}, a DCP checkpoint (ckptctl inspect {doc['optimizer']})")
-    lines.append(f"  merged model: {doc['merge'] or 'not yet: ckptctl does not merge LoRA on MoE expert parameters'}")
+    two_steps = (f"ckptctl import-hf BASE DCP --adapter {doc['path']}, then ckptctl export-hf DCP DST --hf-config BASE "
+                 "--merge-adapters")
+    lines.append(f"  merged model: {doc['merge'] or two_steps}")
     return lines

@@ -18,6 +18,7 @@ where the folder has none; both given must agree.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Collection, Mapping, Sequence
@@ -34,6 +35,11 @@ from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.megatron_args import checkpoint_args
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
+
+
+_GROUPED_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12]\.weight)(\d+)$")
+"""A grouped-GEMM expert weight as the rules name it (`…experts.linear_fc1.weight3`); SequentialMLP's is
+`…experts.local_experts.3.linear_fc1.weight`, as a torch_dist save's expert stack is seen."""
 
 
 def with_base(ckpt: Checkpoint, base_path: Path) -> Checkpoint:
@@ -86,6 +92,8 @@ def shaped_base(ckpt: Checkpoint, cfg: HFConfig, family: ModelFamily, prefix: st
     shapes = family.megatron_shapes(cfg, MegatronSpec(1, False, cfg.int("vocab_size"), frozenset(hf_names)))
     dtype = next(e.dtype for e in ckpt.tensors.values() if is_model_key(e.fqn))
     tensors = dict(ckpt.tensors)
+    if any(".local_experts." in n for n in MegatronModel(ckpt, prefix).layer_views):  # a torch_dist save's
+        shapes = {_GROUPED_EXPERT.sub(r"\1local_experts.\3.\2", n): s for n, s in shapes.items()}  # expert names
     for name, shape in shapes.items():
         tensors.setdefault(prefix + name, TensorEntry(prefix + name, tuple(shape), dtype, ()))
     return replace(ckpt, tensors=tensors, derived={})

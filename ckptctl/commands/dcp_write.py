@@ -22,6 +22,7 @@ from ckptctl.engine import helper, resolve_device, working_bytes
 from ckptctl.engine.cpu import ChunkSource
 from ckptctl.engine.dist import Comm
 from ckptctl.engine.output import write_output
+from ckptctl.formats.dcp.te_float8 import code_sources
 from ckptctl.formats.dcp.writer import DcpOutput
 from ckptctl.storage.atomic import check_destination
 from ckptctl.util.progress import Phases, ProgressObserver, RunTiming, timed_check
@@ -117,6 +118,7 @@ def write_dcp_output(ckpt: Checkpoint, out: DcpOutput, src: Path, dst: Path, rep
     (`located`: what a `LocatingAhead` found for the check)."""
     check_destination(dst, force, src)
     sources = ChunkSource(ckpt)
+    sources.reader.fp8_codes = code_sources(out.targets.values())  # TE Float8Tensor items kept: their codes copied
 
     def verify_output(tmp: Path) -> None:
         verify_dcp(ckpt, sources, out, tmp, opts.workers,

@@ -37,6 +37,7 @@ from ckptctl.engine.dist import LOCAL, Comm
 from ckptctl.engine.output import write_output
 from ckptctl.core.dtypes import DType, cast_dtype, float32
 from ckptctl.util.errors import CheckpointError, IncompleteCheckpointError, UsageError
+from ckptctl.formats.dcp.items import ItemReader
 from ckptctl.formats.dcp.metadata import TORCH_DIST, open_checkpoint
 from ckptctl.formats.safetensors.distributed import ShardFile, placed_shards, record_count, shard_records
 from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, file_records, item_boxes, placed_file,
@@ -44,13 +45,16 @@ from ckptctl.formats.safetensors.writer import (ITEM_BYTES, SafetensorsFile, fil
 from ckptctl.formats.safetensors.quantize_fp8 import (Fp8Codes, Fp8Scheme, Fp8Scales, band_rows, placed,
                                                       quantization_config, quantized_count, quantized_targets)
 from ckptctl.core.geometry import Box, full_box, region_blocks, union_volume
-from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, LoraScale, PeftAdapters, check_against_config,
-                                      find_adapters, peft_config, read_adapter_config, resolve_scale)
+from ckptctl.families.adapters import (PEFT_CONFIG, PEFT_PREFIX, Adapter, LoraScale, PeftAdapters,
+                                      check_against_config, find_adapters, peft_config, read_adapter_config,
+                                      resolve_scale)
 from ckptctl.commands.automodel_peft import peft_source
 from ckptctl.formats.automodel_peft import automodel_peft
 from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_adapter_tensors, bridge_lora,
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
+from ckptctl.commands.hf_base import is_hf_folder, with_hf_base
 from ckptctl.families.bridge_adapters import BridgeAdapter
+from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -378,7 +382,8 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
                                "wrong --hf-config?")
     ctx = ExportContext(cfg, model, tp, etp)
     if opts.base is not None:
-        ctx.notes.append(f"base weights from {opts.base} (--base)")
+        how = f", a Hugging Face folder read through the {family.name} rules" if ckpt.dense_files else ""
+        ctx.notes.append(f"base weights from {opts.base} (--base{how})")
     tensors = family.to_hf(ctx)
     if not raw:
         unused = [n for n in model.unused() if not n.startswith(SKIPPED_PREFIXES)]
@@ -435,10 +440,10 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         check_shapes(ckpt, cfg, expected.for_output(targets), targets, tensors, prefix)
     if bridge is not None and opts.adapter_only:  # the base is not written (nor read: `shaped_base`)
         return plan_bridge_adapter_folder(ckpt, cfg, opts, model, targets, *bridge, ref,
-                                          shaped is not None)
+                                          shaped is not None, expected.in_memory if expected is not None else None)
     check_coverage(ckpt, targets.values(), sources)
     if lora is not None:
-        ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora))
+        ctx.notes.append(merge_adapters(ckpt, model, targets, sources, *lora, expected))
     if bridge is not None:
         ctx.notes.append(merge_bridge_adapters(model, targets, *bridge, selected))
     floating = Counter()
@@ -450,6 +455,11 @@ def plan_export(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, ref: str |
         targets = quantized_targets(targets, opts.quantize, ckpt.path, selected)
         ctx.notes.append(f"{counted(quantized_count(targets), 'weight')} written as {opts.quantize.describe()}, "
                          "each with its weight_scale_inv; the others as they are")
+        from_te = te_float8_weights(ckpt, targets) if opts.quantize.quantized is None else 0
+        if from_te:
+            ctx.notes.append(f"{counted(from_te, 'weight')} from Transformer Engine Float8Tensor items: a block whose "
+                             "rows share one scale_inv that codes TE's values exactly keeps that scale and those "
+                             "values (e4m3: TE's codes, bit for bit); any other is quantized from the values")
     split = shard(targets, parse_size(opts.max_shard_size))
     file_names = {name: with_scales(names, targets) for name, names in split.filename_to_tensors.items()}
     files = [placed_file(name, [targets[n] for n in names]) for name, names in file_names.items()]
@@ -541,7 +551,8 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
         return None
     if not flags:
         raise CheckpointError(ckpt.path, f"holds {counted(len(found.adapters), 'peft LoRA adapter')} (rank "
-                                         f"{', '.join(map(str, found.ranks))} on {', '.join(found.targets)}): pass "
+                                         f"{', '.join(map(str, found.ranks))} on "
+                                         f"{', '.join(found.targets + found.parameters)}): pass "
                                          "--merge-adapters to export the model with them merged, or --adapter-only "
                                          "to export them as a PEFT adapter folder")
     unfit = sorted(n for n in found.tensors if not model.entries[n].dtype.is_floating_point)
@@ -565,7 +576,7 @@ def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: E
     """Refuse an adapter on a module whose weight transformers' model has no place for."""
     unknown = expected.unclaimed(a.weight for a in adapters.adapters)
     if unknown:
-        more = f" (+{counted(len(unknown) - 1, 'more')})" if len(unknown) > 1 else ""
+        more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise CheckpointError(ckpt.path, f"a LoRA adapter on {unknown[0].removesuffix('.weight')}{more}, which a "
                                          f"{expected.model_class} has no weight for (wrong --hf-config?)")
 
@@ -587,9 +598,12 @@ def adapter_operand(model: MegatronModel, name: str) -> tuple[TargetTensor, Sour
 
 
 def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, TargetTensor],
-                   sources: Mapping[str, SourceTensor], adapters: PeftAdapters, scale: LoraScale) -> str:
+                   sources: Mapping[str, SourceTensor], adapters: PeftAdapters, scale: LoraScale,
+                   expected: ExpectedNames | None = None) -> str:
     """Give each adapted weight the `delta` that merges its adapter (its W, A and B planned whole;
-    a weight `--include`/`--exclude` left out needs none); the note that says so."""
+    a weight `--include`/`--exclude` left out needs none); the note that says so. An expert
+    stack's orientation is its adapter's shapes', checked against transformers' model
+    (`expected`), which alone tells it for square matrices."""
     merged = 0
     for adapter in adapters.adapters:
         target = targets.get(adapter.weight)
@@ -602,14 +616,38 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
         a, b, *magnitude = (whole_item(t, views) for t, _ in operands)
         base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
         delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude,
-                        transposed=adapter.embedding)
+                        transposed=adapter.embedding or expert_orientation(ckpt, model.prefix, adapter, expected),
+                        experts=adapter.experts)
         targets[adapter.weight] = replace(target, delta=delta)
         merged += 1
     how = "α / √r" if scale.rslora else "α / r"
     formula = "m / ‖W + (B @ A) · s‖ per row × (W + (B @ A) · s)" if adapters.dora else "W + (B @ A) · s"
+    if any(a.experts for a in adapters.adapters):
+        formula += " (expert by expert in a stack, as peft's ParamWrapper)"
     return (f"{counted(merged, 'weight')} merged with {adapters.adapter_name!r} {'DoRA' if adapters.dora else 'LoRA'} "
             f"adapters (s = {how}, α {scale.alpha:g} from {scale.source}): {formula} in float32, cast once; in bf16 "
             f"this equals peft's float32 merge_and_unload() cast to bf16{left_out_adapters(adapters)}")
+
+
+def expert_orientation(ckpt: Checkpoint, prefix: str, adapter: Adapter, expected: ExpectedNames | None) -> bool:
+    """Whether an expert stack holds each expert as [in, out] (transformers' `is_transposed`), which
+    the LoRA merges by, as peft since 0.19.1 does: its adapter's shapes say it unless its
+    matrices are square, transformers' model always; the two must agree (peft before 0.19.1
+    shaped a LoRA on a stack of [E, out, in] as on [E, in, out], huggingface/peft#3165: this peft
+    does not load such a LoRA), and a square stack without transformers' answer is refused."""
+    said = expected is not None and adapter.weight in expected.transposed
+    if not adapter.experts:
+        return False
+    if adapter.transposed is None and expected is None:
+        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: a LoRA on {adapter.weight}, whose experts' matrices "
+                                         "are square: whether it holds them as [out, in] or [in, out] is transformers' "
+                                         "experts class's (is_transposed), which --no-name-check does not ask")
+    if adapter.transposed is not None and expected is not None and said != adapter.transposed:
+        held = "in, out" if adapter.transposed else "out, in"
+        raise CheckpointError(ckpt.path, f"{prefix}{adapter.a}: shaped for {adapter.weight} held as [E, {held}], but "
+                                         f"a {expected.model_class} holds it the other way (a LoRA of peft before "
+                                         "0.19.1, huggingface/peft#3165, or a wrong --hf-config?)")
+    return said if adapter.transposed is None else adapter.transposed
 
 
 def left_out_adapters(adapters: PeftAdapters) -> str:
@@ -633,7 +671,9 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
     if opts.name_check:
         expected = expected_for(cfg, True, notes, preparing)
         if expected is not None:
-            refuse_unknown_modules(ckpt, adapters, expected)
+            refuse_unknown_modules(ckpt, adapters, expected.for_output(model.entries))
+            for adapter in adapters.adapters:  # shaped as this peft shapes them, or it would not load them
+                expert_orientation(ckpt, model.prefix, adapter, expected)
     else:
         notes.append("adapted modules not checked (--no-name-check): the folder may not load")
     targets: dict[str, TargetTensor] = {}
@@ -645,7 +685,7 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
                 continue
             view = model.source_view(model.prefix + name)
             sources[view.fqn] = view
-            out = f"{PEFT_PREFIX}{adapter.module}.{part}"
+            out = f"{PEFT_PREFIX}{adapter.wrapped}.{part}"
             targets[out] = identity_target(view, out, cast_dtype(view.dtype, opts.dtype))
     for name, copy in adapters.trained_copies.items():  # modules_to_save: under the module's own names
         view = model.source_view(model.prefix + copy)
@@ -653,7 +693,8 @@ def plan_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, mo
         targets[PEFT_PREFIX + name] = identity_target(view, PEFT_PREFIX + name, cast_dtype(view.dtype, opts.dtype))
     check_coverage(ckpt, targets.values(), sources)
     modules = [name.removesuffix(".weight") for name in model.entries if name.endswith(".weight")]
-    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None, _peft_task_type(cfg))
+    config = peft_config(adapters, scale, modules, str(ref) if ref is not None else None, _peft_task_type(cfg),
+                         model.entries)
     notes.append(f"{counted(len(adapters.adapters), 'LoRA adapter')} ({adapters.adapter_name!r}) written as a PEFT "
                  f"folder: load it with PeftModel.from_pretrained(base model, folder){left_out_adapters(adapters)}")
     return _peft_folder_plan(model.prefix, targets, sources, notes, config)
@@ -679,27 +720,43 @@ def _peft_folder_plan(prefix: str, targets: dict[str, TargetTensor], sources: di
 def plan_bridge_adapter_folder(ckpt: Checkpoint, cfg: HFConfig, opts: ExportOptions, model: MegatronModel,
                                targets: Mapping[str, TargetTensor], adapters: Sequence[BridgeAdapter],
                                alpha: BridgeAlpha, tp: int | None, ref: str | Path | None,
-                               shaped: bool = False) -> ExportPlan:
+                               shaped: bool = False, in_memory: frozenset[str] | None = None) -> ExportPlan:
     """`--adapter-only` of Megatron-Bridge adapters: a PEFT folder whose modules are the HF
     tensors the adapted Megatron weights make (`targets`, the family rule's, names checked),
-    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim."""
+    each with the shared A and its rows of B, copied; α / r is Bridge's α / dim. Experts' as
+    `target_parameters` where transformers holds them fused (`in_memory`: its in-memory names,
+    `ExpectedNames.in_memory`; None where the names are not checked)."""
     if opts.include or opts.exclude:
         raise UsageError("--include/--exclude do not apply to --adapter-only (a PEFT folder holds every adapter)")
     sources: dict[str, SourceTensor] = {}
     tensors, peft = bridge_adapter_tensors(model, targets, adapters, tp, opts.dtype, sources)
+    tensors, written = fuse_expert_adapters(tensors, peft, targets, in_memory, str(ckpt.path))
     check_coverage(ckpt, tensors.values(), sources)
-    found = PeftAdapters(tuple(peft), "default", {})
-    config = peft_config(found, LoraScale(alpha.value, False), [n.removesuffix(".weight") for n in targets],
-                         str(ref) if ref is not None else None, _peft_task_type(cfg))
-    modules = counted(len(peft), "PEFT LoRA module")
+    found = PeftAdapters(tuple(written), "default", {})
+    config = peft_config(found, LoraScale(alpha.value, False),
+                         [n.removesuffix(".weight") for n in targets if not is_per_expert(n)],
+                         str(ref) if ref is not None else None, _peft_task_type(cfg), in_memory or ())
+    on_parameters = sum(a.parameter is not None for a in written)
+    modules = counted(len(written) - on_parameters, "PEFT LoRA module")
+    if on_parameters:
+        modules += f" and {counted(on_parameters, 'expert parameter')}"
     canonical = "; canonical LoRA's with their own" if any(a.split is not None for a in adapters) else ""
+    experts = (f"; the experts' as PEFT's target_parameters {', '.join(config['target_parameters'])} of transformers "
+               "5's fused experts" if on_parameters else "")
     notes = [f"{counted(len(adapters), 'Megatron-Bridge LoRA adapter')} written as {modules} (each with the shared "
-             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}; α {alpha.value:g} from "
+             f"linear_in as lora_A and its rows of linear_out as lora_B{canonical}{experts}; α {alpha.value:g} from "
              f"{alpha.source}): load it with PeftModel.from_pretrained(base model, folder)"]
     if shaped:
         notes.append(f"the adapters alone in {ckpt.path}: laid out by the base model's shapes for {cfg.path} "
                      f"(transformers' {cfg.model_type} model), no base weight read")
     return _peft_folder_plan(model.prefix, tensors, sources, notes, config)
+
+
+def te_float8_weights(ckpt: Checkpoint, targets: Mapping[str, TargetTensor]) -> int:
+    """How many quantized weights read a TE Float8Tensor (their blocks may keep its scale: `engine.cpu.te_scales`)."""
+    with ItemReader(ckpt) as reader:
+        return sum(any(reader.holds_float8(ckpt.tensors[p.src]) for p in t.pieces if p.src in ckpt.tensors)
+                   for t in targets.values() if isinstance(t.properties, Fp8Codes))
 
 
 def left_out_expert_bias(ckpt: Checkpoint, model: MegatronModel, fqns: Sequence[str], cfg: HFConfig,
@@ -1058,7 +1115,12 @@ def open_export_source(src: Path, opts: ExportOptions, ref: str | Path) -> tuple
         return ckpt, opts
     if megatron_prefix(ckpt) is None:
         raise UsageError(f"--base applies to Megatron-Bridge LoRA checkpoints, and {ckpt.path} is not one")
-    return with_base(ckpt, opts.base), opts
+    base = Path(opts.base).absolute()  # its chunks are named by their full path, read beside SRC's
+    if is_hf_folder(base):
+        cfg = load_hf_config(ref, opts.hub_timeout)
+        family, prefix = choose_family(ckpt, cfg, opts.arch)
+        return with_hf_base(ckpt, base, cfg, family, prefix), opts
+    return with_base(ckpt, base), opts
 
 
 def preview_export(src: Path, dst: Path, ref: str | Path, opts: ExportOptions,

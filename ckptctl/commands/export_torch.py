@@ -6,7 +6,9 @@ from metadata first (`formats.torch_save.writer`): the nested dict's `data.pkl`,
 tensor at a known offset, the zip directory. The engine that reshards then assembles each
 record from the DCP chunks a block at a time, so memory does not grow with the model.
 Non-tensor entries are decoded by an allow-list unpickler; one it cannot decode is refused
-by name. The file is written inside a marked temporary sibling directory (`atomic.atomic_file`),
+by name. Transformer Engine Float8Tensor weights are written dequantized, as TE computes their
+values (the file's reader, `torch.load(weights_only=True)`, cannot build TE's class without TE),
+and the report names them. The file is written inside a marked temporary sibling directory (`atomic.atomic_file`),
 fsynced and renamed into place, so a run that dies leaves no OUT.
 """
 
@@ -17,7 +19,7 @@ import functools
 import math
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -88,6 +90,10 @@ class ExportTorchReport(RunTiming):
     values: int
     bytes_written: int
     dry_run: bool = False
+    dequantized: list[str] = field(default_factory=list)
+    """Transformer Engine Float8Tensor tensors written as their values (TE's dequantize: float32
+    code × scale_inv, rounded to the logical dtype): `torch.load(weights_only=True)` of a
+    Float8Tensor needs TE, so the file holds what it computes, plain tensors."""
 
 
 def archive_name(out: Path) -> str:
@@ -176,12 +182,15 @@ def export_torch(
     refuse_empty_selection(kept, len(ckpt.tensors) + len(ckpt.bytes_entries), opts.include, opts.exclude)
     check_output(out, force or dry_run, src)
     chunks = ChunkSource(ckpt)
+    chunks.reader.dequantize_fp8 = True  # a TE Float8Tensor: its values, as TE dequantizes it (`dequantized`)
     try:
         values = read_values(ckpt, chunks, kept_values)
         plan = plan_export_torch(ckpt, opts, values, out.name, archive_name(out))
         execute = executor(opts.device)
         report = ExportTorchReport(src=str(src), out=str(out), tensors=len(plan.targets), values=len(values),
-                                   bytes_written=plan.file.size, device=resolve_device(opts.device), dry_run=dry_run)
+                                   bytes_written=plan.file.size, device=resolve_device(opts.device), dry_run=dry_run,
+                                   dequantized=[t.fqn for t in plan.targets
+                                                if chunks.reader.holds_float8(ckpt.tensors[t.fqn])])
         if dry_run:
             return report
         phases = Phases(progress)

@@ -17,6 +17,7 @@ from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.dtypes import DType, cast_dtype
 from ckptctl.core.plan import SourceTensor, TargetTensor, identity_target, source_view
 from ckptctl.families.adapters import PEFT_CONFIG
+from ckptctl.families.expected import ExpectedNames
 from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.util.errors import CheckpointError, UsageError
@@ -61,15 +62,17 @@ def adapter_weights(folder: Path) -> tuple[Path, Path]:
 
 
 def peft_targets(ckpt: Checkpoint, views: dict[str, SourceTensor], targets: list[TargetTensor], folder: Path,
-                 adapter_name: str, dtype: DType | None, notes: list[str]) -> list[TargetTensor]:
+                 adapter_name: str, dtype: DType | None, notes: list[str],
+                 model: ExpectedNames | None = None) -> list[TargetTensor]:
     """The base model's targets renamed as the peft model holds them, and the folder's tensors as
-    targets of their own; the folder's entries join `ckpt` and `views` under their peft names."""
+    targets of their own; the folder's entries join `ckpt` and `views` under their peft names
+    (`model`: transformers' model of the base, which peft nests and shapes ParamWrappers by)."""
     folder = adapter_folder(folder)
     config_path, weights = adapter_weights(folder)
     config = read_folder_config(config_path)
     adapter = open_safetensors_folder(weights)
     names = peft_model_names({t.fqn: t.shape for t in targets}, {n: e.shape for n, e in adapter.tensors.items()},
-                             config, adapter_name, weights)
+                             config, adapter_name, weights, model)
     files = {file: str((adapter.path / file).resolve()) for file in adapter.files}
     for file, path in files.items():
         ckpt.files[path] = adapter.files[file]

@@ -255,7 +255,8 @@ def plan_import(src: Path, opts: ImportOptions, preparing: Preparing | None = No
         if opts.to == "fsdp2":
             targets = fsdp2_targets(views, tied, expected, opts, notes)
             if opts.adapter is not None:
-                targets = peft_targets(ckpt, views, targets, opts.adapter, opts.adapter_name, opts.dtype, notes)
+                targets = peft_targets(ckpt, views, targets, opts.adapter, opts.adapter_name, opts.dtype, notes,
+                                       expected)
         elif opts.to == "torchtitan":
             targets = torchtitan_targets(ckpt, views, config, expected, opts, notes)
         else:

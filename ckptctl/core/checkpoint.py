@@ -200,8 +200,15 @@ class Checkpoint:
     safetensors_folder: bool = False
     """A safetensors model folder read as a source: each chunk's (offset, length) are its tensor's
     dense bytes, and each FQN is the tensor's name in its file."""
+    dense_files: frozenset[str] = frozenset()
+    """Files whose chunks are dense bytes of safetensors tensors, not DCP items: a Hugging Face
+    folder's, joined as the pretrained weights of a Megatron-Bridge LoRA save (`hf_base`)."""
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
     """What the layers above compute once from the metadata and keep with it (`analysis.analysis`)."""
+
+    def dense(self, file: str) -> bool:
+        """Whether the chunks of `file` are dense tensor bytes at their (offset, length)."""
+        return self.safetensors_folder or file in self.dense_files
 
     @property
     def total_bytes(self) -> int:

@@ -358,7 +358,12 @@ class LowRank:
     """DoRA's magnitude m [out]: the merged rows are then scaled by m / ‖W + (B @ A) · s‖ (each
     row's L2 norm), as peft's DoRA merge does."""
     transposed: bool = False
-    """W + ((B @ A) · scale)ᵀ: an embedding's adapter (A [r, vocab], B [dim, r])."""
+    """W + ((B @ A) · scale)ᵀ: an embedding's adapter (A [r, vocab], B [dim, r]); of an expert
+    stack's, each expert's product transposed (a stack held as [E, in, out])."""
+    experts: int = 0
+    """W is a stack of this many experts' matrices [E, …], A [E·r, in] and B [out, r·E] (peft's
+    ParamWrapper): expert e's product is B[:, :, e] @ A[e] with B seen as [out, r, E] and A as
+    [E, r, in], computed as peft's `einsum` computes it; 0: W is a matrix."""
     blocks: tuple[Piece, ...] | None = None
     """The target is these blocks of the merged W, not W itself: a Megatron fused weight (linear_qkv,
     linear_fc1) merged whole, as Megatron-Bridge's `LoRAMerge` does, then split like its base

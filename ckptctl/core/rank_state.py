@@ -259,6 +259,29 @@ def megatron_rng(names: Iterable[str], args: Callable[[str], object] | None = No
     return None
 
 
+def plain_reshard_rng_selection(state: MegatronRng | None, kept: Callable[[str], bool], world_size: int,
+                                keep_common: bool, cp: Callable[[], int], tp: int | None = None) -> Callable[[str], bool]:
+    """`megatron_rng_selection` of a reshard to `world_size` ranks of FSDP2 rows: a plain one keeps
+    an fsdp_dtensor checkpoint's TP-blocked tensors as they are, a Megatron-aware one blocks them
+    for `tp`, so the job that loads it runs at that TP (None: the saved one, its RNG state's
+    (PP, TP) grid), the saved PP and CP (`cp()`, the saved args'), and Megatron's world is
+    TP × PP × CP × DP: DP = world_size / (TP × PP × CP). Where per-DP state is kept, a world size
+    they do not divide is refused, naming it."""
+    if state is not None and state.per_dp and any(kept(f) for f in state.fqns):
+        context = cp()
+        pipeline = len({pp for pp, _ in state.grid})
+        model = pipeline * (tp or len({t for _, t in state.grid}))
+        ranks = model * context
+        if world_size % ranks:
+            grid = (counted(model, "(PP, TP) rank") if tp is None else f"PP {pipeline} × TP {tp}") + \
+                (f" × CP {context}" if context > 1 else "")
+            raise UsageError(f"{state.shown}: {MEGATRON_RNG} of DP {state.dp} cannot follow a reshard to "
+                             f"{counted(world_size, 'rank')}, which are no multiple of its {grid}; pass --exclude "
+                             "'rng_state.*' to drop it (every rank starts afresh)")
+        world_size //= ranks
+    return megatron_rng_selection(state, kept, world_size, keep_common)
+
+
 def megatron_rng_selection(state: MegatronRng | None, kept: Callable[[str], bool], dp: int,
                            keep_common: bool) -> Callable[[str], bool]:
     """The selection of an fsdp_dtensor reshard to DP `dp`: per-DP RNG state saved at another DP

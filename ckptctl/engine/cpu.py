@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -120,6 +121,10 @@ class ChunkSource:
                 self._decoded[key] = data
                 self._decoded_bytes += len(data)
         return memoryview(data)
+
+    def float8_scale(self, fqn: str, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk read as a TE Float8Tensor item; None for any other."""
+        return self.reader.located_scale(chunk)
 
     def read_into(self, fqn: str, chunk: Chunk, byte_start: int, out: memoryview) -> None:
         """Fill `out` with the chunk's bytes starting at `byte_start` (relative to element 0)."""
@@ -768,6 +773,8 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
     if codes.kept is not None:  # like:REF: REF's scales of these block rows, kept where they code them exactly
         first = item.box.offsets[0] // codes.block[0]
         kept = stored_scales(codes.kept, first, first - (-item.box.sizes[0] // codes.block[0]))
+    elif not codes.ue8m0:  # a TE Float8Tensor's scale_inv, kept (and its codes) where they code its values exactly
+        kept = te_scales(item, sources, codes.block)
     out, scale = quantize_fp8(widened, codes.block, codes.ue8m0, kept, codes.values)
     bad = (~(scale.isfinite() & (scale > 0))).nonzero()
     if len(bad):  # NaN or inf in the block, or an amax below 448 × the least float32: no scale codes it
@@ -776,6 +783,34 @@ def fp8_band(item: StreamItem, sources: ChunkSource) -> tuple[Any, Any]:
                          f"({codes.block[0]}×{codes.block[1]}) has no FP8 scale (its largest magnitude gives "
                          f"{float(scale[row, col])}): a value there is not finite, or too small for a float32 scale")
     return out, scale
+
+
+def te_scales(item: StreamItem, sources: Any, block: tuple[int, int]) -> Any:
+    """Per block of a quantized weight's band (float32 [⌈R/bm⌉, ⌈N/bn⌉]): the scale_inv of the TE
+    Float8Tensor items all its elements are read from, where they share one (NaN elsewhere); None
+    when none is read from one. `quantize_fp8` keeps such a scale where it codes the block's values
+    exactly: a per-tensor scale is one scale for every block, and the codes it gives back are TE's
+    own (a finite e4m3 code c is the one code whose value c × s rounds to the value TE dequantizes)."""
+    import torch
+
+    rows, cols = item.box.sizes
+    per = None
+    for read in item.reads:
+        raw = sources.float8_scale(read.fqn, read.chunk)
+        if raw is None or not isinstance(read, SourceRead):  # a transposed piece of one: left NaN, quantized afresh
+            continue
+        if per is None:
+            per = torch.full((rows * cols,), float("nan"))
+        scale = struct.unpack("<f", raw)[0]
+        for run in read.runs:
+            per[run.dst:run.dst + run.length] = scale
+    if per is None:
+        return None
+    (bm, bn), (gm, gn) = block, (-(-rows // block[0]), -(-cols // block[1]))
+    least, most = torch.full((gm * bm, gn * bn), math.inf), torch.full((gm * bm, gn * bn), -math.inf)
+    least[:rows, :cols] = most[:rows, :cols] = per.view(rows, cols)
+    least, most = least.view(gm, bm, gn, bn).amin(dim=(1, 3)), most.view(gm, bm, gn, bn).amax(dim=(1, 3))
+    return torch.where(least == most, least, torch.full_like(least, float("nan")))
 
 
 def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, progress: Callable[[int], None]) -> int:
@@ -795,8 +830,8 @@ def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
-    tensor in float32 (its operands upcast exactly), each row then scaled by m / its L2 norm for
-    DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
+    tensor in float32 (its operands upcast exactly; of an expert stack, expert by expert), each
+    row then scaled by m / its L2 norm for DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
     target's dtype. The whole result is kept per thread while boxes of it are asked for, up to
     the one that ends it (the output check's samples, `--verify`'s row blocks), so each is
     computed once, not once per box."""
@@ -812,13 +847,23 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         _SCRATCH.merged = None
         w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes)
                    for op in (delta.base, delta.a, delta.b))
-        product = torch.matmul(b, a)
+        infinite = int(w.numel() - torch.isfinite(w).sum())
+        if delta.experts:  # peft's ParamWrapper: the einsum of its get_delta_weight, bit for bit
+            spec = "o r e, e r i -> e i o" if delta.transposed else "o r e, e r i -> e o i"
+            product = torch.einsum(spec, b.view(b.shape[0], -1, delta.experts), a.view(delta.experts, -1, a.shape[1]))
+        else:
+            product = torch.matmul(b, a)
         product.mul_(delta.scale)
-        w.add_(product.T if delta.transposed else product)
+        w.add_(product.T if delta.transposed and not delta.experts else product)
         del product
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
             w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
+        grown = int(w.numel() - torch.isfinite(w).sum()) - infinite
+        if grown > 0 and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()):
+            raise UsageError(f"{item.target.fqn}: {grown} finite value{'s' if grown != 1 else ''} become inf or NaN "
+                             f"when its LoRA adapter is merged (W + (B @ A) · {delta.scale:g} in float32): check the "
+                             "LoRA α")
         if delta.blocks is not None:  # the target's rows (q, k or v; gate or up) of a merged fused weight
             whole, w = w, torch.empty(item.target.shape, dtype=torch.float32)
             for block in delta.blocks:

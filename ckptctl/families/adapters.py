@@ -10,6 +10,20 @@ embedding's adapter is `<m>.lora_embedding_A.<adapter>` [r, vocab] and `…_B.<a
 [dim, r], merged transposed: W + ((B @ A) · s)ᵀ. α is not in the checkpoint: it comes
 from the run's `adapter_config.json` or the command line, never from a guess. A PEFT folder
 names the same tensors `base_model.model.<m>.lora_A.weight` (no adapter name).
+
+A LoRA on a parameter (peft's `target_parameters`, its `ParamWrapper`: transformers 5's fused MoE
+expert stacks, `mlp.experts.gate_up_proj` [E, 2F, H]) replaces the module holding the parameter
+with a wrapper whose `base_layer` is that module; a second parameter of the module wraps the
+wrapper, so its parameters sit under as many `.base_layer` steps as it has wrappers
+(`experts.base_layer.base_layer.gate_up_proj`), the outermost wrapper's LoRA at
+`experts.lora_A.<adapter>.weight`, the next one's at `experts.base_layer.lora_A.…` (peft nests
+them in the order the module registers its parameters, the first innermost). Which parameter a
+wrapper adapts is not in the state dict: its shapes say it, and an adapter they do not tell is
+refused. Of a stack [E, d1, d2] held as [E, out, in] (or [E, in, out] where transformers'
+experts class is `is_transposed`, gpt-oss), A is [E·r, in] (rows expert by expert) and B
+[out, r·E] (columns rank by rank, the experts within); merged, expert e's matrix gains
+s · B[:, :, e] @ A[e] (transposed for `is_transposed`), as peft's `einsum` computes it; a 2-D
+parameter's LoRA is a linear's.
 """
 
 from __future__ import annotations
@@ -39,6 +53,13 @@ _ORIGINAL = re.compile(r"^(?P<module>.+?)\.original_module\.(?P<param>.+)$")
 _TOKENS = re.compile(r"(?:^|\.)trainable_tokens_delta\.")
 """peft's trainable tokens (`trainable_token_indices`): `<m>.token_adapter.trainable_tokens_delta.<adapter>`."""
 PEFT_CONFIG = "adapter_config.json"
+_WRAPPERS = re.compile(r"(?:\.base_layer)+(?=\.|$)")
+"""The `.base_layer` steps of peft's wrappers in a name (nested ParamWrappers give several)."""
+
+
+def unwrapped(name: str) -> str:
+    """A peft model's name as the HF model names it: without its wrappers' `.base_layer` steps."""
+    return _WRAPPERS.sub("", name)
 
 
 @dataclass(frozen=True)
@@ -54,15 +75,31 @@ class Adapter:
     """DoRA's `lora_magnitude_vector` [out]; None for plain LoRA."""
     embedding: bool = False
     """On an embedding: A [r, vocab] and B [dim, r] (`lora_embedding_A`/`_B`), merged as (B @ A)ᵀ."""
+    parameter: str | None = None
+    """peft's ParamWrapper (`target_parameters`): the parameter of `module` it adapts; None on a linear."""
+    experts: int = 0
+    """E of an adapted 3-D expert stack (A [E·r, in], B [out, r·E]); 0 for a matrix."""
+    transposed: bool | None = False
+    """The stack holds each expert as [in, out] (transformers' `is_transposed`); None when its
+    square matrices do not tell."""
+    depth: int = 0
+    """The chosen adapter's ParamWrappers around this one: its `.base_layer` steps in a PEFT folder."""
 
     @property
     def weight(self) -> str:
         """The HF name of the weight the adapter is merged into."""
-        return f"{self.module}.weight"
+        return f"{self.module}.{self.parameter or 'weight'}"
 
     @property
     def leaf(self) -> str:
-        return self.module.rsplit(".", 1)[-1]
+        """The module's last name (`q_proj`), with the parameter's for a ParamWrapper (`experts.gate_up_proj`)."""
+        leaf = self.module.rsplit(".", 1)[-1]
+        return f"{leaf}.{self.parameter}" if self.parameter is not None else leaf
+
+    @property
+    def wrapped(self) -> str:
+        """The module as peft names the wrapper holding this adapter (its `.base_layer` steps)."""
+        return self.module + ".base_layer" * self.depth
 
 
 @dataclass(frozen=True)
@@ -103,7 +140,12 @@ class PeftAdapters:
     @property
     def targets(self) -> list[str]:
         """The adapted modules' leaf names, sorted (PEFT's `target_modules`)."""
-        return sorted({a.leaf for a in self.adapters})
+        return sorted({a.leaf for a in self.adapters if a.parameter is None})
+
+    @property
+    def parameters(self) -> list[str]:
+        """The adapted parameters as `<module leaf>.<parameter>`, sorted (PEFT's `target_parameters`)."""
+        return sorted({a.leaf for a in self.adapters if a.parameter is not None})
 
 
 def peft_prefix(names: Sequence[str]) -> str:
@@ -165,6 +207,7 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     chosen = chosen or names[0]
     others = sorted([n for (_, adapter), found in parts.items() if adapter != chosen for n in found.values()]
                     + [n for (_, adapter), n in saved.items() if adapter != chosen])
+    every_adapter = parts
     parts = {key: found for key, found in parts.items() if key[1] == chosen}
     saved = {name: copy for (name, adapter), copy in saved.items() if adapter == chosen}
     if not parts:
@@ -178,6 +221,11 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
     if misshapen:
         raise CheckpointError(where, f"{prefix}{saved[misshapen[0]]} is {list(shapes[saved[misshapen[0]]])}, its "
                                      f"original_module {list(shapes[originals[misshapen[0]]])}")
+    chains = _parameter_chains(every_adapter, shapes, where, prefix)
+    chosen_levels: dict[str, list[int]] = {}  # the chosen adapter's wrapper levels of each module, outermost first
+    for path, _ in sorted(parts, key=lambda key: wrapper_level(key[0])):
+        stem, level = wrapper_level(path)
+        chosen_levels.setdefault(stem, []).append(level)
     adapters = []
     for (module, _), found in sorted(parts.items()):
         embedding = "lora_A embedding" in found or "lora_B embedding" in found
@@ -187,13 +235,19 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
             raise CheckpointError(where, f"{prefix}{next(iter(found.values()))} has no {missing.pop()} beside it")
         base = f"{module}{BASE_LAYER}weight"
         a, b = found[pair[0]], found[pair[1]]
+        stem, level = wrapper_level(module)
+        if base not in shapes and stem in chains:  # peft's ParamWrapper: LoRA on a parameter of `stem`
+            if "lora_magnitude_vector" in found:
+                raise CheckpointError(where, f"{prefix}{found['lora_magnitude_vector']}: DoRA on a parameter, which "
+                                             "peft's ParamWrapper (target_parameters) does not have")
+            param, experts, transposed = chains[stem][level]
+            rank = shapes[a][0] // (experts or 1)
+            if rank == 0:
+                raise CheckpointError(where, f"{prefix}{a}: rank 0 (lora_A {list(shapes[a])}): s = α / r has no value")
+            adapters.append(Adapter(unwrapped(stem), a, b, rank, parameter=param, experts=experts,
+                                    transposed=transposed, depth=chosen_levels[stem].index(level)))
+            continue
         if base not in shapes:
-            wrapped = sorted(n for n in shapes if n.startswith(f"{module}{BASE_LAYER}"))
-            if wrapped:  # peft's ParamWrapper: LoRA on a module's parameters (fused MoE expert stacks)
-                more = f" (+{len(wrapped) - 1} more)" if len(wrapped) > 1 else ""
-                raise CheckpointError(where, f"{prefix}{a}: a LoRA on a parameter of {module} (peft "
-                                             f"target_parameters, beside {prefix}{wrapped[0]}{more}), which "
-                                             "export-hf does not merge or export yet")
             raise CheckpointError(where, f"{prefix}{a}: an adapter on {module}, which has no {prefix}{base}")
         w, sa, sb = shapes[base], shapes[a], shapes[b]
         rows, cols = (w[0] if w else None), (w[1] if len(w) == 2 else None)  # of B @ A
@@ -211,17 +265,95 @@ def find_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Path, pref
         if magnitude is not None and shapes[magnitude] != (w[0],):
             raise CheckpointError(where, f"{prefix}{magnitude}: DoRA magnitude {list(shapes[magnitude])}, not "
                                          f"[{w[0]}] as its base weight's rows")
-        adapters.append(Adapter(module, a, b, sa[0], magnitude, embedding))
+        adapters.append(Adapter(unwrapped(module), a, b, sa[0], magnitude, embedding))
     plain = [a for a in adapters if a.magnitude is None]
     if plain and len(plain) < len(adapters):
         raise CheckpointError(where, f"{prefix}{plain[0].a}: a plain LoRA adapter beside DoRA ones (on "
                                      f"{len(adapters) - len(plain)} of {len(adapters)} modules): peft's use_dora "
                                      "is one flag for all")
-    renamed = {n: n.replace(BASE_LAYER, ".", 1) for n in shapes if BASE_LAYER in n}
+    renamed = {n: unwrapped(n) for n in shapes if BASE_LAYER in n and not _PART.match(n)}
     renamed.update({copy: name for name, copy in saved.items()})
     modules = sorted({_SAVED.match(copy)["module"] for copy in saved.values()})
     return PeftAdapters(tuple(adapters), chosen, renamed, tuple(modules), tuple(sorted(originals.values())),
                         tuple(others), tuple(n for n in names if n != chosen))
+
+
+def wrapper_level(path: str) -> tuple[str, int]:
+    """(the module a LoRA tensor's module path wraps, how many wrappers are around this one):
+    `experts.base_layer` is (`experts`, 1)."""
+    level = 0
+    while path.endswith(".base_layer"):
+        path, level = path[:-len(".base_layer")], level + 1
+    return path, level
+
+
+def parameter_fit(a: tuple[int, ...], b: tuple[int, ...], param: tuple[int, ...]) -> tuple[int, bool | None] | None:
+    """(E, transposed) when A and B are shaped as peft shapes a ParamWrapper's on `param` (E 0 for
+    a matrix [out, in]; transposed None when a square stack fits both [E, out, in] and
+    [E, in, out]), else None."""
+    if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+        return None
+    if len(param) == 2:
+        return (0, False) if (a[1], b[0]) == (param[1], param[0]) else None
+    if len(param) != 3 or not param[0] or a[0] % param[0]:
+        return None
+    fits = [flag for flag, (cols, rows) in ((False, (param[2], param[1])), (True, (param[1], param[2])))
+            if (a[1], b[0]) == (cols, rows)]
+    if not fits:
+        return None
+    return param[0], fits[0] if len(fits) == 1 else None
+
+
+def _parameter_chains(parts: Mapping[tuple[str, str], Mapping[str, str]], shapes: Mapping[str, tuple[int, ...]],
+                      where: str | Path, prefix: str) -> dict[str, dict[int, tuple[str, int, bool | None]]]:
+    """Of every module whose parameters peft's ParamWrappers adapt (LoRA tensors of any adapter
+    beside no `<m>.base_layer.weight`, the parameters under as many `.base_layer` steps as there
+    are wrappers): each wrapper level's (parameter, E, transposed), told by the shapes of its
+    LoRA. Refused: a level without LoRA, a LoRA no parameter fits or several do, two levels on
+    one parameter, a stack of one expert."""
+    found: dict[str, dict[int, list[tuple[str, str]]]] = {}
+    for (path, _), tensors in sorted(parts.items()):
+        if f"{path}{BASE_LAYER}weight" in shapes or "lora_A" not in tensors or "lora_B" not in tensors:
+            continue
+        stem, level = wrapper_level(path)
+        found.setdefault(stem, {}).setdefault(level, []).append((tensors["lora_A"], tensors["lora_B"]))
+    chains: dict[str, dict[int, tuple[str, int, bool | None]]] = {}
+    for stem, levels in found.items():
+        inner = stem + ".base_layer" * (max(levels) + 1) + "."
+        params = {n[len(inner):]: shape for n, shape in shapes.items()
+                  if n.startswith(inner) and "." not in n[len(inner):]}
+        if not params:
+            continue  # no parameters under the wrappers: the caller's "no base weight"
+        module, chain = unwrapped(stem), {}
+        for level in range(max(levels) + 1):
+            if level not in levels:
+                raise CheckpointError(where, f"{prefix}{stem}{'.base_layer' * level}: a peft ParamWrapper without "
+                                             "LoRA tensors (lora_A, lora_B) between others")
+            (a, b), *more = levels[level]
+            fits = {p: fit for p, shape in params.items()
+                    if (fit := parameter_fit(shapes[a], shapes[b], shape)) is not None}
+            shown = f"lora_A {list(shapes[a])} and lora_B {list(shapes[b])}"
+            if not fits:
+                have = ", ".join(f"{p} {list(s)}" for p, s in sorted(params.items()))
+                raise CheckpointError(where, f"{prefix}{a}: {shown} fit no parameter of {module} ({have}) as peft "
+                                             "shapes a ParamWrapper's LoRA (A [E·r, in], B [out, r·E])")
+            if len(fits) > 1:
+                raise CheckpointError(where, f"{prefix}{a}: {shown} fit {' and '.join(sorted(fits))} of {module}: "
+                                             "which parameter this ParamWrapper adapts is not told by the shapes")
+            (param, (experts, transposed)), = fits.items()
+            if experts == 1:
+                raise CheckpointError(where, f"{prefix}{a}: a LoRA on {module}.{param}, a stack of one expert "
+                                             f"{list(params[param])}, which peft merges as a matrix: export-hf does "
+                                             "not merge it yet")
+            odd = next((x for x, y in more if parameter_fit(shapes[x], shapes[y], params[param]) is None), None)
+            if odd is not None:
+                raise CheckpointError(where, f"{prefix}{odd}: lora_A {list(shapes[odd])} does not fit {module}.{param}"
+                                             f", which {prefix}{a} beside it adapts")
+            if any(param == p for p, _, _ in chain.values()):
+                raise CheckpointError(where, f"{prefix}{a}: a second peft ParamWrapper on {module}.{param}")
+            chain[level] = (param, experts, transposed)
+        chains[stem] = chain
+    return chains
 
 
 @dataclass(frozen=True)
@@ -241,10 +373,18 @@ class LoraScale:
         return self.alpha / math.sqrt(rank) if self.rslora else self.alpha / rank
 
 
+VARIANTS = (("alora_invocation_tokens", "aLoRA: the adapter acts only after its invocation tokens"),
+            ("arrow_config", "Arrow: a per-token router over LoRA experts"),
+            ("kasa_config", "KaSA: the base weight truncated by SVD, a learned diagonal between B and A"))
+"""peft's LoRA variants whose tensors are a plain LoRA's but whose model is not W + s · B @ A
+(peft refuses to merge the first two, and truncates KaSA's base weight first): set, an adapter
+config describes a model neither a merge nor a plain LoRA folder gives."""
+
+
 def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge") -> LoraScale:
     """α, rsLoRA, r and DoRA of a peft `adapter_config.json`. Refused: not LoRA, per-module ranks
-    or alphas, fan_in_fan_out, LoRA biases (what the command `unsupported` says does none of these
-    yet), a missing or non-numeric α or r."""
+    or alphas, fan_in_fan_out, LoRA biases, the `VARIANTS` (what the command `unsupported` says
+    does none of these yet), a missing or non-numeric α or r."""
     data = read_json_object(path, "peft adapter config")
     if data.get("peft_type") != "LORA":
         raise UsageError(f"{path}: peft_type is {data.get('peft_type')!r}, not 'LORA'")
@@ -254,6 +394,9 @@ def read_adapter_config(path: Path, unsupported: str = "export-hf does not merge
     for key, what in (("fan_in_fan_out", "transposed (Conv1D) weights"), ("lora_bias", "LoRA biases")):
         if data.get(key):
             raise UsageError(f"{path}: {key} is true ({what}), which {unsupported} yet")
+    for key, what in VARIANTS:
+        if data.get(key) not in (None, False, []):  # an empty sub-config ({}) is the variant at its defaults
+            raise UsageError(f"{path}: {key} is set ({what}), which {unsupported} yet")
     for key in ("use_rslora", "use_dora"):  # peft reads any truthy value as true: "false" would be rsLoRA
         if data.get(key) is not None and not isinstance(data[key], bool):
             raise UsageError(f"{path}: {key} is {json.dumps(data[key])}, not true or false")
@@ -299,10 +442,14 @@ def check_against_config(adapters: PeftAdapters, scale: LoraScale, where: str | 
 
 
 def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[str], base_model: str | None,
-                task_type: str | None) -> dict[str, Any]:
+                task_type: str | None, parameters: Collection[str] = ()) -> dict[str, Any]:
     """An adapter_config.json PEFT loads as written. `target_modules` is the leaf names when every
     module of `modules` (the model's) with such a name is adapted, else a full-match pattern of
-    the adapted ones, so PEFT puts no fresh adapter elsewhere; `r` the most common rank, the
+    the adapted ones, so PEFT puts no fresh adapter elsewhere (an empty list with LoRA on
+    parameters alone: none at all, not peft's default modules of the model type);
+    `target_parameters` likewise `<module leaf>.<parameter>` when every parameter of
+    `parameters` (the model's tensor names) so named is adapted, else the adapted ones' full
+    names, which peft matches whole; `r` the most common rank, the
     others in `rank_pattern`; `use_rslora` always (a missing one loads a wrong scale).
     `base_model` given as a model folder's config.json is written as the folder, which
     `AutoPeftModelForCausalLM` loads the base model from (a file path it cannot load)."""
@@ -310,9 +457,13 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
         base_model = str(Path(base_model).parent)
     ranks = Counter(a.rank for a in adapters.adapters)
     rank = max(ranks, key=lambda r: (ranks[r], -r))
-    adapted = {a.module for a in adapters.adapters}
+    adapted = {a.module for a in adapters.adapters if a.parameter is None}
     leaves = set(adapters.targets)
     every = all(m in adapted for m in modules if m.rsplit(".", 1)[-1] in leaves)
+    on_parameters = {a.weight for a in adapters.adapters if a.parameter is not None}
+    named = set(adapters.parameters)
+    every_parameter = all(n in on_parameters for n in parameters if any(n.endswith(f".{leaf}") for leaf in named))
+    target_parameters = adapters.parameters if every_parameter else sorted(on_parameters)
     alpha = int(scale.alpha) if float(scale.alpha).is_integer() else scale.alpha
     return {
         "peft_type": "LORA", "r": rank, "lora_alpha": alpha,
@@ -320,8 +471,10 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
         "lora_bias": False,
         "lora_dropout": 0.0, "inference_mode": True,
         "target_modules": adapters.targets if every else "|".join(re.escape(m) for m in sorted(adapted)),
+        **({"target_parameters": target_parameters} if on_parameters else {}),
         "modules_to_save": list(adapters.saved) or None,
-        "rank_pattern": {a.module: a.rank for a in adapters.adapters if a.rank != rank},
+        "rank_pattern": {a.weight if a.parameter is not None else a.module: a.rank
+                         for a in adapters.adapters if a.rank != rank},
         "task_type": task_type, "base_model_name_or_path": base_model,
     }
 
@@ -329,9 +482,10 @@ def peft_config(adapters: PeftAdapters, scale: LoraScale, modules: Collection[st
 def adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | None:
     """What `inspect` says of the peft adapters among a checkpoint's model tensors (full names),
     without judging them: kind (`peft-lora`, `peft-dora` with magnitudes), adapter names, adapted
-    modules, ranks (A's rows), modules per leaf name and modules trained whole
-    (`modules_to_save`); None without adapters. α is never in
-    the checkpoint."""
+    modules, ranks (A's rows; a ParamWrapper's over its experts), modules per leaf name (a
+    parameter's as `experts.gate_up_proj`), modules trained whole (`modules_to_save`), and, with
+    LoRA on expert stacks (`target_parameters`), each stack's experts; None without adapters.
+    α is never in the checkpoint."""
     ranks: dict[str, int] = {}
     names: set[str] = set()
     saved: set[str] = set()
@@ -350,10 +504,23 @@ def adapter_summary(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Any] | N
             ranks[match["module"]] = shape[0]
     if not names:
         return None
-    return {"kind": "peft-dora" if dora else "peft-lora", "adapters": sorted(names), "modules": len(ranks),
-            "ranks": sorted(set(ranks.values())),
-            "targets": dict(sorted(Counter(m.rsplit(".", 1)[-1] for m in ranks).items())),
-            "modules_to_save": sorted(saved)}
+    leaves = {m: m.rsplit(".", 1)[-1] for m in ranks}
+    stacks: dict[str, int] = {}
+    if any(m.endswith(".base_layer") or f"{m}{BASE_LAYER}weight" not in shapes for m in ranks):
+        try:  # LoRA on parameters: which parameter each wrapper adapts, and its rank over the experts
+            found = [a for n in sorted(names) if (f := find_adapters(shapes, "", chosen=n)) for a in f.adapters]
+        except CheckpointError:
+            found = []  # not as peft saves it: export-hf names the problem; here A's rows and the modules
+        if found:
+            ranks = {a.weight: a.rank for a in found}
+            leaves = {a.weight: a.leaf for a in found}
+            stacks = {a.leaf: a.experts for a in found if a.experts}
+    summary = {"kind": "peft-dora" if dora else "peft-lora", "adapters": sorted(names), "modules": len(ranks),
+               "ranks": sorted(set(ranks.values())), "targets": dict(sorted(Counter(leaves.values()).items())),
+               "modules_to_save": sorted(saved)}
+    if stacks:
+        summary["expert_stacks"] = dict(sorted(stacks.items()))
+    return summary
 
 
 def summary_line(summary: Mapping[str, Any]) -> str:
@@ -361,6 +528,10 @@ def summary_line(summary: Mapping[str, Any]) -> str:
     kind = "peft DoRA" if summary["kind"] == "peft-dora" else "peft LoRA"
     targets = ", ".join(f"{leaf} ×{count}" for leaf, count in summary["targets"].items())
     saved = f"; {', '.join(summary['modules_to_save'])} trained whole" if summary["modules_to_save"] else ""
+    stacks = summary.get("expert_stacks") or {}
+    if stacks:
+        each = ", ".join(f"{leaf} of {counted(e, 'expert')}" for leaf, e in stacks.items())
+        saved += f"; LoRA on expert stacks (peft target_parameters): {each}"
     return (f"{kind} {', '.join(repr(n) for n in summary['adapters'])}: {counted(summary['modules'], 'module')}, "
             f"rank {', '.join(map(str, summary['ranks']))} ({targets}){saved}; α is not in the checkpoint (export-hf "
             "--merge-adapters or --adapter-only take --lora-alpha or --adapter-config)")

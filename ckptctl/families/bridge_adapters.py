@@ -20,7 +20,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from ckptctl.util.errors import CheckpointError
 from ckptctl.util.wording import counted
@@ -34,6 +34,23 @@ CANONICAL_HF_MODULES = {"adapter_q": "q_proj", "adapter_k": "k_proj", "adapter_v
                         "adapter_gate": "gate_proj", "adapter_up": "up_proj"}
 """Canonical LoRA's adapter → the HF module whose weight Megatron-Bridge merges it into
 (`peft_bridge.ADAPTER_NAME_MAP`, read the other way)."""
+
+
+_GROUPED_EXPERTS = re.compile(r"\.experts\.linear_fc[12]$")
+"""TEGroupedMLP's grouped linears as its model names them (a torch_dist save's stack is seen per expert,
+`…experts.local_experts.<e>.linear_fc1`)."""
+_DORA_MAGNITUDE = re.compile(r"^(?P<module>.+)\.adapter\.weight_magnitude$")
+"""Megatron-Bridge DoRA's `ParallelLinearDoRAAdapter.weight_magnitude` [out] (`dora_layers.py`)."""
+
+
+def refuse_bridge_dora(names: Iterable[str], where: str | Path, prefix: str = "") -> None:
+    """Refuse a Megatron-Bridge DoRA save by its first magnitude: Bridge 0.6.2 has no DoRA merge (its
+    `DoRALinear` forward scales by m / ‖W + s·B@A‖ per row; its HF export code never reads
+    `weight_magnitude`), so there is no merge of Bridge's to be equal to."""
+    found = sorted(n for n in names if _DORA_MAGNITUDE.match(n))
+    if found:
+        raise CheckpointError(where, f"{prefix}{found[0]}: a Megatron-Bridge DoRA magnitude, which export-hf does "
+                                     "not merge (Megatron-Bridge has no DoRA merge of its own to be equal to)")
 
 
 def is_bridge_adapter(name: str) -> bool:
@@ -83,6 +100,7 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
     adapters alone: `base`, the checkpoint `--base` gave, when it is not in that either), and
     shapes that do not pair ([dim, in] and [out, dim] with a base [out, in]; a canonical
     adapter's [rows, dim] with rows at most the base's)."""
+    refuse_bridge_dora(shapes, where, prefix)
     parts: dict[tuple[str, str | None], dict[str, str]] = {}
     for name in sorted(shapes):
         match = _PART.match(name)
@@ -91,6 +109,11 @@ def find_bridge_adapters(shapes: Mapping[str, tuple[int, ...]], where: str | Pat
         if match["param"] != "weight":
             raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge LoRA adapter bias, which export-hf does "
                                          "not merge yet")
+        if _GROUPED_EXPERTS.search(match["module"]):
+            raise CheckpointError(where, f"{prefix}{name}: a Megatron-Bridge adapter on grouped experts (TEGroupedMLP) "
+                                         "as its model holds it (one shared by an EP rank's experts, or packed "
+                                         "[E, …]), which export-hf does not merge yet (a torch_dist save's, with "
+                                         "its global expert axis, it does)")
         parts.setdefault((match["module"], match["split"]), {})[match["part"]] = name
     adapters = []
     saved = set(shapes)

@@ -43,7 +43,7 @@ from ckptctl.util.errors import UsageError
 CACHE_ENV = "CKPTCTL_CACHE_DIR"
 """Where the expected names are cached (default `$XDG_CACHE_HOME/ckptctl`, else `~/.cache/ckptctl`);
 `off` disables the cache."""
-CACHE_FORMAT = 3
+CACHE_FORMAT = 4
 SHOWN = 3
 """Names listed in a refusal before `(+N more)`."""
 
@@ -68,6 +68,9 @@ class ExpectedNames:
     transformers skips on load and inference engines read): allowed, not required."""
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """Each name's shape, in both forms (saved and in memory), in the model's own order."""
+    transposed: frozenset[str] = frozenset()
+    """In-memory parameters of fused-experts modules that hold each expert as [in, out]
+    (transformers' `is_transposed`, gpt-oss): how a LoRA on such a stack merges."""
 
     def for_output(self, names: Iterable[str]) -> "ExpectedNames":
         """The form to check `names` against: the in-memory one when some name is only in it."""
@@ -244,8 +247,11 @@ def _ask_transformers(config: dict[str, Any], version: str) -> ExpectedNames:
             reverted = revert_weight_conversion(model, {n: state[n] for n in in_memory})
         saved = frozenset(reverted)
         shapes.update((n, tuple(t.shape)) for n, t in reverted.items() if hasattr(t, "shape"))
+    transposed = frozenset(f"{name}.{param}" for name, module in model.named_modules()
+                           if getattr(module, "is_transposed", False) is True
+                           for param, _ in module.named_parameters(recurse=False))
     return ExpectedNames(type(model).__name__, saved, frozenset(optional - set(tied)), tied, version,
-                         in_memory if in_memory != saved else frozenset(), shapes=shapes)
+                         in_memory if in_memory != saved else frozenset(), shapes=shapes, transposed=transposed)
 
 
 def _tied(model: Any, names: set[str]) -> dict[str, str]:
@@ -298,7 +304,8 @@ def _read_cache(key: str, version: str) -> ExpectedNames | None:
                               frozenset(map(str, data["optional"])),
                               {str(k): str(v) for k, v in data["tied"].items()}, version,
                               frozenset(map(str, data["in_memory"])),
-                              shapes={str(k): tuple(int(n) for n in v) for k, v in data["shapes"].items()})
+                              shapes={str(k): tuple(int(n) for n in v) for k, v in data["shapes"].items()},
+                              transposed=frozenset(map(str, data["transposed"])))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
     return names
@@ -311,7 +318,7 @@ def _write_cache(key: str, names: ExpectedNames) -> None:
         return
     data = {"model_class": names.model_class, "required": sorted(names.required), "optional": sorted(names.optional),
             "tied": dict(sorted(names.tied.items())), "in_memory": sorted(names.in_memory),
-            "shapes": {k: list(v) for k, v in names.shapes.items()}}
+            "shapes": {k: list(v) for k, v in names.shapes.items()}, "transposed": sorted(names.transposed)}
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")

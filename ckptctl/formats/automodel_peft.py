@@ -15,12 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ckptctl.storage.store import EntryKind, store_for
+from ckptctl.util.errors import UsageError
 
 AUTOMODEL_PEFT_CONFIG = "automodel_peft_config.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 MODEL_PART = "model"
 OPTIMIZER_PART = "optim"
+DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True)
@@ -44,14 +46,21 @@ def _is_adapter_folder(path: Path) -> bool:
 
 def automodel_peft(path: Path) -> AutomodelPeft | None:
     """`path` as an Automodel PEFT save (its step folder, or the `model/` folder in it), or None:
-    a folder holding `automodel_peft_config.json` and `adapter_config.json` is the adapter folder."""
+    a folder holding `automodel_peft_config.json` and `adapter_config.json` is the adapter folder.
+    Refused: such a folder that is a DCP checkpoint too (`.metadata` of its own), which the DCP
+    commands take as that checkpoint (which of the two is meant is not known)."""
     store = store_for(path)
     if store.kind(path) is not EntryKind.FOLDER:
         return None
     if _is_adapter_folder(path):
-        return AutomodelPeft(None, path, None)
-    model = path / MODEL_PART
-    if store.kind(model) is EntryKind.FOLDER and _is_adapter_folder(model):
+        found = AutomodelPeft(None, path, None)
+    elif store.kind(path / MODEL_PART) is EntryKind.FOLDER and _is_adapter_folder(path / MODEL_PART):
         optim = path / OPTIMIZER_PART
-        return AutomodelPeft(path, model, optim if store.kind(optim) is EntryKind.FOLDER else None)
-    return None
+        found = AutomodelPeft(path, path / MODEL_PART, optim if store.kind(optim) is EntryKind.FOLDER else None)
+    else:
+        return None
+    if store.kind(path / DCP_METADATA) is EntryKind.FILE:
+        raise UsageError(f"{path}: both a DCP checkpoint (its own {DCP_METADATA}) and a NeMo Automodel PEFT save "
+                         f"({MODEL_PART + '/ ' if found.step is not None else ''}a PEFT folder): which one is meant "
+                         "is not known; move one of them to a folder of its own")
+    return found

@@ -13,6 +13,7 @@ keys are looked at.
 from __future__ import annotations
 
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,8 @@ def read_bridge_peft(path: Path) -> BridgePeft:
         config = yaml.load(data, Loader=loader)  # noqa: S506 — a safe loader: plain data only
     except RecursionError:
         raise CheckpointError(path, "not a readable run config (nested too deeply)") from None
+    except ValueError as exc:  # an integer past Python's digit limit: not a YAMLError (yaml.safe_load fails too)
+        raise CheckpointError(path, f"not a readable run config ({str(exc).split(':')[0]})") from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         mark = getattr(exc, "problem_mark", None)
@@ -81,7 +84,7 @@ def read_bridge_peft(path: Path) -> BridgePeft:
         raise CheckpointError(path, f"peft._target_ is {_shown(target)}, which export-hf does not merge (it merges "
                                     f"{' and '.join(LORA_CLASSES)})")
     alpha, dim = peft.get("alpha"), peft.get("dim")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not _finite(alpha):
         raise CheckpointError(path, f"peft.alpha is {_shown(alpha)}, not a finite number")
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
         raise CheckpointError(path, f"peft.dim is {_shown(dim)}, not a positive integer")
@@ -94,7 +97,28 @@ def read_bridge_peft(path: Path) -> BridgePeft:
     return BridgePeft(path, kind, alpha, dim, tuple(modules), normalize)
 
 
+def _finite(number: int | float) -> bool:
+    """Whether `number` is a finite float (an integer too large for one is not)."""
+    try:
+        return math.isfinite(number)
+    except OverflowError:
+        return False
+
+
+class _Bounded(reprlib.Repr):
+    """reprlib's bounded repr: a few levels and items of a container (aliases make a 9-line file's
+    value 9⁹ strings long), and an integer too large to print in decimal by its size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxdict, self.maxtuple, self.maxset = 4, 4, 4, 4, 4
+        self.maxstring, self.maxother = 200, 200
+
+    def repr_int(self, x: int, level: int) -> str:
+        return f"<an integer of {x.bit_length()} bits>" if x.bit_length() > 256 else repr(x)
+
+
 def _shown(value: Any) -> str:
-    """A YAML value as a message shows it: short, one line."""
-    text = "null" if value is None else repr(value)
+    """A YAML value as a message shows it: short, one line, in time bounded whatever its size."""
+    text = "null" if value is None else _Bounded().repr(value)
     return text if len(text) <= 80 else text[:77] + "..."

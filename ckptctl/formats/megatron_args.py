@@ -44,6 +44,12 @@ def checkpoint_args(ckpt: Checkpoint) -> argparse.Namespace | None:
     return value if isinstance(value, argparse.Namespace) else None
 
 
+def context_parallel(ckpt: Checkpoint) -> int:
+    """The saved run's CP size (Megatron-FSDP's args), 1 where args do not say."""
+    cp = getattr(checkpoint_args(ckpt), "context_parallel_size", None)
+    return cp if type(cp) is int and cp > 0 else 1
+
+
 @dataclass(frozen=True)
 class Opaque:
     """A value of a class no allow-list knows, kept as its global's name and arguments (never
@@ -115,16 +121,30 @@ def common_where(ckpt: Checkpoint) -> str | None:
     return COMMON_STATE if COMMON_STATE in ckpt.bytes_entries else None
 
 
-def megatron_core_versions(ckpt: Checkpoint) -> tuple[str, str] | None:
+@dataclass(frozen=True)
+class SavingReleases:
+    """The megatron-core releases that can have saved a torch_dist checkpoint, and what tells."""
+
+    versions: str
+    """In words, as `inspect` shows them (`0.19 or newer`)."""
+    evidence: str
+    newest: tuple[int, int] | None
+    """The newest release that saves this way; None when every release since `oldest` does."""
+    oldest: tuple[int, int] | None
+    """The oldest release that saves this way; None when the way is older than any release told apart."""
+
+
+def megatron_core_versions(ckpt: Checkpoint) -> SavingReleases | None:
     """Which megatron-core releases can have saved a torch_dist checkpoint, and what tells: only
     ≤ 0.15 pickle `.metadata` as their `MCoreMetadata`; up to 0.18 the common state is `common.pt`,
     from 0.19 the `common_state` item. None for any other checkpoint."""
     if ckpt.megatron_backend is None:
         return None
     if ckpt.mcore_metadata:
-        return "0.15 or older", "MCoreMetadata in .metadata"
-    return {COMMON: ("0.18 or older", f"common state in {COMMON}"),
-            COMMON_STATE: ("0.19 or newer", f"common state in the {COMMON_STATE} item")}.get(common_where(ckpt))
+        return SavingReleases("0.15 or older", "MCoreMetadata in .metadata", (0, 15), None)
+    return {COMMON: SavingReleases("0.18 or older", f"common state in {COMMON}", (0, 18), None),
+            COMMON_STATE: SavingReleases("0.19 or newer", f"common state in the {COMMON_STATE} item", None, (0, 19)),
+            }.get(common_where(ckpt))
 
 
 def common_state(ckpt: Checkpoint) -> CommonState | None:

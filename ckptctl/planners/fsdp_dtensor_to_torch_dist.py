@@ -52,7 +52,7 @@ import math
 import re
 import struct
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ckptctl.core.dtypes import DType, bfloat16, float16
@@ -68,6 +68,7 @@ from ckptctl.megatron.fsdp_dtensor_names import (
 )
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM
 from ckptctl.megatron.rows import BUFFERS, canonical, mixer_part_rows
+from ckptctl.megatron.tp import tp_from_geometry
 from ckptctl.core.checkpoint import Checkpoint
 from ckptctl.core.geometry import Box
 from ckptctl.families.placement import Placed, fsdp2
@@ -109,6 +110,9 @@ class _Key:
     """A Mamba `in_proj` or conv saved fused, TP-blocked at `tp`, that torch_dist keeps in parts
     (`<key>.<part>`): (part, rows per TP rank) in the order each rank holds them."""
     tp: int = 1
+    swiglu_blocked: bool = False
+    """A Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved fused TP-blocked at `tp`
+    ([W_0; V_0; W_1; V_1 …]), that torch_dist keeps as [W_all; V_all]."""
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -139,7 +143,7 @@ def _planned(ckpt: Checkpoint, world_size: int, reader: ItemReader) -> tuple[Dcp
             raise CheckpointError(ckpt.path, f"{names[found]}: {_unsupported(found, part, what)} are not converted to "
                                              "torch_dist yet")
     keys = _torch_dist_keys(ckpt, names, spec, stack=not hybrid)
-    _refuse_tp_blocked_fc1(ckpt, args, keys, names)
+    _tp_blocked_fc1(ckpt, args, keys, names)
     _split_fused(ckpt, args, keys, names)
     params = {n: fqn for n, fqn in names.items() if not n.endswith(BUFFERS)}  # a buffer has no optimizer state
     states, steps = _optimizer_states(ckpt, params)
@@ -296,27 +300,43 @@ def _torch_dist_keys(ckpt: Checkpoint, names: dict[str, str], spec: LayerNames, 
     return keys
 
 
-def _refuse_tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key],
-                           names: dict[str, str]) -> None:
+def _tp_blocked_fc1(ckpt: Checkpoint, args: argparse.Namespace, keys: dict[str, _Key], names: dict[str, str]) -> None:
     """A SwiGLU fc1 saved fused is TP-blocked ([W_0; V_0; W_1; V_1; …]), torch_dist's is [W_all; V_all]:
-    the same only at TP 1; so is a Megatron-Bridge adapter's linear_out on it, which is never split."""
-    tp = getattr(args, "tensor_model_parallel_size", None)
-    if getattr(args, "swiglu", False) is not True or tp == 1:
+    the same only at TP 1. A Megatron-Bridge adapter's linear_out on it, which Megatron-LM never splits
+    (`handle_swiglu_in_state_dict` splits fc1's own weight only), is marked to be unblocked at the
+    run's TP (`_Key.swiglu_blocked`); fc1's own weight saved fused is refused."""
+    if getattr(args, "swiglu", False) is not True or _blocked_tp(ckpt, args) == 1:
         return
+    tp = getattr(args, "tensor_model_parallel_size", None)
     for key in keys.values():
         slot = next(iter(key.parts.values()))
         if None in slot and re.search(r"\blinear_fc1\.adapter\.linear_out\.(weight|bias)$", key.key):
-            raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a Megatron-Bridge adapter's linear_out on a "
-                                             f"SwiGLU fc1, saved at TP {tp}, is TP-blocked (Megatron-LM splits only "
-                                             "fc1's own weight): not converted to torch_dist yet")
+            tp = _tp(ckpt, args)
+            shape = ckpt.tensors[names[slot[None]]].shape
+            if not shape or shape[0] % (2 * tp):
+                raise CheckpointError(ckpt.path, f"{names[slot[None]]}: {shape[0] if shape else 0} rows are no W and "
+                                                 f"V halves of {tp} TP blocks")
+            key.swiglu_blocked, key.tp = True, tp
         if None in slot and re.search(r"\blinear_fc1\.(weight|bias)$", key.key):
             raise CheckpointError(ckpt.path, f"{names[slot[None]]}: a SwiGLU fc1 saved fused at TP {tp} is "
                                              "TP-blocked; split it first (ckptctl reshard --layout megatron-fsdp "
                                              "--split-fused), then convert")
 
 
-def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+def _blocked_tp(ckpt: Checkpoint, args: argparse.Namespace) -> Any:
+    """args' TP, which fused tensors are blocked at, unless the RowParallel chunks show another (a TP
+    split seen on disk is the save's own; one column, as any FSDP2 rows show, proves nothing)."""
     tp = getattr(args, "tensor_model_parallel_size", None)
+    seen = tp_from_geometry(ckpt)
+    if seen not in (None, 1, tp):
+        raise CheckpointError(ckpt.path, f"args say TP {tp!r:.32} but RowParallel chunks show TP {seen}: the TP "
+                                         "blocks of its fused tensors are unknown")
+    return tp
+
+
+def _tp(ckpt: Checkpoint, args: argparse.Namespace) -> int:
+    """The TP the fused in_proj and conv are blocked at (`_blocked_tp`)."""
+    tp = _blocked_tp(ckpt, args)
     if type(tp) is not int or tp < 1:
         raise CheckpointError(ckpt.path, f"args.tensor_model_parallel_size is {tp!r:.32}: the TP blocks of the fused "
                                          "in_proj and conv are unknown")
@@ -460,6 +480,8 @@ def _targets(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], vie
     its rows of every TP rank's block, in rank order (what megatron-core's `_split_tensor_factory`
     saves: each part TP-sharded on its own)."""
     whole = _target(ckpt, key, fqn, sources, views, dtype)
+    if key.swiglu_blocked:
+        return [_unblocked(whole, key.lead, key.tp)]
     if not key.split:
         return [whole]
     lead, stride, at, out = key.lead, sum(rows for _, rows in key.split), 0, []
@@ -472,6 +494,16 @@ def _targets(ckpt: Checkpoint, key: _Key, fqn: str, sources: dict[str, str], vie
                                 whole.dtype, pieces, whole.properties))
         at += rows
     return out
+
+
+def _unblocked(whole: TargetTensor, lead: int, tp: int) -> TargetTensor:
+    """`whole` read as TP blocks of W and V halves ([W_0; V_0; W_1; V_1 …]) and written [W_all; V_all]."""
+    rows = whole.shape[lead] // (2 * tp)
+    pieces = tuple(Piece(p.src, (*p.src_start[:lead], p.src_start[lead] + (2 * t + half) * rows, *p.src_start[lead + 1:]),
+                         (*p.dst_start[:lead], p.dst_start[lead] + (half * tp + t) * rows, *p.dst_start[lead + 1:]),
+                         (*p.sizes[:lead], rows, *p.sizes[lead + 1:]))
+                   for p in whole.pieces for t in range(tp) for half in range(2))
+    return replace(whole, pieces=pieces)
 
 
 def _per_layer(shape: tuple[int, ...], world_size: int) -> list[Placed]:

@@ -36,12 +36,12 @@ from ckptctl.core.names import MODEL_PREFIXES
 from ckptctl.families.registry import family_for_model_type, fused_component, fused_kind, megatron_tp_kind
 from ckptctl.megatron.rows import FUSED_PARTS, WRITTEN_SPLIT, RowBlock, TpKind, is_expert, tp_blocked_split, tp_reblock
 from ckptctl.megatron.tp import resolve_tp, tp_dp_grid
-from ckptctl.formats.megatron_args import checkpoint_args
+from ckptctl.formats.megatron_args import checkpoint_args, context_parallel
 from ckptctl.formats.torch_save.writer import encode_value
 from ckptctl.formats.pickle.unpickle import UnsafePickleError
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint
 from ckptctl.families.placement import Placed, flat, fsdp2, megatron_fsdp
-from ckptctl.core.rank_state import megatron_rng, megatron_rng_selection
+from ckptctl.core.rank_state import megatron_rng, megatron_rng_selection, plain_reshard_rng_selection
 from ckptctl.core.selection import selected
 from ckptctl.core.plan import Piece, SourceTensor, TargetTensor, identity_target
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
@@ -672,9 +672,10 @@ def rewritten_args(ckpt: Checkpoint, tp: int) -> bytes | None:
 def plan_megatron(ckpt: Checkpoint, req: MegatronRequest) -> DcpOutput:
     """The whole output of a Megatron-aware reshard: targets, placement, copy runs. No tensor I/O."""
     layout = resolve_layout(ckpt, req)
-    keep = megatron_rng_selection(megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]),
-                                  lambda f: selected(f, req.include, req.exclude),
-                                  layout.dp if layout.dp is not None else layout.world_size, req.keep_common_ranks)
+    rng, kept = megatron_rng([*ckpt.tensors, *ckpt.bytes_entries]), lambda f: selected(f, req.include, req.exclude)
+    keep = megatron_rng_selection(rng, kept, layout.dp, req.keep_common_ranks) if layout.dp is not None else \
+        plain_reshard_rng_selection(rng, kept, layout.world_size, req.keep_common_ranks, lambda: context_parallel(ckpt),
+                                    layout.tp)
     sources = source_tensors(ckpt)
     planner = MegatronPlanner(ckpt, req, layout, sources)
     planned = planner.build()

@@ -59,7 +59,7 @@ from ckptctl.megatron.fsdp_dtensor_names import (
 )
 from ckptctl.core.geometry import full_box
 from ckptctl.core.analysis import analysis, is_layer_stacked, is_optimizer_entry, is_torch_dist_bucket
-from ckptctl.megatron.rows import BUFFERS, LAYERS, WORD_EMBEDDING, CURRENT_RELEASE, mixer_part_rows, respelled
+from ckptctl.megatron.rows import BUFFERS, LAYERS, WORD_EMBEDDING, mixer_part_rows, respelled
 from ckptctl.megatron.buckets import HYBRID_FINAL_NORM, Window, block_places, bucket_windows, window_view
 from ckptctl.megatron.tp import tp_dp_grid
 from ckptctl.core.checkpoint import Checkpoint
@@ -316,10 +316,10 @@ def _saving_release(ckpt: Checkpoint) -> tuple[int, int] | None:
     checkpoint, where it tells (`megatron_core_versions`: `MCoreMetadata` ≤ 0.15, the
     `common_state` item ≥ 0.19); None where it does not (`common.pt`: 0.16–0.18, or a checkpoint
     written by other code)."""
-    if ckpt.mcore_metadata:
-        return 0, 15
     saved = megatron_core_versions(ckpt)
-    return CURRENT_RELEASE if saved is not None and saved[0] == "0.19 or newer" else None
+    if saved is None or saved.newest == (0, 18):  # common.pt: 0.16–0.18, or written by other code
+        return None
+    return saved.oldest or saved.newest
 
 
 def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Param], tp: int,
@@ -392,6 +392,11 @@ def _fused_mixers(ckpt: Checkpoint, args: argparse.Namespace, params: list[_Para
 def _names(ckpt: Checkpoint, args: argparse.Namespace, spec: LayerNames, key: str) -> list[tuple[tuple[int, ...], str]]:
     """(index along the stacked dims, module name) of each param torch_dist key `key` holds."""
     entry = ckpt.tensors[key]
+    if EXPERTS in key and ".adapter." in key and getattr(args, "moe_grouped_gemm", False) is True:
+        raise CheckpointError(ckpt.path, f"{key}: a Megatron-Bridge adapter on grouped experts (args.moe_grouped_gemm: "
+                                         "TEGroupedMLP), which Bridge's model holds as one adapter shared by an EP "
+                                         "rank's experts or packed [E, …], never per expert: not converted to "
+                                         "Megatron-FSDP yet")
     if key.startswith(LAYERS) and not key[len(LAYERS)].isdigit():
         if not is_layer_stacked(entry) or len(entry.shape) < 2:
             raise CheckpointError(ckpt.path, f"{key}: a layer stack [L, …] saved other than a layer per chunk")

@@ -24,6 +24,7 @@ from ckptctl.core.rank_state import RankFiles, rank_files
 from ckptctl.util.errors import UsageError
 
 MODEL_PART = re.compile(r"^pytorch_model_fsdp_(0|[1-9][0-9]{0,3})$")
+FIRST_MODEL_PART = "pytorch_model_fsdp_0"
 OPTIMIZER_PART = re.compile(r"^optimizer_(0|[1-9][0-9]{0,3})$")
 RANK_SHARD = re.compile(r"^(?:pytorch_model_fsdp|optimizer)(?:_[0-9]+)?_rank[0-9]+\.bin$")
 """A model's or optimizer's shard saved with `use_dcp=False`: one process's share, as its `torch.save` wrote it."""
@@ -70,10 +71,18 @@ def _index(name: str) -> int:
 
 def trainer_folder(path: Path) -> TrainerFolder | None:
     """`path` as a Trainer / accelerate checkpoint folder, or None when it holds no model part
-    (a `pytorch_model_fsdp_<i>/` DCP checkpoint) or is a DCP checkpoint itself."""
+    (a `pytorch_model_fsdp_<i>/` DCP checkpoint) or is a DCP checkpoint itself. Refused: a DCP
+    checkpoint holding a first model part (which of the two a command is to take is not known;
+    taken as the DCP checkpoint, the Trainer parts were left out of a reshard unsaid)."""
     path = Path(path)
     try:
-        if not path.is_dir() or _is_dcp(path):
+        if not path.is_dir():
+            return None
+        if _is_dcp(path):
+            if (path / FIRST_MODEL_PART).is_dir() and _is_dcp(path / FIRST_MODEL_PART):
+                raise UsageError(f"{path}: both a DCP checkpoint (its own .metadata) and an HF Trainer / accelerate "
+                                 f"checkpoint folder ({FIRST_MODEL_PART}/): which one is meant is not known; move "
+                                 "one of them to a folder of its own")
             return None
         with os.scandir(path) as scan:
             entries = [entry for _, entry in zip(range(_LISTED), scan)]

@@ -215,7 +215,15 @@ def moe(tmp_path_factory) -> Path:
     return root
 
 
-def test_lora_on_moe_experts_is_named_by_inspect_and_refused_by_export_and_import(moe, tmp_path):
+def test_lora_on_moe_experts_is_imported_and_then_merged_as_peft_merges_automodels_folder(moe, tmp_path):
+    """Automodel writes its grouped experts' LoRA as peft's ParamWrapper (`lora_gate_and_up_A`
+    [E, H, dim] → `experts.base_layer.lora_A.weight` [E·dim, H] …, down_proj outermost), which
+    `import-hf --adapter` takes beside the base folder; export-hf merges that import as peft's
+    `merge_and_unload()` of Automodel's folder, bit for bit. The step folder itself is refused by
+    export-hf, naming that way (its base folder holds the experts one by one)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
     s = step(moe)
     config = json.loads((s / "model" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -223,15 +231,25 @@ def test_lora_on_moe_experts_is_named_by_inspect_and_refused_by_export_and_impor
     lines = run_cli("inspect", s).stdout.splitlines()
     assert lines[1].endswith("LoRA, 2 modules, rank 4, α 8 (s = α / r = 2) (q_proj ×2); and LoRA on 2 MoE expert "
                              "parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj: 8 tensors as peft's "
-                             f"ParamWrapper), which ckptctl does not merge or import yet; base model {moe / 'base'}")
-    assert lines[-1] == "  merged model: not yet: ckptctl does not merge LoRA on MoE expert parameters"
+                             "ParamWrapper), which import-hf --adapter takes and export-hf merges from its import; "
+                             f"base model {moe / 'base'}")
+    assert lines[-1] == (f"  merged model: ckptctl import-hf BASE DCP --adapter {s}, then ckptctl export-hf DCP DST "
+                         "--hf-config BASE --merge-adapters")
     result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", moe / "base", "--merge-adapters")
     assert result.returncode == 2 and result.stderr == (
         f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
         f'(target_parameters ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] in {s}/model/adapter_config.json), '
-        "which ckptctl does not merge or import yet; PeftModel.from_pretrained loads its PEFT folder as is\n")
-    result = run_cli("import-hf", moe / "base", tmp_path / "imp", "--adapter", s, "--world-size", "1")
-    assert result.returncode == 2 and result.stderr == (
-        f'ckptctl: error: {s}/model/adapter_config.json: target_parameters is ["mlp.experts.gate_up_proj", '
-        '"mlp.experts.down_proj"], which import-hf does not import yet\n')
-    assert not (tmp_path / "out").exists() and not (tmp_path / "imp").exists()
+        "which export-hf does not merge from a base folder of per-expert weights yet: import-hf BASE DCP --adapter "
+        "STEP, then export-hf DCP DST --merge-adapters (or --adapter-only); PeftModel.from_pretrained loads its PEFT "
+        "folder as is\n")
+    assert not (tmp_path / "out").exists()
+    result = run_cli("import-hf", moe / "base", tmp_path / "imp", "--adapter", s, "--world-size", "2")
+    assert result.returncode == 0, result.stderr
+    result = run_cli("export-hf", tmp_path / "imp", tmp_path / "merged", "--hf-config", moe / "base",
+                     "--merge-adapters", "--adapter-config", s / "model" / "adapter_config.json")
+    assert result.returncode == 0, result.stderr
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe / "base"), s / "model")
+    want = peft.merge_and_unload().state_dict()
+    got = read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []

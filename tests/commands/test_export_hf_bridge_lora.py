@@ -429,7 +429,7 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
     is its slab, fc1's linear_out TP-blocked [W_0; V_0; W_1; V_1] as Megatron-LM saves an fc1 adapter
     it does not split (`handle_swiglu_in_state_dict` splits fc1's own weight only), and export-hf
     merges it (fc1 saved as weight_w / weight_v) to Bridge's merge bit for bit, and writes the same
-    PEFT folder; the way back to torch_dist is refused rather than written TP-blocked. Canonical
+    PEFT folder; the way back to torch_dist unblocks fc1's adapter to the first save's tensors. Canonical
     LoRA's adapters (their own rows, never blocked) convert and merge too."""
     own = tmp_path / "own"
     run = run_cli("reshard", bridge / "ckpt", own, "--verify")
@@ -473,11 +473,10 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
                   "--lora-alpha", ALPHA, "--tp", "1")
     assert (run.returncode, run.stderr.strip()) == (2, f"ckptctl: error: {fsdp}: --tp 1 but the checkpoint's args say "
                                                        "TP 2")
-    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist")
-    assert (run.returncode, run.stderr.strip()) == (
-        2, f"ckptctl: error: {fsdp}: model.module.decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight: a "
-           "Megatron-Bridge adapter's linear_out on a SwiGLU fc1, saved at TP 2, is TP-blocked (Megatron-LM splits "
-           "only fc1's own weight): not converted to torch_dist yet")
+    run = run_cli("reshard", fsdp, tmp_path / "back", "--layout", "torch-dist", "--verify")
+    assert run.returncode == 0, run.stderr
+    back = _load_all(tmp_path / "back")  # fc1's adapter unblocked to torch_dist's [W_all; V_all], as saved at first
+    assert all(torch.equal(back[name], stack) for name, stack in lora_state().items())
 
     # canonical LoRA: each projection's adapter is its own, never TP-blocked; merged as Bridge merges it
     src = _with_args(bridge / "canonical", tmp_path / "canonical-args")
@@ -489,3 +488,76 @@ def test_reshard_keeps_bridge_adapters_at_their_layout_and_in_megatron_fsdp(brid
     assert run.returncode == 0, run.stderr
     merged, want = _exported(tmp_path / "canonical-hf"), _canonical_reference(bridge)
     assert sorted(merged) == sorted(want) and all(torch.equal(merged[n], want[n]) for n in want)
+
+
+def test_an_hf_folder_as_base_merges_as_the_torch_dist_base(bridge, tmp_path):
+    """The pretrained model as users hold it, the HF folder (here the plain export of the fixture's
+    model): each Megatron weight is read back from its HF tensors' rows through the family's rules
+    (linear_qkv's query groups, fc1's [gate; up]); the merge is Bridge's, bit for bit, and so is the
+    PEFT folder."""
+    hf_base = bridge / "plain"
+    run = run_cli("export-hf", bridge / "only", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", hf_base,
+                  "--merge-adapters", "--verify")
+    assert run.returncode == 0, run.stderr
+    assert f"note: base weights from {hf_base} (--base, a Hugging Face folder read through the llama rules)" \
+        in run.stderr
+    ref = run_cli("export-hf", bridge / "merged", tmp_path / "ref", "--hf-config", bridge / "cfg")
+    assert ref.returncode == 0, ref.stderr
+    got, want = _exported(tmp_path / "hf"), _exported(tmp_path / "ref")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    for folder, base in (("ad", hf_base), ("ad-dist", SRC)):
+        run = run_cli("export-hf", bridge / "only", tmp_path / folder, "--hf-config", bridge / "cfg", "--base", base,
+                      "--adapter-only")
+        assert run.returncode == 0, run.stderr
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ad", "ad-dist"))
+    assert sorted(a) == sorted(b) and all(torch.equal(a[n], b[n]) for n in b)
+
+
+def test_an_hf_base_the_config_does_not_describe_is_refused(bridge, tmp_path):
+    from safetensors.torch import save_file
+
+    plain = _exported(bridge / "plain")
+    cases = [("stray", {**plain, "model.extra.weight": torch.zeros(2)},
+              "model.extra.weight: a tensor a llama model of {cfg} has no place for (is --hf-config the base's "
+              "config?)"),
+             ("short", {k: v for k, v in plain.items() if k != "model.norm.weight"},
+              "has no model.norm.weight, which a llama model of {cfg} has (is --base the run's pretrained model?)"),
+             ("wide", {**plain, "model.norm.weight": torch.zeros(33)},
+              "model.norm.weight: shape [33], a llama model of {cfg} has [32] (is --hf-config the base's config?)")]
+    for name, tensors, line in cases:
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(tensors, folder / "model.safetensors")
+        shutil.copy(bridge / "plain" / "config.json", folder / "config.json")
+        run = run_cli("export-hf", bridge / "only", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", folder,
+                      "--merge-adapters")
+        want = f"ckptctl: error: {folder}: {line.format(cfg=bridge / 'cfg' / 'config.json')}"
+        assert (run.returncode, run.stderr.strip()) == (2, want), name
+        assert not (tmp_path / "hf").exists()
+    run = run_cli("export-hf", bridge / "ckpt", tmp_path / "hf", "--hf-config", bridge / "cfg", "--base",
+                  bridge / "plain", "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {bridge / 'ckpt'}: holds model weights beside its Megatron-Bridge LoRA adapters: an HF "
+           "--base is for a Bridge LoRA save, which holds the adapters alone")
+    plain_dcp = tmp_path / "plain-dcp"
+    dcp.save(lora_state(), checkpoint_id=plain_dcp)  # torch's own save: no metadata.json, not torch_dist
+    run = run_cli("export-hf", plain_dcp, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", bridge / "plain",
+                  "--merge-adapters", "--lora-alpha", "8")
+    assert (run.returncode, run.stderr.strip()) == (
+        2, f"ckptctl: error: {plain_dcp}: not a Megatron torch_dist checkpoint: an HF --base is joined to a torch_dist "
+           "Megatron-Bridge LoRA save (a Megatron-FSDP one's fused adapters are TP-blocked at its run's TP), not yet "
+           "to others")
+
+
+def test_a_bridge_dora_save_is_refused_by_its_magnitude(bridge, tmp_path):
+    """`DoRALinear`'s `adapter.weight_magnitude` beside the factors: refused by name, whatever the base."""
+    state = {**lora_state(), "decoder.layers.self_attention.linear_qkv.adapter.weight_magnitude": torch.ones(LAYERS, 64)}
+    ckpt = save_torch_dist(state, tmp_path / "dora")
+    (ckpt / "run_config.yaml").write_text(run_config_yaml("dora", alpha=ALPHA, dim=DIM))
+    for base in (SRC, bridge / "plain"):
+        run = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", bridge / "cfg", "--base", base,
+                      "--merge-adapters")
+        assert (run.returncode, run.stderr.strip()) == (
+            2, f"ckptctl: error: {ckpt}: decoder.layers.0.self_attention.linear_qkv.adapter.weight_magnitude: a "
+               "Megatron-Bridge DoRA magnitude, which export-hf does not merge (Megatron-Bridge has no DoRA merge of "
+               "its own to be equal to)"), base

@@ -273,6 +273,14 @@ def test_an_adapter_on_a_module_the_model_lacks_is_refused(tmp_path):
     assert res.returncode == 2
     assert res.stderr == (f"ckptctl: error: {tmp_path / 'ckpt'}: a LoRA adapter on model.layers.1.self_attn.x_proj, "
                           "which a LlamaForCausalLM has no weight for (wrong --hf-config?)\n")
+    state = peft_model(target_modules=["q_proj", "k_proj"]).state_dict()
+    renamed = {k.replace("self_attn.q_proj", "self_attn.x_proj").replace("self_attn.k_proj", "self_attn.y_proj"): v
+               for k, v in state.items()}
+    dcp.save({"model": renamed}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    res = export(tmp_path, tmp_path / "dst", "--merge-adapters", "--lora-alpha", "7")
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {tmp_path / 'ckpt'}: a LoRA adapter on model.layers.0."
+                                               "self_attn.x_proj (+3 more), which a LlamaForCausalLM has no weight for "
+                                               "(wrong --hf-config?)\n")  # "(+3 mores)" was written
 
 
 @pytest.mark.parametrize("save", SAVES)

@@ -149,33 +149,6 @@ def test_peft_trainable_tokens_are_refused_not_dropped(tmp_path, mode):
     assert not (tmp_path / "dst").exists()
 
 
-def test_lora_on_fused_expert_parameters_is_named_for_what_it_is(tmp_path):
-    """peft's `target_parameters` on a transformers 5 Qwen3-MoE's fused expert stack
-    (`mlp.experts.base_layer.gate_up_proj`, `mlp.experts.lora_A.default.weight` [r·E, H]): refused,
-    one line, naming the parameter LoRA (was: 'which has no ….experts.base_layer.weight')."""
-    import torch.distributed.checkpoint as dcp
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                            num_experts=4, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = get_peft_model(Qwen3MoeForCausalLM(config), LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
-    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
-    config.save_pretrained(tmp_path / "base")
-    at = "model.base_model.model.model.layers.0.mlp.experts"
-    for mode in ("--merge-adapters", "--adapter-only"):
-        res = run_cli("export-hf", tmp_path / "ckpt", tmp_path / "dst", "--hf-config", tmp_path / "base", mode,
-                      "--lora-alpha", "8")
-        assert (res.returncode, res.stderr) == (
-            2, f"ckptctl: error: {tmp_path / 'ckpt'}: {at}.lora_A.default.weight: a LoRA on a parameter of "
-               f"model.layers.0.mlp.experts (peft target_parameters, beside {at}.base_layer.down_proj (+1 more)), "
-               "which export-hf does not merge or export yet\n")
-        assert not (tmp_path / "dst").exists()
-
-
 def test_a_dcp_of_peft_adapter_weights_alone_is_named_for_what_it_is(tmp_path):
     """`dcp.save` of `get_peft_model_state_dict(model)` (PEFT's names, no adapter name: `….lora_A.weight`)
     was refused as 'a LoRA bias (lora_bias)'."""
@@ -193,3 +166,37 @@ def test_a_dcp_of_peft_adapter_weights_alone_is_named_for_what_it_is(tmp_path):
         2, f"ckptctl: error: {tmp_path / 'ckpt'}: model.base_model.model.model.layers.0.self_attn.q_proj.lora_A."
            "weight: a LoRA tensor without an adapter name, as a PEFT folder or get_peft_model_state_dict names it; export-hf "
            "reads a peft model's own state dict (<m>.lora_A.<adapter>.weight beside <m>.base_layer.weight)\n")
+
+
+def test_a_finite_lora_alpha_whose_merge_overflows_is_refused(lora, tmp_path):
+    """`--lora-alpha 1e40` (s = α / 5 is a finite float) made every merged q_proj weight ±inf in float32, exit
+    0, as peft's own merge does: an unusable model. Refused, naming the weight, as a cast past a
+    dtype's range is."""
+    res = run_cli("export-hf", lora / "ckpt", tmp_path / "dst", "--hf-config", lora / "base", "--merge-adapters",
+                  "--lora-alpha", "1e40")
+    assert (res.returncode, res.stderr) == (
+        2, "ckptctl: error: model.layers.0.self_attn.q_proj.weight: 1024 finite values become inf or NaN when its "
+           "LoRA adapter is merged (W + (B @ A) · 2e+39 in float32): check the LoRA α\n")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("key, value, what", [
+    ("alora_invocation_tokens", [1, 2], "aLoRA: the adapter acts only after its invocation tokens"),
+    ("arrow_config", {}, "Arrow: a per-token router over LoRA experts"),
+    ("kasa_config", {}, "KaSA: the base weight truncated by SVD, a learned diagonal between B and A"),
+])
+@pytest.mark.parametrize("mode", ["--merge-adapters", "--adapter-only"])
+def test_an_adapter_config_of_a_lora_variant_no_merge_gives_is_refused(lora, tmp_path, key, value, what, mode):
+    """The run's `--adapter-config` of a LoRA variant with the tensors of a plain LoRA: merged as
+    plain LoRA (peft refuses to merge aLoRA and Arrow, and truncates KaSA's base first), or written
+    as a plain LoRA folder that loads another model, exit 0. Refused by name."""
+    import json
+
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"peft_type": "LORA", "r": 5, "lora_alpha": 7, "target_modules": ["q_proj"],
+                                  key: value}))
+    res = run_cli("export-hf", lora / "ckpt", tmp_path / "dst", "--hf-config", lora / "base", mode,
+                  "--adapter-config", config)
+    assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {config}: {key} is set ({what}), which export-hf "
+                                               "does not merge yet\n")
+    assert not (tmp_path / "dst").exists()

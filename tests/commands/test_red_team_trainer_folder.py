@@ -71,3 +71,23 @@ def test_export_hf_refuses_a_dst_inside_the_trainer_folder(tmp_path):
         assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {dst}: destination overlaps the source {folder}; "
                                                    "the source is never modified\n")
     assert sorted(p.name for p in folder.iterdir()) == ["pytorch_model_fsdp_0"]
+
+
+def test_a_folder_that_is_both_a_dcp_checkpoint_and_a_trainer_folder_is_refused(tmp_path):
+    """A `.metadata` of its own beside `pytorch_model_fsdp_0/`: reshard took the folder as that DCP
+    checkpoint and wrote it alone, the Trainer parts and files silently left out (exit 0); which
+    one the user means is not known, so every command refuses, naming both."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "checkpoint-1"
+    dcp.save({"model": {"w": torch.arange(12.0).reshape(4, 3)}}, checkpoint_id=folder / "pytorch_model_fsdp_0",
+             no_dist=True)
+    dcp.save({"other": torch.arange(3.0)}, checkpoint_id=folder, no_dist=True)
+    line = (f"ckptctl: error: {folder}: both a DCP checkpoint (its own .metadata) and an HF Trainer / accelerate "
+            "checkpoint folder (pytorch_model_fsdp_0/): which one is meant is not known; move one of them to a "
+            "folder of its own\n")
+    for args in (("reshard", folder, tmp_path / "out", "-n", "2"), ("inspect", folder),
+                 ("export-hf", folder, tmp_path / "out", "--no-name-check", "--hf-config", _config(tmp_path))):
+        res = run_cli(*args)
+        assert (res.returncode, res.stderr) == (2, line), args
+    assert not (tmp_path / "out").exists()

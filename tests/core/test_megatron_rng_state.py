@@ -172,3 +172,66 @@ def test_a_plain_reshard_keeps_the_common_ranks_when_asked(tmp_path) -> None:
     assert run.returncode == 0, run.stderr
     assert _resumed(tmp_path / "ws1", 1) == [0]
     assert _resumed(tmp_path / "src", 3) == [0, 1, "fresh"]
+
+
+def _megatron_fsdp_with_rng(path, tp: int, dp: int, cp: int = 1) -> None:
+    """`_dcp_with_rng` as Megatron-FSDP saves a run of TP `tp` × CP `cp` × DP `dp` with
+    `--data-parallel-random-init`: its args, and each TP rank's list of the DP ranks' states."""
+    import argparse
+    import random
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    def states():
+        return [{"random_rng_state": random.Random(1234 + 10 * d).getstate(),
+                 "torch_rng_state": torch.Generator().manual_seed(1234 + 10 * d).get_state()} for d in range(dp)]
+
+    args = argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1, context_parallel_size=cp,
+                              data_parallel_size=dp, world_size=tp * cp * dp, data_parallel_random_init=True,
+                              ckpt_format="fsdp_dtensor")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": {"module.decoder.final_layernorm.weight": torch.arange(8.0)}, "args": args,
+                  "rng_state": {f"({0}, {t})": states() for t in range(tp)}}, checkpoint_id=str(path), no_dist=True)
+
+
+def test_a_plain_reshard_of_a_tensor_parallel_run_counts_dp_ranks_over_its_tp_and_cp(tmp_path) -> None:
+    """A plain reshard keeps a Megatron-FSDP checkpoint's TP-blocked tensors as they are, so the job
+    that loads it runs at the saved TP (and CP): `-n` ranks are DP = n / (TP × PP × CP). At TP 2 ×
+    DP 2 the run's own 4 ranks keep every state (they were refused as "DP 4"); 2 ranks are DP 1;
+    8 ranks DP 4; a world size the grid does not divide is refused, naming it. A Megatron-aware
+    reshard to FSDP2 rows counts them over the target TP (`--tp`, else the saved one) alike."""
+    from tests.conftest import run_cli
+
+    src = tmp_path / "src"
+    _megatron_fsdp_with_rng(src, 2, 2)
+    run = run_cli("reshard", src, tmp_path / "same", "-n", 4)
+    assert run.returncode == 0, run.stderr
+    assert run_cli("diff", src, tmp_path / "same").returncode == 0
+    run = run_cli("reshard", src, tmp_path / "dp1", "-n", 2, "--keep-common-ranks")
+    assert run.returncode == 0, run.stderr
+    assert [dp for _, dp in megatron_rng(_names(tmp_path / "dp1")).entry_of] == [0] * 4
+    state = "ckptctl: error: rng_state.(pp, tp).{0..1}.* of 2 (PP, TP) ranks: Megatron's RNG state of DP 2"
+    dp4 = (" (one state per DP rank, --data-parallel-random-init) cannot follow a reshard to DP 4 (DP rank i resumes "
+           "state i); pass --exclude 'rng_state.*' to drop it (every rank starts afresh) or --keep-common-ranks to "
+           "keep the states of the DP ranks both sizes have\n")
+    for n, line in ((8, dp4), (3, " cannot follow a reshard to 3 ranks, which are no multiple of its 2 (PP, TP) ranks; "
+                                  "pass --exclude 'rng_state.*' to drop it (every rank starts afresh)\n")):
+        refused = run_cli("reshard", src, tmp_path / f"n{n}", "-n", n)
+        assert (refused.returncode, refused.stderr) == (2, state + line)
+        assert not (tmp_path / f"n{n}").exists()
+    _megatron_fsdp_with_rng(tmp_path / "cp", 2, 2, cp=2)
+    run = run_cli("reshard", tmp_path / "cp", tmp_path / "cp8", "-n", 8)
+    assert run.returncode == 0, run.stderr
+    run = run_cli("reshard", src, tmp_path / "split", "-n", 4, "--split-fused")  # FSDP2 rows, Megatron-aware
+    assert run.returncode == 0, run.stderr
+    refused = run_cli("reshard", src, tmp_path / "tp1", "-n", 4, "--tp", 1)  # the job at TP 1: DP 4
+    assert (refused.returncode, refused.stderr) == (2, state + dp4)
+
+
+def _names(path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)

@@ -168,3 +168,57 @@ def test_inspect_summary_counts_modules_per_leaf_name_without_judging():
     assert adapter_summary(shapes) == {"kind": "peft-dora", "adapters": ["default"], "modules": 2, "ranks": [2, 3],
                                        "targets": {"q_proj": 1, "v_proj": 1}, "modules_to_save": []}
     assert adapter_summary({"model.norm.weight": (4,)}) is None
+
+
+X = "model.layers.0.mlp.experts"
+
+
+def wrapper_shapes(outer: tuple | None = (12, 12, 32), inner: tuple | None = (12, 32, 24), **params) -> dict:
+    """peft's two nested ParamWrappers on a Qwen3-MoE's experts (E 4, r 3, H 32, 2F 24, F 12): the
+    outer on down_proj [E, H, F] (A [E·r, F], B [H, r·E]), the inner on gate_up_proj [E, 2F, H]."""
+    shapes = {f"{X}.base_layer.base_layer.{name}": shape for name, shape in
+              {"gate_up_proj": (4, 24, 32), "down_proj": (4, 32, 12), **params}.items()}
+    for at, sizes in ((X, outer), (f"{X}.base_layer", inner)):
+        if sizes is not None:
+            rows, cols, out = sizes
+            shapes.update({f"{at}.lora_A.default.weight": (rows, cols), f"{at}.lora_B.default.weight": (out, rows)})
+    return shapes
+
+
+def test_a_parameter_wrapper_s_shapes_tell_its_parameter_and_its_nesting():
+    found = find_adapters(wrapper_shapes(), "CKPT")
+    assert [(a.weight, a.rank, a.experts, a.transposed, a.depth) for a in found.adapters] == [
+        (f"{X}.down_proj", 3, 4, False, 0), (f"{X}.gate_up_proj", 3, 4, False, 1)]
+    assert found.renamed == {f"{X}.base_layer.base_layer.gate_up_proj": f"{X}.gate_up_proj",
+                             f"{X}.base_layer.base_layer.down_proj": f"{X}.down_proj"}
+    assert (found.targets, found.parameters) == ([], ["experts.down_proj", "experts.gate_up_proj"])
+    config = peft_config(found, LoraScale(7, False), [], None, None, [f"{X}.gate_up_proj", f"{X}.down_proj"])
+    assert (config["target_modules"], config["target_parameters"]) == ([], ["experts.down_proj",
+                                                                           "experts.gate_up_proj"])
+
+
+@pytest.mark.parametrize("shapes, line", [
+    (wrapper_shapes(inner=(12, 32, 32)),
+     f"{X}.base_layer.lora_A.default.weight: lora_A [12, 32] and lora_B [32, 12] fit no parameter of {X} "
+     "(down_proj [4, 32, 12], gate_up_proj [4, 24, 32]) as peft shapes a ParamWrapper's LoRA (A [E·r, in], "
+     "B [out, r·E])"),
+    (wrapper_shapes(inner=(12, 12, 32), other_proj=(4, 32, 12)),
+     f"{X}.lora_A.default.weight: lora_A [12, 12] and lora_B [32, 12] fit down_proj and other_proj of "
+     f"{X}: which parameter this ParamWrapper adapts is not told by the shapes"),
+    (wrapper_shapes(inner=(12, 12, 32)), f"{X}.base_layer.lora_A.default.weight: a second peft ParamWrapper on "
+                                         f"{X}.down_proj"),
+    (wrapper_shapes(outer=None), f"{X}: a peft ParamWrapper without LoRA tensors (lora_A, lora_B) between others"),
+    ({**wrapper_shapes(inner=None), f"{X}.base_layer.down_proj": (1, 32, 12),
+      f"{X}.lora_A.default.weight": (3, 12), f"{X}.lora_B.default.weight": (32, 3)},
+     f"{X}.lora_A.default.weight: a LoRA on {X}.down_proj, a stack of one expert [1, 32, 12], which peft merges as "
+     "a matrix: export-hf does not merge it yet"),
+])
+def test_a_parameter_wrapper_the_shapes_do_not_tell_is_refused_by_name(shapes, line):
+    if f"{X}.base_layer.down_proj" in shapes:  # one wrapper: the parameters under one .base_layer
+        shapes = {k: v for k, v in shapes.items() if ".base_layer.base_layer." not in k}
+    assert refusal(shapes) == f"CKPT: model.base_model.model.{line}"
+
+
+def test_inspect_falls_back_to_the_tensors_when_the_shapes_do_not_tell():
+    summary = adapter_summary(wrapper_shapes(inner=(12, 32, 32)))
+    assert (summary["modules"], summary["ranks"], "expert_stacks" in summary) == (2, [12], False)

@@ -16,11 +16,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
 
-from ckptctl.families.bridge_adapters import bridge_adapter_summary, bridge_summary_line
+from ckptctl.families.bridge_adapters import bridge_adapter_summary, bridge_summary_line, find_bridge_adapters
+from ckptctl.util.errors import CheckpointError
 from tests.conftest import run_cli
 
 DIM = 4
@@ -152,3 +154,18 @@ def test_inspect_gives_the_alpha_of_the_runs_run_config(tmp_path):
     doc = json.loads(res.stdout)["adapters"]
     assert (doc["alpha"], doc["run_config_problem"]) == (None, "peft is null: the run trained no adapters, yet the "
                                                                "checkpoint holds Megatron-Bridge LoRA adapters")
+
+
+def test_grouped_expert_adapters_as_their_model_holds_them_are_refused():
+    """Megatron-FSDP's names of TEGroupedMLP's adapter (Bridge's model state: one adapter on
+    `mlp.experts.linear_fc1`, beside `weight0` … `weight<E-1>`): refused by name, not taken for a
+    missing base."""
+    module = "decoder.layers.0.mlp.experts.linear_fc1"
+    shapes = {f"{module}.adapter.linear_in.weight": (4, 32), f"{module}.adapter.linear_out.weight": (48, 4),
+              **{f"{module}.weight{e}": (48, 32) for e in range(4)}}
+    with pytest.raises(CheckpointError) as err:
+        find_bridge_adapters(shapes, "ckpt", "model.module.")
+    assert str(err.value) == ("ckpt: model.module.decoder.layers.0.mlp.experts.linear_fc1.adapter.linear_in.weight: a "
+                              "Megatron-Bridge adapter on grouped experts (TEGroupedMLP) as its model holds it (one "
+                              "shared by an EP rank's experts, or packed [E, …]), which export-hf does not merge yet "
+                              "(a torch_dist save's, with its global expert axis, it does)")

@@ -82,6 +82,9 @@ def test_folders_that_do_not_fit_are_refused_by_name(tmp_path, targets, folder, 
                                              "file)"),
     ({"target_modules": []}, "target_modules is [], not a list of module names"),
     ({"exclude_modules": ["k_proj"]}, "exclude_modules is [\"k_proj\"], which import-hf does not import yet"),
+    ({"kasa_config": {}}, "kasa_config is set (KaSA: the base weight truncated by SVD, a learned diagonal between B "
+                          "and A), which import-hf does not import yet"),  # {}: peft's KaSA at its defaults
+    ({"use_bdlora": {}}, "use_bdlora is {}, which import-hf does not import yet"),
     ({"fan_in_fan_out": True}, "fan_in_fan_out is true (transposed (Conv1D) weights), which import-hf does not "
                                "import yet"),
 ])
@@ -89,6 +92,17 @@ def test_configs_import_hf_does_not_follow_are_refused(tmp_path, data, line):
     with pytest.raises(UsageError) as err:
         config(tmp_path, **data)
     assert str(err.value) == f"{tmp_path / 'adapter_config.json'}: {line}"
+
+
+def test_refusals_name_the_command_that_reads_the_folder(tmp_path):
+    """export-hf of a NeMo Automodel step reads its PEFT folder too: its refusals said
+    "which import-hf does not import yet"."""
+    path = tmp_path / "adapter_config.json"
+    path.write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+                                "layers_to_transform": [0]}))
+    with pytest.raises(UsageError) as err:
+        read_folder_config(path, "export-hf does not read")
+    assert str(err.value) == f"{path}: layers_to_transform is [0], which export-hf does not read yet"
 
 
 def test_a_string_of_escaped_names_matches_each_whole_and_nothing_else(tmp_path):
@@ -122,3 +136,64 @@ def test_matching_takes_the_name_s_time_not_the_list_s():
     found = [cfg.adapts(f"model.layers.{i}.self_attn.q_proj") and cfg.saves(f"m{i}.lm_head") for i in range(20_000)]
     assert all(found) and not cfg.adapts("model.layers.0.self_attn.xq_proj") and cfg.saves("model.my_lm_head")
     assert time.perf_counter() - started < 5
+
+
+X = "model.layers.0.mlp.experts"
+MOE = {f"{X}.gate_up_proj": (4, 24, 32), f"{X}.down_proj": (4, 32, 12), "model.norm.weight": (32,)}
+WRAPPED = {f"{P}{X}.lora_A.weight": (12, 12), f"{P}{X}.lora_B.weight": (32, 12),
+           f"{P}{X}.base_layer.lora_A.weight": (12, 32), f"{P}{X}.base_layer.lora_B.weight": (24, 12)}
+
+
+def moe_config(tmp_path, **data):
+    return config(tmp_path, **{"r": 3, "target_modules": [],
+                               "target_parameters": ["experts.gate_up_proj", "experts.down_proj"], **data})
+
+
+def test_parameter_wrappers_are_named_as_peft_nests_them(tmp_path):
+    names = peft_model_names(MOE, WRAPPED, moe_config(tmp_path), "default", "W")
+    assert names.base == {f"{X}.gate_up_proj": f"{P}{X}.base_layer.base_layer.gate_up_proj",
+                          f"{X}.down_proj": f"{P}{X}.base_layer.base_layer.down_proj",
+                          "model.norm.weight": f"{P}model.norm.weight"}
+    assert names.folder == {name: name.replace(".weight", ".default.weight") for name in WRAPPED}
+
+
+def expected(order):
+    from ckptctl.families.expected import ExpectedNames
+
+    return ExpectedNames("Qwen3MoeForCausalLM", frozenset(), frozenset(), {}, "5", shapes={n: MOE[n] for n in order})
+
+
+@pytest.mark.parametrize("data, folder, model, line", [
+    ({"target_modules": None}, WRAPPED, None,
+     "{path}: target_modules is null beside target_parameters: peft then adapts its default modules for the model "
+     "type, which import-hf does not guess ([] adapts none)"),
+    ({}, {k: v for k, v in WRAPPED.items() if ".base_layer." not in k}, None,
+     f"W: {P}{X}.lora_A.weight: adapter_config.json's target_parameters wrap 2 parameters of {X} (down_proj, "
+     f"gate_up_proj), but the folder has no LoRA at {P}{X}.base_layer.lora_A.weight"),
+    ({"target_parameters": ["experts.gate_up_proj"]}, {k: v for k, v in WRAPPED.items() if ".base_layer." in k},
+     None, f"W: {P}{X}.base_layer.lora_A.weight: adapter_config.json's target_parameters wrap 1 parameter of {X} "
+     f"(gate_up_proj), but the folder has no LoRA at {P}{X}.lora_A.weight"),
+    ({}, WRAPPED, expected([f"{X}.down_proj", f"{X}.gate_up_proj"]),
+     f"W: {P}{X}.base_layer.lora_A.weight: the folder nests the LoRA of {X} as down_proj in gate_up_proj, but peft "
+     "nests them as the model registers them: gate_up_proj in down_proj"),
+    ({"r": 2}, WRAPPED, None, f"W: {P}{X}.lora_A.weight has rank 3 (its rows over 4 experts), but {{path}} says r 2"),
+    ({}, {**WRAPPED, f"{P}{X}.base_layer.lora_A.weight": (12, 24), f"{P}{X}.base_layer.lora_B.weight": (32, 12)},
+     expected([f"{X}.gate_up_proj", f"{X}.down_proj"]),
+     f"W: {P}{X}.base_layer.lora_A.weight: lora_A [12, 24] and lora_B [32, 12] are shaped for {X}.gate_up_proj held "
+     "as [E, in, out], but a Qwen3MoeForCausalLM holds it as [E, out, in] (a LoRA of peft before 0.19.1, "
+     "huggingface/peft#3165?)"),
+])
+def test_parameter_wrappers_peft_would_not_load_as_written_are_refused(tmp_path, data, folder, model, line):
+    with pytest.raises((CheckpointError, UsageError)) as err:
+        peft_model_names(MOE, folder, moe_config(tmp_path, **data), "default", "W", model)
+    assert str(err.value) == line.format(path=tmp_path / "adapter_config.json")
+
+
+@pytest.mark.parametrize("data, line", [
+    ({"lora_dropout": 0.1}, "lora_dropout is 0.1 beside target_parameters: peft's ParamWrapper has no dropout"),
+    ({"use_dora": True}, "use_dora is true beside target_parameters: peft's ParamWrapper has no DoRA"),
+])
+def test_what_peft_refuses_beside_target_parameters_is_refused(tmp_path, data, line):
+    with pytest.raises(UsageError) as err:
+        moe_config(tmp_path, **data)
+    assert str(err.value) == f"{tmp_path / 'adapter_config.json'}: {line}, and get_peft_model refuses it"

@@ -63,6 +63,40 @@ def test_foreign_or_hostile_run_configs_are_refused(tmp_path, text, reason):
     assert not (tmp_path / "pwned").exists()
 
 
+LORA = "_target_: megatron.bridge.peft.lora.LoRA"
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 9)}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+"""Aliases a loader keeps as shared references (9 lines) that a repr writes out whole: 9⁹ strings."""
+SHOWN_BOMB = "[[[[[...], [...], [...], [...], ...], [[...], [...], [...], [...], ...], [[....."
+"""Its first 77 characters, four levels and four items each deep, as a message shows it."""
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    (f"peft: {{{LORA}, alpha: {'9' * 400}, dim: 8}}\n", "peft.alpha is <an integer of 1329 bits>, not a finite number"),
+    (f"peft: {{{LORA}, alpha: 0x{'f' * 20_000}, dim: 8}}\n",
+     "peft.alpha is <an integer of 80000 bits>, not a finite number"),
+    (f"peft: {{{LORA}, alpha: 3, dim: {'9' * 5000}}}\n",
+     "not a readable run config (Exceeds the limit (4300 digits) for integer string conversion)"),
+    (f"{BOMB}peft: *i\n", f"peft is {SHOWN_BOMB}, not a mapping"),
+    (f"{BOMB}peft: {{{LORA}, alpha: *i, dim: 8}}\n", f"peft.alpha is {SHOWN_BOMB}, not a finite number"),
+    (f"{BOMB}peft: {{{LORA}, alpha: 8, dim: 8, target_modules: *i}}\n",
+     f"peft.target_modules is {SHOWN_BOMB}, not a list of names"),
+])
+def test_numbers_too_large_and_alias_bombs_are_one_line_at_once(tmp_path, text, reason):
+    """A run config's values are shown bounded: an integer too large for a float (it was an
+    OverflowError traceback; a decimal one past Python's 4,300 digits a ValueError), and nested
+    aliases whose repr is exponential (it hung, memory growing), each one line in well under a second."""
+    import time
+
+    path = tmp_path / "run_config.yaml"
+    path.write_text(text)
+    started = time.perf_counter()
+    with pytest.raises(CheckpointError) as err:
+        read_bridge_peft(path)
+    assert str(err.value) == f"{path}: {reason}"
+    assert time.perf_counter() - started < 1
+
+
 def test_a_deeply_nested_run_config_is_refused(tmp_path):
     """libyaml stops at its nesting limit, the Python loader at the recursion limit: one line either way."""
     path = tmp_path / "run_config.yaml"

@@ -203,18 +203,30 @@ def test_megatron_core_0_19_resumes_the_converted_hybrid_checkpoint_with_the_sav
 
 
 def test_a_mamba_mixer_whose_sizes_disagree_is_not_converted(run, tmp_path):
-    """The parts are sized from the layer's own shapes; args that say other sizes are refused, as is
-    a TP the heads do not divide, each in one line, writing nothing."""
+    """The parts are sized from the layer's own shapes; args that say other sizes are refused in one
+    line, writing nothing."""
     from tests.planners.test_torch_dist_optimizer import _with_args
 
-    for n, changes in enumerate(({"mamba_num_heads": 8, "mamba_head_dim": 4}, {"tensor_model_parallel_size": 8})):
-        src = _with_args(run / "fsdp", tmp_path / f"src{n}", **changes)
+    src = _with_args(run / "fsdp", tmp_path / "src", mamba_num_heads=8, mamba_head_dim=4)
+    done = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
+    assert (done.returncode, done.stderr) == (
+        2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: 100 rows beside a conv of "
+           "64 and 4 heads are no Mamba [z, x, B, C, dt] at TP 2 (nor agree with the out_proj, norm and args)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_args_whose_tp_the_chunks_contradict_are_not_trusted_to_cut_the_fused_mixer(run, tmp_path):
+    """The fused in_proj and conv are TP-blocked at the saved TP: args saying TP 1 of the TP 2 save
+    (its RowParallel out_proj chunks show 2 TP columns) cut the blocks as one, every part's rows
+    scrambled (44 tensors, exit 0); refused in one line instead, as is TP 8."""
+    from tests.planners.test_torch_dist_optimizer import _with_args
+
+    for tp in (1, 8):
+        src = _with_args(run / "fsdp", tmp_path / f"src{tp}", tensor_model_parallel_size=tp)
         done = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
-        tp = changes.get("tensor_model_parallel_size", 2)
         assert (done.returncode, done.stderr) == (
-            2, f"ckptctl: error: {src}: model.module.decoder.layers.0.mixer.in_proj.weight: 100 rows beside a conv of "
-               f"64 and 4 heads are no Mamba [z, x, B, C, dt] at TP {tp} (nor agree with the out_proj, norm "
-               "and args)\n")
+            2, f"ckptctl: error: {src}: args say TP {tp} but RowParallel chunks show TP 2: the TP blocks of its "
+               "fused tensors are unknown\n")
         assert not (tmp_path / "out").exists()
 
 

@@ -397,3 +397,23 @@ def test_a_tp_change_refuses_tensors_no_rule_knows(megatron, tmp_path):
         "--tp 2\n"))
     assert not (tmp_path / "out").exists()
     ok(run_cli("reshard", src, tmp_path / "same_tp", "--source-tp", "2", "--tp", "2", "--world-size", "4"))
+
+
+def test_a_fused_fc1_whose_args_tp_the_chunks_contradict_is_not_converted_to_torch_dist(tmp_path):
+    """A SwiGLU fc1 saved fused at TP 2 ([W_0; V_0; W_1; V_1]) is torch_dist's [W_all; V_all] only at
+    TP 1: args saying TP 1 where the RowParallel chunks show 2 let it through as that, half of fc1's
+    rows (weights and moments) scrambled, exit 0. Refused in one line instead, as at TP 2."""
+    from tests.planners.test_torch_dist_optimizer import _with_args
+
+    fused = tmp_path / "fused"
+    ok(run_cli("reshard", FIXTURES / "megatron_tp2_dp2", fused, "--layout", "megatron-fsdp", "--fuse", "--tp", "2",
+               "--dp", "2"))
+    for tp, line in ((2, "model.module.decoder.layers.0.mlp.linear_fc1.weight: a SwiGLU fc1 saved fused at TP 2 is "
+                         "TP-blocked; split it first (ckptctl reshard --layout megatron-fsdp --split-fused), then "
+                         "convert"),
+                     (1, "args say TP 1 but RowParallel chunks show TP 2: the TP blocks of its fused tensors are "
+                         "unknown")):
+        src = _with_args(fused, tmp_path / f"tp{tp}", transformer_impl="local", tensor_model_parallel_size=tp)
+        res = run_cli("reshard", src, tmp_path / "out", "--layout", "torch-dist")
+        assert (res.returncode, res.stderr) == (2, f"ckptctl: error: {src}: {line}\n")
+        assert not (tmp_path / "out").exists()

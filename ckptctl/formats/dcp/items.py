@@ -23,7 +23,9 @@ from typing import IO, Any, Callable
 
 from ckptctl.core.dtypes import BY_SAFETENSORS
 from ckptctl.util.errors import CheckpointError
-from ckptctl.formats.pickle.subclass import Float8RecordSpec, WrappedRecordSpec, names_subclass
+from ckptctl.formats.dcp.block_scaled import BlockScaleError, dequantize
+from ckptctl.formats.pickle.subclass import TE_FLOAT8, Float8RecordSpec, WrappedRecordSpec, names_subclass
+from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec
 from ckptctl.formats.pickle.unpickle import (MalformedPickleError, TensorRecordSpec, UnsafePickleError,
                                              load_tensor_record_spec)
 from ckptctl.core.checkpoint import BytesEntry, Checkpoint, Chunk, TensorEntry, dtype_name
@@ -37,6 +39,9 @@ MAX_SAFETENSORS_HEADER = 16 << 20
 PEEK_BYTES = 512
 """What `peek_kind` reads of an item: torch.save's first record is `data.pkl`, its first global
 within a hundred bytes of the item's start."""
+FLOAT8_ITEM_OVERHEAD = 64 << 10
+"""More than a TE Float8Tensor item holds besides its codes (its `data.pkl`, scale_inv and zip
+records: about 3 kB)."""
 MAX_WHOLE_READ = 1 << 30
 """Largest item read whole into memory when the caller names no bound: a bytes entry (a
 pickled object: args, RNG or dataloader state) or its decompressed form. Tensor chunks
@@ -118,6 +123,14 @@ class _Float8Item:
     scale_at: int
 
 
+@dataclass(frozen=True, slots=True)
+class _BlockItem:
+    """Where a TE block-scaled item's records (rowwise codes, scales, NVFP4's amax) start."""
+
+    spec: BlockScaledRecordSpec
+    starts: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class RawRecord:
     """A chunk's tensor bytes, row-major and dense: `nbytes` bytes at `byte_offset` of `path`."""
@@ -144,9 +157,13 @@ class ItemReader:
         self._windows_lock = threading.Lock()
         self._kinds: dict[tuple[str, int], str] = {}  # (file, offset) → a wrapped item's kind
         self._float8: dict[tuple[str, int], _Float8Item] = {}  # (file, offset) → a TE Float8Tensor item
+        self._blocks: dict[tuple[str, int], _BlockItem] = {}  # (file, offset) → a TE block-scaled item
         self.dequantize_fp8 = False
         """Whether `read_chunk` may dequantize a TE Float8Tensor item (export-hf, diff): a command
         that keeps items exactly (reshard) refuses it."""
+        self.fp8_codes: frozenset[str] = frozenset()
+        """Tensors whose chunks are read as their TE Float8Tensor items' FP8 codes, one byte an
+        element (a reshard that keeps them: `formats.dcp.te_float8`); any other item of theirs is refused."""
 
     def close(self) -> None:
         with self._lock:
@@ -185,9 +202,11 @@ class ItemReader:
 
     def locate(self, entry: TensorEntry, chunk: Chunk) -> RawRecord | None:
         """Where the chunk's dense bytes are, or None when the item must be decoded (transforms)."""
+        if entry.fqn in self.fp8_codes:
+            return self._codes(entry, chunk)
         if chunk.transforms:
             return None
-        if self.ckpt.safetensors_folder:  # a safetensors folder: its header was checked on opening
+        if self.ckpt.dense(chunk.file):  # a safetensors folder's: its header was checked on opening
             return RawRecord(self._path(chunk.file), chunk.offset, chunk.length)
         key = (entry.dtype, chunk.sizes, chunk.length)
         template = self._templates.get(key)
@@ -203,7 +222,8 @@ class ItemReader:
         in one `pread`; None when it is not small, no item of its kind was validated yet, or it
         differs from the template (`locate` then parses it). At a million tiny chunks, one read
         per chunk instead of two."""
-        if chunk.transforms or self.ckpt.safetensors_folder or chunk.length > MAX_TEMPLATE_ITEM:
+        if chunk.transforms or self.ckpt.dense(chunk.file) or chunk.length > MAX_TEMPLATE_ITEM \
+                or entry.fqn in self.fp8_codes:
             return None
         template = self._templates.get((entry.dtype, chunk.sizes, chunk.length))
         if template is None or template.whole is None:
@@ -267,6 +287,9 @@ class ItemReader:
         if type(spec) is Float8RecordSpec:  # TE's FP8 codes and scale: decoded by `read_chunk` alone
             self._float8[(chunk.file, chunk.offset)] = self._float8_item(entry, chunk, archive, names, folder, spec)
             return None
+        if type(spec) is BlockScaledRecordSpec:  # TE's MXFP8, blockwise, NVFP4: decoded by `read_chunk` alone
+            self._blocks[(chunk.file, chunk.offset)] = self._block_item(entry, chunk, archive, names, folder, spec)
+            return None
         data_start = self._record_start(entry, chunk, archive, names, folder, spec)
         if wrapped and not spec.is_dense:
             raise self._bad(chunk, f"{entry.fqn}: {self._kinds[(chunk.file, chunk.offset)]} holding a strided tensor")
@@ -305,26 +328,71 @@ class ItemReader:
         return _Float8Item(spec, data_start + spec.data.storage_offset,
                            scale_start + 4 * spec.scale_inv.storage_offset)
 
-    def peek_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
-        """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
-        `data.pkl`, where the first global is named) name one of the subclasses; None for any
-        other without parsing it (one small read: `inspect` asks this of each tensor's first item)."""
-        if chunk.transforms or self.ckpt.safetensors_folder or not chunk.length:
-            return None
-        if not names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset)):
-            return None
-        return self.item_kind(entry, chunk)
+    def _block_item(self, entry: TensorEntry, chunk: Chunk, archive: zipfile.ZipFile,
+                    names: dict[str, zipfile.ZipInfo], folder: str, spec: BlockScaledRecordSpec) -> _BlockItem:
+        """A TE block-scaled item's records, checked: dense little-endian records in the item."""
+        if self._big_endian(chunk, archive, names, folder) or not all(r.is_dense for r in spec.records()):
+            raise self._bad(chunk, f"{entry.fqn}: {spec.kind} with strided or big-endian records")
+        return _BlockItem(spec, tuple(self._record_start(entry, chunk, archive, names, folder, r)
+                                      + r.storage_offset * r.dtype.itemsize for r in spec.records()))
 
-    def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
-        """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
-        Float8Tensor (its FP8 format, scale and logical dtype); None for a plain tensor."""
-        if chunk.transforms or self.ckpt.safetensors_folder:
+    def float8_item(self, entry: TensorEntry, chunk: Chunk) -> tuple[Float8RecordSpec, bytes] | None:
+        """A TE Float8Tensor chunk's spec and its scale_inv's four bytes; None for any other item."""
+        if chunk.transforms or self.ckpt.dense(chunk.file) or self._safetensors_header(chunk.file, chunk.offset):
             return None
         key = (chunk.file, chunk.offset)
         if key not in self._kinds and key not in self._float8:
             self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
-        if key in self._float8:
-            spec = self._float8[key].spec
+        item = self._float8.get(key)
+        return None if item is None else (item.spec, self.located_scale(chunk))
+
+    def located_scale(self, chunk: Chunk) -> bytes | None:
+        """The scale_inv (four bytes) of a chunk already located as a TE Float8Tensor item (a chunk
+        is located before it is read); None for any other."""
+        item = self._float8.get((chunk.file, chunk.offset))
+        if item is None:
+            return None
+        scale = self.positioned_reader(chunk.file)(4, chunk.offset + item.scale_at)
+        if len(scale) != 4:
+            raise self._bad(chunk, "short read")
+        return scale
+
+    def holds_float8(self, entry: TensorEntry) -> bool:
+        """Whether the tensor's first item is a TE Float8Tensor (one small read for any other; none
+        for an item longer than a Float8Tensor's of its chunk could be)."""
+        first = next((c for c in entry.chunks if c.length), None)
+        return first is not None and first.length <= first.numel + FLOAT8_ITEM_OVERHEAD \
+            and self.names_subclass(first) and self.float8_item(entry, first) is not None
+
+    def _codes(self, entry: TensorEntry, chunk: Chunk) -> RawRecord:
+        """Where a TE Float8Tensor chunk's FP8 codes are (`fp8_codes`)."""
+        if self.float8_item(entry, chunk) is None:
+            raise self._bad(chunk, f"{entry.fqn}: not a {TE_FLOAT8} item, where its tensor's others are")
+        return RawRecord(self._path(chunk.file), chunk.offset + self._float8[(chunk.file, chunk.offset)].data_at,
+                         chunk.numel)
+
+    def peek_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
+        """`item_kind` for an item whose first `PEEK_BYTES` (its zip header and the start of its
+        `data.pkl`, where the first global is named) name one of the subclasses; None for any
+        other without parsing it (one small read: `inspect` asks this of each tensor's first item)."""
+        return self.item_kind(entry, chunk) if self.names_subclass(chunk) else None
+
+    def names_subclass(self, chunk: Chunk) -> bool:
+        """Whether the chunk's item's first `PEEK_BYTES` name one of the subclasses (one small read)."""
+        if chunk.transforms or self.ckpt.dense(chunk.file) or not chunk.length:
+            return False
+        return names_subclass(self.handle(chunk.file).read_at(min(PEEK_BYTES, chunk.length), chunk.offset))
+
+    def item_kind(self, entry: TensorEntry, chunk: Chunk) -> str | None:
+        """What the chunk's item holds when it is not a plain tensor: torchao's wrapper, TE's
+        Float8Tensor (its FP8 format, scale and logical dtype); None for a plain tensor."""
+        if chunk.transforms or self.ckpt.dense(chunk.file):
+            return None
+        key = (chunk.file, chunk.offset)
+        if key not in self._kinds and key not in self._float8 and key not in self._blocks:
+            self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
+        if key in self._float8 or key in self._blocks:
+            spec = self._float8[key].spec if key in self._float8 else self._blocks[key].spec
             return f"{spec.kind}: {spec.describe()}"
         return self._kinds.get(key)
 
@@ -538,6 +606,9 @@ class ItemReader:
         float8 = self._float8.get((chunk.file, chunk.offset)) if record is None else None
         if float8 is not None:
             return self._dequantized(entry, chunk, float8)
+        block = self._blocks.get((chunk.file, chunk.offset)) if record is None else None
+        if block is not None:
+            return self._block_dequantized(entry, chunk, block)
         if record is not None:
             data = bytearray(self.positioned_reader(chunk.file)(record.nbytes, record.byte_offset))
             if len(data) != record.nbytes:
@@ -563,7 +634,8 @@ class ItemReader:
         spec = item.spec
         if not self.dequantize_fp8:
             raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
-                                   "tensors exactly and cannot rewrite FP8 items (export-hf dequantizes them)")
+                                   "tensors exactly and cannot rewrite FP8 items here (reshard keeps them at FSDP2's "
+                                   "layout; export-hf and export-torch dequantize them)")
         read = self.positioned_reader(chunk.file)
         codes = bytearray(read(chunk.numel, chunk.offset + item.data_at))
         scale = read(4, chunk.offset + item.scale_at)
@@ -572,6 +644,29 @@ class ItemReader:
         values = torch.frombuffer(codes, dtype=torch.uint8) if codes else torch.empty(0, dtype=torch.uint8)
         scale_inv = torch.frombuffer(bytearray(scale), dtype=torch.float32)
         return (values.view(spec.fp8.torch).float() * scale_inv).to(entry.dtype.torch).reshape(chunk.sizes)
+
+    def _block_dequantized(self, entry: TensorEntry, chunk: Chunk, item: _BlockItem) -> Any:
+        """A TE block-scaled chunk's value as TE's dequantize computes it (`block_scaled.dequantize`);
+        refused unless `dequantize_fp8`, and where TE's dequantize gives no value."""
+        import torch
+
+        spec = item.spec
+        if not self.dequantize_fp8:
+            raise self._bad(chunk, f"{entry.fqn} is a {spec.kind} ({spec.describe()}); this command keeps "
+                                   "tensors exactly and cannot rewrite block-scaled items (export-hf dequantizes "
+                                   "them)")
+        read, records = self.positioned_reader(chunk.file), []
+        for record, start in zip(spec.records(), item.starts):
+            nbytes = math.prod(record.size) * record.dtype.itemsize
+            raw = bytearray(read(nbytes, chunk.offset + start))
+            if len(raw) != nbytes:
+                raise self._bad(chunk, "short read")
+            records.append(torch.frombuffer(raw, dtype=record.dtype.torch) if raw
+                           else torch.empty(0, dtype=record.dtype.torch))
+        try:
+            return dequantize(spec.scaling, spec.size, entry.dtype.torch, *records)
+        except BlockScaleError as exc:
+            raise self._bad(chunk, f"{entry.fqn}: {exc}") from None
 
     def load_bytes_value(self, entry: BytesEntry, safe_globals: list | None = None) -> Any:
         """A bytes entry's object, via `torch.load(weights_only=True)` (plus any named safe globals)."""

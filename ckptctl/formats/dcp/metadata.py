@@ -34,6 +34,9 @@ MEGATRON_MARKER = "metadata.json"
 """Megatron-Core's dist_checkpointing writes it beside the DCP files: `{"sharded_backend": …}`."""
 _MARKER_LIMIT = 1 << 16
 MAX_NUMEL = 1 << 50
+QUANTIZABLE = frozenset({"bfloat16", "float16", "float32"})
+"""Logical dtypes of the quantized training tensors an item may hold (TE's FP8 and NVFP4): such an
+item holds at least half a byte an element (NVFP4's two codes a byte), not the logical dtype's size."""
 MAX_METADATA_BYTES = 1 << 31
 TEMPLATE_MIN_BYTES = 1 << 21
 """`.metadata` from this size up is read by `dcp.templates` first. Below it C's unpickler is as
@@ -373,9 +376,9 @@ def _tensor_entry(root: Path, fqn: str, md: Any, storage: classes.StorageColumns
             raise CheckpointError(where, f"{fqn}: chunk at {list(offsets)} has no storage entry")
         file = _located(root, fqn, entry, files, where)
         _, offset, length, transforms = entry
-        nbytes = math.prod(sizes) * dtype.itemsize
-        if not transforms and length < nbytes:
-            raise CheckpointError(root / file, f"{fqn}: item of {length} bytes cannot hold {nbytes} bytes of data")
+        least = -(-math.prod(sizes) // 2) if dtype.name in QUANTIZABLE else math.prod(sizes) * dtype.itemsize
+        if not transforms and length < least:
+            raise CheckpointError(root / file, f"{fqn}: item of {length} bytes cannot hold {least} bytes of data")
         number = numbers.get(file)
         if number is None:
             number = numbers[file] = len(names)

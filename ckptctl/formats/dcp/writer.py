@@ -34,6 +34,7 @@ from ckptctl.formats.dcp.classes import (
 )
 from ckptctl.core.dtypes import DType
 from ckptctl.util.gc_pause import gc_paused
+from ckptctl.formats.dcp.te_float8 import float8_of, stored_dtype
 from ckptctl.formats.torch_save.zip import TorchSaveRecord, serialization_id
 from ckptctl.core.checkpoint import BytesEntry
 from ckptctl.core.output_plan import OutputPlan
@@ -145,7 +146,9 @@ class DcpRecords:
         for target, _, placed, file, offset in self.placed_records():
             if file in names:
                 key = f"{target.fqn}@{list(placed.box.offsets)}"  # the item's serialization id: equal runs, equal bytes
-                record = TorchSaveRecord(target.dtype, placed.box.sizes, serialization_id(key))
+                float8 = float8_of(target)
+                record = TorchSaveRecord(target.dtype, placed.box.sizes, serialization_id(key)) if float8 is None \
+                    else float8.record(placed.box, serialization_id(key))
                 yield StreamItem(file, offset, record.head, target, placed.box, (), record, record.tail_len)
 
     def placements(self) -> dict[str, Sequence[Placed]]:
@@ -170,6 +173,12 @@ class DcpRecords:
 def _record_length(dtype: DType, sizes: tuple[int, ...]) -> int:
     """A chunk's record length: every serialization id has the same length, so shape and dtype fix it."""
     return TorchSaveRecord(dtype, sizes, serialization_id("")).length
+
+
+def record_length(target: TargetTensor, sizes: tuple[int, ...]) -> int:
+    """The length of `target`'s record of a chunk of `sizes` (a TE Float8Tensor item's, for its targets)."""
+    float8 = float8_of(target)
+    return _record_length(target.dtype, sizes) if float8 is None else float8.record_length(sizes)
 
 
 def place_dcp_records(
@@ -199,7 +208,7 @@ def place_dcp_records(
                 file = files[placed.rank] = rank_file(placed.rank)
             at = sizes.get(file, 0)
             offsets.append(at)
-            sizes[file] = at + _record_length(target.dtype, placed.box.sizes)
+            sizes[file] = at + record_length(target, placed.box.sizes)
     return DcpOutput(
         files=dict(sorted(sizes.items())),
         records=DcpRecords(targets, placements, offsets, files),
@@ -215,7 +224,7 @@ def place_dcp_records(
 def _properties(target: TargetTensor) -> TensorProperties:
     src = target.properties
     return TensorProperties(
-        dtype=target.dtype,
+        dtype=stored_dtype(target),
         requires_grad=bool(getattr(src, "requires_grad", False)),
     )
 
@@ -242,7 +251,7 @@ def build_metadata(out: DcpOutput) -> Metadata:
         for target, index, p, file, offset in records.placed_records():
             # one name a file, as torch's writer shares it: pickled once, then fetched from the memo
             yield (MetadataIndex(target.fqn, size(p.box.offsets), index),
-                   StorageInfo(file, offset, _record_length(target.dtype, p.box.sizes)))
+                   StorageInfo(file, offset, record_length(target, p.box.sizes)))
         for fqn, (_, shape, copy) in out.literal_tensors.items():
             yield MetadataIndex(fqn, size((0,) * len(shape)), 0), StorageInfo(copy.file, copy.offset, copy.length)
 

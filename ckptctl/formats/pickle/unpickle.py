@@ -65,6 +65,7 @@ from ckptctl.formats.pickle.vm import (
 from ckptctl.formats.pickle.torch_pickle import Size
 from ckptctl.formats.pickle.subclass import (Float8RecordSpec, SubclassMachine, WrappedRecordSpec, names_subclass,
                                              subclass_globals)
+from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec, te_block_globals
 
 __all__ = ["MalformedPickleError", "UnsafePickleError", "load_metadata_pickle", "load_tensor_record_spec",
            "TensorRecordSpec", "load_value_pickle"]
@@ -727,18 +728,20 @@ TENSOR_RECORD_GLOBALS: dict[tuple[str, str], Any] = {
 """What a tensor item's `data.pkl` may name: the rebuild functions, storage types and dtypes."""
 
 
-_SUBCLASS_GLOBALS = subclass_globals(TENSOR_RECORD_GLOBALS, TensorRecordSpec,
-                                     METADATA_GLOBALS[("torch.serialization", "_get_layout")],
-                                     METADATA_GLOBALS[("torch", "Size")])
+_SUBCLASS_GLOBALS = {**subclass_globals(TENSOR_RECORD_GLOBALS, TensorRecordSpec,
+                                        METADATA_GLOBALS[("torch.serialization", "_get_layout")],
+                                        METADATA_GLOBALS[("torch", "Size")]),
+                     **te_block_globals(TensorRecordSpec)}
 """What a tensor subclass item's `data.pkl` may name besides (see `pickle.subclass`)."""
 
 
-def load_tensor_record_spec(data: bytes) -> TensorRecordSpec | WrappedRecordSpec | Float8RecordSpec:
+def load_tensor_record_spec(data: bytes
+                            ) -> TensorRecordSpec | WrappedRecordSpec | Float8RecordSpec | BlockScaledRecordSpec:
     """Describe the tensor inside a torch.save archive's data.pkl without building it: a plain
     tensor record, or one of the FP8 training subclasses `pickle.subclass` knows."""
     if names_subclass(data):
         spec = SubclassMachine(data, _SUBCLASS_GLOBALS, _budget(len(data)), _storage_ref).load()
-        if type(spec) not in (TensorRecordSpec, WrappedRecordSpec, Float8RecordSpec):
+        if type(spec) not in (TensorRecordSpec, WrappedRecordSpec, Float8RecordSpec, BlockScaledRecordSpec):
             raise UnsafePickleError("item is not a single tensor")
         return spec
     spec = _open(_run(data, TENSOR_RECORD_GLOBALS, _storage_ref))

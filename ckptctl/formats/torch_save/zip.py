@@ -94,8 +94,13 @@ class _Skeleton:
 
 @functools.lru_cache(maxsize=4096)  # a sharded tensor's items share a few shapes; 40k items planned 1.3 s faster
 def _skeleton(dtype: DType, shape: tuple[int, ...], force_zip64: bool) -> _Skeleton:
-    nbytes = math.prod(shape) * dtype.itemsize
-    small = [("data.pkl", tensor_pickle(dtype, shape)), *MARKER_RECORDS]
+    return archive_skeleton(tensor_pickle(dtype, shape), math.prod(shape) * dtype.itemsize, force_zip64)
+
+
+def archive_skeleton(pickled: bytes, nbytes: int, force_zip64: bool) -> _Skeleton:
+    """The head of an item whose `data.pkl` is `pickled` and whose first storage record,
+    `data/0`, holds the `nbytes` streamed in."""
+    small = [("data.pkl", pickled), *MARKER_RECORDS]
     entries: list[_Entry] = []
     head = bytearray()
     for name, payload in small:
@@ -123,13 +128,18 @@ class _TailTemplate:
 
 @functools.lru_cache(maxsize=4096)
 def _tail_template(dtype: DType, shape: tuple[int, ...], id_len: int, force_zip64: bool) -> _TailTemplate:
-    """Everything after the tensor data of an item: descriptor, trailing records, central directory."""
-    skeleton = _skeleton(dtype, shape, force_zip64)
+    return archive_tail(_skeleton(dtype, shape, force_zip64), id_len, force_zip64)
+
+
+def archive_tail(skeleton: _Skeleton, id_len: int, force_zip64: bool,
+                 storages: tuple[tuple[str, bytes], ...] = ()) -> _TailTemplate:
+    """Everything after the streamed data of an item: its descriptor, the further storage records
+    `storages` (name, bytes: a TE Float8Tensor's scale_inv), the trailing records, the central directory."""
     at = len(skeleton.head) + skeleton.nbytes
     tail = bytearray(_descriptor(0, skeleton.nbytes, skeleton.data_zip64))
     crc_at, id_crc_at, id_at = [4], [], 0
     entries = list(skeleton.entries)
-    for name, payload in (("version", TRAILING_VERSION), (".data/serialization_id", bytes(id_len))):
+    for name, payload in (*storages, ("version", TRAILING_VERSION), (".data/serialization_id", bytes(id_len))):
         offset = at + len(tail)
         big = force_zip64 or offset >= _ZIP64_LIMIT
         entries.append(_Entry(name, offset, len(payload), zlib.crc32(payload), big))

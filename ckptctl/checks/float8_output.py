@@ -1,0 +1,82 @@
+"""`--verify` of TE Float8Tensor items a reshard kept: their codes and scales, bit for bit, by torch's loader.
+
+A kept Float8Tensor's value is its codes times its scale, so comparing values would let a wrong
+code hide where two codes give one value (±0) or none (NaN). Every output item and every source
+item is instead loaded by `torch.load(weights_only=True)` with stand-ins allowed under TE's names
+that keep the reconstructor's arguments (`torch_standins.load_float8_parts`); an output item must
+name the same FP8 format, logical dtype and reduce form as the source, hold the source's codes
+for its rows and the scale_inv of each source item its rows come from. ckptctl's item reader is
+used for nothing but bytes. A source item is decoded once per output item it meets (one in memory).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ckptctl.checks.torch_standins import Float8Parts, load_float8_parts
+from ckptctl.core.checkpoint import Checkpoint, Chunk, TensorEntry
+from ckptctl.core.plan import TargetTensor
+from ckptctl.formats.dcp.items import ItemReader
+from ckptctl.formats.dcp.te_float8 import TE_CODE, float8_of
+from ckptctl.util.errors import CheckpointError
+from ckptctl.util.progress import Advance
+
+
+def verify_float8(src: Checkpoint, src_items: ItemReader, dst: Checkpoint, dst_items: ItemReader,
+                  target: TargetTensor, written: Path, advance: Advance | None = None) -> None:
+    """Raise CheckpointError naming `written` unless every item of Float8Tensor target `target`
+    in `dst` holds the codes and scale of the source rows it keeps."""
+    float8 = float8_of(target)
+    source = src.tensors[target.pieces[0].src]
+    dst_entry = dst.tensors.get(target.fqn)
+    if dst_entry is None:
+        raise CheckpointError(written, f"{target.fqn}: missing from the output")
+    held = sorted(((c.offsets[0], c.offsets[0] + c.sizes[0], c) for c in source.chunks if c.numel),
+                  key=lambda r: r[0])
+    decoded: tuple[Chunk, Float8Parts] | None = None
+    for chunk in dst_entry.chunks:
+        got = _parts(dst, dst_items, dst_entry, chunk)
+        form = (got.fp8, got.dtype_module, str(got.dtype), got.args, got.shape)
+        want = (TE_CODE[float8.fp8], float8.dtype_module, str(float8.logical.torch), float8.args, chunk.sizes)
+        if form != want:
+            raise CheckpointError(written, f"{target.fqn}: verification failed (the item at {list(chunk.offsets)} "
+                                           f"is a Float8Tensor of another form: {form} instead of {want})")
+        lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
+        covered = 0
+        for start, end, source_chunk in held:
+            if end <= lo or start >= hi:
+                continue
+            if decoded is None or decoded[0] is not source_chunk:
+                decoded = source_chunk, _parts(src, src_items, source, source_chunk)
+            kept = decoded[1]
+            a, b = max(lo, start), min(hi, end)
+            if not (_bits(kept.scale_inv).equal(_bits(got.scale_inv))
+                    and kept.codes[a - start:b - start].equal(got.codes[a - lo:b - lo])):
+                raise CheckpointError(written, f"{target.fqn}: verification failed (rows [{a}, {b}) of the item at "
+                                               f"{list(chunk.offsets)}, decoded by torch, are not the codes and "
+                                               f"scale_inv of the source's item at {list(source_chunk.offsets)})")
+            covered += b - a
+        if covered != hi - lo:
+            raise CheckpointError(written, f"{target.fqn}: verification failed (rows [{lo}, {hi}) are not all "
+                                           "held by the source)")
+        if advance is not None:
+            advance(2 * chunk.numel)
+
+
+def _bits(scale_inv: Any) -> Any:
+    import torch
+
+    return scale_inv.view(torch.int32)
+
+
+def _parts(ckpt: Checkpoint, items: ItemReader, entry: TensorEntry, chunk: Chunk) -> Float8Parts:
+    path = ckpt.path / chunk.file
+    raw = items.read_item_bytes(chunk.file, chunk.offset, chunk.length, chunk.transforms,
+                                chunk.numel + (1 << 20))
+    try:
+        return load_float8_parts(raw)
+    except Exception as exc:  # noqa: BLE001 - torch raises many types for a corrupt or foreign item
+        raise CheckpointError(path, f"item at byte {chunk.offset}: {entry.fqn}: torch cannot load it as a "
+                                    f"Transformer Engine Float8Tensor for verification "
+                                    f"({type(exc).__name__})") from None

@@ -1,0 +1,198 @@
+"""DCP items holding Transformer Engine's block-scaled tensors (`fixtures.te_blocks_dcp`: stand-ins
+following TE's source, FSDP2's dim-0 shards as DTensors at 2 gloo ranks, each with its own
+scales): MXFP8Tensor (e4m3, e5m2), Float8BlockwiseQTensor (1×128 and 128×128 blocks), NVFP4Tensor
+(per-tensor amax, and per-row amax with e4m3_max 256), and TE ≤ 2.15's forms.
+
+Oracle: TE's dequantize math element by element (`reference_*`, see `test_te_block_dequant`);
+`diff` and the output checks reading the items with their own decoders; `--verify`'s torch
+loader with the stand-ins allowed under TE's names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec
+from ckptctl.formats.pickle.unpickle import MalformedPickleError, TensorRecordSpec, UnsafePickleError, \
+    load_tensor_record_spec
+from fixtures import te_blocks_dcp
+from tests.commands.test_fp8_dcp_subclasses import _item_pickle, _mutations
+from tests.conftest import run_cli
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+pytest.importorskip("transformers")
+
+MX_E4M3 = ("transformer_engine MXFP8Tensor: float8_e4m3fn data, E8M0 scales [128, 4] per 1×32 block, "
+           "logical bfloat16")
+MX_E5M2 = ("transformer_engine MXFP8Tensor: float8_e5m2 data, E8M0 scales [128, 4] per 1×32 block, "
+           "logical bfloat16")
+BLOCK_2D = ("transformer_engine Float8BlockwiseQTensor: float8_e4m3fn data, float32 scales [1, 4] per 128×128 block, "
+            "logical bfloat16")
+BLOCK_1D = ("transformer_engine Float8BlockwiseQTensor: float8_e4m3fn data, float32 scales [1, 64] per 1×128 block, "
+            "logical bfloat16")
+NVFP4 = ("transformer_engine NVFP4Tensor: e2m1 data (two a byte), E4M3 scales [128, 4] per 1×16 block × float32 "
+         "amax / (6 × 448), logical bfloat16")
+NVFP4_ROWS = ("transformer_engine NVFP4Tensor: e2m1 data (two a byte), E4M3 scales [128, 4] per 1×16 block × "
+              "float32 amax per row / (6 × 256), logical bfloat16")
+LAYER = "model.model.layers.0."
+
+
+@pytest.fixture(scope="module")
+def te_saved(tmp_path_factory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("te_blocks")
+    values = te_blocks_dcp.save(str(root / "ckpt"))
+    te_blocks_dcp.config().save_pretrained(root / "cfg")
+    return root / "ckpt", root / "cfg", values
+
+
+def _exports_as_te_dequantizes(ckpt: Path, cfg: Path, values: dict[str, torch.Tensor], out: Path) -> None:
+    done = run_cli("export-hf", ckpt, out, "--hf-config", cfg, "--verify")
+    assert done.returncode == 0, done.stderr
+    got = safetensors_torch.load_file(out / "model.safetensors")
+    assert sorted(got) == sorted(values)
+    for name, value in values.items():
+        assert got[name].dtype == torch.bfloat16, name
+        assert torch.equal(got[name].view(torch.int16), value.view(torch.int16)), name
+    same = run_cli("diff", ckpt, out)
+    assert same.returncode == 0 and "12 tensors: 12 equal, 0 close, 0 differs" in same.stdout, same.stdout + same.stderr
+
+
+def test_export_hf_and_diff_dequantize_as_te_does(te_saved, tmp_path):
+    """The essential proof: every projection bit-equal to TE's math on each rank's shard."""
+    ckpt, cfg, values = te_saved
+    assert torch.isinf(values["model.layers.0.mlp.down_proj.weight"].float()).any()  # E8M0 254 over the maxima
+    _exports_as_te_dequantizes(ckpt, cfg, values, tmp_path / "hf")
+
+
+def test_inspect_shows_te_block_kinds(te_saved):
+    shown = run_cli("inspect", te_saved[0])
+    assert shown.returncode == 0, shown.stderr
+    assert (f"Subclasses        1 tensor: {BLOCK_2D}\n                  1 tensor: {BLOCK_1D}\n"
+            f"                  2 tensors: {MX_E4M3}\n                  1 tensor: {MX_E5M2}\n"
+            f"                  1 tensor: {NVFP4}\n                  1 tensor: {NVFP4_ROWS}\n") in shown.stdout
+    doc = json.loads(run_cli("inspect", te_saved[0], "--json", "--filter", "*layers*").stdout)
+    assert doc["subclasses"] == {f"{LAYER}self_attn.q_proj.weight": MX_E4M3, f"{LAYER}self_attn.k_proj.weight": MX_E5M2,
+                                 f"{LAYER}self_attn.v_proj.weight": NVFP4, f"{LAYER}self_attn.o_proj.weight": BLOCK_2D,
+                                 f"{LAYER}mlp.gate_proj.weight": BLOCK_1D, f"{LAYER}mlp.up_proj.weight": NVFP4_ROWS,
+                                 f"{LAYER}mlp.down_proj.weight": MX_E4M3}
+
+
+def test_items_decode_to_their_records(te_saved):
+    ckpt = te_saved[0]
+    nvfp4 = load_tensor_record_spec(_item_pickle(ckpt, f"{LAYER}mlp.up_proj.weight", rank=1))
+    assert type(nvfp4) is BlockScaledRecordSpec and nvfp4.size == (64, 64) and nvfp4.dtype.name == "bfloat16"
+    assert (nvfp4.scaling.block, nvfp4.scaling.e4m3_max, nvfp4.scaling.row_amax) == ((1, 16), 256, True)
+    assert [(r.dtype.name, r.size) for r in nvfp4.records()] == [("uint8", (64, 32)), ("uint8", (128, 4)),
+                                                                 ("float32", (64,))]
+    block = load_tensor_record_spec(_item_pickle(ckpt, f"{LAYER}mlp.gate_proj.weight"))
+    assert (block.scaling.block, block.scaling.codes, block.scales.size) == ((1, 128), "float8_e4m3fn", (1, 64))
+
+
+def test_reshard_refuses_te_block_kinds_by_name(te_saved, tmp_path):
+    ckpt = te_saved[0]
+    done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")
+    assert done.returncode == 2
+    assert done.stderr == (f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte 0: {LAYER}mlp.down_proj.weight is a "
+                           f"{MX_E4M3.replace(': ', ' (', 1)}); this command keeps tensors exactly and cannot rewrite "
+                           "block-scaled items (export-hf dequantizes them)\n")
+    assert not (tmp_path / "out").exists()
+
+
+def _record_at(ckpt: Path, fqn: str, key: str) -> int:
+    """The file offset of storage record `key` of `fqn`'s item in rank 0's file (by torch's metadata and zipfile)."""
+    import io
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(ckpt)).read_metadata()
+    info = next(v for k, v in md.storage_data.items() if k.fqn == fqn and v.relative_path == "__0_0.distcp")
+    item = (ckpt / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    record = next(i for i in zipfile.ZipFile(io.BytesIO(item)).infolist() if i.filename.endswith(f"/data/{key}"))
+    name_len, extra_len = struct.unpack_from("<HH", item, record.header_offset + 26)
+    return info.offset + record.header_offset + 30 + name_len + extra_len
+
+
+def test_export_hf_refuses_a_nan_e8m0_scale(te_saved, tmp_path):
+    """A scale TE's dequantize would spread NaN from is refused with the item and the tensor named."""
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(te_saved[0], ckpt)
+    fqn = f"{LAYER}self_attn.q_proj.weight"
+    spec = load_tensor_record_spec(_item_pickle(ckpt, fqn))
+    at = _record_at(ckpt, fqn, spec.scales.storage_key) + 5 * 4 + 1  # row 5, block 1: inside the tensor
+    with open(ckpt / "__0_0.distcp", "r+b") as f:
+        f.seek(at)
+        f.write(b"\xff")
+    done = run_cli("export-hf", ckpt, tmp_path / "hf", "--hf-config", te_saved[1])
+    assert done.returncode == 2 and done.stderr.startswith(f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte ")
+    assert done.stderr.endswith(f": {fqn}: MXFP8Tensor with a NaN E8M0 scale (code 255)\n"), done.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+VARIANT_REFUSALS = {
+    "swizzled": (UnsafePickleError, "Transformer Engine MXFP8Tensor with GEMM-swizzled scales"),
+    "columnwise-only": (UnsafePickleError, "Transformer Engine MXFP8Tensor holding only its columnwise data"),
+    "data-format": (UnsafePickleError, "Transformer Engine Float8BlockwiseQTensor with a data_format (GEMM-ready "
+                                       "scales)"),
+    "no-amax": (UnsafePickleError, "Transformer Engine NVFP4Tensor without its rowwise amax"),
+    "unpadded-scales": (MalformedPickleError, "MXFP8Tensor rowwise scale_inv is [32, 2], TE allocates [128, 4]"),
+    "odd-columns": (UnsafePickleError, "Transformer Engine MXFP8Tensor whose last dimension 48 is not a multiple "
+                                       "of 32"),
+    "foreign-quantizer": (UnsafePickleError, "MXFP8Quantizer field 'role' holds a list"),
+}
+
+
+@pytest.fixture(scope="module")
+def variants() -> dict[str, bytes]:
+    return te_blocks_dcp.variants()
+
+
+@pytest.mark.parametrize("case", sorted(VARIANT_REFUSALS))
+def test_states_te_can_pickle_but_this_cannot_read_are_refused_by_name(variants, case):
+    error, line = VARIANT_REFUSALS[case]
+    with pytest.raises(error) as refused:
+        load_tensor_record_spec(variants[case])
+    assert str(refused.value) == line
+
+
+@pytest.mark.parametrize("fqn", [f"{LAYER}mlp.down_proj.weight", f"{LAYER}mlp.up_proj.weight",
+                                 f"{LAYER}self_attn.o_proj.weight"])
+def test_mutated_te_block_items_end_in_refusals_only(te_saved, fqn):
+    """No neighbour of a real item escapes the decoder with anything but its refusals."""
+    outcomes = {"decoded": 0, "refused": 0}
+    for mutated in _mutations(_item_pickle(te_saved[0], fqn)):
+        try:
+            spec = load_tensor_record_spec(mutated)
+        except (MalformedPickleError, UnsafePickleError) as exc:
+            assert "\n" not in str(exc) and len(str(exc)) < 400
+            outcomes["refused"] += 1
+        else:
+            assert type(spec) in (TensorRecordSpec, BlockScaledRecordSpec)
+            outcomes["decoded"] += 1
+    assert outcomes["refused"] > 200
+
+
+@pytest.mark.full
+def test_te_2_15_forms(tmp_path):
+    """TE ≤ 2.15: classmethod reconstructors through getattr, the pybind DType by NEWOBJ + BUILD,
+    NVFP4 without its 2.17 arguments, and a per-tensor Float8Tensor by `Float8Tensor._make_in_reduce_ex`."""
+    values = te_blocks_dcp.save(str(tmp_path / "ckpt"), release="2.15")
+    te_blocks_dcp.config().save_pretrained(tmp_path / "cfg")
+    shown = run_cli("inspect", tmp_path / "ckpt", "--json", "--filter", "*down_proj*")
+    assert json.loads(shown.stdout)["subclasses"] == {
+        f"{LAYER}mlp.down_proj.weight": "transformer_engine Float8Tensor: float8_e4m3fn data + float32 scale_inv, "
+                                        "logical bfloat16"}
+    _exports_as_te_dequantizes(tmp_path / "ckpt", tmp_path / "cfg", values, tmp_path / "hf")
+    for fqn in (f"{LAYER}mlp.down_proj.weight", f"{LAYER}self_attn.q_proj.weight"):  # getattr, pybind DType
+        for mutated in _mutations(_item_pickle(tmp_path / "ckpt", fqn)):
+            try:
+                load_tensor_record_spec(mutated)
+            except (MalformedPickleError, UnsafePickleError) as exc:
+                assert "\n" not in str(exc) and len(str(exc)) < 400
