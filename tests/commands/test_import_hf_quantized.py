@@ -120,6 +120,10 @@ def test_mxfp4_blocks_without_quantization_config_are_refused_with_no_name_check
                          .to(torch.bfloat16)}), None,
      "{src}: model.layers.0.self_attn.q_proj.weight_scale_inv: a scale with no float8_e4m3fn weight "
      "model.layers.0.self_attn.q_proj.weight"),
+    (lambda t: t.update({f"model.layers.0.self_attn.{m}_proj.weight": t[f"model.layers.0.self_attn.{m}_proj.weight"]
+                         .to(torch.bfloat16) for m in "kqv"}), None,
+     "{src}: model.layers.0.self_attn.k_proj.weight_scale_inv: a scale with no float8_e4m3fn weight "
+     "model.layers.0.self_attn.k_proj.weight (+2 more)"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight_scale_inv": torch.ones(2, 1)}), None,
      "{src}: model.layers.0.self_attn.q_proj.weight_scale_inv: scale of shape [2, 1] for "
      "model.layers.0.self_attn.q_proj.weight [256, 256], not the 128×128-block grid [2, 2] (other scale layouts "
@@ -140,7 +144,7 @@ def test_mxfp4_blocks_without_quantization_config_are_refused_with_no_name_check
      "{src}/model.safetensors: model.layers.0.mlp.down_proj.weight: float8_e4m3fn codes (+13 more quantized "
      "tensors); MXFP4 (E2M1, one E8M0 scale per 32 values) does not decode it: refusing to read quantized bytes "
      "as values"),
-], ids=["no-scale", "orphan-scale", "grid", "per-row", "uint8-float-scale", "gptq", "block-size", "wrong-method"])
+], ids=["no-scale", "orphan-scale", "orphan-scales", "grid", "per-row", "uint8-float-scale", "gptq", "block-size", "wrong-method"])
 def test_quantized_tensors_it_cannot_decode_are_refused_naming_them(llama_fp8, tmp_path, change, config, reason):
     src = _edited(llama_fp8[0], tmp_path / "hf", change, config)
     for args in ((), ("--no-name-check",)):

@@ -261,7 +261,7 @@ def mxfp4_chunks(blocks: StoredTensor, root: Path) -> tuple[Chunk, ...]:
 
 
 def _more(n: int) -> str:
-    return f" (+{counted(n - 1, 'more')})" if n > 1 else ""
+    return f" (+{n - 1} more)" if n > 1 else ""
 
 
 def _read(open_file: Callable[[str], ReadHandle], root: Path, file: str, offset: int, length: int) -> bytearray:
