@@ -8,9 +8,9 @@ unpickler, with its own checks, builds the item: torchao's wrappers as inert wra
 whose `_tensor` (`_data`) is the value, TE's reconstructors as the value TE's dequantize gives
 (float32 code × scale_inv, rounded to the logical dtype; the block-scaled kinds by
 `formats.dcp.block_scaled.dequantize`), TE's quantizers and torchao's configs as inert objects.
-A second set (`load_float8_parts`) builds TE's Float8Tensor items as their reconstructor's
-arguments — codes, scale_inv, FP8 format, DType module, logical dtype, shape — for the check of a
-reshard that keeps them. No producer's code is imported or run. The pickled forms are described
+A second set (`load_float8_parts`, `load_mxfp8_parts`) builds TE's Float8Tensor and MXFP8Tensor
+items as their reconstructor's arguments — codes, scales, FP8 format, DType module, logical dtype,
+shape, quantizer fields — for the check of a reshard that keeps them. No producer's code is imported or run. The pickled forms are described
 in `ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
 """
 
@@ -202,6 +202,65 @@ def load_float8_parts(raw: bytes) -> Float8Parts:
         parts = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     if type(parts) is not Float8Parts:
         raise ValueError("not a Transformer Engine Float8Tensor item")
+    return parts
+
+
+@dataclass(frozen=True)
+class Mxfp8Parts:
+    """What torch's loader builds of a TE MXFP8Tensor item under `_MXFP8_SAFE`: the
+    reconstructor's arguments as pickled, nothing computed (`--verify` of a reshard that keeps them)."""
+
+    codes: Any  # rowwise uint8 codes of the logical shape
+    scales: Any  # rowwise uint8 E8M0 scales, padded
+    columnwise: bool  # whether it holds a columnwise copy
+    fp8: int
+    dtype_module: str
+    dtype: Any
+    shape: tuple[int, ...]
+    quantizer: Any  # (class name, its fields) or None
+    args: int
+
+
+class _InertQuantizer:
+    """A TE quantizer by NEWOBJ + BUILD: its fields kept, compared as they are."""
+
+    def __setstate__(self, state: Any) -> None:
+        if type(state) is not dict or not all(type(k) is str for k in state):
+            raise ValueError("not a dict of fields")
+        self.state = state
+
+
+def _te_mxfp8_parts(row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any, dtype: Any, shape: Any,
+                    *rest: Any) -> Mxfp8Parts:
+    import torch
+
+    quantizer = rest[0] if rest else None
+    if not isinstance(row, torch.Tensor) or row.dtype != torch.uint8 or tuple(row.shape) != tuple(shape) \
+            or not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.uint8 or row_scale.dim() != 2 \
+            or type(fp8) is not _TeCode or len(rest) > 2 or rest[1:] not in ((), (False,)) \
+            or not (quantizer is None or isinstance(quantizer, _InertQuantizer)):
+        raise ValueError("not a Transformer Engine MXFP8Tensor")
+    held = None if quantizer is None else (type(quantizer).__name__, quantizer.state)
+    return Mxfp8Parts(row, row_scale, col is not None or col_scale is not None, fp8.value, fp8.module, dtype,
+                      tuple(shape), held, 7 + len(rest))
+
+
+_MXFP8_SAFE = [(_te_mxfp8_parts, f"{_TE}.mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex"),
+               (type("MXFP8Quantizer", (_InertQuantizer,), {}), f"{_TE}.mxfp8_tensor.MXFP8Quantizer"),
+               *_FLOAT8_SAFE[1:]]
+"""The stand-ins `load_mxfp8_parts` allows: TE's MXFP8 reconstructor keeping its arguments, its
+quantizer keeping its fields, its DType keeping the module it was named under."""
+
+
+def load_mxfp8_parts(raw: bytes) -> Mxfp8Parts:
+    """A TE MXFP8Tensor item's records and form, by `torch.load(weights_only=True)` allowed
+    `_MXFP8_SAFE`; ValueError for any other item."""
+    import torch
+
+    with _LOADING, torch.serialization.safe_globals(_MXFP8_SAFE):
+        parts = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    if type(parts) is not Mxfp8Parts:
+        raise ValueError("not a Transformer Engine MXFP8Tensor item")
     return parts
 
 

@@ -92,14 +92,59 @@ def test_items_decode_to_their_records(te_saved):
     assert (block.scaling.block, block.scaling.codes, block.scales.size) == ((1, 128), "float8_e4m3fn", (1, 64))
 
 
-def test_reshard_refuses_te_block_kinds_by_name(te_saved, tmp_path):
+def test_reshard_refuses_te_block_kinds_it_does_not_keep_by_name(te_saved, tmp_path):
+    """Blockwise FP8 and NVFP4 are refused at planning, before any file is written."""
     ckpt = te_saved[0]
     done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")
     assert done.returncode == 2
-    assert done.stderr == (f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte 0: {LAYER}mlp.down_proj.weight is a "
-                           f"{MX_E4M3.replace(': ', ' (', 1)}); this command keeps tensors exactly and cannot rewrite "
-                           "block-scaled items (export-hf dequantizes them)\n")
+    assert done.stderr == (f"ckptctl: error: {LAYER}mlp.gate_proj.weight: a {BLOCK_1D.replace(': ', ' (', 1)}): "
+                           "reshard keeps TE's Float8Tensor and MXFP8Tensor items, not Float8BlockwiseQTensor's yet "
+                           "(export-hf dequantizes it)\n")
+    done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3", "--include", "*v_proj*")
+    assert done.returncode == 2
+    assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.v_proj.weight: a {NVFP4.replace(': ', ' (', 1)}): "
+                           "reshard keeps TE's Float8Tensor and MXFP8Tensor items, not NVFP4Tensor's yet "
+                           "(export-hf dequantizes it)\n")
     assert not (tmp_path / "out").exists()
+
+
+MXFP8_LEAVES = ("--include", "*q_proj*", "--include", "*k_proj*", "--include", "*down_proj*")
+
+
+def _reshards_mxfp8_exactly(te_saved, out: Path, world_size: int) -> None:
+    """Resharded with --verify, torch's dcp.load at `world_size` ranks gives every rank TE's
+    reduce form again: its rows' codes and scale rows bit for bit, zero scale rows to 128, the
+    saved quantizer's fields, no columnwise copy; the dequantized values equal the source's."""
+    ckpt = te_saved[0]
+    done = run_cli("reshard", ckpt, out, "--world-size", str(world_size), *MXFP8_LEAVES, "--verify")
+    assert done.returncode == 0, done.stderr
+    loaded = te_blocks_dcp.load_mxfp8(str(out), world_size)
+    for name, rows, dtype in (("self_attn.q_proj.weight", 64, 7), ("self_attn.k_proj.weight", 32, 8),
+                              ("mlp.down_proj.weight", 64, 7)):
+        step = -(-rows // world_size)
+        for rank, shards in enumerate(loaded):
+            got = shards[f"model.layers.0.{name}"]
+            held = min(rows, (rank + 1) * step) - min(rows, rank * step)
+            assert (got["args"], got["shape"][0], got["columnwise"], got["dtype"], got["swizzled"]) == (
+                9, held, (None, None), ("DType", dtype), False), name
+            assert got["quantizer"] == ("MXFP8Quantizer", got["saved_quantizer"])
+            assert got["saved_quantizer"]["dtype"] == dtype and got["saved_quantizer"]["columnwise_usage"] is True
+            assert tuple(got["scales"].shape) == (128, 4)
+            assert torch.equal(got["codes"], got["saved_codes"]), (name, rank)
+            assert torch.equal(got["scales"][:held], got["saved_scales"]), (name, rank)
+            assert not got["scales"][held:].any(), (name, rank)  # TE's FSDP2 pads with zeros
+    same = run_cli("diff", ckpt, out)
+    assert "3 tensors: 3 equal, 0 close, 0 differs; 9 only in A" in same.stdout, same.stdout + same.stderr
+
+
+def test_reshard_keeps_mxfp8_items_exactly_at_3_ranks(te_saved, tmp_path):
+    """The essential proof: 2 → 3 ranks (22, 22, 20 rows), every rank's codes and scales kept."""
+    _reshards_mxfp8_exactly(te_saved, tmp_path / "ws3", 3)
+
+
+@pytest.mark.full
+def test_reshard_keeps_mxfp8_items_exactly_at_1_rank(te_saved, tmp_path):
+    _reshards_mxfp8_exactly(te_saved, tmp_path / "ws1", 1)
 
 
 def _record_at(ckpt: Path, fqn: str, key: str) -> int:
