@@ -84,9 +84,12 @@ def _verify_mxfp8(src: Checkpoint, src_items: ItemReader, source: TensorEntry, d
         form = (got.fp8, got.dtype_module, str(got.dtype), got.args, got.shape, tuple(got.scales.shape))
         want = (TE_CODE[kept.fp8], kept.dtype_module, str(kept.logical.torch), kept.args, chunk.sizes,
                 (padded, kept.width))
-        if form != want or bool(got.scales[hi - lo:].any()):
+        if form != want:
             raise CheckpointError(written, f"{fqn}: verification failed (the item at {list(chunk.offsets)} "
-                                           f"is an MXFP8Tensor of another form or padding: {form} instead of {want})")
+                                           f"is an MXFP8Tensor of another form: {form} instead of {want})")
+        if bool(got.scales[hi - lo:].any()):
+            raise CheckpointError(written, f"{fqn}: verification failed (the item at {list(chunk.offsets)} "
+                                           "pads its scales with other than the zero rows TE's FSDP2 pads with)")
         covered = 0
         for start, end, source_chunk in held:
             if end <= lo or start >= hi:

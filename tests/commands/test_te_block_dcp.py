@@ -241,3 +241,31 @@ def test_te_2_15_forms(tmp_path):
                 load_tensor_record_spec(mutated)
             except (MalformedPickleError, UnsafePickleError) as exc:
                 assert "\n" not in str(exc) and len(str(exc)) < 400
+
+
+@pytest.mark.full
+def test_verify_refuses_an_mxfp8_item_with_another_scale(te_saved, tmp_path):
+    """--verify's MXFP8 check decodes both sides by torch's loader: one scale byte changed in an
+    output item (a value the default check might not sample) fails it, naming the rows."""
+    from ckptctl.checks.float8_output import verify_float8
+    from ckptctl.commands.reshard import ReshardOptions, plan_reshard
+    from ckptctl.formats.dcp.items import ItemReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    out, fqn = tmp_path / "ws3", f"{LAYER}self_attn.q_proj.weight"
+    assert run_cli("reshard", te_saved[0], out, "--world-size", "3", "--include", "*q_proj*").returncode == 0
+    src, dst = open_checkpoint(te_saved[0]), open_checkpoint(out)
+    target = plan_reshard(src, ReshardOptions(world_size=3, include=("*q_proj*",))).targets[fqn]
+    with ItemReader(src) as src_items, ItemReader(dst) as dst_items:
+        verify_float8(src, src_items, dst, dst_items, target, out)
+    at = _record_at(out, fqn, "1") + 3 * 4  # row 3's first block
+    with open(out / "__0_0.distcp", "r+b") as f:
+        f.seek(at)
+        kept = f.read(1)
+        f.seek(at)
+        f.write(bytes([kept[0] ^ 1]))
+    with ItemReader(src) as src_items, ItemReader(open_checkpoint(out)) as dst_items:
+        with pytest.raises(CheckpointError, match=r"rows \[0, 22\) of the item at \[0, 0\], decoded by torch, are not "
+                                                  r"the codes, scales and quantizer of the source's item at \[0, 0\]"):
+            verify_float8(src, src_items, open_checkpoint(out), dst_items, target, out)
