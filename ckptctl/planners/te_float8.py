@@ -92,11 +92,11 @@ def _kept_form(fqn: str, spec: BlockScaledRecordSpec) -> tuple:
                                    f"MXFP8Tensor items, not {spec.scaling.kind}'s yet (export-hf dequantizes it)")
     reduce = spec.reduce
     if reduce is None:
-        raise CheckpointError(fqn, f"a {MXFP8} in TE ≤ 2.15's classmethod form: reshard writes TE ≥ 2.16's "
+        raise CheckpointError(fqn, f"an {MXFP8} in TE ≤ 2.15's classmethod form: reshard writes TE ≥ 2.16's "
                                    "items only (export-hf dequantizes it)")
     quantizer = reduce.quantizer
     if quantizer is not None and any(not isinstance(v, _PLAIN) for _, v in quantizer.fields):
-        raise CheckpointError(fqn, f"a {MXFP8} whose {quantizer.name} holds a tensor: reshard keeps plain "
+        raise CheckpointError(fqn, f"an {MXFP8} whose {quantizer.name} holds a tensor: reshard keeps plain "
                                    "quantizer fields only")
     return spec.dtype, DTYPES[spec.scaling.codes], reduce.dtype_module, reduce.args, quantizer, spec.scales.size[1]
 

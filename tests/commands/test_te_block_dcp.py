@@ -235,6 +235,10 @@ def test_te_2_15_forms(tmp_path):
         f"{LAYER}mlp.down_proj.weight": "transformer_engine Float8Tensor: float8_e4m3fn data + float32 scale_inv, "
                                         "logical bfloat16"}
     _exports_as_te_dequantizes(tmp_path / "ckpt", tmp_path / "cfg", values, tmp_path / "hf")
+    done = run_cli("reshard", tmp_path / "ckpt", tmp_path / "out", "--world-size", "3", "--include", "*q_proj*")
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.q_proj.weight: an MXFP8Tensor in TE ≤ 2.15's classmethod "
+                           "form: reshard writes TE ≥ 2.16's items only (export-hf dequantizes it)\n")
     for fqn in (f"{LAYER}mlp.down_proj.weight", f"{LAYER}self_attn.q_proj.weight"):  # getattr, pybind DType
         for mutated in _mutations(_item_pickle(tmp_path / "ckpt", fqn)):
             try:
