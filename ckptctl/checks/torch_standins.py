@@ -221,15 +221,6 @@ class Mxfp8Parts:
     args: int
 
 
-class _InertQuantizer:
-    """A TE quantizer by NEWOBJ + BUILD: its fields kept, compared as they are."""
-
-    def __setstate__(self, state: Any) -> None:
-        if type(state) is not dict or not all(type(k) is str for k in state):
-            raise ValueError("not a dict of fields")
-        self.state = state
-
-
 def _te_mxfp8_parts(row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any, dtype: Any, shape: Any,
                     *rest: Any) -> Mxfp8Parts:
     import torch
@@ -238,7 +229,7 @@ def _te_mxfp8_parts(row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any
     if not isinstance(row, torch.Tensor) or row.dtype != torch.uint8 or tuple(row.shape) != tuple(shape) \
             or not isinstance(row_scale, torch.Tensor) or row_scale.dtype != torch.uint8 or row_scale.dim() != 2 \
             or type(fp8) is not _TeCode or len(rest) > 2 or rest[1:] not in ((), (False,)) \
-            or not (quantizer is None or isinstance(quantizer, _InertQuantizer)):
+            or not (quantizer is None or isinstance(quantizer, _Inert)):
         raise ValueError("not a Transformer Engine MXFP8Tensor")
     held = None if quantizer is None else (type(quantizer).__name__, quantizer.state)
     return Mxfp8Parts(row, row_scale, col is not None or col_scale is not None, fp8.value, fp8.module, dtype,
@@ -246,7 +237,7 @@ def _te_mxfp8_parts(row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any
 
 
 _MXFP8_SAFE = [(_te_mxfp8_parts, f"{_TE}.mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex"),
-               (type("MXFP8Quantizer", (_InertQuantizer,), {}), f"{_TE}.mxfp8_tensor.MXFP8Quantizer"),
+               (type("MXFP8Quantizer", (_Inert,), {}), f"{_TE}.mxfp8_tensor.MXFP8Quantizer"),
                *_FLOAT8_SAFE[1:]]
 """The stand-ins `load_mxfp8_parts` allows: TE's MXFP8 reconstructor keeping its arguments, its
 quantizer keeping its fields, its DType keeping the module it was named under."""
