@@ -5,9 +5,9 @@ read item by item: every chunk must be a Float8Tensor of the same FP8 format, lo
 reduce form, in whole rows (FSDP2's `Shard(0)`), each with its scale_inv. The tensor is then
 planned as its codes (uint8) with a `TeFloat8Target` form (`formats.dcp.te_float8`), and every
 placed chunk's scale is settled here, before anything is written: one that would join shards of
-different scales is refused by name. An MXFP8Tensor tensor (`block_form`) is planned the same
-way with a `TeMxfp8Target` form (`formats.dcp.te_mxfp8`): its scales follow its rows. TE's other
-block-scaled kinds are refused here by name.
+different scales is refused by name. An MXFP8Tensor or Float8BlockwiseQTensor tensor
+(`block_form`) is planned the same way with a `TeBlockTarget` form (`formats.dcp.te_block_items`):
+its scales follow its rows. NVFP4Tensor is refused here by name.
 """
 
 from __future__ import annotations
@@ -16,20 +16,20 @@ from dataclasses import replace
 from typing import Mapping, Sequence
 
 from ckptctl.core.checkpoint import TensorEntry
-from ckptctl.core.dtypes import DTYPES, DType
+from ckptctl.core.dtypes import DType
 from ckptctl.core.plan import SourceTensor, TargetTensor
 from ckptctl.families.placement import Placed
 from ckptctl.formats.dcp.items import ItemReader
-from ckptctl.formats.dcp.block_scaled import MXFP8
+from ckptctl.formats.dcp.block_scaled import BLOCKWISE, MXFP8
 from ckptctl.formats.dcp.te_float8 import CODES, Float8Rows, TeFloat8Target, float8_of
-from ckptctl.formats.dcp.te_mxfp8 import Mxfp8Rows, TeMxfp8Target
+from ckptctl.formats.dcp.te_block_items import BlockRows, TeBlockTarget
 from ckptctl.formats.pickle.te_blocks import BlockScaledRecordSpec
 from ckptctl.formats.pickle.subclass import TE_FLOAT8
 from ckptctl.formats.pickle.subclass import _TeDType
 from ckptctl.util.errors import CheckpointError
 
 _PLAIN = (type(None), bool, int, float, str, DType, _TeDType)
-"""Quantizer fields reshard writes again (TE's MXFP8Quantizer holds only these)."""
+"""Quantizer fields reshard writes again (TE's MXFP8Quantizer and Float8BlockQuantizer hold only these)."""
 
 
 def float8_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> TeFloat8Target | None:
@@ -57,8 +57,8 @@ def float8_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> T
                           bool(getattr(entry.properties, "requires_grad", False)))
 
 
-def block_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> TeMxfp8Target | None:
-    """`entry`'s MXFP8Tensor form when its first item is a TE block-scaled tensor, None when it is
+def block_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> TeBlockTarget | None:
+    """`entry`'s block-scaled form when its first item is a TE block-scaled tensor, None when it is
     none; refused for the kinds not kept, and when its items disagree or are not whole rows."""
     first = next((c for c in entry.chunks if c.length), None)
     if first is None or not reader.names_subclass(first) or reader.block_item(entry, first) is None:
@@ -71,34 +71,35 @@ def block_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> Te
                                                                  "TE block-scaled item, where its tensor's others are")
         spec, scales = found
         forms.add(_kept_form(entry.fqn, spec))
-        width = spec.scales.size[1]
-        rows.append(Mxfp8Rows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0],
-                              scales[:chunk.sizes[0] * width]))
+        rows.append(BlockRows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scales))
+    kind = next(iter(forms))[0].kind
     if view.whole_rows is None or len(entry.shape) != 2:
-        raise CheckpointError(entry.fqn, f"{MXFP8} items that are not whole rows of a matrix: reshard keeps the "
+        raise CheckpointError(entry.fqn, f"{kind} items that are not whole rows of a matrix: reshard keeps the "
                                          "codes and scales of FSDP2's row shards only")
     if len(forms) != 1:
-        raise CheckpointError(entry.fqn, f"its {MXFP8} items differ in FP8 format or reduce form")
-    logical, fp8, module, args, quantizer, width = forms.pop()
-    return TeMxfp8Target(entry.fqn, logical, fp8, module, args, quantizer, width,
+        raise CheckpointError(entry.fqn, f"its {kind} items differ in format or reduce form")
+    scaling, logical, module, args, quantizer = forms.pop()
+    return TeBlockTarget(entry.fqn, scaling, logical, module, args, quantizer, entry.shape[-1],
                          tuple(sorted(rows, key=lambda r: r.start)),
                          bool(getattr(entry.properties, "requires_grad", False)))
 
 
 def _kept_form(fqn: str, spec: BlockScaledRecordSpec) -> tuple:
     """The reduce form an item is written again in; refused for what reshard does not keep."""
-    if spec.scaling.kind != MXFP8:
-        raise CheckpointError(fqn, f"a {spec.kind} ({spec.describe()}): reshard keeps TE's Float8Tensor and "
-                                   f"MXFP8Tensor items, not {spec.scaling.kind}'s yet (export-hf dequantizes it)")
+    kind = spec.scaling.kind
+    if kind not in (MXFP8, BLOCKWISE):
+        raise CheckpointError(fqn, f"a {spec.kind} ({spec.describe()}): reshard keeps TE's Float8Tensor, "
+                                   f"MXFP8Tensor and Float8BlockwiseQTensor items, not {kind}'s yet (export-hf "
+                                   "dequantizes it)")
     reduce = spec.reduce
     if reduce is None:
-        raise CheckpointError(fqn, f"an {MXFP8} in TE ≤ 2.15's classmethod form: reshard writes TE ≥ 2.16's "
+        raise CheckpointError(fqn, f"{kind} in TE ≤ 2.15's classmethod form: reshard writes TE ≥ 2.16's "
                                    "items only (export-hf dequantizes it)")
     quantizer = reduce.quantizer
     if quantizer is not None and any(not isinstance(v, _PLAIN) for _, v in quantizer.fields):
-        raise CheckpointError(fqn, f"an {MXFP8} whose {quantizer.name} holds a tensor: reshard keeps plain "
+        raise CheckpointError(fqn, f"{kind} whose {quantizer.name} holds a tensor: reshard keeps plain "
                                    "quantizer fields only")
-    return spec.dtype, DTYPES[spec.scaling.codes], reduce.dtype_module, reduce.args, quantizer, spec.scales.size[1]
+    return spec.scaling, spec.dtype, reduce.dtype_module, reduce.args, quantizer
 
 
 def codes_view(view: SourceTensor) -> SourceTensor:

@@ -40,7 +40,7 @@ TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
 
 
 class KeptTeTensor:
-    """A TE tensor a reshard keeps as TE's items (`TeFloat8Target`, `te_mxfp8.TeMxfp8Target`): its
+    """A TE tensor a reshard keeps as TE's items (`TeFloat8Target`, `te_block_items.TeBlockTarget`): its
     target is planned as its codes (uint8); it has a `logical` dtype, `record(box, id)`,
     `record_length(sizes)`, and `settle(box)`, which refuses a chunk it cannot keep; `kind` names it."""
 

@@ -197,7 +197,10 @@ def _blockwise(spec_type: type, module_level: bool) -> Callable[[tuple], BlockSc
                               False)
         block = (128, 128) if _flag(two_d, f"{BLOCKWISE} is_2D_scaled") else (1, 128)
         scaling = BlockScaling(BLOCKWISE, _fp8(BLOCKWISE, codes), block, "float32")
-        return _spec(BLOCKWISE, scaling, spec_type, size, row, row_scale, "float32", dtype)
+        spec = _spec(BLOCKWISE, scaling, spec_type, size, row, row_scale, "float32", dtype)
+        if not module_level:
+            return spec
+        return replace(spec, reduce=BlockReduce(len(args), args[5].module, quantizer, col is not None))
     return build
 
 
