@@ -1,4 +1,4 @@
-"""`--verify` of TE Float8Tensor and block-scaled items a reshard kept: their codes and scales, bit for bit, by torch's loader.
+"""`--verify` of TE Float8Tensor and block-scaled items a reshard kept: codes and scales, bit for bit, by torch.
 
 A kept Float8Tensor's value is its codes times its scale, so comparing values would let a wrong
 code hide where two codes give one value (±0) or none (NaN). Every output item and every source
@@ -84,10 +84,11 @@ def _verify_blocks(src: Checkpoint, src_items: ItemReader, source: TensorEntry, 
     for chunk in dst_entry.chunks:
         got = _parts(dst, dst_items, dst_entry, chunk, load_block_parts)
         lo, hi = chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0]
-        form = (got.kind, got.fp8, got.dtype_module, str(got.dtype), got.args, got.shape, tuple(got.scales.shape),
-                got.two_d, got.columnwise)
+        form = (got.kind, got.fp8, got.dtype_module, str(got.dtype), got.args, got.shape, str(got.scales.dtype),
+                tuple(got.scales.shape), got.two_d, got.columnwise)
         want = (kind, TE_CODE[kept.fp8], kept.dtype_module, str(kept.logical.torch), kept.args, chunk.sizes,
-                kept.scale_shape(hi - lo), None if kind == MXFP8 else block == (128, 128), False)
+                "torch.uint8" if kind == MXFP8 else "torch.float32", kept.scale_shape(hi - lo),
+                None if kind == MXFP8 else block == (128, 128), False)
         if form != want:
             raise CheckpointError(written, f"{fqn}: verification failed (the item at {list(chunk.offsets)} "
                                            f"is a {kind} of another form: {form} instead of {want})")
@@ -101,10 +102,12 @@ def _verify_blocks(src: Checkpoint, src_items: ItemReader, source: TensorEntry, 
                 decoded = source_chunk, _parts(src, src_items, source, source_chunk, load_block_parts)
             saved = decoded[1]
             a, b = max(lo, start), min(hi, end)
-            if saved.quantizer != got.quantizer or not saved.codes[a - start:b - start].equal(got.codes[a - lo:b - lo]):
+            if saved.scales.dtype != got.scales.dtype or saved.quantizer != got.quantizer \
+                    or not saved.codes[a - start:b - start].equal(got.codes[a - lo:b - lo]):
                 raise CheckpointError(written, f"{fqn}: verification failed (rows [{a}, {b}) of the item at "
-                                               f"{list(chunk.offsets)}, decoded by torch, are not the codes and "
-                                               f"quantizer of the source's item at {list(source_chunk.offsets)})")
+                                               f"{list(chunk.offsets)}, decoded by torch, are not the codes, scale "
+                                               "dtype and quantizer of the source's item at "
+                                               f"{list(source_chunk.offsets)})")
             if block == (1, 32):
                 scales[a - lo:b - lo] = saved.scales[a - start:b - start]
             elif block == (1, 128):

@@ -9,9 +9,10 @@ whose `_tensor` (`_data`) is the value, TE's reconstructors as the value TE's de
 (float32 code × scale_inv, rounded to the logical dtype; the block-scaled kinds by
 `formats.dcp.block_scaled.dequantize`), TE's quantizers and torchao's configs as inert objects.
 A second set (`load_float8_parts`, `load_block_parts`) builds TE's Float8Tensor, MXFP8Tensor and
-Float8BlockwiseQTensor items as their reconstructor's arguments — codes, scales, FP8 format, DType module, logical dtype,
-shape, quantizer fields — for the check of a reshard that keeps them. No producer's code is imported or run. The pickled forms are described
-in `ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
+Float8BlockwiseQTensor items as their reconstructor's arguments — codes, scales, FP8 format, DType
+module, logical dtype, shape, quantizer fields — for the check of a reshard that keeps them. No
+producer's code is imported or run. The pickled forms are described in
+`ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which of a checkpoint's tensors are Transformer Engine Float8Tensor or MXFP8Tensor items, for a reshard that keeps them.
+"""Which of a checkpoint's tensors are TE Float8Tensor or block-scaled items, for a reshard that keeps them.
 
 A tensor whose first item is a Float8Tensor (`ItemReader.holds_float8`: one small read a tensor) is
 read item by item: every chunk must be a Float8Tensor of the same FP8 format, logical dtype and

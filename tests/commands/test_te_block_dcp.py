@@ -199,9 +199,9 @@ def test_reshard_keeps_2d_blockwise_items_within_saved_blocks(te_saved, tmp_path
                        "--include", "*o_proj*")
         assert done.returncode == 2 and not (tmp_path / f"ws{world_size}").exists()
         assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.o_proj.weight: the target chunk of rows {rows}: its "
-                               f"128-row block {rows} spans more than one saved 128×128 block, each of its own scales; "
-                               "one scale for it would need requantizing (reshard to a world size whose chunks keep "
-                               "within saved blocks, or export-hf it dequantized)\n")
+                               f"128-row block {rows} spans more than one saved 128×128 block, each of its own "
+                               "scales; one scale for it would need requantizing (reshard to a world size whose "
+                               "chunks keep within saved blocks, or export-hf it dequantized)\n")
 
 
 def _record_at(ckpt: Path, fqn: str, key: str) -> int:

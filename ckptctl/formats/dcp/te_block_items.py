@@ -1,4 +1,4 @@
-"""Transformer Engine block-scaled items written again: a reshard keeps TE's MXFP8 and blockwise FP8 weights as TE saved them.
+"""TE block-scaled items written again: a reshard keeps TE's MXFP8 and blockwise FP8 weights as TE saved them.
 
 A target chunk is whole rows (FSDP2's `Shard(0)`); its item holds its rows' codes (uint8, storage
 `data/0`, streamed from the sources' code records) and the scales of those rows (storage `data/1`,
