@@ -8,10 +8,11 @@ unpickler, with its own checks, builds the item: torchao's wrappers as inert wra
 whose `_tensor` (`_data`) is the value, TE's reconstructors as the value TE's dequantize gives
 (float32 code × scale_inv, rounded to the logical dtype; the block-scaled kinds by
 `formats.dcp.block_scaled.dequantize`), TE's quantizers and torchao's configs as inert objects.
-A second set (`load_float8_parts`) builds TE's Float8Tensor items as their reconstructor's
-arguments — codes, scale_inv, FP8 format, DType module, logical dtype, shape — for the check of a
-reshard that keeps them. No producer's code is imported or run. The pickled forms are described
-in `ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
+A second set (`load_float8_parts`, `load_block_parts`) builds TE's Float8Tensor, MXFP8Tensor and
+Float8BlockwiseQTensor items as their reconstructor's arguments — codes, scales, FP8 format, DType
+module, logical dtype, shape, quantizer fields — for the check of a reshard that keeps them. No
+producer's code is imported or run. The pickled forms are described in
+`ckptctl.formats.pickle.subclass` and `ckptctl.formats.pickle.te_blocks`.
 """
 
 from __future__ import annotations
@@ -202,6 +203,75 @@ def load_float8_parts(raw: bytes) -> Float8Parts:
         parts = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     if type(parts) is not Float8Parts:
         raise ValueError("not a Transformer Engine Float8Tensor item")
+    return parts
+
+
+@dataclass(frozen=True)
+class BlockParts:
+    """What torch's loader builds of a TE MXFP8Tensor or Float8BlockwiseQTensor item under
+    `_BLOCK_SAFE`: the reconstructor's arguments as pickled, nothing computed (`--verify` of a
+    reshard that keeps them)."""
+
+    kind: str  # "MXFP8Tensor" or "Float8BlockwiseQTensor"
+    codes: Any  # rowwise uint8 codes of the logical shape
+    scales: Any  # rowwise scales (uint8 E8M0 or float32), padded
+    columnwise: bool  # whether it holds a columnwise copy
+    fp8: int
+    dtype_module: str
+    dtype: Any
+    shape: tuple[int, ...]
+    quantizer: Any  # (class name, its fields) or None
+    args: int
+    two_d: bool | None  # blockwise's is_2D_scaled
+
+
+def _block_parts(kind: str, row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any, dtype: Any, shape: Any,
+                 quantizer: Any, args: int, two_d: bool | None) -> BlockParts:
+    import torch
+
+    if not isinstance(row, torch.Tensor) or row.dtype != torch.uint8 or tuple(row.shape) != tuple(shape) \
+            or not isinstance(row_scale, torch.Tensor) or row_scale.dim() != 2 or type(fp8) is not _TeCode \
+            or not (quantizer is None or isinstance(quantizer, _Inert)):
+        raise ValueError(f"not a Transformer Engine {kind}")
+    held = None if quantizer is None else (type(quantizer).__name__, quantizer.state)
+    return BlockParts(kind, row, row_scale, col is not None or col_scale is not None, fp8.value, fp8.module, dtype,
+                      tuple(shape), held, args, two_d)
+
+
+def _te_mxfp8_parts(row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any, dtype: Any, shape: Any,
+                    *rest: Any) -> BlockParts:
+    if len(rest) > 2 or rest[1:] not in ((), (False,)):
+        raise ValueError("not a Transformer Engine MXFP8Tensor")
+    return _block_parts("MXFP8Tensor", row, row_scale, col, col_scale, fp8, dtype, shape, rest[0] if rest else None,
+                        7 + len(rest), None)
+
+
+def _te_blockwise_parts(shape: Any, row: Any, row_scale: Any, col: Any, col_scale: Any, fp8: Any, dtype: Any,
+                        quantizer: Any, two_d: Any, *rest: Any) -> BlockParts:
+    if type(two_d) is not bool or rest not in ((), (None,)):
+        raise ValueError("not a Transformer Engine Float8BlockwiseQTensor")
+    return _block_parts("Float8BlockwiseQTensor", row, row_scale, col, col_scale, fp8, dtype, shape, quantizer,
+                        9 + len(rest), two_d)
+
+
+_BLOCK_SAFE = [(_te_mxfp8_parts, f"{_TE}.mxfp8_tensor._make_mxfp8_tensor_in_reduce_ex"),
+               (_te_blockwise_parts, f"{_TE}.float8_blockwise_tensor._make_float8_blockwise_tensor_in_reduce_ex"),
+               (type("MXFP8Quantizer", (_Inert,), {}), f"{_TE}.mxfp8_tensor.MXFP8Quantizer"),
+               (type("Float8BlockQuantizer", (_Inert,), {}), f"{_TE}.float8_blockwise_tensor.Float8BlockQuantizer"),
+               *_FLOAT8_SAFE[1:]]
+"""The stand-ins `load_block_parts` allows: TE's MXFP8 and blockwise reconstructors keeping their
+arguments, their quantizers keeping their fields, TE's DType keeping the module it was named under."""
+
+
+def load_block_parts(raw: bytes) -> BlockParts:
+    """A TE MXFP8Tensor's or Float8BlockwiseQTensor's records and form, by
+    `torch.load(weights_only=True)` allowed `_BLOCK_SAFE`; ValueError for any other item."""
+    import torch
+
+    with _LOADING, torch.serialization.safe_globals(_BLOCK_SAFE):
+        parts = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    if type(parts) is not BlockParts:
+        raise ValueError("not a Transformer Engine block-scaled item")
     return parts
 
 

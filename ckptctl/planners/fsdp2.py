@@ -17,9 +17,8 @@ from ckptctl.families.placement import fsdp2
 from ckptctl.formats.dcp.items import ItemReader
 from ckptctl.formats.megatron_args import context_parallel
 from ckptctl.formats.dcp.writer import place_dcp_records
-from ckptctl.formats.pickle.subclass import TE_FLOAT8
 from ckptctl.planners.request import PlannedReshard, ReshardChoices
-from ckptctl.planners.te_float8 import codes_view, float8_form, settle_scales
+from ckptctl.planners.te_float8 import block_form, codes_view, float8_form, settle_scales
 from ckptctl.util.errors import UsageError
 
 
@@ -50,13 +49,13 @@ class Fsdp2Reshard:
             for fqn, src in sources.items():
                 if not keep(fqn):
                     continue
-                float8 = float8_form(ckpt.tensors[fqn], src, reader)
+                float8 = float8_form(ckpt.tensors[fqn], src, reader) or block_form(ckpt.tensors[fqn], src, reader)
                 if float8 is None:
                     targets.append(identity_target(src, dtype=cast_dtype(src.dtype, self.dtype),
                                                    properties=ckpt.tensors[fqn].properties))
                     continue
                 if cast_dtype(src.dtype, self.dtype) != src.dtype:
-                    raise UsageError(f"--dtype {self.dtype.name}: {fqn} is a {TE_FLOAT8}, whose FP8 codes reshard "
+                    raise UsageError(f"--dtype {self.dtype.name}: {fqn} is a {float8.kind}, whose FP8 codes reshard "
                                      "keeps as they are (export-hf dequantizes it)")
                 sources[fqn] = codes_view(src)  # its codes are copied; its records are TE's items again
                 targets.append(identity_target(sources[fqn], properties=float8))

@@ -93,14 +93,116 @@ def test_items_decode_to_their_records(te_saved):
     assert (block.scaling.block, block.scaling.codes, block.scales.size) == ((1, 128), "float8_e4m3fn", (1, 64))
 
 
-def test_reshard_refuses_te_block_kinds_by_name(te_saved, tmp_path):
+def test_reshard_refuses_nvfp4_by_name(te_saved, tmp_path):
+    """NVFP4 is refused at planning, before any file is written."""
     ckpt = te_saved[0]
+    kept = "reshard keeps TE's Float8Tensor, MXFP8Tensor and Float8BlockwiseQTensor items, not NVFP4Tensor's yet"
     done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "1")
     assert done.returncode == 2
-    assert done.stderr == (f"ckptctl: error: {ckpt}/__0_0.distcp: item at byte 0: {LAYER}mlp.down_proj.weight is a "
-                           f"{MX_E4M3.replace(': ', ' (', 1)}); this command keeps tensors exactly and cannot rewrite "
-                           "block-scaled items (export-hf dequantizes them)\n")
+    assert done.stderr == (f"ckptctl: error: {LAYER}mlp.up_proj.weight: a {NVFP4_ROWS.replace(': ', ' (', 1)}): "
+                           f"{kept} (export-hf dequantizes it)\n")
+    done = run_cli("reshard", ckpt, tmp_path / "out", "--world-size", "3", "--include", "*v_proj*")
+    assert done.returncode == 2
+    assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.v_proj.weight: a {NVFP4.replace(': ', ' (', 1)}): "
+                           f"{kept} (export-hf dequantizes it)\n")
     assert not (tmp_path / "out").exists()
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _expected_scales(kind: str, saved: list, start: int, stop: int) -> torch.Tensor:
+    """A kept chunk's rowwise scales by TE's layout, from the saved shards' (each `rows` rows):
+    MXFP8 its rows' scale rows then zero rows to 128; blockwise 1-D its rows' columns then zero
+    columns to 4; 2-D the scale row of the saved 128×128 block its rows lie in."""
+    rows, held = saved[0][0].shape[0], stop - start
+    if kind == "mxfp8":
+        full = torch.cat([scales[:rows] for _, scales, _ in saved])
+        out = torch.zeros((_round_up(held, 128), full.shape[1]), dtype=torch.uint8)
+        out[:held] = full[start:stop]
+        return out
+    if kind == "block1d":
+        full = torch.cat([scales[:, :rows] for _, scales, _ in saved], dim=1)
+        out = torch.zeros((full.shape[0], _round_up(held, 4)), dtype=torch.float32)
+        out[:, :held] = full[:, start:stop]
+        return out
+    shard = start // rows
+    assert (stop - 1) // rows == shard and held <= 128
+    return saved[shard][1][(start - shard * rows) // 128:][:1]
+
+
+def _reshards_exactly(te_saved, out: Path, world_size: int, leaves: dict[str, tuple[int, str, int]]) -> None:
+    """Resharded with --verify, torch's dcp.load at `world_size` ranks gives every rank TE's
+    reduce form again (leaf → rows, kind, TE DType): its rows' codes bit for bit, its scales as
+    `_expected_scales` says, the saved quantizer's fields, no columnwise copy; the dequantized
+    values equal the source's."""
+    ckpt = te_saved[0]
+    done = run_cli("reshard", ckpt, out, "--world-size", str(world_size),
+                   *(a for leaf in leaves for a in ("--include", f"*{leaf}*")), "--verify")
+    assert done.returncode == 0, done.stderr
+    loaded = te_blocks_dcp.load_kept(str(out), world_size, tuple(leaves))
+    for leaf, (rows, kind, dtype) in leaves.items():
+        step = -(-rows // world_size)
+        for rank, shards in enumerate(loaded):
+            (got,) = [v for k, v in shards.items() if k.endswith(f".{leaf}.weight")]
+            start, stop = min(rows, rank * step), min(rows, (rank + 1) * step)
+            assert got["rows"] == (start, stop) and got["kind"] == kind
+            args, saved = got["args"], got["saved"]
+            if kind == "mxfp8":
+                codes, scales, rest = args[0], args[1], (args[2:6], tuple(args[6]), args[8], len(args))
+                want = ((None, None, dtype, torch.bfloat16), (stop - start, args[6][1]), False, 9)
+                quantizer = args[7]
+            else:
+                codes, scales, rest = args[1], args[2], (args[3:7], tuple(args[0]), args[8:], len(args))
+                want = ((None, None, dtype, torch.bfloat16), (stop - start, args[0][1]), (kind == "block2d", None), 10)
+                quantizer = args[7]
+            assert rest == want, (leaf, rank)
+            assert quantizer == saved[0][2] and quantizer["dtype"] == dtype and quantizer["columnwise_usage"] is True
+            assert torch.equal(codes, torch.cat([c for c, _, _ in saved])[start:stop]), (leaf, rank)
+            expected = _expected_scales(kind, saved, start, stop)
+            assert scales.dtype == expected.dtype and scales.shape == expected.shape, (leaf, rank)
+            bits = torch.int32 if expected.dtype == torch.float32 else torch.uint8
+            assert torch.equal(scales.view(bits), expected.view(bits)), (leaf, rank)
+    same = run_cli("diff", ckpt, out)
+    count = f"{len(leaves)} tensor{'s' if len(leaves) > 1 else ''}"
+    assert f"{count}: {len(leaves)} equal, 0 close, 0 differs; {12 - len(leaves)} only in A" in same.stdout, same.stdout
+
+
+MXFP8_LEAVES = {"q_proj": (64, "mxfp8", 7), "k_proj": (32, "mxfp8", 8), "down_proj": (64, "mxfp8", 7)}
+
+
+def test_reshard_keeps_mxfp8_items_exactly_at_3_ranks(te_saved, tmp_path):
+    """The essential proof: 2 → 3 ranks (22, 22, 20 rows), every rank's codes and scales kept."""
+    _reshards_exactly(te_saved, tmp_path / "ws3", 3, MXFP8_LEAVES)
+
+
+@pytest.mark.full
+def test_reshard_keeps_mxfp8_items_exactly_at_1_rank(te_saved, tmp_path):
+    _reshards_exactly(te_saved, tmp_path / "ws1", 1, MXFP8_LEAVES)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("world_size", [3, 1])
+def test_reshard_keeps_1d_blockwise_items_exactly(te_saved, tmp_path, world_size):
+    """1×128 blocks: a row's scales are its column of [⌈N/128⌉, round_up(M, 4)]; they follow it."""
+    _reshards_exactly(te_saved, tmp_path / "out", world_size, {"gate_proj": (128, "block1d", 7)})
+
+
+@pytest.mark.full
+def test_reshard_keeps_2d_blockwise_items_within_saved_blocks(te_saved, tmp_path):
+    """128×128 blocks, each saved shard (32 rows) one block: at 4 ranks every chunk (16 rows) lies in
+    one saved block and keeps its scale row; at 3 ranks (rows [22, 44) join two) and at 1 it is
+    refused, naming the chunk, before anything is written."""
+    _reshards_exactly(te_saved, tmp_path / "ws4", 4, {"o_proj": (64, "block2d", 7)})
+    for world_size, rows in ((3, "[22, 44)"), (1, "[0, 64)")):
+        done = run_cli("reshard", te_saved[0], tmp_path / f"ws{world_size}", "--world-size", str(world_size),
+                       "--include", "*o_proj*")
+        assert done.returncode == 2 and not (tmp_path / f"ws{world_size}").exists()
+        assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.o_proj.weight: the target chunk of rows {rows}: its "
+                               f"128-row block {rows} spans more than one saved 128×128 block, each of its own "
+                               "scales; one scale for it would need requantizing (reshard to a world size whose "
+                               "chunks keep within saved blocks, or export-hf it dequantized)\n")
 
 
 def _record_at(ckpt: Path, fqn: str, key: str) -> int:
@@ -181,6 +283,38 @@ def test_te_2_15_forms(tmp_path):
         f"{LAYER}mlp.down_proj.weight": "transformer_engine Float8Tensor: float8_e4m3fn data + float32 scale_inv, "
                                         "logical bfloat16"}
     _exports_as_te_dequantizes(tmp_path / "ckpt", tmp_path / "cfg", values, tmp_path / "hf")
+    done = run_cli("reshard", tmp_path / "ckpt", tmp_path / "out", "--world-size", "3", "--include", "*q_proj*")
+    assert done.returncode == 2 and not (tmp_path / "out").exists()
+    assert done.stderr == (f"ckptctl: error: {LAYER}self_attn.q_proj.weight: MXFP8Tensor in TE ≤ 2.15's classmethod "
+                           "form: reshard writes TE ≥ 2.16's items only (export-hf dequantizes it)\n")
     for fqn in (f"{LAYER}mlp.down_proj.weight", f"{LAYER}self_attn.q_proj.weight"):  # getattr, pybind DType
         assert refused_mutants(_item_pickle(tmp_path / "ckpt", fqn),
                                (TensorRecordSpec, BlockScaledRecordSpec, Float8RecordSpec)) > 200
+
+
+@pytest.mark.full
+def test_verify_refuses_an_mxfp8_item_with_another_scale(te_saved, tmp_path):
+    """--verify's MXFP8 check decodes both sides by torch's loader: one scale byte changed in an
+    output item (a value the default check might not sample) fails it, naming the rows."""
+    from ckptctl.checks.float8_output import verify_float8
+    from ckptctl.commands.reshard import ReshardOptions, plan_reshard
+    from ckptctl.formats.dcp.items import ItemReader
+    from ckptctl.formats.dcp.metadata import open_checkpoint
+    from ckptctl.util.errors import CheckpointError
+
+    out, fqn = tmp_path / "ws3", f"{LAYER}self_attn.q_proj.weight"
+    assert run_cli("reshard", te_saved[0], out, "--world-size", "3", "--include", "*q_proj*").returncode == 0
+    src, dst = open_checkpoint(te_saved[0]), open_checkpoint(out)
+    target = plan_reshard(src, ReshardOptions(world_size=3, include=("*q_proj*",))).targets[fqn]
+    with ItemReader(src) as src_items, ItemReader(dst) as dst_items:
+        verify_float8(src, src_items, dst, dst_items, target, out)
+    at = _record_at(out, fqn, "1") + 3 * 4  # row 3's first block
+    with open(out / "__0_0.distcp", "r+b") as f:
+        f.seek(at)
+        kept = f.read(1)
+        f.seek(at)
+        f.write(bytes([kept[0] ^ 1]))
+    with ItemReader(src) as src_items, ItemReader(open_checkpoint(out)) as dst_items:
+        with pytest.raises(CheckpointError, match=r"the scales of the item at \[0, 0\], decoded by torch, are not its "
+                                                  r"source rows' scales padded with zeros as TE pads them"):
+            verify_float8(src, src_items, open_checkpoint(out), dst_items, target, out)

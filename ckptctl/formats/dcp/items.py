@@ -346,6 +346,26 @@ class ItemReader:
         item = self._float8.get(key)
         return None if item is None else (item.spec, self.located_scale(chunk))
 
+    def block_item(self, entry: TensorEntry, chunk: Chunk) -> tuple[BlockScaledRecordSpec, bytes] | None:
+        """A TE block-scaled chunk's spec and its rowwise scales' bytes (padding included, as
+        saved); None for any other item."""
+        item = self._located_block(entry, chunk)
+        if item is None:
+            return None
+        nbytes = item.spec.scales.storage_numel * item.spec.scales.dtype.itemsize
+        scales = self.positioned_reader(chunk.file)(nbytes, chunk.offset + item.starts[1])
+        if len(scales) != nbytes:
+            raise self._bad(chunk, "short read")
+        return item.spec, scales
+
+    def _located_block(self, entry: TensorEntry, chunk: Chunk) -> _BlockItem | None:
+        if chunk.transforms or self.ckpt.dense(chunk.file) or self._safetensors_header(chunk.file, chunk.offset):
+            return None
+        key = (chunk.file, chunk.offset)
+        if key not in self._kinds and key not in self._blocks and key not in self._float8:
+            self._locate_torch_save(entry, chunk, (entry.dtype, chunk.sizes, chunk.length), None)
+        return self._blocks.get(key)
+
     def located_scale(self, chunk: Chunk) -> bytes | None:
         """The scale_inv (four bytes) of a chunk already located as a TE Float8Tensor item (a chunk
         is located before it is read); None for any other."""
@@ -365,7 +385,10 @@ class ItemReader:
             and self.names_subclass(first) and self.float8_item(entry, first) is not None
 
     def _codes(self, entry: TensorEntry, chunk: Chunk) -> RawRecord:
-        """Where a TE Float8Tensor chunk's FP8 codes are (`fp8_codes`)."""
+        """Where a TE Float8Tensor's or MXFP8Tensor's chunk's FP8 codes are (`fp8_codes`)."""
+        block = None if (chunk.file, chunk.offset) in self._float8 else self._located_block(entry, chunk)
+        if block is not None and block.spec.scaling.codes != "e2m1":  # codes of the logical shape, one byte each
+            return RawRecord(self._path(chunk.file), chunk.offset + block.starts[0], chunk.numel)
         if self.float8_item(entry, chunk) is None:
             raise self._bad(chunk, f"{entry.fqn}: not a {TE_FLOAT8} item, where its tensor's others are")
         return RawRecord(self._path(chunk.file), chunk.offset + self._float8[(chunk.file, chunk.offset)].data_at,

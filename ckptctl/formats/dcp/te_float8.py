@@ -39,6 +39,18 @@ TE_CODE = {fp8: code for code, fp8 in TE_FP8.items()}
 """TE's DType value of each FP8 format."""
 
 
+class KeptTeTensor:
+    """A TE tensor a reshard keeps as TE's items (`TeFloat8Target`, `te_block_items.TeBlockTarget`): its
+    target is planned as its codes (uint8); it has a `logical` dtype, `record(box, id)`,
+    `record_length(sizes)`, and `settle(box)`, which refuses a chunk it cannot keep; `kind` names it."""
+
+    logical: DType
+    kind = TE_FLOAT8
+
+    def settle(self, box: Box) -> None:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Float8Rows:
     """Source rows [start, end) of a Float8Tensor tensor, held by one item (none, for an empty
@@ -50,7 +62,7 @@ class Float8Rows:
 
 
 @dataclass(frozen=True)
-class TeFloat8Target:
+class TeFloat8Target(KeptTeTensor):
     """A target's `properties` when its records are TE Float8Tensor items: the target's dtype is
     its codes' (uint8); `logical` is the tensor's dtype, which `.metadata` records, `fp8` the
     codes' format, `dtype_module` and `args` the source's reduce form (TE's DType class by its
@@ -83,6 +95,9 @@ class TeFloat8Target:
                                             "reshard to a world size whose chunks keep within its saved shards, or "
                                             "export-hf it (dequantized)")
         return scales[0]
+
+    def settle(self, box: Box) -> None:
+        self.scale_of(box)
 
     def record(self, box: Box, serialization_id: str) -> Float8Record:
         """The item of target chunk `box`."""
@@ -130,9 +145,9 @@ class Float8Record(TorchSaveRecord):
         self._template = _tail(target.form, tuple(sizes), scale, len(self._id))
 
 
-def float8_of(target: TargetTensor) -> TeFloat8Target | None:
-    """The target's Float8Tensor form, None for any other target."""
-    return target.properties if isinstance(target.properties, TeFloat8Target) else None
+def float8_of(target: TargetTensor) -> KeptTeTensor | None:
+    """The target's kept TE form (Float8Tensor, MXFP8Tensor), None for any other target."""
+    return target.properties if isinstance(target.properties, KeptTeTensor) else None
 
 
 def stored_dtype(target: TargetTensor) -> DType:

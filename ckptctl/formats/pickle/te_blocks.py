@@ -28,7 +28,7 @@ shapes TE cannot quantize, and any scale tensor whose shape is not the one TE's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ckptctl.core.dtypes import DTYPES, DType
@@ -62,6 +62,7 @@ class BlockScaledRecordSpec:
     amax: Any  # TensorRecordSpec (float32) or None
     dtype: DType
     size: tuple[int, ...]
+    reduce: BlockReduce | None = None
 
     def describe(self) -> str:
         return self.scaling.describe(self.dtype.name, self.scales.size)
@@ -72,23 +73,37 @@ class BlockScaledRecordSpec:
 
 
 @dataclass(frozen=True)
-class _Quantizer:
-    """A TE quantizer, inert: its class name only."""
+class BlockReduce:
+    """How TE ≥ 2.16 pickled the tensor, for a reshard that writes it again: its module-level
+    reconstructor's argument count, the module its DType was named under, its quantizer's state
+    (None: no quantizer), whether it held a columnwise copy."""
 
+    args: int
+    dtype_module: str
+    quantizer: Quantizer | None
+    columnwise: bool
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """A TE quantizer, inert: its class and the fields BUILD gave it (plain values), in order."""
+
+    module: str
     name: str
+    fields: tuple[tuple[str, Any], ...] = ()
 
 
 _LEAVES = (type(None), bool, int, float, str, DType, _TeDType)
 
 
-def _quantizer(name: str, spec_type: type) -> Callable[[Any], _Quantizer]:
-    def from_state(state: Any) -> _Quantizer:
+def _quantizer(module: str, name: str, spec_type: type) -> Callable[[Any], Quantizer]:
+    def from_state(state: Any) -> Quantizer:
         if type(state) is not dict or len(state) > MAX_QUANTIZER_FIELDS:
             raise MalformedPickleError(f"{name} state is not a dict of its fields")
         for key, value in state.items():
             if type(key) is not str or (type(value) not in _LEAVES and type(value) is not spec_type):
                 raise UnsafePickleError(f"{name} field {str(key)[:64]!r} holds a {type(value).__name__}")
-        return _Quantizer(name)
+        return Quantizer(module, name, tuple(state.items()))
     return from_state
 
 
@@ -122,7 +137,7 @@ def _common(kind: str, spec_type: type, shape: Any, row: Any, row_scale: Any, co
         raise MalformedPickleError(f"{kind} data type is not a Transformer Engine DType")
     if type(dtype) is not DType or dtype not in LOGICAL:
         raise MalformedPickleError(f"{kind} dtype is not bfloat16, float16 or float32")
-    if quantizer is not None and type(quantizer) is not _Quantizer:
+    if quantizer is not None and type(quantizer) is not Quantizer:
         raise MalformedPickleError(f"{kind} quantizer is not a Transformer Engine quantizer")
     _optional_tensor(col, f"{kind} columnwise data", spec_type)
     _optional_tensor(col_scale, f"{kind} columnwise scale_inv", spec_type)
@@ -155,7 +170,7 @@ def _fp8(kind: str, codes: int) -> str:
     return TE_FP8[codes].name
 
 
-def _mxfp8(spec_type: type) -> Callable[[tuple], BlockScaledRecordSpec]:
+def _mxfp8(spec_type: type, module_level: bool) -> Callable[[tuple], BlockScaledRecordSpec]:
     def build(args: tuple) -> BlockScaledRecordSpec:
         if not 7 <= len(args) <= 9:
             raise MalformedPickleError("_make_mxfp8_tensor_in_reduce_ex called with the wrong arguments")
@@ -164,11 +179,14 @@ def _mxfp8(spec_type: type) -> Callable[[tuple], BlockScaledRecordSpec]:
         size, codes = _common(MXFP8, spec_type, shape, row, row_scale, col, col_scale, codes, dtype, quantizer,
                               swizzled)
         scaling = BlockScaling(MXFP8, _fp8(MXFP8, codes), (1, 32), "E8M0")
-        return _spec(MXFP8, scaling, spec_type, size, row, row_scale, "uint8", dtype)
+        spec = _spec(MXFP8, scaling, spec_type, size, row, row_scale, "uint8", dtype)
+        if not module_level:
+            return spec
+        return replace(spec, reduce=BlockReduce(len(args), args[4].module, quantizer, col is not None))
     return build
 
 
-def _blockwise(spec_type: type) -> Callable[[tuple], BlockScaledRecordSpec]:
+def _blockwise(spec_type: type, module_level: bool) -> Callable[[tuple], BlockScaledRecordSpec]:
     def build(args: tuple) -> BlockScaledRecordSpec:
         if len(args) not in (9, 10):
             raise MalformedPickleError("_make_float8_blockwise_tensor_in_reduce_ex called with the wrong arguments")
@@ -179,11 +197,14 @@ def _blockwise(spec_type: type) -> Callable[[tuple], BlockScaledRecordSpec]:
                               False)
         block = (128, 128) if _flag(two_d, f"{BLOCKWISE} is_2D_scaled") else (1, 128)
         scaling = BlockScaling(BLOCKWISE, _fp8(BLOCKWISE, codes), block, "float32")
-        return _spec(BLOCKWISE, scaling, spec_type, size, row, row_scale, "float32", dtype)
+        spec = _spec(BLOCKWISE, scaling, spec_type, size, row, row_scale, "float32", dtype)
+        if not module_level:
+            return spec
+        return replace(spec, reduce=BlockReduce(len(args), args[5].module, quantizer, col is not None))
     return build
 
 
-def _nvfp4(spec_type: type) -> Callable[[tuple], BlockScaledRecordSpec]:
+def _nvfp4(spec_type: type, module_level: bool) -> Callable[[tuple], BlockScaledRecordSpec]:
     def build(args: tuple) -> BlockScaledRecordSpec:
         if not 10 <= len(args) <= 14:
             raise MalformedPickleError("_make_nvfp4_tensor_in_reduce_ex called with the wrong arguments")
@@ -243,21 +264,21 @@ def te_block_globals(spec_type: type) -> dict[tuple[str, str], Any]:
     classes: dict[str, Constructor] = {}
     table: dict[tuple[str, str], Any] = {}
     for kind, make in _CLASSES.items():
-        ctor = Constructor(f"{_MODULES[kind]}.{_RECONSTRUCTORS[kind]}", call=make(spec_type))
+        ctor = Constructor(f"{_MODULES[kind]}.{_RECONSTRUCTORS[kind]}", call=make(spec_type, True))
         table[(_MODULES[kind], _RECONSTRUCTORS[kind])] = ctor
         token = _Token(f"{_MODULES[kind]}.{kind}")
         table[(_MODULES[kind], kind)] = token
-        classes[token.name] = Constructor(f"{token.name}._make_in_reduce_ex", call=make(spec_type))
+        classes[token.name] = Constructor(f"{token.name}._make_in_reduce_ex", call=make(spec_type, False))
     float8 = _Token(f"{TE_RECONSTRUCTOR[0]}.Float8Tensor")
     table[(TE_RECONSTRUCTOR[0], "Float8Tensor")] = float8
     classes[float8.name] = Constructor(f"{float8.name}._make_in_reduce_ex", call=_old_float8(spec_type))
     getattr_ = Constructor("getattr", call=_getattr(classes))
     table[("builtins", "getattr")] = table[("__builtin__", "getattr")] = getattr_
     for module, name in _QUANTIZERS:
-        table[(module, name)] = Constructor(f"{module}.{name}", from_state=_quantizer(name, spec_type))
+        table[(module, name)] = Constructor(f"{module}.{name}", from_state=_quantizer(module, name, spec_type))
     table[(_PYBIND_DTYPE_MODULE, "DType")] = Constructor("transformer_engine DType",
                                                          call=_te_dtype(_PYBIND_DTYPE_MODULE), from_state=_pybind_dtype)
     return table
 
 
-__all__ = ["BlockScaledRecordSpec", "te_block_globals"]
+__all__ = ["BlockReduce", "BlockScaledRecordSpec", "Quantizer", "te_block_globals"]
