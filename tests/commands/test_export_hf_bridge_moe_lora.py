@@ -81,6 +81,7 @@ def _expert_names() -> list[str]:
                                                                                              "v_proj", "o_proj")])
 
 
+@pytest.mark.full
 def test_expert_adapters_merged_are_bridge_merge_of_each_expert(moe, tmp_path):
     run = run_cli("export-hf", moe / "sequential" / "ckpt", tmp_path / "hf", "--hf-config", moe / "cfg",
                   "--merge-adapters", "--lora-alpha", ALPHA, "--verify")
@@ -94,6 +95,7 @@ def test_expert_adapters_merged_are_bridge_merge_of_each_expert(moe, tmp_path):
     assert sorted(n for n in want if not torch.equal(want[n], plain[n])) == _expert_names()
 
 
+@pytest.mark.full
 def test_expert_adapters_as_peft_target_parameters_load_as_the_merged_model(moe, tmp_path):
     """The experts' LoRA as PEFT's ParamWrapper on transformers 5's fused `gate_up_proj` / `down_proj`:
     expert e's A rows e·r…, its B columns e, E + e, … (peft's own reshape), gate then up; gate_up_proj's
@@ -180,6 +182,7 @@ def _with_args(run: Path, dst: Path, grouped: bool) -> Path:
     return dst
 
 
+@pytest.mark.full
 def test_grouped_expert_adapters_are_not_written_per_expert_in_megatron_fsdp(moe, tmp_path):
     """Under args.moe_grouped_gemm Bridge's model holds an expert adapter once per EP rank (or packed),
     never as `linear_fc1.adapter.linear_in.weight<e>`: the conversion is refused, not written so."""

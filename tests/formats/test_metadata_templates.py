@@ -432,7 +432,7 @@ def test_a_batch_of_storage_entries_alike_but_for_names_and_offsets_is_taken_by_
         (1 << 16) + 360, 360, (1 << 16) + 360]
 
 
-@pytest.mark.parametrize("mutants", [40, pytest.param(200, marks=pytest.mark.full)])
+@pytest.mark.parametrize("mutants", [20, pytest.param(200, marks=pytest.mark.full)])
 def test_mutants_of_batches_taken_by_their_bytes_read_as_the_oracle_reads_them_or_are_declined(tmp_path, monkeypatch,
                                                                                                mutants):
     """Bytes changed at random inside the storage entries of the batches taken by their bytes (a
