@@ -25,6 +25,8 @@ from typing import Any
 from ckptctl.commands.import_adapter import adapter_weights
 from ckptctl.core.checkpoint import Checkpoint, TensorEntry
 from ckptctl.families.adapters import PEFT_PREFIX, read_adapter_config
+from ckptctl.families.expert_lora import is_per_expert
+from ckptctl.families.experts import stacked_shapes
 from ckptctl.families.peft_folder import peft_model_names, read_folder_config
 from ckptctl.formats.safetensors.reader import open_safetensors_folder
 from ckptctl.formats.automodel_peft import (ADAPTER_CONFIG, ADAPTER_WEIGHTS, AUTOMODEL_PEFT_CONFIG, AutomodelPeft)
@@ -54,28 +56,15 @@ def _on_parameter(module: str, wrapped: tuple[str, ...]) -> bool:
     return any(module == w or module.endswith("." + w) for w in wrapped)
 
 
-def export_refusal_detail(found: AutomodelPeft) -> str | None:
-    """Why the adapters cannot be merged at all yet (LoRA on MoE expert parameters), or None."""
-    path = found.adapter / ADAPTER_CONFIG
-    if store_for(path).kind(path) is EntryKind.MISSING:
-        return None
-    names = read_json_object(path, "peft adapter config").get("target_parameters")
-    if not names:
-        return None
-    return (f"{found.path}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
-            f"(target_parameters {json.dumps(names)} in {path}), which export-hf does not merge from a base folder "
-            "of per-expert weights yet: import-hf BASE DCP --adapter STEP, then export-hf DCP DST --merge-adapters "
-            "(or --adapter-only); PeftModel.from_pretrained loads its PEFT folder as is")
-
-
 def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Checkpoint:
     """The peft model of the run's base model (`base`, else `ref`, the `--hf-config` folder, which
     must then hold the weights) and its adapter folder, as one checkpoint of safetensors files.
-    Refused: LoRA on MoE expert parameters, a base without safetensors weights, and whatever the
+    LoRA on MoE expert stacks (`target_parameters`) over a base holding its experts one by one:
+    the per-expert tensors keep their names (under the wrappers' `.base_layer` steps), and the
+    adapter is told its stack by the shapes they make (`families.experts.stacked_shapes`), which
+    export-hf merges per expert. Refused: a base without safetensors weights, and whatever the
     adapter folder's check refuses (`peft_model_names`: an adapter on a module the base lacks, a
     rank other than `r`, a module the config adapts without adapter …)."""
-    if (detail := export_refusal_detail(found)) is not None:
-        raise UsageError(detail)
     if base is None:
         local = Path(ref)
         if store_for(local).kind(local) is not EntryKind.FOLDER or not stored_tensors_here(local):
@@ -86,15 +75,21 @@ def peft_source(found: AutomodelPeft, base: Path | None, ref: str | Path) -> Che
     config_path, weights = adapter_weights(found.adapter)
     model = open_safetensors_folder(base)
     adapter = open_safetensors_folder(weights)
-    names = peft_model_names({n: e.shape for n, e in model.tensors.items()},
-                             {n: e.shape for n, e in adapter.tensors.items()},
-                             read_folder_config(config_path, "export-hf does not read"), "default", weights)
+    config = read_folder_config(config_path, "export-hf does not read")
+    shapes = {n: e.shape for n, e in model.tensors.items()}
+    if config.parameters:  # a base folder's experts one by one: peft wraps the stacks transformers makes of them
+        modules = {n.split(".mlp.experts.", 1)[0] + ".mlp.experts" for n in shapes if is_per_expert(n)}
+        stacks = {f"{m}.{p}": shape for m in sorted(modules) for p, shape in stacked_shapes(m, shapes).items()}
+        shapes.update(stacks)
+    names = peft_model_names(shapes, {n: e.shape for n, e in adapter.tensors.items()}, config, "default", weights)
     tensors: dict[str, TensorEntry] = {}
     files: dict[str, int] = {}
     for source, renamed in ((model, names.base), (adapter, names.folder)):
         paths = {f: str((source.path / f).resolve()) for f in source.files}
         files.update((paths[f], size) for f, size in source.files.items())
         for name, peft_name in renamed.items():
+            if name not in source.tensors:
+                continue  # a stack of the base's per-expert tensors, which it holds under their own names
             entry = source.tensors[name]
             tensors[peft_name] = replace(entry, fqn=peft_name, record=name,
                                          chunks=tuple(replace(c, file=paths[c.file]) for c in entry.chunks))
@@ -163,7 +158,7 @@ def describe(found: AutomodelPeft) -> dict[str, Any]:
                      "parameter_tensors": on_parameters,
                      "base_model": config.get("base_model_name_or_path") or None},
         "automodel": {k: automodel[k] for k in AUTOMODEL_KEYS if k in automodel},
-        "merge": None if on_parameters else merge_hint(found),
+        "merge": merge_hint(found),
     }
 
 
@@ -174,7 +169,7 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
     targets = ", ".join(f"{leaf} ×{count}" for leaf, count in ad["targets"].items())
     experts = (f"; and LoRA on {len(ad['target_parameters'])} MoE expert parameters "
                f"({', '.join(ad['target_parameters'])}: {ad['parameter_tensors']} tensors as peft's ParamWrapper), "
-               "which import-hf --adapter takes and export-hf merges from its import" if ad["target_parameters"]
+               "which export-hf merges into the base folder's per-expert weights" if ad["target_parameters"]
                else "")
     am = doc["automodel"]
     settings = ", ".join(f"{k} {json.dumps(v)}" for k, v in am.items() if k in ("use_triton", "dropout", "lora_dtype"))
@@ -186,7 +181,5 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
              f"  automodel: {settings}"]
     if doc["optimizer"] is not None:
         lines.append(f"  optimizer: {doc['optimizer']}, a DCP checkpoint (ckptctl inspect {doc['optimizer']})")
-    two_steps = (f"ckptctl import-hf BASE DCP --adapter {doc['path']}, then ckptctl export-hf DCP DST --hf-config BASE "
-                 "--merge-adapters")
-    lines.append(f"  merged model: {doc['merge'] or two_steps}")
+    lines.append(f"  merged model: {doc['merge']}")
     return lines

@@ -54,7 +54,8 @@ from ckptctl.commands.bridge_merge import (BridgeAlpha, adapters_alone, bridge_a
                                            merge_bridge_adapters, refuse_unplaced_adapters, shaped_base, with_base)
 from ckptctl.commands.hf_base import is_hf_folder, with_hf_base
 from ckptctl.families.bridge_adapters import BridgeAdapter
-from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert
+from ckptctl.families.expert_lora import fuse_expert_adapters, is_per_expert, per_expert_stack
+from ckptctl.families.experts import stacked_parts
 from ckptctl.families.automodel import AUTOMODEL, native_expert_names
 from ckptctl.families.base import (
     ARCHITECTURES, ExportContext, HFConfig, MegatronModel, TiedHead, generation_config, generative, is_model_key,
@@ -574,7 +575,8 @@ def peft_adapters(ckpt: Checkpoint, model: MegatronModel, raw: bool, opts: Expor
 
 def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: ExpectedNames) -> None:
     """Refuse an adapter on a module whose weight transformers' model has no place for."""
-    unknown = expected.unclaimed(a.weight for a in adapters.adapters)
+    unknown = expected.unclaimed(a.weight for a in adapters.adapters  # a stack over a base of per-expert tensors
+                                 if not (a.experts and a.weight in expected.in_memory))
     if unknown:
         more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
         raise CheckpointError(ckpt.path, f"a LoRA adapter on {unknown[0].removesuffix('.weight')}{more}, which a "
@@ -584,7 +586,8 @@ def refuse_unknown_modules(ckpt: Checkpoint, adapters: PeftAdapters, expected: E
 def refuse_dropped_adapters(ckpt: Checkpoint, prefix: str, adapters: PeftAdapters, tensors: Container[str]) -> None:
     """Refuse an adapter on a weight the export leaves out (a head the config ties to the
     embeddings, proven equal to them without its adapter): it would be lost without a word."""
-    dropped = [a for a in adapters.adapters if a.weight not in tensors]
+    dropped = [a for a in adapters.adapters if a.weight not in tensors
+               and not (a.experts and stacked_parts(a.weight, set(tensors)))]
     if dropped:
         raise CheckpointError(ckpt.path, f"{prefix}{dropped[0].a}: a LoRA adapter on {dropped[0].module}, whose weight "
                                          "the export leaves out (the config ties it to another tensor): merged, "
@@ -605,18 +608,35 @@ def merge_adapters(ckpt: Checkpoint, model: MegatronModel, targets: dict[str, Ta
     stack's orientation is its adapter's shapes', checked against transformers' model
     (`expected`), which alone tells it for square matrices."""
     merged = 0
+    per_expert = {n: (e.fqn, e.shape) for n, e in model.entries.items() if is_per_expert(n)}
     for adapter in adapters.adapters:
         target = targets.get(adapter.weight)
-        if target is None:
+        stack = None if target is not None or not adapter.experts else \
+            per_expert_stack(adapter.weight, per_expert, targets)
+        if target is None and stack is None:
             continue
         names = (adapter.a, adapter.b) + ((adapter.magnitude,) if adapter.magnitude is not None else ())
         operands = [adapter_operand(model, n) for n in names]
         views = {view.fqn: view for _, view in operands}
         check_coverage(ckpt, [t for t, _ in operands], views)
         a, b, *magnitude = (whole_item(t, views) for t, _ in operands)
+        transposed = adapter.embedding or expert_orientation(ckpt, model.prefix, adapter, expected)
+        s = scale.scale(adapter.rank)
+        if stack is not None:  # the base's experts one by one: peft's merge of the stack, each expert's block of it
+            if transposed:
+                raise CheckpointError(ckpt.path, f"{model.prefix}{adapter.a}: a LoRA on {adapter.weight}, held as "
+                                                 "[E, in, out], whose base holds its experts one by one: export-hf "
+                                                 "does not merge such a stack expert by expert yet")
+            shape, pieces, blocks = stack
+            views.update((p.src, model.source_view(p.src)) for p in pieces)
+            w = whole_item(TargetTensor(adapter.weight, shape, float32, pieces), views)
+            for name, taken in blocks.items():
+                targets[name] = replace(targets[name], delta=LowRank(w, a, b, s, experts=adapter.experts,
+                                                                     blocks=taken))
+            merged += len(blocks)
+            continue
         base = TargetTensor(target.fqn, target.shape, float32, target.pieces)
-        delta = LowRank(whole_item(base, sources), a, b, scale.scale(adapter.rank), *magnitude,
-                        transposed=adapter.embedding or expert_orientation(ckpt, model.prefix, adapter, expected),
+        delta = LowRank(whole_item(base, sources), a, b, s, *magnitude, transposed=transposed,
                         experts=adapter.experts)
         targets[adapter.weight] = replace(target, delta=delta)
         merged += 1

@@ -363,7 +363,8 @@ class LowRank:
     experts: int = 0
     """W is a stack of this many experts' matrices [E, …], A [E·r, in] and B [out, r·E] (peft's
     ParamWrapper): expert e's product is B[:, :, e] @ A[e] with B seen as [out, r, E] and A as
-    [E, r, in], computed as peft's `einsum` computes it; 0: W is a matrix."""
+    [E, r, in], computed as peft's `einsum` computes it (W may be given as [E·out, in], its
+    experts' rows one after another, as a base of per-expert tensors makes it); 0: W is a matrix."""
     blocks: tuple[Piece, ...] | None = None
     """The target is these blocks of the merged W, not W itself: a Megatron fused weight (linear_qkv,
     linear_fc1) merged whole, as Megatron-Bridge's `LoRAMerge` does, then split like its base

@@ -854,7 +854,10 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         else:
             product = torch.matmul(b, a)
         product.mul_(delta.scale)
-        w.add_(product.T if delta.transposed and not delta.experts else product)
+        if delta.experts:  # W may be the stack's experts' rows one after another ([E·out, in], `per_expert_stack`)
+            w.view(product.shape).add_(product)
+        else:
+            w.add_(product.T if delta.transposed else product)
         del product
         if delta.magnitude is not None:
             magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)

@@ -23,7 +23,9 @@ refused. Of a stack [E, d1, d2] held as [E, out, in] (or [E, in, out] where tran
 experts class is `is_transposed`, gpt-oss), A is [E·r, in] (rows expert by expert) and B
 [out, r·E] (columns rank by rank, the experts within); merged, expert e's matrix gains
 s · B[:, :, e] @ A[e] (transposed for `is_transposed`), as peft's `einsum` computes it; a 2-D
-parameter's LoRA is a linear's.
+parameter's LoRA is a linear's. A base holding the experts one by one (an HF folder beside a
+NeMo Automodel PEFT save) has no stack under the wrappers: the stacks its per-expert tensors
+make (`families.experts.stacked_shapes`) tell the parameter.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pathlib import Path
 from collections import Counter
 from typing import Any, Collection, Mapping, Sequence
 
+from ckptctl.families.experts import stacked_shapes
 from ckptctl.storage.hf_files import read_json_object
 from ckptctl.util.errors import CheckpointError, UsageError
 from ckptctl.util.wording import counted
@@ -322,6 +325,9 @@ def _parameter_chains(parts: Mapping[tuple[str, str], Mapping[str, str]], shapes
         inner = stem + ".base_layer" * (max(levels) + 1) + "."
         params = {n[len(inner):]: shape for n, shape in shapes.items()
                   if n.startswith(inner) and "." not in n[len(inner):]}
+        if not params:  # a base folder's experts one by one: the stacks transformers makes of them
+            params = stacked_shapes(unwrapped(stem), {unwrapped(n): shape for n, shape in shapes.items()
+                                                      if n.startswith(inner)})
         if not params:
             continue  # no parameters under the wrappers: the caller's "no base weight"
         module, chain = unwrapped(stem), {}

@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from ckptctl.core.plan import Piece, TargetTensor
 from ckptctl.families.adapters import PEFT_PREFIX, Adapter
-from ckptctl.families.experts import STACKED
+from ckptctl.families.experts import STACKED, stacked_parts
 from ckptctl.util.errors import CheckpointError
 
 _EXPERT_MODULE = re.compile(r"^(?P<layer>.*\.)mlp\.experts\.(?P<e>\d+)\.(?P<leaf>[^.]+)$")
@@ -152,3 +152,29 @@ def _wrapper_tensors(tensors: Mapping[str, TargetTensor], layer: str, stacked: s
     a_name, b_name = (f"{PEFT_PREFIX}{layer}{stacked}.{f}.weight" for f in ("lora_A", "lora_B"))
     return {a_name: TargetTensor(a_name, (count * rank, a0.shape[1]), a0.dtype, tuple(a_pieces)),
             b_name: TargetTensor(b_name, (rows, rank * count), tensors[experts[0][0].b].dtype, tuple(b_pieces))}
+
+
+def per_expert_stack(weight: str, views: Mapping[str, tuple[str, tuple[int, ...]]], wanted: Collection[str]
+                     ) -> tuple[tuple[int, ...], tuple[Piece, ...], dict[str, tuple[Piece, ...]]] | None:
+    """A fused stack (`<layer>mlp.experts.gate_up_proj`) where the base holds its experts one by
+    one (`views`: HF name → its source's name and shape): the stack seen as its experts' rows one
+    after another, each's parts in order ([E·2F, H], as transformers' [E, 2F, H] lies in memory,
+    which peft's merge of the stack gives), its pieces, and each of the `wanted` per-expert
+    tensors' block of it (gate of expert e: rows e·2F … e·2F + F); None when the base does not
+    hold the stack so (`families.experts.stacked_parts`)."""
+    experts = stacked_parts(weight, set(views))
+    if not experts:
+        return None
+    rows = sum(views[p][1][0] for p in experts[0])
+    trailing = views[experts[0][0]][1][1:]
+    zeros = tuple(0 for _ in trailing)
+    pieces, blocks = [], {}
+    for e, parts in enumerate(experts):
+        at = e * rows
+        for part in parts:
+            source, shape = views[part]
+            pieces.append(Piece(source, (0, *zeros), (at, *zeros), shape))
+            if part in wanted:
+                blocks[part] = (Piece(weight, (at, *zeros), (0, *zeros), shape),)
+            at += shape[0]
+    return (len(experts) * rows, *trailing), tuple(pieces), blocks

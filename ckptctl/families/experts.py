@@ -10,6 +10,8 @@ is, expert by expert, the on-disk tensors' rows one after another: pure row geom
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 STACKED = {"mlp.experts.gate_up_proj": ("gate_proj.weight", "up_proj.weight"),
            "mlp.experts.down_proj": ("down_proj.weight",)}
 """In-memory name (under a layer) → the on-disk tensors of each expert it stacks, in row order."""
@@ -29,3 +31,23 @@ def stacked_parts(name: str, on_disk: set[str]) -> list[tuple[str, ...]] | None:
         stray = [n for n in on_disk if n.startswith(f"{layer}mlp.experts.{len(experts)}.")]
         return experts if experts and not stray else None
     return None
+
+
+def stacked_shapes(module: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The in-memory stacks of a layer's experts module (`<layer>mlp.experts`) that its on-disk
+    per-expert tensors (`shapes`, by HF name) make, by parameter (`gate_up_proj` [E, 2F, H]);
+    none where they are not all there or do not stack (parts of differing columns or experts of
+    differing rows)."""
+    found: dict[str, tuple[int, ...]] = {}
+    if not (module == "mlp.experts" or module.endswith(".mlp.experts")):
+        return found
+    for stacked in STACKED:
+        experts = stacked_parts(module.removesuffix("mlp.experts") + stacked, set(shapes))
+        if not experts:
+            continue
+        first = shapes[experts[0][0]]
+        rows = {sum(shapes[p][0] for p in parts) for parts in experts}
+        if len(rows) == 1 and all(len(shapes[p]) == len(first) and shapes[p][1:] == first[1:]
+                                  for parts in experts for p in parts):
+            found[stacked.rsplit(".", 1)[-1]] = (len(experts), rows.pop(), *first[1:])
+    return found

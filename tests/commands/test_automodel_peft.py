@@ -9,7 +9,8 @@ merge (`LinearLoRA.materialize_effective_weight`) bit for bit, `--adapter-only` 
 Automodel's adapter tensors exactly; `import-hf BASE TMP --adapter <step>` takes the step
 folder. Oracles: Automodel's merge, peft's `PeftModel.from_pretrained` / `merge_and_unload` of
 the folder Automodel wrote, transformers' `from_pretrained` of the merged folder.
-All behind `full` (Automodel's import and the two-rank save take ~25 s).
+All behind `full` (Automodel's import and the two-rank save take ~25 s) but one: LoRA on MoE
+experts merged straight into the base folder's per-expert weights (one rank, ~10 s).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ import torch
 from fixtures import automodel_lora
 from fixtures.gloo import run_ranks
 from tests.conftest import run_cli
-
-pytestmark = pytest.mark.full
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,6 +55,7 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
+@pytest.mark.full
 def test_automodel_saves_a_peft_folder_peft_loads_with_the_trained_logits(run):
     """The fact the rest builds on: `model/` is PEFT's own format, names without an adapter name."""
     from peft import PeftModel
@@ -75,6 +75,7 @@ def test_automodel_saves_a_peft_folder_peft_loads_with_the_trained_logits(run):
         torch.testing.assert_close(peft(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.full
 def test_inspect_names_the_adapters_the_optimizer_and_the_merge(run):
     s = step(run)
     result = run_cli("inspect", s)
@@ -94,6 +95,7 @@ def test_inspect_names_the_adapters_the_optimizer_and_the_merge(run):
     assert run_cli("inspect", s / "optim").returncode == 0  # the optimizer part is a DCP checkpoint
 
 
+@pytest.mark.full
 def test_export_hf_of_the_step_is_automodels_merge_bit_for_bit(run, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -111,6 +113,7 @@ def test_export_hf_of_the_step_is_automodels_merge_bit_for_bit(run, tmp_path):
         torch.testing.assert_close(merged(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.full
 def test_export_hf_adapter_only_of_the_step_gives_back_automodels_adapter(run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -126,6 +129,7 @@ def test_export_hf_adapter_only_of_the_step_gives_back_automodels_adapter(run, t
         torch.testing.assert_close(peft(TOKENS).logits, trained(TOKENS).logits, rtol=0, atol=1e-5)
 
 
+@pytest.mark.full
 def test_the_base_weights_come_from_base_when_hf_config_holds_none(run, tmp_path):
     config_only = tmp_path / "config-only"
     config_only.mkdir()
@@ -160,6 +164,7 @@ def imported(run, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.full
 def test_the_step_imported_with_its_base_merges_as_automodel_merges(run, imported, tmp_path):
     """`import-hf --adapter <step>`: the peft model's FSDP2 DCP, whose own merged export is Automodel's merge."""
     result = run_cli("export-hf", imported, tmp_path / "hf", "--hf-config", run / "base", "--merge-adapters",
@@ -179,6 +184,7 @@ def dora(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.full
 def test_a_dora_run_merges_as_peft_merges_automodels_folder(dora, tmp_path):
     """Automodel has no DoRA merge of its own (`materialize_effective_weight` refuses DoRA): the
     oracle is peft's `merge_and_unload()` of the folder Automodel wrote, bit for bit, and the
@@ -215,34 +221,89 @@ def moe(tmp_path_factory) -> Path:
     return root
 
 
-def test_lora_on_moe_experts_is_imported_and_then_merged_as_peft_merges_automodels_folder(moe, tmp_path):
+def per_expert(stacked: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Each of `names` (the base folder's) out of a transformers 5 state dict: an expert's
+    `gate_proj` / `up_proj` the first / last half of its rows of `mlp.experts.gate_up_proj`
+    [E, 2F, H] (transformers' MergeModulelist then Concatenate), `down_proj` its `down_proj`."""
+    out = {}
+    for name in names:
+        layer, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = stacked[name]
+            continue
+        e, part = int(rest.split(".")[0]), rest.split(".")[1]
+        whole = stacked[f"{layer}.mlp.experts.{'down_proj' if part == 'down_proj' else 'gate_up_proj'}"][e]
+        half = whole.shape[0] // 2
+        out[name] = {"gate_proj": whole[:half], "up_proj": whole[half:], "down_proj": whole}[part]
+    return out
+
+
+def test_lora_on_moe_experts_merges_into_the_base_folders_experts_as_peft_merges_automodels_folder(moe, tmp_path):
     """Automodel writes its grouped experts' LoRA as peft's ParamWrapper (`lora_gate_and_up_A`
-    [E, H, dim] → `experts.base_layer.lora_A.weight` [E·dim, H] …, down_proj outermost), which
-    `import-hf --adapter` takes beside the base folder; export-hf merges that import as peft's
-    `merge_and_unload()` of Automodel's folder, bit for bit. The step folder itself is refused by
-    export-hf, naming that way (its base folder holds the experts one by one)."""
+    [E, H, dim] → `experts.base_layer.lora_A.weight` [E·dim, H] …, down_proj outermost), while the
+    base folder holds the experts one by one: `export-hf STEP --merge-adapters` merges each
+    expert's weight as its block of peft's merge of the stack, named as the base folder names
+    it, bit for bit peft's `merge_and_unload()` of Automodel's folder (expert by expert), and the
+    merged folder loads with the merged model's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     s = step(moe)
     config = json.loads((s / "model" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in read_folder(s / "model")
+    adapter = read_folder(s / "model")
+    assert "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight" in adapter
+    assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # every adapter changes its weight
     lines = run_cli("inspect", s).stdout.splitlines()
     assert lines[1].endswith("LoRA, 2 modules, rank 4, α 8 (s = α / r = 2) (q_proj ×2); and LoRA on 2 MoE expert "
                              "parameters (mlp.experts.gate_up_proj, mlp.experts.down_proj: 8 tensors as peft's "
-                             "ParamWrapper), which import-hf --adapter takes and export-hf merges from its import; "
+                             "ParamWrapper), which export-hf merges into the base folder's per-expert weights; "
                              f"base model {moe / 'base'}")
-    assert lines[-1] == (f"  merged model: ckptctl import-hf BASE DCP --adapter {s}, then ckptctl export-hf DCP DST "
-                         "--hf-config BASE --merge-adapters")
-    result = run_cli("export-hf", s, tmp_path / "out", "--hf-config", moe / "base", "--merge-adapters")
-    assert result.returncode == 2 and result.stderr == (
-        f"ckptctl: error: {s}: a NeMo Automodel PEFT checkpoint whose adapters include LoRA on MoE expert parameters "
-        f'(target_parameters ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] in {s}/model/adapter_config.json), '
-        "which export-hf does not merge from a base folder of per-expert weights yet: import-hf BASE DCP --adapter "
-        "STEP, then export-hf DCP DST --merge-adapters (or --adapter-only); PeftModel.from_pretrained loads its PEFT "
-        "folder as is\n")
-    assert not (tmp_path / "out").exists()
+    assert lines[-1] == f"  merged model: ckptctl export-hf {s} DST --hf-config BASE --merge-adapters"
+    result = run_cli("export-hf", s, tmp_path / "merged", "--hf-config", moe / "base", "--merge-adapters")
+    assert result.returncode == 0, result.stderr
+    assert "38 weights merged with 'default' LoRA adapters" in result.stderr
+    base, got = read_folder(moe / "base"), read_folder(tmp_path / "merged")
+    assert sorted(got) == sorted(base) and any(".mlp.experts.5.up_proj.weight" in k for k in got)
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe / "base"), s / "model")
+    merged_model = peft.merge_and_unload().eval()
+    want = per_expert(merged_model.state_dict(), sorted(base))
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    assert len([k for k in base if not torch.equal(got[k], base[k])]) == 38  # 2 q_proj, 2 layers × 6 experts × 3
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS).logits, merged_model(TOKENS).logits)
+
+
+@pytest.mark.full
+def test_lora_on_moe_experts_exports_as_automodels_own_adapter_folder(moe, tmp_path):
+    """`--adapter-only` over the base folder of per-expert weights: Automodel's tensors exactly,
+    under its names, and a config peft loads them with to the same logits as Automodel's folder."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    s = step(moe)
+    result = run_cli("export-hf", s, tmp_path / "ad", "--hf-config", moe / "base", "--adapter-only")
+    assert result.returncode == 0, result.stderr
+    got, want = read_folder(tmp_path / "ad"), read_folder(s / "model")
+    assert sorted(got) == sorted(want) and [k for k in want if not torch.equal(got[k], want[k])] == []
+    config = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    ours = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe / "base"), tmp_path / "ad").eval()
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(moe / "base"), s / "model").eval()
+    with torch.no_grad():
+        assert torch.equal(ours(TOKENS).logits, theirs(TOKENS).logits)
+
+
+@pytest.mark.full
+def test_lora_on_moe_experts_is_imported_and_then_merged_as_peft_merges_automodels_folder(moe, tmp_path):
+    """The other way: `import-hf --adapter` takes the step folder beside the base folder (the
+    experts stacked as transformers holds them), and export-hf merges that import as peft's
+    `merge_and_unload()` of Automodel's folder, bit for bit."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    s = step(moe)
     result = run_cli("import-hf", moe / "base", tmp_path / "imp", "--adapter", s, "--world-size", "2")
     assert result.returncode == 0, result.stderr
     result = run_cli("export-hf", tmp_path / "imp", tmp_path / "merged", "--hf-config", moe / "base",
