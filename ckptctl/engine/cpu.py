@@ -29,7 +29,7 @@ from ckptctl.formats.safetensors.quantize_fp8 import Fp8Codes, quantize_fp8, sca
 from ckptctl.formats.safetensors.writer import item_boxes
 from ckptctl.core.geometry import Box, flat_boxes, strides, transposed_order, transposed_source
 from ckptctl.core.checkpoint import Checkpoint, Chunk
-from ckptctl.core.plan import (CopyItem, SourceRead, SourceTensor, StreamItem, TargetTensor, TransposedRead, missing_elements,
+from ckptctl.core.plan import (CopyItem, LowRank, SourceRead, SourceTensor, StreamItem, TargetTensor, TransposedRead, missing_elements,
                           plan_box)
 
 T = TypeVar("T")
@@ -830,11 +830,11 @@ def _stream_fp8(item: StreamItem, sources: ChunkSource, files: OutputFiles, prog
 
 def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     """The bytes of `item.box` of a target with a LoRA `delta`: W + (B @ A) · scale over the whole
-    tensor in float32 (its operands upcast exactly; of an expert stack, expert by expert), each
-    row then scaled by m / its L2 norm for DoRA, the target's `blocks` of it taken (of a Megatron fused weight), cast once to the
-    target's dtype. The whole result is kept per thread while boxes of it are asked for, up to
-    the one that ends it (the output check's samples, `--verify`'s row blocks), so each is
-    computed once, not once per box."""
+    tensor in float32 (`merged_whole`), the target's `blocks` of it taken (of a Megatron fused
+    weight, of an expert stack whose base holds its experts one by one), cast once to the target's
+    dtype. The whole result is kept per thread while boxes of it are asked for, up to the one that
+    ends it (the output check's samples, `--verify`'s row blocks), so each is computed once, not
+    once per box."""
     import torch
 
     from ckptctl.engine.cast import cast_into
@@ -845,29 +845,8 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
         result = kept[2]
     else:
         _SCRATCH.merged = None
-        w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes)
-                   for op in (delta.base, delta.a, delta.b))
-        infinite = int(w.numel() - torch.isfinite(w).sum())
-        if delta.experts:  # peft's ParamWrapper: the einsum of its get_delta_weight, bit for bit
-            spec = "o r e, e r i -> e i o" if delta.transposed else "o r e, e r i -> e o i"
-            product = torch.einsum(spec, b.view(b.shape[0], -1, delta.experts), a.view(delta.experts, -1, a.shape[1]))
-        else:
-            product = torch.matmul(b, a)
-        product.mul_(delta.scale)
-        if delta.experts:  # W may be the stack's experts' rows one after another ([E·out, in], `per_expert_stack`)
-            w.view(product.shape).add_(product)
-        else:
-            w.add_(product.T if delta.transposed else product)
-        del product
-        if delta.magnitude is not None:
-            magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
-            w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
-        grown = int(w.numel() - torch.isfinite(w).sum()) - infinite
-        if grown > 0 and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()):
-            raise UsageError(f"{item.target.fqn}: {grown} finite value{'s' if grown != 1 else ''} become inf or NaN "
-                             f"when its LoRA adapter is merged (W + (B @ A) · {delta.scale:g} in float32): check the "
-                             "LoRA α")
-        if delta.blocks is not None:  # the target's rows (q, k or v; gate or up) of a merged fused weight
+        w = merged_whole(item.target.fqn, delta, sources)
+        if delta.blocks is not None:  # the target's rows (q, k or v; gate or up; an expert's) of the merged weight
             whole, w = w, torch.empty(item.target.shape, dtype=torch.float32)
             for block in delta.blocks:
                 w[tuple(slice(d, d + n) for d, n in zip(block.dst_start, block.sizes))] = \
@@ -882,3 +861,47 @@ def merged_bytes(item: StreamItem, sources: ChunkSource) -> bytearray:
     _SCRATCH.merged = None if ends_it else (delta, sources, result)  # boxes are asked for in order
     part = result[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.sizes))]
     return bytearray(part.contiguous().view(-1).view(torch.uint8).numpy())
+
+
+WHOLES_KEPT = 2
+"""Merged weights kept per thread for the targets that take blocks of one (`LowRank.blocks`): an
+expert stack whose base holds its experts one by one is two stacks a layer (gate_up, down), whose
+experts' tensors alternate in name order; kept, each stack is merged once a thread, not once an
+expert."""
+
+
+def merged_whole(fqn: str, delta: LowRank, sources: ChunkSource) -> Any:
+    """W + (B @ A) · scale over the whole weight in float32 (its operands upcast exactly; of an
+    expert stack, expert by expert as peft's einsum), each row then scaled by m / its L2 norm for
+    DoRA. Never written to after it is returned: a whole several targets take blocks of is shared."""
+    import torch
+
+    operands = (delta.base, delta.a, delta.b)
+    if delta.blocks is not None:
+        for kept, kept_sources, whole in getattr(_SCRATCH, "wholes", ()):
+            if kept_sources is sources and all(x is y for x, y in zip(kept, operands)):
+                return whole
+    w, a, b = (_as_tensor(memoryview(assemble_bytes(op, sources)), float32).view(op.box.sizes) for op in operands)
+    infinite = int(w.numel() - torch.isfinite(w).sum())
+    if delta.experts:  # peft's ParamWrapper: the einsum of its get_delta_weight, bit for bit
+        spec = "o r e, e r i -> e i o" if delta.transposed else "o r e, e r i -> e o i"
+        product = torch.einsum(spec, b.view(b.shape[0], -1, delta.experts), a.view(delta.experts, -1, a.shape[1]))
+    else:
+        product = torch.matmul(b, a)
+    product.mul_(delta.scale)
+    if delta.experts:  # W may be the stack's experts' rows one after another ([E·out, in], `per_expert_stack`)
+        w.view(product.shape).add_(product)
+    else:
+        w.add_(product.T if delta.transposed else product)
+    del product
+    if delta.magnitude is not None:
+        magnitude = _as_tensor(memoryview(assemble_bytes(delta.magnitude, sources)), float32)
+        w.mul_((magnitude / torch.linalg.norm(w, dim=1)).view(-1, 1))
+    grown = int(w.numel() - torch.isfinite(w).sum()) - infinite
+    if grown > 0 and bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all()):
+        raise UsageError(f"{fqn}: {grown} finite value{'s' if grown != 1 else ''} become inf or NaN when its LoRA "
+                         f"adapter is merged (W + (B @ A) · {delta.scale:g} in float32): check the LoRA α")
+    if delta.blocks is not None:
+        others = [kept for kept in getattr(_SCRATCH, "wholes", ()) if kept[1] is sources]  # this run's only
+        _SCRATCH.wholes = [(operands, sources, w), *others][:WHOLES_KEPT]
+    return w
