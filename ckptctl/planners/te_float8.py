@@ -13,9 +13,9 @@ its scales follow its rows. NVFP4Tensor is refused here by name.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
-from ckptctl.core.checkpoint import TensorEntry
+from ckptctl.core.checkpoint import Chunk, TensorEntry
 from ckptctl.core.dtypes import DType
 from ckptctl.core.plan import SourceTensor, TargetTensor
 from ckptctl.families.placement import Placed
@@ -40,15 +40,10 @@ def float8_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> T
     if view.whole_rows is None:
         raise CheckpointError(entry.fqn, f"{TE_FLOAT8} items that are not whole rows: reshard keeps FP8 codes "
                                          "of FSDP2's row shards only")
-    rows, forms = [], set()
-    for chunk in entry.chunks:
-        found = reader.float8_item(entry, chunk)
-        if found is None:
-            raise CheckpointError(reader.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {entry.fqn}: not a "
-                                                                 f"{TE_FLOAT8} item, where its tensor's others are")
-        spec, scale = found
-        forms.add((spec.fp8, spec.dtype, spec.dtype_module, spec.args))
-        rows.append(Float8Rows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scale))
+    items = _items(entry, reader, reader.float8_item, TE_FLOAT8,
+                   lambda spec: (spec.fp8, spec.dtype, spec.dtype_module, spec.args))
+    forms = {form for _, form, _ in items}
+    rows = [Float8Rows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scale) for chunk, _, scale in items]
     if len(forms) != 1:
         raise CheckpointError(entry.fqn, f"its {TE_FLOAT8} items differ in FP8 format or reduce form "
                               f"({', '.join(sorted(f'{f[0].name}/{f[2]}/{f[3]} args' for f in forms))})")
@@ -63,15 +58,9 @@ def block_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> Te
     first = next((c for c in entry.chunks if c.length), None)
     if first is None or not reader.names_subclass(first) or reader.block_item(entry, first) is None:
         return None
-    rows, forms = [], set()
-    for chunk in entry.chunks:
-        found = reader.block_item(entry, chunk)
-        if found is None:
-            raise CheckpointError(reader.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {entry.fqn}: not a "
-                                                                 "TE block-scaled item, where its tensor's others are")
-        spec, scales = found
-        forms.add(_kept_form(entry.fqn, spec))
-        rows.append(BlockRows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scales))
+    items = _items(entry, reader, reader.block_item, "TE block-scaled", lambda spec: _kept_form(entry.fqn, spec))
+    forms = {form for _, form, _ in items}
+    rows = [BlockRows(chunk.offsets[0], chunk.offsets[0] + chunk.sizes[0], scales) for chunk, _, scales in items]
     kind = next(iter(forms))[0].kind
     if view.whole_rows is None or len(entry.shape) != 2:
         raise CheckpointError(entry.fqn, f"{kind} items that are not whole rows of a matrix: reshard keeps the "
@@ -82,6 +71,22 @@ def block_form(entry: TensorEntry, view: SourceTensor, reader: ItemReader) -> Te
     return TeBlockTarget(entry.fqn, scaling, logical, module, args, quantizer, entry.shape[-1],
                          tuple(sorted(rows, key=lambda r: r.start)),
                          bool(getattr(entry.properties, "requires_grad", False)))
+
+
+def _items(entry: TensorEntry, reader: ItemReader, read: Callable[[TensorEntry, Chunk], tuple[Any, bytes] | None],
+           what: str, form: Callable[[Any], tuple]) -> list[tuple[Chunk, tuple, bytes]]:
+    """Each chunk of `entry` with its item's form (`form` of the spec `read` finds: refused there for
+    what reshard does not keep) and its scales' bytes; refused naming the first item `read` finds
+    none in."""
+    found = []
+    for chunk in entry.chunks:
+        item = read(entry, chunk)
+        if item is None:
+            raise CheckpointError(reader.ckpt.path / chunk.file, f"item at byte {chunk.offset}: {entry.fqn}: not a "
+                                                                 f"{what} item, where its tensor's others are")
+        spec, scales = item
+        found.append((chunk, form(spec), scales))
+    return found
 
 
 def _kept_form(fqn: str, spec: BlockScaledRecordSpec) -> tuple:
